@@ -1,0 +1,1 @@
+//! Strict Markdown-frontmatter agent definitions and the immutable agent catalog.

@@ -1,0 +1,1 @@
+//! The keel engine: agent loop, sessions, checkpoints, dialogs, sub-agent orchestration.

@@ -1,0 +1,1 @@
+//! HTTP adapters for real LLM providers (OpenAI-compatible chat completions, Anthropic Messages).
