@@ -1,1 +1,284 @@
-fn main() {}
+//! `cargo xtask <cmd>`: the project's automation, in Rust, with no heavy
+//! dependencies. `ci` is exactly what CI runs.
+
+mod deps;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::time::Instant;
+
+const USAGE: &str = "usage: cargo xtask <command>
+
+commands:
+  ci                         fmt, clippy, deps, tests, docs (and cargo-deny when installed)
+  deps                       check the crate layering
+  bench [store|catalog|engine|...]
+                             run benchmarks (all when no name is given)
+  fuzz <target> [--seconds N]  run a cargo-fuzz target (catalog)";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("ci") => ci(),
+        Some("deps") => deps_cmd(),
+        Some("bench") => bench(&args[1..]),
+        Some("fuzz") => fuzz(&args[1..]),
+        Some("-h" | "--help" | "help") => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        _ => Err(format!("unknown or missing command\n\n{USAGE}")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn cargo() -> String {
+    std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+fn run(cmd: &mut Command) -> Result<(), String> {
+    let status = cmd
+        .current_dir(root())
+        .status()
+        .map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{cmd:?} exited with {status}"))
+    }
+}
+
+fn succeeds(cmd: &mut Command) -> bool {
+    cmd.output().map(|o| o.status.success()).unwrap_or(false)
+}
+
+fn cargo_cmd(args: &[&str]) -> Command {
+    let mut c = Command::new(cargo());
+    c.args(args);
+    c
+}
+
+/// `cargo metadata` of the workspace, without dependencies.
+pub(crate) fn cargo_metadata() -> Result<serde_json::Value, String> {
+    let out = Command::new(cargo())
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--no-deps",
+            "--offline",
+        ])
+        .current_dir(root())
+        .output()
+        .map_err(|e| format!("cannot run cargo metadata: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "cargo metadata failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    serde_json::from_slice(&out.stdout).map_err(|e| format!("cargo metadata output: {e}"))
+}
+
+fn deps_cmd() -> Result<(), String> {
+    let meta = cargo_metadata()?;
+    let packages = deps::packages_from_metadata(&meta)?;
+    let violations = deps::check(&packages);
+    if violations.is_empty() {
+        println!("deps: {} workspace crates, layering ok", packages.len());
+        return Ok(());
+    }
+    for v in &violations {
+        eprintln!("deps: {v}");
+    }
+    Err(format!("{} layering violation(s)", violations.len()))
+}
+
+fn ci() -> Result<(), String> {
+    // Snapshots are reviewed locally; in CI a changed snapshot is a failure.
+    std::env::set_var("INSTA_UPDATE", "no");
+    let nextest = succeeds(cargo_cmd(&["nextest", "--version"]).current_dir(root()));
+    let deny = succeeds(cargo_cmd(&["deny", "--version"]).current_dir(root()));
+    type Step = (&'static str, Box<dyn Fn() -> Result<(), String>>);
+    let mut steps: Vec<Step> = vec![
+        (
+            "fmt",
+            Box::new(|| run(&mut cargo_cmd(&["fmt", "--all", "--", "--check"]))),
+        ),
+        (
+            "clippy",
+            Box::new(|| {
+                run(&mut cargo_cmd(&[
+                    "clippy",
+                    "--workspace",
+                    "--all-targets",
+                    "--locked",
+                    "--",
+                    "-D",
+                    "warnings",
+                ]))
+            }),
+        ),
+        ("deps", Box::new(deps_cmd)),
+    ];
+    if nextest {
+        steps.push((
+            "test (nextest)",
+            Box::new(|| {
+                run(&mut cargo_cmd(&[
+                    "nextest",
+                    "run",
+                    "--workspace",
+                    "--locked",
+                    "--no-fail-fast",
+                ]))
+            }),
+        ));
+        steps.push((
+            "doctests",
+            Box::new(|| {
+                run(&mut cargo_cmd(&[
+                    "test",
+                    "--workspace",
+                    "--locked",
+                    "--doc",
+                ]))
+            }),
+        ));
+    } else {
+        steps.push((
+            "test",
+            Box::new(|| run(&mut cargo_cmd(&["test", "--workspace", "--locked"]))),
+        ));
+    }
+    steps.push((
+        "doc",
+        Box::new(|| {
+            run(cargo_cmd(&["doc", "--workspace", "--no-deps", "--locked"])
+                .env("RUSTDOCFLAGS", "-D warnings"))
+        }),
+    ));
+    if deny {
+        steps.push((
+            "deny",
+            Box::new(|| {
+                run(&mut cargo_cmd(&[
+                    "deny", "check", "bans", "licenses", "sources",
+                ]))
+            }),
+        ));
+    } else {
+        println!("ci: cargo-deny not installed, skipping the license/ban check");
+    }
+    let total = Instant::now();
+    for (name, step) in &steps {
+        println!("ci: ── {name} ──");
+        let started = Instant::now();
+        let result = step();
+        let secs = started.elapsed().as_secs_f64();
+        match result {
+            Ok(()) => println!("ci: {name} ok ({secs:.1} s)"),
+            Err(e) => return Err(format!("step `{name}` failed after {secs:.1} s: {e}")),
+        }
+    }
+    println!(
+        "ci: all {} steps passed in {:.1} s",
+        steps.len(),
+        total.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn bench(args: &[String]) -> Result<(), String> {
+    let available: Vec<String> = std::fs::read_dir(root().join("crates"))
+        .map_err(|e| format!("cannot list crates/: {e}"))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| {
+            root()
+                .join("crates")
+                .join(name)
+                .join("benches")
+                .join(format!("{name}.rs"))
+                .is_file()
+        })
+        .collect();
+    let chosen: Vec<String> = if args.is_empty() {
+        let mut all = available.clone();
+        all.sort();
+        all
+    } else {
+        for a in args {
+            if !available.contains(a) {
+                return Err(format!(
+                    "no benchmark {a:?}; available: {}",
+                    available.join(", ")
+                ));
+            }
+        }
+        args.to_vec()
+    };
+    for name in chosen {
+        println!("bench: ── {name} ──");
+        run(&mut cargo_cmd(&[
+            "bench",
+            "--locked",
+            "-p",
+            &format!("keel-{name}"),
+            "--bench",
+            &name,
+        ]))?;
+    }
+    Ok(())
+}
+
+fn fuzz(args: &[String]) -> Result<(), String> {
+    let target = match args.first().map(String::as_str) {
+        Some("catalog") => "catalog_frontmatter",
+        other => return Err(format!("unknown fuzz target {other:?}; available: catalog")),
+    };
+    let seconds = match args.get(1).map(String::as_str) {
+        None => "60".to_owned(),
+        Some("--seconds") => args
+            .get(2)
+            .filter(|s| s.parse::<u64>().is_ok())
+            .cloned()
+            .ok_or("--seconds needs a whole number")?,
+        Some(other) => return Err(format!("unexpected argument {other:?}")),
+    };
+    if !succeeds(Command::new(cargo()).args(["fuzz", "--version"])) {
+        println!("fuzz: installing cargo-fuzz (once)");
+        run(&mut cargo_cmd(&["install", "--locked", "cargo-fuzz"]))?;
+    }
+    let status = Command::new("cargo")
+        .args([
+            "+nightly",
+            "fuzz",
+            "run",
+            target,
+            "--",
+            &format!("-max_total_time={seconds}"),
+        ])
+        .current_dir(root().join("fuzz"))
+        .status()
+        .map_err(|e| format!("cannot start cargo fuzz: {e}"))?;
+    if status.success() {
+        println!("fuzz: {target} ran {seconds} s without a crash");
+        Ok(())
+    } else {
+        Err(format!("cargo fuzz exited with {status}"))
+    }
+}
