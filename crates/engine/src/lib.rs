@@ -1,1 +1,12 @@
-//! The keel engine: agent loop, sessions, checkpoints, dialogs, sub-agent orchestration.
+//! The keel engine: agent loop, built-in tools, sessions with context slots,
+//! incremental checkpoints, dialogs, and (later) sub-agent orchestration.
+//!
+//! Architecture invariant: the engine never writes SQL (it calls keel-store's
+//! domain API) and never speaks HTTP (providers come in as `Arc<dyn Provider>`).
+
+pub mod tools;
+pub mod agent_loop;
+pub mod error;
+
+pub use agent_loop::{AgentLoop, EventSink, TurnEvent, TurnHooks, TurnOutput, TurnRequest};
+pub use error::{AgentError, EngineError};

@@ -1,0 +1,321 @@
+//! The agent loop of one turn: call the provider with the tool definitions,
+//! run the requested tool calls as a parallel batch, repeat until the model
+//! answers without tools or the iteration limit is reached.
+//!
+//! The loop is stateless across turns and writes nothing: it returns the
+//! turn's new messages and usage, and the caller commits them in one store
+//! transaction. So a cancelled or failed turn leaves nothing half-committed.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use futures::StreamExt;
+use keel_core::{
+    ChatRequest, Message, Provider, ProviderError, ResponseAccumulator, StreamEvent, ToolCall,
+    ToolError, ToolExecutionContext, ToolOutput, ToolRegistry, Usage,
+};
+use tokio::sync::mpsc;
+
+use crate::error::AgentError;
+
+/// Something the loop reports while a turn runs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TurnEvent {
+    /// A provider stream event (text deltas, tool call fragments, usage …).
+    Stream(StreamEvent),
+    /// A tool call is about to run.
+    ToolStarted {
+        /// The call.
+        call: ToolCall,
+    },
+    /// A tool call finished.
+    ToolFinished {
+        /// The call's id.
+        call_id: String,
+        /// The tool's name.
+        name: String,
+        /// What the model will see.
+        output: ToolOutput,
+    },
+    /// A notice for the user that is not part of the history (e.g. a
+    /// storage failure).
+    SystemNotice {
+        /// The text.
+        text: String,
+    },
+}
+
+/// Where turn events go; dropped receivers are ignored.
+pub type EventSink = mpsc::UnboundedSender<TurnEvent>;
+
+/// Observation points of a turn. All methods default to doing nothing.
+pub trait TurnHooks: Send + Sync {
+    /// Before the first provider call.
+    fn on_turn_start(&self, _input: &[Message]) {}
+    /// After the loop ended, with its outcome.
+    fn on_turn_end(&self, _result: Result<&TurnOutput, &AgentError>) {}
+    /// Before a tool call runs.
+    fn before_tool(&self, _call: &ToolCall) {}
+    /// After a tool call ran.
+    fn after_tool(&self, _call: &ToolCall, _output: &ToolOutput) {}
+}
+
+/// Hooks that do nothing.
+pub struct NoHooks;
+impl TurnHooks for NoHooks {}
+
+/// A permit held while one provider or tool step runs (dropping it releases).
+pub type StepPermit = Box<dyn std::any::Any + Send>;
+
+/// Admission to provider and tool steps (the execution gate). Waiting must
+/// end with [`AgentError::Cancelled`] when `ctx.cancellation` fires.
+#[async_trait]
+pub trait StepGate: Send + Sync {
+    /// A permit for one provider call.
+    async fn provider_step(&self, ctx: &ToolExecutionContext) -> Result<StepPermit, AgentError>;
+    /// A permit for one tool call.
+    async fn tool_step(&self, ctx: &ToolExecutionContext) -> Result<StepPermit, AgentError>;
+}
+
+/// A gate that admits everything at once.
+pub struct OpenGate;
+
+#[async_trait]
+impl StepGate for OpenGate {
+    async fn provider_step(&self, _ctx: &ToolExecutionContext) -> Result<StepPermit, AgentError> {
+        Ok(Box::new(()))
+    }
+    async fn tool_step(&self, _ctx: &ToolExecutionContext) -> Result<StepPermit, AgentError> {
+        Ok(Box::new(()))
+    }
+}
+
+/// Everything one turn needs.
+pub struct TurnRequest {
+    /// The model.
+    pub provider: Arc<dyn Provider>,
+    /// Tools the model may call.
+    pub tools: Arc<ToolRegistry>,
+    /// The agent's role prompt, sent first.
+    pub system_prompt: Option<String>,
+    /// The replayed context before this turn.
+    pub history: Vec<Message>,
+    /// The turn's input (a user message, or a hidden trigger).
+    pub input: Vec<Message>,
+    /// Most provider calls in this turn.
+    pub max_iterations: u32,
+    /// Output token cap per provider call.
+    pub max_output_tokens: Option<u32>,
+    /// Identity and cancellation of the turn, handed to tools.
+    pub context: ToolExecutionContext,
+}
+
+/// What a completed turn produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TurnOutput {
+    /// Input, assistant and tool messages, in order, ready to commit.
+    pub messages: Vec<Message>,
+    /// Usage of every provider call of the turn.
+    pub usage: Usage,
+    /// Provider calls made.
+    pub iterations: u32,
+    /// Tool calls executed.
+    pub tool_calls: u32,
+}
+
+impl TurnOutput {
+    /// The text of the last assistant message.
+    pub fn final_text(&self) -> String {
+        self.messages
+            .iter()
+            .rev()
+            .find(|m| m.role == keel_core::Role::Assistant)
+            .map(Message::text)
+            .unwrap_or_default()
+    }
+}
+
+/// Runs turns.
+pub struct AgentLoop {
+    hooks: Arc<dyn TurnHooks>,
+    gate: Arc<dyn StepGate>,
+}
+
+impl Default for AgentLoop {
+    fn default() -> Self {
+        Self::new(Arc::new(NoHooks), Arc::new(OpenGate))
+    }
+}
+
+impl AgentLoop {
+    /// A loop with `hooks`, taking step permits from `gate`.
+    pub fn new(hooks: Arc<dyn TurnHooks>, gate: Arc<dyn StepGate>) -> Self {
+        Self { hooks, gate }
+    }
+
+    /// Runs one turn to its end.
+    pub async fn run(
+        &self,
+        request: TurnRequest,
+        events: Option<&EventSink>,
+    ) -> Result<TurnOutput, AgentError> {
+        self.hooks.on_turn_start(&request.input);
+        let result = self.run_inner(request, events).await;
+        self.hooks.on_turn_end(result.as_ref());
+        result
+    }
+
+    async fn run_inner(
+        &self,
+        request: TurnRequest,
+        events: Option<&EventSink>,
+    ) -> Result<TurnOutput, AgentError> {
+        let TurnRequest {
+            provider,
+            tools,
+            system_prompt,
+            history,
+            input,
+            max_iterations,
+            max_output_tokens,
+            context,
+        } = request;
+        let cancel = context.cancellation.clone();
+        let emit = |e: TurnEvent| {
+            if let Some(tx) = events {
+                // A client that went away does not stop the turn.
+                let _ = tx.send(e);
+            }
+        };
+        let mut context_msgs: Vec<Message> = system_prompt.map(Message::system).into_iter().collect();
+        context_msgs.extend(history);
+        let mut new_messages = input;
+        let definitions = tools.definitions();
+        let mut usage = Usage::default();
+        let mut tool_calls = 0u32;
+        for iteration in 1..=max_iterations {
+            let mut messages = context_msgs.clone();
+            messages.extend(new_messages.iter().cloned());
+            let chat = ChatRequest {
+                messages,
+                tools: definitions.clone(),
+                max_tokens: max_output_tokens,
+                temperature: None,
+            };
+            let response = {
+                let _permit = self.gate.provider_step(&context).await?;
+                stream_response(provider.as_ref(), chat, &context, &emit).await?
+            };
+            usage.add(response.usage);
+            let calls = response.message.tool_calls.clone();
+            new_messages.push(response.message);
+            if calls.is_empty() {
+                return Ok(TurnOutput {
+                    messages: new_messages,
+                    usage,
+                    iterations: iteration,
+                    tool_calls,
+                });
+            }
+            tool_calls = tool_calls.saturating_add(u32::try_from(calls.len()).unwrap_or(u32::MAX));
+            let results = futures::future::join_all(
+                calls
+                    .iter()
+                    .map(|call| self.run_tool(&tools, call, &context, &emit)),
+            )
+            .await;
+            if cancel.is_cancelled() {
+                return Err(AgentError::Cancelled);
+            }
+            for (call, output) in calls.iter().zip(results) {
+                // Failures reach the model as text starting with "error:".
+                new_messages.push(Message::tool_result(
+                    call.id.clone(),
+                    call.name.clone(),
+                    output.content,
+                ));
+            }
+        }
+        Err(AgentError::MaxIterations {
+            limit: max_iterations,
+        })
+    }
+
+    async fn run_tool(
+        &self,
+        tools: &ToolRegistry,
+        call: &ToolCall,
+        ctx: &ToolExecutionContext,
+        emit: &impl Fn(TurnEvent),
+    ) -> ToolOutput {
+        self.hooks.before_tool(call);
+        emit(TurnEvent::ToolStarted { call: call.clone() });
+        let output = match tools.get(&call.name) {
+            None => ToolOutput {
+                content: format!("error: unknown tool {:?}", call.name),
+                is_error: true,
+            },
+            Some(tool) => {
+                let result = match self.gate.tool_step(ctx).await {
+                    Err(_) => Err(ToolError::Cancelled),
+                    Ok(_permit) => tokio::select! {
+                        biased;
+                        _ = ctx.cancellation.cancelled() => Err(ToolError::Cancelled),
+                        r = tool.execute(call.arguments.clone(), ctx) => r,
+                    },
+                };
+                match result {
+                    Ok(out) => out,
+                    Err(e) => ToolOutput {
+                        content: format!("error: {e}"),
+                        is_error: true,
+                    },
+                }
+            }
+        };
+        self.hooks.after_tool(call, &output);
+        emit(TurnEvent::ToolFinished {
+            call_id: call.id.clone(),
+            name: call.name.clone(),
+            output: output.clone(),
+        });
+        output
+    }
+}
+
+async fn stream_response(
+    provider: &dyn Provider,
+    chat: ChatRequest,
+    ctx: &ToolExecutionContext,
+    emit: &impl Fn(TurnEvent),
+) -> Result<keel_core::ProviderResponse, AgentError> {
+    let cancel = &ctx.cancellation;
+    let mut stream = tokio::select! {
+        biased;
+        _ = cancel.cancelled() => return Err(AgentError::Cancelled),
+        s = provider.stream(chat, cancel.clone()) => s.map_err(provider_error)?,
+    };
+    let mut acc = ResponseAccumulator::default();
+    loop {
+        let next = tokio::select! {
+            biased;
+            _ = cancel.cancelled() => return Err(AgentError::Cancelled),
+            n = stream.next() => n,
+        };
+        match next {
+            None => return acc.finish().map_err(provider_error),
+            Some(Err(e)) => return Err(provider_error(e)),
+            Some(Ok(event)) => {
+                acc.push(event.clone()).map_err(provider_error)?;
+                emit(TurnEvent::Stream(event));
+            }
+        }
+    }
+}
+
+fn provider_error(e: ProviderError) -> AgentError {
+    match e {
+        ProviderError::Cancelled => AgentError::Cancelled,
+        other => AgentError::Provider(other),
+    }
+}

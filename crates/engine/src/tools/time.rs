@@ -1,0 +1,159 @@
+//! `current_time` and `sleep`.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use keel_core::{
+    DelegationPolicy, InputInterruptPolicy, Tool, ToolError, ToolExecutionContext, ToolOutput,
+};
+use serde::Deserialize;
+use serde_json::json;
+
+use super::parse_args;
+
+/// Longest accepted sleep.
+pub const MAX_SLEEP: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// Formats Unix milliseconds as an RFC 3339 UTC timestamp.
+pub fn rfc3339_utc(unix_ms: i64) -> String {
+    let secs = unix_ms.div_euclid(1000);
+    let millis = unix_ms.rem_euclid(1000);
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{millis:03}Z",
+        rem / 3600,
+        (rem % 3600) / 60,
+        rem % 60
+    )
+}
+
+/// Tells the model the current UTC time.
+pub struct CurrentTimeTool;
+
+#[async_trait]
+impl Tool for CurrentTimeTool {
+    fn name(&self) -> &str {
+        "current_time"
+    }
+    fn description(&self) -> &str {
+        "The current date and time in UTC (RFC 3339) and as Unix milliseconds."
+    }
+    fn parameters(&self) -> serde_json::Value {
+        json!({"type": "object", "properties": {}, "additionalProperties": false})
+    }
+    fn delegation_policy(&self) -> DelegationPolicy {
+        DelegationPolicy::Delegatable
+    }
+    fn read_only(&self) -> bool {
+        true
+    }
+    async fn execute(
+        &self,
+        _args: serde_json::Value,
+        _ctx: &ToolExecutionContext,
+    ) -> Result<ToolOutput, ToolError> {
+        let now = keel_core::time::now_ms();
+        Ok(ToolOutput::text(format!("{} (unix_ms {now})", rfc3339_utc(now))))
+    }
+}
+
+/// Waits for a duration; ends early only when its turn is cancelled.
+pub struct SleepTool;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SleepArgs {
+    ms: u64,
+}
+
+#[async_trait]
+impl Tool for SleepTool {
+    fn name(&self) -> &str {
+        "sleep"
+    }
+    fn description(&self) -> &str {
+        "Wait for the given number of milliseconds (at most 24 hours)."
+    }
+    fn parameters(&self) -> serde_json::Value {
+        json!({
+            "type": "object",
+            "properties": {"ms": {"type": "integer", "minimum": 0, "maximum": MAX_SLEEP.as_millis() as u64}},
+            "required": ["ms"],
+            "additionalProperties": false
+        })
+    }
+    fn delegation_policy(&self) -> DelegationPolicy {
+        DelegationPolicy::Delegatable
+    }
+    fn input_interrupt_policy(&self) -> InputInterruptPolicy {
+        InputInterruptPolicy::WakeOnly
+    }
+    fn read_only(&self) -> bool {
+        true
+    }
+    async fn execute(
+        &self,
+        args: serde_json::Value,
+        ctx: &ToolExecutionContext,
+    ) -> Result<ToolOutput, ToolError> {
+        let args: SleepArgs = parse_args(args)?;
+        let wait = Duration::from_millis(args.ms);
+        if wait > MAX_SLEEP {
+            return Err(ToolError::InvalidArguments(format!(
+                "ms {} is over the 24-hour maximum",
+                args.ms
+            )));
+        }
+        tokio::select! {
+            biased;
+            _ = ctx.cancellation.cancelled() => Err(ToolError::Cancelled),
+            _ = tokio::time::sleep(wait) => Ok(ToolOutput::text(format!("slept {} ms", args.ms))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_rfc3339() {
+        assert_eq!(rfc3339_utc(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339_utc(951_782_400_123), "2000-02-29T00:00:00.123Z");
+        assert_eq!(rfc3339_utc(1_795_955_299_000), "2026-11-29T12:28:19.000Z");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sleep_waits_and_is_cancellable() {
+        let ctx = ToolExecutionContext::default();
+        let started = tokio::time::Instant::now();
+        let out = SleepTool.execute(json!({"ms": 5000}), &ctx).await.unwrap();
+        assert_eq!(out.content, "slept 5000 ms");
+        assert!(started.elapsed() >= Duration::from_millis(5000));
+
+        let cancelled = ctx.clone();
+        let task = tokio::spawn(async move { SleepTool.execute(json!({"ms": 3_600_000}), &cancelled).await });
+        tokio::task::yield_now().await;
+        ctx.cancellation.cancel();
+        assert_eq!(task.await.unwrap().unwrap_err(), ToolError::Cancelled);
+        let err = SleepTool.execute(json!({"ms": 86_400_001}), &ToolExecutionContext::default()).await;
+        assert!(matches!(err, Err(ToolError::InvalidArguments(_))));
+    }
+
+    #[tokio::test]
+    async fn current_time_is_rfc3339() {
+        let out = CurrentTimeTool.execute(json!({}), &ToolExecutionContext::default()).await.unwrap();
+        assert!(out.content.contains('T') && out.content.contains("Z (unix_ms "), "{}", out.content);
+    }
+}
