@@ -6,7 +6,9 @@
 
 pub mod tools;
 pub mod agent_loop;
+pub mod dialog_id;
 pub mod error;
+pub mod state;
 
 pub use agent_loop::{AgentLoop, EventSink, TurnEvent, TurnHooks, TurnOutput, TurnRequest};
 pub use error::{AgentError, EngineError};

@@ -1,0 +1,113 @@
+//! [`UnifiedSessionId`]: `channel:chat_id:dialog_id`, the address of a dialog.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::EngineError;
+
+/// Longest part of a unified session id.
+pub const MAX_PART_LEN: usize = 128;
+
+/// `channel:chat_id:dialog_id`, e.g. `cli:alice:default`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct UnifiedSessionId {
+    channel: String,
+    chat_id: String,
+    dialog_id: String,
+}
+
+impl UnifiedSessionId {
+    /// Validates and joins the three parts. Each is 1 to 128 characters
+    /// without ':' or control characters.
+    pub fn new(channel: &str, chat_id: &str, dialog_id: &str) -> Result<Self, EngineError> {
+        for (name, part) in [("channel", channel), ("chat_id", chat_id), ("dialog_id", dialog_id)] {
+            validate_part(name, part)?;
+        }
+        Ok(Self {
+            channel: channel.to_owned(),
+            chat_id: chat_id.to_owned(),
+            dialog_id: dialog_id.to_owned(),
+        })
+    }
+
+    /// The channel (e.g. `cli`, `web`).
+    pub fn channel(&self) -> &str {
+        &self.channel
+    }
+
+    /// The chat within the channel.
+    pub fn chat_id(&self) -> &str {
+        &self.chat_id
+    }
+
+    /// The dialog within the chat.
+    pub fn dialog_id(&self) -> &str {
+        &self.dialog_id
+    }
+}
+
+fn validate_part(name: &str, part: &str) -> Result<(), EngineError> {
+    let problem = if part.is_empty() {
+        Some("is empty")
+    } else if part.chars().count() > MAX_PART_LEN {
+        Some("is longer than 128 characters")
+    } else if part.contains(':') {
+        Some("contains ':'")
+    } else if part.chars().any(char::is_control) {
+        Some("contains a control character")
+    } else {
+        None
+    };
+    match problem {
+        Some(p) => Err(EngineError::InvalidInput(format!("{name} {p}"))),
+        None => Ok(()),
+    }
+}
+
+impl FromStr for UnifiedSessionId {
+    type Err = EngineError;
+
+    fn from_str(s: &str) -> Result<Self, EngineError> {
+        let mut parts = s.split(':');
+        match (parts.next(), parts.next(), parts.next(), parts.next()) {
+            (Some(c), Some(chat), Some(d), None) => Self::new(c, chat, d),
+            _ => Err(EngineError::InvalidInput(format!(
+                "{:?} is not channel:chat_id:dialog_id",
+                s.chars().take(80).collect::<String>()
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for UnifiedSessionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}:{}", self.channel, self.chat_id, self.dialog_id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_formats() {
+        let id: UnifiedSessionId = "cli:alice:d1".parse().unwrap();
+        assert_eq!((id.channel(), id.chat_id(), id.dialog_id()), ("cli", "alice", "d1"));
+        assert_eq!(id.to_string(), "cli:alice:d1");
+    }
+
+    #[test]
+    fn rejects_malformed_ids() {
+        let errs: Vec<String> = ["cli:alice", "a:b:c:d", "::", "cli:al\nice:d", &format!("c:{}:d", "x".repeat(129))]
+            .iter()
+            .map(|s| s.parse::<UnifiedSessionId>().unwrap_err().to_string())
+            .collect();
+        insta::assert_yaml_snapshot!(errs, @r#"
+        - "invalid input: \"cli:alice\" is not channel:chat_id:dialog_id"
+        - "invalid input: \"a:b:c:d\" is not channel:chat_id:dialog_id"
+        - "invalid input: channel is empty"
+        - "invalid input: chat_id contains a control character"
+        - "invalid input: chat_id is longer than 128 characters"
+        "#);
+    }
+}

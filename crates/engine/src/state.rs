@@ -1,0 +1,518 @@
+//! The small mutable state of a session — turn index, cost, context slots,
+//! session memory — and how a slot's view of the history is computed.
+//!
+//! The state is serialized deterministically (sorted maps) into one blob that
+//! keel-store keeps content-addressed; an unchanged state costs no bytes.
+//! Messages are not part of it: they are append-only rows, and a slot is a
+//! view over them: a self-contained list of segments (its own messages plus,
+//! for a derived slot, a frozen prefix of the slot it came from).
+
+use std::collections::BTreeMap;
+
+use keel_core::{CostTracker, Message, Role};
+use serde::{Deserialize, Serialize};
+
+use crate::error::EngineError;
+
+/// Name of the slot every session starts with.
+pub const DEFAULT_SLOT: &str = "default";
+/// Longest slot name.
+pub const MAX_SLOT_NAME: usize = 64;
+/// Most memory entries per session.
+pub const MAX_MEMORY_ENTRIES: usize = 256;
+/// Largest memory value, in bytes.
+pub const MAX_MEMORY_VALUE_BYTES: usize = 16 * 1024;
+
+/// How a slot replays history to the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "mode", rename_all = "snake_case")]
+pub enum SlotMode {
+    /// Every message of the slot's view.
+    Full,
+    /// The slot's summary (if any) plus the last `window` messages.
+    Focused {
+        /// Messages replayed after the summary.
+        window: usize,
+    },
+    /// Replays like `Full`; turns and merges may not write to it.
+    Readonly,
+}
+
+/// A run of one slot's messages that a view includes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Segment {
+    /// The slot the messages were written to.
+    pub slot: String,
+    /// First included sequence number.
+    pub from_seq: i64,
+    /// Last included sequence number; `None` for a slot's own, growing run.
+    #[serde(default)]
+    pub upto_seq: Option<i64>,
+}
+
+impl Segment {
+    fn contains(&self, m: &HistoryMessage) -> bool {
+        m.slot == self.slot && m.seq >= self.from_seq && self.upto_seq.is_none_or(|u| m.seq <= u)
+    }
+}
+
+/// Configuration of one context slot. Its view is self-contained (a list of
+/// segments), so changing or deleting another slot never changes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlotConfig {
+    /// Replay mode.
+    pub mode: SlotMode,
+    /// The runs of messages the slot sees, oldest first; the last one is its
+    /// own.
+    pub segments: Vec<Segment>,
+    /// A summary replacing older history in `Focused` mode.
+    #[serde(default)]
+    pub summary: Option<String>,
+}
+
+impl SlotConfig {
+    fn new(name: &str, mode: SlotMode, from_seq: i64) -> Self {
+        Self {
+            mode,
+            segments: vec![Segment {
+                slot: name.to_owned(),
+                from_seq,
+                upto_seq: None,
+            }],
+            summary: None,
+        }
+    }
+
+    /// The segments up to `last_seq` (a frozen copy of the view).
+    fn prefix(&self, last_seq: i64) -> Vec<Segment> {
+        self.segments
+            .iter()
+            .filter(|s| s.from_seq <= last_seq)
+            .map(|s| Segment {
+                slot: s.slot.clone(),
+                from_seq: s.from_seq,
+                upto_seq: Some(s.upto_seq.map_or(last_seq, |u| u.min(last_seq))),
+            })
+            .collect()
+    }
+
+    /// Where the slot's own messages start.
+    fn own_from_seq(&self, name: &str) -> i64 {
+        self.segments
+            .iter()
+            .rev()
+            .find(|s| s.slot == name && s.upto_seq.is_none())
+            .map_or(i64::MAX, |s| s.from_seq)
+    }
+}
+
+/// One session memory entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryEntry {
+    /// The value.
+    pub value: String,
+    /// Free-form metadata.
+    #[serde(default)]
+    pub metadata: serde_json::Value,
+    /// When the entry was written (Unix ms).
+    #[serde(default)]
+    pub created_at_ms: i64,
+}
+
+/// How [`SessionState::merge_slot`] combines a slot into another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MergeStrategy {
+    /// Append the source's own messages to the target.
+    Append,
+    /// The target's view becomes the source's view.
+    Replace,
+}
+
+/// The checkpointed mutable state of a session.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SessionState {
+    /// Completed turns.
+    pub turn_index: u32,
+    /// Usage so far.
+    pub cost: CostTracker,
+    /// The slot new turns use.
+    pub current_slot: String,
+    /// Every slot by name.
+    pub slots: BTreeMap<String, SlotConfig>,
+    /// Turn of the last auto-summary.
+    pub last_summary_turn: Option<u32>,
+    /// Session memory by key.
+    pub memory: BTreeMap<String, MemoryEntry>,
+}
+
+impl Default for SessionState {
+    fn default() -> Self {
+        let mut slots = BTreeMap::new();
+        slots.insert(
+            DEFAULT_SLOT.to_owned(),
+            SlotConfig::new(DEFAULT_SLOT, SlotMode::Full, 0),
+        );
+        Self {
+            turn_index: 0,
+            cost: CostTracker::default(),
+            current_slot: DEFAULT_SLOT.to_owned(),
+            slots,
+            last_summary_turn: None,
+            memory: BTreeMap::new(),
+        }
+    }
+}
+
+/// A message of the session's history with its position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HistoryMessage {
+    /// Sequence number, increasing across slots.
+    pub seq: i64,
+    /// The slot it was written to.
+    pub slot: String,
+    /// The message.
+    pub message: Message,
+    /// When it was committed (Unix ms).
+    pub created_at_ms: i64,
+}
+
+impl SessionState {
+    /// Deterministic JSON bytes (the content-addressed blob).
+    pub fn to_blob(&self) -> Vec<u8> {
+        // Serializing plain data with sorted maps cannot fail.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// Decodes a blob; missing fields take their defaults.
+    pub fn from_blob(bytes: &[u8]) -> Result<Self, EngineError> {
+        let state: SessionState = serde_json::from_slice(bytes)
+            .map_err(|e| EngineError::CorruptState(e.to_string()))?;
+        if !state.slots.contains_key(&state.current_slot) {
+            return Err(EngineError::CorruptState(format!(
+                "current slot {:?} has no configuration",
+                state.current_slot
+            )));
+        }
+        Ok(state)
+    }
+
+    /// The configuration of slot `name`.
+    pub fn slot(&self, name: &str) -> Result<&SlotConfig, EngineError> {
+        self.slots
+            .get(name)
+            .ok_or_else(|| EngineError::SlotNotFound(name.to_owned()))
+    }
+
+    /// Creates an empty slot (its history starts at `next_seq`).
+    pub fn create_slot(&mut self, name: &str, mode: SlotMode, next_seq: i64) -> Result<(), EngineError> {
+        validate_slot_name(name)?;
+        if self.slots.contains_key(name) {
+            return Err(EngineError::SlotExists(name.to_owned()));
+        }
+        self.slots
+            .insert(name.to_owned(), SlotConfig::new(name, mode, next_seq));
+        Ok(())
+    }
+
+    /// Makes `name` the slot new turns use.
+    pub fn switch_slot(&mut self, name: &str) -> Result<(), EngineError> {
+        self.slot(name)?;
+        self.current_slot = name.to_owned();
+        Ok(())
+    }
+
+    /// Creates `name` as a fork of `from`: it sees `from`'s history up to
+    /// `last_seq`, then only its own messages.
+    pub fn derive_slot(
+        &mut self,
+        from: &str,
+        name: &str,
+        mode: SlotMode,
+        last_seq: i64,
+    ) -> Result<(), EngineError> {
+        let prefix = self.slot(from)?.prefix(last_seq);
+        self.create_slot(name, mode, last_seq + 1)?;
+        if let Some(config) = self.slots.get_mut(name) {
+            config.segments.splice(0..0, prefix);
+        }
+        Ok(())
+    }
+
+    /// Deletes a slot (its messages stay in the history, so slots derived
+    /// from it keep their view). The default slot, the last slot and the
+    /// current slot cannot be deleted.
+    pub fn delete_slot(&mut self, name: &str) -> Result<(), EngineError> {
+        self.slot(name)?;
+        if name == DEFAULT_SLOT {
+            return Err(EngineError::SlotRule("the default slot cannot be deleted".into()));
+        }
+        if self.slots.len() == 1 {
+            return Err(EngineError::SlotRule("the last slot cannot be deleted".into()));
+        }
+        if self.current_slot == name {
+            return Err(EngineError::SlotRule(format!(
+                "slot {name:?} is the current slot; switch away first"
+            )));
+        }
+        self.slots.remove(name);
+        Ok(())
+    }
+
+    /// Checks a merge of `source` into `target` and applies its state part.
+    /// For [`MergeStrategy::Append`] the caller appends the returned
+    /// messages (the source's own ones) to `target`.
+    pub fn merge_slot(
+        &mut self,
+        source: &str,
+        target: &str,
+        strategy: MergeStrategy,
+        history: &[HistoryMessage],
+        last_seq: i64,
+    ) -> Result<Vec<Message>, EngineError> {
+        if source == target {
+            return Err(EngineError::SlotRule("a slot cannot be merged into itself".into()));
+        }
+        let source_config = self.slot(source)?.clone();
+        if self.slot(target)?.mode == SlotMode::Readonly {
+            return Err(EngineError::SlotReadonly(target.to_owned()));
+        }
+        match strategy {
+            MergeStrategy::Append => {
+                let from = source_config.own_from_seq(source);
+                Ok(history
+                    .iter()
+                    .filter(|m| m.slot == source && m.seq >= from)
+                    .map(|m| m.message.clone())
+                    .collect())
+            }
+            MergeStrategy::Replace => {
+                let mut segments = source_config.prefix(last_seq);
+                segments.push(Segment {
+                    slot: target.to_owned(),
+                    from_seq: last_seq + 1,
+                    upto_seq: None,
+                });
+                if let Some(t) = self.slots.get_mut(target) {
+                    t.segments = segments;
+                }
+                Ok(Vec::new())
+            }
+        }
+    }
+
+    /// Every message slot `name` sees, in order.
+    pub fn slot_view<'h>(
+        &self,
+        name: &str,
+        history: &'h [HistoryMessage],
+    ) -> Result<Vec<&'h HistoryMessage>, EngineError> {
+        let config = self.slot(name)?;
+        Ok(history
+            .iter()
+            .filter(|m| config.segments.iter().any(|s| s.contains(m)))
+            .collect())
+    }
+
+    /// The messages replayed to the model for slot `name`.
+    pub fn replay(&self, name: &str, history: &[HistoryMessage]) -> Result<Vec<Message>, EngineError> {
+        let config = self.slot(name)?;
+        let view = self.slot_view(name, history)?;
+        let mut out = Vec::new();
+        let start = match config.mode {
+            SlotMode::Focused { window } => {
+                if let Some(summary) = &config.summary {
+                    out.push(Message::system(format!("Summary of the earlier conversation:\n{summary}")));
+                }
+                let mut start = view.len().saturating_sub(window);
+                // Never begin with tool results whose call was cut off.
+                while start < view.len() && view[start].message.role == Role::Tool {
+                    start += 1;
+                }
+                start
+            }
+            SlotMode::Full | SlotMode::Readonly => 0,
+        };
+        out.extend(view[start..].iter().map(|m| m.message.clone()));
+        Ok(out)
+    }
+
+    /// Sets a memory entry.
+    pub fn set_memory(
+        &mut self,
+        key: &str,
+        value: String,
+        metadata: serde_json::Value,
+        now_ms: i64,
+    ) -> Result<(), EngineError> {
+        if key.is_empty() || key.len() > 128 {
+            return Err(EngineError::InvalidInput("memory keys are 1 to 128 bytes".into()));
+        }
+        if value.len() > MAX_MEMORY_VALUE_BYTES {
+            return Err(EngineError::InvalidInput(format!(
+                "memory value of {} bytes is over the {MAX_MEMORY_VALUE_BYTES}-byte limit",
+                value.len()
+            )));
+        }
+        if !self.memory.contains_key(key) && self.memory.len() >= MAX_MEMORY_ENTRIES {
+            return Err(EngineError::InvalidInput(format!(
+                "session memory is full ({MAX_MEMORY_ENTRIES} entries)"
+            )));
+        }
+        self.memory.insert(
+            key.to_owned(),
+            MemoryEntry {
+                value,
+                metadata,
+                created_at_ms: now_ms,
+            },
+        );
+        Ok(())
+    }
+}
+
+fn validate_slot_name(name: &str) -> Result<(), EngineError> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_SLOT_NAME
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(EngineError::InvalidInput(format!(
+            "slot name {name:?}: use 1 to {MAX_SLOT_NAME} ASCII letters, digits, '_' or '-'"
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(seq: i64, slot: &str, text: &str) -> HistoryMessage {
+        HistoryMessage {
+            seq,
+            slot: slot.into(),
+            message: Message::user(text),
+            created_at_ms: seq,
+        }
+    }
+
+    fn texts(v: &[Message]) -> Vec<String> {
+        v.iter().map(Message::text).collect()
+    }
+
+    #[test]
+    fn derived_slots_see_the_prefix_then_their_own_messages() {
+        let mut s = SessionState::default();
+        let mut h = vec![msg(1, "default", "a"), msg(2, "default", "b")];
+        s.derive_slot("default", "side", SlotMode::Full, 2).unwrap();
+        h.push(msg(3, "default", "c"));
+        h.push(msg(4, "side", "x"));
+        assert_eq!(texts(&s.replay("default", &h).unwrap()), ["a", "b", "c"]);
+        assert_eq!(texts(&s.replay("side", &h).unwrap()), ["a", "b", "x"]);
+        // A slot derived from a derived slot.
+        s.derive_slot("side", "deeper", SlotMode::Full, 4).unwrap();
+        h.push(msg(5, "deeper", "y"));
+        assert_eq!(texts(&s.replay("deeper", &h).unwrap()), ["a", "b", "x", "y"]);
+        // Deleting the slot in the middle does not change the derived view.
+        s.delete_slot("side").unwrap();
+        assert_eq!(texts(&s.replay("deeper", &h).unwrap()), ["a", "b", "x", "y"]);
+    }
+
+    #[test]
+    fn merge_append_and_replace() {
+        let mut s = SessionState::default();
+        let mut h = vec![msg(1, "default", "a")];
+        s.derive_slot("default", "side", SlotMode::Full, 1).unwrap();
+        h.push(msg(2, "side", "x"));
+        let appended = s.merge_slot("side", "default", MergeStrategy::Append, &h, 2).unwrap();
+        assert_eq!(texts(&appended), ["x"]);
+        let none = s.merge_slot("side", "default", MergeStrategy::Replace, &h, 2).unwrap();
+        assert!(none.is_empty());
+        h.push(msg(3, "default", "after"));
+        assert_eq!(texts(&s.replay("default", &h).unwrap()), ["a", "x", "after"]);
+    }
+
+    #[test]
+    fn merge_rules() {
+        let mut s = SessionState::default();
+        s.create_slot("ro", SlotMode::Readonly, 1).unwrap();
+        let errs: Vec<String> = [
+            s.merge_slot("default", "default", MergeStrategy::Append, &[], 0),
+            s.merge_slot("default", "ro", MergeStrategy::Append, &[], 0),
+            s.merge_slot("nope", "default", MergeStrategy::Append, &[], 0),
+        ]
+        .into_iter()
+        .map(|r| r.unwrap_err().to_string())
+        .collect();
+        insta::assert_yaml_snapshot!(errs, @r#"
+        - a slot cannot be merged into itself
+        - "context slot \"ro\" is read-only"
+        - "context slot \"nope\" not found"
+        "#);
+    }
+
+    #[test]
+    fn delete_rules() {
+        let mut s = SessionState::default();
+        assert!(s.delete_slot(DEFAULT_SLOT).is_err());
+        s.derive_slot("default", "a", SlotMode::Full, 0).unwrap();
+        s.derive_slot("a", "b", SlotMode::Full, 0).unwrap();
+        s.switch_slot("b").unwrap();
+        assert!(s.delete_slot("b").is_err(), "current slot");
+        s.switch_slot("default").unwrap();
+        s.delete_slot("a").unwrap();
+        s.delete_slot("b").unwrap();
+        assert_eq!(s.slots.len(), 1);
+        assert!(matches!(s.create_slot("bad name", SlotMode::Full, 0), Err(EngineError::InvalidInput(_))));
+        assert!(matches!(s.create_slot("default", SlotMode::Full, 0), Err(EngineError::SlotExists(_))));
+    }
+
+    #[test]
+    fn focused_replays_summary_and_window_without_orphan_tool_results() {
+        let mut s = SessionState::default();
+        s.create_slot("f", SlotMode::Focused { window: 2 }, 0).unwrap();
+        s.slots.get_mut("f").unwrap().summary = Some("earlier stuff".into());
+        let mut h = vec![msg(1, "f", "a"), msg(2, "f", "b")];
+        h.push(HistoryMessage {
+            seq: 3,
+            slot: "f".into(),
+            message: Message::tool_result("c1", "t", "result"),
+            created_at_ms: 3,
+        });
+        h.push(msg(4, "f", "d"));
+        let replay = s.replay("f", &h).unwrap();
+        assert_eq!(texts(&replay), ["Summary of the earlier conversation:\nearlier stuff", "d"]);
+    }
+
+    #[test]
+    fn blob_is_deterministic_and_tolerates_missing_fields() {
+        let mut a = SessionState::default();
+        a.set_memory("k2", "v".into(), serde_json::json!({"x": 1}), 5).unwrap();
+        a.set_memory("k1", "v".into(), serde_json::Value::Null, 6).unwrap();
+        let b = SessionState::from_blob(&a.to_blob()).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(a.to_blob(), b.to_blob());
+        let old = SessionState::from_blob(br#"{"turn_index": 3}"#).unwrap();
+        assert_eq!(old.turn_index, 3);
+        assert_eq!(old.current_slot, DEFAULT_SLOT);
+        assert!(SessionState::from_blob(br#"{"current_slot": "ghost"}"#).is_err());
+        assert!(SessionState::from_blob(b"not json").is_err());
+    }
+
+    #[test]
+    fn memory_limits() {
+        let mut s = SessionState::default();
+        assert!(s.set_memory("", "v".into(), serde_json::Value::Null, 0).is_err());
+        let big = "x".repeat(MAX_MEMORY_VALUE_BYTES + 1);
+        assert!(s.set_memory("k", big, serde_json::Value::Null, 0).is_err());
+        for i in 0..MAX_MEMORY_ENTRIES {
+            s.set_memory(&format!("k{i}"), "v".into(), serde_json::Value::Null, 0).unwrap();
+        }
+        assert!(s.set_memory("one-more", "v".into(), serde_json::Value::Null, 0).is_err());
+        s.set_memory("k0", "overwrite ok".into(), serde_json::Value::Null, 0).unwrap();
+    }
+}
