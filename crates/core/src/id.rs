@@ -238,9 +238,18 @@ mod tests {
             ("", "it is empty"),
             ("Root", "it must start with a lowercase ASCII letter"),
             ("1abc", "it must start with a lowercase ASCII letter"),
-            ("ab c", "it may contain only lowercase ASCII letters, digits, '_' and '-'"),
-            ("abC", "it may contain only lowercase ASCII letters, digits, '_' and '-'"),
-            ("aé", "it may contain only lowercase ASCII letters, digits, '_' and '-'"),
+            (
+                "ab c",
+                "it may contain only lowercase ASCII letters, digits, '_' and '-'",
+            ),
+            (
+                "abC",
+                "it may contain only lowercase ASCII letters, digits, '_' and '-'",
+            ),
+            (
+                "aé",
+                "it may contain only lowercase ASCII letters, digits, '_' and '-'",
+            ),
         ];
         for (bad, reason) in cases {
             match AgentId::parse(bad) {

@@ -27,9 +27,9 @@ pub use scripted::{
     Script, ScriptError, ScriptedError, ScriptedErrorKind, ScriptedProvider, ScriptedResponse,
     ScriptedToolCall, WhenExhausted,
 };
+pub use tokio_util::sync::CancellationToken;
 pub use tool::{
     truncate_with_note, DelegationPolicy, Extensions, InputInterruptPolicy, ScopeRule, Tool,
     ToolError, ToolExecutionContext, ToolOutput, ToolRegistry, ToolRegistryError,
 };
-pub use tokio_util::sync::CancellationToken;
 pub use usage::{CostTracker, Usage};

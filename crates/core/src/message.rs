@@ -163,7 +163,8 @@ impl Message {
     pub fn assistant_with_tools(text: impl Into<String>, tool_calls: Vec<ToolCall>) -> Self {
         let text = text.into();
         let mut m = Self::with_text(Role::Assistant, text);
-        m.content.retain(|p| !matches!(p, ContentPart::Text { text } if text.is_empty()));
+        m.content
+            .retain(|p| !matches!(p, ContentPart::Text { text } if text.is_empty()));
         m.tool_calls = tool_calls;
         m
     }

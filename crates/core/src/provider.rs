@@ -339,25 +339,58 @@ mod tests {
     fn accumulator_assembles_split_parallel_tool_calls() {
         let mut acc = ResponseAccumulator::default();
         let events = [
-            StreamEvent::TextDelta { text: "Let me ".into() },
-            StreamEvent::TextDelta { text: "look.".into() },
-            StreamEvent::ToolCallStart { index: 1, id: "b".into(), name: "list_dir".into() },
-            StreamEvent::ToolCallStart { index: 0, id: "a".into(), name: "read_file".into() },
-            StreamEvent::ToolCallDelta { index: 0, arguments: "{\"pa".into() },
-            StreamEvent::ToolCallDelta { index: 1, arguments: "{}".into() },
-            StreamEvent::ToolCallDelta { index: 0, arguments: "th\":\"x\"}".into() },
+            StreamEvent::TextDelta {
+                text: "Let me ".into(),
+            },
+            StreamEvent::TextDelta {
+                text: "look.".into(),
+            },
+            StreamEvent::ToolCallStart {
+                index: 1,
+                id: "b".into(),
+                name: "list_dir".into(),
+            },
+            StreamEvent::ToolCallStart {
+                index: 0,
+                id: "a".into(),
+                name: "read_file".into(),
+            },
+            StreamEvent::ToolCallDelta {
+                index: 0,
+                arguments: "{\"pa".into(),
+            },
+            StreamEvent::ToolCallDelta {
+                index: 1,
+                arguments: "{}".into(),
+            },
+            StreamEvent::ToolCallDelta {
+                index: 0,
+                arguments: "th\":\"x\"}".into(),
+            },
             StreamEvent::ToolCallEnd { index: 0 },
-            StreamEvent::Usage { usage: Usage::new(5, 7) },
-            StreamEvent::Finish { reason: FinishReason::ToolCalls },
+            StreamEvent::Usage {
+                usage: Usage::new(5, 7),
+            },
+            StreamEvent::Finish {
+                reason: FinishReason::ToolCalls,
+            },
         ];
         for e in events {
             acc.push(e).unwrap();
         }
         let r = acc.finish().unwrap();
         assert_eq!(r.message.text(), "Let me look.");
-        let names: Vec<_> = r.message.tool_calls.iter().map(|c| c.name.as_str()).collect();
+        let names: Vec<_> = r
+            .message
+            .tool_calls
+            .iter()
+            .map(|c| c.name.as_str())
+            .collect();
         assert_eq!(names, ["read_file", "list_dir"], "ordered by index");
-        assert_eq!(r.message.tool_calls[0].arguments, serde_json::json!({"path": "x"}));
+        assert_eq!(
+            r.message.tool_calls[0].arguments,
+            serde_json::json!({"path": "x"})
+        );
         assert_eq!(r.usage, Usage::new(5, 7));
     }
 
@@ -365,35 +398,70 @@ mod tests {
     fn accumulator_rejects_orphan_delta_and_missing_finish() {
         let mut acc = ResponseAccumulator::default();
         let err = acc
-            .push(StreamEvent::ToolCallDelta { index: 3, arguments: "{".into() })
+            .push(StreamEvent::ToolCallDelta {
+                index: 3,
+                arguments: "{".into(),
+            })
             .unwrap_err();
-        assert_eq!(err, ProviderError::Protocol("arguments for unknown tool call #3".into()));
+        assert_eq!(
+            err,
+            ProviderError::Protocol("arguments for unknown tool call #3".into())
+        );
         let mut acc = ResponseAccumulator::default();
-        acc.push(StreamEvent::TextDelta { text: "half".into() }).unwrap();
-        assert!(matches!(acc.finish(), Err(ProviderError::StreamInterrupted(_))));
+        acc.push(StreamEvent::TextDelta {
+            text: "half".into(),
+        })
+        .unwrap();
+        assert!(matches!(
+            acc.finish(),
+            Err(ProviderError::StreamInterrupted(_))
+        ));
     }
 
     #[test]
     fn invalid_arguments_are_kept_verbatim() {
         let mut acc = ResponseAccumulator::default();
-        acc.push(StreamEvent::ToolCallStart { index: 0, id: "a".into(), name: "t".into() }).unwrap();
-        acc.push(StreamEvent::ToolCallDelta { index: 0, arguments: "{oops".into() }).unwrap();
+        acc.push(StreamEvent::ToolCallStart {
+            index: 0,
+            id: "a".into(),
+            name: "t".into(),
+        })
+        .unwrap();
+        acc.push(StreamEvent::ToolCallDelta {
+            index: 0,
+            arguments: "{oops".into(),
+        })
+        .unwrap();
         let r = acc.finish().unwrap();
         assert_eq!(r.finish_reason, FinishReason::ToolCalls);
-        assert_eq!(r.message.tool_calls[0].arguments, serde_json::json!("{oops"));
+        assert_eq!(
+            r.message.tool_calls[0].arguments,
+            serde_json::json!("{oops")
+        );
     }
 
     #[test]
     fn retry_classification() {
         let retryable = [
-            ProviderError::RateLimited { retry_after: Some(Duration::from_millis(1500)) },
-            ProviderError::Server { status: 503, message: "busy".into() },
+            ProviderError::RateLimited {
+                retry_after: Some(Duration::from_millis(1500)),
+            },
+            ProviderError::Server {
+                status: 503,
+                message: "busy".into(),
+            },
             ProviderError::Connect("refused".into()),
             ProviderError::Timeout("read".into()),
         ];
         let fatal = [
-            ProviderError::Auth { status: 401, message: "set OPENAI_API_KEY".into() },
-            ProviderError::BadRequest { status: 400, message: "bad".into() },
+            ProviderError::Auth {
+                status: 401,
+                message: "set OPENAI_API_KEY".into(),
+            },
+            ProviderError::BadRequest {
+                status: 400,
+                message: "bad".into(),
+            },
             ProviderError::Protocol("x".into()),
             ProviderError::StreamInterrupted("cut".into()),
             ProviderError::Cancelled,
@@ -401,21 +469,41 @@ mod tests {
         ];
         assert!(retryable.iter().all(ProviderError::is_retryable));
         assert!(!fatal.iter().any(ProviderError::is_retryable));
-        let all: Vec<String> = retryable.iter().chain(&fatal).map(|e| e.to_string()).collect();
+        let all: Vec<String> = retryable
+            .iter()
+            .chain(&fatal)
+            .map(|e| e.to_string())
+            .collect();
         insta::assert_yaml_snapshot!(all);
-        assert_eq!(retryable[0].retry_after(), Some(Duration::from_millis(1500)));
+        assert_eq!(
+            retryable[0].retry_after(),
+            Some(Duration::from_millis(1500))
+        );
     }
 
     #[test]
     fn serde_forms_are_stable() {
         let events = vec![
             StreamEvent::TextDelta { text: "hi".into() },
-            StreamEvent::ToolCallStart { index: 0, id: "c1".into(), name: "sleep".into() },
-            StreamEvent::ToolCallDelta { index: 0, arguments: "{\"ms\":1}".into() },
+            StreamEvent::ToolCallStart {
+                index: 0,
+                id: "c1".into(),
+                name: "sleep".into(),
+            },
+            StreamEvent::ToolCallDelta {
+                index: 0,
+                arguments: "{\"ms\":1}".into(),
+            },
             StreamEvent::ToolCallEnd { index: 0 },
-            StreamEvent::Usage { usage: Usage::new(1, 2) },
-            StreamEvent::Finish { reason: FinishReason::Stop },
-            StreamEvent::Finish { reason: FinishReason::Other("pause_turn".into()) },
+            StreamEvent::Usage {
+                usage: Usage::new(1, 2),
+            },
+            StreamEvent::Finish {
+                reason: FinishReason::Stop,
+            },
+            StreamEvent::Finish {
+                reason: FinishReason::Other("pause_turn".into()),
+            },
         ];
         let request = ChatRequest {
             messages: vec![Message::system("s"), Message::user("u")],

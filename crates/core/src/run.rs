@@ -147,7 +147,13 @@ mod tests {
             .collect();
         assert_eq!(
             terminal,
-            ["completed", "failed", "timed_out", "cancelled", "interrupted"]
+            [
+                "completed",
+                "failed",
+                "timed_out",
+                "cancelled",
+                "interrupted"
+            ]
         );
     }
 }

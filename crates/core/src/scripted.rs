@@ -419,7 +419,11 @@ fn steps_for(response: ScriptedResponse, request: &ChatRequest, first_call_id: u
                 &mut delay,
             );
         }
-        push(Ok(StreamEvent::ToolCallEnd { index }), &mut steps, &mut delay);
+        push(
+            Ok(StreamEvent::ToolCallEnd { index }),
+            &mut steps,
+            &mut delay,
+        );
     }
     if let Some(error) = &response.error {
         push(Err(error.to_provider_error()), &mut steps, &mut delay);
@@ -494,8 +498,15 @@ mod tests {
         ChatRequest::new(vec![Message::system("sys"), Message::user(text)])
     }
 
-    async fn events(p: &ScriptedProvider, r: ChatRequest) -> Vec<Result<StreamEvent, ProviderError>> {
-        p.stream(r, CancellationToken::new()).await.unwrap().collect().await
+    async fn events(
+        p: &ScriptedProvider,
+        r: ChatRequest,
+    ) -> Vec<Result<StreamEvent, ProviderError>> {
+        p.stream(r, CancellationToken::new())
+            .await
+            .unwrap()
+            .collect()
+            .await
     }
 
     #[tokio::test]
@@ -512,10 +523,15 @@ mod tests {
         assert_eq!(deltas, ["hello ", "there ", "world"]);
         assert!(matches!(
             evs.last(),
-            Some(Ok(StreamEvent::Finish { reason: FinishReason::Stop }))
+            Some(Ok(StreamEvent::Finish {
+                reason: FinishReason::Stop
+            }))
         ));
         let r = p.complete(req("again"), CancellationToken::new()).await;
-        assert!(matches!(r, Err(ProviderError::Unavailable(_))), "script exhausted");
+        assert!(
+            matches!(r, Err(ProviderError::Unavailable(_))),
+            "script exhausted"
+        );
     }
 
     #[tokio::test]
@@ -583,14 +599,23 @@ mod tests {
             },
             cut,
         ]);
-        let err = p.complete(req("a"), CancellationToken::new()).await.unwrap_err();
+        let err = p
+            .complete(req("a"), CancellationToken::new())
+            .await
+            .unwrap_err();
         assert_eq!(
             err,
-            ProviderError::RateLimited { retry_after: Some(Duration::from_millis(250)) }
+            ProviderError::RateLimited {
+                retry_after: Some(Duration::from_millis(250))
+            }
         );
         assert!(err.is_retryable());
         let evs = events(&p, req("b")).await;
-        assert_eq!(evs.len(), 3, "two text chunks then the error, nothing after");
+        assert_eq!(
+            evs.len(),
+            3,
+            "two text chunks then the error, nothing after"
+        );
         assert_eq!(
             evs[2],
             Err(ProviderError::StreamInterrupted("connection reset".into()))
@@ -613,18 +638,28 @@ mod tests {
         cancel.cancel();
         let result = call.await.unwrap();
         assert_eq!(result, Err(ProviderError::Cancelled));
-        assert!(started.elapsed() < Duration::from_secs(60), "did not wait out the delay");
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "did not wait out the delay"
+        );
         // A cancelled token is honoured before anything is consumed.
         let p2 = ScriptedProvider::new([ScriptedResponse::text("x")]);
-        assert!(matches!(p2.stream(req("y"), cancel).await, Err(ProviderError::Cancelled)));
+        assert!(matches!(
+            p2.stream(req("y"), cancel).await,
+            Err(ProviderError::Cancelled)
+        ));
         assert_eq!(p2.remaining(), 1);
     }
 
     #[tokio::test]
     async fn records_requests_in_order() {
         let p = ScriptedProvider::new([ScriptedResponse::text("1"), ScriptedResponse::text("2")]);
-        p.complete(req("first"), CancellationToken::new()).await.unwrap();
-        p.complete(req("second"), CancellationToken::new()).await.unwrap();
+        p.complete(req("first"), CancellationToken::new())
+            .await
+            .unwrap();
+        p.complete(req("second"), CancellationToken::new())
+            .await
+            .unwrap();
         let seen: Vec<String> = p
             .requests()
             .iter()
@@ -637,7 +672,10 @@ mod tests {
     async fn offline_provider_echoes_forever() {
         let p = ScriptedProvider::offline();
         for i in 0..3 {
-            let r = p.complete(req(&format!("msg {i}")), CancellationToken::new()).await.unwrap();
+            let r = p
+                .complete(req(&format!("msg {i}")), CancellationToken::new())
+                .await
+                .unwrap();
             assert!(r.message.text().contains(&format!("\"msg {i}\"")));
         }
     }
@@ -655,14 +693,10 @@ mod tests {
         let json = r#"{"responses": [{"text": "hi", "delay_ms": 5}], "when_exhausted": "echo"}"#;
         let p = ScriptedProvider::from_text(json).unwrap();
         assert_eq!(p.remaining(), 1);
-        let errs: Vec<String> = [
-            "- txt: typo",
-            "- error: { kind: meltdown }",
-            "responses: 3",
-        ]
-        .iter()
-        .map(|t| ScriptedProvider::from_text(t).err().unwrap().to_string())
-        .collect();
+        let errs: Vec<String> = ["- txt: typo", "- error: { kind: meltdown }", "responses: 3"]
+            .iter()
+            .map(|t| ScriptedProvider::from_text(t).err().unwrap().to_string())
+            .collect();
         insta::assert_yaml_snapshot!(errs);
         let missing = ScriptedProvider::from_file(Path::new("/nonexistent/script.yaml"));
         assert!(matches!(missing, Err(ScriptError::Io { .. })));

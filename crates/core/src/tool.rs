@@ -372,9 +372,20 @@ mod tests {
 
     fn registry() -> ToolRegistry {
         let mut r = ToolRegistry::new();
-        r.register(Arc::new(Fake("read_file", DelegationPolicy::Delegatable, true))).unwrap();
-        r.register(Arc::new(Fake("shell", DelegationPolicy::RootOnly, false))).unwrap();
-        r.register(Arc::new(Fake("delegate", DelegationPolicy::RuntimeInjected, false))).unwrap();
+        r.register(Arc::new(Fake(
+            "read_file",
+            DelegationPolicy::Delegatable,
+            true,
+        )))
+        .unwrap();
+        r.register(Arc::new(Fake("shell", DelegationPolicy::RootOnly, false)))
+            .unwrap();
+        r.register(Arc::new(Fake(
+            "delegate",
+            DelegationPolicy::RuntimeInjected,
+            false,
+        )))
+        .unwrap();
         r
     }
 
@@ -390,7 +401,10 @@ mod tests {
     #[test]
     fn lookup_and_policies() {
         let r = registry();
-        assert_eq!(r.names().collect::<Vec<_>>(), ["delegate", "read_file", "shell"]);
+        assert_eq!(
+            r.names().collect::<Vec<_>>(),
+            ["delegate", "read_file", "shell"]
+        );
         assert_eq!(r.policy("shell"), Some(DelegationPolicy::RootOnly));
         assert_eq!(r.policy("nope"), None);
         assert_eq!(r.get("read_file").unwrap().name(), "read_file");
@@ -440,15 +454,25 @@ mod tests {
         assert_eq!(truncate_with_note("short".into(), 10), "short");
         let cut = truncate_with_note("héllo wörld".into(), 2);
         assert_eq!(cut, "h\n… [truncated 12 bytes]");
-        assert_eq!(ToolOutput::bounded("abcdef", 3).content, "abc\n… [truncated 3 bytes]");
+        assert_eq!(
+            ToolOutput::bounded("abcdef", 3).content,
+            "abc\n… [truncated 3 bytes]"
+        );
     }
 
     #[test]
     fn serde_forms_are_stable() {
         insta::assert_json_snapshot!((
             DelegationPolicy::ALL_FOR_TEST,
-            [InputInterruptPolicy::Never, InputInterruptPolicy::WakeOnly, InputInterruptPolicy::CancelSafe],
-            ToolOutput { content: "x".into(), is_error: true },
+            [
+                InputInterruptPolicy::Never,
+                InputInterruptPolicy::WakeOnly,
+                InputInterruptPolicy::CancelSafe
+            ],
+            ToolOutput {
+                content: "x".into(),
+                is_error: true
+            },
         ));
     }
 

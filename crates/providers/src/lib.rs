@@ -1,1 +1,28 @@
-//! HTTP adapters for real LLM providers (OpenAI-compatible chat completions, Anthropic Messages).
+//! HTTP adapters for real LLM providers: an OpenAI-compatible
+//! `/chat/completions` adapter ([`OpenAiProvider`]) and an Anthropic
+//! `/messages` adapter ([`AnthropicProvider`]), both streaming SSE with tool
+//! calls, usage, bounded retries, timeouts and cancellation; plus the
+//! [`ProviderProfile`] config type and [`build_provider`].
+//!
+//! Architecture invariant: this is the only keel crate that speaks HTTP to a
+//! model. It knows nothing of sessions or storage; it turns a
+//! [`keel_core::ChatRequest`] into wire JSON and wire events into
+//! [`keel_core::StreamEvent`]s. Requests are retried only before the first
+//! event reached the caller; after that a failure ends the stream with a
+//! typed error, never with a silently partial answer.
+#![deny(missing_docs)]
+
+mod anthropic;
+mod http;
+mod openai;
+mod profile;
+
+pub use anthropic::{AnthropicProvider, ANTHROPIC_VERSION, DEFAULT_ANTHROPIC_MAX_TOKENS};
+pub use http::{HttpProviderConfig, RetryPolicy, SleepFn};
+pub use openai::OpenAiProvider;
+pub use profile::{
+    build_provider, build_provider_with_env, ProviderConfigError, ProviderKind, ProviderProfile,
+    ANTHROPIC_API_KEY_ENV, ANTHROPIC_BASE_URL, DEFAULT_CONNECT_TIMEOUT_SECS, DEFAULT_MAX_RETRIES,
+    DEFAULT_READ_TIMEOUT_SECS, MAX_CONNECT_TIMEOUT_SECS, MAX_READ_TIMEOUT_SECS, MAX_RETRIES_CAP,
+    OPENAI_API_KEY_ENV, OPENAI_BASE_URL,
+};
