@@ -1,0 +1,354 @@
+//! The resolution pass: with every file parsed and the id map built, check
+//! what definitions refer to — delegates, `root_delegates`, provider
+//! profiles, tools (fail-closed by delegation policy) and skills — against
+//! the [`CatalogInputs`] the caller supplies. The catalog never reaches into
+//! higher layers for them.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use keel_core::{AgentId, ScopeRule, ToolRegistry, ToolRegistryError};
+
+use crate::definition::AgentDefinition;
+use crate::diagnostic::{Diagnostic, DiagnosticKind as K};
+use crate::loader::SourceFile;
+use crate::locate::{render_path, Locator, Seg};
+
+/// Default longest delegation chain (root → a → b → c).
+pub const DEFAULT_MAX_DELEGATION_DEPTH: u32 = 3;
+/// Hard cap on the delegation depth a configuration may ask for.
+pub const MAX_DELEGATION_DEPTH_CAP: u32 = 8;
+
+/// What the catalog validates definitions against. Supplied by the caller
+/// (the gateway builds it from config and the engine's built-in tools).
+#[derive(Debug, Clone)]
+pub struct CatalogInputs {
+    /// Names of the configured provider profiles (`[providers.NAME]`).
+    pub profiles: BTreeSet<String>,
+    /// Every registered tool with its delegation policy.
+    pub tools: Arc<ToolRegistry>,
+    /// Names of the available skills.
+    pub skills: BTreeSet<String>,
+    /// Agents the root agent may delegate to (config `root_delegates`).
+    pub root_delegates: Vec<AgentId>,
+    /// Longest delegation chain from the root (config `max_tree_depth`),
+    /// 1..=[`MAX_DELEGATION_DEPTH_CAP`]. It is what makes delegation cycles
+    /// finite, so the catalog refuses to load without a valid one.
+    pub max_delegation_depth: u32,
+}
+
+impl CatalogInputs {
+    /// Inputs with the given profiles and tools, no skills, no root delegates
+    /// and the default depth.
+    pub fn new(
+        profiles: impl IntoIterator<Item = impl Into<String>>,
+        tools: Arc<ToolRegistry>,
+    ) -> Self {
+        Self {
+            profiles: profiles.into_iter().map(Into::into).collect(),
+            tools,
+            skills: BTreeSet::new(),
+            root_delegates: Vec::new(),
+            max_delegation_depth: DEFAULT_MAX_DELEGATION_DEPTH,
+        }
+    }
+}
+
+/// A successful resolution.
+pub(crate) struct Resolved {
+    pub definitions: BTreeMap<AgentId, Arc<AgentDefinition>>,
+    pub delegatable: BTreeSet<AgentId>,
+}
+
+/// The key two ids collide on: case folded, `_` and `-` equal (so
+/// `code_review` and `Code-Review` cannot both exist).
+fn fold(id: &str) -> String {
+    id.chars()
+        .map(|c| {
+            if c == '_' {
+                '-'
+            } else {
+                c.to_ascii_lowercase()
+            }
+        })
+        .collect()
+}
+
+fn closest<'a>(name: &str, known: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    known
+        .into_iter()
+        .map(|k| (crate::parse::edit_distance(name, k), k))
+        .filter(|(d, k)| *d <= 2.max(k.len() / 4))
+        .min()
+        .map(|(_, k)| k)
+}
+
+/// `; known X: a, b, c` (at most 12 names) or a did-you-mean.
+fn hint<'a>(name: &str, what: &str, known: impl IntoIterator<Item = &'a str>) -> String {
+    let all: Vec<&str> = known.into_iter().collect();
+    if let Some(c) = closest(name, all.iter().copied()) {
+        return format!("; did you mean {c:?}?");
+    }
+    if all.is_empty() {
+        return format!("; no {what} are defined");
+    }
+    let shown: Vec<&str> = all.iter().take(12).copied().collect();
+    let more = if all.len() > shown.len() { ", …" } else { "" };
+    format!("; known {what}: {}{more}", shown.join(", "))
+}
+
+struct FileCtx<'a> {
+    file: PathBuf,
+    locator: Locator<'a>,
+}
+
+impl FileCtx<'_> {
+    fn diag(&self, kind: K, path: &[Seg<'_>], msg: String) -> Diagnostic {
+        let pos = self.locator.locate(path).map(|(l, c)| (l + 2, Some(c)));
+        Diagnostic::new(Some(&self.file), kind, msg)
+            .at_opt(pos)
+            .with_key(render_path(path))
+    }
+}
+
+/// Builds the id map and resolves every reference; collects every problem,
+/// parse problems included, sorted by file (config problems last).
+pub(crate) fn resolve(
+    files: Vec<SourceFile>,
+    inputs: &CatalogInputs,
+) -> Result<Resolved, Vec<Diagnostic>> {
+    let mut diags = Vec::new();
+    let mut parsed = Vec::new();
+    // Every id some file claims, in file order, even if that file has other
+    // errors (so a duplicate or a delegate to it is judged correctly).
+    let mut claims: Vec<(AgentId, PathBuf, String)> = Vec::new();
+    for sf in files {
+        match sf.parsed.outcome {
+            Ok(def) => {
+                claims.push((def.id.clone(), sf.file, sf.parsed.yaml.clone()));
+                parsed.push((def, sf.parsed.yaml));
+            }
+            Err(mut d) => {
+                if let Some(id) = sf.parsed.salvaged_id {
+                    claims.push((id, sf.file, sf.parsed.yaml));
+                }
+                diags.append(&mut d);
+            }
+        }
+    }
+    let known: BTreeSet<AgentId> = claims.iter().map(|(id, _, _)| id.clone()).collect();
+
+    // Pass 1: the id map, with folded duplicates named by both files.
+    let mut by_fold: BTreeMap<String, (&AgentId, &PathBuf)> = BTreeMap::new();
+    for (id, file, yaml) in &claims {
+        let folded = fold(id.as_str());
+        if let Some((first_id, first_file)) = by_fold.get(&folded) {
+            let ctx = FileCtx {
+                file: file.clone(),
+                locator: Locator::new(yaml),
+            };
+            let same = if *first_id == id {
+                String::new()
+            } else {
+                format!(
+                    " as {:?} (ids are compared ignoring case and `-`/`_`)",
+                    first_id.as_str()
+                )
+            };
+            diags.push(ctx.diag(
+                K::DuplicateId,
+                &[Seg::Key("id")],
+                format!(
+                    "agent id {:?} is already defined by {}{same}; ids must be unique — rename one of the two",
+                    id.as_str(),
+                    first_file.display()
+                ),
+            ));
+        } else {
+            by_fold.insert(folded, (id, file));
+        }
+    }
+
+    // An agent can be delegated to if the root or any agent lists it.
+    let mut delegators: BTreeMap<&AgentId, Vec<String>> = BTreeMap::new();
+    for id in &inputs.root_delegates {
+        delegators
+            .entry(id)
+            .or_default()
+            .push("root_delegates".to_owned());
+    }
+    for (def, _) in &parsed {
+        for target in &def.delegates {
+            if target != &def.id {
+                delegators
+                    .entry(target)
+                    .or_default()
+                    .push(format!("{:?}", def.id.as_str()));
+            }
+        }
+    }
+    let known_names = || known.iter().map(AgentId::as_str);
+
+    // Pass 2: references.
+    for (def, yaml) in &parsed {
+        let ctx = FileCtx {
+            file: def.source_file.clone(),
+            locator: Locator::new(yaml),
+        };
+        for (i, target) in def.delegates.iter().enumerate() {
+            let path = [Seg::Key("delegates"), Seg::Index(i)];
+            if target == &def.id {
+                diags.push(ctx.diag(
+                    K::SelfDelegation,
+                    &path,
+                    format!(
+                        "{:?} lists itself as a delegate; an agent cannot delegate to itself — remove it",
+                        target.as_str()
+                    ),
+                ));
+            } else if !known.contains(target) {
+                diags.push(ctx.diag(
+                    K::UnknownDelegate,
+                    &path,
+                    format!(
+                        "no agent has id {:?}{}",
+                        target.as_str(),
+                        hint(target.as_str(), "agents", known_names())
+                    ),
+                ));
+            }
+        }
+        if !inputs.profiles.contains(&def.llm_profile) {
+            diags.push(ctx.diag(
+                K::UnknownProfile,
+                &[Seg::Key("llm_profile")],
+                format!(
+                    "no provider profile {:?} is configured{}",
+                    def.llm_profile,
+                    hint(
+                        &def.llm_profile,
+                        "profiles",
+                        inputs.profiles.iter().map(String::as_str)
+                    )
+                ),
+            ));
+        }
+        let by = delegators.get(&def.id);
+        let rule = if by.is_some() {
+            ScopeRule::Delegated
+        } else {
+            ScopeRule::Root
+        };
+        for (i, tool) in def.tools.iter().enumerate() {
+            let path = [Seg::Key("tools"), Seg::Index(i)];
+            let Err(e) = inputs.tools.check(tool, rule) else {
+                continue;
+            };
+            let d = match e {
+                ToolRegistryError::Unknown(_) => ctx.diag(
+                    K::UnknownTool,
+                    &path,
+                    format!(
+                        "no tool {tool:?} is registered{}",
+                        hint(tool, "tools", inputs.tools.names())
+                    ),
+                ),
+                ToolRegistryError::RuntimeOnly(_) => ctx.diag(
+                    K::RuntimeInjectedTool,
+                    &path,
+                    format!(
+                        "tool {tool:?} is injected by the runtime when allowed and cannot be listed; remove it"
+                    ),
+                ),
+                ToolRegistryError::NotDelegatable { policy, .. } => ctx.diag(
+                    K::ToolNotDelegatable,
+                    &path,
+                    format!(
+                        "tool {tool:?} has policy {policy:?} and cannot be given to an agent that is delegated to (by {}); remove the tool or stop delegating to {:?}",
+                        by.map(|v| v.join(", ")).unwrap_or_default(),
+                        def.id.as_str()
+                    ),
+                ),
+                ToolRegistryError::Duplicate(_) => ctx.diag(K::UnknownTool, &path, e.to_string()),
+            };
+            diags.push(d);
+        }
+        for (i, skill) in def.skills.iter().enumerate() {
+            if !inputs.skills.contains(skill) {
+                diags.push(ctx.diag(
+                    K::UnknownSkill,
+                    &[Seg::Key("skills"), Seg::Index(i)],
+                    format!(
+                        "no skill {skill:?} exists{}",
+                        hint(skill, "skills", inputs.skills.iter().map(String::as_str))
+                    ),
+                ));
+            }
+        }
+    }
+
+    // Config inputs.
+    let mut seen = BTreeSet::new();
+    for (i, id) in inputs.root_delegates.iter().enumerate() {
+        let key = format!("root_delegates[{i}]");
+        if !seen.insert(id) {
+            diags.push(
+                Diagnostic::new(
+                    None,
+                    K::DuplicateEntry,
+                    format!("{:?} is listed twice; remove one", id.as_str()),
+                )
+                .with_key(key),
+            );
+        } else if !known.contains(id) {
+            diags.push(
+                Diagnostic::new(
+                    None,
+                    K::UnknownRootDelegate,
+                    format!(
+                        "no agent definition has id {:?}{}",
+                        id.as_str(),
+                        hint(id.as_str(), "agents", known_names())
+                    ),
+                )
+                .with_key(key),
+            );
+        }
+    }
+    let depth = inputs.max_delegation_depth;
+    if !(1..=MAX_DELEGATION_DEPTH_CAP).contains(&depth) {
+        diags.push(
+            Diagnostic::new(
+                None,
+                K::InvalidInput,
+                format!(
+                    "{depth} is outside 1..={MAX_DELEGATION_DEPTH_CAP}; the depth bound is what keeps delegation cycles finite"
+                ),
+            )
+            .with_key("max_tree_depth"),
+        );
+    }
+
+    if !diags.is_empty() {
+        // By file (config last), then line; stable, so problems on one line
+        // keep the order they were found in.
+        diags.sort_by(|a, b| {
+            (a.file.is_none(), &a.file, a.line.unwrap_or(0)).cmp(&(
+                b.file.is_none(),
+                &b.file,
+                b.line.unwrap_or(0),
+            ))
+        });
+        return Err(diags);
+    }
+    let delegatable = delegators.keys().map(|id| (*id).clone()).collect();
+    let definitions = parsed
+        .into_iter()
+        .map(|(def, _)| (def.id.clone(), Arc::new(def)))
+        .collect();
+    Ok(Resolved {
+        definitions,
+        delegatable,
+    })
+}
