@@ -1,1 +1,152 @@
-//! SQLite storage of keel: schema v6, forward-only migrations, domain APIs. The only crate that knows SQL.
+//! SQLite storage of keel: schema v6, forward-only migrations, group commit,
+//! domain APIs. The only crate that knows SQL.
+//!
+//! [`Store`] is a cheap, cloneable handle. Writes go to one writer thread
+//! that owns the write connection and commits every request waiting at that
+//! moment in one `BEGIN IMMEDIATE` transaction (group commit), each request
+//! in its own savepoint, and answers each only after `COMMIT`. Reads go to a
+//! small pool of read-only connections. Every public method is exactly one
+//! transaction.
+//!
+//! ```
+//! # async fn demo() -> keel_store::Result<()> {
+//! use keel_core::{CheckpointId, Message, SessionId};
+//! use keel_store::*;
+//!
+//! let dir = tempfile::tempdir().expect("tempdir");
+//! let store = Store::open(dir.path().join("keel.db"), StoreOptions::default())?;
+//! let session = store
+//!     .create_session(NewSession {
+//!         id: SessionId::new(),
+//!         channel: "cli_chat".into(),
+//!         chat_id: "me".into(),
+//!         dialog_id: "default".into(),
+//!         title: "Dialog default".into(),
+//!         agent_id: None,
+//!         parent_id: None,
+//!         delivery_context: None,
+//!         now_ms: keel_core::time::now_ms(),
+//!     })
+//!     .await?;
+//! // One turn = one transaction: messages, state blob, checkpoint, counters.
+//! let committed = store
+//!     .commit_turn(TurnCommit {
+//!         session_id: session.id,
+//!         messages: vec![
+//!             NewMessage::new(Message::user("hi")),
+//!             NewMessage::new(Message::assistant("hello")),
+//!         ],
+//!         state: br#"{"turn":1}"#.to_vec(),
+//!         checkpoint: Some(NewCheckpoint {
+//!             id: CheckpointId::new(),
+//!             turn_index: 1,
+//!             source: CheckpointSource::Turn,
+//!         }),
+//!         visible_user_inputs: 1,
+//!         now_ms: keel_core::time::now_ms(),
+//!     })
+//!     .await?;
+//! assert_eq!(committed.seqs, [1, 2]);
+//! let history = store.load_messages(session.id, MessageFilter::default()).await?;
+//! assert_eq!(history.len(), 2);
+//! # Ok(())
+//! # }
+//! # tokio::runtime::Builder::new_current_thread().build().expect("rt").block_on(demo()).expect("demo");
+//! ```
+#![warn(missing_docs)]
+
+mod checkpoints;
+mod db;
+mod error;
+mod inbox;
+mod messages;
+pub mod migrations;
+mod runs;
+mod sessions;
+mod util;
+
+use std::path::Path;
+use std::sync::Arc;
+
+pub use checkpoints::{
+    CheckpointRecord, CheckpointSource, NewCheckpoint, PrunePolicy, PruneReport,
+};
+pub use db::{CommitStats, StoreOptions, Synchronous};
+pub use error::{Result, StoreError};
+pub use inbox::{
+    ClaimRequest, ContinuationCommit, ContinuationCommitted, EventStatus, EventType, InboxEvent,
+    InboxLease, NewSignal, ReleaseReport, ReleaseRequest, ScopeKind, SignalCommit,
+    MAX_SIGNAL_PAYLOAD_BYTES,
+};
+pub use messages::{
+    MessageFilter, NewMessage, StoredMessage, TurnCommit, TurnCommitted, DEFAULT_SLOT,
+};
+pub use migrations::SCHEMA_VERSION;
+pub use runs::{
+    AcceptGroup, AcceptRun, AcceptedGroup, AcceptedRun, CancelReport, CounterRepair, GroupRecord,
+    GroupStatus, NewGroup, NewRun, RecoveryReport, RunCursor, RunRecord, SessionCounters,
+    TerminalCommit, TerminalOutcome,
+};
+pub use sessions::{DialogCursor, DialogQuery, NewSession, SessionRecord, TimelineId};
+
+/// A page of a cursor-paginated listing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Page<T, C> {
+    /// The items, in listing order.
+    pub items: Vec<T>,
+    /// Where the next page starts; `None` on the last page.
+    pub next_cursor: Option<C>,
+}
+
+/// Handle to a keel database. Clone it freely; the threads stop when the last clone drops.
+#[derive(Clone)]
+pub struct Store {
+    db: Arc<db::Db>,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("path", &self.db.path())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Store {
+    /// Opens (creating if needed) the database at `path` and migrates it to
+    /// [`SCHEMA_VERSION`]. A newer database is refused untouched.
+    pub fn open(path: impl AsRef<Path>, options: StoreOptions) -> Result<Self> {
+        Ok(Self {
+            db: Arc::new(db::Db::open(path.as_ref(), options)?),
+        })
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        self.db.path()
+    }
+
+    /// How many write transactions and requests the writer has handled (group commit ratio).
+    pub fn commit_stats(&self) -> CommitStats {
+        self.db.commit_stats()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send_sync_clone<T: Send + Sync + Clone + 'static>() {}
+    fn assert_send<T: Send>(_: &T) {}
+
+    #[test]
+    fn store_and_its_futures_can_cross_tasks() {
+        assert_send_sync_clone::<Store>();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(dir.path().join("k.db"), StoreOptions::default()).expect("open");
+        let id = keel_core::SessionId::new();
+        assert_send(&store.get_session(id));
+        assert_send(&store.load_messages(id, MessageFilter::default()));
+        assert_send(&store.touch_session(id, 1));
+    }
+}

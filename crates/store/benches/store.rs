@@ -1,0 +1,512 @@
+//! `cargo bench -p keel-store --bench store`: keel-store against raw rusqlite
+//! baselines measured in the same run. Prints one `BENCH <name> key=value …`
+//! line per figure.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use keel_core::{CheckpointId, Message, SessionId};
+use keel_store::{
+    AcceptRun, CheckpointSource, ClaimRequest, ContinuationCommit, MessageFilter, NewCheckpoint,
+    NewMessage, NewRun, NewSession, Store, StoreOptions, Synchronous, TerminalOutcome, TurnCommit,
+};
+use rusqlite::{params, Connection};
+
+const APPENDS: usize = 4000;
+const WRITERS: usize = 16;
+const REPLAY_TURNS: u64 = 1000;
+const INBOX_EVENTS: usize = 2000;
+/// Interleaved chunks per append benchmark.
+const CHUNKS: usize = 10;
+
+fn session(dialog: &str) -> NewSession {
+    NewSession {
+        id: SessionId::new(),
+        channel: "bench".into(),
+        chat_id: "chat".into(),
+        dialog_id: dialog.into(),
+        title: dialog.into(),
+        agent_id: None,
+        parent_id: None,
+        delivery_context: None,
+        now_ms: 1,
+    }
+}
+
+fn text(i: usize) -> String {
+    format!("message {i}: {}", "lorem ipsum dolor sit amet ".repeat(8))
+}
+
+fn options(sync: Synchronous) -> StoreOptions {
+    StoreOptions {
+        synchronous: sync,
+        ..StoreOptions::default()
+    }
+}
+
+fn rate(n: usize, d: Duration) -> f64 {
+    n as f64 / d.as_secs_f64()
+}
+
+/// Raw rusqlite: one row per transaction, same pragmas and schema as the store.
+struct RawAppender {
+    conn: Connection,
+    next: i64,
+}
+
+impl RawAppender {
+    fn open(path: &Path, sync: Synchronous) -> Self {
+        drop(Store::open(path, options(sync)).expect("open"));
+        let conn = Connection::open(path).expect("open raw");
+        conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get::<_, String>(0))
+            .expect("wal");
+        conn.pragma_update(None, "foreign_keys", "ON").expect("fk");
+        let sync_text = match sync {
+            Synchronous::Normal => "NORMAL",
+            Synchronous::Full => "FULL",
+        };
+        conn.pragma_update(None, "synchronous", sync_text)
+            .expect("sync");
+        conn.execute_batch(
+            "INSERT INTO sessions (id, channel, chat_id, dialog_id, title, created_at, last_active_at) \
+               VALUES ('s', 'raw', 'raw', 'raw', 'raw', 1, 1);
+             INSERT INTO timelines (id, session_id, created_at) VALUES ('t', 's', 1);
+             UPDATE sessions SET head_timeline_id = 't';",
+        )
+        .expect("seed");
+        Self { conn, next: 1 }
+    }
+
+    fn append(&mut self, n: usize) -> Duration {
+        let start = Instant::now();
+        for i in 0..n {
+            let content = serde_json::to_string(&Message::user(text(i))).expect("json");
+            self.conn.execute_batch("BEGIN IMMEDIATE").expect("begin");
+            self.conn
+                .prepare_cached(
+                    "INSERT INTO messages (timeline_id, seq, session_id, slot, role, content, created_at) \
+                     VALUES ('t', ?1, 's', 'default', 'user', ?2, 1)",
+                )
+                .expect("prepare")
+                .execute(params![self.next, content])
+                .expect("insert");
+            self.conn.execute_batch("COMMIT").expect("commit");
+            self.next += 1;
+        }
+        start.elapsed()
+    }
+}
+
+async fn store_append(store: &Store, sid: SessionId, n: usize) -> Duration {
+    let start = Instant::now();
+    for i in 0..n {
+        store
+            .append_message(sid, NewMessage::new(Message::user(text(i))), 1)
+            .await
+            .expect("append");
+    }
+    start.elapsed()
+}
+
+async fn store_append_concurrent(store: &Store, sessions: &[SessionId], n: usize) -> Duration {
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for sid in sessions.iter().copied() {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            store_append(&store, sid, n / sessions_len()).await
+        }));
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    start.elapsed()
+}
+
+fn sessions_len() -> usize {
+    WRITERS
+}
+
+/// Raw single-row baseline, store single writer and store with 16 writers,
+/// interleaved chunk by chunk so that load from other processes hits all three alike.
+fn appends(
+    rt: &tokio::runtime::Runtime,
+    dir: &Path,
+    sync: Synchronous,
+    label: &str,
+    n: usize,
+) -> f64 {
+    let chunk = n / CHUNKS;
+    let mut raw = RawAppender::open(&dir.join(format!("raw-{label}.db")), sync);
+    let single = Store::open(dir.join(format!("single-{label}.db")), options(sync)).expect("open");
+    let multi = Store::open(dir.join(format!("multi-{label}.db")), options(sync)).expect("open");
+    let (single_sid, multi_sids) = rt.block_on(async {
+        let s = single
+            .create_session(session("single"))
+            .await
+            .expect("session")
+            .id;
+        let mut v = Vec::new();
+        for w in 0..WRITERS {
+            v.push(
+                multi
+                    .create_session(session(&format!("w{w}")))
+                    .await
+                    .expect("session")
+                    .id,
+            );
+        }
+        (s, v)
+    });
+    let (mut t_raw, mut t_single, mut t_multi) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+    let before = multi.commit_stats();
+    for _ in 0..CHUNKS {
+        t_raw += raw.append(chunk);
+        t_single += rt.block_on(store_append(&single, single_sid, chunk));
+        t_multi += rt.block_on(store_append_concurrent(&multi, &multi_sids, chunk));
+    }
+    let after = multi.commit_stats();
+    let per_txn = (after.requests - before.requests) as f64
+        / (after.transactions - before.transactions).max(1) as f64;
+    let rows = chunk * CHUNKS;
+    let multi_rows = chunk / WRITERS * WRITERS * CHUNKS;
+    let (raw_rate, single_rate, multi_rate) = (
+        rate(rows, t_raw),
+        rate(rows, t_single),
+        rate(multi_rows, t_multi),
+    );
+    println!(
+        "BENCH append_single_writer sync={label} rows={rows} store_rows_per_s={single_rate:.0} raw_rows_per_s={raw_rate:.0} ratio={:.2}",
+        single_rate / raw_rate
+    );
+    println!(
+        "BENCH append_{WRITERS}_writers sync={label} rows={multi_rows} store_rows_per_s={multi_rate:.0} raw_single_row_per_s={raw_rate:.0} ratio={:.2} requests_per_txn={per_txn:.1}",
+        multi_rate / raw_rate
+    );
+    raw_rate
+}
+
+fn turn(s: SessionId, n: u64, checkpoint: bool) -> TurnCommit {
+    TurnCommit {
+        session_id: s,
+        messages: vec![
+            NewMessage::new(Message::user(format!(
+                "question {n:06} {}",
+                "x".repeat(200)
+            ))),
+            NewMessage::new(Message::assistant(format!(
+                "answer {n:06} {}",
+                "y".repeat(400)
+            ))),
+        ],
+        state: format!(r#"{{"turn":{n:06},"cost":{{"prompt":{:09}}}}}"#, n * 17).into_bytes(),
+        checkpoint: checkpoint.then(|| NewCheckpoint {
+            id: CheckpointId::new(),
+            turn_index: n,
+            source: CheckpointSource::Turn,
+        }),
+        visible_user_inputs: 1,
+        now_ms: 1000 + n as i64,
+    }
+}
+
+fn wal_size(path: &Path) -> u64 {
+    let mut wal = path.as_os_str().to_owned();
+    wal.push("-wal");
+    std::fs::metadata(wal).map(|m| m.len()).unwrap_or(0)
+}
+
+/// Average WAL bytes and time of a committed turn with its checkpoint, after `history` turns.
+async fn checkpoint_cost(
+    store: &Store,
+    path: &Path,
+    s: SessionId,
+    from: u64,
+    samples: u64,
+) -> (f64, f64, f64) {
+    let mut bytes = 0u64;
+    let mut row_bytes = 0u64;
+    let mut time = Duration::ZERO;
+    for n in from..from + samples {
+        let before = wal_size(path);
+        let start = Instant::now();
+        let c = store.commit_turn(turn(s, n, true)).await.expect("turn");
+        time += start.elapsed();
+        bytes += wal_size(path) - before;
+        let cp = c.checkpoint.expect("checkpoint");
+        // Logical bytes of the checkpoint row itself (ids, hash, numbers as text).
+        row_bytes += (cp.id.to_string().len()
+            + cp.session_id.to_string().len()
+            + cp.timeline_id.as_str().len()
+            + cp.state_hash.len()
+            + cp.parent_id.map(|p| p.to_string().len()).unwrap_or(0)
+            + 8 * 4
+            + cp.source.as_str().len()) as u64;
+    }
+    (
+        bytes as f64 / samples as f64,
+        row_bytes as f64 / samples as f64,
+        time.as_secs_f64() * 1e6 / samples as f64,
+    )
+}
+
+/// Average WAL bytes of a manual checkpoint (new state each time) at the current head.
+async fn manual_checkpoint_cost(
+    store: &Store,
+    path: &Path,
+    s: SessionId,
+    tag: u64,
+    samples: u64,
+) -> f64 {
+    let mut bytes = 0u64;
+    for i in 0..samples {
+        let before = wal_size(path);
+        store
+            .create_checkpoint(
+                s,
+                NewCheckpoint {
+                    id: CheckpointId::new(),
+                    turn_index: tag,
+                    source: CheckpointSource::Manual,
+                },
+                format!(r#"{{"turn":{tag:06},"manual":{i:06}}}"#).into_bytes(),
+                1,
+            )
+            .await
+            .expect("checkpoint");
+        bytes += wal_size(path) - before;
+    }
+    bytes as f64 / samples as f64
+}
+
+async fn checkpoints(path: &Path) {
+    let store = Store::open(
+        path,
+        StoreOptions {
+            wal_autocheckpoint_pages: 0,
+            ..StoreOptions::default()
+        },
+    )
+    .expect("open");
+    let s = store.create_session(session("cp")).await.expect("session");
+    let samples = 50;
+    for n in 0..10 {
+        store.commit_turn(turn(s.id, n, true)).await.expect("turn");
+    }
+    let manual10 = manual_checkpoint_cost(&store, path, s.id, 10, samples).await;
+    let (wal10, row10, us10) = checkpoint_cost(&store, path, s.id, 10, samples).await;
+    for n in 10 + samples..100 {
+        store.commit_turn(turn(s.id, n, true)).await.expect("turn");
+    }
+    let manual100 = manual_checkpoint_cost(&store, path, s.id, 100, samples).await;
+    for n in 100..1000 {
+        store.commit_turn(turn(s.id, n, true)).await.expect("turn");
+    }
+    let manual1000 = manual_checkpoint_cost(&store, path, s.id, 1000, samples).await;
+    let (wal1000, row1000, us1000) = checkpoint_cost(&store, path, s.id, 1000, samples).await;
+    println!(
+        "BENCH checkpoint_bytes measure=checkpoint_row_bytes turn10={row10:.0} turn1000={row1000:.0} ratio={:.2}",
+        row1000 / row10
+    );
+    println!(
+        "BENCH checkpoint_bytes measure=wal_growth_manual_checkpoint samples={samples} turn10={manual10:.0} turn100={manual100:.0} turn1000={manual1000:.0} ratio={:.2} ratio_1000_vs_100={:.2}",
+        manual1000 / manual10,
+        manual1000 / manual100
+    );
+    println!(
+        "BENCH checkpoint_bytes measure=wal_growth_turn_with_checkpoint samples={samples} turn10={wal10:.0} turn1000={wal1000:.0} ratio={:.2}",
+        wal1000 / wal10
+    );
+    println!(
+        "BENCH checkpoint_time measure=turn_commit_with_checkpoint turn10_us={us10:.0} turn1000_us={us1000:.0} ratio={:.2}",
+        us1000 / us10
+    );
+}
+
+async fn replay(path: &Path) {
+    let store = Store::open(path, StoreOptions::default()).expect("open");
+    let s = store
+        .create_session(session("replay"))
+        .await
+        .expect("session");
+    for n in 0..REPLAY_TURNS {
+        store.commit_turn(turn(s.id, n, true)).await.expect("turn");
+    }
+    // Put the head on a branch so the replay really walks an ancestor.
+    let cps = store.list_checkpoints(s.id).await.expect("list");
+    store
+        .rollback(s.id, cps[0].id, CheckpointId::new(), 5000)
+        .await
+        .expect("rollback");
+    let root_timeline = cps[0].timeline_id.clone();
+    let conn = Connection::open(path).expect("raw");
+    let raw_load = || -> usize {
+        let mut stmt = conn
+            .prepare_cached("SELECT content FROM messages WHERE timeline_id = ?1 ORDER BY seq")
+            .expect("prepare");
+        let msgs: Vec<Message> = stmt
+            .query_map([root_timeline.as_str()], |r| r.get::<_, String>(0))
+            .expect("query")
+            .map(|c| serde_json::from_str(&c.expect("row")).expect("json"))
+            .collect();
+        msgs.len()
+    };
+    // Alternate store and raw loads so both see the same machine load; report medians.
+    let rounds = 31;
+    let (mut t_store, mut t_raw) = (Vec::new(), Vec::new());
+    let (mut n, mut raw_n) = (0, 0);
+    for _ in 0..rounds {
+        let start = Instant::now();
+        n = store
+            .load_messages(s.id, MessageFilter::default())
+            .await
+            .expect("load")
+            .len();
+        t_store.push(start.elapsed());
+        let start = Instant::now();
+        raw_n = raw_load();
+        t_raw.push(start.elapsed());
+    }
+    t_store.sort();
+    t_raw.sort();
+    let store_ms = t_store[rounds / 2].as_secs_f64() * 1e3;
+    let raw_ms = t_raw[rounds / 2].as_secs_f64() * 1e3;
+    assert_eq!(n, raw_n);
+    println!(
+        "BENCH replay_1000_turns messages={n} store_ms={store_ms:.2} raw_select_ms={raw_ms:.2} ratio={:.2} \
+         stat=median_of_31 baseline=raw_select_plus_json_decode",
+        store_ms / raw_ms
+    );
+}
+
+fn bench_run(root: SessionId) -> NewRun {
+    let id = keel_core::RunId::new();
+    NewRun {
+        id,
+        root_session_id: root,
+        root_turn_id: None,
+        parent_run_id: None,
+        caller_agent_id: keel_core::AgentId::parse("root").expect("id"),
+        caller_scope_id: "scope".into(),
+        idempotency_key: None,
+        agent_id: keel_core::AgentId::parse("worker").expect("id"),
+        definition_hash: "h".into(),
+        provider_profile: "default".into(),
+        provider_name: "scripted".into(),
+        model_id: "m".into(),
+        mode: keel_core::ExecutionMode::Background,
+        depth: 1,
+        plan_item_id: None,
+        execution_id: id.to_string(),
+        task: "t".into(),
+        context_json: None,
+        budget_json: "{}".into(),
+        signal_contract_json: None,
+        signal_delivery: None,
+        completion_delivery: None,
+        failure_delivery: None,
+        runtime_generation: 1,
+        deadline_at_ms: i64::MAX,
+    }
+}
+
+async fn inbox(path: &Path, raw_txn_rate: f64) {
+    let store = Store::open(path, StoreOptions::default()).expect("open");
+    let s = store
+        .create_session(session("inbox"))
+        .await
+        .expect("session");
+    let mut tasks = Vec::new();
+    for _ in 0..INBOX_EVENTS {
+        let store = store.clone();
+        let root = s.id;
+        tasks.push(tokio::spawn(async move {
+            let run = bench_run(root);
+            store
+                .accept_run(AcceptRun {
+                    run: run.clone(),
+                    inbox_capacity: u32::MAX,
+                    now_ms: 1,
+                })
+                .await
+                .expect("accept");
+            store
+                .commit_terminal(
+                    run.id,
+                    run.execution_id,
+                    TerminalOutcome::Completed {
+                        result: "done".into(),
+                        usage: keel_core::Usage::default(),
+                        tool_calls: 0,
+                        iterations: 1,
+                    },
+                    false,
+                    2,
+                )
+                .await
+                .expect("terminal");
+        }));
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    let start = Instant::now();
+    let mut consumed = 0u64;
+    let mut turns = 0u64;
+    while let Some(lease) = store
+        .claim_inbox_batch(ClaimRequest {
+            root_session_id: s.id,
+            now_ms: 10,
+            lease_ms: 60_000,
+            max_events: 8,
+            max_bytes: 32 * 1024,
+            delivery: None,
+        })
+        .await
+        .expect("claim")
+    {
+        let ids = lease.events.iter().map(|e| e.id).collect();
+        let done = store
+            .commit_continuation_turn(ContinuationCommit {
+                turn: TurnCommit {
+                    session_id: s.id,
+                    messages: vec![
+                        NewMessage::new(Message::user("[results]").hidden()),
+                        NewMessage::new(Message::assistant("noted")),
+                    ],
+                    state: turns.to_string().into_bytes(),
+                    checkpoint: None,
+                    visible_user_inputs: 0,
+                    now_ms: 11,
+                },
+                lease_token: lease.token,
+                event_ids: ids,
+            })
+            .await
+            .expect("commit");
+        consumed += done.consumed;
+        turns += 1;
+    }
+    let elapsed = start.elapsed();
+    let events_per_s = consumed as f64 / elapsed.as_secs_f64();
+    println!(
+        "BENCH inbox_claim_consume events={consumed} continuation_turns={turns} events_per_s={events_per_s:.0} \
+         raw_single_row_txn_per_s={raw_txn_rate:.0} ratio={:.2}",
+        events_per_s / raw_txn_rate
+    );
+}
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let p = |name: &str| dir.path().join(name);
+
+    let raw_normal = appends(&rt, dir.path(), Synchronous::Normal, "normal", APPENDS);
+    appends(&rt, dir.path(), Synchronous::Full, "full", APPENDS / 4);
+    rt.block_on(inbox(&p("inbox.db"), raw_normal));
+    rt.block_on(replay(&p("replay.db")));
+    rt.block_on(checkpoints(&p("checkpoint.db")));
+}

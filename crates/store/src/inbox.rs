@@ -1,0 +1,781 @@
+//! The durable agent inbox (seed 002 §8.5, §9): signals inserted with
+//! capacity and dedupe, claims with a lease token, steer admission, release
+//! with backoff and dead-lettering, and the continuation-turn commit that
+//! consumes the leased events together with the turn's messages.
+
+use keel_core::{Delivery, EventId, GroupId, RunId, RunStatus, SessionId, TurnId};
+use rusqlite::{params, Connection, Row};
+
+use crate::error::{Result, StoreError};
+use crate::messages::{commit_turn_tx, encode, EncodedMessage, TurnCommit, TurnCommitted};
+use crate::runs::{adjust_counters, get_run_tx, next_revision, Revisions};
+use crate::util::{fresh_id, non_negative, parse, parse_opt};
+use crate::Store;
+
+/// Longest accepted signal payload, in bytes.
+pub const MAX_SIGNAL_PAYLOAD_BYTES: usize = 64 * 1024;
+
+macro_rules! text_enum {
+    ($(#[$doc:meta])* $name:ident, $kind:literal { $($(#[$vdoc:meta])* $variant:ident = $text:literal),+ $(,)? }) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum $name {
+            $($(#[$vdoc])* $variant),+
+        }
+
+        impl $name {
+            /// The stable text form used on disk.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$variant => $text),+
+                }
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = keel_core::UnknownVariant;
+            fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+                match s {
+                    $($text => Ok($name::$variant),)+
+                    _ => Err(keel_core::UnknownVariant { kind: $kind, value: s.chars().take(80).collect() }),
+                }
+            }
+        }
+    };
+}
+
+text_enum!(
+    /// What an event is about.
+    ScopeKind, "event scope" {
+        /// One run.
+        Run = "run",
+        /// A group of runs.
+        Group = "group",
+    }
+);
+
+text_enum!(
+    /// Kind of inbox event.
+    EventType, "event type" {
+        /// A signal emitted by a running background run.
+        Signal = "signal",
+        /// A run's completion.
+        Completion = "completion",
+        /// A group's completion (policy all).
+        GroupCompletion = "group_completion",
+    }
+);
+
+text_enum!(
+    /// Lifecycle of an inbox event.
+    EventStatus, "event status" {
+        /// Waiting to be claimed.
+        Pending = "pending",
+        /// Claimed under a lease token.
+        Leased = "leased",
+        /// Admitted into a running turn (steer).
+        Admitted = "admitted",
+        /// Consumed by a committed turn.
+        Consumed = "consumed",
+        /// Replaced by a later fact (a cancelled run's signals).
+        Superseded = "superseded",
+        /// Given up on (max attempts, session cancelled or deleted).
+        DeadLetter = "dead_letter",
+    }
+);
+
+/// A stored inbox event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboxEvent {
+    /// Its id.
+    pub id: EventId,
+    /// The root session whose inbox holds it.
+    pub root_session_id: SessionId,
+    /// Run or group scope.
+    pub scope: ScopeKind,
+    /// The run, for run scope.
+    pub run_id: Option<RunId>,
+    /// The group, for group scope.
+    pub group_id: Option<GroupId>,
+    /// Signal, completion or group completion.
+    pub event_type: EventType,
+    /// Dedupe key within (scope, type).
+    pub event_key: String,
+    /// Queue or steer.
+    pub delivery: Delivery,
+    /// Whether it should start a continuation turn.
+    pub requires_continuation: bool,
+    /// Severity of a signal.
+    pub severity: Option<String>,
+    /// Payload (JSON).
+    pub payload_json: String,
+    /// Status.
+    pub status: EventStatus,
+    /// Failed delivery attempts so far.
+    pub attempt_count: u32,
+    /// Current lease token.
+    pub lease_token: Option<String>,
+    /// Lease expiry (ms).
+    pub lease_until_ms: Option<i64>,
+    /// Not claimable before (ms).
+    pub next_attempt_at_ms: Option<i64>,
+    /// The turn it was admitted into.
+    pub admitted_turn_id: Option<TurnId>,
+    /// Last delivery error.
+    pub last_error: Option<String>,
+    /// Client revision of its last change.
+    pub revision: u64,
+    /// Creation time (ms).
+    pub created_at_ms: i64,
+    /// Consumption time (ms).
+    pub consumed_at_ms: Option<i64>,
+    /// Dead-letter time (ms).
+    pub dead_lettered_at_ms: Option<i64>,
+}
+
+/// A signal from a running background run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewSignal {
+    /// The emitting run.
+    pub run_id: RunId,
+    /// Its execution (must still own the run).
+    pub execution_id: String,
+    /// Dedupe key: a second signal with the same key returns the first one's id.
+    pub event_key: String,
+    /// Queue or steer.
+    pub delivery: Delivery,
+    /// Severity.
+    pub severity: Option<String>,
+    /// Payload (JSON, at most [`MAX_SIGNAL_PAYLOAD_BYTES`]).
+    pub payload_json: String,
+    /// Inbox capacity of the root session.
+    pub inbox_capacity: u32,
+    /// Now (ms).
+    pub now_ms: i64,
+}
+
+/// Result of [`Store::insert_signal`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SignalCommit {
+    /// The event (the earlier one when deduplicated).
+    pub event_id: EventId,
+    /// True when the key matched an earlier signal; nothing was written.
+    pub deduplicated: bool,
+}
+
+/// Claim due pending events of one root session under a fresh lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimRequest {
+    /// The root session.
+    pub root_session_id: SessionId,
+    /// Now (ms).
+    pub now_ms: i64,
+    /// Lease length (ms).
+    pub lease_ms: i64,
+    /// Most events in the batch (at least 1).
+    pub max_events: usize,
+    /// Most payload bytes in the batch (the first event is always taken).
+    pub max_bytes: usize,
+    /// Only events with this delivery, if set.
+    pub delivery: Option<Delivery>,
+}
+
+/// A claimed batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboxLease {
+    /// The token every follow-up (admit, release, commit) must present.
+    pub token: String,
+    /// Lease expiry (ms).
+    pub lease_until_ms: i64,
+    /// The events, oldest first.
+    pub events: Vec<InboxEvent>,
+}
+
+/// Give leased events back after a failed delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReleaseRequest {
+    /// The events.
+    pub event_ids: Vec<EventId>,
+    /// Their lease token.
+    pub lease_token: String,
+    /// Now (ms).
+    pub now_ms: i64,
+    /// Not claimable again before now + backoff (ms).
+    pub backoff_ms: i64,
+    /// Dead-letter an event once its attempt count reaches this.
+    pub max_attempts: u32,
+    /// Why delivery failed.
+    pub error: Option<String>,
+}
+
+/// Result of [`Store::release_inbox_lease`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReleaseReport {
+    /// Events back to pending.
+    pub released: u64,
+    /// Events dead-lettered (attempts exhausted).
+    pub dead_lettered: u64,
+}
+
+/// A continuation turn: its messages/state and the leased events it consumes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ContinuationCommit {
+    /// The turn (hidden trigger + assistant/tool messages + state + checkpoint).
+    pub turn: TurnCommit,
+    /// The lease token of the events.
+    pub lease_token: String,
+    /// The events the turn consumed.
+    pub event_ids: Vec<EventId>,
+}
+
+/// Result of [`Store::commit_continuation_turn`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ContinuationCommitted {
+    /// What the turn commit assigned.
+    pub turn: TurnCommitted,
+    /// Events consumed.
+    pub consumed: u64,
+}
+
+/// Row of a new event (internal).
+pub(crate) struct NewEventRow<'a> {
+    pub root_session_id: SessionId,
+    pub scope: ScopeKind,
+    pub scope_id: &'a str,
+    pub event_type: EventType,
+    pub event_key: &'a str,
+    pub delivery: Delivery,
+    pub requires_continuation: bool,
+    pub severity: Option<&'a str>,
+    pub payload_json: &'a str,
+    /// Insert as already consumed (no continuation, no pending count).
+    pub consumed: bool,
+    pub revision: i64,
+    pub now_ms: i64,
+}
+
+pub(crate) fn insert_event_tx(conn: &Connection, e: &NewEventRow<'_>) -> Result<EventId> {
+    let id = EventId::new();
+    let (run_id, group_id) = match e.scope {
+        ScopeKind::Run => (Some(e.scope_id), None),
+        ScopeKind::Group => (None, Some(e.scope_id)),
+    };
+    conn.prepare_cached(
+        "INSERT INTO agent_inbox_events (id, root_session_id, scope_kind, scope_id, run_id, \
+         group_id, event_type, event_key, delivery, requires_continuation, severity, \
+         payload_json, status, revision, created_at, consumed_at) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
+    )?
+    .execute(params![
+        id.to_string(),
+        e.root_session_id.to_string(),
+        e.scope.as_str(),
+        e.scope_id,
+        run_id,
+        group_id,
+        e.event_type.as_str(),
+        e.event_key,
+        e.delivery.as_str(),
+        e.requires_continuation,
+        e.severity,
+        e.payload_json,
+        if e.consumed { "consumed" } else { "pending" },
+        e.revision,
+        e.now_ms,
+        e.consumed.then_some(e.now_ms),
+    ])?;
+    Ok(id)
+}
+
+const EVENT_COLUMNS: &str = "id, root_session_id, scope_kind, run_id, group_id, event_type, \
+    event_key, delivery, requires_continuation, severity, payload_json, status, attempt_count, \
+    lease_token, lease_until, next_attempt_at, admitted_turn_id, last_error, revision, \
+    created_at, consumed_at, dead_lettered_at";
+
+fn event_from_row(r: &Row<'_>) -> Result<InboxEvent> {
+    let s = |i: usize| -> Result<String> { Ok(r.get::<_, String>(i)?) };
+    let requires: i64 = r.get(8)?;
+    let attempts: i64 = r.get(12)?;
+    Ok(InboxEvent {
+        id: parse("agent_inbox_events.id", &s(0)?)?,
+        root_session_id: parse("agent_inbox_events.root_session_id", &s(1)?)?,
+        scope: parse("agent_inbox_events.scope_kind", &s(2)?)?,
+        run_id: parse_opt("agent_inbox_events.run_id", r.get(3)?)?,
+        group_id: parse_opt("agent_inbox_events.group_id", r.get(4)?)?,
+        event_type: parse("agent_inbox_events.event_type", &s(5)?)?,
+        event_key: s(6)?,
+        delivery: parse("agent_inbox_events.delivery", &s(7)?)?,
+        requires_continuation: requires != 0,
+        severity: r.get(9)?,
+        payload_json: s(10)?,
+        status: parse("agent_inbox_events.status", &s(11)?)?,
+        attempt_count: u32::try_from(attempts)
+            .map_err(|_| StoreError::corrupt("agent_inbox_events.attempt_count", attempts))?,
+        lease_token: r.get(13)?,
+        lease_until_ms: r.get(14)?,
+        next_attempt_at_ms: r.get(15)?,
+        admitted_turn_id: parse_opt("agent_inbox_events.admitted_turn_id", r.get(16)?)?,
+        last_error: r.get(17)?,
+        revision: non_negative("agent_inbox_events.revision", r.get(18)?)?,
+        created_at_ms: r.get(19)?,
+        consumed_at_ms: r.get(20)?,
+        dead_lettered_at_ms: r.get(21)?,
+    })
+}
+
+fn query_events(
+    conn: &Connection,
+    where_sql: &str,
+    params: impl rusqlite::Params,
+) -> Result<Vec<InboxEvent>> {
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {EVENT_COLUMNS} FROM agent_inbox_events {where_sql}"
+    ))?;
+    let mut rows = stmt.query(params)?;
+    let mut out = Vec::new();
+    while let Some(r) = rows.next()? {
+        out.push(event_from_row(r)?);
+    }
+    Ok(out)
+}
+
+fn insert_signal_tx(conn: &Connection, s: &NewSignal) -> Result<SignalCommit> {
+    if s.payload_json.len() > MAX_SIGNAL_PAYLOAD_BYTES {
+        return Err(StoreError::InvalidInput(format!(
+            "signal payload is {} bytes, more than {MAX_SIGNAL_PAYLOAD_BYTES}",
+            s.payload_json.len()
+        )));
+    }
+    let run = get_run_tx(conn, &s.run_id)?
+        .ok_or_else(|| StoreError::NotFound(format!("run {}", s.run_id)))?;
+    if run.execution_id != s.execution_id
+        || !matches!(run.status, RunStatus::Running | RunStatus::WaitingChildren)
+    {
+        return Err(StoreError::Stale(format!(
+            "run {} is {} or owned by another execution; signal dropped",
+            s.run_id, run.status
+        )));
+    }
+    let run_key = s.run_id.to_string();
+    let existing = query_events(
+        conn,
+        "WHERE scope_kind = 'run' AND scope_id = ?1 AND event_type = 'signal' AND event_key = ?2",
+        params![run_key, s.event_key],
+    )?;
+    if let Some(e) = existing.into_iter().next() {
+        return Ok(SignalCommit {
+            event_id: e.id,
+            deduplicated: true,
+        });
+    }
+    let root = &run.root_session_id;
+    // Capacity counts reserved completions, so signals can never crowd them out.
+    adjust_counters(conn, root, 1, 0, Some(s.inbox_capacity), s.now_ms)?;
+    let revision = next_revision(conn, root, s.now_ms)?;
+    let event_id = insert_event_tx(
+        conn,
+        &NewEventRow {
+            root_session_id: *root,
+            scope: ScopeKind::Run,
+            scope_id: &run_key,
+            event_type: EventType::Signal,
+            event_key: &s.event_key,
+            delivery: s.delivery,
+            requires_continuation: true,
+            severity: s.severity.as_deref(),
+            payload_json: &s.payload_json,
+            consumed: false,
+            revision,
+            now_ms: s.now_ms,
+        },
+    )?;
+    Ok(SignalCommit {
+        event_id,
+        deduplicated: false,
+    })
+}
+
+fn claim_tx(conn: &Connection, req: &ClaimRequest) -> Result<Option<InboxLease>> {
+    if req.max_events == 0 || req.lease_ms <= 0 {
+        return Err(StoreError::InvalidInput(
+            "a claim needs max_events >= 1 and a positive lease".into(),
+        ));
+    }
+    let due = query_events(
+        conn,
+        "WHERE root_session_id = ?1 AND status = 'pending' \
+           AND (next_attempt_at IS NULL OR next_attempt_at <= ?2) \
+           AND (?3 IS NULL OR delivery = ?3) \
+         ORDER BY created_at, id LIMIT ?4",
+        params![
+            req.root_session_id.to_string(),
+            req.now_ms,
+            req.delivery.map(Delivery::as_str),
+            i64::try_from(req.max_events).unwrap_or(i64::MAX)
+        ],
+    )?;
+    let mut bytes = 0usize;
+    let mut batch = Vec::new();
+    for e in due {
+        bytes += e.payload_json.len();
+        if !batch.is_empty() && bytes > req.max_bytes {
+            break;
+        }
+        batch.push(e);
+    }
+    if batch.is_empty() {
+        return Ok(None);
+    }
+    let token = fresh_id();
+    let until = req.now_ms.saturating_add(req.lease_ms);
+    let revision = next_revision(conn, &req.root_session_id, req.now_ms)?;
+    let mut stmt = conn.prepare_cached(
+        "UPDATE agent_inbox_events SET status = 'leased', lease_token = ?1, lease_until = ?2, \
+         revision = ?3 WHERE id = ?4 AND status = 'pending'",
+    )?;
+    for e in &mut batch {
+        stmt.execute(params![token, until, revision, e.id.to_string()])?;
+        e.status = EventStatus::Leased;
+        e.lease_token = Some(token.clone());
+        e.lease_until_ms = Some(until);
+        e.revision = non_negative("revision", revision)?;
+    }
+    Ok(Some(InboxLease {
+        token,
+        lease_until_ms: until,
+        events: batch,
+    }))
+}
+
+/// Root session of the events, checking they all hold `token` in one of `statuses`.
+fn leased_root(
+    conn: &Connection,
+    ids: &[EventId],
+    token: &str,
+    statuses: &[EventStatus],
+) -> Result<SessionId> {
+    let mut root = None;
+    for id in ids {
+        let e = query_events(conn, "WHERE id = ?1", [id.to_string()])?
+            .pop()
+            .ok_or_else(|| StoreError::NotFound(format!("inbox event {id}")))?;
+        if e.lease_token.as_deref() != Some(token) || !statuses.contains(&e.status) {
+            return Err(StoreError::Stale(format!(
+                "inbox event {id} is {} and no longer held by this lease",
+                e.status.as_str()
+            )));
+        }
+        if root.is_some_and(|r| r != e.root_session_id) {
+            return Err(StoreError::InvalidInput(
+                "events of one lease belong to one root session".into(),
+            ));
+        }
+        root = Some(e.root_session_id);
+    }
+    root.ok_or_else(|| StoreError::InvalidInput("no event ids given".into()))
+}
+
+fn admit_tx(
+    conn: &Connection,
+    ids: &[EventId],
+    token: &str,
+    turn: &TurnId,
+    now_ms: i64,
+) -> Result<u64> {
+    let root = leased_root(conn, ids, token, &[EventStatus::Leased])?;
+    let revision = next_revision(conn, &root, now_ms)?;
+    let mut n = 0;
+    for id in ids {
+        n += conn.execute(
+            "UPDATE agent_inbox_events SET status = 'admitted', admitted_turn_id = ?1, \
+             revision = ?2 WHERE id = ?3 AND lease_token = ?4 AND status = 'leased'",
+            params![turn.to_string(), revision, id.to_string(), token],
+        )? as u64;
+    }
+    Ok(n)
+}
+
+fn release_tx(conn: &Connection, req: &ReleaseRequest) -> Result<ReleaseReport> {
+    let root = leased_root(
+        conn,
+        &req.event_ids,
+        &req.lease_token,
+        &[EventStatus::Leased, EventStatus::Admitted],
+    )?;
+    let revision = next_revision(conn, &root, req.now_ms)?;
+    let mut report = ReleaseReport::default();
+    for id in &req.event_ids {
+        let dead: bool = conn.query_row(
+            "SELECT attempt_count + 1 >= ?1 FROM agent_inbox_events WHERE id = ?2",
+            params![req.max_attempts, id.to_string()],
+            |r| r.get(0),
+        )?;
+        if dead {
+            conn.execute(
+                "UPDATE agent_inbox_events SET status = 'dead_letter', \
+                 attempt_count = attempt_count + 1, lease_token = NULL, lease_until = NULL, \
+                 last_error = ?1, dead_lettered_at = ?2, revision = ?3 WHERE id = ?4",
+                params![req.error, req.now_ms, revision, id.to_string()],
+            )?;
+            report.dead_lettered += 1;
+        } else {
+            conn.execute(
+                "UPDATE agent_inbox_events SET status = 'pending', \
+                 attempt_count = attempt_count + 1, lease_token = NULL, lease_until = NULL, \
+                 admitted_turn_id = NULL, next_attempt_at = ?1, last_error = ?2, revision = ?3 \
+                 WHERE id = ?4",
+                params![
+                    req.now_ms.saturating_add(req.backoff_ms.max(0)),
+                    req.error,
+                    revision,
+                    id.to_string()
+                ],
+            )?;
+            report.released += 1;
+        }
+    }
+    adjust_counters(
+        conn,
+        &root,
+        -i64::try_from(report.dead_lettered).unwrap_or(0),
+        0,
+        None,
+        req.now_ms,
+    )?;
+    Ok(report)
+}
+
+fn dead_letter_tx(conn: &Connection, ids: &[EventId], reason: &str, now_ms: i64) -> Result<u64> {
+    let mut n = 0u64;
+    let mut revisions = Revisions::default();
+    for id in ids {
+        let Some(e) = query_events(conn, "WHERE id = ?1", [id.to_string()])?.pop() else {
+            return Err(StoreError::NotFound(format!("inbox event {id}")));
+        };
+        if !matches!(
+            e.status,
+            EventStatus::Pending | EventStatus::Leased | EventStatus::Admitted
+        ) {
+            continue;
+        }
+        let revision = revisions.of(conn, &e.root_session_id, now_ms)?;
+        conn.execute(
+            "UPDATE agent_inbox_events SET status = 'dead_letter', lease_token = NULL, \
+             lease_until = NULL, last_error = ?1, dead_lettered_at = ?2, revision = ?3 \
+             WHERE id = ?4",
+            params![reason, now_ms, revision, id.to_string()],
+        )?;
+        adjust_counters(conn, &e.root_session_id, -1, 0, None, now_ms)?;
+        n += 1;
+    }
+    Ok(n)
+}
+
+/// Dead-letters every open event of a root session (session archived or deleted; no fallback notice).
+pub(crate) fn dead_letter_session_tx(
+    conn: &Connection,
+    root: &SessionId,
+    reason: &str,
+    revision: i64,
+    now_ms: i64,
+) -> Result<u64> {
+    let n = conn.execute(
+        "UPDATE agent_inbox_events SET status = 'dead_letter', lease_token = NULL, \
+         lease_until = NULL, last_error = ?1, fallback_suppressed_reason = ?1, \
+         dead_lettered_at = ?2, revision = ?3 \
+         WHERE root_session_id = ?4 AND status IN ('pending', 'leased', 'admitted')",
+        params![reason, now_ms, revision, root.to_string()],
+    )? as u64;
+    adjust_counters(conn, root, -i64::try_from(n).unwrap_or(0), 0, None, now_ms)?;
+    Ok(n)
+}
+
+/// Expired leased/admitted events back to pending with one more attempt.
+pub(crate) fn expire_leases_tx(
+    conn: &Connection,
+    now_ms: i64,
+    revisions: &mut Revisions,
+) -> Result<u64> {
+    let roots = {
+        let mut stmt = conn.prepare_cached(
+            "SELECT DISTINCT root_session_id FROM agent_inbox_events \
+             WHERE status IN ('leased', 'admitted') AND lease_until <= ?1",
+        )?;
+        let rows = stmt.query_map([now_ms], |r| r.get::<_, String>(0))?;
+        rows.map(|s| parse::<SessionId>("agent_inbox_events.root_session_id", &s?))
+            .collect::<Result<Vec<_>>>()?
+    };
+    let mut n = 0;
+    for root in &roots {
+        let revision = revisions.of(conn, root, now_ms)?;
+        n += conn.execute(
+            "UPDATE agent_inbox_events SET status = 'pending', lease_token = NULL, \
+             lease_until = NULL, admitted_turn_id = NULL, attempt_count = attempt_count + 1, \
+             next_attempt_at = ?1, last_error = 'lease expired', revision = ?2 \
+             WHERE root_session_id = ?3 AND status IN ('leased', 'admitted') AND lease_until <= ?1",
+            params![now_ms, revision, root.to_string()],
+        )? as u64;
+    }
+    Ok(n)
+}
+
+/// Root sessions with pending events due at `now_ms`.
+pub(crate) fn sessions_with_due_events_tx(
+    conn: &Connection,
+    now_ms: i64,
+) -> Result<Vec<SessionId>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT DISTINCT root_session_id FROM agent_inbox_events WHERE status = 'pending' \
+         AND (next_attempt_at IS NULL OR next_attempt_at <= ?1) ORDER BY root_session_id",
+    )?;
+    let rows = stmt.query_map([now_ms], |r| r.get::<_, String>(0))?;
+    rows.map(|s| parse("agent_inbox_events.root_session_id", &s?))
+        .collect()
+}
+
+fn continuation_tx(
+    conn: &Connection,
+    c: &ContinuationCommit,
+    messages: &[EncodedMessage],
+) -> Result<ContinuationCommitted> {
+    let root = leased_root(
+        conn,
+        &c.event_ids,
+        &c.lease_token,
+        &[EventStatus::Leased, EventStatus::Admitted],
+    )?;
+    let turn = commit_turn_tx(conn, &c.turn, messages)?;
+    let revision = next_revision(conn, &root, c.turn.now_ms)?;
+    let mut consumed = 0u64;
+    for id in &c.event_ids {
+        consumed += conn.execute(
+            "UPDATE agent_inbox_events SET status = 'consumed', consumed_at = ?1, \
+             lease_token = NULL, lease_until = NULL, revision = ?2 \
+             WHERE id = ?3 AND lease_token = ?4 AND status IN ('leased', 'admitted')",
+            params![c.turn.now_ms, revision, id.to_string(), c.lease_token],
+        )? as u64;
+    }
+    adjust_counters(
+        conn,
+        &root,
+        -i64::try_from(consumed).unwrap_or(0),
+        0,
+        None,
+        c.turn.now_ms,
+    )?;
+    Ok(ContinuationCommitted { turn, consumed })
+}
+
+impl Store {
+    /// Inserts a signal of a running run: execution-id checked, deduplicated by key, capacity-checked.
+    pub async fn insert_signal(&self, signal: NewSignal) -> Result<SignalCommit> {
+        self.db.write(move |c| insert_signal_tx(c, &signal)).await
+    }
+
+    /// Leases the oldest due pending events of a root session (bounded by count and bytes); None if nothing is due.
+    pub async fn claim_inbox_batch(&self, request: ClaimRequest) -> Result<Option<InboxLease>> {
+        self.db.write(move |c| claim_tx(c, &request)).await
+    }
+
+    /// leased → admitted into `turn_id` (steer), if `lease_token` still holds them. Returns how many.
+    pub async fn admit_inbox_events(
+        &self,
+        event_ids: Vec<EventId>,
+        lease_token: String,
+        turn_id: TurnId,
+        now_ms: i64,
+    ) -> Result<u64> {
+        self.db
+            .write(move |c| admit_tx(c, &event_ids, &lease_token, &turn_id, now_ms))
+            .await
+    }
+
+    /// Returns leased/admitted events to pending with backoff, or dead-letters those out of attempts.
+    pub async fn release_inbox_lease(&self, request: ReleaseRequest) -> Result<ReleaseReport> {
+        self.db.write(move |c| release_tx(c, &request)).await
+    }
+
+    /// Dead-letters open events (pending/leased/admitted); returns how many moved.
+    pub async fn dead_letter_events(
+        &self,
+        event_ids: Vec<EventId>,
+        reason: String,
+        now_ms: i64,
+    ) -> Result<u64> {
+        self.db
+            .write(move |c| dead_letter_tx(c, &event_ids, &reason, now_ms))
+            .await
+    }
+
+    /// Commits a continuation turn and consumes its leased events in one transaction; a lost lease commits nothing.
+    pub async fn commit_continuation_turn(
+        &self,
+        commit: ContinuationCommit,
+    ) -> Result<ContinuationCommitted> {
+        let encoded = encode(&commit.turn.messages)?;
+        self.db
+            .write(move |c| continuation_tx(c, &commit, &encoded))
+            .await
+    }
+
+    /// Marks a run's unconsumed signals superseded (explicit cancel of the run);
+    /// completions are facts and are never superseded. Returns how many moved.
+    pub async fn supersede_run_signals(&self, run_id: RunId, now_ms: i64) -> Result<u64> {
+        self.db
+            .write(move |c| {
+                let Some(run) = get_run_tx(c, &run_id)? else {
+                    return Err(StoreError::NotFound(format!("run {run_id}")));
+                };
+                let root = run.root_session_id;
+                let revision = next_revision(c, &root, now_ms)?;
+                let n = c.execute(
+                    "UPDATE agent_inbox_events SET status = 'superseded', superseded_at = ?1, \
+                     lease_token = NULL, lease_until = NULL, revision = ?2 \
+                     WHERE scope_kind = 'run' AND scope_id = ?3 AND event_type = 'signal' \
+                       AND status IN ('pending', 'leased', 'admitted')",
+                    params![now_ms, revision, run_id.to_string()],
+                )? as u64;
+                adjust_counters(c, &root, -i64::try_from(n).unwrap_or(0), 0, None, now_ms)?;
+                Ok(n)
+            })
+            .await
+    }
+
+    /// Events of a root session, oldest first.
+    pub async fn list_inbox_events(&self, root_session_id: SessionId) -> Result<Vec<InboxEvent>> {
+        self.db
+            .read(move |c| {
+                query_events(
+                    c,
+                    "WHERE root_session_id = ?1 ORDER BY created_at, id",
+                    [root_session_id.to_string()],
+                )
+            })
+            .await
+    }
+
+    /// Creation time of the oldest pending event due at `now_ms` (fairness: max inbox wait).
+    pub async fn oldest_due_event_at(
+        &self,
+        root_session_id: SessionId,
+        now_ms: i64,
+    ) -> Result<Option<i64>> {
+        self.db
+            .read(move |c| {
+                Ok(c.query_row(
+                    "SELECT min(created_at) FROM agent_inbox_events WHERE root_session_id = ?1 \
+                     AND status = 'pending' AND (next_attempt_at IS NULL OR next_attempt_at <= ?2)",
+                    params![root_session_id.to_string(), now_ms],
+                    |r| r.get(0),
+                )?)
+            })
+            .await
+    }
+
+    /// Root sessions with pending events due at `now_ms`.
+    pub async fn sessions_with_due_events(&self, now_ms: i64) -> Result<Vec<SessionId>> {
+        self.db
+            .read(move |c| sessions_with_due_events_tx(c, now_ms))
+            .await
+    }
+}

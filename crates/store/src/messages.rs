@@ -1,0 +1,351 @@
+//! Messages: append-only rows keyed by (timeline, seq), loads that walk a
+//! timeline's ancestors, and the one-transaction turn commit.
+
+use keel_core::{CheckpointId, Message, SessionId};
+use rusqlite::{params, Connection};
+
+use crate::checkpoints::{insert_checkpoint_tx, put_state_tx, CheckpointRecord, NewCheckpoint};
+use crate::error::{Result, StoreError};
+use crate::sessions::{bump_activity, require_session};
+use crate::Store;
+
+/// The slot name of the default context slot.
+pub const DEFAULT_SLOT: &str = "default";
+
+/// A message to append to a slot of a session.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewMessage {
+    /// The context slot (`"default"` for the default slot).
+    pub slot: String,
+    /// The message; its visibility and origin are stored as columns too.
+    pub message: Message,
+}
+
+impl NewMessage {
+    /// A message for the default slot.
+    pub fn new(message: Message) -> Self {
+        Self {
+            slot: DEFAULT_SLOT.to_owned(),
+            message,
+        }
+    }
+}
+
+/// A message as loaded back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredMessage {
+    /// Position in the session's history (increasing across slots).
+    pub seq: i64,
+    /// The slot it belongs to.
+    pub slot: String,
+    /// The message.
+    pub message: Message,
+    /// When it was appended (ms).
+    pub created_at_ms: i64,
+}
+
+/// Which messages a load returns.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MessageFilter {
+    /// Only messages clients see (hidden continuation triggers are skipped).
+    pub visible_only: bool,
+    /// Only messages with `seq >= from_seq`.
+    pub from_seq: Option<i64>,
+    /// Only messages of this slot.
+    pub slot: Option<String>,
+}
+
+/// Everything one committed turn writes, in one transaction.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TurnCommit {
+    /// The session.
+    pub session_id: SessionId,
+    /// Messages of the turn, appended to the head timeline in order.
+    pub messages: Vec<NewMessage>,
+    /// The session's mutable state after the turn (opaque bytes, content-addressed).
+    pub state: Vec<u8>,
+    /// The checkpoint to record at the end of the turn, if any.
+    pub checkpoint: Option<NewCheckpoint>,
+    /// Visible user inputs in this turn (added to `message_count`).
+    pub visible_user_inputs: u32,
+    /// Commit time (ms).
+    pub now_ms: i64,
+}
+
+/// What a turn commit assigned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TurnCommitted {
+    /// The seq of each message, in order.
+    pub seqs: Vec<i64>,
+    /// Hash of the state blob now live.
+    pub state_hash: String,
+    /// The checkpoint recorded, if one was asked for.
+    pub checkpoint: Option<CheckpointRecord>,
+}
+
+/// Last seq visible from `timeline` (its own, or the fork point when it has none).
+pub(crate) fn last_seq(conn: &Connection, timeline: &str) -> Result<i64> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT coalesce((SELECT max(seq) FROM messages WHERE timeline_id = ?1), \
+                (SELECT coalesce(fork_seq, 0) FROM timelines WHERE id = ?1))",
+    )?;
+    Ok(stmt.query_row([timeline], |r| r.get(0))?)
+}
+
+/// The head timeline of a session (a light lookup for the append path).
+pub(crate) fn head_timeline(conn: &Connection, session: &SessionId) -> Result<String> {
+    let mut stmt = conn.prepare_cached("SELECT head_timeline_id FROM sessions WHERE id = ?1")?;
+    let mut rows = stmt.query([session.to_string()])?;
+    match rows.next()? {
+        Some(r) => r
+            .get::<_, Option<String>>(0)?
+            .ok_or_else(|| StoreError::corrupt("sessions.head_timeline_id", "NULL")),
+        None => Err(StoreError::NotFound(format!("session {session}"))),
+    }
+}
+
+/// A message serialized by the caller's task, so the writer thread only runs SQL.
+pub(crate) struct EncodedMessage {
+    slot: String,
+    role: &'static str,
+    content: String,
+    tool_call_id: Option<String>,
+    tool_name: Option<String>,
+    visibility: &'static str,
+    origin: &'static str,
+}
+
+/// Validates and serializes messages before they reach the writer.
+pub(crate) fn encode(messages: &[NewMessage]) -> Result<Vec<EncodedMessage>> {
+    messages
+        .iter()
+        .map(|m| {
+            if m.slot.is_empty() {
+                return Err(StoreError::InvalidInput("message slot is empty".into()));
+            }
+            Ok(EncodedMessage {
+                slot: m.slot.clone(),
+                role: m.message.role.as_str(),
+                content: serde_json::to_string(&m.message).map_err(|e| {
+                    StoreError::InvalidInput(format!("message does not serialize: {e}"))
+                })?,
+                tool_call_id: m.message.tool_call_id.clone(),
+                tool_name: m.message.tool_name.clone(),
+                visibility: m.message.visibility.as_str(),
+                origin: m.message.origin.as_str(),
+            })
+        })
+        .collect()
+}
+
+/// Appends `messages` to `timeline` of `session`; returns their seqs.
+pub(crate) fn append_tx(
+    conn: &Connection,
+    session: &SessionId,
+    timeline: &str,
+    messages: &[EncodedMessage],
+    now_ms: i64,
+) -> Result<Vec<i64>> {
+    let mut seq = last_seq(conn, timeline)?;
+    let mut stmt = conn.prepare_cached(
+        "INSERT INTO messages (timeline_id, seq, session_id, slot, role, content, tool_call_id, \
+         tool_name, created_at, client_visibility, turn_origin) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+    )?;
+    let session_id = session.to_string();
+    let mut seqs = Vec::with_capacity(messages.len());
+    for m in messages {
+        seq += 1;
+        stmt.execute(params![
+            timeline,
+            seq,
+            session_id,
+            m.slot,
+            m.role,
+            m.content,
+            m.tool_call_id,
+            m.tool_name,
+            now_ms,
+            m.visibility,
+            m.origin,
+        ])?;
+        seqs.push(seq);
+    }
+    Ok(seqs)
+}
+
+/// The ancestor chain of `timeline` as (timeline, last visible seq), root first.
+fn chain(conn: &Connection, timeline: &str, upto: i64) -> Result<Vec<(String, i64)>> {
+    let mut stmt = conn.prepare_cached(
+        "WITH RECURSIVE chain(depth, tid, upto, parent, fseq) AS ( \
+           SELECT 0, id, ?2, parent_timeline_id, fork_seq FROM timelines WHERE id = ?1 \
+           UNION ALL \
+           SELECT c.depth + 1, t.id, min(c.upto, c.fseq), t.parent_timeline_id, t.fork_seq \
+           FROM timelines t JOIN chain c ON t.id = c.parent \
+         ) SELECT tid, upto FROM chain ORDER BY depth DESC",
+    )?;
+    let rows = stmt.query_map(params![timeline, upto], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    Ok(rows.collect::<rusqlite::Result<Vec<_>>>()?)
+}
+
+/// Messages visible from `timeline` up to `upto`: one indexed range scan per
+/// ancestor, root first. The ranges are disjoint and increasing (a child's
+/// seqs start after its fork point), so the concatenation is in seq order.
+pub(crate) fn load_chain(
+    conn: &Connection,
+    timeline: &str,
+    upto: i64,
+    filter: &MessageFilter,
+) -> Result<Vec<StoredMessage>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT seq, slot, content, created_at FROM messages \
+         WHERE timeline_id = ?1 AND seq >= ?2 AND seq <= ?3 \
+           AND (NOT ?4 OR client_visibility = 'visible') AND (?5 IS NULL OR slot = ?5) \
+         ORDER BY seq",
+    )?;
+    let mut out = Vec::new();
+    for (tid, cut) in chain(conn, timeline, upto)? {
+        let mut rows = stmt.query(params![
+            tid,
+            filter.from_seq.unwrap_or(i64::MIN),
+            cut,
+            filter.visible_only,
+            filter.slot
+        ])?;
+        while let Some(r) = rows.next()? {
+            let seq: i64 = r.get(0)?;
+            let content: String = r.get(2)?;
+            let message: Message = serde_json::from_str(&content)
+                .map_err(|e| StoreError::corrupt(&format!("messages.content (seq {seq})"), e))?;
+            out.push(StoredMessage {
+                seq,
+                slot: r.get(1)?,
+                message,
+                created_at_ms: r.get(3)?,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The whole turn commit: messages, state, checkpoint, counters.
+pub(crate) fn commit_turn_tx(
+    conn: &Connection,
+    turn: &TurnCommit,
+    messages: &[EncodedMessage],
+) -> Result<TurnCommitted> {
+    let session = require_session(conn, &turn.session_id)?;
+    let seqs = append_tx(
+        conn,
+        &session.id,
+        session.head_timeline_id.as_str(),
+        messages,
+        turn.now_ms,
+    )?;
+    let state_hash = put_state_tx(conn, &session, &turn.state)?;
+    let checkpoint = match &turn.checkpoint {
+        Some(cp) => {
+            let seq = match seqs.last() {
+                Some(s) => *s,
+                None => last_seq(conn, session.head_timeline_id.as_str())?,
+            };
+            Some(insert_checkpoint_tx(
+                conn,
+                &session.id,
+                &session.head_timeline_id,
+                seq,
+                None,
+                cp,
+                &state_hash,
+                turn.now_ms,
+            )?)
+        }
+        None => None,
+    };
+    bump_activity(conn, &session.id, turn.now_ms, turn.visible_user_inputs)?;
+    Ok(TurnCommitted {
+        seqs,
+        state_hash,
+        checkpoint,
+    })
+}
+
+impl Store {
+    /// Appends one message to the session's head timeline; returns its seq (see [`Store::append_messages`]).
+    pub async fn append_message(
+        &self,
+        session_id: SessionId,
+        message: NewMessage,
+        now_ms: i64,
+    ) -> Result<i64> {
+        let seqs = self
+            .append_messages(session_id, vec![message], now_ms)
+            .await?;
+        seqs.first()
+            .copied()
+            .ok_or_else(|| StoreError::Sqlite("append returned no seq".into()))
+    }
+
+    /// Appends messages in order in one transaction; returns their seqs. Does
+    /// not touch `last_active_at` or `message_count` (see [`Store::commit_turn`], [`Store::touch_session`]).
+    pub async fn append_messages(
+        &self,
+        session_id: SessionId,
+        messages: Vec<NewMessage>,
+        now_ms: i64,
+    ) -> Result<Vec<i64>> {
+        let encoded = encode(&messages)?;
+        self.db
+            .write(move |c| {
+                let timeline = head_timeline(c, &session_id)?;
+                append_tx(c, &session_id, &timeline, &encoded, now_ms)
+            })
+            .await
+    }
+
+    /// Commits a turn (messages + state + optional checkpoint + counters) in one transaction.
+    pub async fn commit_turn(&self, turn: TurnCommit) -> Result<TurnCommitted> {
+        let encoded = encode(&turn.messages)?;
+        self.db
+            .write(move |c| commit_turn_tx(c, &turn, &encoded))
+            .await
+    }
+
+    /// The session's current history (its head timeline and ancestors), filtered, in seq order.
+    pub async fn load_messages(
+        &self,
+        session_id: SessionId,
+        filter: MessageFilter,
+    ) -> Result<Vec<StoredMessage>> {
+        self.db
+            .read(move |c| {
+                let session = require_session(c, &session_id)?;
+                load_chain(c, session.head_timeline_id.as_str(), i64::MAX, &filter)
+            })
+            .await
+    }
+
+    /// The messages a checkpoint saw, filtered, in seq order.
+    pub async fn load_messages_at_checkpoint(
+        &self,
+        checkpoint_id: CheckpointId,
+        filter: MessageFilter,
+    ) -> Result<Vec<StoredMessage>> {
+        self.db
+            .read(move |c| {
+                let cp = crate::checkpoints::require_checkpoint(c, &checkpoint_id)?;
+                load_chain(c, cp.timeline_id.as_str(), cp.seq, &filter)
+            })
+            .await
+    }
+
+    /// The last seq of the session's current history (0 when empty).
+    pub async fn last_seq(&self, session_id: SessionId) -> Result<i64> {
+        self.db
+            .read(move |c| {
+                let session = require_session(c, &session_id)?;
+                last_seq(c, session.head_timeline_id.as_str())
+            })
+            .await
+    }
+}

@@ -1,0 +1,372 @@
+//! Messages and checkpoints: turn commits, replay vs visible loads, slots,
+//! copy-on-write rollback and fork, the checkpoint tree, pruning.
+#![allow(clippy::unwrap_used)] // helpers outside #[test] fns unwrap too
+
+mod common;
+
+use keel_core::{CheckpointId, Message, SessionId, TurnOrigin};
+use keel_store::{
+    CheckpointSource, MessageFilter, NewCheckpoint, NewMessage, PrunePolicy, Store, StoreError,
+    TurnCommit,
+};
+use rusqlite::Connection;
+
+use common::*;
+
+fn turn(session: SessionId, n: u64, state: &str, checkpoint: bool) -> TurnCommit {
+    TurnCommit {
+        session_id: session,
+        messages: vec![user(&format!("q{n}")), assistant(&format!("a{n}"))],
+        state: state.as_bytes().to_vec(),
+        checkpoint: checkpoint.then(|| NewCheckpoint {
+            id: CheckpointId::new(),
+            turn_index: n,
+            source: CheckpointSource::Turn,
+        }),
+        visible_user_inputs: 1,
+        now_ms: 1000 + i64::try_from(n).unwrap(),
+    }
+}
+
+async fn texts(store: &Store, session: SessionId) -> Vec<String> {
+    store
+        .load_messages(session, MessageFilter::default())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.message.text())
+        .collect()
+}
+
+fn count(conn: &Connection, table: &str) -> i64 {
+    conn.query_row(&format!("SELECT count(*) FROM {table}"), [], |r| r.get(0))
+        .unwrap()
+}
+
+#[tokio::test]
+async fn commit_turn_assigns_seqs_and_counts_visible_inputs() {
+    let (_dir, store) = temp_store();
+    let s = store.create_session(new_session("d", 1)).await.unwrap();
+    let c1 = store
+        .commit_turn(turn(s.id, 1, "{\"t\":1}", true))
+        .await
+        .unwrap();
+    assert_eq!(c1.seqs, [1, 2]);
+    let cp = c1.checkpoint.unwrap();
+    assert_eq!((cp.seq, cp.turn_index, cp.parent_id), (2, 1, None));
+    let c2 = store
+        .commit_turn(turn(s.id, 2, "{\"t\":2}", true))
+        .await
+        .unwrap();
+    assert_eq!(c2.seqs, [3, 4]);
+    assert_eq!(c2.checkpoint.unwrap().parent_id, Some(cp.id));
+    let rec = store.get_session(s.id).await.unwrap().unwrap();
+    assert_eq!(rec.message_count, 2);
+    assert_eq!(rec.last_active_at_ms, 1002);
+    assert_eq!(rec.state_hash.as_deref(), Some(c2.state_hash.as_str()));
+    assert_eq!(
+        store.get_state_blob(c2.state_hash).await.unwrap().unwrap(),
+        b"{\"t\":2}"
+    );
+    assert_eq!(store.last_seq(s.id).await.unwrap(), 4);
+    // Single appends continue the sequence.
+    assert_eq!(
+        store.append_message(s.id, user("x"), 2000).await.unwrap(),
+        5
+    );
+    assert!(matches!(
+        store.append_message(SessionId::new(), user("x"), 1).await,
+        Err(StoreError::NotFound(_))
+    ));
+}
+
+#[tokio::test]
+async fn replay_sees_hidden_messages_clients_do_not() {
+    let (_dir, store) = temp_store();
+    let s = store.create_session(new_session("d", 1)).await.unwrap();
+    let trigger = Message::user("[background results]")
+        .hidden()
+        .with_origin(TurnOrigin::AgentContinuation);
+    let msgs = vec![
+        user("hi"),
+        NewMessage::new(trigger),
+        NewMessage::new(Message::assistant("done").with_origin(TurnOrigin::AgentContinuation)),
+        NewMessage {
+            slot: "research".into(),
+            message: Message::assistant("slot note"),
+        },
+    ];
+    store.append_messages(s.id, msgs, 5).await.unwrap();
+    let replay = store
+        .load_messages(s.id, MessageFilter::default())
+        .await
+        .unwrap();
+    assert_eq!(replay.len(), 4);
+    assert_eq!(replay[1].message.origin, TurnOrigin::AgentContinuation);
+    let visible = store
+        .load_messages(
+            s.id,
+            MessageFilter {
+                visible_only: true,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(visible.iter().map(|m| m.seq).collect::<Vec<_>>(), [1, 3, 4]);
+    let from = store
+        .load_messages(
+            s.id,
+            MessageFilter {
+                from_seq: Some(3),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(from.iter().map(|m| m.seq).collect::<Vec<_>>(), [3, 4]);
+    let slot = store
+        .load_messages(
+            s.id,
+            MessageFilter {
+                slot: Some("research".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(slot.len(), 1);
+    assert_eq!(slot[0].slot, "research");
+    assert_eq!(slot[0].seq, 4);
+}
+
+#[tokio::test]
+async fn rollback_and_fork_are_copy_on_write_and_keep_old_branches() {
+    let (dir, store) = temp_store();
+    let s = store.create_session(new_session("d", 1)).await.unwrap();
+    let mut cps = Vec::new();
+    for n in 1..=3 {
+        let c = store
+            .commit_turn(turn(s.id, n, &format!("state{n}"), true))
+            .await
+            .unwrap();
+        cps.push(c.checkpoint.unwrap());
+    }
+    let conn = Connection::open(db_path(&dir)).unwrap();
+    let messages_before = count(&conn, "messages");
+
+    // Roll back to turn 1: O(1) rows, history is the prefix, state is turn 1's.
+    let rb_id = CheckpointId::new();
+    let rb = store.rollback(s.id, cps[0].id, rb_id, 2000).await.unwrap();
+    assert_eq!(rb.source, CheckpointSource::Rollback);
+    assert_eq!(rb.parent_id, Some(cps[0].id));
+    assert_eq!(rb.seq, 2);
+    assert_eq!(count(&conn, "messages"), messages_before, "nothing copied");
+    assert_eq!(texts(&store, s.id).await, ["q1", "a1"]);
+    let rec = store.get_session(s.id).await.unwrap().unwrap();
+    assert_eq!(rec.state_hash, Some(cps[0].state_hash.clone()));
+
+    // New turns continue from seq 3 on the new branch.
+    let c = store
+        .commit_turn(turn(s.id, 9, "state9", true))
+        .await
+        .unwrap();
+    assert_eq!(c.seqs, [3, 4]);
+    assert_eq!(c.checkpoint.as_ref().unwrap().parent_id, Some(rb_id));
+    assert_eq!(texts(&store, s.id).await, ["q1", "a1", "q9", "a9"]);
+
+    // The abandoned branch is still listed and restorable.
+    let listed = store.list_checkpoints(s.id).await.unwrap();
+    assert_eq!(listed.len(), 5);
+    let newest = c.checkpoint.unwrap();
+    assert_eq!(listed[0].id, newest.id, "newest first");
+    assert_eq!(
+        store.latest_checkpoint(s.id).await.unwrap().unwrap().id,
+        newest.id
+    );
+    assert_eq!(
+        store.get_checkpoint(cps[2].id).await.unwrap().unwrap(),
+        cps[2]
+    );
+    assert!(listed.iter().any(|cp| cp.id == cps[2].id));
+    let old: Vec<String> = store
+        .load_messages_at_checkpoint(cps[2].id, MessageFilter::default())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.message.text())
+        .collect();
+    assert_eq!(old, ["q1", "a1", "q2", "a2", "q3", "a3"]);
+
+    // Fork turn 2 into a new session: no copy, independent future.
+    let forked_cp = CheckpointId::new();
+    let (fork, fcp) = store
+        .fork(cps[1].id, new_session("fork", 3000), forked_cp)
+        .await
+        .unwrap();
+    assert_eq!(fcp.source, CheckpointSource::Fork);
+    assert_eq!(fcp.parent_id, Some(cps[1].id));
+    assert_eq!(fork.state_hash, Some(cps[1].state_hash.clone()));
+    assert_eq!(texts(&store, fork.id).await, ["q1", "a1", "q2", "a2"]);
+    let fc = store
+        .commit_turn(turn(fork.id, 5, "f", false))
+        .await
+        .unwrap();
+    assert_eq!(fc.seqs, [5, 6]);
+    assert_eq!(texts(&store, s.id).await, ["q1", "a1", "q9", "a9"]);
+    // Deleting the source session keeps the fork's history.
+    store.soft_delete_session(s.id, 4000).await.unwrap();
+    assert_eq!(
+        texts(&store, fork.id).await,
+        ["q1", "a1", "q2", "a2", "q5", "a5"]
+    );
+    // Rolling back to another session's checkpoint is refused.
+    assert!(matches!(
+        store
+            .rollback(fork.id, cps[0].id, CheckpointId::new(), 5000)
+            .await,
+        Err(StoreError::InvalidInput(_))
+    ));
+}
+
+#[tokio::test]
+async fn unchanged_state_writes_no_blob() {
+    let (dir, store) = temp_store();
+    let s = store.create_session(new_session("d", 1)).await.unwrap();
+    for n in 1..=5 {
+        store
+            .commit_turn(turn(s.id, n, "same", true))
+            .await
+            .unwrap();
+    }
+    let conn = Connection::open(db_path(&dir)).unwrap();
+    assert_eq!(count(&conn, "state_blobs"), 1);
+    store
+        .create_checkpoint(
+            s.id,
+            NewCheckpoint {
+                id: CheckpointId::new(),
+                turn_index: 5,
+                source: CheckpointSource::Manual,
+            },
+            b"same".to_vec(),
+            10,
+        )
+        .await
+        .unwrap();
+    assert_eq!(count(&conn, "state_blobs"), 1);
+    // A replaced state nobody references is freed by the next prune.
+    store
+        .commit_turn(turn(s.id, 6, "new", false))
+        .await
+        .unwrap();
+    store
+        .commit_turn(turn(s.id, 7, "newer", false))
+        .await
+        .unwrap();
+    assert_eq!(count(&conn, "state_blobs"), 3);
+    let report = store
+        .prune_checkpoints(
+            s.id,
+            PrunePolicy {
+                keep_latest: Some(100),
+                older_than_ms: None,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!((report.checkpoints_deleted, report.blobs_deleted), (0, 1));
+    assert_eq!(
+        count(&conn, "state_blobs"),
+        2,
+        "'same' (checkpointed) + 'newer' (live)"
+    );
+}
+
+#[tokio::test]
+async fn prune_keeps_what_heads_and_remaining_checkpoints_need() {
+    let (dir, store) = temp_store();
+    let s = store.create_session(new_session("d", 1)).await.unwrap();
+    let mut cps = Vec::new();
+    for n in 1..=4 {
+        let c = store
+            .commit_turn(turn(s.id, n, &format!("s{n}"), true))
+            .await
+            .unwrap();
+        cps.push(c.checkpoint.unwrap());
+    }
+    // Abandon turns 3-4 by rolling back to turn 2, then add a turn on the new branch.
+    store
+        .rollback(s.id, cps[1].id, CheckpointId::new(), 2000)
+        .await
+        .unwrap();
+    store.commit_turn(turn(s.id, 5, "s5", true)).await.unwrap();
+    let conn = Connection::open(db_path(&dir)).unwrap();
+    assert_eq!(count(&conn, "messages"), 10);
+
+    let report = store
+        .prune_checkpoints(
+            s.id,
+            PrunePolicy {
+                keep_latest: Some(2),
+                older_than_ms: None,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(report.checkpoints_deleted, 4);
+    // The abandoned branch's own messages (turns 3-4) are unreachable now.
+    assert_eq!(report.messages_deleted, 4);
+    assert_eq!(
+        report.timelines_deleted, 0,
+        "the root timeline is the head's ancestor"
+    );
+    assert_eq!(
+        texts(&store, s.id).await,
+        ["q1", "a1", "q2", "a2", "q5", "a5"]
+    );
+    let listed = store.list_checkpoints(s.id).await.unwrap();
+    assert_eq!(listed.len(), 2);
+    assert_eq!(
+        listed[1].parent_id, None,
+        "re-parented past the pruned ones"
+    );
+    assert_eq!(listed[0].parent_id, Some(listed[1].id));
+    // Blobs of pruned checkpoints are gone unless still referenced.
+    assert_eq!(count(&conn, "state_blobs"), 2);
+
+    // Everything older than the future, except the newest, which is kept.
+    let report = store
+        .prune_checkpoints(
+            s.id,
+            PrunePolicy {
+                keep_latest: None,
+                older_than_ms: Some(i64::MAX),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(report.checkpoints_deleted, 1);
+    let report = store.delete_checkpoints(s.id).await.unwrap();
+    assert_eq!(report.checkpoints_deleted, 1);
+    assert!(store.list_checkpoints(s.id).await.unwrap().is_empty());
+    assert_eq!(
+        texts(&store, s.id).await,
+        ["q1", "a1", "q2", "a2", "q5", "a5"]
+    );
+}
+
+#[tokio::test]
+async fn corrupt_message_json_is_a_corruption_error() {
+    let (dir, store) = temp_store();
+    let s = store.create_session(new_session("d", 1)).await.unwrap();
+    store.append_message(s.id, user("x"), 2).await.unwrap();
+    let conn = Connection::open(db_path(&dir)).unwrap();
+    conn.execute("UPDATE messages SET content = '{\"role\":\"wizard\"}'", [])
+        .unwrap();
+    let err = store
+        .load_messages(s.id, MessageFilter::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Corruption(_)), "{err}");
+}

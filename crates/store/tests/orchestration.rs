@@ -1,0 +1,673 @@
+//! Orchestration transactions of seed 002 §8.6: acceptance with completion
+//! reservations, execution-id conditional transitions, terminal commits,
+//! signals, inbox claims, continuation commits, cancellation and recovery.
+#![allow(clippy::unwrap_used)] // helpers outside #[test] fns unwrap too
+
+mod common;
+
+use keel_core::{
+    CompletionPolicy, Delivery, EventId, ExecutionMode, GroupId, Message, RunStatus, SessionId,
+    TurnId, TurnOrigin, Usage,
+};
+use keel_store::{
+    AcceptGroup, AcceptRun, ClaimRequest, ContinuationCommit, EventStatus, EventType, GroupStatus,
+    NewGroup, NewMessage, NewRun, NewSignal, ReleaseRequest, RunCursor, SessionCounters, Store,
+    StoreError, TerminalOutcome, TurnCommit,
+};
+use rusqlite::Connection;
+
+use common::*;
+
+fn accept(run: NewRun, capacity: u32) -> AcceptRun {
+    AcceptRun {
+        run,
+        inbox_capacity: capacity,
+        now_ms: 100,
+    }
+}
+
+fn completed(text: &str) -> TerminalOutcome {
+    TerminalOutcome::Completed {
+        result: text.into(),
+        usage: Usage::new(10, 5),
+        tool_calls: 2,
+        iterations: 3,
+    }
+}
+
+fn group(root: SessionId, policy: CompletionPolicy) -> NewGroup {
+    NewGroup {
+        id: GroupId::new(),
+        root_session_id: root,
+        caller_run_id: None,
+        caller_scope_id: "root-turn".into(),
+        idempotency_key: Some("batch-1".into()),
+        mode: ExecutionMode::Background,
+        completion_policy: policy,
+        completion_delivery: Some(Delivery::Queue),
+        failure_delivery: Some(Delivery::Steer),
+        deadline_at_ms: 1_000_000,
+        runtime_generation: 1,
+    }
+}
+
+fn claim(root: SessionId, now_ms: i64) -> ClaimRequest {
+    ClaimRequest {
+        root_session_id: root,
+        now_ms,
+        lease_ms: 60_000,
+        max_events: 8,
+        max_bytes: 32 * 1024,
+        delivery: None,
+    }
+}
+
+fn counters(pending: u64, reserved: u64) -> (u64, u64) {
+    (pending, reserved)
+}
+
+async fn slots(store: &Store, root: SessionId) -> (u64, u64) {
+    let c: SessionCounters = store.session_counters(root).await.unwrap();
+    (c.pending_event_count, c.reserved_completion_slots)
+}
+
+#[tokio::test]
+async fn background_run_lifecycle_reserves_then_delivers_one_completion() {
+    let (_dir, store) = temp_store();
+    let root = SessionId::new();
+    let run = new_run(root, ExecutionMode::Background);
+    let exec = run.execution_id.clone();
+    let accepted = store.accept_run(accept(run.clone(), 4)).await.unwrap();
+    assert!(!accepted.existing);
+    assert_eq!(accepted.run.status, RunStatus::Queued);
+    assert!(accepted.run.completion_slot_reserved);
+    assert_eq!(slots(&store, root).await, counters(0, 1));
+
+    assert!(store
+        .mark_run_running(run.id, exec.clone(), 110)
+        .await
+        .unwrap());
+    assert!(store
+        .mark_run_waiting_children(run.id, exec.clone(), 120)
+        .await
+        .unwrap());
+    assert!(store
+        .mark_run_running(run.id, exec.clone(), 130)
+        .await
+        .unwrap());
+
+    let commit = store
+        .commit_terminal(run.id, exec.clone(), completed("42"), false, 140)
+        .await
+        .unwrap();
+    assert!(commit.won);
+    assert_eq!(commit.run.status, RunStatus::Completed);
+    assert_eq!(commit.run.result.as_deref(), Some("42"));
+    assert_eq!(commit.run.usage, Some(Usage::new(10, 5)));
+    assert_eq!(commit.run.started_at_ms, Some(110));
+    assert!(!commit.run.completion_slot_reserved);
+    assert_eq!(
+        slots(&store, root).await,
+        counters(1, 0),
+        "reservation became an event"
+    );
+
+    // A late duplicate is dropped and changes nothing.
+    let late = store
+        .commit_terminal(run.id, exec, completed("late"), false, 150)
+        .await
+        .unwrap();
+    assert!(!late.won);
+    assert_eq!(late.run.result.as_deref(), Some("42"));
+    let events = store.list_inbox_events(root).await.unwrap();
+    assert_eq!(events.len(), 1);
+    assert_eq!(events[0].event_type, EventType::Completion);
+    assert_eq!(Some(events[0].id), commit.event_id);
+    let payload: serde_json::Value = serde_json::from_str(&events[0].payload_json).unwrap();
+    assert_eq!(payload["result"], "42");
+}
+
+#[tokio::test]
+async fn execution_id_mismatch_updates_zero_rows() {
+    let (_dir, store) = temp_store();
+    let root = SessionId::new();
+    let run = new_run(root, ExecutionMode::Foreground);
+    store.accept_run(accept(run.clone(), 4)).await.unwrap();
+    let before = store.get_run(run.id).await.unwrap().unwrap();
+    let wrong = "exec-from-a-previous-life".to_string();
+    assert!(!store
+        .mark_run_running(run.id, wrong.clone(), 110)
+        .await
+        .unwrap());
+    assert!(!store
+        .mark_run_waiting_children(run.id, wrong.clone(), 110)
+        .await
+        .unwrap());
+    let t = store
+        .commit_terminal(run.id, wrong, completed("stolen"), false, 120)
+        .await
+        .unwrap();
+    assert!(!t.won);
+    let after = store.get_run(run.id).await.unwrap().unwrap();
+    assert_eq!(after, before, "not a single column changed");
+    // Wrong state transition is refused too.
+    assert!(!store
+        .mark_run_waiting_children(run.id, run.execution_id.clone(), 130)
+        .await
+        .unwrap());
+    // Foreground runs reserve nothing and produce no event.
+    let t = store
+        .commit_terminal(
+            run.id,
+            run.execution_id.clone(),
+            completed("ok"),
+            false,
+            140,
+        )
+        .await
+        .unwrap();
+    assert!(t.won && t.event_id.is_none());
+    assert_eq!(slots(&store, root).await, counters(0, 0));
+}
+
+#[tokio::test]
+async fn two_acceptances_for_the_last_slot_exactly_one_wins() {
+    let (dir, store) = temp_store();
+    let root = SessionId::new();
+    // Fill capacity 3 up to 2.
+    for _ in 0..2 {
+        store
+            .accept_run(accept(new_run(root, ExecutionMode::Background), 3))
+            .await
+            .unwrap();
+    }
+    // Same store (group-committed together) and a second store on the same
+    // file (a separate writer connection) race for the last slot.
+    let other = Store::open(db_path(&dir), fast_options()).unwrap();
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(3));
+    let mut tasks = Vec::new();
+    for s in [store.clone(), store.clone(), other.clone()] {
+        let barrier = barrier.clone();
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            s.accept_run(accept(new_run(root, ExecutionMode::Background), 3))
+                .await
+        }));
+    }
+    let mut won = 0;
+    let mut full = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(_) => won += 1,
+            Err(StoreError::InboxFull { capacity: 3, .. }) => full += 1,
+            Err(e) => panic!("unexpected {e}"),
+        }
+    }
+    assert_eq!((won, full), (1, 2));
+    assert_eq!(slots(&store, root).await, counters(0, 3));
+    let runs = store.list_runs(root, None, 100).await.unwrap();
+    assert_eq!(runs.items.len(), 3, "losers left no row");
+}
+
+#[tokio::test]
+async fn idempotency_key_returns_the_existing_run_and_group() {
+    let (_dir, store) = temp_store();
+    let root = SessionId::new();
+    let mut run = new_run(root, ExecutionMode::Background);
+    run.idempotency_key = Some("k1".into());
+    let first = store.accept_run(accept(run.clone(), 4)).await.unwrap();
+    let mut retry = new_run(root, ExecutionMode::Background);
+    retry.idempotency_key = Some("k1".into());
+    let second = store.accept_run(accept(retry, 4)).await.unwrap();
+    assert!(second.existing);
+    assert_eq!(second.run.id, first.run.id);
+    assert_eq!(
+        slots(&store, root).await,
+        counters(0, 1),
+        "no second reservation"
+    );
+
+    let g = group(root, CompletionPolicy::All);
+    let req = AcceptGroup {
+        group: g.clone(),
+        runs: vec![
+            new_run(root, ExecutionMode::Background),
+            new_run(root, ExecutionMode::Background),
+        ],
+        inbox_capacity: 4,
+        now_ms: 100,
+    };
+    let a = store.accept_agent_group(req.clone()).await.unwrap();
+    assert_eq!(a.runs.len(), 2);
+    assert!(a
+        .runs
+        .iter()
+        .all(|r| r.idempotency_key.is_none() && r.group_id == Some(g.id)));
+    let mut again = req;
+    again.group.id = GroupId::new();
+    let b = store.accept_agent_group(again).await.unwrap();
+    assert!(b.existing);
+    assert_eq!(b.group.id, g.id);
+    assert_eq!(slots(&store, root).await, counters(0, 2));
+}
+
+#[tokio::test]
+async fn group_all_yields_one_group_completion_after_the_last_run() {
+    let (_dir, store) = temp_store();
+    let root = SessionId::new();
+    let g = group(root, CompletionPolicy::All);
+    let runs = vec![
+        new_run(root, ExecutionMode::Background),
+        new_run(root, ExecutionMode::Background),
+    ];
+    let accepted = store
+        .accept_agent_group(AcceptGroup {
+            group: g.clone(),
+            runs: runs.clone(),
+            inbox_capacity: 4,
+            now_ms: 100,
+        })
+        .await
+        .unwrap();
+    assert!(accepted.group.completion_slot_reserved);
+    assert!(accepted.runs.iter().all(|r| !r.completion_slot_reserved));
+    assert_eq!(slots(&store, root).await, counters(0, 1));
+
+    store
+        .mark_run_running(runs[0].id, runs[0].execution_id.clone(), 110)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.get_group(g.id).await.unwrap().unwrap().status,
+        GroupStatus::Running
+    );
+    let first = store
+        .commit_terminal(
+            runs[0].id,
+            runs[0].execution_id.clone(),
+            completed("a"),
+            false,
+            120,
+        )
+        .await
+        .unwrap();
+    assert!(first.won && first.event_id.is_none() && first.finished_group.is_none());
+    let last = store
+        .commit_terminal(
+            runs[1].id,
+            runs[1].execution_id.clone(),
+            TerminalOutcome::Failed {
+                error: "boom".into(),
+                usage: None,
+            },
+            false,
+            130,
+        )
+        .await
+        .unwrap();
+    let finished = last.finished_group.unwrap();
+    assert_eq!(finished.status, GroupStatus::Partial);
+    assert_eq!((finished.terminal_runs, finished.abnormal_runs), (2, 1));
+    let events = store.list_inbox_events(root).await.unwrap();
+    assert_eq!(events.len(), 1);
+    assert_eq!(events[0].event_type, EventType::GroupCompletion);
+    assert_eq!(events[0].delivery, Delivery::Steer, "failure delivery");
+    assert_eq!(slots(&store, root).await, counters(1, 0));
+}
+
+#[tokio::test]
+async fn signals_are_deduplicated_capacity_checked_and_need_a_live_execution() {
+    let (_dir, store) = temp_store();
+    let root = SessionId::new();
+    let run = new_run(root, ExecutionMode::Background);
+    store.accept_run(accept(run.clone(), 2)).await.unwrap();
+    let signal = |key: &str| NewSignal {
+        run_id: run.id,
+        execution_id: run.execution_id.clone(),
+        event_key: key.into(),
+        delivery: Delivery::Queue,
+        severity: Some("info".into()),
+        payload_json: r#"{"summary":"halfway"}"#.into(),
+        inbox_capacity: 2,
+        now_ms: 200,
+    };
+    // Queued runs cannot signal yet.
+    assert!(matches!(
+        store.insert_signal(signal("s1")).await,
+        Err(StoreError::Stale(_))
+    ));
+    store
+        .mark_run_running(run.id, run.execution_id.clone(), 110)
+        .await
+        .unwrap();
+    let first = store.insert_signal(signal("s1")).await.unwrap();
+    assert!(!first.deduplicated);
+    let dup = store.insert_signal(signal("s1")).await.unwrap();
+    assert!(dup.deduplicated);
+    assert_eq!(dup.event_id, first.event_id);
+    // Capacity 2 = 1 reserved completion + 1 signal: the next signal does not fit.
+    assert!(matches!(
+        store.insert_signal(signal("s2")).await,
+        Err(StoreError::InboxFull { .. })
+    ));
+    assert_eq!(slots(&store, root).await, counters(1, 1));
+    // Cancelling the run supersedes its open signals; the completion stays a fact.
+    assert_eq!(store.supersede_run_signals(run.id, 300).await.unwrap(), 1);
+    assert_eq!(slots(&store, root).await, counters(0, 1));
+    let mut foreign = signal("s3");
+    foreign.execution_id = "other".into();
+    assert!(matches!(
+        store.insert_signal(foreign).await,
+        Err(StoreError::Stale(_))
+    ));
+}
+
+async fn root_with_events(store: &Store, n: usize) -> (SessionId, Vec<EventId>) {
+    let session = store.create_session(new_session("root", 1)).await.unwrap();
+    let root = session.id;
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let run = new_run(root, ExecutionMode::Background);
+        store.accept_run(accept(run.clone(), 100)).await.unwrap();
+        let c = store
+            .commit_terminal(
+                run.id,
+                run.execution_id,
+                completed(&format!("r{i}")),
+                false,
+                200 + i as i64,
+            )
+            .await
+            .unwrap();
+        ids.push(c.event_id.unwrap());
+    }
+    (root, ids)
+}
+
+#[tokio::test]
+async fn claim_then_continuation_consumes_events_with_the_turn() {
+    let (_dir, store) = temp_store();
+    let (root, ids) = root_with_events(&store, 3).await;
+    let mut req = claim(root, 1000);
+    req.max_events = 2;
+    let lease = store.claim_inbox_batch(req).await.unwrap().unwrap();
+    assert_eq!(
+        lease.events.iter().map(|e| e.id).collect::<Vec<_>>(),
+        ids[..2]
+    );
+    assert!(lease.events.iter().all(|e| e.status == EventStatus::Leased));
+    // Leased events are not claimed twice.
+    let second = store
+        .claim_inbox_batch(claim(root, 1000))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(second.events.len(), 1);
+
+    let trigger = Message::user("[results]")
+        .hidden()
+        .with_origin(TurnOrigin::AgentContinuation);
+    let answer = Message::assistant("summary").with_origin(TurnOrigin::AgentContinuation);
+    let commit = ContinuationCommit {
+        turn: TurnCommit {
+            session_id: root,
+            messages: vec![NewMessage::new(trigger), NewMessage::new(answer)],
+            state: b"{}".to_vec(),
+            checkpoint: None,
+            visible_user_inputs: 0,
+            now_ms: 1100,
+        },
+        lease_token: lease.token.clone(),
+        event_ids: ids[..2].to_vec(),
+    };
+    let done = store
+        .commit_continuation_turn(commit.clone())
+        .await
+        .unwrap();
+    assert_eq!(done.consumed, 2);
+    assert_eq!(done.turn.seqs, [1, 2]);
+    assert_eq!(slots(&store, root).await, counters(1, 0));
+    // Replaying the same commit (lease gone) commits nothing.
+    let err = store.commit_continuation_turn(commit).await.unwrap_err();
+    assert!(matches!(err, StoreError::Stale(_)), "{err}");
+    assert_eq!(store.last_seq(root).await.unwrap(), 2);
+    let rec = store.get_session(root).await.unwrap().unwrap();
+    assert_eq!(rec.message_count, 0, "hidden triggers are not user input");
+}
+
+#[tokio::test]
+async fn release_backs_off_and_dead_letters_after_max_attempts() {
+    let (_dir, store) = temp_store();
+    let (root, ids) = root_with_events(&store, 1).await;
+    let release = |token: String, now| ReleaseRequest {
+        event_ids: ids.clone(),
+        lease_token: token,
+        now_ms: now,
+        backoff_ms: 500,
+        max_attempts: 2,
+        error: Some("provider down".into()),
+    };
+    let lease = store
+        .claim_inbox_batch(claim(root, 1000))
+        .await
+        .unwrap()
+        .unwrap();
+    // Steer admission, then the turn fails.
+    assert_eq!(
+        store
+            .admit_inbox_events(ids.clone(), lease.token.clone(), TurnId::new(), 1001)
+            .await
+            .unwrap(),
+        1
+    );
+    let r = store
+        .release_inbox_lease(release(lease.token.clone(), 1010))
+        .await
+        .unwrap();
+    assert_eq!((r.released, r.dead_lettered), (1, 0));
+    // Backoff: not due before 1510.
+    assert!(store
+        .claim_inbox_batch(claim(root, 1500))
+        .await
+        .unwrap()
+        .is_none());
+    // A stale token cannot release again.
+    assert!(matches!(
+        store.release_inbox_lease(release(lease.token, 1600)).await,
+        Err(StoreError::Stale(_))
+    ));
+    let lease = store
+        .claim_inbox_batch(claim(root, 1510))
+        .await
+        .unwrap()
+        .unwrap();
+    let r = store
+        .release_inbox_lease(release(lease.token, 1520))
+        .await
+        .unwrap();
+    assert_eq!((r.released, r.dead_lettered), (0, 1));
+    let events = store.list_inbox_events(root).await.unwrap();
+    assert_eq!(events[0].status, EventStatus::DeadLetter);
+    assert_eq!(events[0].attempt_count, 2);
+    assert_eq!(slots(&store, root).await, counters(0, 0));
+}
+
+#[tokio::test]
+async fn cancel_session_cancels_runs_releases_slots_and_dead_letters_events() {
+    let (_dir, store) = temp_store();
+    let (root, _ids) = root_with_events(&store, 2).await;
+    let live = new_run(root, ExecutionMode::Background);
+    store.accept_run(accept(live.clone(), 100)).await.unwrap();
+    store
+        .accept_agent_group(AcceptGroup {
+            group: group(root, CompletionPolicy::All),
+            runs: vec![new_run(root, ExecutionMode::Background)],
+            inbox_capacity: 100,
+            now_ms: 100,
+        })
+        .await
+        .unwrap();
+    assert_eq!(slots(&store, root).await, counters(2, 2));
+    let revision_before = store.session_counters(root).await.unwrap().revision;
+    let report = store
+        .cancel_session(root, "session_deleted".into(), 500)
+        .await
+        .unwrap();
+    // One transaction, one new client revision, stamped on every row it changed.
+    let revision = store.session_counters(root).await.unwrap().revision;
+    assert_eq!(revision, revision_before + 1);
+    for id in &report.runs_cancelled {
+        assert_eq!(
+            store.get_run(*id).await.unwrap().unwrap().revision,
+            revision
+        );
+    }
+    let events = store.list_inbox_events(root).await.unwrap();
+    assert!(events
+        .iter()
+        .all(|e| e.status == EventStatus::DeadLetter && e.revision == revision));
+    assert_eq!(report.runs_cancelled.len(), 2);
+    assert_eq!(report.reservations_released, 2);
+    assert_eq!(report.events_dead_lettered, 2);
+    assert_eq!(report.groups_cancelled, 1);
+    assert_eq!(slots(&store, root).await, counters(0, 0));
+    let run = store.get_run(live.id).await.unwrap().unwrap();
+    assert_eq!(run.status, RunStatus::Cancelled);
+    // A runner finishing afterwards loses.
+    let late = store
+        .commit_terminal(live.id, live.execution_id, completed("x"), false, 600)
+        .await
+        .unwrap();
+    assert!(!late.won);
+    assert!(store
+        .claim_inbox_batch(claim(root, 700))
+        .await
+        .unwrap()
+        .is_none());
+}
+
+#[tokio::test]
+async fn recover_interrupts_old_generations_expires_leases_and_repairs_counters() {
+    let (dir, store) = temp_store();
+    let (root, ids) = root_with_events(&store, 1).await;
+    let old = new_run(root, ExecutionMode::Background);
+    store.accept_run(accept(old.clone(), 100)).await.unwrap();
+    let mut current = new_run(root, ExecutionMode::Background);
+    current.runtime_generation = 2;
+    store
+        .accept_run(accept(current.clone(), 100))
+        .await
+        .unwrap();
+    let lease = store
+        .claim_inbox_batch(claim(root, 1000))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(lease.events[0].id, ids[0]);
+
+    // Corrupt the counters behind the store's back.
+    {
+        let conn = Connection::open(db_path(&dir)).unwrap();
+        conn.execute(
+            "UPDATE agent_session_state SET pending_event_count = 7, reserved_completion_slots = 9",
+            [],
+        )
+        .unwrap();
+    }
+    let revision_before = store.session_counters(root).await.unwrap().revision;
+    let report = store.recover(2, 1_000_000).await.unwrap();
+    assert_eq!(
+        report.counters_repaired[0].after.revision,
+        revision_before + 1,
+        "recovery allocates one revision per root session"
+    );
+    assert_eq!(report.interrupted_runs, [old.id]);
+    assert_eq!(report.completion_events, 1);
+    assert_eq!(report.leases_expired, 1);
+    assert_eq!(report.counters_repaired.len(), 1);
+    let repair = &report.counters_repaired[0];
+    assert_eq!(repair.root_session_id, root);
+    // Before recomputation: the corrupted 7/9 moved by this transaction's own
+    // conversion of the old run's reservation (+1 pending, -1 reserved).
+    assert_eq!(
+        (
+            repair.before.pending_event_count,
+            repair.before.reserved_completion_slots
+        ),
+        (8, 8)
+    );
+    assert_eq!(
+        (
+            repair.after.pending_event_count,
+            repair.after.reserved_completion_slots
+        ),
+        (2, 1),
+        "two open completions, one live reservation"
+    );
+    assert_eq!(report.sessions_with_due_events, [root]);
+    let interrupted = store.get_run(old.id).await.unwrap().unwrap();
+    assert_eq!(interrupted.status, RunStatus::Interrupted);
+    let events = store.list_inbox_events(root).await.unwrap();
+    assert_eq!(events[0].status, EventStatus::Pending);
+    assert_eq!(events[0].attempt_count, 1);
+    // Running recovery again finds nothing to do.
+    let again = store.recover(2, 1_000_001).await.unwrap();
+    assert!(again.interrupted_runs.is_empty() && again.counters_repaired.is_empty());
+    assert_eq!(slots(&store, root).await, counters(2, 1));
+}
+
+#[tokio::test]
+async fn run_listing_paginates_newest_first_and_finds_children() {
+    let (_dir, store) = temp_store();
+    let root = SessionId::new();
+    let parent = new_run(root, ExecutionMode::Foreground);
+    store.accept_run(accept(parent.clone(), 10)).await.unwrap();
+    let mut all = vec![parent.id];
+    for _ in 0..6 {
+        let mut child = new_run(root, ExecutionMode::Foreground);
+        child.parent_run_id = Some(parent.id);
+        child.depth = 2;
+        store.accept_run(accept(child.clone(), 10)).await.unwrap();
+        all.push(child.id);
+    }
+    let kids = store.child_runs(parent.id).await.unwrap();
+    assert_eq!(kids.len(), 6);
+    let mut seen = Vec::new();
+    let mut cursor: Option<RunCursor> = None;
+    loop {
+        let page = store.list_runs(root, cursor, 3).await.unwrap();
+        seen.extend(page.items.iter().map(|r| r.id));
+        // Inserts between pages do not disturb later pages.
+        store
+            .accept_run(AcceptRun {
+                run: new_run(root, ExecutionMode::Foreground),
+                inbox_capacity: 10,
+                now_ms: 100,
+            })
+            .await
+            .unwrap();
+        match page.next_cursor {
+            Some(c) => cursor = Some(c),
+            None => break,
+        }
+    }
+    all.reverse();
+    assert_eq!(seen, all);
+}
+
+#[tokio::test]
+async fn unknown_enum_text_on_disk_is_corruption() {
+    let (dir, store) = temp_store();
+    let root = SessionId::new();
+    let run = new_run(root, ExecutionMode::Foreground);
+    store.accept_run(accept(run.clone(), 10)).await.unwrap();
+    {
+        let conn = Connection::open(db_path(&dir)).unwrap();
+        conn.execute_batch("PRAGMA ignore_check_constraints = ON")
+            .unwrap();
+        conn.execute("UPDATE agent_runs SET status = 'finished'", [])
+            .unwrap();
+    }
+    let err = store.get_run(run.id).await.unwrap_err();
+    insta::assert_snapshot!(err, @r#"corrupt data: agent_runs.status: unknown run status "finished""#);
+}

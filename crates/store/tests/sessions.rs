@@ -1,0 +1,175 @@
+//! Sessions and dialogs: create/upsert/get, rename, soft delete, the tree,
+//! and cursor pagination that stays stable while dialogs are created.
+#![allow(clippy::unwrap_used)] // helpers outside #[test] fns unwrap too
+
+mod common;
+
+use keel_store::{DialogQuery, StoreError};
+
+use common::*;
+
+fn query(limit: usize) -> DialogQuery {
+    DialogQuery {
+        channel: "cli_chat".into(),
+        chat_id: "chat-1".into(),
+        include_deleted: false,
+        limit,
+        cursor: None,
+    }
+}
+
+#[tokio::test]
+async fn create_get_rename_touch_and_soft_delete() {
+    let (_dir, store) = temp_store();
+    let s = new_session("default", 100);
+    let created = store.create_session(s.clone()).await.unwrap();
+    assert_eq!(created.title, "Dialog default");
+    assert_eq!(created.created_at_ms, 100);
+    assert_eq!(created.message_count, 0);
+    assert!(created.state_hash.is_none());
+
+    // Same id again, or another id for the same dialog: conflicts.
+    assert!(matches!(
+        store.create_session(s.clone()).await,
+        Err(StoreError::Conflict(_))
+    ));
+    let mut clash = new_session("default", 101);
+    clash.title = "other".into();
+    assert!(matches!(
+        store.create_session(clash).await,
+        Err(StoreError::Conflict(_))
+    ));
+
+    let mut up = s.clone();
+    up.title = "Renamed by upsert".into();
+    up.delivery_context = Some(r#"{"reply":"x"}"#.into());
+    up.now_ms = 150;
+    let updated = store.upsert_session(up).await.unwrap();
+    assert_eq!(updated.title, "Renamed by upsert");
+    assert_eq!(
+        updated.delivery_context.as_deref(),
+        Some(r#"{"reply":"x"}"#)
+    );
+    assert_eq!(updated.last_active_at_ms, 150);
+
+    store
+        .rename_session(s.id, "Trip plans".into(), 160)
+        .await
+        .unwrap();
+    store.touch_session(s.id, 170).await.unwrap();
+    let got = store.get_session(s.id).await.unwrap().unwrap();
+    assert_eq!(got.title, "Trip plans");
+    assert_eq!(got.last_active_at_ms, 170);
+    let by_key = store
+        .get_dialog("cli_chat", "chat-1", "default")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(by_key.id, s.id);
+
+    assert!(store.soft_delete_session(s.id, 180).await.unwrap());
+    assert!(!store.soft_delete_session(s.id, 190).await.unwrap());
+    let deleted = store.get_session(s.id).await.unwrap().unwrap();
+    assert_eq!(deleted.deleted_at_ms, Some(180));
+    assert!(store
+        .list_dialogs(query(10))
+        .await
+        .unwrap()
+        .items
+        .is_empty());
+    let mut all = query(10);
+    all.include_deleted = true;
+    assert_eq!(store.list_dialogs(all).await.unwrap().items.len(), 1);
+
+    let missing = keel_core::SessionId::new();
+    assert!(matches!(
+        store.rename_session(missing, "x".into(), 1).await,
+        Err(StoreError::NotFound(_))
+    ));
+    assert!(store.get_session(missing).await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn empty_keys_are_rejected_before_sql() {
+    let (_dir, store) = temp_store();
+    let mut s = new_session("", 1);
+    s.dialog_id.clear();
+    assert!(matches!(
+        store.create_session(s).await,
+        Err(StoreError::InvalidInput(_))
+    ));
+}
+
+#[tokio::test]
+async fn latest_active_dialog_and_session_tree() {
+    let (_dir, store) = temp_store();
+    let a = store.create_session(new_session("a", 10)).await.unwrap();
+    let b = store.create_session(new_session("b", 20)).await.unwrap();
+    store.touch_session(a.id, 30).await.unwrap();
+    let latest = store
+        .latest_active_dialog("cli_chat", "chat-1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(latest.id, a.id);
+    store.soft_delete_session(a.id, 40).await.unwrap();
+    let latest = store
+        .latest_active_dialog("cli_chat", "chat-1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(latest.id, b.id);
+    assert!(store
+        .latest_active_dialog("cli_chat", "nobody")
+        .await
+        .unwrap()
+        .is_none());
+
+    let mut child = new_session("b-child", 50);
+    child.parent_id = Some(b.id);
+    child.agent_id = Some(keel_core::AgentId::parse("researcher").unwrap());
+    let child = store.create_session(child).await.unwrap();
+    let children = store.child_sessions(b.id).await.unwrap();
+    assert_eq!(children.len(), 1);
+    assert_eq!(children[0].id, child.id);
+    assert_eq!(child.parent_id, Some(b.id));
+}
+
+#[tokio::test]
+async fn pagination_is_stable_under_inserts() {
+    let (_dir, store) = temp_store();
+    let mut ids = Vec::new();
+    for i in 0..10 {
+        // Two dialogs share each timestamp: the id breaks the tie.
+        let s = store
+            .create_session(new_session(&format!("d{i}"), 1000 + i / 2))
+            .await
+            .unwrap();
+        ids.push(s.id);
+    }
+    // Newest first = reverse creation order (v7 ids grow within a millisecond).
+    let expected: Vec<_> = ids.iter().rev().copied().collect();
+
+    let first = store.list_dialogs(query(4)).await.unwrap();
+    let mut seen: Vec<_> = first.items.iter().map(|s| s.id).collect();
+    let mut cursor = first.next_cursor;
+    let mut n = 0;
+    while let Some(c) = cursor {
+        // Meanwhile new dialogs keep arriving (newer than everything listed).
+        store
+            .create_session(new_session(&format!("new{n}"), 2000 + n))
+            .await
+            .unwrap();
+        n += 1;
+        let mut q = query(4);
+        q.cursor = Some(c);
+        let page = store.list_dialogs(q).await.unwrap();
+        seen.extend(page.items.iter().map(|s| s.id));
+        cursor = page.next_cursor;
+    }
+    assert_eq!(seen, expected, "no duplicates, no gaps");
+    assert!(matches!(
+        store.list_dialogs(query(0)).await,
+        Err(StoreError::InvalidInput(_))
+    ));
+}
