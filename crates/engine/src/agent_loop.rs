@@ -11,7 +11,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use futures::StreamExt;
 use keel_core::{
-    ChatRequest, Message, Provider, ProviderError, ResponseAccumulator, StreamEvent, ToolCall,
+    ChatRequest, DelegationPolicy, Message, Provider, ProviderError, ResponseAccumulator, StreamEvent, ToolCall,
     ToolError, ToolExecutionContext, ToolOutput, ToolRegistry, Usage,
 };
 use tokio::sync::mpsc;
@@ -187,7 +187,8 @@ impl AgentLoop {
                 let _ = tx.send(e);
             }
         };
-        let mut context_msgs: Vec<Message> = system_prompt.map(Message::system).into_iter().collect();
+        let mut context_msgs: Vec<Message> =
+            system_prompt.map(Message::system).into_iter().collect();
         context_msgs.extend(history);
         let mut new_messages = input;
         let definitions = tools.definitions();
@@ -256,7 +257,15 @@ impl AgentLoop {
                 is_error: true,
             },
             Some(tool) => {
-                let result = match self.gate.tool_step(ctx).await {
+                // Runtime-control tools (delegate, agent_task) take no tool-step
+                // permit: a parent waiting on children must hold no permit, or
+                // nested delegation with every limit at 1 would deadlock.
+                let permit = if tool.delegation_policy() == DelegationPolicy::RuntimeInjected {
+                    Ok(None)
+                } else {
+                    self.gate.tool_step(ctx).await.map(Some)
+                };
+                let result = match permit {
                     Err(_) => Err(ToolError::Cancelled),
                     Ok(_permit) => tokio::select! {
                         biased;

@@ -20,7 +20,11 @@ impl UnifiedSessionId {
     /// Validates and joins the three parts. Each is 1 to 128 characters
     /// without ':' or control characters.
     pub fn new(channel: &str, chat_id: &str, dialog_id: &str) -> Result<Self, EngineError> {
-        for (name, part) in [("channel", channel), ("chat_id", chat_id), ("dialog_id", dialog_id)] {
+        for (name, part) in [
+            ("channel", channel),
+            ("chat_id", chat_id),
+            ("dialog_id", dialog_id),
+        ] {
             validate_part(name, part)?;
         }
         Ok(Self {
@@ -92,16 +96,25 @@ mod tests {
     #[test]
     fn parses_and_formats() {
         let id: UnifiedSessionId = "cli:alice:d1".parse().unwrap();
-        assert_eq!((id.channel(), id.chat_id(), id.dialog_id()), ("cli", "alice", "d1"));
+        assert_eq!(
+            (id.channel(), id.chat_id(), id.dialog_id()),
+            ("cli", "alice", "d1")
+        );
         assert_eq!(id.to_string(), "cli:alice:d1");
     }
 
     #[test]
     fn rejects_malformed_ids() {
-        let errs: Vec<String> = ["cli:alice", "a:b:c:d", "::", "cli:al\nice:d", &format!("c:{}:d", "x".repeat(129))]
-            .iter()
-            .map(|s| s.parse::<UnifiedSessionId>().unwrap_err().to_string())
-            .collect();
+        let errs: Vec<String> = [
+            "cli:alice",
+            "a:b:c:d",
+            "::",
+            "cli:al\nice:d",
+            &format!("c:{}:d", "x".repeat(129)),
+        ]
+        .iter()
+        .map(|s| s.parse::<UnifiedSessionId>().unwrap_err().to_string())
+        .collect();
         insta::assert_yaml_snapshot!(errs, @r#"
         - "invalid input: \"cli:alice\" is not channel:chat_id:dialog_id"
         - "invalid input: \"a:b:c:d\" is not channel:chat_id:dialog_id"

@@ -2,6 +2,7 @@
 //! session, checkpoint and dialog operations.
 
 use keel_core::{CheckpointId, ProviderError, SessionId};
+use keel_store::StoreError;
 
 /// Why a turn (or a run's loop) did not complete.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -53,6 +54,9 @@ pub enum EngineError {
     /// The turn failed.
     #[error(transparent)]
     Agent(#[from] AgentError),
+    /// Storage failed after its retries; the session in memory is unchanged.
+    #[error("storage: {0}")]
+    Store(#[from] StoreError),
     /// Stored session state could not be decoded.
     #[error("corrupt session state: {0}")]
     CorruptState(String),

@@ -187,8 +187,8 @@ impl SessionState {
 
     /// Decodes a blob; missing fields take their defaults.
     pub fn from_blob(bytes: &[u8]) -> Result<Self, EngineError> {
-        let state: SessionState = serde_json::from_slice(bytes)
-            .map_err(|e| EngineError::CorruptState(e.to_string()))?;
+        let state: SessionState =
+            serde_json::from_slice(bytes).map_err(|e| EngineError::CorruptState(e.to_string()))?;
         if !state.slots.contains_key(&state.current_slot) {
             return Err(EngineError::CorruptState(format!(
                 "current slot {:?} has no configuration",
@@ -206,7 +206,12 @@ impl SessionState {
     }
 
     /// Creates an empty slot (its history starts at `next_seq`).
-    pub fn create_slot(&mut self, name: &str, mode: SlotMode, next_seq: i64) -> Result<(), EngineError> {
+    pub fn create_slot(
+        &mut self,
+        name: &str,
+        mode: SlotMode,
+        next_seq: i64,
+    ) -> Result<(), EngineError> {
         validate_slot_name(name)?;
         if self.slots.contains_key(name) {
             return Err(EngineError::SlotExists(name.to_owned()));
@@ -246,10 +251,14 @@ impl SessionState {
     pub fn delete_slot(&mut self, name: &str) -> Result<(), EngineError> {
         self.slot(name)?;
         if name == DEFAULT_SLOT {
-            return Err(EngineError::SlotRule("the default slot cannot be deleted".into()));
+            return Err(EngineError::SlotRule(
+                "the default slot cannot be deleted".into(),
+            ));
         }
         if self.slots.len() == 1 {
-            return Err(EngineError::SlotRule("the last slot cannot be deleted".into()));
+            return Err(EngineError::SlotRule(
+                "the last slot cannot be deleted".into(),
+            ));
         }
         if self.current_slot == name {
             return Err(EngineError::SlotRule(format!(
@@ -272,7 +281,9 @@ impl SessionState {
         last_seq: i64,
     ) -> Result<Vec<Message>, EngineError> {
         if source == target {
-            return Err(EngineError::SlotRule("a slot cannot be merged into itself".into()));
+            return Err(EngineError::SlotRule(
+                "a slot cannot be merged into itself".into(),
+            ));
         }
         let source_config = self.slot(source)?.clone();
         if self.slot(target)?.mode == SlotMode::Readonly {
@@ -316,14 +327,20 @@ impl SessionState {
     }
 
     /// The messages replayed to the model for slot `name`.
-    pub fn replay(&self, name: &str, history: &[HistoryMessage]) -> Result<Vec<Message>, EngineError> {
+    pub fn replay(
+        &self,
+        name: &str,
+        history: &[HistoryMessage],
+    ) -> Result<Vec<Message>, EngineError> {
         let config = self.slot(name)?;
         let view = self.slot_view(name, history)?;
         let mut out = Vec::new();
         let start = match config.mode {
             SlotMode::Focused { window } => {
                 if let Some(summary) = &config.summary {
-                    out.push(Message::system(format!("Summary of the earlier conversation:\n{summary}")));
+                    out.push(Message::system(format!(
+                        "Summary of the earlier conversation:\n{summary}"
+                    )));
                 }
                 let mut start = view.len().saturating_sub(window);
                 // Never begin with tool results whose call was cut off.
@@ -347,7 +364,9 @@ impl SessionState {
         now_ms: i64,
     ) -> Result<(), EngineError> {
         if key.is_empty() || key.len() > 128 {
-            return Err(EngineError::InvalidInput("memory keys are 1 to 128 bytes".into()));
+            return Err(EngineError::InvalidInput(
+                "memory keys are 1 to 128 bytes".into(),
+            ));
         }
         if value.len() > MAX_MEMORY_VALUE_BYTES {
             return Err(EngineError::InvalidInput(format!(
@@ -416,10 +435,16 @@ mod tests {
         // A slot derived from a derived slot.
         s.derive_slot("side", "deeper", SlotMode::Full, 4).unwrap();
         h.push(msg(5, "deeper", "y"));
-        assert_eq!(texts(&s.replay("deeper", &h).unwrap()), ["a", "b", "x", "y"]);
+        assert_eq!(
+            texts(&s.replay("deeper", &h).unwrap()),
+            ["a", "b", "x", "y"]
+        );
         // Deleting the slot in the middle does not change the derived view.
         s.delete_slot("side").unwrap();
-        assert_eq!(texts(&s.replay("deeper", &h).unwrap()), ["a", "b", "x", "y"]);
+        assert_eq!(
+            texts(&s.replay("deeper", &h).unwrap()),
+            ["a", "b", "x", "y"]
+        );
     }
 
     #[test]
@@ -428,12 +453,19 @@ mod tests {
         let mut h = vec![msg(1, "default", "a")];
         s.derive_slot("default", "side", SlotMode::Full, 1).unwrap();
         h.push(msg(2, "side", "x"));
-        let appended = s.merge_slot("side", "default", MergeStrategy::Append, &h, 2).unwrap();
+        let appended = s
+            .merge_slot("side", "default", MergeStrategy::Append, &h, 2)
+            .unwrap();
         assert_eq!(texts(&appended), ["x"]);
-        let none = s.merge_slot("side", "default", MergeStrategy::Replace, &h, 2).unwrap();
+        let none = s
+            .merge_slot("side", "default", MergeStrategy::Replace, &h, 2)
+            .unwrap();
         assert!(none.is_empty());
         h.push(msg(3, "default", "after"));
-        assert_eq!(texts(&s.replay("default", &h).unwrap()), ["a", "x", "after"]);
+        assert_eq!(
+            texts(&s.replay("default", &h).unwrap()),
+            ["a", "x", "after"]
+        );
     }
 
     #[test]
@@ -467,14 +499,21 @@ mod tests {
         s.delete_slot("a").unwrap();
         s.delete_slot("b").unwrap();
         assert_eq!(s.slots.len(), 1);
-        assert!(matches!(s.create_slot("bad name", SlotMode::Full, 0), Err(EngineError::InvalidInput(_))));
-        assert!(matches!(s.create_slot("default", SlotMode::Full, 0), Err(EngineError::SlotExists(_))));
+        assert!(matches!(
+            s.create_slot("bad name", SlotMode::Full, 0),
+            Err(EngineError::InvalidInput(_))
+        ));
+        assert!(matches!(
+            s.create_slot("default", SlotMode::Full, 0),
+            Err(EngineError::SlotExists(_))
+        ));
     }
 
     #[test]
     fn focused_replays_summary_and_window_without_orphan_tool_results() {
         let mut s = SessionState::default();
-        s.create_slot("f", SlotMode::Focused { window: 2 }, 0).unwrap();
+        s.create_slot("f", SlotMode::Focused { window: 2 }, 0)
+            .unwrap();
         s.slots.get_mut("f").unwrap().summary = Some("earlier stuff".into());
         let mut h = vec![msg(1, "f", "a"), msg(2, "f", "b")];
         h.push(HistoryMessage {
@@ -485,14 +524,19 @@ mod tests {
         });
         h.push(msg(4, "f", "d"));
         let replay = s.replay("f", &h).unwrap();
-        assert_eq!(texts(&replay), ["Summary of the earlier conversation:\nearlier stuff", "d"]);
+        assert_eq!(
+            texts(&replay),
+            ["Summary of the earlier conversation:\nearlier stuff", "d"]
+        );
     }
 
     #[test]
     fn blob_is_deterministic_and_tolerates_missing_fields() {
         let mut a = SessionState::default();
-        a.set_memory("k2", "v".into(), serde_json::json!({"x": 1}), 5).unwrap();
-        a.set_memory("k1", "v".into(), serde_json::Value::Null, 6).unwrap();
+        a.set_memory("k2", "v".into(), serde_json::json!({"x": 1}), 5)
+            .unwrap();
+        a.set_memory("k1", "v".into(), serde_json::Value::Null, 6)
+            .unwrap();
         let b = SessionState::from_blob(&a.to_blob()).unwrap();
         assert_eq!(a, b);
         assert_eq!(a.to_blob(), b.to_blob());
@@ -506,13 +550,19 @@ mod tests {
     #[test]
     fn memory_limits() {
         let mut s = SessionState::default();
-        assert!(s.set_memory("", "v".into(), serde_json::Value::Null, 0).is_err());
+        assert!(s
+            .set_memory("", "v".into(), serde_json::Value::Null, 0)
+            .is_err());
         let big = "x".repeat(MAX_MEMORY_VALUE_BYTES + 1);
         assert!(s.set_memory("k", big, serde_json::Value::Null, 0).is_err());
         for i in 0..MAX_MEMORY_ENTRIES {
-            s.set_memory(&format!("k{i}"), "v".into(), serde_json::Value::Null, 0).unwrap();
+            s.set_memory(&format!("k{i}"), "v".into(), serde_json::Value::Null, 0)
+                .unwrap();
         }
-        assert!(s.set_memory("one-more", "v".into(), serde_json::Value::Null, 0).is_err());
-        s.set_memory("k0", "overwrite ok".into(), serde_json::Value::Null, 0).unwrap();
+        assert!(s
+            .set_memory("one-more", "v".into(), serde_json::Value::Null, 0)
+            .is_err());
+        s.set_memory("k0", "overwrite ok".into(), serde_json::Value::Null, 0)
+            .unwrap();
     }
 }

@@ -28,7 +28,11 @@ impl Tool for Rendezvous {
     fn delegation_policy(&self) -> DelegationPolicy {
         DelegationPolicy::Delegatable
     }
-    async fn execute(&self, args: serde_json::Value, _: &ToolExecutionContext) -> Result<ToolOutput, ToolError> {
+    async fn execute(
+        &self,
+        args: serde_json::Value,
+        _: &ToolExecutionContext,
+    ) -> Result<ToolOutput, ToolError> {
         self.0.wait().await;
         Ok(ToolOutput::text(format!("{} {}", self.1, args)))
     }
@@ -48,7 +52,11 @@ impl Tool for Blocks {
     fn parameters(&self) -> serde_json::Value {
         json!({"type": "object"})
     }
-    async fn execute(&self, _: serde_json::Value, ctx: &ToolExecutionContext) -> Result<ToolOutput, ToolError> {
+    async fn execute(
+        &self,
+        _: serde_json::Value,
+        ctx: &ToolExecutionContext,
+    ) -> Result<ToolOutput, ToolError> {
         self.0.notify_one();
         ctx.cancellation.cancelled().await;
         Err(ToolError::Cancelled)
@@ -99,30 +107,52 @@ async fn a_tool_batch_runs_concurrently_and_results_keep_call_order() {
     let barrier = Arc::new(Barrier::new(3));
     let mut tools = ToolRegistry::new();
     for name in ["a", "b", "c"] {
-        tools.register(Arc::new(Rendezvous(barrier.clone(), name))).unwrap();
+        tools
+            .register(Arc::new(Rendezvous(barrier.clone(), name)))
+            .unwrap();
     }
     let calls = ["c", "a", "b"]
         .iter()
-        .map(|n| ScriptedToolCall { id: None, name: (*n).into(), arguments: json!({"n": n}) })
+        .map(|n| ScriptedToolCall {
+            id: None,
+            name: (*n).into(),
+            arguments: json!({"n": n}),
+        })
         .collect();
     let provider = ScriptedProvider::new([
-        ScriptedResponse { tool_calls: calls, ..Default::default() },
+        ScriptedResponse {
+            tool_calls: calls,
+            ..Default::default()
+        },
         ScriptedResponse::text("done"),
     ]);
     // If the three calls ran one after another, the barrier of 3 would never
     // open and the test would hang: completion proves overlap.
-    let out = AgentLoop::default().run(request(provider.clone(), tools, 4), None).await.unwrap();
+    let out = AgentLoop::default()
+        .run(request(provider.clone(), tools, 4), None)
+        .await
+        .unwrap();
     let tool_texts: Vec<String> = out
         .messages
         .iter()
         .filter(|m| m.role == Role::Tool)
         .map(Message::text)
         .collect();
-    assert_eq!(tool_texts, [r#"c {"n":"c"}"#, r#"a {"n":"a"}"#, r#"b {"n":"b"}"#]);
+    assert_eq!(
+        tool_texts,
+        [r#"c {"n":"c"}"#, r#"a {"n":"a"}"#, r#"b {"n":"b"}"#]
+    );
     assert_eq!(out.tool_calls, 3);
     assert_eq!(out.iterations, 2);
     // The second request carried the tool results.
-    assert_eq!(provider.requests()[1].messages.iter().filter(|m| m.role == Role::Tool).count(), 3);
+    assert_eq!(
+        provider.requests()[1]
+            .messages
+            .iter()
+            .filter(|m| m.role == Role::Tool)
+            .count(),
+        3
+    );
 }
 
 #[tokio::test]
@@ -131,7 +161,10 @@ async fn unknown_tools_and_tool_errors_reach_the_model_as_text() {
         ScriptedResponse::tool_call("nope", json!({})),
         ScriptedResponse::text("sorry"),
     ]);
-    let out = AgentLoop::default().run(request(provider, ToolRegistry::new(), 4), None).await.unwrap();
+    let out = AgentLoop::default()
+        .run(request(provider, ToolRegistry::new(), 4), None)
+        .await
+        .unwrap();
     let tool = out.messages.iter().find(|m| m.role == Role::Tool).unwrap();
     assert_eq!(tool.text(), "error: unknown tool \"nope\"");
 }
@@ -142,7 +175,10 @@ async fn max_iterations_is_a_typed_error() {
         ScriptedResponse::tool_call("nope", json!({})),
         ScriptedResponse::tool_call("nope", json!({})),
     ]);
-    let err = AgentLoop::default().run(request(provider, ToolRegistry::new(), 2), None).await.unwrap_err();
+    let err = AgentLoop::default()
+        .run(request(provider, ToolRegistry::new(), 2), None)
+        .await
+        .unwrap_err();
     assert_eq!(err, AgentError::MaxIterations { limit: 2 });
     insta::assert_snapshot!(err, @"the agent reached its limit of 2 model calls without a final answer");
 }
@@ -153,8 +189,14 @@ async fn provider_errors_are_typed() {
         keel_core::ScriptedErrorKind::Auth,
         "check OPENAI_API_KEY",
     )]);
-    let err = AgentLoop::default().run(request(provider, ToolRegistry::new(), 2), None).await.unwrap_err();
-    assert!(matches!(err, AgentError::Provider(keel_core::ProviderError::Auth { status: 401, .. })));
+    let err = AgentLoop::default()
+        .run(request(provider, ToolRegistry::new(), 2), None)
+        .await
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        AgentError::Provider(keel_core::ProviderError::Auth { status: 401, .. })
+    ));
 }
 
 #[tokio::test(start_paused = true)]
@@ -188,5 +230,9 @@ async fn cancellation_during_a_tool_batch() {
     started.notified().await;
     cancel.cancel();
     assert_eq!(task.await.unwrap().unwrap_err(), AgentError::Cancelled);
-    assert_eq!(provider.requests().len(), 1, "no provider call after cancellation");
+    assert_eq!(
+        provider.requests().len(),
+        1,
+        "no provider call after cancellation"
+    );
 }

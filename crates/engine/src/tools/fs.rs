@@ -115,7 +115,11 @@ impl Tool for ReadFileTool {
             (offset, limit) => {
                 let skip = offset.unwrap_or(1).saturating_sub(1);
                 let take = limit.unwrap_or(usize::MAX);
-                text.lines().skip(skip).take(take).collect::<Vec<_>>().join("\n")
+                text.lines()
+                    .skip(skip)
+                    .take(take)
+                    .collect::<Vec<_>>()
+                    .join("\n")
             }
         };
         Ok(ToolOutput::bounded(text, MAX_TOOL_OUTPUT_BYTES))
@@ -272,9 +276,13 @@ impl Tool for SearchTextTool {
                     return Err(ToolError::Cancelled);
                 }
                 // symlink_metadata: never follow links, so nothing leads out.
-                let Ok(meta) = std::fs::symlink_metadata(&path) else { continue };
+                let Ok(meta) = std::fs::symlink_metadata(&path) else {
+                    continue;
+                };
                 if meta.is_dir() {
-                    let Ok(entries) = std::fs::read_dir(&path) else { continue };
+                    let Ok(entries) = std::fs::read_dir(&path) else {
+                        continue;
+                    };
                     let mut children: Vec<_> = entries
                         .filter_map(Result::ok)
                         .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
@@ -288,7 +296,9 @@ impl Tool for SearchTextTool {
                     if files > MAX_SEARCH_FILES {
                         break;
                     }
-                    let Ok(file) = std::fs::File::open(&path) else { continue };
+                    let Ok(file) = std::fs::File::open(&path) else {
+                        continue;
+                    };
                     for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
                         let Ok(line) = line else { break }; // binary file
                         if line.contains(&pattern) {
@@ -372,7 +382,10 @@ impl Tool for WriteFileTool {
                 .map_err(|e| ToolError::Failed(format!("{shown}: {e}")))
         })
         .await?;
-        Ok(ToolOutput::text(format!("wrote {bytes} bytes to {}", args.path)))
+        Ok(ToolOutput::text(format!(
+            "wrote {bytes} bytes to {}",
+            args.path
+        )))
     }
 }
 
@@ -385,7 +398,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir(dir.path().join("src")).unwrap();
         std::fs::create_dir(dir.path().join(".git")).unwrap();
-        std::fs::write(dir.path().join("src/lib.rs"), "fn alpha() {}\nfn beta() {}\n").unwrap();
+        std::fs::write(
+            dir.path().join("src/lib.rs"),
+            "fn alpha() {}\nfn beta() {}\n",
+        )
+        .unwrap();
         std::fs::write(dir.path().join("README.md"), "alpha and omega\n").unwrap();
         std::fs::write(dir.path().join(".git/config"), "alpha\n").unwrap();
         std::fs::write(dir.path().join("bin.dat"), [0xff, 0xfe, 0x00]).unwrap();
@@ -401,13 +418,28 @@ mod tests {
     async fn read_file_reads_ranges_and_refuses_binary_and_escapes() {
         let (_d, ws) = setup();
         let t = ReadFileTool::new(ws);
-        let out = t.execute(json!({"path": "src/lib.rs"}), &ctx()).await.unwrap();
+        let out = t
+            .execute(json!({"path": "src/lib.rs"}), &ctx())
+            .await
+            .unwrap();
         assert_eq!(out.content, "fn alpha() {}\nfn beta() {}\n");
-        let out = t.execute(json!({"path": "src/lib.rs", "offset": 2, "limit": 1}), &ctx()).await.unwrap();
+        let out = t
+            .execute(
+                json!({"path": "src/lib.rs", "offset": 2, "limit": 1}),
+                &ctx(),
+            )
+            .await
+            .unwrap();
         assert_eq!(out.content, "fn beta() {}");
-        let err = t.execute(json!({"path": "bin.dat"}), &ctx()).await.unwrap_err();
+        let err = t
+            .execute(json!({"path": "bin.dat"}), &ctx())
+            .await
+            .unwrap_err();
         assert_eq!(err, ToolError::Failed("bin.dat: not UTF-8 text".into()));
-        let err = t.execute(json!({"path": "../etc/passwd"}), &ctx()).await.unwrap_err();
+        let err = t
+            .execute(json!({"path": "../etc/passwd"}), &ctx())
+            .await
+            .unwrap_err();
         assert!(matches!(err, ToolError::Denied(_) | ToolError::Failed(_)));
         let err = t.execute(json!({"file": "x"}), &ctx()).await.unwrap_err();
         assert!(matches!(err, ToolError::InvalidArguments(_)));
@@ -416,8 +448,15 @@ mod tests {
     #[tokio::test]
     async fn read_file_output_is_bounded() {
         let (d, ws) = setup();
-        std::fs::write(d.path().join("big.txt"), "x".repeat(MAX_TOOL_OUTPUT_BYTES + 10)).unwrap();
-        let out = ReadFileTool::new(ws).execute(json!({"path": "big.txt"}), &ctx()).await.unwrap();
+        std::fs::write(
+            d.path().join("big.txt"),
+            "x".repeat(MAX_TOOL_OUTPUT_BYTES + 10),
+        )
+        .unwrap();
+        let out = ReadFileTool::new(ws)
+            .execute(json!({"path": "big.txt"}), &ctx())
+            .await
+            .unwrap();
         assert!(out.content.len() < MAX_TOOL_OUTPUT_BYTES + 64);
         assert!(out.content.ends_with("[truncated 10 bytes]"));
     }
@@ -425,7 +464,10 @@ mod tests {
     #[tokio::test]
     async fn list_dir_marks_directories() {
         let (_d, ws) = setup();
-        let out = ListDirTool::new(ws).execute(json!({}), &ctx()).await.unwrap();
+        let out = ListDirTool::new(ws)
+            .execute(json!({}), &ctx())
+            .await
+            .unwrap();
         assert_eq!(out.content, ".git/\nREADME.md\nbin.dat\nsrc/");
     }
 
@@ -433,9 +475,18 @@ mod tests {
     async fn search_text_skips_hidden_dirs_and_limits_results() {
         let (_d, ws) = setup();
         let t = SearchTextTool::new(ws);
-        let out = t.execute(json!({"pattern": "alpha"}), &ctx()).await.unwrap();
-        assert_eq!(out.content, "README.md:1: alpha and omega\nsrc/lib.rs:1: fn alpha() {}");
-        let out = t.execute(json!({"pattern": "fn", "max_results": 1}), &ctx()).await.unwrap();
+        let out = t
+            .execute(json!({"pattern": "alpha"}), &ctx())
+            .await
+            .unwrap();
+        assert_eq!(
+            out.content,
+            "README.md:1: alpha and omega\nsrc/lib.rs:1: fn alpha() {}"
+        );
+        let out = t
+            .execute(json!({"pattern": "fn", "max_results": 1}), &ctx())
+            .await
+            .unwrap();
         assert_eq!(out.content.lines().count(), 1);
         let out = t.execute(json!({"pattern": "zzz"}), &ctx()).await.unwrap();
         assert_eq!(out.content, "no matches");
@@ -446,9 +497,15 @@ mod tests {
     #[tokio::test]
     async fn search_text_observes_cancellation() {
         let (_d, ws) = setup();
-        let c = ToolExecutionContext { cancellation: CancellationToken::new(), ..ctx() };
+        let c = ToolExecutionContext {
+            cancellation: CancellationToken::new(),
+            ..ctx()
+        };
         c.cancellation.cancel();
-        let err = SearchTextTool::new(ws).execute(json!({"pattern": "a"}), &c).await.unwrap_err();
+        let err = SearchTextTool::new(ws)
+            .execute(json!({"pattern": "a"}), &c)
+            .await
+            .unwrap_err();
         assert_eq!(err, ToolError::Cancelled);
     }
 
@@ -456,12 +513,23 @@ mod tests {
     async fn write_file_writes_inside_and_refuses_oversize() {
         let (d, ws) = setup();
         let t = WriteFileTool::new(ws);
-        t.execute(json!({"path": "src/new.txt", "content": "hi"}), &ctx()).await.unwrap();
-        assert_eq!(std::fs::read_to_string(d.path().join("src/new.txt")).unwrap(), "hi");
+        t.execute(json!({"path": "src/new.txt", "content": "hi"}), &ctx())
+            .await
+            .unwrap();
+        assert_eq!(
+            std::fs::read_to_string(d.path().join("src/new.txt")).unwrap(),
+            "hi"
+        );
         let big = "x".repeat(MAX_WRITE_BYTES + 1);
-        let err = t.execute(json!({"path": "a.txt", "content": big}), &ctx()).await.unwrap_err();
+        let err = t
+            .execute(json!({"path": "a.txt", "content": big}), &ctx())
+            .await
+            .unwrap_err();
         assert!(matches!(err, ToolError::InvalidArguments(_)));
-        let err = t.execute(json!({"path": "../out.txt", "content": "x"}), &ctx()).await.unwrap_err();
+        let err = t
+            .execute(json!({"path": "../out.txt", "content": "x"}), &ctx())
+            .await
+            .unwrap_err();
         assert!(matches!(err, ToolError::Denied(_)));
         assert!(!d.path().parent().unwrap().join("out.txt").exists());
     }

@@ -171,14 +171,18 @@ impl Workspace {
 
     fn join(&self, user_path: &str) -> Result<PathBuf, ToolError> {
         if user_path.contains('\0') {
-            return Err(ToolError::InvalidArguments("path contains a NUL byte".into()));
+            return Err(ToolError::InvalidArguments(
+                "path contains a NUL byte".into(),
+            ));
         }
         let p = Path::new(user_path);
         if p.is_absolute() {
             return Ok(p.to_path_buf());
         }
         if p.components().any(|c| matches!(c, Component::Prefix(_))) {
-            return Err(ToolError::InvalidArguments(format!("{user_path}: unsupported path")));
+            return Err(ToolError::InvalidArguments(format!(
+                "{user_path}: unsupported path"
+            )));
         }
         Ok(self.root.join(p))
     }
@@ -210,7 +214,13 @@ mod tests {
         let off = builtin_registry(&BuiltinToolsConfig::new(dir.path())).unwrap();
         assert_eq!(
             off.names().collect::<Vec<_>>(),
-            ["current_time", "list_dir", "read_file", "search_text", "sleep"]
+            [
+                "current_time",
+                "list_dir",
+                "read_file",
+                "search_text",
+                "sleep"
+            ]
         );
         let mut cfg = BuiltinToolsConfig::new(dir.path());
         cfg.enable_write = true;
@@ -218,20 +228,36 @@ mod tests {
         let on = builtin_registry(&cfg).unwrap();
         assert_eq!(on.policy("write_file"), Some(DelegationPolicy::RootOnly));
         assert_eq!(on.policy("shell"), Some(DelegationPolicy::RootOnly));
-        for name in ["read_file", "list_dir", "search_text", "current_time", "sleep"] {
-            assert_eq!(on.policy(name), Some(DelegationPolicy::Delegatable), "{name}");
+        for name in [
+            "read_file",
+            "list_dir",
+            "search_text",
+            "current_time",
+            "sleep",
+        ] {
+            assert_eq!(
+                on.policy(name),
+                Some(DelegationPolicy::Delegatable),
+                "{name}"
+            );
         }
         let names: Vec<_> = on.names().collect();
         assert_eq!(names, BUILTIN_TOOL_NAMES);
         for def in on.definitions() {
-            assert_eq!(def.parameters["type"], "object", "{} has an object schema", def.name);
+            assert_eq!(
+                def.parameters["type"], "object",
+                "{} has an object schema",
+                def.name
+            );
         }
     }
 
     #[test]
     fn missing_workspace_is_an_error() {
         let err = builtin_registry(&BuiltinToolsConfig::new("/nonexistent/keel-ws")).unwrap_err();
-        assert!(err.to_string().starts_with("workspace root /nonexistent/keel-ws"));
+        assert!(err
+            .to_string()
+            .starts_with("workspace root /nonexistent/keel-ws"));
     }
 
     #[test]
@@ -245,7 +271,10 @@ mod tests {
         std::os::unix::fs::symlink(outer.path().join("secret.txt"), root.join("link")).unwrap();
         let ws = Workspace::new(&root).unwrap();
         assert!(ws.resolve_existing("ok.txt").is_ok());
-        assert!(matches!(ws.resolve_existing("../secret.txt"), Err(ToolError::Denied(_))));
+        assert!(matches!(
+            ws.resolve_existing("../secret.txt"),
+            Err(ToolError::Denied(_))
+        ));
         let abs = outer.path().join("secret.txt");
         assert!(matches!(
             ws.resolve_existing(abs.to_str().unwrap()),
@@ -253,10 +282,19 @@ mod tests {
         ));
         #[cfg(unix)]
         {
-            assert!(matches!(ws.resolve_existing("link"), Err(ToolError::Denied(_))));
-            assert!(matches!(ws.resolve_for_write("link"), Err(ToolError::Denied(_))));
+            assert!(matches!(
+                ws.resolve_existing("link"),
+                Err(ToolError::Denied(_))
+            ));
+            assert!(matches!(
+                ws.resolve_for_write("link"),
+                Err(ToolError::Denied(_))
+            ));
         }
-        assert!(matches!(ws.resolve_for_write("../x.txt"), Err(ToolError::Denied(_))));
+        assert!(matches!(
+            ws.resolve_for_write("../x.txt"),
+            Err(ToolError::Denied(_))
+        ));
         assert!(ws.resolve_for_write("new.txt").is_ok());
     }
 }

@@ -99,7 +99,9 @@ impl Tool for ShellTool {
         let status = status.map_err(|e| ToolError::Failed(format!("wait: {e}")))?;
         let text = format!(
             "exit status: {}\n--- stdout ---\n{}\n--- stderr ---\n{}",
-            status.code().map_or_else(|| "killed".to_owned(), |c| c.to_string()),
+            status
+                .code()
+                .map_or_else(|| "killed".to_owned(), |c| c.to_string()),
             String::from_utf8_lossy(&out),
             String::from_utf8_lossy(&err)
         );
@@ -122,18 +124,27 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         std::fs::write(d.path().join("f.txt"), "x").unwrap();
         let out = tool(d.path(), 5)
-            .execute(json!({"command": "ls; echo oops >&2; exit 3"}), &ToolExecutionContext::default())
+            .execute(
+                json!({"command": "ls; echo oops >&2; exit 3"}),
+                &ToolExecutionContext::default(),
+            )
             .await
             .unwrap();
         assert!(out.is_error);
-        assert_eq!(out.content, "exit status: 3\n--- stdout ---\nf.txt\n\n--- stderr ---\noops\n");
+        assert_eq!(
+            out.content,
+            "exit status: 3\n--- stdout ---\nf.txt\n\n--- stderr ---\noops\n"
+        );
     }
 
     #[tokio::test]
     async fn times_out() {
         let d = tempfile::tempdir().unwrap();
         let err = tool(d.path(), 1)
-            .execute(json!({"command": "sleep 30"}), &ToolExecutionContext::default())
+            .execute(
+                json!({"command": "sleep 30"}),
+                &ToolExecutionContext::default(),
+            )
             .await
             .unwrap_err();
         assert_eq!(err, ToolError::TimedOut(1000));

@@ -64,7 +64,10 @@ impl Tool for CurrentTimeTool {
         _ctx: &ToolExecutionContext,
     ) -> Result<ToolOutput, ToolError> {
         let now = keel_core::time::now_ms();
-        Ok(ToolOutput::text(format!("{} (unix_ms {now})", rfc3339_utc(now))))
+        Ok(ToolOutput::text(format!(
+            "{} (unix_ms {now})",
+            rfc3339_utc(now)
+        )))
     }
 }
 
@@ -143,17 +146,30 @@ mod tests {
         assert!(started.elapsed() >= Duration::from_millis(5000));
 
         let cancelled = ctx.clone();
-        let task = tokio::spawn(async move { SleepTool.execute(json!({"ms": 3_600_000}), &cancelled).await });
+        let task = tokio::spawn(async move {
+            SleepTool
+                .execute(json!({"ms": 3_600_000}), &cancelled)
+                .await
+        });
         tokio::task::yield_now().await;
         ctx.cancellation.cancel();
         assert_eq!(task.await.unwrap().unwrap_err(), ToolError::Cancelled);
-        let err = SleepTool.execute(json!({"ms": 86_400_001}), &ToolExecutionContext::default()).await;
+        let err = SleepTool
+            .execute(json!({"ms": 86_400_001}), &ToolExecutionContext::default())
+            .await;
         assert!(matches!(err, Err(ToolError::InvalidArguments(_))));
     }
 
     #[tokio::test]
     async fn current_time_is_rfc3339() {
-        let out = CurrentTimeTool.execute(json!({}), &ToolExecutionContext::default()).await.unwrap();
-        assert!(out.content.contains('T') && out.content.contains("Z (unix_ms "), "{}", out.content);
+        let out = CurrentTimeTool
+            .execute(json!({}), &ToolExecutionContext::default())
+            .await
+            .unwrap();
+        assert!(
+            out.content.contains('T') && out.content.contains("Z (unix_ms "),
+            "{}",
+            out.content
+        );
     }
 }

@@ -1,0 +1,221 @@
+//! [`AgentSession`]: one session's in-memory state (its record, checkpointed
+//! state and history) and the commit of a turn into the store.
+
+use std::sync::Arc;
+
+use keel_core::{CheckpointId, Message, Provider, SessionId, ToolRegistry};
+use keel_store::{
+    CheckpointSource, MessageFilter, NewCheckpoint, NewMessage, SessionRecord, Store, TurnCommit,
+};
+
+use crate::agent_loop::TurnOutput;
+use crate::error::EngineError;
+use crate::state::{HistoryMessage, SessionState, SlotMode};
+
+/// What a session runs with: an agent's prompt, model and tools.
+pub struct AgentProfile {
+    /// The agent's name (`root` for the root agent).
+    pub name: keel_core::AgentId,
+    /// The role prompt sent first in every request.
+    pub system_prompt: String,
+    /// The model.
+    pub provider: Arc<dyn Provider>,
+    /// The tools the model may call.
+    pub tools: Arc<ToolRegistry>,
+    /// Most provider calls per turn.
+    pub max_iterations: u32,
+    /// Output token cap per provider call.
+    pub max_output_tokens: Option<u32>,
+}
+
+impl std::fmt::Debug for AgentProfile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentProfile")
+            .field("name", &self.name)
+            .field("provider", &self.provider.name())
+            .field("model", &self.provider.model())
+            .field("tools", &self.tools)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A session loaded in memory.
+#[derive(Debug)]
+pub struct AgentSession {
+    pub(crate) record: SessionRecord,
+    pub(crate) agent: Arc<AgentProfile>,
+    pub(crate) state: SessionState,
+    pub(crate) history: Vec<HistoryMessage>,
+    pub(crate) last_seq: i64,
+}
+
+impl AgentSession {
+    /// Loads a session from the store (its head state and history).
+    pub(crate) async fn load(
+        store: &Store,
+        record: SessionRecord,
+        agent: Arc<AgentProfile>,
+    ) -> Result<Self, EngineError> {
+        let state = match &record.state_hash {
+            None => SessionState::default(),
+            Some(hash) => {
+                let blob = store.get_state_blob(hash.clone()).await?.ok_or_else(|| {
+                    EngineError::CorruptState(format!("state blob {hash} is missing"))
+                })?;
+                SessionState::from_blob(&blob)?
+            }
+        };
+        let history: Vec<HistoryMessage> = store
+            .load_messages(record.id, MessageFilter::default())
+            .await?
+            .into_iter()
+            .map(|m| HistoryMessage {
+                seq: m.seq,
+                slot: m.slot,
+                message: m.message,
+                created_at_ms: m.created_at_ms,
+            })
+            .collect();
+        let last_seq = store.last_seq(record.id).await?;
+        Ok(Self {
+            record,
+            agent,
+            state,
+            history,
+            last_seq,
+        })
+    }
+
+    /// The session id.
+    pub fn id(&self) -> SessionId {
+        self.record.id
+    }
+
+    /// The stored record (title, dialog address, counters …) as of the last
+    /// change made through this session.
+    pub fn record(&self) -> &SessionRecord {
+        &self.record
+    }
+
+    /// The agent this session runs.
+    pub fn agent(&self) -> &Arc<AgentProfile> {
+        &self.agent
+    }
+
+    /// The checkpointed state (turn index, cost, slots, memory).
+    pub fn state(&self) -> &SessionState {
+        &self.state
+    }
+
+    /// Completed turns.
+    pub fn turn_index(&self) -> u32 {
+        self.state.turn_index
+    }
+
+    /// Every message of the current history, all slots, hidden included.
+    pub fn history(&self) -> &[HistoryMessage] {
+        &self.history
+    }
+
+    /// The messages slot `name` replays to the model.
+    pub fn replay(&self, slot: &str) -> Result<Vec<Message>, EngineError> {
+        self.state.replay(slot, &self.history)
+    }
+
+    /// Visible messages of the current slot (what a client shows).
+    pub fn visible_messages(&self) -> Result<Vec<&HistoryMessage>, EngineError> {
+        Ok(self
+            .state
+            .slot_view(&self.state.current_slot, &self.history)?
+            .into_iter()
+            .filter(|m| m.message.visibility == keel_core::ClientVisibility::Visible)
+            .collect())
+    }
+
+    /// Checks that a turn may run in the current slot.
+    pub(crate) fn writable_slot(&self) -> Result<String, EngineError> {
+        let slot = self.state.current_slot.clone();
+        if self.state.slot(&slot)?.mode == SlotMode::Readonly {
+            return Err(EngineError::SlotReadonly(slot));
+        }
+        Ok(slot)
+    }
+
+    /// Commits `messages` (each with its slot) with `state` (and a
+    /// checkpoint when `checkpoint` is set) in one store transaction, then
+    /// applies it in memory. On error nothing changes. Returns the seqs and
+    /// the checkpoint.
+    pub(crate) async fn commit(
+        &mut self,
+        store: &Store,
+        messages: Vec<(String, Message)>,
+        state: SessionState,
+        checkpoint: Option<CheckpointSource>,
+    ) -> Result<(Vec<i64>, Option<CheckpointId>), EngineError> {
+        let now = keel_core::time::now_ms();
+        let visible_user_inputs = messages
+            .iter()
+            .filter(|(_, m)| m.is_visible_user_input())
+            .count();
+        let checkpoint = checkpoint.map(|source| NewCheckpoint {
+            id: CheckpointId::new(),
+            turn_index: u64::from(state.turn_index),
+            source,
+        });
+        let committed = store
+            .commit_turn(TurnCommit {
+                session_id: self.record.id,
+                messages: messages
+                    .iter()
+                    .map(|(slot, message)| NewMessage {
+                        slot: slot.clone(),
+                        message: message.clone(),
+                    })
+                    .collect(),
+                state: state.to_blob(),
+                checkpoint,
+                visible_user_inputs: u32::try_from(visible_user_inputs).unwrap_or(u32::MAX),
+                now_ms: now,
+            })
+            .await?;
+        for ((slot, message), seq) in messages.into_iter().zip(&committed.seqs) {
+            self.history.push(HistoryMessage {
+                seq: *seq,
+                slot,
+                message,
+                created_at_ms: now,
+            });
+            self.last_seq = self.last_seq.max(*seq);
+        }
+        self.state = state;
+        self.record.state_hash = Some(committed.state_hash);
+        self.record.message_count += visible_user_inputs as u64;
+        self.record.last_active_at_ms = now;
+        Ok((committed.seqs, committed.checkpoint.map(|c| c.id)))
+    }
+
+    /// Applies a finished turn: the state after it and the commit.
+    pub(crate) async fn commit_turn(
+        &mut self,
+        store: &Store,
+        slot: &str,
+        output: &TurnOutput,
+        auto_checkpoint: bool,
+    ) -> Result<Option<CheckpointId>, EngineError> {
+        let mut state = self.state.clone();
+        state.turn_index = state.turn_index.saturating_add(1);
+        state.cost.merge(&keel_core::CostTracker {
+            prompt_tokens: output.usage.prompt_tokens,
+            completion_tokens: output.usage.completion_tokens,
+            requests: u64::from(output.iterations),
+        });
+        let checkpoint = auto_checkpoint.then_some(CheckpointSource::Turn);
+        let messages = output
+            .messages
+            .iter()
+            .map(|m| (slot.to_owned(), m.clone()))
+            .collect();
+        let (_, checkpoint) = self.commit(store, messages, state, checkpoint).await?;
+        Ok(checkpoint)
+    }
+}

@@ -1,0 +1,81 @@
+//! Shared setup for engine tests: a real SQLite file in a temp dir and a
+//! bundle whose root agent runs a ScriptedProvider.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::path::Path;
+use std::sync::Arc;
+
+use keel_core::{AgentId, ScriptedProvider, ScriptedResponse, ToolRegistry};
+use keel_engine::dialog_id::UnifiedSessionId;
+use keel_engine::manager::{NewSessionSpec, RuntimeBundle, SessionManager, SessionManagerConfig};
+use keel_engine::session::AgentProfile;
+use keel_store::{Store, StoreOptions};
+
+pub struct Harness {
+    pub dir: tempfile::TempDir,
+    pub provider: ScriptedProvider,
+    pub manager: Arc<SessionManager>,
+}
+
+pub fn profile(name: &str, provider: &ScriptedProvider, tools: ToolRegistry) -> AgentProfile {
+    AgentProfile {
+        name: AgentId::parse(name).unwrap(),
+        system_prompt: format!("You are {name}."),
+        provider: Arc::new(provider.clone()),
+        tools: Arc::new(tools),
+        max_iterations: 8,
+        max_output_tokens: None,
+    }
+}
+
+pub fn open_store(dir: &Path) -> Store {
+    Store::open(dir.join("keel.db"), StoreOptions::default()).unwrap()
+}
+
+pub fn manager_on(
+    store: Store,
+    provider: &ScriptedProvider,
+    config: SessionManagerConfig,
+) -> Arc<SessionManager> {
+    let bundle = RuntimeBundle::new(profile("root", provider, ToolRegistry::new()))
+        .with_agent(profile("helper", provider, ToolRegistry::new()));
+    SessionManager::new(store, bundle, config)
+}
+
+pub fn harness(config: SessionManagerConfig) -> Harness {
+    let dir = tempfile::tempdir().unwrap();
+    let provider = ScriptedProvider::new(Vec::<ScriptedResponse>::new());
+    let manager = manager_on(open_store(dir.path()), &provider, config);
+    Harness {
+        dir,
+        provider,
+        manager,
+    }
+}
+
+pub fn address(dialog: &str) -> UnifiedSessionId {
+    UnifiedSessionId::new("test", "chat", dialog).unwrap()
+}
+
+pub fn spec(dialog: &str) -> NewSessionSpec {
+    NewSessionSpec {
+        address: address(dialog),
+        title: None,
+        agent: None,
+    }
+}
+
+/// Texts of the visible messages of the current slot.
+pub async fn visible_texts(manager: &SessionManager, id: keel_core::SessionId) -> Vec<String> {
+    let s = manager.session(id).await.unwrap();
+    let g = s.lock().await;
+    g.visible_messages()
+        .unwrap()
+        .iter()
+        .map(|m| m.message.text())
+        .collect()
+}
+
+pub fn replies(p: &ScriptedProvider, texts: &[&str]) {
+    p.push(texts.iter().map(|t| ScriptedResponse::text(*t)));
+}

@@ -1,0 +1,621 @@
+//! Sessions, turns, checkpoints and dialogs on a real SQLite file.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use keel_core::{Message, Role, ScriptedResponse};
+use keel_engine::manager::SessionManagerConfig;
+use keel_engine::state::{MergeStrategy, SlotMode};
+use keel_engine::{AgentError, EngineError, TurnEvent};
+use keel_store::CheckpointSource;
+
+#[tokio::test]
+async fn a_turn_commits_messages_state_and_a_checkpoint() {
+    let h = harness(SessionManagerConfig::default());
+    replies(&h.provider, &["hello"]);
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    let report = h.manager.submit_turn(id, "hi").await.unwrap();
+    assert_eq!(report.output.final_text(), "hello");
+    assert!(report.checkpoint.is_some());
+    let s = h.manager.get(id).unwrap();
+    let g = s.lock().await;
+    assert_eq!(g.turn_index(), 1);
+    assert_eq!(g.state().cost.requests, 1);
+    assert_eq!(g.record().message_count, 1);
+    let cps = h.manager.list_checkpoints(id).await.unwrap();
+    assert_eq!(cps.len(), 1);
+    assert_eq!(cps[0].source, CheckpointSource::Turn);
+    assert_eq!(cps[0].turn_index, 1);
+}
+
+#[tokio::test]
+async fn auto_checkpoint_can_be_turned_off() {
+    let h = harness(SessionManagerConfig {
+        auto_checkpoint: false,
+        ..Default::default()
+    });
+    replies(&h.provider, &["a", "b"]);
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    h.manager.submit_turn(id, "1").await.unwrap();
+    let r = h.manager.submit_turn(id, "2").await.unwrap();
+    assert!(r.checkpoint.is_none());
+    assert!(h.manager.list_checkpoints(id).await.unwrap().is_empty());
+    // The turns are still durable without checkpoints.
+    assert_eq!(visible_texts(&h.manager, id).await, ["1", "a", "2", "b"]);
+}
+
+#[tokio::test]
+async fn restart_recovers_identical_messages_slots_memory_cost_and_turn_index() {
+    let dir = tempfile::tempdir().unwrap();
+    let provider = keel_core::ScriptedProvider::new(Vec::<ScriptedResponse>::new());
+    replies(&provider, &["one", "two", "side answer"]);
+    let (id, before_state, before_history) = {
+        let manager = manager_on(
+            open_store(dir.path()),
+            &provider,
+            SessionManagerConfig::default(),
+        );
+        let id = manager.create(spec("d1")).await.unwrap();
+        manager.submit_turn(id, "first").await.unwrap();
+        manager.submit_turn(id, "second").await.unwrap();
+        manager
+            .derive_slot(id, "default", "side", SlotMode::Focused { window: 4 })
+            .await
+            .unwrap();
+        manager.switch_slot(id, "side").await.unwrap();
+        manager.submit_turn(id, "in side").await.unwrap();
+        manager
+            .set_memory(
+                id,
+                "goal",
+                "ship keel".into(),
+                serde_json::json!({"source": "test"}),
+            )
+            .await
+            .unwrap();
+        let s = manager.get(id).unwrap();
+        let g = s.lock().await;
+        (id, g.state().clone(), g.history().to_vec())
+    }; // manager and store dropped here
+    let manager = manager_on(
+        open_store(dir.path()),
+        &provider,
+        SessionManagerConfig::default(),
+    );
+    assert!(
+        manager.get(id).is_err(),
+        "nothing in memory after a restart"
+    );
+    let s = manager.recover(id).await.unwrap();
+    let g = s.lock().await;
+    assert_eq!(g.state(), &before_state);
+    assert_eq!(g.history(), &before_history[..]);
+    assert_eq!(g.turn_index(), 3);
+    assert_eq!(g.state().memory["goal"].value, "ship keel");
+    assert_eq!(g.state().current_slot, "side");
+    let side: Vec<String> = g
+        .replay("side")
+        .unwrap()
+        .iter()
+        .map(Message::text)
+        .collect();
+    // Focused with a window of 4: the last four messages of its view.
+    assert_eq!(side, ["second", "two", "in side", "side answer"]);
+}
+
+#[tokio::test]
+async fn rollback_restores_turn_index_cost_and_slots_exactly() {
+    let h = harness(SessionManagerConfig::default());
+    replies(&h.provider, &["a", "b", "c"]);
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    h.manager.submit_turn(id, "1").await.unwrap();
+    let at = h.manager.checkpoint(id).await.unwrap();
+    let state_at = h.manager.get(id).unwrap().lock().await.state().clone();
+    h.manager
+        .create_slot(id, "scratch", SlotMode::Full)
+        .await
+        .unwrap();
+    h.manager.submit_turn(id, "2").await.unwrap();
+    h.manager.submit_turn(id, "3").await.unwrap();
+    h.manager.rollback(id, at.id).await.unwrap();
+    let s = h.manager.get(id).unwrap();
+    let g = s.lock().await;
+    assert_eq!(g.state(), &state_at);
+    assert_eq!(g.turn_index(), 1);
+    assert!(!g.state().slots.contains_key("scratch"));
+    let texts: Vec<String> = g.history().iter().map(|m| m.message.text()).collect();
+    assert_eq!(texts, ["1", "a"]);
+}
+
+#[tokio::test]
+async fn branching_keeps_the_abandoned_branch_restorable() {
+    let h = harness(SessionManagerConfig::default());
+    replies(&h.provider, &["a1", "a2", "a3", "b1", "b2"]);
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    let a = h.manager.checkpoint(id).await.unwrap();
+    for t in ["x1", "x2", "x3"] {
+        h.manager.submit_turn(id, t).await.unwrap();
+    }
+    let tip_of_first_branch = h.manager.latest_checkpoint(id).await.unwrap().unwrap();
+    h.manager.rollback(id, a.id).await.unwrap();
+    for t in ["y1", "y2"] {
+        h.manager.submit_turn(id, t).await.unwrap();
+    }
+    assert_eq!(
+        visible_texts(&h.manager, id).await,
+        ["y1", "b1", "y2", "b2"]
+    );
+    let listed = h.manager.list_checkpoints(id).await.unwrap();
+    // manual A, 3 turns, the rollback, 2 turns — newest first.
+    let sources: Vec<_> = listed.iter().map(|c| c.source).collect();
+    use CheckpointSource::*;
+    assert_eq!(sources, [Turn, Turn, Rollback, Turn, Turn, Turn, Manual]);
+    assert_eq!(listed[2].parent_id, Some(a.id), "the rollback points at A");
+    assert!(listed.iter().any(|c| c.id == tip_of_first_branch.id));
+    // Restore the abandoned branch: its three turns come back.
+    h.manager
+        .rollback(id, tip_of_first_branch.id)
+        .await
+        .unwrap();
+    assert_eq!(
+        visible_texts(&h.manager, id).await,
+        ["x1", "a1", "x2", "a2", "x3", "a3"]
+    );
+    assert_eq!(h.manager.get(id).unwrap().lock().await.turn_index(), 3);
+}
+
+#[tokio::test]
+async fn checkpoints_are_isolated_between_sessions() {
+    let h = harness(SessionManagerConfig::default());
+    replies(&h.provider, &["a", "b"]);
+    let one = h.manager.create(spec("one")).await.unwrap();
+    let two = h.manager.create(spec("two")).await.unwrap();
+    h.manager.submit_turn(one, "1").await.unwrap();
+    h.manager.submit_turn(two, "2").await.unwrap();
+    let of_one = h.manager.latest_checkpoint(one).await.unwrap().unwrap();
+    let err = h.manager.rollback(two, of_one.id).await.unwrap_err();
+    assert!(matches!(err, EngineError::CheckpointNotFound(c) if c == of_one.id));
+    assert_eq!(h.manager.list_checkpoints(two).await.unwrap().len(), 1);
+    assert_eq!(visible_texts(&h.manager, two).await, ["2", "b"]);
+}
+
+#[tokio::test]
+async fn fork_creates_a_session_from_any_checkpoint_without_touching_the_source() {
+    let h = harness(SessionManagerConfig::default());
+    replies(&h.provider, &["a", "b", "forked answer"]);
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    h.manager.submit_turn(id, "1").await.unwrap();
+    let first = h.manager.latest_checkpoint(id).await.unwrap().unwrap();
+    h.manager.submit_turn(id, "2").await.unwrap();
+    let fork = h.manager.fork(first.id, None).await.unwrap();
+    assert_ne!(fork, id);
+    assert_eq!(visible_texts(&h.manager, fork).await, ["1", "a"]);
+    h.manager.submit_turn(fork, "in fork").await.unwrap();
+    assert_eq!(
+        visible_texts(&h.manager, fork).await,
+        ["1", "a", "in fork", "forked answer"]
+    );
+    assert_eq!(visible_texts(&h.manager, id).await, ["1", "a", "2", "b"]);
+    let rec = h.manager.record(fork).await.unwrap();
+    assert_eq!(rec.title, "Fork of Dialog d1");
+    assert_eq!(rec.chat_id, "chat");
+}
+
+#[tokio::test]
+async fn snapshot_export_import_round_trip() {
+    let h = harness(SessionManagerConfig::default());
+    replies(&h.provider, &["a", "b"]);
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    h.manager.submit_turn(id, "1").await.unwrap();
+    h.manager
+        .derive_slot(id, "default", "side", SlotMode::Full)
+        .await
+        .unwrap();
+    h.manager.switch_slot(id, "side").await.unwrap();
+    h.manager.submit_turn(id, "2").await.unwrap();
+    h.manager
+        .set_memory(id, "k", "v".into(), serde_json::Value::Null)
+        .await
+        .unwrap();
+    let snap = h.manager.export_snapshot(id).await.unwrap();
+    let json = serde_json::to_string(&snap).unwrap();
+    let back: keel_engine::snapshot::SessionSnapshot = serde_json::from_str(&json).unwrap();
+    let copy = h
+        .manager
+        .import_snapshot(back, address("copy"))
+        .await
+        .unwrap();
+    let (a, b) = (h.manager.get(id).unwrap(), h.manager.get(copy).unwrap());
+    let (a, b) = (a.lock().await, b.lock().await);
+    for slot in ["default", "side"] {
+        let ra: Vec<Message> = a.replay(slot).unwrap();
+        let rb: Vec<Message> = b.replay(slot).unwrap();
+        assert_eq!(ra, rb, "slot {slot}");
+    }
+    assert_eq!(a.state().memory, b.state().memory);
+    assert_eq!(a.state().cost, b.state().cost);
+    assert_eq!(a.turn_index(), b.turn_index());
+    assert_eq!(b.record().title, "Dialog d1");
+}
+
+#[tokio::test]
+async fn orphans_have_no_parent_and_children_are_listed() {
+    let h = harness(SessionManagerConfig::default());
+    let parent = h.manager.create(spec("p")).await.unwrap();
+    let c1 = h.manager.create_child(parent, None).await.unwrap();
+    let c2 = h
+        .manager
+        .create_child(parent, Some(keel_core::AgentId::parse("helper").unwrap()))
+        .await
+        .unwrap();
+    let mut kids = h.manager.children(parent).await.unwrap();
+    kids.sort();
+    let mut expected = vec![c1, c2];
+    expected.sort();
+    assert_eq!(kids, expected);
+    assert_eq!(h.manager.parent(c1).await.unwrap(), Some(parent));
+    assert_eq!(
+        h.manager
+            .get(c2)
+            .unwrap()
+            .lock()
+            .await
+            .agent()
+            .name
+            .as_str(),
+        "helper"
+    );
+    h.manager.destroy(parent).await.unwrap();
+    assert_eq!(h.manager.parent(c1).await.unwrap(), None, "orphan");
+    assert!(h.manager.get(c1).is_ok(), "children survive their parent");
+    assert!(matches!(
+        h.manager.session(parent).await,
+        Err(EngineError::SessionNotFound(_))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_concurrent_creates_and_destroys() {
+    let h = harness(SessionManagerConfig::default());
+    let mut tasks = Vec::new();
+    for i in 0..10 {
+        let m = h.manager.clone();
+        tasks.push(tokio::spawn(async move {
+            let id = m.create(spec(&format!("c{i}"))).await.unwrap();
+            if i % 2 == 0 {
+                m.destroy(id).await.unwrap();
+            }
+            id
+        }));
+    }
+    let mut ids = Vec::new();
+    for t in tasks {
+        ids.push(t.await.unwrap());
+    }
+    assert_eq!(h.manager.loaded(), 5);
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(h.manager.get(*id).is_ok(), i % 2 == 1);
+    }
+}
+
+#[tokio::test]
+async fn switch_agent_keeps_history() {
+    let h = harness(SessionManagerConfig::default());
+    replies(&h.provider, &["a", "b"]);
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    h.manager.submit_turn(id, "1").await.unwrap();
+    let helper = keel_core::AgentId::parse("helper").unwrap();
+    h.manager.switch_agent(id, &helper).await.unwrap();
+    h.manager.submit_turn(id, "2").await.unwrap();
+    let last = h.provider.requests().pop().unwrap();
+    assert_eq!(last.messages[0].text(), "You are helper.");
+    assert_eq!(last.messages.len(), 4, "system + 1 + a + 2");
+    assert_eq!(h.manager.record(id).await.unwrap().agent_id, Some(helper));
+    assert!(h
+        .manager
+        .switch_agent(id, &keel_core::AgentId::parse("ghost").unwrap())
+        .await
+        .is_err());
+}
+
+#[tokio::test]
+async fn slots_merge_and_readonly_rules_through_the_manager() {
+    let h = harness(SessionManagerConfig::default());
+    replies(&h.provider, &["a", "side-a"]);
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    let other = h.manager.create(spec("d2")).await.unwrap();
+    h.manager.submit_turn(id, "1").await.unwrap();
+    h.manager
+        .derive_slot(id, "default", "side", SlotMode::Full)
+        .await
+        .unwrap();
+    h.manager.switch_slot(id, "side").await.unwrap();
+    h.manager.submit_turn(id, "2").await.unwrap();
+    h.manager.switch_slot(id, "default").await.unwrap();
+    let err = h
+        .manager
+        .merge_slot(id, other, "side", "default", MergeStrategy::Append)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "slots can only be merged within one session"
+    );
+    h.manager
+        .merge_slot(id, id, "side", "default", MergeStrategy::Append)
+        .await
+        .unwrap();
+    assert_eq!(
+        visible_texts(&h.manager, id).await,
+        ["1", "a", "2", "side-a"]
+    );
+    h.manager
+        .create_slot(id, "notes", SlotMode::Readonly)
+        .await
+        .unwrap();
+    h.manager.switch_slot(id, "notes").await.unwrap();
+    let err = h.manager.submit_turn(id, "x").await.unwrap_err();
+    assert!(matches!(err, EngineError::SlotReadonly(s) if s == "notes"));
+    assert_eq!(h.provider.remaining(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn cancellation_mid_stream_commits_nothing_and_the_session_stays_usable() {
+    let h = harness(SessionManagerConfig::default());
+    let mut slow = ScriptedResponse::text("never finished answer");
+    slow.chunk_delay_ms = 60_000;
+    h.provider.push([slow, ScriptedResponse::text("fine")]);
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let pending = h
+        .manager
+        .submit_turn_stream(id, vec![Message::user("q")], Some(tx))
+        .await
+        .unwrap();
+    while !matches!(
+        rx.recv().await,
+        Some(TurnEvent::Stream(keel_core::StreamEvent::TextDelta { .. }))
+    ) {}
+    assert!(h.manager.stop(id));
+    let err = pending.finalize().await.unwrap_err();
+    assert!(err.is_cancelled(), "{err}");
+    assert!(h.manager.list_checkpoints(id).await.unwrap().is_empty());
+    assert!(visible_texts(&h.manager, id).await.is_empty());
+    h.manager.submit_turn(id, "again").await.unwrap();
+    assert_eq!(visible_texts(&h.manager, id).await, ["again", "fine"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_a_streamed_turn_leaves_no_half_checkpoint() {
+    let h = harness(SessionManagerConfig::default());
+    h.provider.push([
+        ScriptedResponse::text("streamed").delayed(60_000),
+        ScriptedResponse::text("ok"),
+    ]);
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    let pending = h
+        .manager
+        .submit_turn_stream(id, vec![Message::user("q")], None)
+        .await
+        .unwrap();
+    // Single-threaded runtime: the turn task runs only when we yield.
+    while h.provider.requests().is_empty() {
+        tokio::task::yield_now().await;
+    }
+    drop(pending);
+    assert!(h.manager.list_checkpoints(id).await.unwrap().is_empty());
+    h.manager.submit_turn(id, "q2").await.unwrap();
+    assert_eq!(visible_texts(&h.manager, id).await, ["q2", "ok"]);
+}
+
+#[tokio::test]
+async fn max_iterations_fails_the_turn_without_committing() {
+    let h = harness(SessionManagerConfig::default());
+    h.provider
+        .push((0..8).map(|_| ScriptedResponse::tool_call("nope", serde_json::json!({}))));
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    let err = h.manager.submit_turn(id, "loop").await.unwrap_err();
+    assert!(matches!(
+        err,
+        EngineError::Agent(AgentError::MaxIterations { limit: 8 })
+    ));
+    assert!(visible_texts(&h.manager, id).await.is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn idle_sessions_are_evicted_and_reloaded_transparently() {
+    let h = harness(SessionManagerConfig {
+        idle_ttl: Duration::from_secs(60),
+        ..Default::default()
+    });
+    replies(&h.provider, &["a", "b"]);
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    h.manager.submit_turn(id, "1").await.unwrap();
+    assert_eq!(h.manager.evict_idle(), 0, "not idle yet");
+    let held = h.manager.get(id).unwrap();
+    tokio::time::advance(Duration::from_secs(61)).await;
+    assert_eq!(
+        h.manager.evict_idle(),
+        0,
+        "a session someone holds is never evicted"
+    );
+    drop(held);
+    let evictor = h.manager.spawn_evictor(Duration::from_secs(30));
+    tokio::time::advance(Duration::from_secs(31)).await;
+    // Let the evictor task run its tick.
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(h.manager.loaded(), 0);
+    assert!(h.manager.get(id).is_err());
+    h.manager.submit_turn(id, "2").await.unwrap();
+    assert_eq!(visible_texts(&h.manager, id).await, ["1", "a", "2", "b"]);
+    evictor.abort();
+}
+
+#[tokio::test]
+async fn title_is_generated_once_after_n_visible_user_messages() {
+    let h = harness(SessionManagerConfig {
+        auto_title_after: 3,
+        ..Default::default()
+    });
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    replies(
+        &h.provider,
+        &[
+            "r1",
+            "r2",
+            "r3",
+            "\"Planning the keel launch\"\n",
+            "r4",
+            "r5",
+        ],
+    );
+    for i in 1..=5 {
+        h.manager
+            .submit_turn(id, &format!("message {i}"))
+            .await
+            .unwrap();
+        let title = h.manager.record(id).await.unwrap().title;
+        if i < 3 {
+            assert_eq!(title, "Dialog d1");
+        } else {
+            assert_eq!(title, "Planning the keel launch");
+        }
+    }
+    let title_requests = h
+        .provider
+        .requests()
+        .iter()
+        .filter(|r| {
+            r.messages[0]
+                .text()
+                .starts_with("Given the conversation history")
+        })
+        .count();
+    assert_eq!(title_requests, 1);
+    assert_eq!(h.manager.record(id).await.unwrap().message_count, 5);
+}
+
+#[tokio::test]
+async fn a_failing_title_is_not_fatal_and_renamed_dialogs_keep_their_title() {
+    let h = harness(SessionManagerConfig {
+        auto_title_after: 1,
+        ..Default::default()
+    });
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    h.provider.push([
+        ScriptedResponse::text("r1"),
+        ScriptedResponse::error(keel_core::ScriptedErrorKind::Server, "down"),
+    ]);
+    h.manager.submit_turn(id, "hello").await.unwrap();
+    assert_eq!(h.manager.record(id).await.unwrap().title, "Dialog d1");
+    h.manager.rename_dialog(id, "  Mine  ").await.unwrap();
+    replies(&h.provider, &["r2"]);
+    h.manager.submit_turn(id, "again").await.unwrap();
+    assert_eq!(h.manager.record(id).await.unwrap().title, "Mine");
+    assert_eq!(h.provider.remaining(), 0, "no title request after a rename");
+}
+
+#[tokio::test]
+async fn dialogs_list_recent_first_and_soft_delete() {
+    let h = harness(SessionManagerConfig::default());
+    let a = h.manager.open_dialog(&address("a"), None).await.unwrap();
+    assert_eq!(
+        h.manager.open_dialog(&address("a"), None).await.unwrap(),
+        a,
+        "idempotent"
+    );
+    let b = h
+        .manager
+        .create_dialog("test", "chat", Some("Second".into()), None)
+        .await
+        .unwrap();
+    let page = h
+        .manager
+        .list_dialogs("test", "chat", 10, None)
+        .await
+        .unwrap();
+    let titles: Vec<_> = page.items.iter().map(|r| r.title.as_str()).collect();
+    assert_eq!(titles, ["Second", "Dialog a"]);
+    h.manager.delete_dialog(b).await.unwrap();
+    let page = h
+        .manager
+        .list_dialogs("test", "chat", 10, None)
+        .await
+        .unwrap();
+    assert_eq!(page.items.len(), 1);
+    assert!(h.manager.session(b).await.is_err());
+    assert!(matches!(
+        h.manager.rename_dialog(a, "  ").await,
+        Err(EngineError::InvalidInput(_))
+    ));
+}
+
+#[tokio::test]
+async fn hidden_messages_do_not_count_as_user_input() {
+    let h = harness(SessionManagerConfig::default());
+    replies(&h.provider, &["ack"]);
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    let trigger = Message::user("[background results]")
+        .hidden()
+        .with_origin(keel_core::TurnOrigin::AgentContinuation);
+    h.manager
+        .submit_turn_stream(id, vec![trigger], None)
+        .await
+        .unwrap()
+        .finalize()
+        .await
+        .unwrap();
+    let s = h.manager.get(id).unwrap();
+    let g = s.lock().await;
+    assert_eq!(g.record().message_count, 0);
+    assert_eq!(
+        g.visible_messages().unwrap().len(),
+        1,
+        "only the assistant reply is visible"
+    );
+    assert_eq!(g.history()[0].message.role, Role::User);
+}
+
+#[tokio::test]
+async fn a_storage_failure_is_a_notice_and_a_typed_error_and_nothing_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = keel_store::StoreOptions {
+        busy_timeout: Duration::from_millis(5),
+        retry_delays: vec![Duration::from_millis(1); 3],
+        ..Default::default()
+    };
+    let store = keel_store::Store::open(dir.path().join("keel.db"), options).unwrap();
+    let provider = keel_core::ScriptedProvider::new(Vec::<ScriptedResponse>::new());
+    replies(&provider, &["lost", "kept"]);
+    let manager = manager_on(store, &provider, SessionManagerConfig::default());
+    let id = manager.create(spec("d1")).await.unwrap();
+    // Another process holds the write lock for the whole turn.
+    let blocker = rusqlite::Connection::open(dir.path().join("keel.db")).unwrap();
+    blocker.execute_batch("BEGIN EXCLUSIVE").unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let pending = manager
+        .submit_turn_stream(id, vec![Message::user("q")], Some(tx))
+        .await
+        .unwrap();
+    let err = pending.finalize().await.unwrap_err();
+    assert!(matches!(err, EngineError::Store(_)), "{err}");
+    let mut notices = Vec::new();
+    while let Ok(e) = rx.try_recv() {
+        if let TurnEvent::SystemNotice { text } = e {
+            notices.push(text);
+        }
+    }
+    assert_eq!(notices.len(), 1, "{notices:?}");
+    assert!(notices[0].starts_with("This turn could not be saved"));
+    blocker.execute_batch("ROLLBACK").unwrap();
+    assert!(
+        visible_texts(&manager, id).await.is_empty(),
+        "nothing half-applied in memory"
+    );
+    manager.submit_turn(id, "q2").await.unwrap();
+    assert_eq!(visible_texts(&manager, id).await, ["q2", "kept"]);
+}
