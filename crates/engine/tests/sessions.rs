@@ -619,3 +619,107 @@ async fn a_storage_failure_is_a_notice_and_a_typed_error_and_nothing_changes() {
     manager.submit_turn(id, "q2").await.unwrap();
     assert_eq!(visible_texts(&manager, id).await, ["q2", "kept"]);
 }
+
+#[tokio::test]
+async fn a_dropped_provider_stream_is_a_typed_error_and_no_partial_assistant_message() {
+    let h = harness(SessionManagerConfig::default());
+    let mut cut = ScriptedResponse::text("half of an answer");
+    cut.error = Some(keel_core::scripted::ScriptedError {
+        kind: keel_core::ScriptedErrorKind::StreamInterrupted,
+        message: "connection reset".into(),
+        status: None,
+        retry_after_ms: None,
+    });
+    h.provider.push([cut, ScriptedResponse::text("whole answer")]);
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    let err = h.manager.submit_turn(id, "q").await.unwrap_err();
+    assert!(
+        matches!(&err, EngineError::Agent(AgentError::Provider(keel_core::ProviderError::StreamInterrupted(m))) if m == "connection reset"),
+        "{err}"
+    );
+    assert!(visible_texts(&h.manager, id).await.is_empty());
+    h.manager.submit_turn(id, "q").await.unwrap();
+    assert_eq!(visible_texts(&h.manager, id).await, ["q", "whole answer"]);
+}
+
+#[tokio::test]
+async fn cancellation_during_a_tool_batch_commits_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let provider = keel_core::ScriptedProvider::new(Vec::<ScriptedResponse>::new());
+    provider.push([
+        ScriptedResponse::tool_call("sleep", serde_json::json!({"ms": 3_600_000})),
+        ScriptedResponse::text("after"),
+    ]);
+    let mut tools = keel_core::ToolRegistry::new();
+    tools.register(std::sync::Arc::new(keel_engine::tools::SleepTool)).unwrap();
+    let bundle = keel_engine::manager::RuntimeBundle::new(profile("root", &provider, tools));
+    let manager = keel_engine::manager::SessionManager::new(open_store(dir.path()), bundle, SessionManagerConfig::default());
+    let id = manager.create(spec("d1")).await.unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let pending = manager.submit_turn_stream(id, vec![Message::user("wait")], Some(tx)).await.unwrap();
+    while !matches!(rx.recv().await, Some(TurnEvent::ToolStarted { .. })) {}
+    assert!(manager.stop(id));
+    assert!(pending.finalize().await.unwrap_err().is_cancelled());
+    assert!(visible_texts(&manager, id).await.is_empty());
+    assert!(manager.list_checkpoints(id).await.unwrap().is_empty());
+    manager.submit_turn(id, "again").await.unwrap();
+    assert_eq!(visible_texts(&manager, id).await, ["again", "after"]);
+}
+
+#[tokio::test]
+async fn auto_summary_runs_past_the_ratio_is_debounced_and_never_fails_the_turn() {
+    let summary = keel_engine::manager::SummaryConfig {
+        trigger_ratio: 0.5,
+        max_context_tokens: 10,
+        debounce_turns: 2,
+    };
+    let h = harness(SessionManagerConfig { summary: Some(summary), ..Default::default() });
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    h.provider.push([
+        ScriptedResponse::text("answer one"),
+        ScriptedResponse::error(keel_core::ScriptedErrorKind::Server, "summary model down"),
+        ScriptedResponse::text("answer two"),
+        ScriptedResponse::text("The user asked twice."),
+        ScriptedResponse::text("answer three"),
+        ScriptedResponse::text("answer four"),
+        ScriptedResponse::text("Four questions so far."),
+    ]);
+    // Turn 1 is over the ratio; its summary fails: logged, the turn stands.
+    h.manager.submit_turn(id, "question one").await.unwrap();
+    assert_eq!(visible_texts(&h.manager, id).await, ["question one", "answer one"]);
+    // Turn 2: summarized.
+    h.manager.submit_turn(id, "question two").await.unwrap();
+    let state = h.manager.get(id).unwrap().lock().await.state().clone();
+    assert_eq!(state.slots["default"].summary.as_deref(), Some("The user asked twice."));
+    assert_eq!(state.last_summary_turn, Some(2));
+    // Turn 3: debounced (1 turn since the last summary); turn 4 summarizes again.
+    h.manager.submit_turn(id, "question three").await.unwrap();
+    h.manager.submit_turn(id, "question four").await.unwrap();
+    let state = h.manager.get(id).unwrap().lock().await.state().clone();
+    assert_eq!(state.slots["default"].summary.as_deref(), Some("Four questions so far."));
+    assert_eq!(h.provider.remaining(), 0);
+}
+
+#[tokio::test]
+async fn prune_keeps_the_latest_and_what_the_head_needs() {
+    let h = harness(SessionManagerConfig::default());
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    replies(&h.provider, &["a", "b", "c", "d"]);
+    for t in ["1", "2", "3", "4"] {
+        h.manager.submit_turn(id, t).await.unwrap();
+    }
+    let report = h
+        .manager
+        .prune_checkpoints(id, keel_store::PrunePolicy { keep_latest: Some(2), older_than_ms: None })
+        .await
+        .unwrap();
+    assert_eq!(report.checkpoints_deleted, 2);
+    let left: Vec<u64> = h.manager.list_checkpoints(id).await.unwrap().iter().map(|c| c.turn_index).collect();
+    assert_eq!(left, [4, 3]);
+    // The head's history is intact after pruning, and after a restart.
+    assert_eq!(visible_texts(&h.manager, id).await, ["1", "a", "2", "b", "3", "c", "4", "d"]);
+    let fresh = manager_on(open_store(h.dir.path()), &h.provider, SessionManagerConfig::default());
+    assert_eq!(visible_texts(&fresh, id).await.len(), 8);
+    h.manager.delete_checkpoints(id).await.unwrap();
+    assert!(h.manager.latest_checkpoint(id).await.unwrap().is_none());
+}
