@@ -7,6 +7,7 @@
 pub mod agent_loop;
 pub mod dialog_id;
 pub mod error;
+pub mod coordinator;
 pub mod gate;
 pub mod manager;
 pub mod session;

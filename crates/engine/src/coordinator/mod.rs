@@ -1,0 +1,522 @@
+//! Sub-agent runs (seed 002 §6–§7, SPEC §7): the [`AgentCoordinator`] admits
+//! delegations (foreground or background), persists every run, executes it
+//! under the execution gate with a deadline and a cancellation token, and
+//! ends it with the store's conditional terminal commit.
+//!
+//! - **Identity.** The root agent is not a run: a root turn is identified by
+//!   its session and turn ([`CallerContext::root`]). A run carries an
+//!   [`AgentExecutionContext`] in its tools' context extensions.
+//! - **Runs are session-less.** A run's conversation is ephemeral (system
+//!   prompt = the definition's body, input = task + context, no history);
+//!   what is persisted is the run record with its full result or error.
+//! - **Cancellation.** Foreground children get child tokens of the caller's
+//!   token, so `/stop` or a cancelled parent reaches every foreground
+//!   descendant. Background runs get a token of their root session owned by
+//!   the coordinator: they outlive the turn that created them.
+//! - **Quotas.** Background runs take a run permit before anything is
+//!   written and keep it until after their terminal commit. Foreground
+//!   children of the root wait for a run permit; deeper foreground runs
+//!   execute under their top-level ancestor's permit, which is what lets
+//!   nested delegation complete with every limit at 1. A parent waiting on
+//!   children holds no step permit (runtime-injected tools take none).
+//! - **Terminal commit** is conditional on (run id, execution id,
+//!   non-terminal): a late result after a cancel, a timeout or the reaper is
+//!   dropped and logged.
+
+mod context;
+mod delegate;
+mod error;
+mod providers;
+mod runner;
+mod supervisor;
+mod tools;
+mod view;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use keel_catalog::{AgentCatalog, CatalogHandle};
+use keel_core::time::now_ms;
+use keel_core::{CancellationToken, RunId, SessionId, Tool, ToolRegistry};
+use keel_store::{CancelReport, RecoveryReport, RunRecord, Store};
+use parking_lot::Mutex;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::agent_loop::{AgentLoop, NoHooks, StepGate};
+use crate::gate::ExecutionGate;
+
+pub use context::{AgentExecutionContext, CallerContext, TreeBudget};
+pub use delegate::{MAX_CONTEXT_BYTES, MAX_IDEMPOTENCY_KEY_BYTES, MAX_TASK_BYTES};
+pub use error::CoordinatorError;
+pub use providers::{ProfileProviders, ProviderFactory};
+pub use supervisor::{SpawnRejected, Supervisor};
+pub use tools::{AgentTaskTool, DelegateTool, AGENT_TASK_TOOL, DELEGATE_TOOL};
+pub use view::{
+    project_response, AgentRunView, DelegateRequest, DelegateResponse, DelegateTask,
+    ForegroundResult, RunResult, TASK_PREVIEW_BYTES,
+};
+
+/// A point in a run's life reported to a [`RunObserver`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunEvent {
+    /// The runner is about to wait for run quota.
+    WaitingForQuota,
+    /// The run is marked running; its first step is a provider-permit wait.
+    Started,
+    /// The terminal commit returned (by the runner, after releasing its
+    /// permit, or by the reaper); `won` is false for a dropped late result.
+    Committed {
+        /// The status the runner tried to record.
+        status: keel_core::RunStatus,
+        /// Whether that commit ended the run.
+        won: bool,
+    },
+}
+
+/// Observes runner lifecycle points (tests use it as a deterministic barrier).
+pub trait RunObserver: Send + Sync {
+    /// Called by the runner of `run_id` at `event`.
+    fn on_run_event(&self, run_id: RunId, agent: &keel_core::AgentId, event: RunEvent);
+}
+
+/// Limits and settings of the coordinator (the gateway fills it from keel.toml).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CoordinatorConfig {
+    /// Deepest run allowed (1 = only children of the root); the catalog's own bound also applies.
+    pub max_tree_depth: u32,
+    /// Most runs one delegation tree may create.
+    pub max_runs_per_tree: u32,
+    /// Most tasks in one delegate call.
+    pub max_children_per_call: u32,
+    /// Inbox capacity of a root session (pending events + reserved completions).
+    pub max_pending_inbox_events_per_session: u32,
+    /// Most bytes of a run's result in a delegate tool output.
+    pub result_preview_bytes: usize,
+    /// How often the reaper looks for overdue runs without a runner.
+    pub reaper_interval: Duration,
+    /// The runtime generation that owns runs started by this process.
+    pub runtime_generation: u64,
+}
+
+impl Default for CoordinatorConfig {
+    /// Depth 3, 16 runs per tree, 8 tasks per call, inbox 64, 2 KiB previews, reaper every 5 s, generation 1.
+    fn default() -> Self {
+        Self {
+            max_tree_depth: 3,
+            max_runs_per_tree: 16,
+            max_children_per_call: 8,
+            max_pending_inbox_events_per_session: 64,
+            result_preview_bytes: 2048,
+            reaper_interval: Duration::from_secs(5),
+            runtime_generation: 1,
+        }
+    }
+}
+
+/// Where the coordinator reads the current agent catalog from.
+pub trait CatalogSource: Send + Sync {
+    /// The catalog in force now (a cheap clone).
+    fn current(&self) -> AgentCatalog;
+}
+
+impl CatalogSource for AgentCatalog {
+    fn current(&self) -> AgentCatalog {
+        self.clone()
+    }
+}
+
+impl CatalogSource for CatalogHandle {
+    fn current(&self) -> AgentCatalog {
+        CatalogHandle::current(self)
+    }
+}
+
+/// A run with a live runner task in this process.
+struct ActiveRun {
+    context: Arc<AgentExecutionContext>,
+    done: watch::Receiver<bool>,
+}
+
+/// A run accepted by this process whose terminal commit was not seen yet.
+#[derive(Debug, Clone)]
+struct PendingRun {
+    root_session_id: SessionId,
+    agent_id: keel_core::AgentId,
+    execution_id: String,
+    deadline_at_ms: i64,
+}
+
+/// Admits, executes and ends sub-agent runs; see the module docs.
+pub struct AgentCoordinator {
+    store: Store,
+    catalog: Arc<dyn CatalogSource>,
+    providers: Arc<dyn ProviderFactory>,
+    tools: Arc<ToolRegistry>,
+    gate: Arc<ExecutionGate>,
+    agent_loop: AgentLoop,
+    config: CoordinatorConfig,
+    supervisor: Supervisor,
+    active: Mutex<HashMap<RunId, ActiveRun>>,
+    pending: Mutex<HashMap<RunId, PendingRun>>,
+    session_tokens: Mutex<HashMap<SessionId, CancellationToken>>,
+    shutdown: CancellationToken,
+    observer: Mutex<Option<Arc<dyn RunObserver>>>,
+    me: Weak<AgentCoordinator>,
+}
+
+impl std::fmt::Debug for AgentCoordinator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentCoordinator")
+            .field("config", &self.config)
+            .field("active_runs", &self.active.lock().len())
+            .field("supervisor", &self.supervisor)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AgentCoordinator {
+    /// A coordinator over `store`, with agents from `catalog`, providers from
+    /// `providers`, the shared built-in `tools` (never mutated) and `gate`.
+    pub fn new(
+        store: Store,
+        catalog: Arc<dyn CatalogSource>,
+        providers: Arc<dyn ProviderFactory>,
+        tools: Arc<ToolRegistry>,
+        gate: Arc<ExecutionGate>,
+        config: CoordinatorConfig,
+    ) -> Arc<Self> {
+        let step_gate: Arc<dyn StepGate> = gate.clone();
+        Arc::new_cyclic(|me| Self {
+            store,
+            catalog,
+            providers,
+            tools,
+            gate,
+            agent_loop: AgentLoop::new(Arc::new(NoHooks), step_gate),
+            config,
+            supervisor: Supervisor::new(),
+            active: Mutex::new(HashMap::new()),
+            pending: Mutex::new(HashMap::new()),
+            session_tokens: Mutex::new(HashMap::new()),
+            shutdown: CancellationToken::new(),
+            observer: Mutex::new(None),
+            me: me.clone(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &CoordinatorConfig {
+        &self.config
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// The execution gate.
+    pub fn gate(&self) -> &Arc<ExecutionGate> {
+        &self.gate
+    }
+
+    /// The supervisor of runner tasks (tests close it to make spawns fail).
+    pub fn supervisor(&self) -> &Supervisor {
+        &self.supervisor
+    }
+
+    /// Installs `observer` for runner lifecycle events (test hook).
+    pub fn set_observer(&self, observer: Arc<dyn RunObserver>) {
+        *self.observer.lock() = Some(observer);
+    }
+
+    fn notify(&self, context: &AgentExecutionContext, event: RunEvent) {
+        self.notify_run(context.run_id, &context.agent_id, event);
+    }
+
+    fn notify_run(&self, run_id: RunId, agent: &keel_core::AgentId, event: RunEvent) {
+        let observer = self.observer.lock().clone();
+        if let Some(o) = observer {
+            o.on_run_event(run_id, agent, event);
+        }
+    }
+
+    /// Runs with a live runner in this process.
+    pub fn active_runs(&self) -> Vec<RunId> {
+        let mut ids: Vec<RunId> = self.active.lock().keys().copied().collect();
+        ids.sort();
+        ids
+    }
+
+    /// The runtime tools of the root agent: `delegate` (to the catalog's
+    /// `root_delegates`) and `agent_task`. Add them to the root's registry.
+    pub fn root_tools(self: &Arc<Self>) -> Vec<Arc<dyn Tool>> {
+        let catalog = self.catalog.current();
+        vec![
+            Arc::new(DelegateTool::new(
+                Arc::downgrade(self),
+                &catalog,
+                catalog.root_delegates(),
+            )),
+            Arc::new(AgentTaskTool::new(Arc::downgrade(self))),
+        ]
+    }
+
+    /// One run of the caller's tree; any other id is [`CoordinatorError::NotFound`].
+    pub async fn get_run(
+        &self,
+        caller: &CallerContext,
+        run_id: RunId,
+    ) -> Result<AgentRunView, CoordinatorError> {
+        Ok(AgentRunView::from(&self.visible_run(caller, run_id).await?))
+    }
+
+    /// The full result (or error) of a run of the caller's tree.
+    pub async fn get_result(
+        &self,
+        caller: &CallerContext,
+        run_id: RunId,
+    ) -> Result<RunResult, CoordinatorError> {
+        let r = self.visible_run(caller, run_id).await?;
+        Ok(RunResult {
+            run_id: r.id,
+            status: r.status,
+            result: r.result,
+            error: r.error,
+        })
+    }
+
+    /// Runs of the caller's tree, newest first, at most `limit` (1..=1000):
+    /// every run of the session for the root, the descendants of a run otherwise.
+    pub async fn list_runs(
+        &self,
+        caller: &CallerContext,
+        limit: usize,
+    ) -> Result<Vec<AgentRunView>, CoordinatorError> {
+        let limit = limit.clamp(1, 1000);
+        let records = match caller.run_context() {
+            None => {
+                self.store
+                    .list_runs(caller.root_session_id(), None, limit)
+                    .await?
+                    .items
+            }
+            Some(me) => {
+                let mut out: Vec<RunRecord> = Vec::new();
+                let mut queue = VecDeque::from([me.run_id]);
+                while let Some(parent) = queue.pop_front() {
+                    for child in self.store.child_runs(parent).await? {
+                        if out.len() >= limit {
+                            break;
+                        }
+                        queue.push_back(child.id);
+                        out.push(child);
+                    }
+                }
+                out.sort_by_key(|r| std::cmp::Reverse((r.created_at_ms, r.id)));
+                out
+            }
+        };
+        Ok(records.iter().map(AgentRunView::from).collect())
+    }
+
+    /// Cancels a non-terminal run of the caller's tree (and with it its
+    /// foreground descendants) and waits until it is terminal. A background
+    /// run's completion is recorded as consumed: the caller asked for it.
+    pub async fn cancel_run(
+        &self,
+        caller: &CallerContext,
+        run_id: RunId,
+    ) -> Result<AgentRunView, CoordinatorError> {
+        let record = self.visible_run(caller, run_id).await?;
+        if !record.status.is_terminal() {
+            let reason = format!("cancelled by {}", caller.agent_name());
+            let active = self
+                .active
+                .lock()
+                .get(&run_id)
+                .map(|a| (Arc::clone(&a.context), a.done.clone()));
+            match active {
+                Some((context, mut done)) => {
+                    context.cancel(reason, true);
+                    // The runner commits the cancellation; wait for it.
+                    let _ = done.wait_for(|finished| *finished).await;
+                }
+                None => {
+                    let outcome = keel_store::TerminalOutcome::Cancelled { reason };
+                    self.store
+                        .commit_terminal(
+                            run_id,
+                            record.execution_id.clone(),
+                            outcome,
+                            true,
+                            now_ms(),
+                        )
+                        .await?;
+                    self.pending.lock().remove(&run_id);
+                }
+            }
+        }
+        let record = self
+            .store
+            .get_run(run_id)
+            .await?
+            .ok_or_else(|| CoordinatorError::NotFound(run_id.to_string()))?;
+        Ok(AgentRunView::from(&record))
+    }
+
+    /// Cancels every run of a root session (archive/delete): non-terminal runs
+    /// end cancelled with their reservations released and pending events
+    /// dead-lettered, then live runners are stopped (their late commits are dropped).
+    pub async fn cancel_session(
+        &self,
+        session: SessionId,
+        reason: &str,
+    ) -> Result<CancelReport, CoordinatorError> {
+        let report = self
+            .store
+            .cancel_session(session, reason.to_owned(), now_ms())
+            .await?;
+        if let Some(token) = self.session_tokens.lock().remove(&session) {
+            token.cancel();
+        }
+        let contexts: Vec<Arc<AgentExecutionContext>> = self
+            .active
+            .lock()
+            .values()
+            .filter(|a| a.context.root_session_id == session)
+            .map(|a| Arc::clone(&a.context))
+            .collect();
+        for context in contexts {
+            context.cancel(reason, true);
+        }
+        self.pending
+            .lock()
+            .retain(|_, p| p.root_session_id != session);
+        Ok(report)
+    }
+
+    /// Activation recovery: runs of older runtime generations that are still
+    /// queued/running/waiting end as interrupted (background ones turn their
+    /// reserved completion into a failure event); leases and counters are repaired.
+    pub async fn recover_on_activation(&self) -> Result<RecoveryReport, CoordinatorError> {
+        let report = self
+            .store
+            .recover(self.config.runtime_generation, now_ms())
+            .await?;
+        if !report.interrupted_runs.is_empty() {
+            tracing::info!(
+                runs = report.interrupted_runs.len(),
+                completions = report.completion_events,
+                "recovery: runs of older generations interrupted"
+            );
+        }
+        Ok(report)
+    }
+
+    /// Ends as timed out every run accepted by this process that is past its
+    /// deadline at `now_ms` and has no live runner (the runner itself uses
+    /// `timeout_at`). Returns the runs it ended.
+    pub async fn reap_overdue(&self, now_ms: i64) -> Result<Vec<RunId>, CoordinatorError> {
+        let overdue: Vec<(RunId, PendingRun)> = {
+            let active = self.active.lock();
+            self.pending
+                .lock()
+                .iter()
+                .filter(|(id, p)| p.deadline_at_ms <= now_ms && !active.contains_key(id))
+                .map(|(id, p)| (*id, p.clone()))
+                .collect()
+        };
+        let mut reaped = Vec::new();
+        for (run_id, p) in overdue {
+            let outcome = keel_store::TerminalOutcome::TimedOut {
+                deadline_at_ms: p.deadline_at_ms,
+            };
+            let commit = self
+                .store
+                .commit_terminal(run_id, p.execution_id, outcome, false, now_ms)
+                .await?;
+            if commit.won {
+                tracing::info!(%run_id, "reaper: run passed its deadline without a runner");
+                reaped.push(run_id);
+            }
+            self.pending.lock().remove(&run_id);
+            self.notify_run(
+                run_id,
+                &p.agent_id,
+                RunEvent::Committed {
+                    status: keel_core::RunStatus::TimedOut,
+                    won: commit.won,
+                },
+            );
+        }
+        Ok(reaped)
+    }
+
+    /// Starts the deadline reaper: every `interval` it runs
+    /// [`AgentCoordinator::reap_overdue`] until [`AgentCoordinator::shutdown`].
+    pub fn spawn_reaper(self: &Arc<Self>, interval: Duration) -> JoinHandle<()> {
+        let me = Arc::downgrade(self);
+        let shutdown = self.shutdown.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = shutdown.cancelled() => break,
+                    _ = tick.tick() => {}
+                }
+                let Some(coordinator) = me.upgrade() else {
+                    break;
+                };
+                if let Err(e) = coordinator.reap_overdue(now_ms()).await {
+                    tracing::warn!(error = %e, "reaper pass failed; retrying next tick");
+                }
+            }
+        })
+    }
+
+    /// Stops the reaper and refuses new runner tasks; running runs continue.
+    pub fn shutdown(&self) {
+        self.shutdown.cancel();
+        self.supervisor.close();
+    }
+
+    /// The coordinator-owned token of a root session that background runs derive from.
+    fn session_token(&self, session: SessionId) -> CancellationToken {
+        self.session_tokens
+            .lock()
+            .entry(session)
+            .or_default()
+            .clone()
+    }
+
+    /// The run if it belongs to the caller's tree; otherwise `NotFound`
+    /// (whether or not it exists elsewhere: no existence leak).
+    async fn visible_run(
+        &self,
+        caller: &CallerContext,
+        run_id: RunId,
+    ) -> Result<RunRecord, CoordinatorError> {
+        let not_found = || CoordinatorError::NotFound(run_id.to_string());
+        let record = self.store.get_run(run_id).await?.ok_or_else(not_found)?;
+        if record.root_session_id != caller.root_session_id() {
+            return Err(not_found());
+        }
+        let Some(me) = caller.run_context() else {
+            return Ok(record);
+        };
+        let mut parent = record.parent_run_id;
+        // Depth is bounded by the catalog's cap; the hop limit guards a corrupt chain.
+        for _ in 0..=keel_catalog::MAX_DELEGATION_DEPTH_CAP {
+            let Some(p) = parent else { break };
+            if p == me.run_id {
+                return Ok(record);
+            }
+            parent = self.store.get_run(p).await?.and_then(|r| r.parent_run_id);
+        }
+        Err(not_found())
+    }
+}

@@ -1,0 +1,304 @@
+//! Executing one run: wait for run quota if needed, mark it running, run the
+//! agent loop under the run's deadline and token with its scoped tool set,
+//! then end it through the store's conditional terminal commit. The run
+//! permit is dropped only after that commit.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use keel_catalog::AgentDefinition;
+use keel_core::time::now_ms;
+use keel_core::{
+    ExecutionMode, Extensions, Message, Provider, RunId, ScopeRule, ToolExecutionContext,
+    ToolRegistry,
+};
+use keel_store::{RunRecord, TerminalOutcome};
+use tokio::sync::watch;
+
+use super::context::AgentExecutionContext;
+use super::tools::{AgentTaskTool, DelegateTool};
+use super::{ActiveRun, AgentCoordinator, RunEvent};
+use crate::agent_loop::{TurnOutput, TurnRequest};
+use crate::error::AgentError;
+use crate::gate::{RunPermit, StepScope};
+
+/// How a run obtains its run quota.
+pub(crate) enum Quota {
+    /// Admitted before acceptance (background); kept until the terminal commit.
+    Held(RunPermit),
+    /// Wait for a permit (bounded by the deadline and the token).
+    Wait,
+    /// Runs under its top-level foreground ancestor's permit.
+    Inherited,
+}
+
+/// Everything a runner needs.
+pub(crate) struct Launch {
+    pub(crate) context: Arc<AgentExecutionContext>,
+    pub(crate) definition: Arc<AgentDefinition>,
+    pub(crate) provider: Arc<dyn Provider>,
+    pub(crate) input: String,
+    pub(crate) quota: Quota,
+}
+
+/// Keeps a run in the coordinator's active map while its runner lives; on
+/// drop (normal end or abort) removes it and signals `done`.
+pub(crate) struct ActiveGuard {
+    coordinator: Weak<AgentCoordinator>,
+    run_id: RunId,
+    done: watch::Sender<bool>,
+}
+
+impl ActiveGuard {
+    pub(crate) fn register(
+        coordinator: &AgentCoordinator,
+        context: &Arc<AgentExecutionContext>,
+    ) -> ActiveGuard {
+        let (done, rx) = watch::channel(false);
+        coordinator.active.lock().insert(
+            context.run_id,
+            ActiveRun {
+                context: Arc::clone(context),
+                done: rx,
+            },
+        );
+        ActiveGuard {
+            coordinator: coordinator.me.clone(),
+            run_id: context.run_id,
+            done,
+        }
+    }
+}
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        if let Some(c) = self.coordinator.upgrade() {
+            let mut active = c.active.lock();
+            if let Some(run) = active.remove(&self.run_id) {
+                let session = run.context.root_session_id;
+                let background_left = active.values().any(|a| {
+                    a.context.root_session_id == session
+                        && a.context.mode == ExecutionMode::Background
+                });
+                drop(active);
+                // The session token only exists for live background runs.
+                if run.context.mode == ExecutionMode::Background && !background_left {
+                    c.session_tokens.lock().remove(&session);
+                }
+            }
+        }
+        self.done.send_replace(true);
+    }
+}
+
+/// Why the loop did not produce an output.
+enum Stop {
+    Agent(AgentError),
+    Setup(String),
+    Store(keel_store::StoreError),
+    /// The run was no longer queued (ended by cancel_session or the reaper).
+    Superseded,
+}
+
+impl AgentCoordinator {
+    /// Runs `launch` to its terminal commit; returns the run as stored after
+    /// it (`None` only if storage failed).
+    pub(crate) async fn run_to_end(
+        self: Arc<Self>,
+        launch: Launch,
+        guard: ActiveGuard,
+    ) -> Option<RunRecord> {
+        let Launch {
+            context,
+            definition,
+            provider,
+            input,
+            quota,
+        } = launch;
+        let (mut permit, wait) = match quota {
+            Quota::Held(p) => (Some(p), false),
+            Quota::Wait => (None, true),
+            Quota::Inherited => (None, false),
+        };
+        let remaining = u64::try_from(context.deadline_at_ms.saturating_sub(now_ms())).unwrap_or(0);
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(remaining);
+        let result = tokio::time::timeout_at(
+            deadline,
+            self.execute(&context, &definition, provider, input, wait, &mut permit),
+        )
+        .await;
+        let outcome = match result {
+            Err(_elapsed) => {
+                // Foreground descendants derive from this token: stop them too.
+                context.cancel("the parent run timed out", false);
+                TerminalOutcome::TimedOut {
+                    deadline_at_ms: context.deadline_at_ms,
+                }
+            }
+            Ok(Ok(out)) => TerminalOutcome::Completed {
+                result: out.final_text(),
+                usage: out.usage,
+                tool_calls: out.tool_calls,
+                iterations: out.iterations,
+            },
+            Ok(Err(Stop::Agent(AgentError::Cancelled))) | Ok(Err(Stop::Superseded)) => {
+                TerminalOutcome::Cancelled {
+                    reason: context.cancel_cause().reason,
+                }
+            }
+            Ok(Err(Stop::Agent(AgentError::TimedOut))) => TerminalOutcome::TimedOut {
+                deadline_at_ms: context.deadline_at_ms,
+            },
+            Ok(Err(Stop::Agent(e))) => TerminalOutcome::Failed {
+                error: e.to_string(),
+                usage: None,
+            },
+            Ok(Err(Stop::Setup(e))) => TerminalOutcome::Failed {
+                error: e,
+                usage: None,
+            },
+            Ok(Err(Stop::Store(e))) => TerminalOutcome::Failed {
+                error: format!("storage: {e}"),
+                usage: None,
+            },
+        };
+        // Structured concurrency: a run ends after its foreground children
+        // (cancelled with it when it was cancelled or timed out).
+        let children: Vec<watch::Receiver<bool>> = self
+            .active
+            .lock()
+            .values()
+            .filter(|a| a.context.parent_run_id == Some(context.run_id))
+            .map(|a| a.done.clone())
+            .collect();
+        for mut done in children {
+            let _ = done.wait_for(|finished| *finished).await;
+        }
+        let quiet =
+            matches!(outcome, TerminalOutcome::Cancelled { .. }) && context.cancel_cause().quiet;
+        let status = outcome.status();
+        let committed = self
+            .store
+            .commit_terminal(
+                context.run_id,
+                context.execution_id.clone(),
+                outcome,
+                quiet,
+                now_ms(),
+            )
+            .await;
+        let (record, won) = match committed {
+            Ok(commit) => {
+                if !commit.won {
+                    tracing::info!(
+                        run_id = %context.run_id,
+                        dropped = %status,
+                        stored = %commit.run.status,
+                        "late run result dropped: the run had already ended"
+                    );
+                }
+                self.pending.lock().remove(&context.run_id);
+                (Some(commit.run), commit.won)
+            }
+            Err(e) => {
+                tracing::error!(
+                    run_id = %context.run_id,
+                    error = %e,
+                    "terminal commit failed; the reaper or recovery will end the run"
+                );
+                (None, false)
+            }
+        };
+        // Quota is released only after the terminal commit (seed 002 §6.2).
+        drop(permit);
+        drop(guard);
+        self.notify(&context, RunEvent::Committed { status, won });
+        record
+    }
+
+    async fn execute(
+        &self,
+        context: &Arc<AgentExecutionContext>,
+        definition: &AgentDefinition,
+        provider: Arc<dyn Provider>,
+        input: String,
+        wait_for_quota: bool,
+        permit: &mut Option<RunPermit>,
+    ) -> Result<TurnOutput, Stop> {
+        if wait_for_quota {
+            self.notify(context, RunEvent::WaitingForQuota);
+            let p = self
+                .gate
+                .admit_run(context.root_session_id, &context.cancellation)
+                .await
+                .map_err(|_| Stop::Agent(AgentError::Cancelled))?;
+            *permit = Some(p);
+        }
+        if context.cancellation.is_cancelled() {
+            return Err(Stop::Agent(AgentError::Cancelled));
+        }
+        match self
+            .store
+            .mark_run_running(context.run_id, context.execution_id.clone(), now_ms())
+            .await
+        {
+            Ok(true) => {}
+            Ok(false) => return Err(Stop::Superseded),
+            Err(e) => return Err(Stop::Store(e)),
+        }
+        let tools = self.run_tools(definition).map_err(Stop::Setup)?;
+        self.notify(context, RunEvent::Started);
+        let mut extensions = Extensions::default();
+        extensions.insert(Arc::clone(context));
+        extensions.insert(StepScope {
+            session: Some(context.root_session_id),
+            agent: Some(context.agent_id.clone()),
+        });
+        let request = TurnRequest {
+            provider,
+            tools: Arc::new(tools),
+            system_prompt: Some(definition.body.clone()),
+            history: Vec::new(),
+            input: vec![Message::user(input)],
+            max_iterations: definition.limits.max_iterations,
+            max_output_tokens: Some(definition.limits.max_output_tokens),
+            context: ToolExecutionContext {
+                session_id: Some(context.root_session_id),
+                turn_id: context.root_turn_id,
+                run_id: Some(context.run_id),
+                origin: Default::default(),
+                cancellation: context.cancellation.clone(),
+                extensions,
+            },
+        };
+        self.agent_loop
+            .run(request, None)
+            .await
+            .map_err(Stop::Agent)
+    }
+
+    /// The run's tool set: the definition's tools from the shared registry
+    /// (fail-closed: only `Delegatable`), plus `delegate` and `agent_task`
+    /// when the agent has delegates (depth and budget are enforced per call,
+    /// so the model sees a typed refusal rather than a missing tool).
+    fn run_tools(&self, definition: &AgentDefinition) -> Result<ToolRegistry, String> {
+        let mut registry = self
+            .tools
+            .scoped(
+                definition.tools.iter().map(String::as_str),
+                ScopeRule::Delegated,
+            )
+            .map_err(|e| format!("tool set refused: {e}"))?;
+        let catalog = self.catalog.current();
+        if !definition.delegates.is_empty() {
+            let delegate = DelegateTool::new(self.me.clone(), &catalog, &definition.delegates);
+            registry
+                .register(Arc::new(delegate))
+                .map_err(|e| format!("tool set refused: {e}"))?;
+            registry
+                .register(Arc::new(AgentTaskTool::new(self.me.clone())))
+                .map_err(|e| format!("tool set refused: {e}"))?;
+        }
+        Ok(registry)
+    }
+}

@@ -1,0 +1,276 @@
+//! The runtime-injected tools: `delegate` (start sub-agent runs) and
+//! `agent_task` (get, list, get_result, cancel runs of the caller's tree).
+//! Both derive the caller from the tool context; refusals reach the model as
+//! tool errors with the coordinator's message.
+
+use std::sync::{Arc, Weak};
+
+use async_trait::async_trait;
+use keel_catalog::AgentCatalog;
+use keel_core::{
+    AgentId, CompletionPolicy, DelegationPolicy, ExecutionMode, RunId, Tool, ToolError,
+    ToolExecutionContext, ToolOutput,
+};
+use serde::Deserialize;
+
+use super::context::CallerContext;
+use super::error::CoordinatorError;
+use super::view::{project_response, DelegateRequest, DelegateTask};
+use super::AgentCoordinator;
+use crate::tools::MAX_TOOL_OUTPUT_BYTES;
+
+/// Name of the delegate tool.
+pub const DELEGATE_TOOL: &str = "delegate";
+/// Name of the agent_task tool.
+pub const AGENT_TASK_TOOL: &str = "agent_task";
+
+/// Most runs `agent_task list` returns.
+const LIST_LIMIT: usize = 50;
+
+fn coordinator(weak: &Weak<AgentCoordinator>) -> Result<Arc<AgentCoordinator>, ToolError> {
+    weak.upgrade()
+        .ok_or_else(|| ToolError::Failed("the agent runtime is shutting down".into()))
+}
+
+fn invalid(e: serde_json::Error) -> ToolError {
+    ToolError::InvalidArguments(e.to_string())
+}
+
+/// `delegate`: runs tasks on sub-agents, in the foreground or background.
+pub struct DelegateTool {
+    coordinator: Weak<AgentCoordinator>,
+    description: String,
+}
+
+impl DelegateTool {
+    /// A delegate tool whose description lists `targets` (with their
+    /// descriptions from `catalog`). Authorization is still checked per call.
+    pub fn new(
+        coordinator: Weak<AgentCoordinator>,
+        catalog: &AgentCatalog,
+        targets: &[AgentId],
+    ) -> Self {
+        let mut description = String::from(
+            "Delegate tasks to sub-agents. mode \"foreground\" (default) waits and returns each \
+             result in request order (a batch runs concurrently); mode \"background\" returns run \
+             ids at once and the results arrive in a later turn. Long results are cut; read them \
+             in full with agent_task get_result.\nAgents you may delegate to:",
+        );
+        if targets.is_empty() {
+            description.push_str(" none.");
+        }
+        for t in targets {
+            let about = catalog.get(t).map(|d| d.description.as_str()).unwrap_or("");
+            description.push_str(&format!("\n- {t}: {about}"));
+        }
+        Self {
+            coordinator,
+            description,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DelegateArgs {
+    #[serde(default = "foreground")]
+    mode: ExecutionMode,
+    tasks: Vec<TaskArgs>,
+    #[serde(default = "all")]
+    completion_policy: CompletionPolicy,
+    #[serde(default)]
+    idempotency_key: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TaskArgs {
+    agent: String,
+    task: String,
+    #[serde(default)]
+    context: Option<serde_json::Value>,
+}
+
+fn foreground() -> ExecutionMode {
+    ExecutionMode::Foreground
+}
+
+fn all() -> CompletionPolicy {
+    CompletionPolicy::All
+}
+
+/// Parses delegate arguments; a malformed agent id is an unknown agent.
+pub(crate) fn parse_delegate_args(args: serde_json::Value) -> Result<DelegateRequest, ToolError> {
+    let args: DelegateArgs = serde_json::from_value(args).map_err(invalid)?;
+    let tasks = args
+        .tasks
+        .into_iter()
+        .map(|t| {
+            let agent = AgentId::parse(&t.agent).map_err(|_| {
+                CoordinatorError::UnknownAgent(t.agent.chars().take(80).collect()).into_tool_error()
+            })?;
+            Ok(DelegateTask {
+                agent,
+                task: t.task,
+                context: t.context,
+            })
+        })
+        .collect::<Result<Vec<_>, ToolError>>()?;
+    Ok(DelegateRequest {
+        mode: args.mode,
+        tasks,
+        completion_policy: args.completion_policy,
+        idempotency_key: args.idempotency_key,
+    })
+}
+
+#[async_trait]
+impl Tool for DelegateTool {
+    fn name(&self) -> &str {
+        DELEGATE_TOOL
+    }
+
+    fn description(&self) -> &str {
+        &self.description
+    }
+
+    fn parameters(&self) -> serde_json::Value {
+        serde_json::json!({
+            "type": "object",
+            "properties": {
+                "mode": {"type": "string", "enum": ["foreground", "background"], "default": "foreground"},
+                "tasks": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "agent": {"type": "string", "description": "id of the agent to run"},
+                            "task": {"type": "string", "description": "what it should do"},
+                            "context": {"description": "optional extra context (any JSON)"}
+                        },
+                        "required": ["agent", "task"],
+                        "additionalProperties": false
+                    }
+                },
+                "completion_policy": {"type": "string", "enum": ["all", "each"], "default": "all"},
+                "idempotency_key": {"type": "string", "description": "repeat it to retry without starting the work twice"}
+            },
+            "required": ["tasks"],
+            "additionalProperties": false
+        })
+    }
+
+    fn delegation_policy(&self) -> DelegationPolicy {
+        DelegationPolicy::RuntimeInjected
+    }
+
+    async fn execute(
+        &self,
+        args: serde_json::Value,
+        ctx: &ToolExecutionContext,
+    ) -> Result<ToolOutput, ToolError> {
+        let coordinator = coordinator(&self.coordinator)?;
+        let caller = CallerContext::from_tool_context(ctx)?;
+        let request = parse_delegate_args(args)?;
+        let response = coordinator.delegate(caller, request).await?;
+        Ok(ToolOutput::text(project_response(
+            &response,
+            coordinator.config().result_preview_bytes,
+        )))
+    }
+}
+
+/// `agent_task`: inspect or cancel runs of the caller's own tree.
+pub struct AgentTaskTool {
+    coordinator: Weak<AgentCoordinator>,
+}
+
+impl AgentTaskTool {
+    /// The tool, bound to `coordinator`.
+    pub fn new(coordinator: Weak<AgentCoordinator>) -> Self {
+        Self { coordinator }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum TaskAction {
+    Get,
+    List,
+    GetResult,
+    Cancel,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TaskToolArgs {
+    action: TaskAction,
+    #[serde(default)]
+    run_id: Option<String>,
+}
+
+fn pretty<T: serde::Serialize>(value: &T) -> Result<String, ToolError> {
+    serde_json::to_string_pretty(value).map_err(|e| ToolError::Failed(e.to_string()))
+}
+
+#[async_trait]
+impl Tool for AgentTaskTool {
+    fn name(&self) -> &str {
+        AGENT_TASK_TOOL
+    }
+
+    fn description(&self) -> &str {
+        "Inspect or cancel the sub-agent runs you started (and their descendants). \
+         action get (status of run_id), list (your runs, newest first), get_result (the full \
+         result of run_id), cancel (stop run_id and its foreground descendants)."
+    }
+
+    fn parameters(&self) -> serde_json::Value {
+        serde_json::json!({
+            "type": "object",
+            "properties": {
+                "action": {"type": "string", "enum": ["get", "list", "get_result", "cancel"]},
+                "run_id": {"type": "string", "description": "the run (not needed for list)"}
+            },
+            "required": ["action"],
+            "additionalProperties": false
+        })
+    }
+
+    fn delegation_policy(&self) -> DelegationPolicy {
+        DelegationPolicy::RuntimeInjected
+    }
+
+    async fn execute(
+        &self,
+        args: serde_json::Value,
+        ctx: &ToolExecutionContext,
+    ) -> Result<ToolOutput, ToolError> {
+        let coordinator = coordinator(&self.coordinator)?;
+        let caller = CallerContext::from_tool_context(ctx)?;
+        let args: TaskToolArgs = serde_json::from_value(args).map_err(invalid)?;
+        let run_id = || -> Result<RunId, ToolError> {
+            let text = args
+                .run_id
+                .as_deref()
+                .ok_or_else(|| ToolError::InvalidArguments("run_id is required".into()))?;
+            text.parse::<RunId>()
+                .map_err(|e| ToolError::InvalidArguments(e.to_string()))
+        };
+        let text = match args.action {
+            TaskAction::List => pretty(&coordinator.list_runs(&caller, LIST_LIMIT).await?)?,
+            TaskAction::Get => pretty(&coordinator.get_run(&caller, run_id()?).await?)?,
+            TaskAction::Cancel => pretty(&coordinator.cancel_run(&caller, run_id()?).await?)?,
+            TaskAction::GetResult => {
+                let r = coordinator.get_result(&caller, run_id()?).await?;
+                match (r.result, r.error) {
+                    (Some(result), _) => result,
+                    (None, Some(error)) => format!("run {} {}: {error}", r.run_id, r.status),
+                    (None, None) => format!("run {} is {}; no result yet", r.run_id, r.status),
+                }
+            }
+        };
+        Ok(ToolOutput::bounded(text, MAX_TOOL_OUTPUT_BYTES))
+    }
+}
