@@ -1,0 +1,550 @@
+//! `keel chat`: a terminal chat on the engine. Lines are user messages;
+//! lines starting with `/` are slash commands. Works the same whether stdin
+//! is a terminal or a pipe (one line = one message), so it can be scripted.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use keel_core::{CheckpointId, Message, SessionId, StreamEvent};
+use keel_engine::dialog_id::UnifiedSessionId;
+use keel_engine::manager::SessionManager;
+use keel_engine::{EngineError, TurnEvent};
+use keel_store::CheckpointRecord;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::sync::mpsc;
+
+use crate::app::{App, AppError};
+use crate::cli::DataArgs;
+
+/// The channel terminal dialogs live in.
+pub const CHANNEL: &str = "cli";
+
+/// One line per slash command, shown by `/help` and after a usage error.
+pub const HELP: &str = "\
+/new [title]        start a new dialog
+/sessions           list this chat's dialogs
+/switch <id>        switch to a dialog
+/rename <title>     rename the current dialog
+/delete             delete the current dialog
+/compact            summarize the current context
+/info               show the current dialog
+/stop               stop the running turn
+/checkpoints        list checkpoints, newest first
+/rollback <ckpt>    go back to a checkpoint (a new branch starts there)
+/fork <ckpt>        copy a checkpoint into a new dialog and switch to it
+/help               this list
+/exit               leave (Ctrl-D works too)";
+
+/// A parsed slash command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Slash {
+    /// `/new [title]`.
+    New(Option<String>),
+    /// `/sessions`.
+    Sessions,
+    /// `/switch <id>`.
+    Switch(String),
+    /// `/rename <title>`.
+    Rename(String),
+    /// `/delete`.
+    Delete,
+    /// `/compact`.
+    Compact,
+    /// `/info`.
+    Info,
+    /// `/stop`.
+    Stop,
+    /// `/checkpoints`.
+    Checkpoints,
+    /// `/rollback <ckpt>`.
+    Rollback(String),
+    /// `/fork <ckpt>`.
+    Fork(String),
+    /// `/help`.
+    Help,
+    /// `/exit` or `/quit`.
+    Exit,
+}
+
+/// Parses a line starting with `/`; the error is one line for the user.
+pub fn parse_slash(line: &str) -> Result<Slash, String> {
+    let line = line.trim();
+    let (cmd, rest) = match line.split_once(char::is_whitespace) {
+        Some((c, r)) => (c, r.trim()),
+        None => (line, ""),
+    };
+    let arg = || (!rest.is_empty()).then(|| rest.to_owned());
+    let no_arg = |s: Slash| {
+        if rest.is_empty() {
+            Ok(s)
+        } else {
+            Err(format!("{cmd} takes no argument"))
+        }
+    };
+    let one_word = |name: &str, make: fn(String) -> Slash| match rest.split_whitespace().count() {
+        1 => Ok(make(rest.to_owned())),
+        0 => Err(format!("{cmd} needs a {name}")),
+        _ => Err(format!("{cmd} takes one {name}")),
+    };
+    match cmd {
+        "/new" => Ok(Slash::New(arg())),
+        "/sessions" => no_arg(Slash::Sessions),
+        "/switch" => one_word("dialog id", Slash::Switch),
+        "/rename" => arg()
+            .map(Slash::Rename)
+            .ok_or_else(|| "/rename needs a title".to_owned()),
+        "/delete" => no_arg(Slash::Delete),
+        "/compact" => no_arg(Slash::Compact),
+        "/info" => no_arg(Slash::Info),
+        "/stop" => no_arg(Slash::Stop),
+        "/checkpoints" => no_arg(Slash::Checkpoints),
+        "/rollback" => one_word("checkpoint id", Slash::Rollback),
+        "/fork" => one_word("checkpoint id", Slash::Fork),
+        "/help" => no_arg(Slash::Help),
+        "/exit" | "/quit" => no_arg(Slash::Exit),
+        other => Err(format!("unknown command {other}")),
+    }
+}
+
+/// The short form of an id shown to users: its last 8 hex digits (the random
+/// part of a UUID v7; the leading digits are a timestamp shared by ids made
+/// close together).
+pub fn short(id: impl std::fmt::Display) -> String {
+    let s = id.to_string();
+    let hex: String = s.chars().filter(char::is_ascii_hexdigit).collect();
+    hex[hex.len().saturating_sub(8)..].to_owned()
+}
+
+struct Chat {
+    manager: Arc<SessionManager>,
+    chat: String,
+    agent: Option<keel_core::AgentId>,
+    current: SessionId,
+    out: std::io::Stdout,
+}
+
+/// Runs the chat until EOF or `/exit`.
+pub async fn run(
+    data: DataArgs,
+    chat: String,
+    agent: Option<String>,
+    script: Option<PathBuf>,
+) -> Result<ExitCode, AppError> {
+    let app = App::open(
+        data.config.as_deref(),
+        data.data_dir.as_deref(),
+        script.as_deref(),
+    )?;
+    if let Some(notice) = app.offline_notice {
+        eprintln!("{notice}");
+    }
+    let agent = agent
+        .map(|a| keel_core::AgentId::parse(&a))
+        .transpose()
+        .map_err(|e| AppError::Engine(EngineError::InvalidInput(e.to_string())))?;
+    UnifiedSessionId::new(CHANNEL, &chat, "default")?;
+    let manager = app.manager.clone();
+    let current = match manager.latest_dialog(CHANNEL, &chat).await? {
+        Some(record) => record.id,
+        None => {
+            let address = UnifiedSessionId::new(CHANNEL, &chat, "default")?;
+            manager.open_dialog(&address, agent.clone()).await?
+        }
+    };
+    let mut chat = Chat {
+        manager,
+        chat,
+        agent,
+        current,
+        out: std::io::stdout(),
+    };
+    let interactive = std::io::stdin().is_terminal();
+    let mut interrupts = interrupts()?;
+    let record = chat.manager.record(chat.current).await?;
+    chat.say(&format!(
+        "keel chat — dialog {} \"{}\" ({} messages). /help lists commands.",
+        record.dialog_id, record.title, record.message_count
+    ));
+    let mut lines = BufReader::new(tokio::io::stdin()).lines();
+    loop {
+        if interactive {
+            chat.prompt();
+        }
+        let line = tokio::select! {
+            line = lines.next_line() => line.map_err(crate::app::io_err("cannot read stdin"))?,
+            _ = interrupts.recv() => {
+                chat.say("(nothing to stop; /exit or Ctrl-D leaves)");
+                continue;
+            }
+        };
+        let Some(line) = line else { break };
+        let line = line.trim_end_matches('\r');
+        if line.trim().is_empty() {
+            continue;
+        }
+        if !interactive {
+            chat.say(&format!("> {line}"));
+        }
+        if line.starts_with('/') {
+            match parse_slash(line) {
+                Ok(Slash::Exit) => break,
+                Ok(cmd) => {
+                    if let Err(e) = chat.command(cmd).await {
+                        chat.say(&format!("error: {e}"));
+                    }
+                }
+                Err(e) => {
+                    chat.say(&format!("error: {e}"));
+                    chat.say(HELP);
+                }
+            }
+        } else {
+            chat.turn(line, &mut interrupts).await;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Ctrl-C presses, from a listener installed once for the whole chat (a
+/// press between two turns is never lost or delivered to the wrong place).
+fn interrupts() -> Result<mpsc::UnboundedReceiver<()>, AppError> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut sigint = signal(SignalKind::interrupt())
+            .map_err(crate::app::io_err("cannot listen for Ctrl-C"))?;
+        tokio::spawn(async move {
+            while sigint.recv().await.is_some() {
+                if tx.send(()).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    #[cfg(not(unix))]
+    tokio::spawn(async move {
+        while tokio::signal::ctrl_c().await.is_ok() {
+            if tx.send(()).is_err() {
+                break;
+            }
+        }
+    });
+    Ok(rx)
+}
+
+impl Chat {
+    fn say(&mut self, text: &str) {
+        let _ = writeln!(self.out, "{text}");
+        let _ = self.out.flush();
+    }
+
+    fn prompt(&mut self) {
+        let _ = write!(self.out, "you> ");
+        let _ = self.out.flush();
+    }
+
+    async fn turn(&mut self, text: &str, interrupts: &mut mpsc::UnboundedReceiver<()>) {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let pending = match self
+            .manager
+            .submit_turn_stream(self.current, vec![Message::user(text)], Some(tx))
+            .await
+        {
+            Ok(p) => p,
+            Err(e) => {
+                self.say(&format!("error: {e}"));
+                return;
+            }
+        };
+        let cancel = pending.cancellation();
+        let finalize = tokio::spawn(pending.finalize());
+        // "keel> " is printed before the first text of each model answer.
+        let mut needs_prefix = true;
+        let mut at_line_start = true;
+        loop {
+            let event = tokio::select! {
+                e = rx.recv() => e,
+                Some(()) = interrupts.recv() => {
+                    cancel.cancel();
+                    continue;
+                }
+            };
+            let Some(event) = event else { break };
+            match event {
+                TurnEvent::Stream(StreamEvent::TextDelta { text }) => {
+                    if needs_prefix {
+                        let _ = write!(self.out, "keel> ");
+                        needs_prefix = false;
+                    }
+                    let _ = write!(self.out, "{text}");
+                    at_line_start = text.ends_with('\n');
+                }
+                TurnEvent::ToolStarted { call } => {
+                    if !at_line_start {
+                        let _ = writeln!(self.out);
+                    }
+                    let args = one_line(&call.arguments.to_string(), 80);
+                    let _ = writeln!(self.out, "  [tool] {}({args})", call.name);
+                    at_line_start = true;
+                }
+                TurnEvent::ToolFinished { name, output, .. } => {
+                    let mark = if output.is_error { "error" } else { "ok" };
+                    let first = one_line(&output.content, 100);
+                    let _ = writeln!(self.out, "  [{name} {mark}] {first}");
+                    at_line_start = true;
+                    needs_prefix = true;
+                }
+                TurnEvent::SystemNotice { text } => {
+                    if !at_line_start {
+                        let _ = writeln!(self.out);
+                    }
+                    let _ = writeln!(self.out, "[notice] {text}");
+                    at_line_start = true;
+                }
+                TurnEvent::Stream(_) => {}
+            }
+            let _ = self.out.flush();
+        }
+        if !at_line_start {
+            let _ = writeln!(self.out);
+        }
+        match finalize.await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) if e.is_cancelled() => {
+                self.say("(stopped; nothing from this turn was saved)")
+            }
+            Ok(Err(e)) => self.say(&format!("error: {e}")),
+            Err(e) => self.say(&format!("error: the turn task failed: {e}")),
+        }
+    }
+
+    async fn command(&mut self, cmd: Slash) -> Result<(), AppError> {
+        let m = self.manager.clone();
+        match cmd {
+            Slash::New(title) => {
+                let id = m
+                    .create_dialog(CHANNEL, &self.chat, title, self.agent.clone())
+                    .await?;
+                self.current = id;
+                let r = m.record(id).await?;
+                self.say(&format!("new dialog {} \"{}\"", r.dialog_id, r.title));
+            }
+            Slash::Sessions => {
+                let page = m.list_dialogs(CHANNEL, &self.chat, 10, None).await?;
+                for r in page.items {
+                    let mark = if r.id == self.current { "*" } else { " " };
+                    self.say(&format!(
+                        "{mark} {}  \"{}\"  {} messages",
+                        r.dialog_id, r.title, r.message_count
+                    ));
+                }
+            }
+            Slash::Switch(dialog) => {
+                let address = UnifiedSessionId::new(CHANNEL, &self.chat, &dialog)?;
+                let found = m
+                    .store()
+                    .get_dialog(CHANNEL, &self.chat, &dialog)
+                    .await?
+                    .filter(|r| r.deleted_at_ms.is_none());
+                match found {
+                    Some(r) => {
+                        self.current = r.id;
+                        self.say(&format!(
+                            "switched to {} \"{}\"",
+                            address.dialog_id(),
+                            r.title
+                        ));
+                    }
+                    None => self.say(&format!("error: no dialog {dialog} (see /sessions)")),
+                }
+            }
+            Slash::Rename(title) => {
+                m.rename_dialog(self.current, &title).await?;
+                let r = m.record(self.current).await?;
+                self.say(&format!("renamed to \"{}\"", r.title));
+            }
+            Slash::Delete => {
+                let r = m.record(self.current).await?;
+                m.delete_dialog(self.current).await?;
+                self.say(&format!("deleted {} \"{}\"", r.dialog_id, r.title));
+                self.current = match m.latest_dialog(CHANNEL, &self.chat).await? {
+                    Some(next) => next.id,
+                    None => {
+                        m.create_dialog(CHANNEL, &self.chat, None, self.agent.clone())
+                            .await?
+                    }
+                };
+                let r = m.record(self.current).await?;
+                self.say(&format!("now in {} \"{}\"", r.dialog_id, r.title));
+            }
+            Slash::Compact => {
+                if m.compact(self.current).await? {
+                    self.say("context summarized");
+                } else {
+                    self.say("could not summarize the context (see the log)");
+                }
+            }
+            Slash::Info => {
+                let session = m.session(self.current).await?;
+                let g = session.lock().await;
+                let r = g.record();
+                let st = g.state();
+                let checkpoints = m.list_checkpoints(self.current).await?.len();
+                let info = format!(
+                    "dialog {} \"{}\"\nagent {} ({} / {})\nmessages {} · turns {} · slot {} · checkpoints {}\ntokens {} in / {} out over {} model calls",
+                    r.dialog_id,
+                    r.title,
+                    g.agent().name,
+                    g.agent().provider.name(),
+                    g.agent().provider.model(),
+                    r.message_count,
+                    st.turn_index,
+                    st.current_slot,
+                    checkpoints,
+                    st.cost.prompt_tokens,
+                    st.cost.completion_tokens,
+                    st.cost.requests
+                );
+                drop(g);
+                self.say(&info);
+            }
+            Slash::Stop => {
+                if !m.stop(self.current) {
+                    self.say("no turn is running");
+                }
+            }
+            Slash::Checkpoints => {
+                let list = m.list_checkpoints(self.current).await?;
+                if list.is_empty() {
+                    self.say("no checkpoints yet");
+                }
+                for c in list {
+                    self.say(&checkpoint_line(&c));
+                }
+            }
+            Slash::Rollback(id) => {
+                let target = self.resolve_checkpoint(&id).await?;
+                m.rollback(self.current, target).await?;
+                let turns = m.session(self.current).await?.lock().await.turn_index();
+                self.say(&format!(
+                    "rolled back to {} (turn {turns}); new turns start a new branch",
+                    short(target)
+                ));
+            }
+            Slash::Fork(id) => {
+                let target = self.resolve_checkpoint(&id).await?;
+                let new = m.fork(target, None).await?;
+                self.current = new;
+                let r = m.record(new).await?;
+                self.say(&format!(
+                    "forked {} into dialog {} \"{}\"",
+                    short(target),
+                    r.dialog_id,
+                    r.title
+                ));
+            }
+            Slash::Help => self.say(HELP),
+            Slash::Exit => {}
+        }
+        Ok(())
+    }
+
+    async fn resolve_checkpoint(&self, text: &str) -> Result<CheckpointId, AppError> {
+        let wanted = text.to_ascii_lowercase().replace('-', "");
+        let list = self.manager.list_checkpoints(self.current).await?;
+        let matches: Vec<&CheckpointRecord> = list
+            .iter()
+            .filter(|c| {
+                let full = c.id.to_string().replace('-', "");
+                full == wanted || full.ends_with(&wanted)
+            })
+            .collect();
+        match matches.as_slice() {
+            [one] => Ok(one.id),
+            [] => Err(EngineError::InvalidInput(format!(
+                "no checkpoint {text} in this dialog (see /checkpoints)"
+            ))
+            .into()),
+            _ => Err(EngineError::InvalidInput(format!(
+                "{text} matches several checkpoints; give more digits"
+            ))
+            .into()),
+        }
+    }
+}
+
+fn checkpoint_line(c: &CheckpointRecord) -> String {
+    let parent = c.parent_id.map(short).unwrap_or_else(|| "-".into());
+    format!(
+        "{}  turn {:>3}  {:<8}  parent {}",
+        short(c.id),
+        c.turn_index,
+        c.source.as_str(),
+        parent
+    )
+}
+
+fn one_line(s: &str, max: usize) -> String {
+    let flat: String = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    if flat.chars().count() <= max {
+        flat
+    } else {
+        let mut cut: String = flat.chars().take(max).collect();
+        cut.push('…');
+        cut
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_command_and_rejects_bad_input() {
+        assert_eq!(parse_slash("/new"), Ok(Slash::New(None)));
+        assert_eq!(
+            parse_slash("/new  My plan "),
+            Ok(Slash::New(Some("My plan".into())))
+        );
+        assert_eq!(
+            parse_slash("/switch ab12"),
+            Ok(Slash::Switch("ab12".into()))
+        );
+        assert_eq!(parse_slash("/rename A B"), Ok(Slash::Rename("A B".into())));
+        assert_eq!(
+            parse_slash("/rollback 1234abcd"),
+            Ok(Slash::Rollback("1234abcd".into()))
+        );
+        assert_eq!(parse_slash("/quit"), Ok(Slash::Exit));
+        let errors: Vec<String> = [
+            "/frobnicate",
+            "/switch",
+            "/switch a b",
+            "/rename",
+            "/info now",
+            "/fork",
+        ]
+        .iter()
+        .map(|l| parse_slash(l).unwrap_err())
+        .collect();
+        insta::assert_yaml_snapshot!(errors, @r"
+        - unknown command /frobnicate
+        - /switch needs a dialog id
+        - /switch takes one dialog id
+        - /rename needs a title
+        - /info takes no argument
+        - /fork needs a checkpoint id
+        ");
+    }
+
+    #[test]
+    fn short_ids_use_the_random_tail() {
+        let id = "0190f3a2-7b1c-7def-8abc-0123456789ab";
+        assert_eq!(short(id), "456789ab");
+        assert_eq!(one_line("a\n b   c", 10), "a b c");
+        assert_eq!(one_line("abcdef", 3), "abc…");
+    }
+}

@@ -1,0 +1,118 @@
+//! Command-line interface of the `keel` binary.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// keel — a durable runtime for LLM agents.
+#[derive(Debug, Parser)]
+#[command(name = "keel", version, about, long_about = None)]
+pub struct Cli {
+    /// What to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Options every command that opens a data directory shares.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DataArgs {
+    /// Data directory (SQLite file, keel.toml, agents/).
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Configuration file (default: <data-dir>/keel.toml when it exists).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// An offline, deterministic tour of what keel does.
+    Demo {
+        /// Keep the demo's database here instead of a temporary directory.
+        #[arg(long, value_name = "DIR")]
+        data_dir: Option<PathBuf>,
+    },
+    /// Terminal chat with slash commands (/help lists them).
+    Chat {
+        /// Data directory and configuration.
+        #[command(flatten)]
+        data: DataArgs,
+        /// Chat id: restarting with the same id continues its last dialog.
+        #[arg(long, default_value = "local")]
+        chat: String,
+        /// Agent to talk to (default: the root agent).
+        #[arg(long)]
+        agent: Option<String>,
+        /// Drive the model from a ScriptedProvider script (YAML or JSON).
+        #[arg(long, value_name = "FILE")]
+        script: Option<PathBuf>,
+    },
+    /// Agent definitions.
+    Agents {
+        /// What to do with them.
+        #[command(subcommand)]
+        command: AgentsCommand,
+    },
+}
+
+/// `keel agents …`.
+#[derive(Debug, Subcommand)]
+pub enum AgentsCommand {
+    /// Validate a directory of agent definitions and print the catalog.
+    Check {
+        /// The definitions directory.
+        dir: PathBuf,
+        /// Configuration to validate against (default: built-in defaults).
+        #[arg(long, value_name = "FILE")]
+        config: Option<PathBuf>,
+    },
+}
+
+/// Parses arguments and runs the command.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("keel: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async move {
+        match cli.command {
+            Command::Demo { data_dir } => crate::demo::run(data_dir).await,
+            Command::Chat {
+                data,
+                chat,
+                agent,
+                script,
+            } => crate::chat::run(data, chat, agent, script).await,
+            Command::Agents {
+                command: AgentsCommand::Check { dir, config },
+            } => crate::agents::check(&dir, config.as_deref()),
+        }
+    });
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("keel: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_tracing() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("KEEL_LOG").unwrap_or_else(|_| EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}

@@ -1,0 +1,722 @@
+//! Configuration: `keel.toml` — its typed sections with documented defaults
+//! and hard caps, loading (`--config FILE`, else `<data-dir>/keel.toml`, else
+//! defaults), validation that reports every problem with its file, line and
+//! key path, provider profile resolution (with the built-in offline `default`)
+//! and the conversions into store, engine and tool settings.
+//!
+//! Every key, its default and its meaning is listed by [`reference()`], which
+//! docs/CONFIG.md renders verbatim (a test keeps them identical).
+
+mod error;
+mod reference;
+mod spans;
+mod validate;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
+
+use keel_catalog::CatalogInputs;
+use keel_core::{AgentId, Provider, ToolRegistry};
+use keel_engine::coordinator::CoordinatorConfig;
+use keel_engine::gate::GateLimits;
+use keel_engine::manager::{SessionManagerConfig, SummaryConfig};
+use keel_engine::tools::BuiltinToolsConfig;
+use keel_providers::{ProviderKind, ProviderProfile};
+use keel_store::{StoreOptions, Synchronous};
+use serde::{Deserialize, Serialize};
+
+pub use error::{ConfigError, ConfigProblem};
+pub use reference::{flatten_keys, reference, render_generated_docs, KeyDoc, EXAMPLE_TOML};
+
+/// Name of the configuration file looked up in the data directory.
+pub const CONFIG_FILE_NAME: &str = "keel.toml";
+/// Data directory used when neither `--data-dir`, `data_dir` nor
+/// `$KEEL_DATA_DIR` names one (relative to the current directory).
+pub const DEFAULT_DATA_DIR: &str = ".keel";
+/// Environment variable naming the data directory.
+pub const DATA_DIR_ENV: &str = "KEEL_DATA_DIR";
+/// Sub-directory of the data directory holding agent definitions by default.
+pub const DEFAULT_AGENTS_SUBDIR: &str = "agents";
+/// The profile name that `llm_profile: default` refers to.
+pub const DEFAULT_PROFILE_NAME: &str = "default";
+/// The one-line notice printed when no provider is configured.
+pub const OFFLINE_NOTICE: &str = "keel: no provider configured — using the built-in offline model \
+     (replies are canned). Add [providers.NAME] to keel.toml to use a real LLM (see docs/CONFIG.md).";
+
+/// Largest `session.ttl_hours` (30 days).
+pub const MAX_SESSION_TTL_HOURS: u64 = 720;
+/// Largest `session.cleanup_interval_minutes` (1 day).
+pub const MAX_CLEANUP_INTERVAL_MINUTES: u64 = 1440;
+/// Largest `session.auto_title_after_n_messages`.
+pub const MAX_AUTO_TITLE_AFTER_N_MESSAGES: u64 = 1000;
+/// Smallest `session.summary.max_context_tokens`.
+pub const MIN_SUMMARY_CONTEXT_TOKENS: usize = 1_000;
+/// Largest `session.summary.max_context_tokens`.
+pub const MAX_SUMMARY_CONTEXT_TOKENS: usize = 2_000_000;
+/// Largest `session.summary.debounce_turns`.
+pub const MAX_SUMMARY_DEBOUNCE_TURNS: u32 = 1000;
+
+/// Most entries in `storage.retry_delays_ms`.
+pub const MAX_RETRY_ATTEMPTS: usize = 10;
+/// Largest single entry of `storage.retry_delays_ms` (10 s).
+pub const MAX_RETRY_DELAY_MS: u64 = 10_000;
+/// Largest `storage.busy_timeout_ms` (1 min).
+pub const MAX_BUSY_TIMEOUT_MS: u64 = 60_000;
+
+/// Default `tools.shell_timeout_secs`.
+pub const DEFAULT_SHELL_TIMEOUT_SECS: u64 = 30;
+/// Largest `tools.shell_timeout_secs` (1 h).
+pub const MAX_SHELL_TIMEOUT_SECS: u64 = 3600;
+
+/// Largest `orchestration.max_runs_per_tree`.
+pub const MAX_RUNS_PER_TREE_CAP: usize = 1024;
+/// Largest `orchestration.max_concurrent_runs` (and its per-session limit).
+pub const MAX_CONCURRENT_RUNS_CAP: usize = 1024;
+/// Largest provider or tool step limit (global or per session).
+pub const MAX_CONCURRENT_STEPS_CAP: usize = 1024;
+/// Largest `orchestration.max_pending_inbox_events_per_session`.
+pub const MAX_PENDING_INBOX_EVENTS_CAP: usize = 10_000;
+/// Default `orchestration.inbox_event_ttl_hours` (7 days).
+pub const DEFAULT_INBOX_EVENT_TTL_HOURS: u64 = 168;
+/// Largest `orchestration.inbox_event_ttl_hours` (30 days).
+pub const MAX_INBOX_EVENT_TTL_HOURS: u64 = 720;
+/// Default `orchestration.max_inbox_delivery_attempts`.
+pub const DEFAULT_MAX_INBOX_DELIVERY_ATTEMPTS: u32 = 5;
+/// Largest `orchestration.max_inbox_delivery_attempts`.
+pub const MAX_INBOX_DELIVERY_ATTEMPTS_CAP: u32 = 100;
+/// Default `orchestration.max_user_turn_burst_before_inbox`.
+pub const DEFAULT_MAX_USER_TURN_BURST_BEFORE_INBOX: usize = 3;
+/// Largest `orchestration.max_user_turn_burst_before_inbox`.
+pub const MAX_USER_TURN_BURST_CAP: usize = 1000;
+/// Default `orchestration.max_inbox_wait_secs`.
+pub const DEFAULT_MAX_INBOX_WAIT_SECS: u64 = 30;
+/// Largest `orchestration.max_inbox_wait_secs` (1 h).
+pub const MAX_INBOX_WAIT_SECS_CAP: u64 = 3600;
+/// Default `orchestration.default_run_timeout_secs` (the catalog's default run deadline).
+pub const DEFAULT_RUN_TIMEOUT_SECS: u64 = keel_catalog::DEFAULT_TIMEOUT_SECS;
+/// Largest `orchestration.default_run_timeout_secs` (the catalog's cap, 24 h).
+pub const MAX_RUN_TIMEOUT_SECS: u64 = keel_catalog::TIMEOUT_SECS_BOUND.max;
+/// Largest `orchestration.max_children_per_call`.
+pub const MAX_CHILDREN_PER_CALL_CAP: usize = 64;
+
+/// Default `server.bind`: loopback only.
+pub const DEFAULT_BIND: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 7420));
+/// Default `server.token_env`.
+pub const DEFAULT_TOKEN_ENV: &str = "KEEL_TOKEN";
+
+/// The whole of `keel.toml`. Every key is optional; see [`reference()`].
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Where the database and `keel.toml` live. Unset: `--data-dir`, else
+    /// `$KEEL_DATA_DIR`, else `.keel`. [`Config::load`] always fills it in.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub data_dir: Option<PathBuf>,
+    /// The profile `llm_profile: default` means when several are configured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub default_profile: Option<String>,
+    /// Directory of agent definitions. Unset: `<data_dir>/agents` if it exists.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agents_dir: Option<PathBuf>,
+    /// Agents the root agent may delegate to.
+    pub root_delegates: Vec<String>,
+    /// Root directory of the file tools. Unset: the current directory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workspace_root: Option<PathBuf>,
+    /// Provider profiles by name (`[providers.NAME]`).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub providers: BTreeMap<String, ProviderProfile>,
+    /// `[session]`: lifetime, titles and checkpoints of dialogs.
+    pub session: SessionConfig,
+    /// `[storage]`: SQLite durability and retries.
+    pub storage: StorageConfig,
+    /// `[tools]`: which built-in tools exist.
+    pub tools: ToolsConfig,
+    /// `[orchestration]`: sub-agent quotas and inbox behaviour.
+    pub orchestration: OrchestrationConfig,
+    /// `[server]`: where `keel serve` listens.
+    pub server: ServerConfig,
+}
+
+/// `[session]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SessionConfig {
+    /// Hours a session may stay idle in memory before it is dropped (storage keeps it).
+    pub ttl_hours: u64,
+    /// Minutes between two sweeps of idle sessions.
+    pub cleanup_interval_minutes: u64,
+    /// Generate a title after this many user messages (0 disables).
+    pub auto_title_after_n_messages: u64,
+    /// Checkpoint after every committed turn.
+    pub auto_checkpoint: bool,
+    /// `[session.summary]`: automatic context summaries.
+    pub summary: SummarySettings,
+}
+
+impl Default for SessionConfig {
+    fn default() -> Self {
+        let engine = SessionManagerConfig::default();
+        Self {
+            ttl_hours: engine.idle_ttl.as_secs() / 3600,
+            cleanup_interval_minutes: 60,
+            auto_title_after_n_messages: engine.auto_title_after,
+            auto_checkpoint: engine.auto_checkpoint,
+            summary: SummarySettings::default(),
+        }
+    }
+}
+
+/// `[session.summary]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SummarySettings {
+    /// Summarize long contexts automatically.
+    pub enabled: bool,
+    /// Summarize when the context exceeds this share of `max_context_tokens`.
+    pub trigger_ratio: f32,
+    /// The context budget, in estimated tokens.
+    pub max_context_tokens: usize,
+    /// Turns between two summaries of a session.
+    pub debounce_turns: u32,
+}
+
+impl Default for SummarySettings {
+    fn default() -> Self {
+        let engine = SummaryConfig::default();
+        Self {
+            enabled: false,
+            trigger_ratio: engine.trigger_ratio,
+            max_context_tokens: engine.max_context_tokens,
+            debounce_turns: engine.debounce_turns,
+        }
+    }
+}
+
+/// `storage.synchronous`: how durable a commit is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SyncMode {
+    /// A commit survives a process crash; power loss may drop the last few.
+    #[default]
+    Normal,
+    /// Every commit is fsynced before it is acknowledged.
+    Full,
+}
+
+/// `[storage]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StorageConfig {
+    /// `normal` or `full` (SQLite `synchronous`).
+    pub synchronous: SyncMode,
+    /// Delays between retries of a transient write failure; its length is the retry count.
+    pub retry_delays_ms: Vec<u64>,
+    /// Milliseconds SQLite waits on a lock before reporting BUSY.
+    pub busy_timeout_ms: u64,
+}
+
+impl Default for StorageConfig {
+    fn default() -> Self {
+        let store = StoreOptions::default();
+        Self {
+            synchronous: match store.synchronous {
+                Synchronous::Full => SyncMode::Full,
+                Synchronous::Normal => SyncMode::Normal,
+            },
+            retry_delays_ms: store.retry_delays.iter().map(duration_ms).collect(),
+            busy_timeout_ms: duration_ms(&store.busy_timeout),
+        }
+    }
+}
+
+fn duration_ms(d: &Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// `[tools]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ToolsConfig {
+    /// Register `write_file` (root agent only).
+    pub enable_write: bool,
+    /// Register `shell` (root agent only).
+    pub enable_shell: bool,
+    /// Default and maximum run time of one shell command.
+    pub shell_timeout_secs: u64,
+}
+
+impl Default for ToolsConfig {
+    fn default() -> Self {
+        Self {
+            enable_write: false,
+            enable_shell: false,
+            shell_timeout_secs: DEFAULT_SHELL_TIMEOUT_SECS,
+        }
+    }
+}
+
+/// `[orchestration]` (seed 002 §4.1): quotas of sub-agent runs and the inbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OrchestrationConfig {
+    /// Longest delegation chain below the root agent.
+    pub max_tree_depth: u32,
+    /// Runs one root turn's tree may create in total.
+    pub max_runs_per_tree: usize,
+    /// Non-terminal runs across all sessions.
+    pub max_concurrent_runs: usize,
+    /// Non-terminal runs within one session.
+    pub max_concurrent_runs_per_session: usize,
+    /// Provider calls in flight across all sessions.
+    pub max_concurrent_provider_steps: usize,
+    /// Provider calls in flight within one session.
+    pub max_concurrent_provider_steps_per_session: usize,
+    /// Tool calls in flight across all sessions.
+    pub max_concurrent_tool_steps: usize,
+    /// Tool calls in flight within one session.
+    pub max_concurrent_tool_steps_per_session: usize,
+    /// Undelivered completions and signals one session may hold.
+    pub max_pending_inbox_events_per_session: usize,
+    /// Hours an undelivered inbox event is kept before it is dead-lettered.
+    pub inbox_event_ttl_hours: u64,
+    /// Failed deliveries of one inbox event before it is dead-lettered.
+    pub max_inbox_delivery_attempts: u32,
+    /// User turns in a row before a pending inbox event gets a continuation turn.
+    pub max_user_turn_burst_before_inbox: usize,
+    /// Seconds a pending inbox event waits before the next turn is a continuation.
+    pub max_inbox_wait_secs: u64,
+    /// Deadline of a run whose definition sets no `limits.timeout_secs`.
+    pub default_run_timeout_secs: u64,
+    /// Children one `delegate` call may start at once.
+    pub max_children_per_call: usize,
+}
+
+impl Default for OrchestrationConfig {
+    /// Quotas as in the engine's [`GateLimits`] and [`CoordinatorConfig`]
+    /// defaults; inbox timing from the constants above.
+    fn default() -> Self {
+        let gate = GateLimits::default();
+        let coordinator = CoordinatorConfig::default();
+        Self {
+            max_tree_depth: coordinator.max_tree_depth,
+            max_runs_per_tree: widen(coordinator.max_runs_per_tree),
+            max_concurrent_runs: gate.max_concurrent_runs,
+            max_concurrent_runs_per_session: gate.max_concurrent_runs_per_session,
+            max_concurrent_provider_steps: gate.max_concurrent_provider_steps,
+            max_concurrent_provider_steps_per_session: gate
+                .max_concurrent_provider_steps_per_session,
+            max_concurrent_tool_steps: gate.max_concurrent_tool_steps,
+            max_concurrent_tool_steps_per_session: gate.max_concurrent_tool_steps_per_session,
+            max_pending_inbox_events_per_session: widen(
+                coordinator.max_pending_inbox_events_per_session,
+            ),
+            inbox_event_ttl_hours: DEFAULT_INBOX_EVENT_TTL_HOURS,
+            max_inbox_delivery_attempts: DEFAULT_MAX_INBOX_DELIVERY_ATTEMPTS,
+            max_user_turn_burst_before_inbox: DEFAULT_MAX_USER_TURN_BURST_BEFORE_INBOX,
+            max_inbox_wait_secs: DEFAULT_MAX_INBOX_WAIT_SECS,
+            default_run_timeout_secs: DEFAULT_RUN_TIMEOUT_SECS,
+            max_children_per_call: widen(coordinator.max_children_per_call),
+        }
+    }
+}
+
+fn widen(n: u32) -> usize {
+    usize::try_from(n).unwrap_or(usize::MAX)
+}
+
+fn narrow(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// `[server]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Address `keel serve` listens on.
+    pub bind: SocketAddr,
+    /// Environment variable holding the management bearer token.
+    pub token_env: String,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            bind: DEFAULT_BIND,
+            token_env: DEFAULT_TOKEN_ENV.to_owned(),
+        }
+    }
+}
+
+impl ServerConfig {
+    /// The management token, read from `token_env` through `env`; `None`
+    /// when the variable is unset or blank.
+    pub fn token_with_env(&self, env: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+        env(&self.token_env)
+            .map(|t| t.trim().to_owned())
+            .filter(|t| !t.is_empty())
+    }
+}
+
+/// A configuration together with the file it came from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadedConfig {
+    /// The validated configuration, with `data_dir` filled in and relative
+    /// paths resolved against the file's directory.
+    pub config: Config,
+    /// The file read, or `None` when built-in defaults are used.
+    pub source: Option<PathBuf>,
+}
+
+impl LoadedConfig {
+    /// How errors name this configuration: the file's path, or
+    /// `keel.toml (defaults)` when no file was read.
+    pub fn source_label(&self) -> String {
+        self.source
+            .as_ref()
+            .map_or_else(|| DEFAULT_LABEL.to_owned(), |p| p.display().to_string())
+    }
+}
+
+/// The built-in offline profile that `default` names when no provider is configured.
+static OFFLINE_PROFILE: LazyLock<ProviderProfile> =
+    LazyLock::new(|| ProviderProfile::new(ProviderKind::Scripted, ""));
+
+fn real_env(var: &str) -> Option<String> {
+    std::env::var(var).ok()
+}
+
+impl Config {
+    /// Loads `explicit` (`--config FILE`, which must exist), else
+    /// `<data-dir>/keel.toml` if it exists, else the defaults; then validates
+    /// against the process environment.
+    pub fn load(
+        explicit: Option<&Path>,
+        data_dir_override: Option<&Path>,
+    ) -> Result<LoadedConfig, ConfigError> {
+        Self::load_with_env(explicit, data_dir_override, &real_env)
+    }
+
+    /// [`load`](Self::load) with an injected environment lookup (for
+    /// `$KEEL_DATA_DIR` and provider API keys).
+    ///
+    /// The data directory is `data_dir_override` (`--data-dir`), else the
+    /// file's `data_dir`, else `$KEEL_DATA_DIR`, else `.keel`; without
+    /// `--config` the file is looked up in the directory chosen without the
+    /// file's own `data_dir`. Relative paths inside the file are resolved
+    /// against the directory that holds it.
+    pub fn load_with_env(
+        explicit: Option<&Path>,
+        data_dir_override: Option<&Path>,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<LoadedConfig, ConfigError> {
+        let env_data_dir = env(DATA_DIR_ENV)
+            .filter(|v| !v.trim().is_empty())
+            .map(PathBuf::from);
+        let lookup_dir = data_dir_override
+            .map(Path::to_path_buf)
+            .or_else(|| env_data_dir.clone())
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_DATA_DIR));
+        let source = match explicit {
+            Some(path) if path.is_file() => Some(path.to_path_buf()),
+            Some(path) => {
+                return Err(ConfigError::NotFound {
+                    path: path.to_path_buf(),
+                })
+            }
+            None => Some(lookup_dir.join(CONFIG_FILE_NAME)).filter(|p| p.is_file()),
+        };
+        let Some(path) = source else {
+            let config = Config {
+                data_dir: Some(lookup_dir),
+                ..Config::default()
+            };
+            config.validate_with_env(DEFAULT_LABEL, env)?;
+            return Ok(LoadedConfig {
+                config,
+                source: None,
+            });
+        };
+        let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let label = path.display().to_string();
+        let (mut config, index) = Self::parse(&text, &label)?;
+        let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        config.resolve_paths(&base);
+        config.data_dir = data_dir_override
+            .map(Path::to_path_buf)
+            .or(config.data_dir.take())
+            .or(env_data_dir)
+            .or_else(|| Some(PathBuf::from(DEFAULT_DATA_DIR)));
+        let mut problems = validate::problems(&config, env);
+        problems.extend(validate::filesystem_problems(&config));
+        error::into_result(&label, &index, problems)?;
+        Ok(LoadedConfig {
+            config,
+            source: Some(path),
+        })
+    }
+
+    /// Parses and validates `text`, naming `file_label` in every error;
+    /// provider keys are read from the process environment. Relative paths
+    /// are kept as written.
+    pub fn from_toml_str(text: &str, file_label: &str) -> Result<Config, ConfigError> {
+        Self::from_toml_str_with_env(text, file_label, &real_env)
+    }
+
+    /// [`from_toml_str`](Self::from_toml_str) with an injected environment lookup.
+    pub fn from_toml_str_with_env(
+        text: &str,
+        file_label: &str,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Config, ConfigError> {
+        let (config, index) = Self::parse(text, file_label)?;
+        error::into_result(file_label, &index, validate::problems(&config, env))?;
+        Ok(config)
+    }
+
+    /// Checks every rule (capacities, caps, per-session ≤ global, profiles,
+    /// root delegates, provider keys via `env`) and reports all problems at once.
+    pub fn validate_with_env(
+        &self,
+        file_label: &str,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<(), ConfigError> {
+        error::into_result(
+            file_label,
+            &spans::KeyIndex::default(),
+            validate::problems(self, env),
+        )
+    }
+
+    /// Syntax, then types and unknown keys; the first such error stops parsing.
+    fn parse(text: &str, label: &str) -> Result<(Config, spans::KeyIndex), ConfigError> {
+        if let Err(e) = toml::from_str::<toml::Table>(text) {
+            return Err(error::parse_error(label, text, None, &e));
+        }
+        let index = spans::KeyIndex::build(text);
+        match toml::from_str::<Config>(text) {
+            Ok(config) => Ok((config, index)),
+            Err(e) => Err(error::parse_error(label, text, Some(&index), &e)),
+        }
+    }
+
+    /// Makes relative paths relative to `base` (the directory of the file).
+    fn resolve_paths(&mut self, base: &Path) {
+        let join = |p: &mut PathBuf| {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        };
+        for path in [
+            &mut self.data_dir,
+            &mut self.agents_dir,
+            &mut self.workspace_root,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            join(path);
+        }
+        for profile in self.providers.values_mut() {
+            if let Some(script) = &mut profile.script {
+                join(script);
+            }
+        }
+    }
+
+    /// The data directory (`.keel` when unset and not loaded through [`Config::load`]).
+    pub fn data_dir(&self) -> PathBuf {
+        self.data_dir
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_DATA_DIR))
+    }
+
+    /// The agent definitions directory: `agents_dir`, else `<data_dir>/agents`
+    /// if that directory exists, else none.
+    pub fn agents_dir(&self) -> Option<PathBuf> {
+        self.agents_dir
+            .clone()
+            .or_else(|| Some(self.data_dir().join(DEFAULT_AGENTS_SUBDIR)).filter(|p| p.is_dir()))
+    }
+
+    /// The root of the file tools: `workspace_root`, else the current directory.
+    pub fn workspace_root(&self) -> PathBuf {
+        self.workspace_root
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("."))
+    }
+
+    /// `root_delegates` as agent ids (invalid entries, rejected by validation, are skipped).
+    pub fn root_delegate_ids(&self) -> Vec<AgentId> {
+        self.root_delegates
+            .iter()
+            .filter_map(|id| AgentId::parse(id).ok())
+            .collect()
+    }
+
+    /// What the agent catalog validates definitions against: the profile
+    /// names (with `default`), `tools`, `root_delegates` and `max_tree_depth`.
+    pub fn catalog_inputs(&self, tools: Arc<ToolRegistry>) -> CatalogInputs {
+        let mut inputs = CatalogInputs::new(self.profile_names(), tools);
+        inputs.root_delegates = self.root_delegate_ids();
+        inputs.max_delegation_depth = self.orchestration.max_tree_depth;
+        inputs
+    }
+
+    /// The usable profiles: the configured ones, or only `default` (the
+    /// built-in offline provider) when none is configured.
+    pub fn profiles(&self) -> BTreeMap<String, ProviderProfile> {
+        if self.providers.is_empty() {
+            return BTreeMap::from([(DEFAULT_PROFILE_NAME.to_owned(), OFFLINE_PROFILE.clone())]);
+        }
+        self.providers.clone()
+    }
+
+    /// Every name an agent's `llm_profile` may use, sorted: the profiles plus `default`.
+    pub fn profile_names(&self) -> Vec<String> {
+        let mut names: BTreeSet<String> = self.providers.keys().cloned().collect();
+        names.insert(DEFAULT_PROFILE_NAME.to_owned());
+        names.into_iter().collect()
+    }
+
+    /// One line saying the built-in offline model is in use, when no provider is configured.
+    pub fn offline_notice(&self) -> Option<&'static str> {
+        self.providers.is_empty().then_some(OFFLINE_NOTICE)
+    }
+
+    /// The profile `name` refers to, with the name it resolved to: `default`
+    /// is the offline provider when none is configured, else
+    /// `[providers.default]`, else `default_profile`, else the only profile.
+    pub fn resolve_profile(&self, name: &str) -> Option<(&str, &ProviderProfile)> {
+        if let Some((key, profile)) = self.providers.get_key_value(name) {
+            return Some((key.as_str(), profile));
+        }
+        if name != DEFAULT_PROFILE_NAME {
+            return None;
+        }
+        if self.providers.is_empty() {
+            return Some((DEFAULT_PROFILE_NAME, &OFFLINE_PROFILE));
+        }
+        if let Some(chosen) = &self.default_profile {
+            return self
+                .providers
+                .get_key_value(chosen.as_str())
+                .map(|(k, p)| (k.as_str(), p));
+        }
+        match self.providers.iter().next() {
+            Some((key, profile)) if self.providers.len() == 1 => Some((key.as_str(), profile)),
+            _ => None,
+        }
+    }
+
+    /// Builds the provider of profile `name` (see [`resolve_profile`](Self::resolve_profile)),
+    /// reading API keys through `env`.
+    pub fn build_provider_with_env(
+        &self,
+        name: &str,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Arc<dyn Provider>, ConfigError> {
+        let Some((resolved, profile)) = self.resolve_profile(name) else {
+            return Err(ConfigError::UnknownProfile {
+                name: name.to_owned(),
+                known: self.profile_names(),
+            });
+        };
+        keel_providers::build_provider_with_env(resolved, profile, env).map_err(ConfigError::from)
+    }
+
+    /// [`build_provider_with_env`](Self::build_provider_with_env) with the process environment.
+    pub fn build_provider(&self, name: &str) -> Result<Arc<dyn Provider>, ConfigError> {
+        self.build_provider_with_env(name, &real_env)
+    }
+
+    /// The store settings from `[storage]` (readers, batch size and WAL
+    /// checkpointing keep the store's defaults).
+    pub fn store_options(&self) -> StoreOptions {
+        StoreOptions {
+            synchronous: match self.storage.synchronous {
+                SyncMode::Normal => Synchronous::Normal,
+                SyncMode::Full => Synchronous::Full,
+            },
+            busy_timeout: Duration::from_millis(self.storage.busy_timeout_ms),
+            retry_delays: self
+                .storage
+                .retry_delays_ms
+                .iter()
+                .map(|ms| Duration::from_millis(*ms))
+                .collect(),
+            ..StoreOptions::default()
+        }
+    }
+
+    /// The session manager settings from `[session]`.
+    pub fn session_manager_config(&self) -> SessionManagerConfig {
+        let s = &self.session;
+        SessionManagerConfig {
+            auto_checkpoint: s.auto_checkpoint,
+            idle_ttl: Duration::from_secs(s.ttl_hours.saturating_mul(3600)),
+            auto_title_after: s.auto_title_after_n_messages,
+            summary: s.summary.enabled.then_some(SummaryConfig {
+                trigger_ratio: s.summary.trigger_ratio,
+                max_context_tokens: s.summary.max_context_tokens,
+                debounce_turns: s.summary.debounce_turns,
+            }),
+        }
+    }
+
+    /// The built-in tool settings from `[tools]` and `workspace_root`.
+    pub fn builtin_tools(&self) -> BuiltinToolsConfig {
+        BuiltinToolsConfig {
+            workspace_root: self.workspace_root(),
+            enable_write: self.tools.enable_write,
+            enable_shell: self.tools.enable_shell,
+            shell_timeout: Duration::from_secs(self.tools.shell_timeout_secs),
+        }
+    }
+
+    /// The execution gate's limits from `[orchestration]` (no per-agent limits).
+    pub fn gate_limits(&self) -> GateLimits {
+        let o = &self.orchestration;
+        GateLimits {
+            max_concurrent_runs: o.max_concurrent_runs,
+            max_concurrent_runs_per_session: o.max_concurrent_runs_per_session,
+            max_concurrent_provider_steps: o.max_concurrent_provider_steps,
+            max_concurrent_provider_steps_per_session: o.max_concurrent_provider_steps_per_session,
+            max_concurrent_tool_steps: o.max_concurrent_tool_steps,
+            max_concurrent_tool_steps_per_session: o.max_concurrent_tool_steps_per_session,
+            ..GateLimits::default()
+        }
+    }
+
+    /// The coordinator's limits from `[orchestration]` (previews, reaper
+    /// interval and runtime generation keep the engine's defaults).
+    pub fn coordinator_config(&self) -> CoordinatorConfig {
+        let o = &self.orchestration;
+        CoordinatorConfig {
+            max_tree_depth: o.max_tree_depth,
+            max_runs_per_tree: narrow(o.max_runs_per_tree),
+            max_children_per_call: narrow(o.max_children_per_call),
+            max_pending_inbox_events_per_session: narrow(o.max_pending_inbox_events_per_session),
+            ..CoordinatorConfig::default()
+        }
+    }
+
+    /// Time between two sweeps of idle sessions.
+    pub fn cleanup_interval(&self) -> Duration {
+        Duration::from_secs(self.session.cleanup_interval_minutes.saturating_mul(60))
+    }
+
+    /// The management bearer token from `server.token_env` in the process environment.
+    pub fn management_token(&self) -> Option<String> {
+        self.server.token_with_env(&real_env)
+    }
+}
+
+/// The label used when no file was read.
+const DEFAULT_LABEL: &str = "keel.toml (defaults)";

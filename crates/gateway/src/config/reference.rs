@@ -1,0 +1,456 @@
+//! The key reference: every `keel.toml` key with its default and meaning,
+//! kept next to the structs and rendered verbatim into docs/CONFIG.md.
+//!
+//! Defaults shown for keys that `Config::default()` writes are read from that
+//! value itself, and caps from the constants, so the table cannot drift from
+//! the code; tests check that every key is documented and vice versa.
+
+use std::collections::BTreeMap;
+
+use keel_providers::{
+    DEFAULT_CONNECT_TIMEOUT_SECS, DEFAULT_MAX_RETRIES, DEFAULT_READ_TIMEOUT_SECS,
+    MAX_CONNECT_TIMEOUT_SECS, MAX_READ_TIMEOUT_SECS, MAX_RETRIES_CAP,
+};
+
+use super::*;
+
+/// One documented key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyDoc {
+    /// Dotted key path; provider keys are spelled `providers.NAME.<key>`.
+    pub key: String,
+    /// The default, as Markdown (a TOML value in backticks, or prose when unset).
+    pub default: String,
+    /// What the key means, with its accepted range.
+    pub doc: String,
+}
+
+/// A complete `keel.toml` that sets every key (values are the defaults where
+/// there is one); rendered into docs/CONFIG.md and parsed by the tests.
+pub const EXAMPLE_TOML: &str = r#"# Where the database lives (relative paths are relative to this file).
+data_dir = ".keel"
+# What `llm_profile: default` means: required when several profiles exist.
+default_profile = "main"
+agents_dir = "agents"
+root_delegates = ["researcher", "reviewer"]
+workspace_root = "."
+
+# An OpenAI-compatible endpoint; the key is read from $OPENAI_API_KEY.
+[providers.main]
+kind = "openai"
+base_url = "https://api.openai.com/v1"
+model = "gpt-4o-mini"
+api_key_env = "OPENAI_API_KEY"
+connect_timeout_secs = 10
+read_timeout_secs = 120
+max_retries = 3
+max_tokens = 4096
+
+# keel's deterministic scripted provider (no network).
+[providers.offline]
+kind = "scripted"
+script = "scripts/demo.yaml"
+
+[session]
+ttl_hours = 24
+cleanup_interval_minutes = 60
+auto_title_after_n_messages = 10
+auto_checkpoint = true
+
+[session.summary]
+enabled = false
+trigger_ratio = 0.75
+max_context_tokens = 32000
+debounce_turns = 3
+
+[storage]
+synchronous = "normal"
+retry_delays_ms = [100, 200, 300]
+busy_timeout_ms = 5000
+
+[tools]
+enable_write = false
+enable_shell = false
+shell_timeout_secs = 30
+
+[orchestration]
+max_tree_depth = 3
+max_runs_per_tree = 16
+max_concurrent_runs = 32
+max_concurrent_runs_per_session = 8
+max_concurrent_provider_steps = 8
+max_concurrent_provider_steps_per_session = 4
+max_concurrent_tool_steps = 16
+max_concurrent_tool_steps_per_session = 8
+max_pending_inbox_events_per_session = 64
+inbox_event_ttl_hours = 168
+max_inbox_delivery_attempts = 5
+max_user_turn_burst_before_inbox = 3
+max_inbox_wait_secs = 30
+default_run_timeout_secs = 600
+max_children_per_call = 8
+
+[server]
+bind = "127.0.0.1:7420"
+token_env = "KEEL_TOKEN"
+"#;
+
+/// Every key of `keel.toml`, in file order, with its default and meaning.
+pub fn reference() -> Vec<KeyDoc> {
+    let mut rows = Rows(Vec::new());
+    let text = |rows: &mut Rows, key: &str, default: &str, doc: String| {
+        rows.0.push((key.to_owned(), Some(default.to_owned()), doc));
+    };
+    let code = |rows: &mut Rows, key: &str, doc: String| {
+        rows.0.push((key.to_owned(), None, doc));
+    };
+    text(
+        &mut rows,
+        "data_dir",
+        "unset: `--data-dir`, else `$KEEL_DATA_DIR`, else `.keel`",
+        "Directory of the database (`keel.db`) and, by default, of `agents/`. \
+         `--data-dir` overrides it. Without `--config`, `keel.toml` itself is looked up \
+         in `--data-dir`, else `$KEEL_DATA_DIR`, else `.keel`."
+            .into(),
+    );
+    text(
+        &mut rows,
+        "default_profile",
+        "unset",
+        "The profile `llm_profile: default` means. Required when several \
+         `[providers.NAME]` exist and none is named `default`; with one profile, \
+         `default` is that one; with none, `default` is the built-in offline model."
+            .into(),
+    );
+    text(
+        &mut rows,
+        "agents_dir",
+        "unset: `<data_dir>/agents` if it exists",
+        "Directory of agent definitions (Markdown with frontmatter); must exist when set.".into(),
+    );
+    code(
+        &mut rows,
+        "root_delegates",
+        "Agent ids the root agent may delegate to.".into(),
+    );
+    text(
+        &mut rows,
+        "workspace_root",
+        "unset: the current directory",
+        "Directory the file tools are confined to; must exist when set.".into(),
+    );
+    text(
+        &mut rows,
+        "providers.NAME.kind",
+        "required",
+        "Wire protocol: `openai` (any OpenAI-compatible API), `anthropic` or \
+         `scripted` (offline, deterministic)."
+            .into(),
+    );
+    text(
+        &mut rows,
+        "providers.NAME.base_url",
+        "the kind's public API",
+        "API root, e.g. `http://127.0.0.1:11434/v1` for Ollama. Not for `scripted`.".into(),
+    );
+    text(
+        &mut rows,
+        "providers.NAME.model",
+        "required, except for `scripted`",
+        "Model identifier sent to the API.".into(),
+    );
+    text(
+        &mut rows,
+        "providers.NAME.api_key_env",
+        "`OPENAI_API_KEY` / `ANTHROPIC_API_KEY` with the default `base_url`; none otherwise",
+        "Environment variable holding the API key; it must be set. Keys are never \
+         written in the file."
+            .into(),
+    );
+    let connect = format!("`{DEFAULT_CONNECT_TIMEOUT_SECS}`");
+    text(
+        &mut rows,
+        "providers.NAME.connect_timeout_secs",
+        &connect,
+        format!("Seconds to establish a connection, 1..={MAX_CONNECT_TIMEOUT_SECS}."),
+    );
+    let read = format!("`{DEFAULT_READ_TIMEOUT_SECS}`");
+    text(
+        &mut rows,
+        "providers.NAME.read_timeout_secs",
+        &read,
+        format!(
+            "Longest silence, in seconds, before a response or its next chunk, \
+             1..={MAX_READ_TIMEOUT_SECS}."
+        ),
+    );
+    let retries = format!("`{DEFAULT_MAX_RETRIES}`");
+    text(
+        &mut rows,
+        "providers.NAME.max_retries",
+        &retries,
+        format!("Retries on 429/5xx/connection errors before any output, 0..={MAX_RETRIES_CAP}."),
+    );
+    text(
+        &mut rows,
+        "providers.NAME.max_tokens",
+        "unset",
+        "Output token cap when a request sets none (Anthropic then uses 4096).".into(),
+    );
+    text(
+        &mut rows,
+        "providers.NAME.script",
+        "unset: the offline echo model",
+        "For `scripted`: a YAML/JSON script file.".into(),
+    );
+
+    code(
+        &mut rows,
+        "session.ttl_hours",
+        format!(
+            "Hours an idle session stays in memory (the database keeps it), \
+             1..={MAX_SESSION_TTL_HOURS}."
+        ),
+    );
+    code(
+        &mut rows,
+        "session.cleanup_interval_minutes",
+        format!("Minutes between two sweeps of idle sessions, 1..={MAX_CLEANUP_INTERVAL_MINUTES}."),
+    );
+    code(
+        &mut rows,
+        "session.auto_title_after_n_messages",
+        format!(
+            "Generate a title after this many user messages while the title is the \
+             default; 0 disables, at most {MAX_AUTO_TITLE_AFTER_N_MESSAGES}."
+        ),
+    );
+    code(
+        &mut rows,
+        "session.auto_checkpoint",
+        "Checkpoint after every committed turn.".into(),
+    );
+    code(
+        &mut rows,
+        "session.summary.enabled",
+        "Summarize long contexts automatically.".into(),
+    );
+    code(
+        &mut rows,
+        "session.summary.trigger_ratio",
+        "Summarize when the context exceeds this share of `max_context_tokens`, in (0, 1].".into(),
+    );
+    code(
+        &mut rows,
+        "session.summary.max_context_tokens",
+        format!(
+            "Context budget in estimated tokens, \
+             {MIN_SUMMARY_CONTEXT_TOKENS}..={MAX_SUMMARY_CONTEXT_TOKENS}."
+        ),
+    );
+    code(
+        &mut rows,
+        "session.summary.debounce_turns",
+        format!("Turns between two summaries of a session, 1..={MAX_SUMMARY_DEBOUNCE_TURNS}."),
+    );
+
+    code(
+        &mut rows,
+        "storage.synchronous",
+        "`normal`: a commit survives a process crash, power loss may drop the last few; \
+         `full`: every commit is fsynced."
+            .into(),
+    );
+    code(
+        &mut rows,
+        "storage.retry_delays_ms",
+        format!(
+            "Delays between retries of a transient write failure (its length is the retry \
+             count): 1..={MAX_RETRY_ATTEMPTS} entries, each 0..={MAX_RETRY_DELAY_MS}."
+        ),
+    );
+    code(
+        &mut rows,
+        "storage.busy_timeout_ms",
+        format!(
+            "Milliseconds SQLite waits on a lock before reporting busy, 0..={MAX_BUSY_TIMEOUT_MS}."
+        ),
+    );
+
+    code(
+        &mut rows,
+        "tools.enable_write",
+        "Register `write_file` (root agent only).".into(),
+    );
+    code(
+        &mut rows,
+        "tools.enable_shell",
+        "Register `shell` (root agent only).".into(),
+    );
+    code(
+        &mut rows,
+        "tools.shell_timeout_secs",
+        format!("Default and maximum run time of a shell command, 1..={MAX_SHELL_TIMEOUT_SECS}."),
+    );
+
+    let depth_cap = keel_catalog::MAX_DELEGATION_DEPTH_CAP;
+    let orchestration: [(&str, String); 15] = [
+        (
+            "max_tree_depth",
+            format!("Longest delegation chain below the root agent, 1..={depth_cap}."),
+        ),
+        (
+            "max_runs_per_tree",
+            format!("Runs one root turn's tree may create in total, 1..={MAX_RUNS_PER_TREE_CAP}."),
+        ),
+        (
+            "max_concurrent_runs",
+            format!("Non-terminal runs across all sessions, 1..={MAX_CONCURRENT_RUNS_CAP}."),
+        ),
+        (
+            "max_concurrent_runs_per_session",
+            "Non-terminal runs within one session; at most `max_concurrent_runs`.".into(),
+        ),
+        (
+            "max_concurrent_provider_steps",
+            format!(
+                "Provider calls in flight across all sessions, 1..={MAX_CONCURRENT_STEPS_CAP}."
+            ),
+        ),
+        (
+            "max_concurrent_provider_steps_per_session",
+            "Provider calls in flight within one session; at most \
+             `max_concurrent_provider_steps`."
+                .into(),
+        ),
+        (
+            "max_concurrent_tool_steps",
+            format!("Tool calls in flight across all sessions, 1..={MAX_CONCURRENT_STEPS_CAP}."),
+        ),
+        (
+            "max_concurrent_tool_steps_per_session",
+            "Tool calls in flight within one session; at most `max_concurrent_tool_steps`.".into(),
+        ),
+        (
+            "max_pending_inbox_events_per_session",
+            format!(
+                "Undelivered completions and signals one session may hold; more background \
+                 runs and signals are refused, 1..={MAX_PENDING_INBOX_EVENTS_CAP}."
+            ),
+        ),
+        (
+            "inbox_event_ttl_hours",
+            format!(
+                "Hours an undelivered inbox event is kept before it is dead-lettered, \
+                 1..={MAX_INBOX_EVENT_TTL_HOURS}."
+            ),
+        ),
+        (
+            "max_inbox_delivery_attempts",
+            format!(
+                "Failed deliveries of one inbox event before it is dead-lettered, \
+                 1..={MAX_INBOX_DELIVERY_ATTEMPTS_CAP}."
+            ),
+        ),
+        (
+            "max_user_turn_burst_before_inbox",
+            format!(
+                "User turns in a row before a pending inbox event gets its continuation \
+                 turn, 1..={MAX_USER_TURN_BURST_CAP}."
+            ),
+        ),
+        (
+            "max_inbox_wait_secs",
+            format!(
+                "Seconds a pending inbox event may wait before the next turn is a \
+                 continuation, 1..={MAX_INBOX_WAIT_SECS_CAP}."
+            ),
+        ),
+        (
+            "default_run_timeout_secs",
+            format!(
+                "Deadline of a run whose definition sets no `limits.timeout_secs`, \
+                 1..={MAX_RUN_TIMEOUT_SECS}."
+            ),
+        ),
+        (
+            "max_children_per_call",
+            format!(
+                "Children one `delegate` call may start at once, 1..={MAX_CHILDREN_PER_CALL_CAP}."
+            ),
+        ),
+    ];
+    for (name, doc) in orchestration {
+        code(&mut rows, &format!("orchestration.{name}"), doc);
+    }
+
+    code(
+        &mut rows,
+        "server.bind",
+        "Address `keel serve` listens on; loopback by default.".into(),
+    );
+    code(
+        &mut rows,
+        "server.token_env",
+        "Environment variable holding the bearer token of the management endpoints.".into(),
+    );
+    let defaults = flatten_keys(&Config::default());
+    rows.0
+        .into_iter()
+        .map(|(key, default, doc)| {
+            let default = default.unwrap_or_else(|| {
+                defaults
+                    .get(&key)
+                    .map_or_else(|| "(missing)".to_owned(), |v| format!("`{v}`"))
+            });
+            KeyDoc { key, default, doc }
+        })
+        .collect()
+}
+
+/// Rows of [`reference`] before defaults are filled in: key, default text
+/// (`None`: read from `Config::default()`), meaning.
+struct Rows(Vec<(String, Option<String>, String)>);
+
+/// The generated part of docs/CONFIG.md: the key table and the full example.
+pub fn render_generated_docs() -> String {
+    let mut md = String::from("| Key | Default | Meaning |\n|---|---|---|\n");
+    for KeyDoc { key, default, doc } in reference() {
+        md.push_str(&format!(
+            "| `{key}` | {} | {} |\n",
+            default.replace('|', "\\|"),
+            doc.replace('|', "\\|")
+        ));
+    }
+    md.push_str("\nA file that sets every key:\n\n```toml\n");
+    md.push_str(EXAMPLE_TOML);
+    md.push_str("```\n");
+    md
+}
+
+/// Every key `config` writes, as dotted paths (provider names spelled
+/// `NAME`), with its value in TOML syntax.
+pub fn flatten_keys(config: &Config) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    if let Ok(toml::Value::Table(table)) = toml::Value::try_from(config) {
+        walk("", &table, &mut out);
+    }
+    out
+}
+
+fn walk(prefix: &str, table: &toml::Table, out: &mut BTreeMap<String, String>) {
+    for (key, value) in table {
+        let key = if prefix == "providers" { "NAME" } else { key };
+        let path = if prefix.is_empty() {
+            key.to_owned()
+        } else {
+            format!("{prefix}.{key}")
+        };
+        match value {
+            toml::Value::Table(inner) => walk(&path, inner, out),
+            leaf => {
+                out.insert(path, leaf.to_string());
+            }
+        }
+    }
+}

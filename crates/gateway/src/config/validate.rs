@@ -1,0 +1,335 @@
+//! The rules a parsed [`Config`] must meet. Every rule is checked and every
+//! problem reported (key path + message); nothing is clamped silently.
+
+use std::collections::BTreeSet;
+use std::fmt::Display;
+
+use keel_core::AgentId;
+
+use super::error::KeyedProblem;
+use super::*;
+
+/// Every rule violation of `config`; provider keys are looked up through `env`.
+pub(super) fn problems(config: &Config, env: &dyn Fn(&str) -> Option<String>) -> Vec<KeyedProblem> {
+    let mut out = Problems(Vec::new());
+    profiles(config, env, &mut out);
+    root_delegates(config, &mut out);
+    session(&config.session, &mut out);
+    storage(&config.storage, &mut out);
+    tools(&config.tools, &mut out);
+    orchestration(&config.orchestration, &mut out);
+    server(&config.server, &mut out);
+    out.0
+}
+
+/// Configured directories that do not exist (checked only when loading a file).
+pub(super) fn filesystem_problems(config: &Config) -> Vec<KeyedProblem> {
+    let mut out = Problems(Vec::new());
+    for (key, dir) in [
+        ("agents_dir", &config.agents_dir),
+        ("workspace_root", &config.workspace_root),
+    ] {
+        if let Some(dir) = dir {
+            if !dir.is_dir() {
+                out.push(
+                    key,
+                    format!("{} does not exist or is not a directory", dir.display()),
+                );
+            }
+        }
+    }
+    out.0
+}
+
+struct Problems(Vec<KeyedProblem>);
+
+impl Problems {
+    fn push(&mut self, key: impl Into<String>, message: impl Into<String>) {
+        self.0.push((key.into(), message.into()));
+    }
+
+    /// `value` must lie in `min..=max`; `max` is a hard cap.
+    fn range<T: PartialOrd + Display>(&mut self, key: &str, value: T, min: T, max: T) {
+        if value < min {
+            self.push(key, format!("{value} is below the minimum {min}"));
+        } else if value > max {
+            self.push(key, format!("{value} is above the hard cap {max}"));
+        }
+    }
+
+    /// A capacity: at least 1, at most `max`.
+    fn capacity(&mut self, key: &str, value: usize, max: usize) {
+        if value == 0 {
+            self.push(key, "0 is not a capacity; the minimum is 1");
+        } else {
+            self.range(key, value, 1, max);
+        }
+    }
+
+    /// A per-session limit may not exceed its global limit.
+    fn within_global(&mut self, key: &str, value: usize, global_key: &str, global: usize) {
+        if value > global {
+            self.push(key, format!("{value} is above {global_key} ({global})"));
+        }
+    }
+
+    fn env_name(&mut self, key: &str, name: &str) {
+        if name.is_empty() || name.contains(['=', '\0']) || name.trim() != name {
+            self.push(key, format!("{name:?} is not an environment variable name"));
+        }
+    }
+}
+
+fn profiles(config: &Config, env: &dyn Fn(&str) -> Option<String>, out: &mut Problems) {
+    let names: Vec<&str> = config.providers.keys().map(String::as_str).collect();
+    let listed = || {
+        names
+            .iter()
+            .map(|n| format!("`{n}`"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    for (name, profile) in &config.providers {
+        let key = super::spans::join("providers", name);
+        if !valid_profile_name(name) {
+            out.push(
+                &key,
+                format!(
+                    "{name:?} is not a valid profile name (use ASCII letters, digits, '_' and '-', at most 64)"
+                ),
+            );
+            continue;
+        }
+        if let Err(e) = profile.validate_with_env(&key, env) {
+            let message = e.to_string();
+            let message = message
+                .strip_prefix(&format!("{}: ", e.key()))
+                .unwrap_or(&message)
+                .to_owned();
+            out.push(e.key(), message);
+        }
+    }
+    match &config.default_profile {
+        Some(chosen) if config.providers.is_empty() && chosen != DEFAULT_PROFILE_NAME => out
+            .push(
+                "default_profile",
+                format!("names `{chosen}`, but no [providers.NAME] is configured"),
+            ),
+        Some(_) if config.providers.is_empty() => {}
+        Some(chosen) if !config.providers.contains_key(chosen) => out.push(
+            "default_profile",
+            format!("names `{chosen}`, which is not a configured profile (configured: {})", listed()),
+        ),
+        Some(chosen)
+            if chosen != DEFAULT_PROFILE_NAME
+                && config.providers.contains_key(DEFAULT_PROFILE_NAME) =>
+        {
+            out.push(
+                "default_profile",
+                format!(
+                    "names `{chosen}`, but [providers.default] already defines the profile `default`"
+                ),
+            )
+        }
+        Some(_) => {}
+        None if config.providers.len() > 1
+            && !config.providers.contains_key(DEFAULT_PROFILE_NAME) =>
+        {
+            out.push(
+                "default_profile",
+                format!(
+                    "must name the profile that `default` means when several are configured ({})",
+                    listed()
+                ),
+            )
+        }
+        None => {}
+    }
+}
+
+fn valid_profile_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+fn root_delegates(config: &Config, out: &mut Problems) {
+    let mut seen = BTreeSet::new();
+    for (i, id) in config.root_delegates.iter().enumerate() {
+        let key = format!("root_delegates[{i}]");
+        if let Err(e) = AgentId::parse(id) {
+            out.push(key, e.to_string());
+        } else if !seen.insert(id.as_str()) {
+            out.push(key, format!("`{id}` is listed twice"));
+        }
+    }
+}
+
+fn session(s: &SessionConfig, out: &mut Problems) {
+    out.range("session.ttl_hours", s.ttl_hours, 1, MAX_SESSION_TTL_HOURS);
+    out.range(
+        "session.cleanup_interval_minutes",
+        s.cleanup_interval_minutes,
+        1,
+        MAX_CLEANUP_INTERVAL_MINUTES,
+    );
+    out.range(
+        "session.auto_title_after_n_messages",
+        s.auto_title_after_n_messages,
+        0,
+        MAX_AUTO_TITLE_AFTER_N_MESSAGES,
+    );
+    let summary = &s.summary;
+    if !(summary.trigger_ratio > 0.0 && summary.trigger_ratio <= 1.0) {
+        out.push(
+            "session.summary.trigger_ratio",
+            format!(
+                "{} is outside (0, 1]; it is a share of max_context_tokens",
+                summary.trigger_ratio
+            ),
+        );
+    }
+    out.range(
+        "session.summary.max_context_tokens",
+        summary.max_context_tokens,
+        MIN_SUMMARY_CONTEXT_TOKENS,
+        MAX_SUMMARY_CONTEXT_TOKENS,
+    );
+    out.range(
+        "session.summary.debounce_turns",
+        summary.debounce_turns,
+        1,
+        MAX_SUMMARY_DEBOUNCE_TURNS,
+    );
+}
+
+fn storage(s: &StorageConfig, out: &mut Problems) {
+    if s.retry_delays_ms.is_empty() {
+        out.push(
+            "storage.retry_delays_ms",
+            "is empty; at least one retry of a transient write failure is required",
+        );
+    } else if s.retry_delays_ms.len() > MAX_RETRY_ATTEMPTS {
+        out.push(
+            "storage.retry_delays_ms",
+            format!(
+                "has {} entries; the hard cap is {MAX_RETRY_ATTEMPTS} retries",
+                s.retry_delays_ms.len()
+            ),
+        );
+    }
+    for (i, delay) in s.retry_delays_ms.iter().enumerate() {
+        out.range(
+            &format!("storage.retry_delays_ms[{i}]"),
+            *delay,
+            0,
+            MAX_RETRY_DELAY_MS,
+        );
+    }
+    out.range(
+        "storage.busy_timeout_ms",
+        s.busy_timeout_ms,
+        0,
+        MAX_BUSY_TIMEOUT_MS,
+    );
+}
+
+fn tools(t: &ToolsConfig, out: &mut Problems) {
+    out.range(
+        "tools.shell_timeout_secs",
+        t.shell_timeout_secs,
+        1,
+        MAX_SHELL_TIMEOUT_SECS,
+    );
+}
+
+fn orchestration(o: &OrchestrationConfig, out: &mut Problems) {
+    const P: &str = "orchestration.";
+    let key = |name: &str| format!("{P}{name}");
+    out.range(
+        &key("max_tree_depth"),
+        o.max_tree_depth,
+        1,
+        keel_catalog::MAX_DELEGATION_DEPTH_CAP,
+    );
+    out.capacity(
+        &key("max_runs_per_tree"),
+        o.max_runs_per_tree,
+        MAX_RUNS_PER_TREE_CAP,
+    );
+    let pairs = [
+        (
+            "max_concurrent_runs",
+            o.max_concurrent_runs,
+            "max_concurrent_runs_per_session",
+            o.max_concurrent_runs_per_session,
+            MAX_CONCURRENT_RUNS_CAP,
+        ),
+        (
+            "max_concurrent_provider_steps",
+            o.max_concurrent_provider_steps,
+            "max_concurrent_provider_steps_per_session",
+            o.max_concurrent_provider_steps_per_session,
+            MAX_CONCURRENT_STEPS_CAP,
+        ),
+        (
+            "max_concurrent_tool_steps",
+            o.max_concurrent_tool_steps,
+            "max_concurrent_tool_steps_per_session",
+            o.max_concurrent_tool_steps_per_session,
+            MAX_CONCURRENT_STEPS_CAP,
+        ),
+    ];
+    for (global_name, global, session_name, per_session, cap) in pairs {
+        out.capacity(&key(global_name), global, cap);
+        out.capacity(&key(session_name), per_session, cap);
+        if global > 0 && per_session > 0 {
+            out.within_global(&key(session_name), per_session, &key(global_name), global);
+        }
+    }
+    out.capacity(
+        &key("max_pending_inbox_events_per_session"),
+        o.max_pending_inbox_events_per_session,
+        MAX_PENDING_INBOX_EVENTS_CAP,
+    );
+    out.range(
+        &key("inbox_event_ttl_hours"),
+        o.inbox_event_ttl_hours,
+        1,
+        MAX_INBOX_EVENT_TTL_HOURS,
+    );
+    out.range(
+        &key("max_inbox_delivery_attempts"),
+        o.max_inbox_delivery_attempts,
+        1,
+        MAX_INBOX_DELIVERY_ATTEMPTS_CAP,
+    );
+    out.capacity(
+        &key("max_user_turn_burst_before_inbox"),
+        o.max_user_turn_burst_before_inbox,
+        MAX_USER_TURN_BURST_CAP,
+    );
+    out.range(
+        &key("max_inbox_wait_secs"),
+        o.max_inbox_wait_secs,
+        1,
+        MAX_INBOX_WAIT_SECS_CAP,
+    );
+    out.range(
+        &key("default_run_timeout_secs"),
+        o.default_run_timeout_secs,
+        1,
+        MAX_RUN_TIMEOUT_SECS,
+    );
+    out.capacity(
+        &key("max_children_per_call"),
+        o.max_children_per_call,
+        MAX_CHILDREN_PER_CALL_CAP,
+    );
+}
+
+fn server(s: &ServerConfig, out: &mut Problems) {
+    out.env_name("server.token_env", &s.token_env);
+}

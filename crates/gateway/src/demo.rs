@@ -1,0 +1,315 @@
+//! `keel demo`: an offline, deterministic tour of the engine — streaming,
+//! tool calls, dialogs with an automatic title, checkpoint → rollback →
+//! fork, and a restart that recovers everything from SQLite.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use keel_core::{Message, ScriptedProvider, ScriptedResponse, ScriptedToolCall, StreamEvent};
+use keel_engine::dialog_id::UnifiedSessionId;
+use keel_engine::manager::{NewSessionSpec, RuntimeBundle, SessionManager, SessionManagerConfig};
+use keel_engine::session::AgentProfile;
+use keel_engine::tools::{builtin_registry, BuiltinToolsConfig};
+use keel_engine::TurnEvent;
+use keel_store::{Store, StoreOptions};
+use serde_json::json;
+use tokio::sync::mpsc;
+
+use crate::app::{database_path, io_err, root_agent_id, AppError, ROOT_PROMPT};
+use crate::chat::short;
+
+const NOTES: &str = "# Launch plan\n\n- Freeze the schema at v6\n- Record benchmarks\n- Ship the offline demo first\n";
+
+/// The scripted model's answers, in the order the tour asks for them.
+fn script() -> Vec<ScriptedResponse> {
+    let calls = |calls: Vec<(&str, serde_json::Value)>| ScriptedResponse {
+        tool_calls: calls
+            .into_iter()
+            .map(|(name, arguments)| ScriptedToolCall {
+                id: None,
+                name: name.into(),
+                arguments,
+            })
+            .collect(),
+        ..Default::default()
+    };
+    vec![
+        // 1. streaming
+        ScriptedResponse::text("Hello! I run on keel's scripted model, so this whole tour is deterministic and offline."),
+        // 2. tools: two calls in one batch, then the answer
+        calls(vec![("list_dir", json!({})), ("read_file", json!({"path": "notes.md"}))]),
+        ScriptedResponse::text("The notes are a launch plan: freeze the schema at v6, record benchmarks, and ship the offline demo first."),
+        // 3. a second dialog: three user messages, then the title request
+        ScriptedResponse::text("Sure — what should the checklist cover?"),
+        ScriptedResponse::text("Noted: schema, benchmarks, demo."),
+        ScriptedResponse::text("Then we are ready to go."),
+        ScriptedResponse::text("Launch checklist"),
+        // 4. checkpoints: two turns on the first branch, one on the second
+        ScriptedResponse::text("Option A: launch on Monday."),
+        ScriptedResponse::text("Option A, step two: announce it."),
+        ScriptedResponse::text("Option B: launch on Friday instead."),
+        // 5. fork
+        ScriptedResponse::text("In the fork, we keep the Monday plan."),
+    ]
+}
+
+struct Tour {
+    started: Instant,
+}
+
+impl Tour {
+    fn step(&self, n: u32, title: &str) {
+        println!("\n{n}. {title}");
+    }
+
+    fn line(&self, text: &str) {
+        println!("   {text}");
+    }
+}
+
+async fn turn(
+    manager: &Arc<SessionManager>,
+    id: keel_core::SessionId,
+    text: &str,
+) -> Result<(), AppError> {
+    println!("   you> {text}");
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let pending = manager
+        .submit_turn_stream(id, vec![Message::user(text)], Some(tx))
+        .await?;
+    let done = tokio::spawn(pending.finalize());
+    let mut streaming = false;
+    let mut chunks = 0;
+    while let Some(event) = rx.recv().await {
+        match event {
+            TurnEvent::Stream(StreamEvent::TextDelta { text }) => {
+                if !streaming {
+                    print!("   keel> ");
+                    streaming = true;
+                }
+                chunks += 1;
+                print!("{text}");
+            }
+            TurnEvent::ToolStarted { call } => {
+                println!("   [tool] {}({})", call.name, call.arguments);
+            }
+            TurnEvent::ToolFinished { name, output, .. } => {
+                let first = output.content.lines().next().unwrap_or_default().to_owned();
+                println!(
+                    "   [{name} {}] {first} …",
+                    if output.is_error { "error" } else { "ok" }
+                );
+            }
+            _ => {}
+        }
+    }
+    if streaming {
+        println!("\n   ({chunks} streamed chunks)");
+    }
+    done.await
+        .map_err(|e| keel_engine::EngineError::InvalidInput(format!("turn task: {e}")))??;
+    Ok(())
+}
+
+fn build(
+    store: Store,
+    provider: &ScriptedProvider,
+    workspace: &std::path::Path,
+) -> Result<Arc<SessionManager>, AppError> {
+    let tools = builtin_registry(&BuiltinToolsConfig::new(workspace))?;
+    let root = AgentProfile {
+        name: root_agent_id(),
+        system_prompt: ROOT_PROMPT.to_owned(),
+        provider: Arc::new(provider.clone()),
+        tools: Arc::new(tools),
+        max_iterations: 8,
+        max_output_tokens: None,
+    };
+    let config = SessionManagerConfig {
+        auto_title_after: 3,
+        ..Default::default()
+    };
+    Ok(SessionManager::new(store, RuntimeBundle::new(root), config))
+}
+
+/// Runs the tour; `data_dir` keeps the database, else a temporary directory is used.
+pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode, AppError> {
+    let tour = Tour {
+        started: Instant::now(),
+    };
+    let temp = TempGuard(tempdir()?);
+    let kept = data_dir.is_some();
+    let data_dir = data_dir.unwrap_or_else(|| temp.0.join("data"));
+    let workspace = temp.0.join("workspace");
+    for dir in [&data_dir, &workspace] {
+        std::fs::create_dir_all(dir).map_err(io_err(format!("cannot create {}", dir.display())))?;
+    }
+    std::fs::write(workspace.join("notes.md"), NOTES)
+        .map_err(io_err("cannot write the demo workspace"))?;
+    let db = database_path(&data_dir);
+    println!("keel demo — an offline tour (scripted model, no network, no API key)");
+    println!("database: {}", db.display());
+
+    let provider = ScriptedProvider::new(script()).with_model("keel-demo");
+    let manager = build(
+        Store::open(&db, StoreOptions::default())?,
+        &provider,
+        &workspace,
+    )?;
+    let chat = format!("demo-{}", short(keel_core::SessionId::new()));
+    // A user-given title: auto-titling applies only to dialogs that still
+    // have their default title (the second dialog shows it).
+    let first = manager
+        .create(NewSessionSpec {
+            address: UnifiedSessionId::new("demo", &chat, "intro")?,
+            title: Some("Getting started".into()),
+            agent: None,
+        })
+        .await?;
+
+    tour.step(
+        1,
+        "Streaming: the answer arrives chunk by chunk and is committed when the turn ends",
+    );
+    turn(&manager, first, "Hello keel!").await?;
+
+    tour.step(
+        2,
+        "Tools: one model call asks for two tools; they run concurrently, then the model answers",
+    );
+    turn(&manager, first, "What is in my notes?").await?;
+
+    tour.step(
+        3,
+        "Dialogs: a second dialog is titled by the model once it has 3 user messages",
+    );
+    let second = manager.create_dialog("demo", &chat, None, None).await?;
+    let before = manager.record(second).await?.title;
+    tour.line(&format!("new dialog titled \"{before}\""));
+    for text in [
+        "Let's write a launch checklist.",
+        "Schema, benchmarks, demo.",
+        "Anything else?",
+    ] {
+        turn(&manager, second, text).await?;
+    }
+    tour.line(&format!(
+        "title is now \"{}\"",
+        manager.record(second).await?.title
+    ));
+    let page = manager.list_dialogs("demo", &chat, 10, None).await?;
+    for r in &page.items {
+        tour.line(&format!(
+            "dialog {}  \"{}\"  {} user messages",
+            r.dialog_id, r.title, r.message_count
+        ));
+    }
+
+    tour.step(
+        4,
+        "Checkpoints: checkpoint, two turns, roll back, take another branch",
+    );
+    let mark = manager.checkpoint(first).await?;
+    tour.line(&format!(
+        "checkpoint {} at turn {}",
+        short(mark.id),
+        mark.turn_index
+    ));
+    turn(&manager, first, "Plan A?").await?;
+    turn(&manager, first, "And then?").await?;
+    manager.rollback(first, mark.id).await?;
+    tour.line(&format!(
+        "rolled back to {}: the last two turns are off the current branch",
+        short(mark.id)
+    ));
+    turn(&manager, first, "Plan B?").await?;
+    tour.line("checkpoints, newest first (the abandoned branch is still listed):");
+    for c in manager.list_checkpoints(first).await? {
+        let parent = c.parent_id.map(short).unwrap_or_else(|| "-".into());
+        tour.line(&format!(
+            "  {}  turn {}  {:<8} parent {}",
+            short(c.id),
+            c.turn_index,
+            c.source.as_str(),
+            parent
+        ));
+    }
+
+    tour.step(
+        5,
+        "Fork: a new dialog starts from a checkpoint on the abandoned branch; nothing is copied",
+    );
+    let abandoned = manager
+        .list_checkpoints(first)
+        .await?
+        .into_iter()
+        .find(|c| c.turn_index == 4)
+        .ok_or_else(|| keel_engine::EngineError::InvalidInput("no checkpoint at turn 4".into()))?;
+    let fork = manager.fork(abandoned.id, None).await?;
+    let fork_record = manager.record(fork).await?;
+    tour.line(&format!(
+        "forked {} into dialog {} \"{}\"",
+        short(abandoned.id),
+        fork_record.dialog_id,
+        fork_record.title
+    ));
+    turn(&manager, fork, "Which plan do we keep here?").await?;
+
+    tour.step(6, "Restart: drop everything, reopen the database, recover");
+    let (before_state, before_history) = {
+        let s = manager.session(first).await?;
+        let g = s.lock().await;
+        (g.state().clone(), g.history().to_vec())
+    };
+    drop(manager);
+    let manager = build(
+        Store::open(&db, StoreOptions::default())?,
+        &provider,
+        &workspace,
+    )?;
+    let s = manager.recover(first).await?;
+    let g = s.lock().await;
+    let same = g.state() == &before_state && g.history() == before_history.as_slice();
+    tour.line(&format!(
+        "recovered \"{}\": {} messages, turn {}, {} tokens — identical to before the restart: {}",
+        g.record().title,
+        g.history().len(),
+        g.turn_index(),
+        g.state().cost.total_tokens(),
+        if same { "yes" } else { "NO" }
+    ));
+    drop(g);
+    if !same {
+        return Ok(ExitCode::FAILURE);
+    }
+    let kept_note = if kept {
+        format!("every step above is kept in {}", db.display())
+    } else {
+        "the database was temporary; pass --data-dir DIR to keep it".to_owned()
+    };
+    println!(
+        "\ndone in {} ms; {kept_note}",
+        tour.started.elapsed().as_millis()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn tempdir() -> Result<PathBuf, AppError> {
+    let dir =
+        std::env::temp_dir().join(format!("keel-demo-{}", short(keel_core::SessionId::new())));
+    std::fs::create_dir_all(&dir).map_err(io_err(format!("cannot create {}", dir.display())))?;
+    Ok(dir)
+}
+
+/// Removes the demo's temporary workspace when dropped.
+struct TempGuard(PathBuf);
+
+impl Drop for TempGuard {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.0) {
+            tracing::debug!(dir = %self.0.display(), error = %e, "demo temp dir not removed");
+        }
+    }
+}

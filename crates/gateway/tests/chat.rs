@@ -1,0 +1,192 @@
+//! Transcript tests of `keel chat`: the real binary, a real data directory,
+//! stdin scripts, the ScriptedProvider via --script. Ids and the temp path
+//! are redacted after their shape is checked.
+#![allow(clippy::unwrap_used)]
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+fn keel(data_dir: &Path, script: &Path, chat: &str, stdin: &str) -> (String, String, bool) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(["chat", "--chat", chat, "--data-dir"])
+        .arg(data_dir)
+        .arg("--script")
+        .arg(script)
+        .env("KEEL_LOG", "error")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+        out.status.success(),
+    )
+}
+
+/// Replaces 8-hex-digit short ids with stable placeholders (first seen = #1 …).
+fn redact(text: &str) -> String {
+    let mut seen: Vec<String> = Vec::new();
+    let mut out = String::new();
+    let chars: Vec<char> = text.chars().collect();
+    let mut i = 0;
+    while i < chars.len() {
+        let is_hex = |c: char| c.is_ascii_digit() || ('a'..='f').contains(&c);
+        let boundary_before = i == 0 || !chars[i - 1].is_ascii_alphanumeric();
+        if boundary_before
+            && i + 8 <= chars.len()
+            && chars[i..i + 8].iter().all(|c| is_hex(*c))
+            && (i + 8 == chars.len() || !chars[i + 8].is_ascii_alphanumeric())
+            && chars[i..i + 8]
+                .iter()
+                .any(|c| c.is_ascii_alphabetic() || *c != '0')
+        {
+            let token: String = chars[i..i + 8].iter().collect();
+            // Keep pure numbers that are not ids (none of our output has 8-digit numbers).
+            let n = match seen.iter().position(|s| *s == token) {
+                Some(p) => p + 1,
+                None => {
+                    seen.push(token);
+                    seen.len()
+                }
+            };
+            out.push_str(&format!("<id{n}>"));
+            i += 8;
+        } else {
+            out.push(chars[i]);
+            i += 1;
+        }
+    }
+    out
+}
+
+fn script(dir: &Path, yaml: &str) -> std::path::PathBuf {
+    let p = dir.join("script.yaml");
+    std::fs::write(&p, yaml).unwrap();
+    p
+}
+
+#[test]
+fn every_slash_command_and_bad_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = script(
+        dir.path(),
+        r#"
+responses:
+  - text: "Hello, I am scripted."
+  - tool_calls: [{name: sleep, arguments: {ms: 1}}]
+  - tool_calls: [{name: read_file, arguments: {path: /etc/hostname}}]
+  - text: "Slept; the file is outside the workspace."
+  - text: "Second dialog reply."
+  - text: "A short summary."
+when_exhausted: echo
+"#,
+    );
+    let input = "\
+hi
+wait a moment and read /etc/hostname
+/info
+/new Plans
+/sessions
+hello second
+/rename Better plans
+/compact
+/checkpoints
+/switch default
+/sessions
+/frobnicate
+/switch
+/rollback zzzzzzzz
+/stop
+/delete
+/sessions
+/help
+/exit
+";
+    let (out, err, ok) = keel(&dir.path().join("data"), &s, "alice", input);
+    assert!(ok, "stderr: {err}");
+    insta::assert_snapshot!(redact(&out));
+}
+
+#[test]
+fn restart_continues_the_last_dialog_and_rollback_branches_show_in_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let s = script(dir.path(), "when_exhausted: echo\n");
+    let (out1, err, ok) = keel(&data, &s, "bob", "first\nsecond\n/checkpoints\n");
+    assert!(ok, "{err}");
+    // The first turn's checkpoint is the oldest line.
+    let first_ckpt = out1
+        .lines()
+        .rfind(|l| l.contains("turn   1"))
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap()
+        .to_owned();
+    assert_eq!(first_ckpt.len(), 8);
+    let input = format!("/info\n/rollback {first_ckpt}\nthird\n/checkpoints\n");
+    let (out2, err, ok) = keel(&data, &s, "bob", &input);
+    assert!(ok, "{err}");
+    assert!(
+        out2.contains("(2 messages)"),
+        "continued the same dialog:\n{out2}"
+    );
+    // Both branches are listed: turn 2 of the old branch and turn 2 of the new one.
+    let turn2 = out2.lines().filter(|l| l.contains("turn   2")).count();
+    assert_eq!(turn2, 2, "{out2}");
+    insta::assert_snapshot!(redact(&format!("{out1}---- restart ----\n{out2}")));
+}
+
+#[cfg(unix)]
+#[test]
+fn ctrl_c_stops_the_running_turn_not_the_program() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    // The first answer takes an hour: only Ctrl-C can end that turn.
+    let s = script(
+        dir.path(),
+        "responses:\n  - {text: never, delay_ms: 3600000}\n  - text: done\n",
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(["chat", "--chat", "carol", "--data-dir"])
+        .arg(dir.path().join("data"))
+        .arg("--script")
+        .arg(&s)
+        .env("KEEL_LOG", "error")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    stdin.write_all(b"slow question\n").unwrap();
+    // The echo of the question is printed right before the turn starts.
+    loop {
+        let line = lines.next().unwrap().unwrap();
+        if line == "> slow question" {
+            break;
+        }
+    }
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    stdin.write_all(b"second\n/info\n/exit\n").unwrap();
+    drop(stdin);
+    let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
+    assert!(
+        child.wait().unwrap().success(),
+        "the program kept running after Ctrl-C"
+    );
+    insta::assert_snapshot!(rest.join("\n"));
+}

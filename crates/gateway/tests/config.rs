@@ -1,0 +1,487 @@
+//! `keel.toml`: defaults, parsing, validation messages, profile resolution,
+//! conversions, and the key reference that docs/CONFIG.md must contain.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use keel_gateway::config::{
+    flatten_keys, reference, render_generated_docs, Config, ConfigError, SyncMode, EXAMPLE_TOML,
+    OFFLINE_NOTICE,
+};
+use keel_providers::ProviderKind;
+
+/// An environment with only `vars` set.
+fn env(vars: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+    move |k| {
+        vars.iter()
+            .find(|(n, _)| *n == k)
+            .map(|(_, v)| (*v).to_owned())
+    }
+}
+
+const NO_ENV: &[(&str, &str)] = &[];
+const OPENAI: &[(&str, &str)] = &[("OPENAI_API_KEY", "sk-test")];
+
+fn parse(text: &str) -> Result<Config, ConfigError> {
+    Config::from_toml_str_with_env(text, "keel.toml", &env(OPENAI))
+}
+
+fn error(text: &str) -> String {
+    parse(text).unwrap_err().to_string()
+}
+
+/// Each input with the error it produces, for one snapshot per test. Every
+/// message must start with the file label.
+fn errors(inputs: &[&str]) -> String {
+    inputs
+        .iter()
+        .map(|text| {
+            let err = error(text);
+            for line in err.lines() {
+                assert!(line.starts_with("keel.toml"), "{line}");
+            }
+            format!("--- input\n{text}--- error\n{err}\n")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn defaults_load_with_no_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let loaded = Config::load_with_env(None, Some(dir.path()), &env(NO_ENV)).unwrap();
+    assert_eq!(loaded.source, None);
+    assert_eq!(loaded.config.data_dir(), dir.path());
+    assert_eq!(
+        Config {
+            data_dir: None,
+            ..loaded.config.clone()
+        },
+        Config::default()
+    );
+    assert_eq!(loaded.source_label(), "keel.toml (defaults)");
+    let c = &loaded.config;
+    assert_eq!(c.offline_notice(), Some(OFFLINE_NOTICE));
+    assert_eq!(c.agents_dir(), None);
+    assert_eq!(c.workspace_root(), PathBuf::from("."));
+    assert_eq!(c.server.bind.to_string(), "127.0.0.1:7420");
+    assert_eq!(c.server.token_env, "KEEL_TOKEN");
+    assert_eq!(c.session.ttl_hours, 24);
+    assert_eq!(c.session.cleanup_interval_minutes, 60);
+    assert_eq!(c.session.auto_title_after_n_messages, 10);
+    assert!(c.session.auto_checkpoint);
+    assert_eq!(c.storage.synchronous, SyncMode::Normal);
+    assert_eq!(c.storage.retry_delays_ms, [100, 200, 300]);
+    assert_eq!(c.storage.busy_timeout_ms, 5000);
+    assert!(!c.tools.enable_write && !c.tools.enable_shell);
+    assert_eq!(c.tools.shell_timeout_secs, 30);
+    // An empty file is the defaults too.
+    assert_eq!(parse("").unwrap(), Config::default());
+}
+
+#[test]
+fn data_dir_comes_from_the_flag_then_the_environment_then_dot_keel() {
+    let from_env =
+        Config::load_with_env(None, None, &env(&[("KEEL_DATA_DIR", "/nonexistent/k")])).unwrap();
+    assert_eq!(from_env.config.data_dir(), Path::new("/nonexistent/k"));
+    let plain = Config::load_with_env(None, None, &env(&[("KEEL_DATA_DIR", " ")])).unwrap();
+    assert_eq!(plain.config.data_dir(), Path::new(".keel"));
+}
+
+#[test]
+fn the_data_dir_file_is_found_and_relative_paths_follow_it() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("agents")).unwrap();
+    std::fs::write(
+        dir.path().join("keel.toml"),
+        "workspace_root = \".\"\n[tools]\nenable_shell = true\n",
+    )
+    .unwrap();
+    let loaded = Config::load_with_env(None, Some(dir.path()), &env(NO_ENV)).unwrap();
+    assert_eq!(loaded.source, Some(dir.path().join("keel.toml")));
+    let c = loaded.config;
+    assert!(c.tools.enable_shell);
+    assert_eq!(c.data_dir(), dir.path());
+    assert_eq!(c.workspace_root(), dir.path().join("."));
+    // `<data_dir>/agents` is used because it exists.
+    assert_eq!(c.agents_dir(), Some(dir.path().join("agents")));
+}
+
+#[test]
+fn a_full_example_file_parses() {
+    let c = parse(EXAMPLE_TOML).unwrap();
+    assert_eq!(c.default_profile.as_deref(), Some("main"));
+    assert_eq!(c.root_delegates, ["researcher", "reviewer"]);
+    assert_eq!(c.providers.len(), 2);
+    assert_eq!(c.providers["main"].kind, ProviderKind::OpenAi);
+    assert_eq!(c.providers["offline"].kind, ProviderKind::Scripted);
+    // Every section of the example shows the defaults.
+    let d = Config::default();
+    assert_eq!(
+        (
+            &c.session,
+            &c.storage,
+            &c.tools,
+            &c.orchestration,
+            &c.server
+        ),
+        (
+            &d.session,
+            &d.storage,
+            &d.tools,
+            &d.orchestration,
+            &d.server
+        )
+    );
+    assert_eq!(c.offline_notice(), None);
+    let (name, profile) = c.resolve_profile("default").unwrap();
+    assert_eq!((name, profile.model.as_str()), ("main", "gpt-4o-mini"));
+}
+
+#[test]
+fn unknown_key_names_the_file_line_and_key() {
+    insta::assert_snapshot!(errors(&[
+        "[session]\nttl_hours = 2\nttl_hour = 3\n",
+        "bind = \"0.0.0.0:1\"\n",
+        "[sessions]\nttl_hours = 1\n",
+        "[providers.main]\nkind = \"openai\"\nmodel = \"m\"\napi_key = \"sk\"\n",
+        "session.summary = { enabled = true, ratio = 0.5 }\n",
+    ]));
+}
+
+#[test]
+fn wrong_type_names_the_file_line_and_key() {
+    insta::assert_snapshot!(errors(&[
+        "[orchestration]\nmax_concurrent_runs = \"four\"\n",
+        "[storage]\nsynchronous = \"fast\"\n",
+        "[storage]\nretry_delays_ms = [\n  100,\n  -1,\n]\n",
+        "[server]\nbind = \"localhost\"\n",
+        "session = 5\n",
+        "[providers.main]\nkind = \"gemini\"\n",
+        "[providers.main]\nmodel = \"m\"\n",
+        "[session]\nttl_hours = 2024-01-01\n",
+    ]));
+}
+
+#[test]
+fn syntax_errors_name_the_file_and_line() {
+    insta::assert_snapshot!(errors(&[
+        "[session\nttl_hours = 1\n",
+        "[session]\nttl_hours = 1\nttl_hours = 2\n",
+        "default_profile = \"unterminated\n",
+    ]));
+}
+
+#[test]
+fn zero_capacity_is_an_error() {
+    insta::assert_snapshot!(errors(&[
+        "[orchestration]\nmax_concurrent_tool_steps = 0\n",
+        "[orchestration]\nmax_pending_inbox_events_per_session = 0\n",
+    ]));
+}
+
+#[test]
+fn per_session_limit_above_global_is_an_error() {
+    let text = "[orchestration]\nmax_concurrent_runs = 4\nmax_concurrent_runs_per_session = 8\n";
+    assert_eq!(
+        error(text),
+        "keel.toml:3: orchestration.max_concurrent_runs_per_session: 8 is above \
+         orchestration.max_concurrent_runs (4)"
+    );
+    // Lowering only the global default below a per-session default is caught too.
+    insta::assert_snapshot!(errors(&[
+        text,
+        "[orchestration]\nmax_concurrent_tool_steps = 2\n",
+    ]));
+}
+
+#[test]
+fn timeouts_over_their_hard_cap_are_errors() {
+    insta::assert_snapshot!(errors(&[
+        "[tools]\nshell_timeout_secs = 7200\n[orchestration]\ndefault_run_timeout_secs = 100000\ninbox_event_ttl_hours = 10000\n",
+        "[providers.main]\nkind = \"openai\"\nmodel = \"m\"\nread_timeout_secs = 86400\n",
+    ]));
+}
+
+#[test]
+fn missing_env_var_for_a_key_is_an_error() {
+    let text = "[providers.main]\nkind = \"anthropic\"\nmodel = \"claude\"\n\n[providers.local]\nkind = \"openai\"\nmodel = \"llama3\"\nbase_url = \"http://127.0.0.1:11434/v1\"\napi_key_env = \"LOCAL_KEY\"\n";
+    let err = Config::from_toml_str_with_env(text, "keel.toml", &env(NO_ENV))
+        .unwrap_err()
+        .to_string();
+    insta::assert_snapshot!(err);
+    // With the variables set it loads.
+    Config::from_toml_str_with_env(
+        &format!("default_profile = \"main\"\n{text}"),
+        "keel.toml",
+        &env(&[("ANTHROPIC_API_KEY", "sk-a"), ("LOCAL_KEY", "k")]),
+    )
+    .unwrap();
+}
+
+#[test]
+fn several_errors_are_collected_at_once() {
+    let text = r#"default_profile = "nope"
+root_delegates = ["Researcher", "ok", "ok"]
+
+[providers.main]
+kind = "openai"
+model = ""
+
+[providers."my model"]
+kind = "scripted"
+
+[session]
+ttl_hours = 0
+cleanup_interval_minutes = 99999
+
+[session.summary]
+trigger_ratio = 1.5
+
+[storage]
+retry_delays_ms = []
+busy_timeout_ms = 999999
+
+[orchestration]
+max_tree_depth = 0
+max_runs_per_tree = 0
+max_concurrent_runs = 2
+max_concurrent_runs_per_session = 3
+max_concurrent_provider_steps_per_session = 9
+max_inbox_delivery_attempts = 0
+max_children_per_call = 65
+
+[server]
+token_env = ""
+"#;
+    let err = parse(text).unwrap_err();
+    assert!(err.problems().len() >= 12, "{err}");
+    insta::assert_snapshot!(err.to_string());
+    let delays = error("[storage]\nretry_delays_ms = [100, 20000, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n");
+    insta::assert_snapshot!("retry_delays", delays);
+}
+
+#[test]
+fn no_provider_means_an_offline_default() {
+    let c = Config::default();
+    assert_eq!(c.offline_notice(), Some(OFFLINE_NOTICE));
+    assert_eq!(
+        OFFLINE_NOTICE,
+        "keel: no provider configured — using the built-in offline model (replies are canned). \
+         Add [providers.NAME] to keel.toml to use a real LLM (see docs/CONFIG.md)."
+    );
+    let (name, profile) = c.resolve_profile("default").unwrap();
+    assert_eq!(name, "default");
+    assert_eq!(profile.kind, ProviderKind::Scripted);
+    assert_eq!(profile.script, None);
+    assert_eq!(c.profile_names(), ["default"]);
+    assert_eq!(
+        c.profiles().keys().collect::<Vec<_>>(),
+        [&"default".to_owned()]
+    );
+    assert!(c.resolve_profile("main").is_none());
+    let provider = c.build_provider_with_env("default", &env(NO_ENV)).unwrap();
+    assert_eq!(provider.name(), "scripted");
+    // `default_profile = "default"` is harmless; any other name is not.
+    parse("default_profile = \"default\"\n").unwrap();
+    insta::assert_snapshot!(error("default_profile = \"main\"\n"));
+}
+
+#[test]
+fn one_profile_is_the_default() {
+    let c = parse("[providers.main]\nkind = \"openai\"\nmodel = \"gpt\"\n").unwrap();
+    assert_eq!(c.offline_notice(), None);
+    let (name, profile) = c.resolve_profile("default").unwrap();
+    assert_eq!((name, profile.model.as_str()), ("main", "gpt"));
+    assert_eq!(c.resolve_profile("main").unwrap().0, "main");
+    assert_eq!(c.profile_names(), ["default", "main"]);
+    let unknown = c
+        .build_provider_with_env("fast", &env(OPENAI))
+        .err()
+        .unwrap();
+    insta::assert_snapshot!(unknown.to_string());
+}
+
+#[test]
+fn several_profiles_need_default_profile() {
+    let two = "[providers.a]\nkind = \"scripted\"\n\n[providers.b]\nkind = \"scripted\"\n";
+    let missing = error(two);
+    let chosen = parse(&format!("default_profile = \"b\"\n{two}")).unwrap();
+    assert_eq!(chosen.resolve_profile("default").unwrap().0, "b");
+    // A profile literally named `default` is the default.
+    let named =
+        parse("[providers.default]\nkind = \"scripted\"\n[providers.b]\nkind = \"scripted\"\n")
+            .unwrap();
+    assert_eq!(named.resolve_profile("default").unwrap().0, "default");
+    let unknown = error(&format!("default_profile = \"c\"\n{two}"));
+    let clash = error("default_profile = \"b\"\n[providers.default]\nkind = \"scripted\"\n[providers.b]\nkind = \"scripted\"\n");
+    insta::assert_snapshot!(format!("{missing}\n{unknown}\n{clash}"));
+}
+
+#[test]
+fn missing_config_file_is_an_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nope.toml");
+    let err = Config::load_with_env(Some(&path), None, &env(NO_ENV)).unwrap_err();
+    assert!(matches!(err, ConfigError::NotFound { .. }));
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "{}: config file not found (given with --config)",
+            path.display()
+        )
+    );
+}
+
+#[test]
+fn errors_from_a_loaded_file_name_its_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("custom.toml");
+    std::fs::write(
+        &path,
+        "agents_dir = \"missing\"\n[orchestration]\nmax_tree_depth = 9\n",
+    )
+    .unwrap();
+    let err = Config::load_with_env(Some(&path), None, &env(NO_ENV))
+        .unwrap_err()
+        .to_string();
+    let shown = err.replace(&dir.path().display().to_string(), "[DIR]");
+    insta::assert_snapshot!(shown);
+}
+
+#[test]
+fn conversions_carry_the_settings() {
+    let c = parse(
+        "workspace_root = \"/srv/w\"\n\
+         [session]\nttl_hours = 2\ncleanup_interval_minutes = 5\nauto_title_after_n_messages = 0\nauto_checkpoint = false\n\
+         [session.summary]\nenabled = true\nmax_context_tokens = 8000\n\
+         [storage]\nsynchronous = \"full\"\nretry_delays_ms = [5]\nbusy_timeout_ms = 10\n\
+         [tools]\nenable_write = true\nshell_timeout_secs = 9\n",
+    )
+    .unwrap();
+    let store = c.store_options();
+    assert_eq!(store.synchronous, keel_store::Synchronous::Full);
+    assert_eq!(store.retry_delays, [Duration::from_millis(5)]);
+    assert_eq!(store.busy_timeout, Duration::from_millis(10));
+    assert_eq!(
+        store.readers,
+        keel_store::StoreOptions::default().readers,
+        "unconfigured store options keep their defaults"
+    );
+    let manager = c.session_manager_config();
+    assert_eq!(manager.idle_ttl, Duration::from_secs(7200));
+    assert_eq!(manager.auto_title_after, 0);
+    assert!(!manager.auto_checkpoint);
+    let summary = manager.summary.unwrap();
+    assert_eq!(
+        (summary.max_context_tokens, summary.debounce_turns),
+        (8000, 3)
+    );
+    assert_eq!(c.cleanup_interval(), Duration::from_secs(300));
+    let tools = c.builtin_tools();
+    assert_eq!(tools.workspace_root, PathBuf::from("/srv/w"));
+    assert!(tools.enable_write && !tools.enable_shell);
+    assert_eq!(tools.shell_timeout, Duration::from_secs(9));
+    assert!(Config::default().session_manager_config().summary.is_none());
+    let o = parse(
+        "[orchestration]\nmax_tree_depth = 5\nmax_runs_per_tree = 7\nmax_concurrent_runs = 6\n\
+         max_concurrent_runs_per_session = 2\nmax_concurrent_provider_steps = 5\n\
+         max_concurrent_tool_steps_per_session = 1\nmax_children_per_call = 4\n\
+         max_pending_inbox_events_per_session = 9\n",
+    )
+    .unwrap();
+    let gate = o.gate_limits();
+    assert_eq!(
+        (
+            gate.max_concurrent_runs,
+            gate.max_concurrent_runs_per_session,
+            gate.max_concurrent_provider_steps,
+            gate.max_concurrent_tool_steps_per_session
+        ),
+        (6, 2, 5, 1)
+    );
+    assert!(gate.max_concurrent_provider_steps_per_agent.is_empty());
+    let coordinator = o.coordinator_config();
+    assert_eq!(
+        (
+            coordinator.max_tree_depth,
+            coordinator.max_runs_per_tree,
+            coordinator.max_children_per_call,
+            coordinator.max_pending_inbox_events_per_session
+        ),
+        (5, 7, 4, 9)
+    );
+    // The defaults are the engine's own.
+    assert_eq!(
+        Config::default().gate_limits(),
+        keel_engine::gate::GateLimits::default()
+    );
+    assert_eq!(
+        Config::default().coordinator_config(),
+        keel_engine::coordinator::CoordinatorConfig::default()
+    );
+    let token = c
+        .server
+        .token_with_env(&env(&[("KEEL_TOKEN", " secret \n")]));
+    assert_eq!(token.as_deref(), Some("secret"));
+}
+
+#[test]
+fn every_key_is_documented_and_every_documented_key_exists() {
+    let documented: BTreeSet<String> = reference().into_iter().map(|d| d.key).collect();
+    let defaults = flatten_keys(&Config::default());
+    let undocumented: Vec<&String> = defaults
+        .keys()
+        .filter(|k| !documented.contains(*k))
+        .collect();
+    assert!(
+        undocumented.is_empty(),
+        "add these keys to config/reference.rs: {undocumented:?}"
+    );
+    // The example sets every key, so it lists every key there is.
+    let example: BTreeSet<String> = flatten_keys(&parse(EXAMPLE_TOML).unwrap())
+        .into_keys()
+        .collect();
+    assert_eq!(
+        documented, example,
+        "reference() and EXAMPLE_TOML must list the same keys"
+    );
+    for doc in reference() {
+        if let Some(value) = defaults.get(&doc.key) {
+            assert_eq!(doc.default, format!("`{value}`"), "{}", doc.key);
+        }
+        assert!(
+            !doc.doc.is_empty() && !doc.default.is_empty(),
+            "{}",
+            doc.key
+        );
+    }
+}
+
+const BEGIN: &str = "<!-- BEGIN GENERATED: keel.toml reference -->\n";
+const END: &str = "<!-- END GENERATED -->";
+
+#[test]
+fn config_doc_contains_the_generated_reference() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/CONFIG.md");
+    let doc = std::fs::read_to_string(&path).unwrap();
+    let generated = render_generated_docs();
+    let (Some(start), Some(end)) = (doc.find(BEGIN), doc.find(END)) else {
+        panic!("{} lacks the markers {BEGIN:?} … {END:?}", path.display());
+    };
+    let current = &doc[start + BEGIN.len()..end];
+    if current == generated {
+        return;
+    }
+    if std::env::var_os("UPDATE_CONFIG_DOC").is_some() {
+        let updated = format!("{}{generated}{}", &doc[..start + BEGIN.len()], &doc[end..]);
+        std::fs::write(&path, updated).unwrap();
+        return;
+    }
+    panic!(
+        "docs/CONFIG.md is out of date with crates/gateway/src/config; regenerate it with\n    \
+         UPDATE_CONFIG_DOC=1 cargo test -p keel-gateway --test config"
+    );
+}

@@ -1,0 +1,40 @@
+//! `keel demo` runs offline, end to end, and exits 0.
+#![allow(clippy::unwrap_used)]
+
+use std::process::Command;
+
+#[test]
+fn the_demo_tour_completes_and_recovers_identically() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(["demo", "--data-dir"])
+        .arg(dir.path())
+        .env("KEEL_LOG", "error")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        out.status.success(),
+        "stdout:\n{stdout}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for step in 1..=6 {
+        assert!(
+            stdout.contains(&format!("\n{step}. ")),
+            "step {step} missing:\n{stdout}"
+        );
+    }
+    assert!(
+        stdout.contains("title is now \"Launch checklist\""),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("identical to before the restart: yes"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("rollback parent"), "{stdout}");
+    assert!(
+        dir.path().join("keel.db").exists(),
+        "--data-dir keeps the database"
+    );
+}
