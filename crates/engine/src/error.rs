@@ -57,6 +57,9 @@ pub enum EngineError {
     /// Storage failed after its retries; the session in memory is unchanged.
     #[error("storage: {0}")]
     Store(#[from] StoreError),
+    /// A sub-agent operation failed.
+    #[error(transparent)]
+    Coordinator(#[from] crate::coordinator::CoordinatorError),
     /// Stored session state could not be decoded.
     #[error("corrupt session state: {0}")]
     CorruptState(String),

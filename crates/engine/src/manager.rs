@@ -26,6 +26,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::agent_loop::{AgentLoop, EventSink, TurnEvent, TurnOutput, TurnRequest};
+use crate::coordinator::AgentCoordinator;
 use crate::dialog_id::UnifiedSessionId;
 use crate::error::{AgentError, EngineError};
 use crate::session::{AgentProfile, AgentSession};
@@ -43,6 +44,7 @@ pub struct RuntimeBundle {
     agents: HashMap<AgentId, Arc<AgentProfile>>,
     root: AgentId,
     agent_loop: Arc<AgentLoop>,
+    coordinator: Option<Arc<AgentCoordinator>>,
 }
 
 impl RuntimeBundle {
@@ -55,7 +57,14 @@ impl RuntimeBundle {
             agents,
             root: name,
             agent_loop: Arc::new(AgentLoop::default()),
+            coordinator: None,
         }
+    }
+
+    /// Sub-agent runs of deleted sessions are cancelled through `coordinator`.
+    pub fn with_coordinator(mut self, coordinator: Arc<AgentCoordinator>) -> Self {
+        self.coordinator = Some(coordinator);
+        self
     }
 
     /// Adds another agent sessions may switch to.
@@ -363,11 +372,21 @@ impl SessionManager {
         Ok(alive.then_some(parent))
     }
 
-    /// Destroys one session: cancels its turn, drops it from memory,
+    /// Cancels the session's turn and its sub-agent runs (their pending
+    /// inbox events are dead-lettered) and drops it from memory.
+    async fn retire(&self, id: SessionId, reason: &str) -> Result<(), EngineError> {
+        self.stop(id);
+        if let Some(coordinator) = &self.bundle.coordinator {
+            coordinator.cancel_session(id, reason).await?;
+        }
+        self.sessions.lock().remove(&id);
+        Ok(())
+    }
+
+    /// Destroys one session: cancels its turn and runs, drops it from memory,
     /// soft-deletes it and deletes its checkpoints. Children become orphans.
     pub async fn destroy(&self, id: SessionId) -> Result<(), EngineError> {
-        self.stop(id);
-        self.sessions.lock().remove(&id);
+        self.retire(id, "session destroyed").await?;
         let now = keel_core::time::now_ms();
         if !self.store.soft_delete_session(id, now).await? {
             return Err(EngineError::SessionNotFound(id));
@@ -789,10 +808,10 @@ impl SessionManager {
         Ok(())
     }
 
-    /// Soft-deletes a dialog: it disappears from listings; its rows stay.
+    /// Soft-deletes a dialog: it disappears from listings; its rows stay, its
+    /// sub-agent runs are cancelled.
     pub async fn delete_dialog(&self, id: SessionId) -> Result<(), EngineError> {
-        self.stop(id);
-        self.sessions.lock().remove(&id);
+        self.retire(id, "dialog deleted").await?;
         if self
             .store
             .soft_delete_session(id, keel_core::time::now_ms())

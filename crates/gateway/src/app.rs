@@ -4,13 +4,21 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use keel_catalog::CatalogHandle;
 use keel_core::{AgentId, Provider, ScriptedProvider, ToolRegistry};
+use keel_engine::agent_loop::NoHooks;
+use keel_engine::coordinator::{AgentCoordinator, CoordinatorConfig, ProfileProviders};
+use keel_engine::gate::ExecutionGate;
 use keel_engine::manager::{RuntimeBundle, SessionManager};
 use keel_engine::session::AgentProfile;
 use keel_engine::tools::builtin_registry;
+use keel_engine::AgentLoop;
 use keel_store::Store;
 
 use crate::config::{Config, LoadedConfig};
+
+/// The profile the root agent runs on.
+const DEFAULT_PROFILE: &str = "default";
 
 /// Why the binary could not do its job.
 #[derive(Debug, thiserror::Error)]
@@ -30,6 +38,12 @@ pub enum AppError {
     /// An engine operation failed.
     #[error("{0}")]
     Engine(#[from] keel_engine::EngineError),
+    /// The agent definitions are invalid (every problem is listed).
+    #[error("agent definitions:\n{0}")]
+    Catalog(keel_catalog::Diagnostics),
+    /// Sub-agent runs could not be recovered or managed.
+    #[error("{0}")]
+    Coordinator(#[from] keel_engine::coordinator::CoordinatorError),
     /// The built-in tools could not be set up.
     #[error("{0}")]
     Tools(#[from] keel_engine::tools::BuiltinToolsError),
@@ -53,7 +67,8 @@ pub fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> AppE
 pub const ROOT_PROMPT: &str = "You are keel's root agent, a careful and concise assistant. \
 Use the tools you are given when they help, and say plainly when you cannot do something.";
 
-/// A running keel: configuration, store and session manager.
+/// A running keel: configuration, store, session manager and (when agent
+/// definitions exist) the sub-agent coordinator.
 pub struct App {
     /// The loaded configuration.
     pub config: LoadedConfig,
@@ -61,6 +76,8 @@ pub struct App {
     pub store: Store,
     /// Sessions and turns.
     pub manager: Arc<SessionManager>,
+    /// Sub-agent runs; `None` without agent definitions.
+    pub coordinator: Option<Arc<AgentCoordinator>>,
     /// The one-line notice printed at start-up when no provider is configured.
     pub offline_notice: Option<&'static str>,
 }
@@ -71,9 +88,12 @@ pub fn database_path(data_dir: &Path) -> PathBuf {
 }
 
 impl App {
-    /// Loads configuration, opens the data directory and builds the runtime.
-    /// `script` replaces every provider with a ScriptedProvider.
-    pub fn open(
+    /// Loads configuration, opens the data directory and builds the runtime:
+    /// providers for every profile, the built-in tools, the execution gate,
+    /// the agent catalog and coordinator when `agents_dir` has definitions
+    /// (recovering runs of earlier processes), and the session manager.
+    /// `script` replaces every provider with one ScriptedProvider.
+    pub async fn open(
         config_file: Option<&Path>,
         data_dir: Option<&Path>,
         script: Option<&Path>,
@@ -86,40 +106,97 @@ impl App {
             data_dir.display()
         )))?;
         let store = Store::open(database_path(&data_dir), config.store_options())?;
-        let (provider, offline_notice): (Arc<dyn Provider>, _) = match script {
-            Some(path) => (Arc::new(ScriptedProvider::from_file(path)?), None),
-            None => {
-                let (name, profile) = config.resolve_profile("default").ok_or_else(|| {
-                    crate::config::ConfigError::single(
-                        loaded.source_label(),
-                        "default_profile",
-                        "no provider profile named default",
-                    )
-                })?;
-                (
-                    keel_providers::build_provider(name, profile)?,
-                    config.offline_notice(),
-                )
+        let scripted: Option<Arc<dyn Provider>> = match script {
+            Some(path) => Some(Arc::new(ScriptedProvider::from_file(path)?)),
+            None => None,
+        };
+        let mut providers = ProfileProviders::new();
+        for name in config.profile_names() {
+            let provider = match &scripted {
+                Some(p) => p.clone(),
+                None => config.build_provider(&name)?,
+            };
+            providers = providers.with(name, provider);
+        }
+        let root_provider = match &scripted {
+            Some(p) => p.clone(),
+            None => config.build_provider(DEFAULT_PROFILE)?,
+        };
+        let offline_notice = if scripted.is_none() {
+            config.offline_notice()
+        } else {
+            None
+        };
+        let gate = Arc::new(ExecutionGate::new(config.gate_limits()));
+        let builtin = Arc::new(builtin_registry(&config.builtin_tools())?);
+        let catalog = match config.agents_dir() {
+            Some(dir) if dir.is_dir() => Some(
+                CatalogHandle::load(&dir, &config.catalog_inputs(builtin.clone()))
+                    .map_err(AppError::Catalog)?,
+            ),
+            _ => None,
+        };
+        let mut root_tools = (*builtin).clone();
+        let mut system_prompt = ROOT_PROMPT.to_owned();
+        let coordinator = match catalog {
+            None => None,
+            Some(catalog) => {
+                let delegates = catalog.current().root_delegates().to_vec();
+                let coordinator = AgentCoordinator::new(
+                    store.clone(),
+                    Arc::new(catalog),
+                    Arc::new(providers),
+                    builtin.clone(),
+                    gate.clone(),
+                    CoordinatorConfig {
+                        // Later processes must own a newer generation than
+                        // earlier ones; wall-clock milliseconds do that.
+                        runtime_generation: u64::try_from(keel_core::time::now_ms()).unwrap_or(1),
+                        ..config.coordinator_config()
+                    },
+                );
+                for tool in coordinator.root_tools() {
+                    root_tools
+                        .register(tool)
+                        .map_err(keel_engine::tools::BuiltinToolsError::from)?;
+                }
+                if !delegates.is_empty() {
+                    system_prompt.push_str(
+                        " You can hand work to sub-agents with the delegate tool; its description lists them.",
+                    );
+                }
+                let report = coordinator.recover_on_activation().await?;
+                if !report.interrupted_runs.is_empty() || !report.counters_repaired.is_empty() {
+                    tracing::warn!(
+                        interrupted = report.interrupted_runs.len(),
+                        repaired = report.counters_repaired.len(),
+                        "recovered sub-agent runs of an earlier process"
+                    );
+                }
+                coordinator.spawn_reaper(coordinator.config().reaper_interval);
+                Some(coordinator)
             }
         };
-        let tools = builtin_registry(&config.builtin_tools())?;
         let root = AgentProfile {
             name: root_agent_id(),
-            system_prompt: ROOT_PROMPT.to_owned(),
-            provider,
-            tools: Arc::new(tools),
+            system_prompt,
+            provider: root_provider,
+            tools: Arc::new(root_tools),
             max_iterations: 16,
             max_output_tokens: None,
         };
-        let manager = SessionManager::new(
-            store.clone(),
-            RuntimeBundle::new(root),
-            config.session_manager_config(),
-        );
+        let mut bundle =
+            RuntimeBundle::new(root).with_loop(AgentLoop::new(Arc::new(NoHooks), gate));
+        if let Some(c) = &coordinator {
+            bundle = bundle.with_coordinator(c.clone());
+        }
+        let manager = SessionManager::new(store.clone(), bundle, config.session_manager_config());
+        manager.spawn_evictor(config.cleanup_interval());
         Ok(Self {
             config: loaded,
             store,
             manager,
+            coordinator,
             offline_notice,
         })
     }

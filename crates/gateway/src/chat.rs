@@ -7,11 +7,12 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
+use keel_core::RunId;
 use keel_core::{CheckpointId, Message, SessionId, StreamEvent};
 use keel_engine::dialog_id::UnifiedSessionId;
 use keel_engine::manager::SessionManager;
 use keel_engine::{EngineError, TurnEvent};
-use keel_store::CheckpointRecord;
+use keel_store::{CheckpointRecord, RunRecord};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::mpsc;
 
@@ -34,6 +35,7 @@ pub const HELP: &str = "\
 /checkpoints        list checkpoints, newest first
 /rollback <ckpt>    go back to a checkpoint (a new branch starts there)
 /fork <ckpt>        copy a checkpoint into a new dialog and switch to it
+/runs               sub-agent runs of this dialog, as a tree
 /help               this list
 /exit               leave (Ctrl-D works too)";
 
@@ -62,6 +64,8 @@ pub enum Slash {
     Rollback(String),
     /// `/fork <ckpt>`.
     Fork(String),
+    /// `/runs`.
+    Runs,
     /// `/help`.
     Help,
     /// `/exit` or `/quit`.
@@ -102,6 +106,7 @@ pub fn parse_slash(line: &str) -> Result<Slash, String> {
         "/checkpoints" => no_arg(Slash::Checkpoints),
         "/rollback" => one_word("checkpoint id", Slash::Rollback),
         "/fork" => one_word("checkpoint id", Slash::Fork),
+        "/runs" => no_arg(Slash::Runs),
         "/help" => no_arg(Slash::Help),
         "/exit" | "/quit" => no_arg(Slash::Exit),
         other => Err(format!("unknown command {other}")),
@@ -136,7 +141,8 @@ pub async fn run(
         data.config.as_deref(),
         data.data_dir.as_deref(),
         script.as_deref(),
-    )?;
+    )
+    .await?;
     if let Some(notice) = app.offline_notice {
         eprintln!("{notice}");
     }
@@ -446,6 +452,15 @@ impl Chat {
                     r.title
                 ));
             }
+            Slash::Runs => {
+                let page = m.store().list_runs(self.current, None, 50).await?;
+                if page.items.is_empty() {
+                    self.say("no sub-agent runs in this dialog");
+                }
+                for line in run_tree(&page.items) {
+                    self.say(&line);
+                }
+            }
             Slash::Help => self.say(HELP),
             Slash::Exit => {}
         }
@@ -474,6 +489,41 @@ impl Chat {
             .into()),
         }
     }
+}
+
+/// Runs as an indented tree (children under their parent, oldest first),
+/// one line each: id, agent, mode, status, duration, tokens.
+pub fn run_tree(runs: &[RunRecord]) -> Vec<String> {
+    fn walk(runs: &[RunRecord], parent: Option<RunId>, depth: usize, out: &mut Vec<String>) {
+        let mut children: Vec<&RunRecord> =
+            runs.iter().filter(|r| r.parent_run_id == parent).collect();
+        children.sort_by_key(|r| (r.created_at_ms, r.id));
+        for r in children {
+            let duration = match (r.started_at_ms, r.finished_at_ms) {
+                (Some(s), Some(f)) => format!("{} ms", (f - s).max(0)),
+                (Some(_), None) => "running".to_owned(),
+                _ => "-".to_owned(),
+            };
+            let tokens = r
+                .usage
+                .map(|u| u.total().to_string())
+                .unwrap_or_else(|| "-".into());
+            out.push(format!(
+                "{}{}  {}  {}  {}  {}  {} tokens",
+                "  ".repeat(depth),
+                short(r.id),
+                r.agent_id,
+                r.mode,
+                r.status,
+                duration,
+                tokens
+            ));
+            walk(runs, Some(r.id), depth + 1, out);
+        }
+    }
+    let mut out = Vec::new();
+    walk(runs, None, 0, &mut out);
+    out
 }
 
 fn checkpoint_line(c: &CheckpointRecord) -> String {

@@ -2,23 +2,32 @@
 //! tool calls, dialogs with an automatic title, checkpoint → rollback →
 //! fork, and a restart that recovers everything from SQLite.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use keel_core::{Message, ScriptedProvider, ScriptedResponse, ScriptedToolCall, StreamEvent};
+use keel_catalog::{AgentCatalog, CatalogInputs};
+use keel_core::{
+    ChatRequest, Message, Role, ScriptedProvider, ScriptedResponse, ScriptedToolCall, StreamEvent,
+};
+use keel_engine::agent_loop::NoHooks;
+use keel_engine::coordinator::{
+    AgentCoordinator, CoordinatorConfig, ProfileProviders, RunEvent, RunObserver,
+};
 use keel_engine::dialog_id::UnifiedSessionId;
+use keel_engine::gate::{ExecutionGate, GateLimits};
 use keel_engine::manager::{NewSessionSpec, RuntimeBundle, SessionManager, SessionManagerConfig};
 use keel_engine::session::AgentProfile;
 use keel_engine::tools::{builtin_registry, BuiltinToolsConfig};
+use keel_engine::AgentLoop;
 use keel_engine::TurnEvent;
 use keel_store::{Store, StoreOptions};
 use serde_json::json;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 
 use crate::app::{database_path, io_err, root_agent_id, AppError, ROOT_PROMPT};
-use crate::chat::short;
+use crate::chat::{run_tree, short};
 
 const NOTES: &str = "# Launch plan\n\n- Freeze the schema at v6\n- Record benchmarks\n- Ship the offline demo first\n";
 
@@ -41,18 +50,84 @@ fn script() -> Vec<ScriptedResponse> {
         // 2. tools: two calls in one batch, then the answer
         calls(vec![("list_dir", json!({})), ("read_file", json!({"path": "notes.md"}))]),
         ScriptedResponse::text("The notes are a launch plan: freeze the schema at v6, record benchmarks, and ship the offline demo first."),
-        // 3. a second dialog: three user messages, then the title request
+        // 3. sub-agents: a foreground batch of two, then one background run
+        calls(vec![(
+            "delegate",
+            json!({"mode": "foreground", "tasks": [
+                {"agent": "researcher", "task": "List the launch steps in notes.md."},
+                {"agent": "writer", "task": "Write a one-line launch announcement."}
+            ]}),
+        )]),
+        calls(vec![(
+            "delegate",
+            json!({"mode": "background", "tasks": [
+                {"agent": "archivist", "task": "File today's launch decisions."}
+            ]}),
+        )]),
+        ScriptedResponse::text("Done: the researcher found three steps, the writer drafted the announcement, and the archivist files the decisions in the background."),
+        // 4. a second dialog: three user messages, then the title request
         ScriptedResponse::text("Sure — what should the checklist cover?"),
         ScriptedResponse::text("Noted: schema, benchmarks, demo."),
         ScriptedResponse::text("Then we are ready to go."),
         ScriptedResponse::text("Launch checklist"),
-        // 4. checkpoints: two turns on the first branch, one on the second
+        // 5. checkpoints: two turns on the first branch, one on the second
         ScriptedResponse::text("Option A: launch on Monday."),
         ScriptedResponse::text("Option A, step two: announce it."),
         ScriptedResponse::text("Option B: launch on Friday instead."),
-        // 5. fork
+        // 6. fork
         ScriptedResponse::text("In the fork, we keep the Monday plan."),
     ]
+}
+
+/// The agent definitions shipped with the demo (`demo/agents/*.md`).
+const AGENTS: &[(&str, &str)] = &[
+    (
+        "researcher.md",
+        include_str!("../demo/agents/researcher.md"),
+    ),
+    ("writer.md", include_str!("../demo/agents/writer.md")),
+    ("archivist.md", include_str!("../demo/agents/archivist.md")),
+];
+
+/// The sub-agents' offline model: its answer depends only on the request
+/// (which agent asks, and whether a tool already answered), so concurrent
+/// runs stay deterministic.
+fn sub_agent_model(request: &ChatRequest) -> ScriptedResponse {
+    let system = request
+        .messages
+        .first()
+        .map(Message::text)
+        .unwrap_or_default();
+    let has_tool_result = request.messages.iter().any(|m| m.role == Role::Tool);
+    if system.contains("researcher") {
+        if has_tool_result {
+            ScriptedResponse::text(
+                "notes.md lists three steps: freeze the schema at v6, record benchmarks, ship the offline demo first.",
+            )
+        } else {
+            ScriptedResponse::tool_call("read_file", json!({"path": "notes.md"}))
+        }
+    } else if system.contains("writer") {
+        ScriptedResponse::text(
+            "keel ships its offline demo first: schema frozen, numbers recorded, no API key needed.",
+        )
+    } else {
+        ScriptedResponse::text(
+            "Filed: the team ships the offline demo first, with the schema frozen at v6.",
+        )
+    }
+}
+
+/// Signals when the archivist's background run has committed its end.
+struct BackgroundDone(Arc<Notify>);
+
+impl RunObserver for BackgroundDone {
+    fn on_run_event(&self, _run: keel_core::RunId, agent: &keel_core::AgentId, event: RunEvent) {
+        if agent.as_str() == "archivist" && matches!(event, RunEvent::Committed { .. }) {
+            // notify_one stores a permit, so a wake before the wait is kept.
+            self.0.notify_one();
+        }
+    }
 }
 
 struct Tour {
@@ -113,12 +188,46 @@ async fn turn(
     Ok(())
 }
 
-fn build(
+struct Runtime {
+    manager: Arc<SessionManager>,
+    coordinator: Arc<AgentCoordinator>,
+}
+
+async fn build(
     store: Store,
     provider: &ScriptedProvider,
-    workspace: &std::path::Path,
-) -> Result<Arc<SessionManager>, AppError> {
-    let tools = builtin_registry(&BuiltinToolsConfig::new(workspace))?;
+    workspace: &Path,
+    agents_dir: &Path,
+) -> Result<Runtime, AppError> {
+    let builtin = Arc::new(builtin_registry(&BuiltinToolsConfig::new(workspace))?);
+    let mut inputs = CatalogInputs::new(["default"], builtin.clone());
+    inputs.root_delegates = ["researcher", "writer", "archivist"]
+        .iter()
+        .filter_map(|a| keel_core::AgentId::parse(a).ok())
+        .collect();
+    let catalog = AgentCatalog::load(agents_dir, &inputs, 1).map_err(AppError::Catalog)?;
+    let sub_agents = ScriptedProvider::new(Vec::new())
+        .with_model("keel-demo-sub")
+        .with_fallback(Arc::new(sub_agent_model));
+    let gate = Arc::new(ExecutionGate::new(GateLimits::default()));
+    let coordinator = AgentCoordinator::new(
+        store.clone(),
+        Arc::new(catalog),
+        Arc::new(ProfileProviders::new().with("default", Arc::new(sub_agents))),
+        builtin.clone(),
+        gate.clone(),
+        CoordinatorConfig {
+            runtime_generation: u64::try_from(keel_core::time::now_ms()).unwrap_or(1),
+            ..CoordinatorConfig::default()
+        },
+    );
+    coordinator.recover_on_activation().await?;
+    let mut tools = (*builtin).clone();
+    for tool in coordinator.root_tools() {
+        tools
+            .register(tool)
+            .map_err(keel_engine::tools::BuiltinToolsError::from)?;
+    }
     let root = AgentProfile {
         name: root_agent_id(),
         system_prompt: ROOT_PROMPT.to_owned(),
@@ -131,7 +240,13 @@ fn build(
         auto_title_after: 3,
         ..Default::default()
     };
-    Ok(SessionManager::new(store, RuntimeBundle::new(root), config))
+    let bundle = RuntimeBundle::new(root)
+        .with_loop(AgentLoop::new(Arc::new(NoHooks), gate))
+        .with_coordinator(coordinator.clone());
+    Ok(Runtime {
+        manager: SessionManager::new(store, bundle, config),
+        coordinator,
+    })
 }
 
 /// Runs the tour; `data_dir` keeps the database, else a temporary directory is used.
@@ -143,21 +258,28 @@ pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode, AppError> {
     let kept = data_dir.is_some();
     let data_dir = data_dir.unwrap_or_else(|| temp.0.join("data"));
     let workspace = temp.0.join("workspace");
-    for dir in [&data_dir, &workspace] {
+    let agents_dir = temp.0.join("agents");
+    for dir in [&data_dir, &workspace, &agents_dir] {
         std::fs::create_dir_all(dir).map_err(io_err(format!("cannot create {}", dir.display())))?;
     }
     std::fs::write(workspace.join("notes.md"), NOTES)
         .map_err(io_err("cannot write the demo workspace"))?;
+    for (name, text) in AGENTS {
+        std::fs::write(agents_dir.join(name), text)
+            .map_err(io_err("cannot write the demo agents"))?;
+    }
     let db = database_path(&data_dir);
     println!("keel demo — an offline tour (scripted model, no network, no API key)");
     println!("database: {}", db.display());
 
     let provider = ScriptedProvider::new(script()).with_model("keel-demo");
-    let manager = build(
-        Store::open(&db, StoreOptions::default())?,
-        &provider,
-        &workspace,
-    )?;
+    let store = Store::open(&db, StoreOptions::default())?;
+    let Runtime {
+        manager,
+        coordinator,
+    } = build(store, &provider, &workspace, &agents_dir).await?;
+    let background_done = Arc::new(Notify::new());
+    coordinator.set_observer(Arc::new(BackgroundDone(background_done.clone())));
     let chat = format!("demo-{}", short(keel_core::SessionId::new()));
     // A user-given title: auto-titling applies only to dialogs that still
     // have their default title (the second dialog shows it).
@@ -183,6 +305,24 @@ pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode, AppError> {
 
     tour.step(
         3,
+        "Sub-agents: the root delegates a foreground batch of two and one background run",
+    );
+    tour.line("agents (demo/agents/*.md): researcher, writer, archivist");
+    turn(&manager, first, "Prepare the launch with your team.").await?;
+    background_done.notified().await;
+    tour.line("the run tree, read back from the database:");
+    let runs = manager.store().list_runs(first, None, 20).await?.items;
+    for line in run_tree(&runs) {
+        tour.line(&format!("  {line}"));
+    }
+    let events = manager.store().list_inbox_events(first).await?;
+    tour.line(&format!(
+        "inbox: {} completion event(s) from the background run, durable until a turn consumes them",
+        events.len()
+    ));
+
+    tour.step(
+        4,
         "Dialogs: a second dialog is titled by the model once it has 3 user messages",
     );
     let second = manager.create_dialog("demo", &chat, None, None).await?;
@@ -208,7 +348,7 @@ pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode, AppError> {
     }
 
     tour.step(
-        4,
+        5,
         "Checkpoints: checkpoint, two turns, roll back, take another branch",
     );
     let mark = manager.checkpoint(first).await?;
@@ -238,15 +378,18 @@ pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode, AppError> {
     }
 
     tour.step(
-        5,
+        6,
         "Fork: a new dialog starts from a checkpoint on the abandoned branch; nothing is copied",
     );
+    let tip = mark.turn_index + 2;
     let abandoned = manager
         .list_checkpoints(first)
         .await?
         .into_iter()
-        .find(|c| c.turn_index == 4)
-        .ok_or_else(|| keel_engine::EngineError::InvalidInput("no checkpoint at turn 4".into()))?;
+        .find(|c| c.turn_index == tip)
+        .ok_or_else(|| {
+            keel_engine::EngineError::InvalidInput(format!("no checkpoint at turn {tip}"))
+        })?;
     let fork = manager.fork(abandoned.id, None).await?;
     let fork_record = manager.record(fork).await?;
     tour.line(&format!(
@@ -257,18 +400,17 @@ pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode, AppError> {
     ));
     turn(&manager, fork, "Which plan do we keep here?").await?;
 
-    tour.step(6, "Restart: drop everything, reopen the database, recover");
+    tour.step(7, "Restart: drop everything, reopen the database, recover");
     let (before_state, before_history) = {
         let s = manager.session(first).await?;
         let g = s.lock().await;
         (g.state().clone(), g.history().to_vec())
     };
     drop(manager);
-    let manager = build(
-        Store::open(&db, StoreOptions::default())?,
-        &provider,
-        &workspace,
-    )?;
+    coordinator.shutdown();
+    drop(coordinator);
+    let store = Store::open(&db, StoreOptions::default())?;
+    let Runtime { manager, .. } = build(store, &provider, &workspace, &agents_dir).await?;
     let s = manager.recover(first).await?;
     let g = s.lock().await;
     let same = g.state() == &before_state && g.history() == before_history.as_slice();

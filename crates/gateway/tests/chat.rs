@@ -190,3 +190,46 @@ fn ctrl_c_stops_the_running_turn_not_the_program() {
     );
     insta::assert_snapshot!(rest.join("\n"));
 }
+
+#[test]
+fn delegation_through_keel_toml_agents_and_the_runs_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(data.join("agents")).unwrap();
+    std::fs::write(
+        data.join("keel.toml"),
+        "agents_dir = \"agents\"\nroot_delegates = [\"helper\"]\n",
+    )
+    .unwrap();
+    std::fs::write(
+        data.join("agents/helper.md"),
+        "---\nid: helper\ndescription: Answers small questions.\nllm_profile: default\n---\nYou help.\n",
+    )
+    .unwrap();
+    // One script serves the root and the helper, in the order they ask.
+    let s = script(
+        dir.path(),
+        r#"
+- tool_calls: [{name: delegate, arguments: {tasks: [{agent: helper, task: "Say hi"}]}}]
+- text: "hi from the helper"
+- text: "The helper said hi."
+- tool_calls: [{name: delegate, arguments: {tasks: [{agent: stranger, task: "x"}]}}]
+- text: "I cannot reach that agent."
+"#,
+    );
+    let (out, err, ok) = keel(&data, &s, "dave", "ask the helper\nask a stranger\n/runs\n");
+    assert!(ok, "{err}");
+    assert!(out.contains("[delegate ok]"), "{out}");
+    assert!(out.contains("[delegate error]"), "{out}");
+    let runs: Vec<&str> = out
+        .lines()
+        .skip_while(|l| *l != "> /runs")
+        .skip(1)
+        .collect();
+    assert_eq!(runs.len(), 1, "{out}");
+    assert!(
+        runs[0].contains("helper  foreground  completed"),
+        "{}",
+        runs[0]
+    );
+}

@@ -18,7 +18,7 @@ fn the_demo_tour_completes_and_recovers_identically() {
         "stdout:\n{stdout}\nstderr:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    for step in 1..=6 {
+    for step in 1..=7 {
         assert!(
             stdout.contains(&format!("\n{step}. ")),
             "step {step} missing:\n{stdout}"
@@ -33,6 +33,16 @@ fn the_demo_tour_completes_and_recovers_identically() {
         "{stdout}"
     );
     assert!(stdout.contains("rollback parent"), "{stdout}");
+    // The run tree read back from the database: two foreground runs and the
+    // background one, all completed.
+    for agent in [
+        "researcher  foreground  completed",
+        "writer  foreground  completed",
+        "archivist  background  completed",
+    ] {
+        assert!(stdout.contains(agent), "{agent} missing:\n{stdout}");
+    }
+    assert!(stdout.contains("inbox: 1 completion event(s)"), "{stdout}");
     assert!(
         dir.path().join("keel.db").exists(),
         "--data-dir keeps the database"
