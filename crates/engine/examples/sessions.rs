@@ -27,7 +27,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         max_iterations: 4,
         max_output_tokens: None,
     };
-    let manager = SessionManager::new(store, RuntimeBundle::new(root), SessionManagerConfig::default());
+    let manager = SessionManager::new(
+        store,
+        RuntimeBundle::new(root),
+        SessionManagerConfig::default(),
+    );
     let id = manager
         .create(NewSessionSpec {
             address: UnifiedSessionId::new("example", "me", "main")?,
@@ -37,7 +41,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
 
     let r = manager.submit_turn(id, "Hello").await?;
-    println!("turn 1 -> {:?} (checkpoint {:?})", r.output.final_text(), r.checkpoint);
+    println!(
+        "turn 1 -> {:?} (checkpoint {:?})",
+        r.output.final_text(),
+        r.checkpoint
+    );
     let mark = manager.checkpoint(id).await?;
     manager.submit_turn(id, "Plan?").await?;
     manager.submit_turn(id, "Next?").await?;
@@ -50,9 +58,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("checkpoints (newest first):");
     let checkpoints = manager.list_checkpoints(id).await?;
     for c in &checkpoints {
-        println!("  turn {} {:?} parent {:?}", c.turn_index, c.source, c.parent_id.is_some());
+        println!(
+            "  turn {} {:?} parent {:?}",
+            c.turn_index,
+            c.source,
+            c.parent_id.is_some()
+        );
     }
-    let abandoned = checkpoints.iter().find(|c| c.turn_index == 3).ok_or("no turn-3 checkpoint")?;
+    let abandoned = checkpoints
+        .iter()
+        .find(|c| c.turn_index == 3)
+        .ok_or("no turn-3 checkpoint")?;
     let fork = manager.fork(abandoned.id, Some("Fork".into())).await?;
     let r = manager.submit_turn(fork, "In the fork?").await?;
     println!("fork answered {:?}", r.output.final_text());

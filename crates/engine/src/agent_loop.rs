@@ -11,8 +11,8 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use futures::StreamExt;
 use keel_core::{
-    ChatRequest, DelegationPolicy, Message, Provider, ProviderError, ResponseAccumulator, StreamEvent, ToolCall,
-    ToolError, ToolExecutionContext, ToolOutput, ToolRegistry, Usage,
+    ChatRequest, DelegationPolicy, Message, Provider, ProviderError, ResponseAccumulator,
+    StreamEvent, ToolCall, ToolError, ToolExecutionContext, ToolOutput, ToolRegistry, Usage,
 };
 use tokio::sync::mpsc;
 

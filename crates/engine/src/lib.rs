@@ -5,9 +5,9 @@
 //! domain API) and never speaks HTTP (providers come in as `Arc<dyn Provider>`).
 
 pub mod agent_loop;
+pub mod coordinator;
 pub mod dialog_id;
 pub mod error;
-pub mod coordinator;
 pub mod gate;
 pub mod manager;
 pub mod session;

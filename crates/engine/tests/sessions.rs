@@ -630,7 +630,8 @@ async fn a_dropped_provider_stream_is_a_typed_error_and_no_partial_assistant_mes
         status: None,
         retry_after_ms: None,
     });
-    h.provider.push([cut, ScriptedResponse::text("whole answer")]);
+    h.provider
+        .push([cut, ScriptedResponse::text("whole answer")]);
     let id = h.manager.create(spec("d1")).await.unwrap();
     let err = h.manager.submit_turn(id, "q").await.unwrap_err();
     assert!(
@@ -651,12 +652,21 @@ async fn cancellation_during_a_tool_batch_commits_nothing() {
         ScriptedResponse::text("after"),
     ]);
     let mut tools = keel_core::ToolRegistry::new();
-    tools.register(std::sync::Arc::new(keel_engine::tools::SleepTool)).unwrap();
+    tools
+        .register(std::sync::Arc::new(keel_engine::tools::SleepTool))
+        .unwrap();
     let bundle = keel_engine::manager::RuntimeBundle::new(profile("root", &provider, tools));
-    let manager = keel_engine::manager::SessionManager::new(open_store(dir.path()), bundle, SessionManagerConfig::default());
+    let manager = keel_engine::manager::SessionManager::new(
+        open_store(dir.path()),
+        bundle,
+        SessionManagerConfig::default(),
+    );
     let id = manager.create(spec("d1")).await.unwrap();
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let pending = manager.submit_turn_stream(id, vec![Message::user("wait")], Some(tx)).await.unwrap();
+    let pending = manager
+        .submit_turn_stream(id, vec![Message::user("wait")], Some(tx))
+        .await
+        .unwrap();
     while !matches!(rx.recv().await, Some(TurnEvent::ToolStarted { .. })) {}
     assert!(manager.stop(id));
     assert!(pending.finalize().await.unwrap_err().is_cancelled());
@@ -673,7 +683,10 @@ async fn auto_summary_runs_past_the_ratio_is_debounced_and_never_fails_the_turn(
         max_context_tokens: 10,
         debounce_turns: 2,
     };
-    let h = harness(SessionManagerConfig { summary: Some(summary), ..Default::default() });
+    let h = harness(SessionManagerConfig {
+        summary: Some(summary),
+        ..Default::default()
+    });
     let id = h.manager.create(spec("d1")).await.unwrap();
     h.provider.push([
         ScriptedResponse::text("answer one"),
@@ -686,17 +699,26 @@ async fn auto_summary_runs_past_the_ratio_is_debounced_and_never_fails_the_turn(
     ]);
     // Turn 1 is over the ratio; its summary fails: logged, the turn stands.
     h.manager.submit_turn(id, "question one").await.unwrap();
-    assert_eq!(visible_texts(&h.manager, id).await, ["question one", "answer one"]);
+    assert_eq!(
+        visible_texts(&h.manager, id).await,
+        ["question one", "answer one"]
+    );
     // Turn 2: summarized.
     h.manager.submit_turn(id, "question two").await.unwrap();
     let state = h.manager.get(id).unwrap().lock().await.state().clone();
-    assert_eq!(state.slots["default"].summary.as_deref(), Some("The user asked twice."));
+    assert_eq!(
+        state.slots["default"].summary.as_deref(),
+        Some("The user asked twice.")
+    );
     assert_eq!(state.last_summary_turn, Some(2));
     // Turn 3: debounced (1 turn since the last summary); turn 4 summarizes again.
     h.manager.submit_turn(id, "question three").await.unwrap();
     h.manager.submit_turn(id, "question four").await.unwrap();
     let state = h.manager.get(id).unwrap().lock().await.state().clone();
-    assert_eq!(state.slots["default"].summary.as_deref(), Some("Four questions so far."));
+    assert_eq!(
+        state.slots["default"].summary.as_deref(),
+        Some("Four questions so far.")
+    );
     assert_eq!(h.provider.remaining(), 0);
 }
 
@@ -710,15 +732,35 @@ async fn prune_keeps_the_latest_and_what_the_head_needs() {
     }
     let report = h
         .manager
-        .prune_checkpoints(id, keel_store::PrunePolicy { keep_latest: Some(2), older_than_ms: None })
+        .prune_checkpoints(
+            id,
+            keel_store::PrunePolicy {
+                keep_latest: Some(2),
+                older_than_ms: None,
+            },
+        )
         .await
         .unwrap();
     assert_eq!(report.checkpoints_deleted, 2);
-    let left: Vec<u64> = h.manager.list_checkpoints(id).await.unwrap().iter().map(|c| c.turn_index).collect();
+    let left: Vec<u64> = h
+        .manager
+        .list_checkpoints(id)
+        .await
+        .unwrap()
+        .iter()
+        .map(|c| c.turn_index)
+        .collect();
     assert_eq!(left, [4, 3]);
     // The head's history is intact after pruning, and after a restart.
-    assert_eq!(visible_texts(&h.manager, id).await, ["1", "a", "2", "b", "3", "c", "4", "d"]);
-    let fresh = manager_on(open_store(h.dir.path()), &h.provider, SessionManagerConfig::default());
+    assert_eq!(
+        visible_texts(&h.manager, id).await,
+        ["1", "a", "2", "b", "3", "c", "4", "d"]
+    );
+    let fresh = manager_on(
+        open_store(h.dir.path()),
+        &h.provider,
+        SessionManagerConfig::default(),
+    );
     assert_eq!(visible_texts(&fresh, id).await.len(), 8);
     h.manager.delete_checkpoints(id).await.unwrap();
     assert!(h.manager.latest_checkpoint(id).await.unwrap().is_none());
