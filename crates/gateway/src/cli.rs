@@ -20,7 +20,7 @@ pub struct DataArgs {
     /// Data directory (SQLite file, keel.toml, agents/).
     #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
-    /// Configuration file (default: <data-dir>/keel.toml when it exists).
+    /// Configuration file (default: DIR/keel.toml of the data directory, when it exists).
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
 }
