@@ -212,18 +212,19 @@ pub trait Provider: Send + Sync {
     /// Model identifier sent to the provider.
     fn model(&self) -> &str;
 
-    /// Starts a streamed completion. The stream ends with
+    /// Starts a streamed completion of `request` (borrowed: callers reuse it
+    /// across the iterations of a turn). The stream ends with
     /// `Err(ProviderError::Cancelled)` soon after `cancel` fires.
     async fn stream(
         &self,
-        request: ChatRequest,
+        request: &ChatRequest,
         cancel: CancellationToken,
     ) -> Result<ProviderStream, ProviderError>;
 
     /// Runs a completion to its end and assembles the response.
     async fn complete(
         &self,
-        request: ChatRequest,
+        request: &ChatRequest,
         cancel: CancellationToken,
     ) -> Result<ProviderResponse, ProviderError> {
         let mut stream = self.stream(request, cancel.clone()).await?;

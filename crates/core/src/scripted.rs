@@ -455,13 +455,13 @@ impl Provider for ScriptedProvider {
 
     async fn stream(
         &self,
-        request: ChatRequest,
+        request: &ChatRequest,
         cancel: CancellationToken,
     ) -> Result<ProviderStream, ProviderError> {
         if cancel.is_cancelled() {
             return Err(ProviderError::Cancelled);
         }
-        let steps: VecDeque<Step> = self.plan(&request)?.into();
+        let steps: VecDeque<Step> = self.plan(request)?.into();
         let stream = futures::stream::unfold(
             (steps, cancel, false),
             |(mut steps, cancel, done)| async move {
@@ -502,7 +502,7 @@ mod tests {
         p: &ScriptedProvider,
         r: ChatRequest,
     ) -> Vec<Result<StreamEvent, ProviderError>> {
-        p.stream(r, CancellationToken::new())
+        p.stream(&r, CancellationToken::new())
             .await
             .unwrap()
             .collect()
@@ -527,7 +527,7 @@ mod tests {
                 reason: FinishReason::Stop
             }))
         ));
-        let r = p.complete(req("again"), CancellationToken::new()).await;
+        let r = p.complete(&req("again"), CancellationToken::new()).await;
         assert!(
             matches!(r, Err(ProviderError::Unavailable(_))),
             "script exhausted"
@@ -600,7 +600,7 @@ mod tests {
             cut,
         ]);
         let err = p
-            .complete(req("a"), CancellationToken::new())
+            .complete(&req("a"), CancellationToken::new())
             .await
             .unwrap_err();
         assert_eq!(
@@ -630,7 +630,7 @@ mod tests {
         let call = {
             let p = p.clone();
             let cancel = cancel.clone();
-            tokio::spawn(async move { p.complete(req("x"), cancel).await })
+            tokio::spawn(async move { p.complete(&req("x"), cancel).await })
         };
         // Let the call reach its delay, then cancel; with paused time the
         // 60 s delay would auto-advance if the call were not waiting on it.
@@ -645,7 +645,7 @@ mod tests {
         // A cancelled token is honoured before anything is consumed.
         let p2 = ScriptedProvider::new([ScriptedResponse::text("x")]);
         assert!(matches!(
-            p2.stream(req("y"), cancel).await,
+            p2.stream(&req("y"), cancel).await,
             Err(ProviderError::Cancelled)
         ));
         assert_eq!(p2.remaining(), 1);
@@ -654,10 +654,10 @@ mod tests {
     #[tokio::test]
     async fn records_requests_in_order() {
         let p = ScriptedProvider::new([ScriptedResponse::text("1"), ScriptedResponse::text("2")]);
-        p.complete(req("first"), CancellationToken::new())
+        p.complete(&req("first"), CancellationToken::new())
             .await
             .unwrap();
-        p.complete(req("second"), CancellationToken::new())
+        p.complete(&req("second"), CancellationToken::new())
             .await
             .unwrap();
         let seen: Vec<String> = p
@@ -673,7 +673,7 @@ mod tests {
         let p = ScriptedProvider::offline();
         for i in 0..3 {
             let r = p
-                .complete(req(&format!("msg {i}")), CancellationToken::new())
+                .complete(&req(&format!("msg {i}")), CancellationToken::new())
                 .await
                 .unwrap();
             assert!(r.message.text().contains(&format!("\"msg {i}\"")));

@@ -78,7 +78,7 @@ impl Provider for InstantProvider {
 
     async fn stream(
         &self,
-        _request: ChatRequest,
+        _request: &ChatRequest,
         _cancel: CancellationToken,
     ) -> Result<ProviderStream, ProviderError> {
         let events = vec![

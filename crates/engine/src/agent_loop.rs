@@ -187,28 +187,29 @@ impl AgentLoop {
                 let _ = tx.send(e);
             }
         };
-        let mut context_msgs: Vec<Message> =
-            system_prompt.map(Message::system).into_iter().collect();
-        context_msgs.extend(history);
+        // One request grows across the turn's iterations: the history is
+        // moved in once and each iteration only appends its new messages.
+        let mut messages: Vec<Message> = Vec::with_capacity(history.len() + input.len() + 8);
+        messages.extend(system_prompt.map(Message::system));
+        messages.extend(history);
+        messages.extend(input.iter().cloned());
+        let mut chat = ChatRequest {
+            messages,
+            tools: tools.definitions(),
+            max_tokens: max_output_tokens,
+            temperature: None,
+        };
         let mut new_messages = input;
-        let definitions = tools.definitions();
         let mut usage = Usage::default();
         let mut tool_calls = 0u32;
         for iteration in 1..=max_iterations {
-            let mut messages = context_msgs.clone();
-            messages.extend(new_messages.iter().cloned());
-            let chat = ChatRequest {
-                messages,
-                tools: definitions.clone(),
-                max_tokens: max_output_tokens,
-                temperature: None,
-            };
             let response = {
                 let _permit = self.gate.provider_step(&context).await?;
-                stream_response(provider.as_ref(), chat, &context, &emit).await?
+                stream_response(provider.as_ref(), &chat, &context, &emit).await?
             };
             usage.add(response.usage);
             let calls = response.message.tool_calls.clone();
+            chat.messages.push(response.message.clone());
             new_messages.push(response.message);
             if calls.is_empty() {
                 return Ok(TurnOutput {
@@ -230,11 +231,10 @@ impl AgentLoop {
             }
             for (call, output) in calls.iter().zip(results) {
                 // Failures reach the model as text starting with "error:".
-                new_messages.push(Message::tool_result(
-                    call.id.clone(),
-                    call.name.clone(),
-                    output.content,
-                ));
+                let result =
+                    Message::tool_result(call.id.clone(), call.name.clone(), output.content);
+                chat.messages.push(result.clone());
+                new_messages.push(result);
             }
         }
         Err(AgentError::MaxIterations {
@@ -294,7 +294,7 @@ impl AgentLoop {
 
 async fn stream_response(
     provider: &dyn Provider,
-    chat: ChatRequest,
+    chat: &ChatRequest,
     ctx: &ToolExecutionContext,
     emit: &impl Fn(TurnEvent),
 ) -> Result<keel_core::ProviderResponse, AgentError> {

@@ -1131,7 +1131,7 @@ async fn generate_title(session: &AgentSession) -> Result<String, EngineError> {
     let response = session
         .agent
         .provider
-        .complete(request, CancellationToken::new())
+        .complete(&request, CancellationToken::new())
         .await
         .map_err(AgentError::Provider)?;
     let raw = response.message.text();
@@ -1166,7 +1166,7 @@ async fn summarize(session: &AgentSession, replay: &[Message]) -> Result<String,
     let response = session
         .agent
         .provider
-        .complete(request, CancellationToken::new())
+        .complete(&request, CancellationToken::new())
         .await
         .map_err(AgentError::Provider)?;
     let summary = response.message.text().trim().to_owned();

@@ -78,7 +78,7 @@ impl Provider for TestProvider {
 
     async fn stream(
         &self,
-        request: ChatRequest,
+        request: &ChatRequest,
         cancel: CancellationToken,
     ) -> Result<ProviderStream, ProviderError> {
         let _ = self.events.send(format!("{}:connect", self.name));

@@ -125,10 +125,10 @@ impl Provider for AnthropicProvider {
 
     async fn stream(
         &self,
-        request: ChatRequest,
+        request: &ChatRequest,
         cancel: CancellationToken,
     ) -> Result<ProviderStream, ProviderError> {
-        let body = serde_json::to_vec(&self.request_body(&request))
+        let body = serde_json::to_vec(&self.request_body(request))
             .map_err(|e| ProviderError::Protocol(format!("cannot encode the request: {e}")))?;
         let hint = self.transport.hint();
         self.transport

@@ -151,7 +151,7 @@ async fn text_stream<W: Wire>() {
     let server = Server::start(vec![Reply::sse(W::text())]).await;
     let (p, w) = provider::<W>(&server);
     let stream = p
-        .stream(simple_request(), CancellationToken::new())
+        .stream(&simple_request(), CancellationToken::new())
         .await
         .unwrap();
     let (events, error) = drain(stream).await;
@@ -169,7 +169,7 @@ async fn request_mapping<W: Wire>() {
     let server = Server::start(vec![Reply::sse(W::text())]).await;
     let (p, _) = provider::<W>(&server);
     let response = p
-        .complete(rich_request(), CancellationToken::new())
+        .complete(&rich_request(), CancellationToken::new())
         .await
         .unwrap();
     assert_eq!(response.message.text(), "Hello, world!");
@@ -186,7 +186,7 @@ async fn split_parallel_tool_calls<W: Wire>() {
     let server = Server::start(vec![Reply::sse(W::tool_calls())]).await;
     let (p, _) = provider::<W>(&server);
     let stream = p
-        .stream(rich_request(), CancellationToken::new())
+        .stream(&rich_request(), CancellationToken::new())
         .await
         .unwrap();
     let (events, error) = drain(stream).await;
@@ -228,7 +228,7 @@ async fn unauthorized_is_fatal<W: Wire>() {
     .await;
     let (p, w) = provider::<W>(&server);
     let err = p
-        .stream(simple_request(), CancellationToken::new())
+        .stream(&simple_request(), CancellationToken::new())
         .await
         .err()
         .unwrap();
@@ -260,7 +260,7 @@ async fn rate_limit_honours_retry_after<W: Wire>() {
     .await;
     let (p, w) = provider::<W>(&server);
     let r = p
-        .complete(simple_request(), CancellationToken::new())
+        .complete(&simple_request(), CancellationToken::new())
         .await
         .unwrap();
     assert_eq!(r.message.text(), "Hello, world!");
@@ -278,7 +278,7 @@ async fn rate_limit_beyond_the_budget_is_returned<W: Wire>() {
     let server = Server::start(vec![Reply::json(429, "{}").header("retry-after", "3600")]).await;
     let (p, w) = provider::<W>(&server);
     let err = p
-        .stream(simple_request(), CancellationToken::new())
+        .stream(&simple_request(), CancellationToken::new())
         .await
         .err()
         .unwrap();
@@ -297,7 +297,7 @@ async fn exhausted_quota_is_fatal<W: Wire>() {
     let server = Server::start(vec![Reply::json(429, body), Reply::sse(W::text())]).await;
     let (p, w) = provider::<W>(&server);
     let err = p
-        .stream(simple_request(), CancellationToken::new())
+        .stream(&simple_request(), CancellationToken::new())
         .await
         .err()
         .unwrap();
@@ -321,7 +321,7 @@ async fn server_error_then_success<W: Wire>() {
     .await;
     let (p, w) = provider::<W>(&server);
     let stream = p
-        .stream(simple_request(), CancellationToken::new())
+        .stream(&simple_request(), CancellationToken::new())
         .await
         .unwrap();
     let (events, error) = drain(stream).await;
@@ -341,7 +341,7 @@ async fn server_errors_exhaust_the_retries<W: Wire>() {
     let server = Server::start(replies).await;
     let (p, w) = provider::<W>(&server);
     let err = p
-        .stream(simple_request(), CancellationToken::new())
+        .stream(&simple_request(), CancellationToken::new())
         .await
         .err()
         .unwrap();
@@ -364,7 +364,7 @@ async fn bad_request_is_not_retried<W: Wire>() {
     .await;
     let (p, _) = provider::<W>(&server);
     let err = p
-        .stream(simple_request(), CancellationToken::new())
+        .stream(&simple_request(), CancellationToken::new())
         .await
         .err()
         .unwrap();
@@ -383,7 +383,7 @@ async fn huge_error_bodies_are_bounded<W: Wire>() {
     let server = Server::start(vec![Reply::json(400, &body)]).await;
     let (p, _) = provider::<W>(&server);
     let err = p
-        .stream(simple_request(), CancellationToken::new())
+        .stream(&simple_request(), CancellationToken::new())
         .await
         .err()
         .unwrap();
@@ -405,7 +405,7 @@ async fn stream_cut_midway<W: Wire>() {
     .await;
     let (p, _) = provider::<W>(&server);
     let stream = p
-        .stream(simple_request(), CancellationToken::new())
+        .stream(&simple_request(), CancellationToken::new())
         .await
         .unwrap();
     let (events, error) = drain(stream).await;
@@ -425,7 +425,7 @@ async fn clean_close_midway_is_interrupted<W: Wire>() {
     let server = Server::start(vec![Reply::sse(W::first_delta())]).await;
     let (p, _) = provider::<W>(&server);
     let err = p
-        .complete(simple_request(), CancellationToken::new())
+        .complete(&simple_request(), CancellationToken::new())
         .await
         .unwrap_err();
     assert!(
@@ -442,7 +442,7 @@ async fn cut_before_output_is_retried<W: Wire>() {
     .await;
     let (p, w) = provider::<W>(&server);
     let stream = p
-        .stream(simple_request(), CancellationToken::new())
+        .stream(&simple_request(), CancellationToken::new())
         .await
         .unwrap();
     let (events, error) = drain(stream).await;
@@ -458,7 +458,7 @@ async fn malformed_chunk<W: Wire>() {
     let server = Server::start(vec![Reply::sse(frames).ending(End::Stall)]).await;
     let (p, _) = provider::<W>(&server);
     let stream = p
-        .stream(simple_request(), CancellationToken::new())
+        .stream(&simple_request(), CancellationToken::new())
         .await
         .unwrap();
     let (events, error) = drain(stream).await;
@@ -477,7 +477,7 @@ async fn malformed_before_output_is_not_retried<W: Wire>() {
     .await;
     let (p, w) = provider::<W>(&server);
     let stream = p
-        .stream(simple_request(), CancellationToken::new())
+        .stream(&simple_request(), CancellationToken::new())
         .await
         .unwrap();
     let (events, error) = drain(stream).await;
@@ -494,7 +494,7 @@ async fn cancel_mid_stream<W: Wire>() {
     let server = Server::start(vec![Reply::sse(W::first_delta()).ending(End::Stall)]).await;
     let (p, _) = provider::<W>(&server);
     let cancel = CancellationToken::new();
-    let mut stream = p.stream(simple_request(), cancel.clone()).await.unwrap();
+    let mut stream = p.stream(&simple_request(), cancel.clone()).await.unwrap();
     // Receiving the delta proves the server sent it and is now silent.
     let first = stream.next().await.unwrap().unwrap();
     assert_eq!(first, StreamEvent::TextDelta { text: "Hel".into() });
@@ -516,7 +516,8 @@ async fn cancel_during_backoff<W: Wire>() {
     });
     let p = W::provider(config::<W>(&server), sleep);
     let cancel = CancellationToken::new();
-    let call = p.stream(simple_request(), cancel.clone());
+    let request = simple_request();
+    let call = p.stream(&request, cancel.clone());
     let canceller = async {
         sleeping.notified().await;
         cancel.cancel();
@@ -536,7 +537,7 @@ async fn cancelled_before_the_call<W: Wire>() {
     let (p, _) = provider::<W>(&server);
     let cancel = CancellationToken::new();
     cancel.cancel();
-    let err = p.stream(simple_request(), cancel).await.err().unwrap();
+    let err = p.stream(&simple_request(), cancel).await.err().unwrap();
     assert_eq!(err, ProviderError::Cancelled);
 }
 
@@ -547,7 +548,7 @@ async fn read_timeout_mid_stream<W: Wire>() {
     c.read_timeout = Duration::from_millis(500);
     let p = W::provider(c, sleep);
     let stream = p
-        .stream(simple_request(), CancellationToken::new())
+        .stream(&simple_request(), CancellationToken::new())
         .await
         .unwrap();
     let (events, error) = drain(stream).await;
@@ -570,7 +571,7 @@ async fn read_timeout_before_output_is_retried<W: Wire>() {
     c.read_timeout = Duration::from_millis(500);
     let p = W::provider(c, sleep);
     let stream = p
-        .stream(simple_request(), CancellationToken::new())
+        .stream(&simple_request(), CancellationToken::new())
         .await
         .unwrap();
     let (events, error) = drain(stream).await;
@@ -589,7 +590,7 @@ async fn connection_refused_is_retried_then_typed<W: Wire>() {
     c.retry.max_retries = 2;
     let p = W::provider(c, sleep);
     let err = p
-        .stream(simple_request(), CancellationToken::new())
+        .stream(&simple_request(), CancellationToken::new())
         .await
         .err()
         .unwrap();
@@ -608,7 +609,7 @@ async fn json_instead_of_a_stream_is_protocol<W: Wire>() {
     .await;
     let (p, _) = provider::<W>(&server);
     let err = p
-        .stream(simple_request(), CancellationToken::new())
+        .stream(&simple_request(), CancellationToken::new())
         .await
         .err()
         .unwrap();
@@ -661,7 +662,7 @@ async fn profile_with_custom_base_url_sends_no_key() {
     let env = |var: &str| (var == "OPENAI_API_KEY").then(|| "sk-real".to_owned());
     let p = build_provider_with_env("local", &profile, &env).unwrap();
     let r = p
-        .complete(simple_request(), CancellationToken::new())
+        .complete(&simple_request(), CancellationToken::new())
         .await
         .unwrap();
     assert_eq!(r.message.text(), "Hello, world!");
@@ -674,7 +675,7 @@ async fn profile_with_custom_base_url_sends_no_key() {
     profile.base_url = Some(format!("{}/", server.base_url()));
     let env = |var: &str| (var == "LOCAL_KEY").then(|| "sk-local".to_owned());
     let p = build_provider_with_env("local", &profile, &env).unwrap();
-    p.complete(simple_request(), CancellationToken::new())
+    p.complete(&simple_request(), CancellationToken::new())
         .await
         .unwrap();
     let request = &server.requests()[0];
