@@ -727,6 +727,108 @@ async fn idle_memory_child(dir: &Path) {
 
 /// Runs every figure on a current-thread runtime (the store's writer and
 /// reader threads are its own).
+/// Turns per side of the delegation comparison.
+const DELEGATION_TURNS: u32 = 200;
+/// Turns run by one side before the other side runs as many.
+const DELEGATION_BLOCK: u32 = 50;
+
+/// The model of the delegation figure, a pure function of the request:
+/// the helper answers at once; the root delegates when asked to, answers
+/// after a tool result, and otherwise answers directly.
+fn delegation_model(request: &ChatRequest) -> keel_core::ScriptedResponse {
+    use keel_core::{Message, Role, ScriptedResponse};
+    let system = request
+        .messages
+        .first()
+        .map(Message::text)
+        .unwrap_or_default();
+    let last = request.messages.last();
+    if system.starts_with("You help") {
+        return ScriptedResponse::text("done");
+    }
+    match last {
+        Some(m) if m.role == Role::Tool => ScriptedResponse::text("The helper is done."),
+        Some(m) if m.text().starts_with("delegate") => ScriptedResponse::tool_call(
+            "delegate",
+            serde_json::json!({"tasks": [{"agent": "helper", "task": "say done"}]}),
+        ),
+        _ => ScriptedResponse::text("Direct answer."),
+    }
+}
+
+/// Foreground delegation of a trivial child vs a direct turn: turns/s of a
+/// root turn that delegates one task (3 model calls, one persisted run)
+/// against a root turn answered directly (1 model call), same manager.
+async fn delegation_overhead(dir: &Path) {
+    use keel_catalog::{AgentCatalog, CatalogInputs};
+    use keel_engine::coordinator::{AgentCoordinator, CoordinatorConfig, ProfileProviders};
+    use keel_engine::gate::{ExecutionGate, GateLimits};
+    let store = Store::open(dir.join("delegation.db"), StoreOptions::default()).unwrap();
+    let model: Arc<dyn Provider> =
+        Arc::new(ScriptedProvider::new(Vec::new()).with_fallback(Arc::new(delegation_model)));
+    let mut inputs = CatalogInputs::new(["default"], Arc::new(ToolRegistry::new()));
+    inputs.root_delegates = vec![AgentId::parse("helper").unwrap()];
+    let helper = "---\nid: helper\ndescription: Helps.\nllm_profile: default\n---\nYou help.\n";
+    let catalog = AgentCatalog::from_texts([("helper.md", helper)], &inputs, 1).unwrap();
+    let gate = Arc::new(ExecutionGate::new(GateLimits::default()));
+    let coordinator = AgentCoordinator::new(
+        store.clone(),
+        Arc::new(catalog),
+        Arc::new(ProfileProviders::new().with("default", model.clone())),
+        Arc::new(ToolRegistry::new()),
+        gate.clone(),
+        CoordinatorConfig::default(),
+    );
+    let mut tools = ToolRegistry::new();
+    for t in coordinator.root_tools() {
+        tools.register(t).unwrap();
+    }
+    let root = AgentProfile {
+        name: AgentId::parse("root").unwrap(),
+        system_prompt: "You are the root.".into(),
+        provider: model,
+        tools: Arc::new(tools),
+        max_iterations: 4,
+        max_output_tokens: None,
+    };
+    let bundle = RuntimeBundle::new(root)
+        .with_loop(keel_engine::AgentLoop::new(
+            Arc::new(keel_engine::agent_loop::NoHooks),
+            gate,
+        ))
+        .with_coordinator(coordinator);
+    let config = SessionManagerConfig {
+        auto_title_after: 0,
+        ..Default::default()
+    };
+    let m = SessionManager::new(store, bundle, config);
+    let direct_id = m.create(spec("delegation", "direct")).await.unwrap();
+    let delegating_id = m.create(spec("delegation", "delegating")).await.unwrap();
+    let (mut direct, mut delegating) = (Duration::ZERO, Duration::ZERO);
+    let mut done = 0;
+    while done < DELEGATION_TURNS {
+        let started = Instant::now();
+        for _ in 0..DELEGATION_BLOCK {
+            m.submit_turn(direct_id, "hello").await.unwrap();
+        }
+        direct += started.elapsed();
+        let started = Instant::now();
+        for _ in 0..DELEGATION_BLOCK {
+            let r = m.submit_turn(delegating_id, "delegate this").await.unwrap();
+            assert_eq!(r.output.tool_calls, 1);
+        }
+        delegating += started.elapsed();
+        done += DELEGATION_BLOCK;
+    }
+    let per = |d: Duration| us(d) / f64::from(DELEGATION_TURNS);
+    println!(
+        "BENCH delegation_overhead turns={DELEGATION_TURNS} direct_turn_us={:.0} delegating_turn_us={:.0} ratio={:.2} model_calls_direct=1 model_calls_delegating=3 runs_persisted_per_turn=1",
+        per(direct),
+        per(delegating),
+        ratio(per(delegating), per(direct))
+    );
+}
+
 fn main() {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -749,6 +851,7 @@ fn main() {
     println!("# turn_latency_growth / turn_breakdown: submit_turn latency early vs late in the 1000-turn session; cost of the per-turn context copies.");
     println!("# turn_overhead: turns/s of submit_turn (zero-latency provider, auto-checkpoint on) vs Store::commit_turn of the same rows.");
     println!("# idle_session_memory: RSS growth per loaded one-turn session in a fresh child process (approximate).");
+    println!("# delegation_overhead: a root turn that delegates one trivial task in the foreground vs a root turn answered directly.");
     rt.block_on(async {
         long_session(dir.path()).await;
         turn_overhead(
@@ -768,5 +871,6 @@ fn main() {
         .await
         .print("scripted_offline", SCRIPTED_TURNS, "");
         idle_memory(dir.path()).await;
+        delegation_overhead(dir.path()).await;
     });
 }
