@@ -3,6 +3,7 @@
 //! [`ResponseAccumulator`] that folds a stream into one assistant message.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -28,8 +29,9 @@ pub struct ToolDefinition {
 /// One chat completion request.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct ChatRequest {
-    /// The conversation so far, system prompt first.
-    pub messages: Vec<Message>,
+    /// The conversation so far, system prompt first. Messages are shared
+    /// (`Arc`) so a turn's request costs no copy of the history.
+    pub messages: Vec<Arc<Message>>,
     /// Tools the model may call.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tools: Vec<ToolDefinition>,
@@ -43,9 +45,9 @@ pub struct ChatRequest {
 
 impl ChatRequest {
     /// A request for `messages` with no tools.
-    pub fn new(messages: Vec<Message>) -> Self {
+    pub fn new(messages: impl IntoIterator<Item = Message>) -> Self {
         Self {
-            messages,
+            messages: messages.into_iter().map(Arc::new).collect(),
             ..Self::default()
         }
     }
@@ -507,7 +509,7 @@ mod tests {
             },
         ];
         let request = ChatRequest {
-            messages: vec![Message::system("s"), Message::user("u")],
+            messages: vec![Message::system("s").into(), Message::user("u").into()],
             tools: vec![ToolDefinition {
                 name: "sleep".into(),
                 description: "Waits.".into(),

@@ -586,7 +586,7 @@ async fn turn_overhead(
                             .iter()
                             .map(|h| NewMessage {
                                 slot: h.slot.clone(),
-                                message: h.message.clone(),
+                                message: keel_core::Message::clone(&h.message),
                             })
                             .collect(),
                         state: state.to_blob(),
@@ -736,11 +736,11 @@ const DELEGATION_BLOCK: u32 = 50;
 /// the helper answers at once; the root delegates when asked to, answers
 /// after a tool result, and otherwise answers directly.
 fn delegation_model(request: &ChatRequest) -> keel_core::ScriptedResponse {
-    use keel_core::{Message, Role, ScriptedResponse};
+    use keel_core::{Role, ScriptedResponse};
     let system = request
         .messages
         .first()
-        .map(Message::text)
+        .map(|m| m.text())
         .unwrap_or_default();
     let last = request.messages.last();
     if system.starts_with("You help") {

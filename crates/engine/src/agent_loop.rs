@@ -98,8 +98,8 @@ pub struct TurnRequest {
     pub tools: Arc<ToolRegistry>,
     /// The agent's role prompt, sent first.
     pub system_prompt: Option<String>,
-    /// The replayed context before this turn.
-    pub history: Vec<Message>,
+    /// The replayed context before this turn (shared, not copied).
+    pub history: Vec<Arc<Message>>,
     /// The turn's input (a user message, or a hidden trigger).
     pub input: Vec<Message>,
     /// Most provider calls in this turn.
@@ -130,7 +130,7 @@ impl TurnOutput {
             .iter()
             .rev()
             .find(|m| m.role == keel_core::Role::Assistant)
-            .map(Message::text)
+            .map(|m| m.text())
             .unwrap_or_default()
     }
 }
@@ -189,10 +189,10 @@ impl AgentLoop {
         };
         // One request grows across the turn's iterations: the history is
         // moved in once and each iteration only appends its new messages.
-        let mut messages: Vec<Message> = Vec::with_capacity(history.len() + input.len() + 8);
-        messages.extend(system_prompt.map(Message::system));
+        let mut messages: Vec<Arc<Message>> = Vec::with_capacity(history.len() + input.len() + 8);
+        messages.extend(system_prompt.map(|p| Arc::new(Message::system(p))));
         messages.extend(history);
-        messages.extend(input.iter().cloned());
+        messages.extend(input.iter().cloned().map(Arc::new));
         let mut chat = ChatRequest {
             messages,
             tools: tools.definitions(),
@@ -209,7 +209,7 @@ impl AgentLoop {
             };
             usage.add(response.usage);
             let calls = response.message.tool_calls.clone();
-            chat.messages.push(response.message.clone());
+            chat.messages.push(Arc::new(response.message.clone()));
             new_messages.push(response.message);
             if calls.is_empty() {
                 return Ok(TurnOutput {
@@ -233,7 +233,7 @@ impl AgentLoop {
                 // Failures reach the model as text starting with "error:".
                 let result =
                     Message::tool_result(call.id.clone(), call.name.clone(), output.content);
-                chat.messages.push(result.clone());
+                chat.messages.push(Arc::new(result.clone()));
                 new_messages.push(result);
             }
         }

@@ -574,7 +574,7 @@ impl SessionManager {
         let Ok(replay) = session.replay(&slot) else {
             return false;
         };
-        let tokens: usize = replay.iter().map(Message::estimated_tokens).sum();
+        let tokens: usize = replay.iter().map(|m| m.estimated_tokens()).sum();
         let due = session
             .state
             .last_summary_turn
@@ -1123,7 +1123,7 @@ async fn generate_title(session: &AgentSession) -> Result<String, EngineError> {
         history = history[cut..].to_owned();
     }
     let request = ChatRequest {
-        messages: vec![Message::user(format!("{TITLE_PROMPT}{history}"))],
+        messages: vec![Arc::new(Message::user(format!("{TITLE_PROMPT}{history}")))],
         tools: Vec::new(),
         max_tokens: Some(64),
         temperature: None,
@@ -1149,16 +1149,16 @@ const SUMMARY_PROMPT: &str = "Summarize the conversation below so that it can re
 older messages in the context: keep decisions, facts, open questions and the user's goals. \
 Be concise.\n\n";
 
-async fn summarize(session: &AgentSession, replay: &[Message]) -> Result<String, EngineError> {
+async fn summarize(session: &AgentSession, replay: &[Arc<Message>]) -> Result<String, EngineError> {
     let text: Vec<String> = replay
         .iter()
         .map(|m| format!("{}: {}", m.role.as_str(), m.text()))
         .collect();
     let request = ChatRequest {
-        messages: vec![Message::user(format!(
+        messages: vec![Arc::new(Message::user(format!(
             "{SUMMARY_PROMPT}{}",
             text.join("\n")
-        ))],
+        )))],
         tools: Vec::new(),
         max_tokens: Some(1024),
         temperature: None,

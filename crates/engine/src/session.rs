@@ -72,7 +72,7 @@ impl AgentSession {
             .map(|m| HistoryMessage {
                 seq: m.seq,
                 slot: m.slot,
-                message: m.message,
+                message: Arc::new(m.message),
                 created_at_ms: m.created_at_ms,
             })
             .collect();
@@ -118,7 +118,7 @@ impl AgentSession {
     }
 
     /// The messages slot `name` replays to the model.
-    pub fn replay(&self, slot: &str) -> Result<Vec<Message>, EngineError> {
+    pub fn replay(&self, slot: &str) -> Result<Vec<Arc<Message>>, EngineError> {
         self.state.replay(slot, &self.history)
     }
 
@@ -182,7 +182,7 @@ impl AgentSession {
             self.history.push(HistoryMessage {
                 seq: *seq,
                 slot,
-                message,
+                message: Arc::new(message),
                 created_at_ms: now,
             });
             self.last_seq = self.last_seq.max(*seq);

@@ -84,7 +84,7 @@ impl SessionSnapshot {
                 .map(|m| SnapshotMessage {
                     seq: m.seq,
                     slot: m.slot.clone(),
-                    message: m.message.clone(),
+                    message: Message::clone(&m.message),
                     created_at_ms: m.created_at_ms,
                 })
                 .collect(),

@@ -8,6 +8,7 @@
 //! for a derived slot, a frozen prefix of the slot it came from).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use keel_core::{CostTracker, Message, Role};
 use serde::{Deserialize, Serialize};
@@ -172,8 +173,8 @@ pub struct HistoryMessage {
     pub seq: i64,
     /// The slot it was written to.
     pub slot: String,
-    /// The message.
-    pub message: Message,
+    /// The message (shared with the requests that replay it).
+    pub message: Arc<Message>,
     /// When it was committed (Unix ms).
     pub created_at_ms: i64,
 }
@@ -295,7 +296,7 @@ impl SessionState {
                 Ok(history
                     .iter()
                     .filter(|m| m.slot == source && m.seq >= from)
-                    .map(|m| m.message.clone())
+                    .map(|m| Message::clone(&m.message))
                     .collect())
             }
             MergeStrategy::Replace => {
@@ -331,16 +332,16 @@ impl SessionState {
         &self,
         name: &str,
         history: &[HistoryMessage],
-    ) -> Result<Vec<Message>, EngineError> {
+    ) -> Result<Vec<Arc<Message>>, EngineError> {
         let config = self.slot(name)?;
         let view = self.slot_view(name, history)?;
-        let mut out = Vec::new();
+        let mut out = Vec::with_capacity(view.len() + 1);
         let start = match config.mode {
             SlotMode::Focused { window } => {
                 if let Some(summary) = &config.summary {
-                    out.push(Message::system(format!(
+                    out.push(Arc::new(Message::system(format!(
                         "Summary of the earlier conversation:\n{summary}"
-                    )));
+                    ))));
                 }
                 let mut start = view.len().saturating_sub(window);
                 // Never begin with tool results whose call was cut off.
@@ -351,7 +352,8 @@ impl SessionState {
             }
             SlotMode::Full | SlotMode::Readonly => 0,
         };
-        out.extend(view[start..].iter().map(|m| m.message.clone()));
+        // Cloning an Arc: the history is shared, never copied.
+        out.extend(view[start..].iter().map(|m| Arc::clone(&m.message)));
         Ok(out)
     }
 
@@ -414,13 +416,13 @@ mod tests {
         HistoryMessage {
             seq,
             slot: slot.into(),
-            message: Message::user(text),
+            message: Arc::new(Message::user(text)),
             created_at_ms: seq,
         }
     }
 
-    fn texts(v: &[Message]) -> Vec<String> {
-        v.iter().map(Message::text).collect()
+    fn texts<M: std::borrow::Borrow<Message>>(v: &[M]) -> Vec<String> {
+        v.iter().map(|m| m.borrow().text()).collect()
     }
 
     #[test]
@@ -519,7 +521,7 @@ mod tests {
         h.push(HistoryMessage {
             seq: 3,
             slot: "f".into(),
-            message: Message::tool_result("c1", "t", "result"),
+            message: Arc::new(Message::tool_result("c1", "t", "result")),
             created_at_ms: 3,
         });
         h.push(msg(4, "f", "d"));

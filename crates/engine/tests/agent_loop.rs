@@ -68,7 +68,10 @@ fn request(provider: ScriptedProvider, tools: ToolRegistry, max_iterations: u32)
         provider: Arc::new(provider),
         tools: Arc::new(tools),
         system_prompt: Some("You are a test agent.".into()),
-        history: vec![Message::user("earlier"), Message::assistant("ok")],
+        history: vec![
+            Message::user("earlier").into(),
+            Message::assistant("ok").into(),
+        ],
         input: vec![Message::user("now")],
         max_iterations,
         max_output_tokens: Some(100),
@@ -97,7 +100,7 @@ async fn text_answer_streams_and_returns_input_plus_answer() {
     }
     assert_eq!(deltas, "hello there");
     let sent = &provider.requests()[0];
-    let texts: Vec<String> = sent.messages.iter().map(Message::text).collect();
+    let texts: Vec<String> = sent.messages.iter().map(|m| m.text()).collect();
     assert_eq!(texts, ["You are a test agent.", "earlier", "ok", "now"]);
     assert_eq!(sent.max_tokens, Some(100));
 }
@@ -136,7 +139,7 @@ async fn a_tool_batch_runs_concurrently_and_results_keep_call_order() {
         .messages
         .iter()
         .filter(|m| m.role == Role::Tool)
-        .map(Message::text)
+        .map(|m| m.text())
         .collect();
     assert_eq!(
         tool_texts,

@@ -61,7 +61,7 @@ fn echo_task(request: &ChatRequest) -> ScriptedResponse {
         .messages
         .iter()
         .find(|m| m.role == Role::User)
-        .map(Message::text)
+        .map(|m| m.text())
         .unwrap_or_default();
     ScriptedResponse::text(format!("result of: {task}"))
 }
@@ -446,7 +446,7 @@ fn tool_results(provider: &TestProvider) -> Vec<String> {
     last.messages
         .iter()
         .filter(|m| m.role == Role::Tool)
-        .map(Message::text)
+        .map(|m| m.text())
         .collect()
 }
 

@@ -95,12 +95,7 @@ async fn restart_recovers_identical_messages_slots_memory_cost_and_turn_index() 
     assert_eq!(g.turn_index(), 3);
     assert_eq!(g.state().memory["goal"].value, "ship keel");
     assert_eq!(g.state().current_slot, "side");
-    let side: Vec<String> = g
-        .replay("side")
-        .unwrap()
-        .iter()
-        .map(Message::text)
-        .collect();
+    let side: Vec<String> = g.replay("side").unwrap().iter().map(|m| m.text()).collect();
     // Focused with a window of 4: the last four messages of its view.
     assert_eq!(side, ["second", "two", "in side", "side answer"]);
 }
@@ -230,8 +225,8 @@ async fn snapshot_export_import_round_trip() {
     let (a, b) = (h.manager.get(id).unwrap(), h.manager.get(copy).unwrap());
     let (a, b) = (a.lock().await, b.lock().await);
     for slot in ["default", "side"] {
-        let ra: Vec<Message> = a.replay(slot).unwrap();
-        let rb: Vec<Message> = b.replay(slot).unwrap();
+        let ra = a.replay(slot).unwrap();
+        let rb = b.replay(slot).unwrap();
         assert_eq!(ra, rb, "slot {slot}");
     }
     assert_eq!(a.state().memory, b.state().memory);

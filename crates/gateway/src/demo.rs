@@ -96,7 +96,7 @@ fn sub_agent_model(request: &ChatRequest) -> ScriptedResponse {
     let system = request
         .messages
         .first()
-        .map(Message::text)
+        .map(|m| m.text())
         .unwrap_or_default();
     let has_tool_result = request.messages.iter().any(|m| m.role == Role::Tool);
     if system.contains("researcher") {

@@ -12,7 +12,10 @@ fn check(dir: &std::path::Path, extra: &[&str]) -> (String, i32) {
         .env("KEEL_LOG", "error")
         .output()
         .unwrap();
-    (String::from_utf8(out.stdout).unwrap(), out.status.code().unwrap())
+    (
+        String::from_utf8(out.stdout).unwrap(),
+        out.status.code().unwrap(),
+    )
 }
 
 #[test]

@@ -77,7 +77,7 @@ impl AnthropicProvider {
             .messages
             .iter()
             .filter(|m| m.role == Role::System)
-            .map(Message::text)
+            .map(|m| m.text())
             .filter(|t| !t.is_empty())
             .collect();
         let max_tokens = request
@@ -144,7 +144,7 @@ impl Provider for AnthropicProvider {
 /// The non-system messages as Anthropic turns. Tool results become user
 /// turns, and consecutive turns of one role are merged, because the API wants
 /// all results of an assistant turn in the single user turn that follows it.
-fn conversation(messages: &[Message]) -> Vec<Value> {
+fn conversation(messages: &[Arc<Message>]) -> Vec<Value> {
     let mut turns: Vec<(&'static str, Vec<Value>)> = Vec::new();
     for m in messages {
         let (role, blocks) = match m.role {

@@ -66,7 +66,7 @@ impl OpenAiProvider {
     pub fn request_body(&self, request: &ChatRequest) -> Value {
         let mut body = json!({
             "model": self.config.model,
-            "messages": request.messages.iter().map(message_json).collect::<Vec<_>>(),
+            "messages": request.messages.iter().map(|m| message_json(m)).collect::<Vec<_>>(),
             "stream": true,
             "stream_options": { "include_usage": true },
         });

@@ -85,7 +85,10 @@ fn rich_request() -> ChatRequest {
             Message::tool_result("call_b", "list_dir", "error: arguments are not JSON"),
             Message::assistant("It is keel."),
             Message::user("Thanks."),
-        ],
+        ]
+        .into_iter()
+        .map(Into::into)
+        .collect(),
         tools: vec![
             ToolDefinition {
                 name: "read_file".into(),
