@@ -6,7 +6,6 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use bytes::Bytes;
 use eventsource_stream::Event;
 use keel_core::{
     ChatRequest, ContentPart, FinishReason, Message, Provider, ProviderError, ProviderStream, Role,
@@ -128,15 +127,8 @@ impl Provider for AnthropicProvider {
         request: &ChatRequest,
         cancel: CancellationToken,
     ) -> Result<ProviderStream, ProviderError> {
-        let body = serde_json::to_vec(&self.request_body(request))
-            .map_err(|e| ProviderError::Protocol(format!("cannot encode the request: {e}")))?;
-        let hint = self.transport.hint();
         self.transport
-            .stream(
-                Bytes::from(body),
-                move || AnthropicDecoder::new(hint.clone()),
-                cancel,
-            )
+            .stream_json(&self.request_body(request), AnthropicDecoder::new, cancel)
             .await
     }
 }

@@ -271,6 +271,29 @@ impl Transport {
         self.hint.clone()
     }
 
+    /// Encodes `body` as JSON and streams the response through decoders made
+    /// by `new_decoder` (given the key hint for error messages).
+    pub(crate) async fn stream_json<D, F>(
+        self: &Arc<Self>,
+        body: &serde_json::Value,
+        new_decoder: F,
+        cancel: CancellationToken,
+    ) -> Result<ProviderStream, ProviderError>
+    where
+        D: Decoder,
+        F: Fn(Arc<str>) -> D + Send + 'static,
+    {
+        let bytes = serde_json::to_vec(body)
+            .map_err(|e| ProviderError::Protocol(format!("cannot encode the request: {e}")))?;
+        let hint = self.hint();
+        self.stream(
+            Bytes::from(bytes),
+            move || new_decoder(hint.clone()),
+            cancel,
+        )
+        .await
+    }
+
     /// Sends `body` (retrying as the policy allows) and returns the stream of
     /// events `new_decoder` makes of the response.
     pub(crate) async fn stream<D, F>(
