@@ -239,3 +239,64 @@ async fn cancellation_during_a_tool_batch() {
         "no provider call after cancellation"
     );
 }
+
+/// Records every hook call, in order.
+#[derive(Default)]
+struct Recorder(parking_lot::Mutex<Vec<String>>);
+
+impl keel_engine::TurnHooks for Recorder {
+    fn on_turn_start(&self, input: &[Message]) {
+        self.0.lock().push(format!("start {}", input[0].text()));
+    }
+    fn on_turn_end(&self, result: Result<&keel_engine::TurnOutput, &AgentError>) {
+        let r = match result {
+            Ok(out) => format!("end ok {}", out.final_text()),
+            Err(e) => format!("end err {e}"),
+        };
+        self.0.lock().push(r);
+    }
+    fn before_tool(&self, call: &keel_core::ToolCall) {
+        self.0.lock().push(format!("before {}", call.name));
+    }
+    fn after_tool(&self, call: &keel_core::ToolCall, output: &ToolOutput) {
+        self.0
+            .lock()
+            .push(format!("after {} error={}", call.name, output.is_error));
+    }
+}
+
+#[tokio::test]
+async fn hooks_see_turn_start_tools_and_end_in_order() {
+    let recorder = Arc::new(Recorder::default());
+    let agent_loop = AgentLoop::new(
+        recorder.clone(),
+        Arc::new(keel_engine::agent_loop::OpenGate),
+    );
+    let provider = ScriptedProvider::new([
+        ScriptedResponse::tool_call("nope", json!({})),
+        ScriptedResponse::text("fine"),
+    ]);
+    agent_loop
+        .run(request(provider, ToolRegistry::new(), 4), None)
+        .await
+        .unwrap();
+    let failing = ScriptedProvider::new([ScriptedResponse::error(
+        keel_core::ScriptedErrorKind::Server,
+        "down",
+    )]);
+    agent_loop
+        .run(request(failing, ToolRegistry::new(), 4), None)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        *recorder.0.lock(),
+        [
+            "start now",
+            "before nope",
+            "after nope error=true",
+            "end ok fine",
+            "start now",
+            "end err provider server error 500: down",
+        ]
+    );
+}
