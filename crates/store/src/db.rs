@@ -3,6 +3,7 @@
 //! commit), and a small pool of read-only connections on their own threads.
 //! Transient failures (BUSY/LOCKED/IO) are retried here, nowhere else.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -10,6 +11,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use keel_core::SessionId;
 use parking_lot::Mutex;
 use rusqlite::{Connection, OpenFlags};
 use tokio::sync::oneshot;
@@ -113,19 +115,114 @@ fn open_reader(path: &Path, opts: &StoreOptions) -> Result<Connection> {
     Ok(conn)
 }
 
+/// Where appends continue in a session: its head timeline and the last seq
+/// visible from it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct HeadState {
+    /// `sessions.head_timeline_id`.
+    pub(crate) timeline: String,
+    /// `last_seq(timeline)`.
+    pub(crate) last_seq: i64,
+}
+
+/// Most sessions whose head state the writer remembers (cleared when full).
+const HEAD_CACHE_CAPACITY: usize = 4096;
+
+/// The writer's memory of [`HeadState`] per session, so that an append does
+/// not look up the head timeline and its last seq every time.
+///
+/// Exactly coherent with the database, because:
+/// - only the writer thread touches it, and every write of this handle goes
+///   through that thread;
+/// - values written by a request are staged and become visible to later
+///   requests of the batch only when the request succeeded, and to later
+///   batches only once the batch COMMITted (a failed request, a rolled back
+///   or retried batch discards what it staged);
+/// - any request that does not maintain the cache (rollback, fork, prune, run
+///   and inbox bookkeeping …) clears it entirely, whatever its outcome;
+/// - at the start of every transaction `PRAGMA data_version` tells whether
+///   another connection (another `Store` on the same file, another process)
+///   committed since: if so the cache is cleared.
+#[derive(Debug, Default)]
+pub(crate) struct WriteCache {
+    committed: HashMap<SessionId, HeadState>,
+    batch: HashMap<SessionId, HeadState>,
+    job: HashMap<SessionId, HeadState>,
+    data_version: Option<i64>,
+}
+
+impl WriteCache {
+    /// The head state as of the current point of the transaction, if known.
+    pub(crate) fn get(&self, session: &SessionId) -> Option<&HeadState> {
+        self.job
+            .get(session)
+            .or_else(|| self.batch.get(session))
+            .or_else(|| self.committed.get(session))
+    }
+
+    /// Records the head state the running request leaves behind.
+    pub(crate) fn stage(&mut self, session: SessionId, state: HeadState) {
+        self.job.insert(session, state);
+    }
+
+    fn clear(&mut self) {
+        self.committed.clear();
+        self.batch.clear();
+        self.job.clear();
+    }
+
+    /// A new attempt at a batch: nothing staged yet.
+    fn begin_attempt(&mut self) {
+        self.batch.clear();
+        self.job.clear();
+    }
+
+    /// The transaction now sees `version` of `PRAGMA data_version`; a change
+    /// means another connection committed since this one last looked.
+    fn check_data_version(&mut self, version: i64) {
+        if self.data_version != Some(version) {
+            self.committed.clear();
+            self.data_version = Some(version);
+        }
+    }
+
+    /// Ends a request: keeps what it staged if it succeeded and maintains the cache.
+    fn end_job(&mut self, succeeded: bool, maintains_cache: bool) {
+        if !maintains_cache {
+            self.clear();
+        } else if succeeded {
+            self.batch.extend(self.job.drain());
+        } else {
+            self.job.clear();
+        }
+    }
+
+    /// The batch committed: what its requests staged is now the database's state.
+    fn committed(&mut self) {
+        self.job.clear();
+        if self.committed.len() + self.batch.len() > HEAD_CACHE_CAPACITY {
+            self.committed.clear();
+        }
+        self.committed.extend(self.batch.drain());
+    }
+}
+
 /// One write request: runs inside the batch transaction, possibly several
 /// times when the batch is retried, and is answered only after COMMIT.
 trait WriteJob: Send {
     /// Runs the request. `Ok(false)`: the request failed on its own (its
     /// savepoint is rolled back, neighbours go on); `Err`: a transient failure
     /// that aborts and retries the whole batch.
-    fn run(&mut self, conn: &Connection) -> Result<bool>;
+    fn run(&mut self, conn: &Connection, cache: &mut WriteCache) -> Result<bool>;
+    /// Whether the request keeps [`WriteCache`] up to date (else it is cleared after it).
+    fn maintains_cache(&self) -> bool;
     /// Sends the answer: the stored outcome, or `batch_error` if the batch did not commit.
     fn finish(self: Box<Self>, batch_error: Option<StoreError>);
 }
 
 struct TypedJob<T, F> {
     f: F,
+    maintains_cache: bool,
     out: Option<Result<T>>,
     tx: oneshot::Sender<Result<T>>,
 }
@@ -133,10 +230,14 @@ struct TypedJob<T, F> {
 impl<T, F> WriteJob for TypedJob<T, F>
 where
     T: Send,
-    F: FnMut(&Connection) -> Result<T> + Send,
+    F: FnMut(&Connection, &mut WriteCache) -> Result<T> + Send,
 {
-    fn run(&mut self, conn: &Connection) -> Result<bool> {
-        match (self.f)(conn) {
+    fn maintains_cache(&self) -> bool {
+        self.maintains_cache
+    }
+
+    fn run(&mut self, conn: &Connection, cache: &mut WriteCache) -> Result<bool> {
+        match (self.f)(conn, cache) {
             Ok(v) => {
                 self.out = Some(Ok(v));
                 Ok(true)
@@ -250,13 +351,39 @@ impl Db {
     /// Runs `f` in the writer's transaction (group-committed with whatever
     /// else is waiting) and answers after COMMIT. `f` may run more than once
     /// if the batch is retried, so it must not have effects outside `conn`.
-    pub(crate) async fn write<T, F>(&self, f: F) -> Result<T>
+    pub(crate) async fn write<T, F>(&self, mut f: F) -> Result<T>
     where
         T: Send + 'static,
         F: FnMut(&Connection) -> Result<T> + Send + 'static,
     {
+        self.submit(move |c: &Connection, _: &mut WriteCache| f(c), false)
+            .await
+    }
+
+    /// Like [`Db::write`] for a request that keeps the writer's [`WriteCache`]
+    /// exact: whatever head timeline or last seq of a session it changes, it
+    /// stages with [`WriteCache::stage`] (and it never changes anything else
+    /// the cache depends on).
+    pub(crate) async fn write_cached<T, F>(&self, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnMut(&Connection, &mut WriteCache) -> Result<T> + Send + 'static,
+    {
+        self.submit(f, true).await
+    }
+
+    async fn submit<T, F>(&self, f: F, maintains_cache: bool) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnMut(&Connection, &mut WriteCache) -> Result<T> + Send + 'static,
+    {
         let (tx, rx) = oneshot::channel();
-        let job = Box::new(TypedJob { f, out: None, tx });
+        let job = Box::new(TypedJob {
+            f,
+            maintains_cache,
+            out: None,
+            tx,
+        });
         {
             let guard = self.writer_tx.lock();
             let sender = guard.as_ref().ok_or(StoreError::Closed)?;
@@ -340,21 +467,30 @@ fn writer_loop(
     max_batch: usize,
     counters: &Counters,
 ) {
+    let mut cache = WriteCache::default();
+    let mut batch: Vec<Box<dyn WriteJob>> = Vec::new();
     while let Ok(first) = rx.recv() {
-        let mut batch = vec![first];
+        batch.push(first);
         while batch.len() < max_batch {
             match rx.try_recv() {
                 Ok(job) => batch.push(job),
                 Err(_) => break,
             }
         }
-        let outcome = with_retries(delays, || run_batch(&conn, &mut batch));
+        let outcome = with_retries(delays, || {
+            let result = run_batch(&conn, &mut batch, &mut cache);
+            if result.is_err() {
+                // Whatever happened to the transaction, forget rather than guess.
+                cache.clear();
+            }
+            result
+        });
         let error = outcome.err();
         counters.transactions.fetch_add(1, Ordering::Relaxed);
         counters
             .requests
             .fetch_add(batch.len() as u64, Ordering::Relaxed);
-        for job in batch {
+        for job in batch.drain(..) {
             job.finish(error.clone());
         }
     }
@@ -367,13 +503,21 @@ fn exec(conn: &Connection, sql: &str) -> Result<()> {
 }
 
 /// One attempt at committing `batch` in a single IMMEDIATE transaction.
-fn run_batch(conn: &Connection, batch: &mut [Box<dyn WriteJob>]) -> Result<()> {
+fn run_batch(
+    conn: &Connection,
+    batch: &mut [Box<dyn WriteJob>],
+    cache: &mut WriteCache,
+) -> Result<()> {
+    cache.begin_attempt();
     exec(conn, "BEGIN IMMEDIATE")?;
-    let result = run_jobs(conn, batch);
+    let result = data_version(conn).and_then(|version| {
+        cache.check_data_version(version);
+        run_jobs(conn, batch, cache)
+    });
     let result = match result {
-        Ok(true) => exec(conn, "COMMIT"),
-        // A lone request failed on its own: nothing else to keep.
-        Ok(false) => exec(conn, "ROLLBACK"),
+        Ok(true) => exec(conn, "COMMIT").map(|()| cache.committed()),
+        // A lone request failed on its own: nothing else to keep (and nothing staged).
+        Ok(false) => exec(conn, "ROLLBACK").map(|()| cache.begin_attempt()),
         Err(e) => Err(e),
     };
     if result.is_err() && !conn.is_autocommit() {
@@ -382,17 +526,32 @@ fn run_batch(conn: &Connection, batch: &mut [Box<dyn WriteJob>]) -> Result<()> {
     result
 }
 
+/// `PRAGMA data_version`: changes when another connection commits.
+fn data_version(conn: &Connection) -> Result<i64> {
+    Ok(conn
+        .prepare_cached("PRAGMA data_version")?
+        .query_row([], |r| r.get(0))?)
+}
+
 /// Runs the requests; `Ok(false)` only when a lone request failed (roll back instead of commit).
-fn run_jobs(conn: &Connection, batch: &mut [Box<dyn WriteJob>]) -> Result<bool> {
+fn run_jobs(
+    conn: &Connection,
+    batch: &mut [Box<dyn WriteJob>],
+    cache: &mut WriteCache,
+) -> Result<bool> {
     if let [only] = batch {
         // No neighbours to protect: the transaction itself is the savepoint.
-        return only.run(conn);
+        let ok = only.run(conn, cache)?;
+        cache.end_job(ok, only.maintains_cache());
+        return Ok(ok);
     }
     // Each request runs in its own savepoint so that one failing request
     // (a constraint, a stale execution id) does not fail its neighbours.
     for job in batch.iter_mut() {
         exec(conn, "SAVEPOINT job")?;
-        if job.run(conn)? {
+        let ok = job.run(conn, cache)?;
+        cache.end_job(ok, job.maintains_cache());
+        if ok {
             exec(conn, "RELEASE job")?;
         } else {
             exec(conn, "ROLLBACK TO job")?;

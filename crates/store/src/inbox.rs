@@ -644,7 +644,7 @@ fn continuation_tx(
         &c.lease_token,
         &[EventStatus::Leased, EventStatus::Admitted],
     )?;
-    let turn = commit_turn_tx(conn, &c.turn, messages)?;
+    let turn = commit_turn_tx(conn, &c.turn, messages, None)?;
     let revision = next_revision(conn, &root, c.turn.now_ms)?;
     let mut consumed = 0u64;
     for id in &c.event_ids {

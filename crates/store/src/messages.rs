@@ -5,6 +5,7 @@ use keel_core::{CheckpointId, Message, SessionId};
 use rusqlite::{params, Connection};
 
 use crate::checkpoints::{insert_checkpoint_tx, put_state_tx, CheckpointRecord, NewCheckpoint};
+use crate::db::{HeadState, WriteCache};
 use crate::error::{Result, StoreError};
 use crate::sessions::{bump_activity, require_session};
 use crate::Store;
@@ -138,15 +139,27 @@ pub(crate) fn encode(messages: &[NewMessage]) -> Result<Vec<EncodedMessage>> {
         .collect()
 }
 
-/// Appends `messages` to `timeline` of `session`; returns their seqs.
+/// Where the next append to `session` goes: the writer's cached head state,
+/// or looked up (head timeline, last seq) when the cache does not know it.
+fn head_state(conn: &Connection, cache: &WriteCache, session: &SessionId) -> Result<HeadState> {
+    if let Some(state) = cache.get(session) {
+        return Ok(state.clone());
+    }
+    let timeline = head_timeline(conn, session)?;
+    let last_seq = last_seq(conn, &timeline)?;
+    Ok(HeadState { timeline, last_seq })
+}
+
+/// Appends `messages` to `timeline` of `session` after seq `last`; returns their seqs.
 pub(crate) fn append_tx(
     conn: &Connection,
     session: &SessionId,
     timeline: &str,
+    last: i64,
     messages: &[EncodedMessage],
     now_ms: i64,
 ) -> Result<Vec<i64>> {
-    let mut seq = last_seq(conn, timeline)?;
+    let mut seq = last;
     let mut stmt = conn.prepare_cached(
         "INSERT INTO messages (timeline_id, seq, session_id, slot, role, content, tool_call_id, \
          tool_name, created_at, client_visibility, turn_origin) \
@@ -228,27 +241,32 @@ pub(crate) fn load_chain(
     Ok(out)
 }
 
-/// The whole turn commit: messages, state, checkpoint, counters.
+/// The whole turn commit: messages, state, checkpoint, counters. With the
+/// writer's `cache`, the last seq comes from it when it knows the session's
+/// head, and the new head state is staged in it.
 pub(crate) fn commit_turn_tx(
     conn: &Connection,
     turn: &TurnCommit,
     messages: &[EncodedMessage],
+    cache: Option<&mut WriteCache>,
 ) -> Result<TurnCommitted> {
     let session = require_session(conn, &turn.session_id)?;
-    let seqs = append_tx(
-        conn,
-        &session.id,
-        session.head_timeline_id.as_str(),
-        messages,
-        turn.now_ms,
-    )?;
+    let head = session.head_timeline_id.as_str();
+    let cached = cache
+        .as_deref()
+        .and_then(|c| c.get(&session.id))
+        .filter(|s| s.timeline == head)
+        .map(|s| s.last_seq);
+    let last = match cached {
+        Some(seq) => seq,
+        None => last_seq(conn, head)?,
+    };
+    let seqs = append_tx(conn, &session.id, head, last, messages, turn.now_ms)?;
+    let last = seqs.last().copied().unwrap_or(last);
     let state_hash = put_state_tx(conn, &session, &turn.state)?;
     let checkpoint = match &turn.checkpoint {
         Some(cp) => {
-            let seq = match seqs.last() {
-                Some(s) => *s,
-                None => last_seq(conn, session.head_timeline_id.as_str())?,
-            };
+            let seq = last;
             Some(insert_checkpoint_tx(
                 conn,
                 &session.id,
@@ -263,6 +281,15 @@ pub(crate) fn commit_turn_tx(
         None => None,
     };
     bump_activity(conn, &session.id, turn.now_ms, turn.visible_user_inputs)?;
+    if let Some(cache) = cache {
+        cache.stage(
+            session.id,
+            HeadState {
+                timeline: head.to_owned(),
+                last_seq: last,
+            },
+        );
+    }
     Ok(TurnCommitted {
         seqs,
         state_hash,
@@ -296,9 +323,25 @@ impl Store {
     ) -> Result<Vec<i64>> {
         let encoded = encode(&messages)?;
         self.db
-            .write(move |c| {
-                let timeline = head_timeline(c, &session_id)?;
-                append_tx(c, &session_id, &timeline, &encoded, now_ms)
+            .write_cached(move |c, cache| {
+                let head = head_state(c, cache, &session_id)?;
+                let seqs = append_tx(
+                    c,
+                    &session_id,
+                    &head.timeline,
+                    head.last_seq,
+                    &encoded,
+                    now_ms,
+                )?;
+                let last_seq = seqs.last().copied().unwrap_or(head.last_seq);
+                cache.stage(
+                    session_id,
+                    HeadState {
+                        timeline: head.timeline,
+                        last_seq,
+                    },
+                );
+                Ok(seqs)
             })
             .await
     }
@@ -307,7 +350,7 @@ impl Store {
     pub async fn commit_turn(&self, turn: TurnCommit) -> Result<TurnCommitted> {
         let encoded = encode(&turn.messages)?;
         self.db
-            .write(move |c| commit_turn_tx(c, &turn, &encoded))
+            .write_cached(move |c, cache| commit_turn_tx(c, &turn, &encoded, Some(cache)))
             .await
     }
 
