@@ -166,6 +166,11 @@ impl AgentId {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The root agent's id, `root` (reserved: no definition may use it).
+    pub fn root() -> Self {
+        Self("root".to_owned())
+    }
 }
 
 impl FromStr for AgentId {
@@ -260,5 +265,6 @@ mod tests {
         let long = "a".repeat(65);
         insta::assert_snapshot!(AgentId::parse(&long).unwrap_err(), @r#"invalid agent id "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa": it is longer than 64 characters (ids match [a-z][a-z0-9_-]{0,63})"#);
         assert!(serde_json::from_str::<AgentId>("\"Bad\"").is_err());
+        assert_eq!(AgentId::root(), AgentId::parse("root").unwrap());
     }
 }

@@ -5,9 +5,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use keel_catalog::CatalogHandle;
+use keel_core::tool::ScopeRule;
 use keel_core::{AgentId, Provider, ScriptedProvider, ToolRegistry};
 use keel_engine::agent_loop::NoHooks;
-use keel_engine::coordinator::{AgentCoordinator, CoordinatorConfig, ProfileProviders};
+use keel_engine::coordinator::{
+    AgentCoordinator, CoordinatorConfig, ProfileProviders, ProviderFactory,
+};
 use keel_engine::gate::ExecutionGate;
 use keel_engine::manager::{RuntimeBundle, SessionManager};
 use keel_engine::session::AgentProfile;
@@ -15,7 +18,7 @@ use keel_engine::tools::builtin_registry;
 use keel_engine::AgentLoop;
 use keel_store::Store;
 
-use crate::config::{Config, LoadedConfig};
+use crate::config::{Config, ConfigError, LoadedConfig};
 
 /// The profile the root agent runs on.
 const DEFAULT_PROFILE: &str = "default";
@@ -138,6 +141,33 @@ impl App {
         };
         let mut root_tools = (*builtin).clone();
         let mut system_prompt = ROOT_PROMPT.to_owned();
+        // Every defined agent can also be talked to directly (`chat --agent`).
+        let mut direct_agents = Vec::new();
+        if let Some(catalog) = &catalog {
+            for def in catalog.current().iter() {
+                let provider = providers.provider(&def.llm_profile).ok_or_else(|| {
+                    ConfigError::single(
+                        loaded.source_label(),
+                        "agents_dir",
+                        format!(
+                            "agent {} names profile {} which is not configured",
+                            def.id, def.llm_profile
+                        ),
+                    )
+                })?;
+                let tools = builtin
+                    .scoped(def.tools.iter().map(String::as_str), ScopeRule::Root)
+                    .map_err(keel_engine::tools::BuiltinToolsError::from)?;
+                direct_agents.push(AgentProfile {
+                    name: def.id.clone(),
+                    system_prompt: def.body.clone(),
+                    provider,
+                    tools: Arc::new(tools),
+                    max_iterations: def.limits.max_iterations,
+                    max_output_tokens: Some(def.limits.max_output_tokens),
+                });
+            }
+        }
         let coordinator = match catalog {
             None => None,
             Some(catalog) => {
@@ -178,7 +208,7 @@ impl App {
             }
         };
         let root = AgentProfile {
-            name: root_agent_id(),
+            name: AgentId::root(),
             system_prompt,
             provider: root_provider,
             tools: Arc::new(root_tools),
@@ -187,6 +217,9 @@ impl App {
         };
         let mut bundle =
             RuntimeBundle::new(root).with_loop(AgentLoop::new(Arc::new(NoHooks), gate));
+        for agent in direct_agents {
+            bundle = bundle.with_agent(agent);
+        }
         if let Some(c) = &coordinator {
             bundle = bundle.with_coordinator(c.clone());
         }
@@ -200,11 +233,6 @@ impl App {
             offline_notice,
         })
     }
-}
-
-/// The root agent's id.
-pub fn root_agent_id() -> AgentId {
-    AgentId::parse("root").expect("\"root\" matches the agent id rule")
 }
 
 /// The built-in tools a default configuration registers (for `agents check`).

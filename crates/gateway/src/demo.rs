@@ -26,7 +26,7 @@ use keel_store::{Store, StoreOptions};
 use serde_json::json;
 use tokio::sync::{mpsc, Notify};
 
-use crate::app::{database_path, io_err, root_agent_id, AppError, ROOT_PROMPT};
+use crate::app::{database_path, io_err, AppError, ROOT_PROMPT};
 use crate::chat::{run_tree, short};
 
 const NOTES: &str = "# Launch plan\n\n- Freeze the schema at v6\n- Record benchmarks\n- Ship the offline demo first\n";
@@ -229,7 +229,7 @@ async fn build(
             .map_err(keel_engine::tools::BuiltinToolsError::from)?;
     }
     let root = AgentProfile {
-        name: root_agent_id(),
+        name: keel_core::AgentId::root(),
         system_prompt: ROOT_PROMPT.to_owned(),
         provider: Arc::new(provider.clone()),
         tools: Arc::new(tools),

@@ -233,3 +233,109 @@ fn delegation_through_keel_toml_agents_and_the_runs_command() {
         runs[0]
     );
 }
+
+fn keel_plain(data_dir: &Path, stdin: &str) -> (String, String, Option<i32>) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(["chat", "--data-dir"])
+        .arg(data_dir)
+        .env("KEEL_LOG", "error")
+        .env_remove("KEEL_DATA_DIR")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+        out.status.code(),
+    )
+}
+
+#[test]
+fn without_a_provider_the_offline_model_answers_and_says_so_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, err, code) = keel_plain(dir.path(), "hello there\n");
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(
+        err.lines().filter(|l| l.contains("offline")).count(),
+        1,
+        "{err}"
+    );
+    assert!(
+        out.contains("(offline)") && out.contains("\"hello there\""),
+        "{out}"
+    );
+}
+
+#[test]
+fn an_invalid_keel_toml_stops_start_up_naming_the_file_and_key() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("keel.toml"),
+        "[orchestration]\nmax_concurrent_runs = 0\n[sesion]\nttl_hours = 1\n",
+    )
+    .unwrap();
+    let (_, err, code) = keel_plain(dir.path(), "");
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("keel.toml"), "{err}");
+    assert!(err.contains("sesion"), "{err}");
+}
+
+#[test]
+fn chat_with_a_defined_agent_directly() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(data.join("agents")).unwrap();
+    std::fs::write(data.join("keel.toml"), "agents_dir = \"agents\"\n").unwrap();
+    std::fs::write(
+        data.join("agents/helper.md"),
+        "---\nid: helper\ndescription: Answers small questions.\nllm_profile: default\n---\nYou help.\n",
+    )
+    .unwrap();
+    let s = script(dir.path(), "when_exhausted: echo\n");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(["chat", "--chat", "frank", "--agent", "helper", "--data-dir"])
+        .arg(&data)
+        .arg("--script")
+        .arg(&s)
+        .env("KEEL_LOG", "error")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"hi\n/info\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("agent helper (scripted / scripted)"),
+        "{stdout}"
+    );
+    // An unknown agent is a clear start-up error.
+    let out = Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(["chat", "--chat", "frank2", "--agent", "ghost", "--data-dir"])
+        .arg(&data)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown agent \"ghost\""));
+}

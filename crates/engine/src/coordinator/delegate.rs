@@ -248,7 +248,10 @@ impl AgentCoordinator {
                     root_session_id: caller.root_session_id(),
                     root_turn_id: caller.root_turn_id(),
                     parent_run_id: parent.map(|p| p.run_id),
-                    caller_agent_id: caller.agent_id().cloned().unwrap_or_else(root_agent_id),
+                    caller_agent_id: caller
+                        .agent_id()
+                        .cloned()
+                        .unwrap_or_else(keel_core::AgentId::root),
                     caller_scope_id: caller.scope_id(),
                     idempotency_key: request.idempotency_key.clone(),
                     agent_id: d.id.clone(),
@@ -616,12 +619,6 @@ impl AgentCoordinator {
             existing: false,
         })
     }
-}
-
-/// The caller id recorded for the root agent.
-fn root_agent_id() -> keel_core::AgentId {
-    #[allow(clippy::expect_used)]
-    keel_core::AgentId::parse("root").expect("\"root\" is a valid (reserved) agent id")
 }
 
 /// The run's input message: the task, then its context.
