@@ -78,3 +78,78 @@ fn kill_9_mid_turn_keeps_committed_turns_and_drops_the_unfinished_one() {
         "turns 1 and 2 (the new one), no half checkpoint:\n{out}"
     );
 }
+
+#[test]
+fn kill_9_with_a_background_run_in_flight_interrupts_it_with_its_completion_on_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(data.join("agents")).unwrap();
+    std::fs::write(
+        data.join("keel.toml"),
+        "agents_dir = \"agents\"\nroot_delegates = [\"slow\"]\n",
+    )
+    .unwrap();
+    std::fs::write(
+        data.join("agents/slow.md"),
+        "---\nid: slow\ndescription: Takes its time.\nllm_profile: default\n---\nYou are slow.\n",
+    )
+    .unwrap();
+    // The root delegates in the background; every later answer (the root's
+    // and the run's) takes an hour, so the process dies with the run live.
+    let script = dir.path().join("slow.yaml");
+    std::fs::write(
+        &script,
+        "- tool_calls: [{name: delegate, arguments: {mode: background, tasks: [{agent: slow, task: wait}]}}]\n\
+         - {text: never, delay_ms: 3600000}\n\
+         - {text: never, delay_ms: 3600000}\n",
+    )
+    .unwrap();
+    let mut child = chat(&data, &script);
+    let mut stdin = child.stdin.take().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    stdin.write_all(b"start the slow job\n").unwrap();
+    // The tool result is printed after the run was accepted (committed).
+    loop {
+        let line = lines.next().unwrap().unwrap();
+        if line.contains("[delegate ok] accepted in the background") {
+            break;
+        }
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    let echo = dir.path().join("echo.yaml");
+    std::fs::write(&echo, "when_exhausted: echo\n").unwrap();
+    let mut child = chat(&data, &echo);
+    child.stdin.take().unwrap().write_all(b"/runs\n").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let out = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        out.lines()
+            .any(|l| l.contains("slow  background  interrupted")),
+        "the run of the dead process is interrupted:\n{out}"
+    );
+    // Its reserved completion became a durable inbox event.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let store = keel_store::Store::open(data.join("keel.db"), Default::default()).unwrap();
+        let dialog = store
+            .latest_active_dialog("cli", "erin")
+            .await
+            .unwrap()
+            .unwrap();
+        let events = store.list_inbox_events(dialog.id).await.unwrap();
+        assert_eq!(events.len(), 1, "{events:?}");
+        let counters = store.session_counters(dialog.id).await.unwrap();
+        assert_eq!(
+            (
+                counters.pending_event_count,
+                counters.reserved_completion_slots
+            ),
+            (1, 0)
+        );
+    });
+}
