@@ -7,13 +7,14 @@ use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-fn keel(data_dir: &Path, script: &Path, chat: &str, stdin: &str) -> (String, String, bool) {
+/// Runs `keel chat` with `args`, feeding `stdin`; returns stdout, stderr
+/// and the exit code.
+fn run_chat(args: &[&std::ffi::OsStr], stdin: &str) -> (String, String, Option<i32>) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
-        .args(["chat", "--chat", chat, "--data-dir"])
-        .arg(data_dir)
-        .arg("--script")
-        .arg(script)
+        .arg("chat")
+        .args(args)
         .env("KEEL_LOG", "error")
+        .env_remove("KEEL_DATA_DIR")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -29,8 +30,22 @@ fn keel(data_dir: &Path, script: &Path, chat: &str, stdin: &str) -> (String, Str
     (
         String::from_utf8(out.stdout).unwrap(),
         String::from_utf8(out.stderr).unwrap(),
-        out.status.success(),
+        out.status.code(),
     )
+}
+
+/// `keel chat --chat CHAT --data-dir DIR --script SCRIPT`.
+fn keel(data_dir: &Path, script: &Path, chat: &str, stdin: &str) -> (String, String, bool) {
+    let args = [
+        "--chat".as_ref(),
+        chat.as_ref(),
+        "--data-dir".as_ref(),
+        data_dir.as_os_str(),
+        "--script".as_ref(),
+        script.as_os_str(),
+    ];
+    let (out, err, code) = run_chat(&args, stdin);
+    (out, err, code == Some(0))
 }
 
 /// Replaces 8-hex-digit short ids with stable placeholders (first seen = #1 …).
@@ -234,29 +249,9 @@ fn delegation_through_keel_toml_agents_and_the_runs_command() {
     );
 }
 
+/// `keel chat --data-dir DIR` with whatever keel.toml the directory has.
 fn keel_plain(data_dir: &Path, stdin: &str) -> (String, String, Option<i32>) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
-        .args(["chat", "--data-dir"])
-        .arg(data_dir)
-        .env("KEEL_LOG", "error")
-        .env_remove("KEEL_DATA_DIR")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(stdin.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    (
-        String::from_utf8(out.stdout).unwrap(),
-        String::from_utf8(out.stderr).unwrap(),
-        out.status.code(),
-    )
+    run_chat(&["--data-dir".as_ref(), data_dir.as_os_str()], stdin)
 }
 
 #[test]
