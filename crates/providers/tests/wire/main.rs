@@ -108,6 +108,14 @@ fn rich_request() -> ChatRequest {
 }
 
 /// Every item of the stream: the events, then the error that ended it.
+/// The error of a call that fails before any event is streamed.
+async fn refused(p: &dyn Provider) -> ProviderError {
+    match p.stream(&simple_request(), CancellationToken::new()).await {
+        Ok(_) => panic!("the call was expected to fail before streaming"),
+        Err(e) => e,
+    }
+}
+
 async fn drain(mut stream: ProviderStream) -> (Vec<StreamEvent>, Option<ProviderError>) {
     let mut events = Vec::new();
     while let Some(item) = stream.next().await {
@@ -230,11 +238,7 @@ async fn unauthorized_is_fatal<W: Wire>() {
     ])
     .await;
     let (p, w) = provider::<W>(&server);
-    let err = p
-        .stream(&simple_request(), CancellationToken::new())
-        .await
-        .err()
-        .unwrap();
+    let err = refused(p.as_ref()).await;
     let ProviderError::Auth {
         status: 401,
         message,
@@ -280,11 +284,7 @@ async fn rate_limit_honours_retry_after<W: Wire>() {
 async fn rate_limit_beyond_the_budget_is_returned<W: Wire>() {
     let server = Server::start(vec![Reply::json(429, "{}").header("retry-after", "3600")]).await;
     let (p, w) = provider::<W>(&server);
-    let err = p
-        .stream(&simple_request(), CancellationToken::new())
-        .await
-        .err()
-        .unwrap();
+    let err = refused(p.as_ref()).await;
     assert_eq!(
         err,
         ProviderError::RateLimited {
@@ -299,11 +299,7 @@ async fn exhausted_quota_is_fatal<W: Wire>() {
     let body = r#"{"error":{"message":"You exceeded your current quota.","type":"insufficient_quota","code":"insufficient_quota"}}"#;
     let server = Server::start(vec![Reply::json(429, body), Reply::sse(W::text())]).await;
     let (p, w) = provider::<W>(&server);
-    let err = p
-        .stream(&simple_request(), CancellationToken::new())
-        .await
-        .err()
-        .unwrap();
+    let err = refused(p.as_ref()).await;
     assert_eq!(
         err,
         ProviderError::BadRequest {
@@ -343,11 +339,7 @@ async fn server_errors_exhaust_the_retries<W: Wire>() {
         .collect();
     let server = Server::start(replies).await;
     let (p, w) = provider::<W>(&server);
-    let err = p
-        .stream(&simple_request(), CancellationToken::new())
-        .await
-        .err()
-        .unwrap();
+    let err = refused(p.as_ref()).await;
     assert_eq!(
         err,
         ProviderError::Server {
@@ -366,11 +358,7 @@ async fn bad_request_is_not_retried<W: Wire>() {
     )])
     .await;
     let (p, _) = provider::<W>(&server);
-    let err = p
-        .stream(&simple_request(), CancellationToken::new())
-        .await
-        .err()
-        .unwrap();
+    let err = refused(p.as_ref()).await;
     assert_eq!(
         err,
         ProviderError::BadRequest {
@@ -385,11 +373,7 @@ async fn huge_error_bodies_are_bounded<W: Wire>() {
     let body = "x".repeat(1 << 20);
     let server = Server::start(vec![Reply::json(400, &body)]).await;
     let (p, _) = provider::<W>(&server);
-    let err = p
-        .stream(&simple_request(), CancellationToken::new())
-        .await
-        .err()
-        .unwrap();
+    let err = refused(p.as_ref()).await;
     let ProviderError::BadRequest {
         status: 400,
         message,
@@ -592,11 +576,7 @@ async fn connection_refused_is_retried_then_typed<W: Wire>() {
     let mut c = HttpProviderConfig::new(format!("http://{addr}/v1"), "model-x");
     c.retry.max_retries = 2;
     let p = W::provider(c, sleep);
-    let err = p
-        .stream(&simple_request(), CancellationToken::new())
-        .await
-        .err()
-        .unwrap();
+    let err = refused(p.as_ref()).await;
     assert!(matches!(err, ProviderError::Connect(_)), "{err:?}");
     assert_eq!(
         waits(&w),
@@ -611,11 +591,7 @@ async fn json_instead_of_a_stream_is_protocol<W: Wire>() {
     )])
     .await;
     let (p, _) = provider::<W>(&server);
-    let err = p
-        .stream(&simple_request(), CancellationToken::new())
-        .await
-        .err()
-        .unwrap();
+    let err = refused(p.as_ref()).await;
     assert_eq!(
         err,
         ProviderError::Protocol("expected an event stream, got JSON: streaming unsupported".into())
