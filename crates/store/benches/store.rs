@@ -48,6 +48,11 @@ fn rate(n: usize, d: Duration) -> f64 {
     n as f64 / d.as_secs_f64()
 }
 
+/// Ids of the raw baseline's session and timeline, shaped like the store's
+/// (36-character UUIDs), so that both write the same bytes per row.
+const SINGLE_SESSION: &str = "01900000-0000-7000-8000-5e5510000000";
+const SINGLE_TIMELINE: &str = "01900000-0000-7000-8000-714e11000000";
+
 /// Raw rusqlite: one row per transaction, same pragmas and schema as the store.
 struct RawAppender {
     conn: Connection,
@@ -67,12 +72,12 @@ impl RawAppender {
         };
         conn.pragma_update(None, "synchronous", sync_text)
             .expect("sync");
-        conn.execute_batch(
+        conn.execute_batch(&format!(
             "INSERT INTO sessions (id, channel, chat_id, dialog_id, title, created_at, last_active_at) \
-               VALUES ('s', 'raw', 'raw', 'raw', 'raw', 1, 1);
-             INSERT INTO timelines (id, session_id, created_at) VALUES ('t', 's', 1);
-             UPDATE sessions SET head_timeline_id = 't';",
-        )
+               VALUES ('{SINGLE_SESSION}', 'raw', 'raw', 'raw', 'raw', 1, 1);
+             INSERT INTO timelines (id, session_id, created_at) VALUES ('{SINGLE_TIMELINE}', '{SINGLE_SESSION}', 1);
+             UPDATE sessions SET head_timeline_id = '{SINGLE_TIMELINE}';",
+        ))
         .expect("seed");
         Self { conn, next: 1 }
     }
@@ -85,10 +90,10 @@ impl RawAppender {
             self.conn
                 .prepare_cached(
                     "INSERT INTO messages (timeline_id, seq, session_id, slot, role, content, created_at) \
-                     VALUES ('t', ?1, 's', 'default', 'user', ?2, 1)",
+                     VALUES (?1, ?2, ?3, 'default', 'user', ?4, 1)",
                 )
                 .expect("prepare")
-                .execute(params![self.next, content])
+                .execute(params![SINGLE_TIMELINE, self.next, SINGLE_SESSION, content])
                 .expect("insert");
             self.conn.execute_batch("COMMIT").expect("commit");
             self.next += 1;
@@ -113,9 +118,11 @@ impl RawGrouped {
             raw.conn
                 .execute_batch(&format!(
                     "INSERT INTO sessions (id, channel, chat_id, dialog_id, title, created_at, last_active_at) \
-                       VALUES ('s{w}', 'raw', 'raw', 'g{w}', 'raw', 1, 1);
-                     INSERT INTO timelines (id, session_id, created_at) VALUES ('{}', 's{w}', 1);",
-                    uuid_like(w)
+                       VALUES ('{}', 'raw', 'raw', 'g{w}', 'raw', 1, 1);
+                     INSERT INTO timelines (id, session_id, created_at) VALUES ('{}', '{}', 1);",
+                    session_like(w),
+                    uuid_like(w),
+                    session_like(w)
                 ))
                 .expect("seed");
         }
@@ -138,7 +145,7 @@ impl RawGrouped {
                          VALUES (?1, ?2, ?3, 'default', 'user', ?4, 1)",
                     )
                     .expect("prepare")
-                    .execute(params![uuid_like(w), self.next, format!("s{w}"), content])
+                    .execute(params![uuid_like(w), self.next, session_like(w), content])
                     .expect("insert");
             }
             self.conn.execute_batch("COMMIT").expect("commit");
@@ -151,6 +158,11 @@ impl RawGrouped {
 /// Timeline ids shaped like the store's (36 characters, time-ordered).
 fn uuid_like(w: usize) -> String {
     format!("01900000-0000-7000-8000-{w:012}")
+}
+
+/// Session ids shaped like the store's.
+fn session_like(w: usize) -> String {
+    format!("01900000-0000-7000-9000-{w:012}")
 }
 
 async fn store_append(store: &Store, sid: SessionId, n: usize) -> Duration {
@@ -592,13 +604,7 @@ fn main() {
         ));
     }
     if wanted("append_full") {
-        appends(
-            &rt,
-            dir.path(),
-            Synchronous::Full,
-            "full",
-            APPENDS / 4 * scale,
-        );
+        appends(&rt, dir.path(), Synchronous::Full, "full", APPENDS * scale);
     }
     if let (true, Some(raw)) = (wanted("inbox"), raw_normal) {
         rt.block_on(inbox(&p("inbox.db"), raw));

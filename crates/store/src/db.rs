@@ -3,16 +3,16 @@
 //! commit), and a small pool of read-only connections on their own threads.
 //! Transient failures (BUSY/LOCKED/IO) are retried here, nowhere else.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use keel_core::SessionId;
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use rusqlite::{Connection, OpenFlags};
 use tokio::sync::oneshot;
 
@@ -78,6 +78,8 @@ fn configure(conn: &Connection, opts: &StoreOptions) -> Result<()> {
     conn.busy_timeout(opts.busy_timeout)?;
     conn.pragma_update(None, "foreign_keys", "ON")?;
     conn.pragma_update(None, "synchronous", opts.synchronous.pragma())?;
+    // Savepoint journals and temporary b-trees stay in memory, never in a temp file.
+    conn.pragma_update(None, "temp_store", "MEMORY")?;
     Ok(())
 }
 
@@ -254,7 +256,9 @@ where
         let answer = match (batch_error, self.out) {
             (Some(e), _) => Err(e),
             (None, Some(out)) => out,
-            (None, None) => Err(StoreError::Sqlite("write request never ran".into())),
+            (None, None) => Err(StoreError::Sqlite(
+                "write request panicked; its changes were rolled back".into(),
+            )),
         };
         // The requester may have gone away (dropped future); nothing to tell.
         let _ = self.tx.send(answer);
@@ -270,22 +274,254 @@ pub struct CommitStats {
     pub transactions: u64,
     /// Write requests answered.
     pub requests: u64,
+    /// Transactions committed on the requesting task's own thread (no hand-off).
+    pub on_caller: u64,
 }
 
 #[derive(Default)]
 struct Counters {
     transactions: AtomicU64,
     requests: AtomicU64,
+    on_caller: AtomicU64,
+}
+
+/// The write connection and the state only its holder may touch.
+struct Writer {
+    conn: Connection,
+    cache: WriteCache,
+    /// Whether SQLite currently waits `busy_timeout` on a lock (else it fails at once).
+    waits_on_lock: bool,
+    busy_timeout: Duration,
+}
+
+impl Writer {
+    /// Makes SQLite wait on a lock held by another connection, or fail at once.
+    fn wait_on_lock(&mut self, wait: bool) -> Result<()> {
+        if self.waits_on_lock != wait {
+            let timeout = if wait {
+                self.busy_timeout
+            } else {
+                Duration::ZERO
+            };
+            self.conn.busy_timeout(timeout)?;
+            self.waits_on_lock = wait;
+        }
+        Ok(())
+    }
+}
+
+/// The waiting write requests and who holds the write connection.
+///
+/// Invariant: whenever `jobs` is non-empty with the lock released, the
+/// connection is not `idle`: its holder (a caller or the writer thread) will
+/// see the jobs before giving it back.
+struct WriteQueue {
+    jobs: VecDeque<Box<dyn WriteJob>>,
+    /// The connection while nobody commits: the next request takes it.
+    idle: Option<Writer>,
+    /// The connection handed to the writer thread (more requests, or a retry).
+    for_thread: Option<Writer>,
+    /// While the writer thread waits for a batch to fill: the size at which
+    /// the request that reaches it wakes the thread.
+    gathering: Option<usize>,
+    /// Set when the store is dropped: the writer thread exits once idle.
+    closed: bool,
+}
+
+/// What requesters and the writer thread share.
+struct WriteShared {
+    queue: Mutex<WriteQueue>,
+    thread_wake: Condvar,
+    max_batch: usize,
+    /// Whether an idle connection commits on the requester's thread (NORMAL:
+    /// a commit is CPU and page-cache work) or always on the writer thread
+    /// (FULL: a commit waits for an fsync, which must not block an async runtime).
+    commit_on_caller: bool,
+    /// Whether the writer thread waits for requests to join an open transaction (see [`GATHER_WINDOW`]).
+    gathers: bool,
+    retry_delays: Arc<Vec<Duration>>,
+    counters: Counters,
+}
+
+/// With `synchronous=FULL` every commit pays an fsync (~0.2 ms here), so
+/// before committing, the writer thread waits up to this long for the batch
+/// to reach the size of the previous one (the requesters it just answered,
+/// coming back), running each request as it arrives: one fsync then covers
+/// all of them. With NORMAL a commit costs about what its pages cost, so
+/// there is nothing to amortize and it never waits.
+const GATHER_WINDOW: Duration = Duration::from_micros(500);
+
+/// The gather wait also ends when no request arrived for this long.
+const GATHER_GAP: Duration = Duration::from_micros(100);
+
+/// How the writer thread fills the open transaction of one batch.
+struct Gather {
+    /// How many requests to wait for.
+    fill_to: usize,
+    /// End of the wait, from the batch's start.
+    deadline: Instant,
+}
+
+impl WriteShared {
+    /// Takes what is waiting (up to `max_batch`), or gives `writer` back
+    /// (idle) if nothing is.
+    fn take_batch(&self, writer: &mut Option<Writer>) -> Vec<Box<dyn WriteJob>> {
+        let mut q = self.queue.lock();
+        if q.jobs.is_empty() {
+            q.idle = writer.take();
+            return Vec::new();
+        }
+        let n = q.jobs.len().min(self.max_batch);
+        q.jobs.drain(..n).collect()
+    }
+
+    /// Requests that may join a transaction already holding `have`: what is
+    /// queued, after waiting (with `gather`) while they keep arriving.
+    fn join_batch(&self, have: usize, gather: Option<&Gather>) -> Vec<Box<dyn WriteJob>> {
+        let mut q = self.queue.lock();
+        if let Some(g) = gather {
+            let want = g.fill_to.min(self.max_batch).saturating_sub(have);
+            let mut seen = q.jobs.len();
+            let mut quiet_until = Instant::now() + GATHER_GAP;
+            q.gathering = Some(want);
+            while q.jobs.len() < want {
+                let now = Instant::now();
+                if q.jobs.len() != seen {
+                    seen = q.jobs.len();
+                    quiet_until = now + GATHER_GAP;
+                }
+                if now >= g.deadline || now >= quiet_until {
+                    break;
+                }
+                self.thread_wake
+                    .wait_until(&mut q, quiet_until.min(g.deadline));
+            }
+            q.gathering = None;
+        }
+        let n = q.jobs.len().min(self.max_batch.saturating_sub(have));
+        q.jobs.drain(..n).collect()
+    }
+
+    /// Gives the connection to the writer thread, after putting `retry` back
+    /// at the head of the queue in its order.
+    fn hand_to_thread(&self, writer: Writer, retry: Vec<Box<dyn WriteJob>>) {
+        let mut q = self.queue.lock();
+        for job in retry.into_iter().rev() {
+            q.jobs.push_front(job);
+        }
+        q.for_thread = Some(writer);
+        drop(q);
+        self.thread_wake.notify_one();
+    }
+
+    /// Answers every request of a batch that is over (committed or failed for good).
+    fn finish(&self, batch: Vec<Box<dyn WriteJob>>, error: Option<StoreError>) {
+        self.counters.transactions.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .requests
+            .fetch_add(batch.len() as u64, Ordering::Relaxed);
+        for job in batch {
+            job.finish(error.clone());
+        }
+    }
+
+    /// Commits on the requester's thread: one batch (which holds the
+    /// requester's own job), attempted once without waiting on a lock. More
+    /// requests waiting, or a transient failure, go to the writer thread.
+    fn commit_on_caller(&self, writer: Writer) {
+        let mut holder = Some(writer);
+        let mut batch = self.take_batch(&mut holder);
+        let Some(mut writer) = holder else {
+            return; // Unreachable: the requester's own job is queued.
+        };
+        let outcome = writer.wait_on_lock(false).and_then(|()| {
+            run_batch(&writer.conn, &mut batch, &mut writer.cache, &mut |have| {
+                self.join_batch(have, None)
+            })
+        });
+        match outcome {
+            Err(e) if e.is_transient() => {
+                writer.cache.clear();
+                tracing::debug!(error = %e, "write deferred to the writer thread");
+                self.hand_to_thread(writer, batch);
+                return;
+            }
+            outcome => {
+                if outcome.is_err() {
+                    writer.cache.clear();
+                }
+                self.counters.on_caller.fetch_add(1, Ordering::Relaxed);
+                self.finish(batch, outcome.err());
+            }
+        }
+        let mut q = self.queue.lock();
+        if q.jobs.is_empty() {
+            q.idle = Some(writer);
+        } else {
+            q.for_thread = Some(writer);
+            drop(q);
+            self.thread_wake.notify_one();
+        }
+    }
+
+    /// The writer thread: whenever it is handed the connection, commits
+    /// batches (waiting on locks, retrying transient failures, letting new
+    /// requests join the open transaction) until nothing is waiting, then
+    /// leaves the connection idle.
+    fn thread_loop(&self) {
+        while let Some(writer) = self.wait_for_connection() {
+            let mut holder = Some(writer);
+            let mut previous = 0;
+            loop {
+                let mut batch = self.take_batch(&mut holder);
+                let Some(writer) = holder.as_mut() else {
+                    break;
+                };
+                let gather = (self.gathers && previous > 1).then(|| Gather {
+                    fill_to: previous,
+                    deadline: Instant::now() + GATHER_WINDOW,
+                });
+                let outcome = writer.wait_on_lock(true).and_then(|()| {
+                    with_retries(&self.retry_delays, || {
+                        let result =
+                            run_batch(&writer.conn, &mut batch, &mut writer.cache, &mut |have| {
+                                self.join_batch(have, gather.as_ref())
+                            });
+                        if result.is_err() {
+                            // Whatever happened to the transaction, forget rather than guess.
+                            writer.cache.clear();
+                        }
+                        result
+                    })
+                });
+                previous = batch.len();
+                self.finish(batch, outcome.err());
+            }
+        }
+    }
+
+    /// Blocks until the connection is handed to the writer thread; `None` once the store is dropped.
+    fn wait_for_connection(&self) -> Option<Writer> {
+        let mut q = self.queue.lock();
+        loop {
+            if let Some(w) = q.for_thread.take() {
+                return Some(w);
+            }
+            if q.closed {
+                return None;
+            }
+            self.thread_wake.wait(&mut q);
+        }
+    }
 }
 
 /// The threads and channels behind a [`crate::Store`]; dropped with the last clone.
 pub(crate) struct Db {
     path: PathBuf,
-    writer_tx: Mutex<Option<mpsc::Sender<Box<dyn WriteJob>>>>,
+    write: Arc<WriteShared>,
     reader_tx: Mutex<Option<mpsc::Sender<ReadJob>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     retry_delays: Arc<Vec<Duration>>,
-    counters: Arc<Counters>,
 }
 
 impl Db {
@@ -295,15 +531,31 @@ impl Db {
         let retry_delays = Arc::new(opts.retry_delays.clone());
         let mut threads = Vec::new();
 
-        let (wtx, wrx) = mpsc::channel::<Box<dyn WriteJob>>();
-        let delays = Arc::clone(&retry_delays);
-        let max_batch = opts.max_batch.max(1);
-        let counters = Arc::new(Counters::default());
-        let writer_counters = Arc::clone(&counters);
+        let write = Arc::new(WriteShared {
+            queue: Mutex::new(WriteQueue {
+                jobs: VecDeque::new(),
+                idle: Some(Writer {
+                    conn,
+                    cache: WriteCache::default(),
+                    waits_on_lock: true,
+                    busy_timeout: opts.busy_timeout,
+                }),
+                for_thread: None,
+                gathering: None,
+                closed: false,
+            }),
+            thread_wake: Condvar::new(),
+            max_batch: opts.max_batch.max(1),
+            commit_on_caller: opts.synchronous == Synchronous::Normal,
+            gathers: opts.synchronous == Synchronous::Full,
+            retry_delays: Arc::clone(&retry_delays),
+            counters: Counters::default(),
+        });
+        let shared = Arc::clone(&write);
         threads.push(
             std::thread::Builder::new()
                 .name("keel-store-writer".into())
-                .spawn(move || writer_loop(conn, wrx, &delays, max_batch, &writer_counters))
+                .spawn(move || shared.thread_loop())
                 .map_err(|e| StoreError::Io {
                     attempts: 1,
                     message: e.to_string(),
@@ -327,19 +579,20 @@ impl Db {
         }
         Ok(Self {
             path: path.to_owned(),
-            writer_tx: Mutex::new(Some(wtx)),
+            write,
             reader_tx: Mutex::new(Some(rtx)),
             threads: Mutex::new(threads),
             retry_delays,
-            counters,
         })
     }
 
     /// Transactions and requests the writer has handled.
     pub(crate) fn commit_stats(&self) -> CommitStats {
+        let c = &self.write.counters;
         CommitStats {
-            transactions: self.counters.transactions.load(Ordering::Relaxed),
-            requests: self.counters.requests.load(Ordering::Relaxed),
+            transactions: c.transactions.load(Ordering::Relaxed),
+            requests: c.requests.load(Ordering::Relaxed),
+            on_caller: c.on_caller.load(Ordering::Relaxed),
         }
     }
 
@@ -348,9 +601,9 @@ impl Db {
         &self.path
     }
 
-    /// Runs `f` in the writer's transaction (group-committed with whatever
-    /// else is waiting) and answers after COMMIT. `f` may run more than once
-    /// if the batch is retried, so it must not have effects outside `conn`.
+    /// Runs `f` in a write transaction (group-committed with whatever else is
+    /// waiting) and answers after COMMIT. `f` may run more than once if the
+    /// batch is retried, so it must not have effects outside `conn`.
     pub(crate) async fn write<T, F>(&self, mut f: F) -> Result<T>
     where
         T: Send + 'static,
@@ -372,6 +625,8 @@ impl Db {
         self.submit(f, true).await
     }
 
+    /// Queues the request; if the connection is idle, commits right here on
+    /// the caller's thread (no hand-off), else the holder commits it.
     async fn submit<T, F>(&self, f: F, maintains_cache: bool) -> Result<T>
     where
         T: Send + 'static,
@@ -384,10 +639,20 @@ impl Db {
             out: None,
             tx,
         });
-        {
-            let guard = self.writer_tx.lock();
-            let sender = guard.as_ref().ok_or(StoreError::Closed)?;
-            sender.send(job).map_err(|_| StoreError::Closed)?;
+        let idle = {
+            let mut q = self.write.queue.lock();
+            q.jobs.push_back(job);
+            if q.gathering.is_some_and(|fill_to| q.jobs.len() >= fill_to) {
+                self.write.thread_wake.notify_one();
+            }
+            q.idle.take()
+        };
+        if let Some(writer) = idle {
+            if self.write.commit_on_caller {
+                self.write.commit_on_caller(writer);
+            } else {
+                self.write.hand_to_thread(writer, Vec::new());
+            }
         }
         rx.await.map_err(|_| StoreError::Closed)?
     }
@@ -420,8 +685,10 @@ impl Db {
 
 impl Drop for Db {
     fn drop(&mut self) {
-        // Closing the channels lets the threads finish what is queued and exit.
-        self.writer_tx.lock().take();
+        // No request is in flight (each holds the Db): the writer thread
+        // finishes what is queued, and the readers drain their channel, then exit.
+        self.write.queue.lock().closed = true;
+        self.write.thread_wake.notify_all();
         self.reader_tx.lock().take();
         for t in self.threads.lock().drain(..) {
             let _ = t.join();
@@ -460,59 +727,29 @@ fn reader_loop(conn: Connection, rx: &Mutex<mpsc::Receiver<ReadJob>>) {
     }
 }
 
-fn writer_loop(
-    conn: Connection,
-    rx: mpsc::Receiver<Box<dyn WriteJob>>,
-    delays: &[Duration],
-    max_batch: usize,
-    counters: &Counters,
-) {
-    let mut cache = WriteCache::default();
-    let mut batch: Vec<Box<dyn WriteJob>> = Vec::new();
-    while let Ok(first) = rx.recv() {
-        batch.push(first);
-        while batch.len() < max_batch {
-            match rx.try_recv() {
-                Ok(job) => batch.push(job),
-                Err(_) => break,
-            }
-        }
-        let outcome = with_retries(delays, || {
-            let result = run_batch(&conn, &mut batch, &mut cache);
-            if result.is_err() {
-                // Whatever happened to the transaction, forget rather than guess.
-                cache.clear();
-            }
-            result
-        });
-        let error = outcome.err();
-        counters.transactions.fetch_add(1, Ordering::Relaxed);
-        counters
-            .requests
-            .fetch_add(batch.len() as u64, Ordering::Relaxed);
-        for job in batch.drain(..) {
-            job.finish(error.clone());
-        }
-    }
-}
-
 /// Runs one cached statement that returns no rows (transaction control).
 fn exec(conn: &Connection, sql: &str) -> Result<()> {
     conn.prepare_cached(sql)?.execute([])?;
     Ok(())
 }
 
-/// One attempt at committing `batch` in a single IMMEDIATE transaction.
+/// Requests joining an open transaction: given how many it holds, returns
+/// the newcomers (none: commit now).
+type Join<'a> = &'a mut dyn FnMut(usize) -> Vec<Box<dyn WriteJob>>;
+
+/// One attempt at committing `batch`, and whatever `join` adds to it, in a
+/// single IMMEDIATE transaction.
 fn run_batch(
     conn: &Connection,
-    batch: &mut [Box<dyn WriteJob>],
+    batch: &mut Vec<Box<dyn WriteJob>>,
     cache: &mut WriteCache,
+    join: Join<'_>,
 ) -> Result<()> {
     cache.begin_attempt();
     exec(conn, "BEGIN IMMEDIATE")?;
     let result = data_version(conn).and_then(|version| {
         cache.check_data_version(version);
-        run_jobs(conn, batch, cache)
+        run_jobs(conn, batch, cache, join)
     });
     let result = match result {
         Ok(true) => exec(conn, "COMMIT").map(|()| cache.committed()),
@@ -533,30 +770,160 @@ fn data_version(conn: &Connection) -> Result<i64> {
         .query_row([], |r| r.get(0))?)
 }
 
-/// Runs the requests; `Ok(false)` only when a lone request failed (roll back instead of commit).
+/// Runs one request; a panic fails that request alone (the committer must
+/// survive it, or the connection would be lost with it).
+fn run_job(job: &mut dyn WriteJob, conn: &Connection, cache: &mut WriteCache) -> Result<bool> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.run(conn, cache))).unwrap_or_else(
+        |_| {
+            tracing::error!("a write request panicked; rolling it back");
+            Ok(false)
+        },
+    )
+}
+
+/// Runs the requests, then those that join; `Ok(false)` only when a lone
+/// request failed (roll back instead of commit).
 fn run_jobs(
     conn: &Connection,
-    batch: &mut [Box<dyn WriteJob>],
+    batch: &mut Vec<Box<dyn WriteJob>>,
     cache: &mut WriteCache,
+    join: Join<'_>,
 ) -> Result<bool> {
-    if let [only] = batch {
+    let mut ran = 0;
+    if let [only] = batch.as_mut_slice() {
         // No neighbours to protect: the transaction itself is the savepoint.
-        let ok = only.run(conn, cache)?;
+        let ok = run_job(only.as_mut(), conn, cache)?;
         cache.end_job(ok, only.maintains_cache());
-        return Ok(ok);
+        if !ok {
+            return Ok(false);
+        }
+        ran = 1;
     }
-    // Each request runs in its own savepoint so that one failing request
-    // (a constraint, a stale execution id) does not fail its neighbours.
-    for job in batch.iter_mut() {
-        exec(conn, "SAVEPOINT job")?;
-        let ok = job.run(conn, cache)?;
-        cache.end_job(ok, job.maintains_cache());
-        if ok {
-            exec(conn, "RELEASE job")?;
-        } else {
-            exec(conn, "ROLLBACK TO job")?;
-            exec(conn, "RELEASE job")?;
+    loop {
+        // Each request runs in its own savepoint so that one failing request
+        // (a constraint, a stale execution id) does not fail its neighbours.
+        for job in &mut batch[ran..] {
+            exec(conn, "SAVEPOINT job")?;
+            let ok = run_job(job.as_mut(), conn, cache)?;
+            cache.end_job(ok, job.maintains_cache());
+            if ok {
+                exec(conn, "RELEASE job")?;
+            } else {
+                exec(conn, "ROLLBACK TO job")?;
+                exec(conn, "RELEASE job")?;
+            }
+        }
+        ran = batch.len();
+        let joined = join(ran);
+        if joined.is_empty() {
+            return Ok(true);
+        }
+        batch.extend(joined);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::Future;
+    use std::task::Poll;
+
+    use super::*;
+
+    fn open(dir: &tempfile::TempDir, synchronous: Synchronous) -> Db {
+        let opts = StoreOptions {
+            synchronous,
+            readers: 1,
+            ..StoreOptions::default()
+        };
+        Db::open(&dir.path().join("k.db"), opts).expect("open")
+    }
+
+    fn count(conn: &Connection) -> Result<i64> {
+        Ok(conn.query_row("SELECT count(*) FROM sessions", [], |r| r.get(0))?)
+    }
+
+    fn insert(conn: &Connection, id: &str) -> Result<()> {
+        conn.execute(
+            "INSERT INTO sessions (id, channel, chat_id, dialog_id, title, created_at, last_active_at) \
+             VALUES (?1, 'c', 'c', ?1, 't', 1, 1)",
+            [id],
+        )?;
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_panicking_request_fails_alone_and_the_writer_survives() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for sync in [Synchronous::Normal, Synchronous::Full] {
+            let db = open(&dir, sync);
+            let err = db
+                .write(|c| -> Result<()> {
+                    insert(c, "doomed")?;
+                    panic!("bug in a write request")
+                })
+                .await
+                .unwrap_err();
+            assert!(err.to_string().contains("panicked"), "{err}");
+            // The connection is still usable and the panicking insert left nothing.
+            db.write(move |c| insert(c, &format!("after-{sync:?}")))
+                .await
+                .expect("write after the panic");
+            let ids: Vec<String> = db
+                .read(|c| {
+                    let mut s = c.prepare("SELECT id FROM sessions ORDER BY id")?;
+                    let rows = s.query_map([], |r| r.get(0))?;
+                    Ok(rows.collect::<rusqlite::Result<_>>()?)
+                })
+                .await
+                .expect("read");
+            assert!(!ids.iter().any(|id| id == "doomed"), "{ids:?}");
+            drop(db);
         }
     }
-    Ok(true)
+
+    /// With FULL every write goes to the writer thread; a request that
+    /// arrives while a transaction is open joins it (one fsync for both).
+    #[tokio::test]
+    async fn a_request_arriving_during_a_transaction_joins_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = Arc::new(open(&dir, Synchronous::Full));
+        let (started_tx, started_rx) = oneshot::channel::<()>();
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        let mut started_tx = Some(started_tx);
+        let first = tokio::spawn({
+            let db = Arc::clone(&db);
+            async move {
+                db.write(move |c| {
+                    insert(c, "first")?;
+                    if let Some(tx) = started_tx.take() {
+                        let _ = tx.send(());
+                    }
+                    // Hold the transaction open until the second request is queued.
+                    go_rx.recv().map_err(|e| StoreError::Sqlite(e.to_string()))
+                })
+                .await
+            }
+        });
+        started_rx.await.expect("first request started");
+        let before = db.commit_stats();
+
+        let mut second = Box::pin(db.write(|c| {
+            insert(c, "second")?;
+            count(c)
+        }));
+        // One poll queues the request behind the open transaction.
+        std::future::poll_fn(|cx| {
+            assert!(second.as_mut().poll(cx).is_pending());
+            Poll::Ready(())
+        })
+        .await;
+        go_tx.send(()).expect("release the first request");
+
+        first.await.expect("task").expect("first");
+        assert_eq!(second.await.expect("second"), 2, "saw the first insert");
+        let after = db.commit_stats();
+        assert_eq!(after.requests - before.requests, 2);
+        assert_eq!(after.transactions - before.transactions, 1, "one commit");
+        assert_eq!(after.on_caller, 0, "FULL never commits on the caller");
+    }
 }

@@ -204,18 +204,19 @@ fn chain(conn: &Connection, timeline: &str, upto: i64) -> Result<Vec<(String, i6
 /// Messages visible from `timeline` up to `upto`: one indexed range scan per
 /// ancestor, root first. The ranges are disjoint and increasing (a child's
 /// seqs start after its fork point), so the concatenation is in seq order.
+/// One timeline's messages in a seq range, optionally visible-only or one slot.
+const LOAD_RANGE_SQL: &str = "SELECT seq, slot, content, created_at FROM messages \
+     WHERE timeline_id = ?1 AND seq >= ?2 AND seq <= ?3 \
+       AND (NOT ?4 OR client_visibility = 'visible') AND (?5 IS NULL OR slot = ?5) \
+     ORDER BY seq";
+
 pub(crate) fn load_chain(
     conn: &Connection,
     timeline: &str,
     upto: i64,
     filter: &MessageFilter,
 ) -> Result<Vec<StoredMessage>> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT seq, slot, content, created_at FROM messages \
-         WHERE timeline_id = ?1 AND seq >= ?2 AND seq <= ?3 \
-           AND (NOT ?4 OR client_visibility = 'visible') AND (?5 IS NULL OR slot = ?5) \
-         ORDER BY seq",
-    )?;
+    let mut stmt = conn.prepare_cached(LOAD_RANGE_SQL)?;
     let mut out = Vec::new();
     for (tid, cut) in chain(conn, timeline, upto)? {
         let mut rows = stmt.query(params![
@@ -390,5 +391,40 @@ impl Store {
                 last_seq(c, session.head_timeline_id.as_str())
             })
             .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every load, visible-only included, is a range search of the primary
+    /// key: no other index on `messages` is needed (each would cost appends a page).
+    #[test]
+    fn loads_search_the_primary_key() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let conn =
+            crate::db::open_writer(&dir.path().join("k.db"), &Default::default()).expect("open");
+        let plan: Vec<String> = conn
+            .prepare(&format!("EXPLAIN QUERY PLAN {LOAD_RANGE_SQL}"))
+            .expect("explain")
+            .query_map(params!["t", 1, 10, true, Option::<String>::None], |r| {
+                r.get::<_, String>(3)
+            })
+            .expect("plan")
+            .collect::<rusqlite::Result<_>>()
+            .expect("rows");
+        assert_eq!(
+            plan,
+            ["SEARCH messages USING INDEX sqlite_autoindex_messages_1 (timeline_id=? AND seq>? AND seq<?)"]
+        );
+        let indexes: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND tbl_name = 'messages'",
+                [],
+                |r| r.get(0),
+            )
+            .expect("count");
+        assert_eq!(indexes, 1, "only the primary key indexes messages");
     }
 }

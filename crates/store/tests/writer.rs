@@ -9,7 +9,7 @@ use std::time::Duration;
 use keel_core::{CheckpointId, Message};
 use keel_store::{
     CheckpointSource, MessageFilter, NewCheckpoint, NewMessage, Store, StoreError, StoreOptions,
-    TurnCommit,
+    Synchronous, TurnCommit,
 };
 use rusqlite::Connection;
 
@@ -138,25 +138,120 @@ fn manual(id: CheckpointId) -> NewCheckpoint {
     }
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_concurrent_writers_all_commit_in_order_per_session() {
-    let (_dir, store) = temp_store();
-    let s = store.create_session(new_session("d", 1)).await.unwrap();
-    let mut tasks = Vec::new();
-    for i in 0..64 {
-        let store = store.clone();
-        tasks.push(tokio::spawn(async move {
-            store
-                .append_message(s.id, user(&format!("m{i}")), 10)
+    for synchronous in [Synchronous::Normal, Synchronous::Full] {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(
+            db_path(&dir),
+            StoreOptions {
+                synchronous,
+                ..fast_options()
+            },
+        )
+        .unwrap();
+        let sessions = [
+            store.create_session(new_session("a", 1)).await.unwrap().id,
+            store.create_session(new_session("b", 1)).await.unwrap().id,
+        ];
+        let mut tasks = Vec::new();
+        for i in 0..64 {
+            let store = store.clone();
+            let s = sessions[i % 2];
+            tasks.push(tokio::spawn(async move {
+                store
+                    .append_message(s, user(&format!("m{i}")), 10)
+                    .await
+                    .unwrap()
+            }));
+        }
+        let mut seqs = Vec::new();
+        for t in tasks {
+            seqs.push(t.await.unwrap());
+        }
+        seqs.sort_unstable();
+        let expected: Vec<i64> = (1..=32).flat_map(|s| [s, s]).collect();
+        assert_eq!(seqs, expected, "{synchronous:?}");
+        for s in sessions {
+            assert_eq!(store.last_seq(s).await.unwrap(), 32);
+            let texts: Vec<String> = store
+                .load_messages(s, MessageFilter::default())
                 .await
                 .unwrap()
-        }));
+                .iter()
+                .map(|m| m.message.text())
+                .collect();
+            assert_eq!(texts.len(), 32, "{synchronous:?}");
+        }
     }
-    let mut seqs = Vec::new();
-    for t in tasks {
-        seqs.push(t.await.unwrap());
+}
+
+#[tokio::test]
+async fn an_uncontended_write_commits_on_the_callers_thread_only_with_normal() {
+    for (synchronous, on_caller) in [(Synchronous::Normal, 3), (Synchronous::Full, 0)] {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(
+            db_path(&dir),
+            StoreOptions {
+                synchronous,
+                ..fast_options()
+            },
+        )
+        .unwrap();
+        let before = store.commit_stats();
+        let s = store.create_session(new_session("d", 1)).await.unwrap();
+        store.append_message(s.id, user("one"), 2).await.unwrap();
+        store.touch_session(s.id, 3).await.unwrap();
+        let after = store.commit_stats();
+        assert_eq!(after.requests - before.requests, 3);
+        assert_eq!(after.transactions - before.transactions, 3);
+        // FULL commits wait for an fsync: never on an async runtime's thread.
+        assert_eq!(
+            after.on_caller - before.on_caller,
+            on_caller,
+            "{synchronous:?}"
+        );
     }
-    seqs.sort_unstable();
-    assert_eq!(seqs, (1..=64).collect::<Vec<i64>>());
-    assert_eq!(store.last_seq(s.id).await.unwrap(), 64);
+}
+
+/// A write that meets another connection's lock does not wait for it on the
+/// caller's thread (which may be an async runtime's only thread): it moves to
+/// the writer thread, which waits and commits once the lock is gone.
+#[tokio::test]
+async fn a_lock_held_elsewhere_never_blocks_the_callers_thread() {
+    let dir = tempfile::tempdir().unwrap();
+    let busy_timeout = Duration::from_secs(30);
+    let store = Store::open(
+        db_path(&dir),
+        StoreOptions {
+            busy_timeout,
+            ..fast_options()
+        },
+    )
+    .unwrap();
+    let s = store.create_session(new_session("d", 1)).await.unwrap();
+    let blocker = Connection::open(db_path(&dir)).unwrap();
+    blocker.execute_batch("BEGIN IMMEDIATE").unwrap();
+
+    let before = store.commit_stats();
+    let start = std::time::Instant::now();
+    // This runtime has one thread: the rollback below can only run if the
+    // write did not block it.
+    let (seq, ()) = tokio::join!(biased; store.append_message(s.id, user("late"), 2), async {
+        blocker.execute_batch("ROLLBACK").unwrap();
+    });
+    assert_eq!(seq.unwrap(), 1);
+    assert!(
+        start.elapsed() < busy_timeout / 2,
+        "the caller waited on the lock: {:?}",
+        start.elapsed()
+    );
+    let after = store.commit_stats();
+    assert_eq!(
+        after.on_caller, before.on_caller,
+        "committed by the writer thread"
+    );
+    // Once the writer thread is done, the next write is the caller's again.
+    store.touch_session(s.id, 3).await.unwrap();
+    assert_eq!(store.commit_stats().on_caller, after.on_caller + 1);
 }

@@ -5,8 +5,9 @@ ALTER TABLE messages ADD COLUMN client_visibility TEXT NOT NULL DEFAULT 'visible
 ALTER TABLE messages ADD COLUMN turn_origin TEXT NOT NULL DEFAULT 'user'
     CHECK (turn_origin IN ('user', 'agent_continuation', 'system'));
 
-CREATE INDEX idx_messages_timeline_visibility_seq
-    ON messages(timeline_id, client_visibility, seq);
+-- No index on client_visibility: visible-only loads walk the primary key
+-- (timeline_id, seq) like every other load, and hidden rows are few. An
+-- index here would only add a page to every append's commit.
 
 ALTER TABLE sessions ADD COLUMN delivery_context TEXT;
 ALTER TABLE sessions ADD COLUMN delivery_context_updated_at INTEGER;
