@@ -1,6 +1,7 @@
-//! Connections and threads: one writer thread that owns the write connection
-//! and commits whatever requests are waiting in one transaction (group
-//! commit), and a small pool of read-only connections on their own threads.
+//! Connections and threads: the write connection, held by whoever commits —
+//! a requester finding it idle (NORMAL only), or the writer thread, which
+//! commits whatever requests are waiting in one transaction (group commit)
+//! — and a small pool of read-only connections on their own threads.
 //! Transient failures (BUSY/LOCKED/IO) are retried here, nowhere else.
 
 use std::collections::{HashMap, VecDeque};
@@ -44,7 +45,7 @@ impl Synchronous {
 pub struct StoreOptions {
     /// Durability of commits.
     pub synchronous: Synchronous,
-    /// How long SQLite itself waits on a lock before reporting BUSY.
+    /// How long a writer-thread or reader attempt waits on another connection's lock before BUSY (a commit on the caller's thread never waits: it moves to the writer thread).
     pub busy_timeout: Duration,
     /// Delays between retries of a transient failure (BUSY/LOCKED/IO); its length is the retry count.
     pub retry_delays: Vec<Duration>,

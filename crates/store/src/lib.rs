@@ -1,12 +1,15 @@
 //! SQLite storage of keel: schema v6, forward-only migrations, group commit,
 //! domain APIs. The only crate that knows SQL.
 //!
-//! [`Store`] is a cheap, cloneable handle. Writes go to one writer thread
-//! that owns the write connection and commits every request waiting at that
-//! moment in one `BEGIN IMMEDIATE` transaction (group commit), each request
-//! in its own savepoint, and answers each only after `COMMIT`. Reads go to a
-//! small pool of read-only connections. Every public method is exactly one
-//! transaction.
+//! [`Store`] is a cheap, cloneable handle over one write connection and a
+//! small pool of read-only ones. With `synchronous=NORMAL` a write that finds
+//! the write connection idle commits right on the caller's thread (no
+//! hand-off; it never waits on a lock there). Otherwise — contention, a lock
+//! held by another connection, a retry, or any commit under `FULL`, which
+//! waits for an fsync — a writer thread commits every waiting request in one
+//! `BEGIN IMMEDIATE` transaction (group commit), each in its own savepoint.
+//! Every request is answered only after `COMMIT`, and every public method is
+//! exactly one transaction.
 //!
 //! ```
 //! # async fn demo() -> keel_store::Result<()> {
@@ -126,7 +129,7 @@ impl Store {
         self.db.path()
     }
 
-    /// How many write transactions and requests the writer has handled (group commit ratio).
+    /// How many write transactions and requests have been handled, and where (group commit ratio).
     pub fn commit_stats(&self) -> CommitStats {
         self.db.commit_stats()
     }
