@@ -352,6 +352,11 @@ struct WriteShared {
 /// there is nothing to amortize and it never waits.
 const GATHER_WINDOW: Duration = Duration::from_micros(500);
 
+/// Most requests committed in one transaction on a requester's thread (its
+/// own and those that join it), so that an async runtime's thread is never
+/// held for long by other tasks' writes.
+const CALLER_BATCH: usize = 16;
+
 /// The gather wait also ends when no request arrived for this long.
 const GATHER_GAP: Duration = Duration::from_micros(100);
 
@@ -364,24 +369,30 @@ struct Gather {
 }
 
 impl WriteShared {
-    /// Takes what is waiting (up to `max_batch`), or gives `writer` back
+    /// Takes what is waiting (up to `max`), or gives `writer` back
     /// (idle) if nothing is.
-    fn take_batch(&self, writer: &mut Option<Writer>) -> Vec<Box<dyn WriteJob>> {
+    fn take_batch(&self, writer: &mut Option<Writer>, max: usize) -> Vec<Box<dyn WriteJob>> {
         let mut q = self.queue.lock();
         if q.jobs.is_empty() {
             q.idle = writer.take();
             return Vec::new();
         }
-        let n = q.jobs.len().min(self.max_batch);
+        let n = q.jobs.len().min(max);
         q.jobs.drain(..n).collect()
     }
 
-    /// Requests that may join a transaction already holding `have`: what is
-    /// queued, after waiting (with `gather`) while they keep arriving.
-    fn join_batch(&self, have: usize, gather: Option<&Gather>) -> Vec<Box<dyn WriteJob>> {
+    /// Requests that may join a transaction already holding `have` (of at
+    /// most `max`): what is queued, after waiting (with `gather`) while they
+    /// keep arriving.
+    fn join_batch(
+        &self,
+        have: usize,
+        max: usize,
+        gather: Option<&Gather>,
+    ) -> Vec<Box<dyn WriteJob>> {
         let mut q = self.queue.lock();
         if let Some(g) = gather {
-            let want = g.fill_to.min(self.max_batch).saturating_sub(have);
+            let want = g.fill_to.min(max).saturating_sub(have);
             let mut seen = q.jobs.len();
             let mut quiet_until = Instant::now() + GATHER_GAP;
             q.gathering = Some(want);
@@ -399,7 +410,7 @@ impl WriteShared {
             }
             q.gathering = None;
         }
-        let n = q.jobs.len().min(self.max_batch.saturating_sub(have));
+        let n = q.jobs.len().min(max.saturating_sub(have));
         q.jobs.drain(..n).collect()
     }
 
@@ -426,18 +437,19 @@ impl WriteShared {
         }
     }
 
-    /// Commits on the requester's thread: one batch (which holds the
-    /// requester's own job), attempted once without waiting on a lock. More
-    /// requests waiting, or a transient failure, go to the writer thread.
+    /// Commits on the requester's thread: the batch holding the requester's
+    /// own job (requests queued meanwhile may join, up to [`CALLER_BATCH`]),
+    /// attempted once without waiting on a lock. Requests still waiting, or
+    /// a transient failure, go to the writer thread.
     fn commit_on_caller(&self, writer: Writer) {
         let mut holder = Some(writer);
-        let mut batch = self.take_batch(&mut holder);
+        let mut batch = self.take_batch(&mut holder, CALLER_BATCH);
         let Some(mut writer) = holder else {
             return; // Unreachable: the requester's own job is queued.
         };
         let outcome = writer.wait_on_lock(false).and_then(|()| {
             run_batch(&writer.conn, &mut batch, &mut writer.cache, &mut |have| {
-                self.join_batch(have, None)
+                self.join_batch(have, CALLER_BATCH, None)
             })
         });
         match outcome {
@@ -474,7 +486,7 @@ impl WriteShared {
             let mut holder = Some(writer);
             let mut previous = 0;
             loop {
-                let mut batch = self.take_batch(&mut holder);
+                let mut batch = self.take_batch(&mut holder, self.max_batch);
                 let Some(writer) = holder.as_mut() else {
                     break;
                 };
@@ -486,7 +498,7 @@ impl WriteShared {
                     with_retries(&self.retry_delays, || {
                         let result =
                             run_batch(&writer.conn, &mut batch, &mut writer.cache, &mut |have| {
-                                self.join_batch(have, gather.as_ref())
+                                self.join_batch(have, self.max_batch, gather.as_ref())
                             });
                         if result.is_err() {
                             // Whatever happened to the transaction, forget rather than guess.
@@ -926,5 +938,63 @@ mod tests {
         assert_eq!(after.requests - before.requests, 2);
         assert_eq!(after.transactions - before.transactions, 1, "one commit");
         assert_eq!(after.on_caller, 0, "FULL never commits on the caller");
+    }
+
+    /// A requester's thread commits its own request and at most
+    /// [`CALLER_BATCH`] in all; the rest of the queue goes to the writer thread.
+    #[tokio::test]
+    async fn a_callers_thread_commits_a_bounded_batch() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = Arc::new(open(&dir, Synchronous::Normal));
+        let (started_tx, started_rx) = mpsc::channel::<()>();
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        // The first request commits on this other thread, and holds its
+        // transaction open until the others are queued.
+        let first = std::thread::spawn({
+            let db = Arc::clone(&db);
+            move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .build()
+                    .expect("runtime");
+                let mut started_tx = Some(started_tx);
+                rt.block_on(db.write(move |c| {
+                    insert(c, "first")?;
+                    if let Some(tx) = started_tx.take() {
+                        let _ = tx.send(());
+                    }
+                    go_rx.recv().map_err(|e| StoreError::Sqlite(e.to_string()))
+                }))
+            }
+        });
+        started_rx.recv().expect("first request started");
+        let before = db.commit_stats();
+        let extra = CALLER_BATCH + 4;
+        let mut waiting: Vec<_> = (0..extra)
+            .map(|i| Box::pin(db.write(move |c| insert(c, &format!("queued-{i:02}")))))
+            .collect();
+        std::future::poll_fn(|cx| {
+            for w in &mut waiting {
+                assert!(w.as_mut().poll(cx).is_pending());
+            }
+            Poll::Ready(())
+        })
+        .await;
+        go_tx.send(()).expect("release the first request");
+        first.join().expect("thread").expect("first");
+        for w in waiting {
+            w.await.expect("queued request");
+        }
+        let after = db.commit_stats();
+        assert_eq!(after.requests - before.requests, extra as u64 + 1);
+        assert_eq!(
+            (
+                after.transactions - before.transactions,
+                after.on_caller - before.on_caller
+            ),
+            (2, 1),
+            "one caller batch of {CALLER_BATCH}, then one writer-thread batch of the rest"
+        );
+        let n = db.read(count).await.expect("count");
+        assert_eq!(n, extra as i64 + 1);
     }
 }
