@@ -3,6 +3,8 @@
 //! line per figure.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use keel_core::{CheckpointId, Message, SessionId};
@@ -570,6 +572,99 @@ async fn inbox(path: &Path, raw_txn_rate: f64) {
     );
 }
 
+/// A task that yields in a loop on the same current-thread runtime as the
+/// appender: the longest gap between its polls is how long appends kept the
+/// runtime's only thread from everything else.
+struct Ticker {
+    done: Arc<AtomicBool>,
+    max_gap_us: Arc<AtomicU64>,
+    /// Gaps of 1 ms or more.
+    long_gaps: Arc<AtomicU64>,
+    handle: tokio::task::JoinHandle<()>,
+}
+
+impl Ticker {
+    fn start() -> Self {
+        let done = Arc::new(AtomicBool::new(false));
+        let max_gap_us = Arc::new(AtomicU64::new(0));
+        let long_gaps = Arc::new(AtomicU64::new(0));
+        let handle = tokio::spawn({
+            let (done, max_gap_us) = (Arc::clone(&done), Arc::clone(&max_gap_us));
+            let long_gaps = Arc::clone(&long_gaps);
+            async move {
+                let mut last = Instant::now();
+                while !done.load(Ordering::Relaxed) {
+                    tokio::task::yield_now().await;
+                    let gap = u64::try_from(last.elapsed().as_micros()).unwrap_or(u64::MAX);
+                    max_gap_us.fetch_max(gap, Ordering::Relaxed);
+                    if gap >= 1000 {
+                        long_gaps.fetch_add(1, Ordering::Relaxed);
+                    }
+                    last = Instant::now();
+                }
+            }
+        });
+        Self {
+            done,
+            max_gap_us,
+            long_gaps,
+            handle,
+        }
+    }
+
+    /// (longest gap in µs, gaps of 1 ms or more).
+    async fn stop(self) -> (u64, u64) {
+        self.done.store(true, Ordering::Relaxed);
+        self.handle.await.expect("ticker");
+        (
+            self.max_gap_us.load(Ordering::Relaxed),
+            self.long_gaps.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// Longest stall of a current-thread runtime while one of its tasks appends
+/// `n` rows: through keel-store vs raw rusqlite (whose commits, with SQLite's
+/// auto-checkpoint, sometimes copy the WAL into the database right there).
+fn runtime_stall(dir: &Path, n: usize) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let store = Store::open(dir.join("stall.db"), StoreOptions::default()).expect("open");
+    let mut raw = RawAppender::open(&dir.join("stall-raw.db"), Synchronous::Normal);
+    let ((keel_us, keel_long), (raw_us, raw_long)) = rt.block_on(async {
+        let sid = store
+            .create_session(session("stall"))
+            .await
+            .expect("session")
+            .id;
+        let ticker = Ticker::start();
+        tokio::task::yield_now().await;
+        // Both loops yield after every append (an uncontended append
+        // completes without yielding), so a gap is one append's doing.
+        for i in 0..n {
+            store
+                .append_message(sid, NewMessage::new(Message::user(text(i))), 1)
+                .await
+                .expect("append");
+            tokio::task::yield_now().await;
+        }
+        let keel = ticker.stop().await;
+        let ticker = Ticker::start();
+        tokio::task::yield_now().await;
+        for _ in 0..n {
+            raw.append(1);
+            tokio::task::yield_now().await;
+        }
+        (keel, ticker.stop().await)
+    });
+    println!(
+        "BENCH runtime_stall rows={n} store_stalls_over_1ms={keel_long} raw_stalls_over_1ms={raw_long} \
+         store_max_stall_us={keel_us} raw_max_stall_us={raw_us}"
+    );
+}
+
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -608,6 +703,9 @@ fn main() {
     }
     if let (true, Some(raw)) = (wanted("inbox"), raw_normal) {
         rt.block_on(inbox(&p("inbox.db"), raw));
+    }
+    if wanted("stall") {
+        runtime_stall(dir.path(), 5 * APPENDS * scale);
     }
     if wanted("replay") {
         rt.block_on(replay(&p("replay.db")));

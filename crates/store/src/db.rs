@@ -1,12 +1,13 @@
 //! Connections and threads: the write connection, held by whoever commits —
 //! a requester finding it idle (NORMAL only), or the writer thread, which
 //! commits whatever requests are waiting in one transaction (group commit)
-//! — and a small pool of read-only connections on their own threads.
+//! and checkpoints the WAL — and a small pool of read-only connections on
+//! their own threads.
 //! Transient failures (BUSY/LOCKED/IO) are retried here, nowhere else.
 
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -53,7 +54,7 @@ pub struct StoreOptions {
     pub readers: usize,
     /// Most write requests committed in one transaction.
     pub max_batch: usize,
-    /// WAL pages after which SQLite checkpoints automatically (0 disables it).
+    /// WAL pages after which the writer thread checkpoints, between transactions (0 disables it).
     pub wal_autocheckpoint_pages: u32,
 }
 
@@ -103,7 +104,8 @@ pub(crate) fn open_writer(path: &Path, opts: &StoreOptions) -> Result<Connection
         )));
     }
     configure(&conn, opts)?;
-    conn.pragma_update(None, "wal_autocheckpoint", opts.wal_autocheckpoint_pages)?;
+    // Checkpoints never run inside a commit (see [`Writer::checkpoint_if_due`]).
+    conn.pragma_update(None, "wal_autocheckpoint", 0)?;
     migrations::migrate(&mut conn)?;
     Ok(conn)
 }
@@ -277,6 +279,8 @@ pub struct CommitStats {
     pub requests: u64,
     /// Transactions committed on the requesting task's own thread (no hand-off).
     pub on_caller: u64,
+    /// WAL checkpoints run by the writer thread.
+    pub checkpoints: u64,
 }
 
 #[derive(Default)]
@@ -284,18 +288,66 @@ struct Counters {
     transactions: AtomicU64,
     requests: AtomicU64,
     on_caller: AtomicU64,
+    checkpoints: AtomicU64,
 }
 
 /// The write connection and the state only its holder may touch.
 struct Writer {
     conn: Connection,
+    /// Set by the connection's WAL hook when a commit left the WAL past the threshold.
+    checkpoint_due: Arc<AtomicBool>,
     cache: WriteCache,
     /// Whether SQLite currently waits `busy_timeout` on a lock (else it fails at once).
     waits_on_lock: bool,
     busy_timeout: Duration,
 }
 
+/// Makes `conn` flag a checkpoint as due whenever a commit leaves at least
+/// `threshold` pages in the WAL (0: never). SQLite's own auto-checkpoint,
+/// which would run it inside that commit, stays off.
+fn watch_wal(conn: &mut Connection, threshold: u32) -> Result<Arc<AtomicBool>> {
+    let due = Arc::new(AtomicBool::new(false));
+    if threshold > 0 {
+        let threshold = i32::try_from(threshold).unwrap_or(i32::MAX);
+        let flag = Arc::clone(&due);
+        conn.wal_hook(Some(move |_: &mut rusqlite::hooks::Wal, pages: i32| {
+            if pages >= threshold {
+                flag.store(true, Ordering::Release);
+            }
+            Ok(())
+        }))?;
+    }
+    Ok(due)
+}
+
 impl Writer {
+    /// Whether the next holder of the connection should checkpoint the WAL.
+    fn checkpoint_due(&self) -> bool {
+        self.checkpoint_due.load(Ordering::Acquire)
+    }
+
+    /// Copies the WAL into the database file if a commit asked for it. Runs
+    /// on the writer thread only, between transactions: no caller's thread
+    /// ever pays for it (a checkpoint copies up to a thousand pages and
+    /// fsyncs twice — milliseconds), and since no write can interleave, it
+    /// completes and the next transaction starts the WAL over.
+    fn checkpoint_if_due(&mut self, counters: &Counters) {
+        if !self.checkpoint_due.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let outcome = self
+            .conn
+            .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| {
+                Ok((r.get::<_, i64>(1)?, r.get::<_, i64>(2)?))
+            });
+        counters.checkpoints.fetch_add(1, Ordering::Relaxed);
+        match outcome {
+            Ok((wal_pages, copied)) => tracing::debug!(wal_pages, copied, "WAL checkpoint"),
+            // Not fatal: the WAL grows until the next commit past the threshold asks again.
+            Err(e) => tracing::warn!(error = %e, "WAL checkpoint failed; will retry"),
+        }
+    }
+
     /// Makes SQLite wait on a lock held by another connection, or fail at once.
     fn wait_on_lock(&mut self, wait: bool) -> Result<()> {
         if self.waits_on_lock != wait {
@@ -439,8 +491,8 @@ impl WriteShared {
 
     /// Commits on the requester's thread: the batch holding the requester's
     /// own job (requests queued meanwhile may join, up to [`CALLER_BATCH`]),
-    /// attempted once without waiting on a lock. Requests still waiting, or
-    /// a transient failure, go to the writer thread.
+    /// attempted once without waiting on a lock. Requests still waiting, a
+    /// due WAL checkpoint, or a transient failure, go to the writer thread.
     fn commit_on_caller(&self, writer: Writer) {
         let mut holder = Some(writer);
         let mut batch = self.take_batch(&mut holder, CALLER_BATCH);
@@ -468,7 +520,7 @@ impl WriteShared {
             }
         }
         let mut q = self.queue.lock();
-        if q.jobs.is_empty() {
+        if q.jobs.is_empty() && !writer.checkpoint_due() {
             q.idle = Some(writer);
         } else {
             q.for_thread = Some(writer);
@@ -486,6 +538,9 @@ impl WriteShared {
             let mut holder = Some(writer);
             let mut previous = 0;
             loop {
+                if let Some(writer) = holder.as_mut() {
+                    writer.checkpoint_if_due(&self.counters);
+                }
                 let mut batch = self.take_batch(&mut holder, self.max_batch);
                 let Some(writer) = holder.as_mut() else {
                     break;
@@ -540,7 +595,8 @@ pub(crate) struct Db {
 impl Db {
     /// Opens (creating and migrating if needed) the database at `path`.
     pub(crate) fn open(path: &Path, opts: StoreOptions) -> Result<Self> {
-        let conn = open_writer(path, &opts)?;
+        let mut conn = open_writer(path, &opts)?;
+        let checkpoint_due = watch_wal(&mut conn, opts.wal_autocheckpoint_pages)?;
         let retry_delays = Arc::new(opts.retry_delays.clone());
         let mut threads = Vec::new();
 
@@ -549,6 +605,7 @@ impl Db {
                 jobs: VecDeque::new(),
                 idle: Some(Writer {
                     conn,
+                    checkpoint_due,
                     cache: WriteCache::default(),
                     waits_on_lock: true,
                     busy_timeout: opts.busy_timeout,
@@ -565,30 +622,16 @@ impl Db {
             counters: Counters::default(),
         });
         let shared = Arc::clone(&write);
-        threads.push(
-            std::thread::Builder::new()
-                .name("keel-store-writer".into())
-                .spawn(move || shared.thread_loop())
-                .map_err(|e| StoreError::Io {
-                    attempts: 1,
-                    message: e.to_string(),
-                })?,
-        );
+        threads.push(spawn("keel-store-writer", move || shared.thread_loop())?);
 
         let (rtx, rrx) = mpsc::channel::<ReadJob>();
         let rrx = Arc::new(Mutex::new(rrx));
         for i in 0..opts.readers.max(1) {
             let conn = open_reader(path, &opts)?;
             let rrx = Arc::clone(&rrx);
-            threads.push(
-                std::thread::Builder::new()
-                    .name(format!("keel-store-reader-{i}"))
-                    .spawn(move || reader_loop(conn, &rrx))
-                    .map_err(|e| StoreError::Io {
-                        attempts: 1,
-                        message: e.to_string(),
-                    })?,
-            );
+            threads.push(spawn(&format!("keel-store-reader-{i}"), move || {
+                reader_loop(conn, &rrx);
+            })?);
         }
         Ok(Self {
             path: path.to_owned(),
@@ -606,6 +649,7 @@ impl Db {
             transactions: c.transactions.load(Ordering::Relaxed),
             requests: c.requests.load(Ordering::Relaxed),
             on_caller: c.on_caller.load(Ordering::Relaxed),
+            checkpoints: c.checkpoints.load(Ordering::Relaxed),
         }
     }
 
@@ -707,6 +751,17 @@ impl Drop for Db {
             let _ = t.join();
         }
     }
+}
+
+/// Starts a named thread of the store.
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(f)
+        .map_err(|e| StoreError::Io {
+            attempts: 1,
+            message: format!("cannot start thread {name}: {e}"),
+        })
 }
 
 /// Runs `op`, retrying transient failures after each of `delays`.
@@ -996,5 +1051,90 @@ mod tests {
         );
         let n = db.read(count).await.expect("count");
         assert_eq!(n, extra as i64 + 1);
+    }
+
+    fn file_len(path: &Path) -> u64 {
+        std::fs::metadata(path).map(|m| m.len()).expect("metadata")
+    }
+
+    fn open_with_checkpoints(dir: &tempfile::TempDir, pages: u32) -> (PathBuf, Db) {
+        let path = dir.path().join("k.db");
+        let opts = StoreOptions {
+            wal_autocheckpoint_pages: pages,
+            readers: 1,
+            ..StoreOptions::default()
+        };
+        let db = Db::open(&path, opts).expect("open");
+        (path, db)
+    }
+
+    /// Commits never checkpoint inline (with NORMAL they run on the caller's
+    /// thread): SQLite's own auto-checkpoint is off on the write connection,
+    /// and with the threshold off nothing ever copies the WAL out.
+    #[tokio::test]
+    async fn commits_never_checkpoint_the_wal_themselves() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (_, db) = open_with_checkpoints(&dir, 8);
+        let inline: i64 = db
+            .write(|c| Ok(c.query_row("PRAGMA wal_autocheckpoint", [], |r| r.get(0))?))
+            .await
+            .expect("pragma");
+        assert_eq!(
+            inline, 0,
+            "the write connection's own auto-checkpoint is off"
+        );
+        drop(db);
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, db) = open_with_checkpoints(&dir, 0);
+        let before = file_len(&path);
+        for i in 0..50 {
+            db.write(move |c| insert(c, &format!("s{i:02}")))
+                .await
+                .expect("write");
+        }
+        assert_eq!(file_len(&path), before, "nothing was copied out of the WAL");
+        let stats = db.commit_stats();
+        assert_eq!((stats.on_caller, stats.checkpoints), (50, 0));
+    }
+
+    /// Past the threshold the writer thread checkpoints between
+    /// transactions; as no write can interleave, the checkpoint completes
+    /// and the WAL starts over instead of growing.
+    #[tokio::test]
+    async fn the_writer_thread_checkpoints_past_the_threshold_and_the_wal_stays_small() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, db) = open_with_checkpoints(&dir, 8);
+        let wal = path.with_extension("db-wal");
+        let before = file_len(&path);
+        let big = "x".repeat(2000);
+        for i in 0..400 {
+            let big = big.clone();
+            db.write(move |c| {
+                insert(c, &format!("s{i:03}"))?;
+                c.execute(
+                    "UPDATE sessions SET title = ?1 WHERE id = ?2",
+                    [&big, &format!("s{i:03}")],
+                )?;
+                Ok(())
+            })
+            .await
+            .expect("write");
+        }
+        // A write queued behind a due checkpoint is answered after it.
+        db.write(|c| insert(c, "last")).await.expect("write");
+        let stats = db.commit_stats();
+        assert!(stats.checkpoints >= 10, "{stats:?}");
+        assert!(
+            file_len(&path) > before,
+            "pages were copied into the main file"
+        );
+        // 400 commits of ~1 page each went through a WAL restarted every 8 pages or so.
+        assert!(
+            file_len(&wal) < 64 * 4096,
+            "the WAL grew to {} bytes",
+            file_len(&wal)
+        );
+        assert_eq!(db.read(count).await.expect("count"), 401);
     }
 }

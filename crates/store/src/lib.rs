@@ -7,9 +7,10 @@
 //! hand-off; it never waits on a lock there). Otherwise — contention, a lock
 //! held by another connection, a retry, or any commit under `FULL`, which
 //! waits for an fsync — a writer thread commits every waiting request in one
-//! `BEGIN IMMEDIATE` transaction (group commit), each in its own savepoint.
-//! Every request is answered only after `COMMIT`, and every public method is
-//! exactly one transaction.
+//! `BEGIN IMMEDIATE` transaction (group commit), each in its own savepoint;
+//! it also checkpoints the WAL, between transactions, so no caller's thread
+//! ever pays for a checkpoint. Every request is answered only after
+//! `COMMIT`, and every public method is exactly one transaction.
 //!
 //! ```
 //! # async fn demo() -> keel_store::Result<()> {
