@@ -919,6 +919,26 @@ mod tests {
         Ok(())
     }
 
+    /// A write request that inserts a row, says it started, then holds its
+    /// transaction open until released (so that others queue behind it).
+    fn held_insert() -> (
+        impl FnMut(&Connection) -> Result<()> + Send + 'static,
+        oneshot::Receiver<()>,
+        mpsc::Sender<()>,
+    ) {
+        let (started_tx, started) = oneshot::channel();
+        let (go, go_rx) = mpsc::channel::<()>();
+        let mut started_tx = Some(started_tx);
+        let job = move |c: &Connection| {
+            insert(c, "first")?;
+            if let Some(tx) = started_tx.take() {
+                let _ = tx.send(());
+            }
+            go_rx.recv().map_err(|e| StoreError::Sqlite(e.to_string()))
+        };
+        (job, started, go)
+    }
+
     #[tokio::test]
     async fn a_panicking_request_fails_alone_and_the_writer_survives() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -955,24 +975,12 @@ mod tests {
     async fn a_request_arriving_during_a_transaction_joins_it() {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = Arc::new(open(&dir, Synchronous::Full));
-        let (started_tx, started_rx) = oneshot::channel::<()>();
-        let (go_tx, go_rx) = mpsc::channel::<()>();
-        let mut started_tx = Some(started_tx);
+        let (held, started, go) = held_insert();
         let first = tokio::spawn({
             let db = Arc::clone(&db);
-            async move {
-                db.write(move |c| {
-                    insert(c, "first")?;
-                    if let Some(tx) = started_tx.take() {
-                        let _ = tx.send(());
-                    }
-                    // Hold the transaction open until the second request is queued.
-                    go_rx.recv().map_err(|e| StoreError::Sqlite(e.to_string()))
-                })
-                .await
-            }
+            async move { db.write(held).await }
         });
-        started_rx.await.expect("first request started");
+        started.await.expect("first request started");
         let before = db.commit_stats();
 
         let mut second = Box::pin(db.write(|c| {
@@ -985,7 +993,7 @@ mod tests {
             Poll::Ready(())
         })
         .await;
-        go_tx.send(()).expect("release the first request");
+        go.send(()).expect("release the first request");
 
         first.await.expect("task").expect("first");
         assert_eq!(second.await.expect("second"), 2, "saw the first insert");
@@ -1001,27 +1009,18 @@ mod tests {
     async fn a_callers_thread_commits_a_bounded_batch() {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = Arc::new(open(&dir, Synchronous::Normal));
-        let (started_tx, started_rx) = mpsc::channel::<()>();
-        let (go_tx, go_rx) = mpsc::channel::<()>();
-        // The first request commits on this other thread, and holds its
-        // transaction open until the others are queued.
+        let (held, started, go) = held_insert();
+        // The first request commits on this other thread's runtime.
         let first = std::thread::spawn({
             let db = Arc::clone(&db);
             move || {
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .build()
                     .expect("runtime");
-                let mut started_tx = Some(started_tx);
-                rt.block_on(db.write(move |c| {
-                    insert(c, "first")?;
-                    if let Some(tx) = started_tx.take() {
-                        let _ = tx.send(());
-                    }
-                    go_rx.recv().map_err(|e| StoreError::Sqlite(e.to_string()))
-                }))
+                rt.block_on(db.write(held))
             }
         });
-        started_rx.recv().expect("first request started");
+        started.await.expect("first request started");
         let before = db.commit_stats();
         let extra = CALLER_BATCH + 4;
         let mut waiting: Vec<_> = (0..extra)
@@ -1034,7 +1033,7 @@ mod tests {
             Poll::Ready(())
         })
         .await;
-        go_tx.send(()).expect("release the first request");
+        go.send(()).expect("release the first request");
         first.join().expect("thread").expect("first");
         for w in waiting {
             w.await.expect("queued request");

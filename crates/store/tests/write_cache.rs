@@ -214,21 +214,11 @@ async fn two_handles_on_one_file_append_to_the_same_session() {
     assert_eq!(history(&one, s.id).await, ["a", "a", "g", "h"]);
 
     // Concurrent appends from both handles stay contiguous.
-    let mut tasks = Vec::new();
-    for i in 0..40 {
-        let store = if i % 2 == 0 { one.clone() } else { two.clone() };
-        tasks.push(tokio::spawn(async move {
-            store
-                .append_message(s.id, user(&format!("m{i}")), 5)
-                .await
-                .unwrap()
-        }));
-    }
-    let mut seqs = Vec::new();
-    for t in tasks {
-        seqs.push(t.await.unwrap());
-    }
-    seqs.sort_unstable();
+    let seqs = append_concurrently(40, |i| {
+        let store = if i % 2 == 0 { &one } else { &two };
+        (store.clone(), s.id)
+    })
+    .await;
     assert_eq!(seqs, (5..45).collect::<Vec<i64>>());
     assert_eq!(history(&two, s.id).await.len(), 44);
 }

@@ -141,35 +141,15 @@ fn manual(id: CheckpointId) -> NewCheckpoint {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_concurrent_writers_all_commit_in_order_per_session() {
     for synchronous in [Synchronous::Normal, Synchronous::Full] {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(
-            db_path(&dir),
-            StoreOptions {
-                synchronous,
-                ..fast_options()
-            },
-        )
-        .unwrap();
+        let (_dir, store) = temp_store_with(StoreOptions {
+            synchronous,
+            ..fast_options()
+        });
         let sessions = [
             store.create_session(new_session("a", 1)).await.unwrap().id,
             store.create_session(new_session("b", 1)).await.unwrap().id,
         ];
-        let mut tasks = Vec::new();
-        for i in 0..64 {
-            let store = store.clone();
-            let s = sessions[i % 2];
-            tasks.push(tokio::spawn(async move {
-                store
-                    .append_message(s, user(&format!("m{i}")), 10)
-                    .await
-                    .unwrap()
-            }));
-        }
-        let mut seqs = Vec::new();
-        for t in tasks {
-            seqs.push(t.await.unwrap());
-        }
-        seqs.sort_unstable();
+        let seqs = append_concurrently(64, |i| (store.clone(), sessions[i % 2])).await;
         let expected: Vec<i64> = (1..=32).flat_map(|s| [s, s]).collect();
         assert_eq!(seqs, expected, "{synchronous:?}");
         for s in sessions {
@@ -189,15 +169,10 @@ async fn many_concurrent_writers_all_commit_in_order_per_session() {
 #[tokio::test]
 async fn an_uncontended_write_commits_on_the_callers_thread_only_with_normal() {
     for (synchronous, on_caller) in [(Synchronous::Normal, 3), (Synchronous::Full, 0)] {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(
-            db_path(&dir),
-            StoreOptions {
-                synchronous,
-                ..fast_options()
-            },
-        )
-        .unwrap();
+        let (_dir, store) = temp_store_with(StoreOptions {
+            synchronous,
+            ..fast_options()
+        });
         let before = store.commit_stats();
         let s = store.create_session(new_session("d", 1)).await.unwrap();
         store.append_message(s.id, user("one"), 2).await.unwrap();

@@ -10,9 +10,39 @@ use tempfile::TempDir;
 
 /// A store in a fresh temporary directory (kept alive by the returned guard).
 pub fn temp_store() -> (TempDir, Store) {
+    temp_store_with(fast_options())
+}
+
+/// Like [`temp_store`] with the given options.
+pub fn temp_store_with(options: StoreOptions) -> (TempDir, Store) {
     let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(dir.path().join("keel.db"), fast_options()).unwrap();
+    let store = Store::open(db_path(&dir), options).unwrap();
     (dir, store)
+}
+
+/// Appends `n` messages from as many tasks at once, the i-th through
+/// `target(i)`; returns their seqs, sorted.
+pub async fn append_concurrently(
+    n: usize,
+    target: impl Fn(usize) -> (Store, SessionId),
+) -> Vec<i64> {
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let (store, session) = target(i);
+            tokio::spawn(async move {
+                store
+                    .append_message(session, user(&format!("m{i}")), 10)
+                    .await
+                    .unwrap()
+            })
+        })
+        .collect();
+    let mut seqs = Vec::new();
+    for t in tasks {
+        seqs.push(t.await.unwrap());
+    }
+    seqs.sort_unstable();
+    seqs
 }
 
 /// Options with short retry delays so failing tests fail fast.
