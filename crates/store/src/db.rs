@@ -397,11 +397,11 @@ struct WriteShared {
 }
 
 /// With `synchronous=FULL` every commit pays an fsync (~0.2 ms here), so
-/// before committing, the writer thread waits up to this long for the batch
-/// to reach the size of the previous one (the requesters it just answered,
-/// coming back), running each request as it arrives: one fsync then covers
-/// all of them. With NORMAL a commit costs about what its pages cost, so
-/// there is nothing to amortize and it never waits.
+/// before committing, the writer thread waits up to this long for its open
+/// transaction to reach the size of the previous batch (the requesters it
+/// just answered, coming back) and runs the newcomers in it: one fsync then
+/// covers all of them. With NORMAL a commit costs about what its pages
+/// cost, so there is nothing to amortize and it never waits.
 const GATHER_WINDOW: Duration = Duration::from_micros(500);
 
 /// Most requests committed in one transaction on a requester's thread (its
