@@ -165,10 +165,10 @@ fn restart_continues_the_last_dialog_and_rollback_branches_show_in_checkpoints()
 fn ctrl_c_stops_the_running_turn_not_the_program() {
     use std::io::{BufRead, BufReader};
     let dir = tempfile::tempdir().unwrap();
-    // The first answer takes an hour: only Ctrl-C can end that turn.
+    // The first answer's second word takes an hour: only Ctrl-C can end that turn.
     let s = script(
         dir.path(),
-        "responses:\n  - {text: never, delay_ms: 3600000}\n  - text: done\n",
+        "responses:\n  - {text: thinking forever, chunk_delay_ms: 3600000}\n  - text: done\n",
     );
     let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
         .args(["chat", "--chat", "carol", "--data-dir"])
@@ -182,14 +182,14 @@ fn ctrl_c_stops_the_running_turn_not_the_program() {
         .spawn()
         .unwrap();
     let mut stdin = child.stdin.take().unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
     stdin.write_all(b"slow question\n").unwrap();
-    // The echo of the question is printed right before the turn starts.
-    loop {
-        let line = lines.next().unwrap().unwrap();
-        if line == "> slow question" {
-            break;
-        }
+    // Interrupt only once the answer is streaming: the model call has begun
+    // (an earlier Ctrl-C would stop the turn before it asked the model, and
+    // leave the hour-long answer to the next question).
+    let mut seen = Vec::new();
+    while !String::from_utf8_lossy(&seen).contains("keel> thinking ") {
+        assert_ne!(out.read_until(b' ', &mut seen).unwrap(), 0, "EOF");
     }
     let status = Command::new("kill")
         .args(["-INT", &child.id().to_string()])
@@ -198,7 +198,7 @@ fn ctrl_c_stops_the_running_turn_not_the_program() {
     assert!(status.success());
     stdin.write_all(b"second\n/info\n/exit\n").unwrap();
     drop(stdin);
-    let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
+    let rest: Vec<String> = out.lines().map(|l| l.unwrap()).collect();
     assert!(
         child.wait().unwrap().success(),
         "the program kept running after Ctrl-C"
