@@ -226,7 +226,4 @@ async fn a_lock_held_elsewhere_never_blocks_the_callers_thread() {
         after.on_caller, before.on_caller,
         "committed by the writer thread"
     );
-    // Once the writer thread is done, the next write is the caller's again.
-    store.touch_session(s.id, 3).await.unwrap();
-    assert_eq!(store.commit_stats().on_caller, after.on_caller + 1);
 }
