@@ -939,19 +939,24 @@ mod tests {
         (job, started, go)
     }
 
+    /// Sends a request that inserts `id`, then panics; checks it failed as one.
+    async fn panicking_insert(db: &Db, id: &'static str) {
+        let err = db
+            .write(move |c| -> Result<()> {
+                insert(c, id)?;
+                panic!("bug in a write request")
+            })
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("panicked"), "{err}");
+    }
+
     #[tokio::test]
     async fn a_panicking_request_fails_alone_and_the_writer_survives() {
         let dir = tempfile::tempdir().expect("tempdir");
         for sync in [Synchronous::Normal, Synchronous::Full] {
             let db = open(&dir, sync);
-            let err = db
-                .write(|c| -> Result<()> {
-                    insert(c, "doomed")?;
-                    panic!("bug in a write request")
-                })
-                .await
-                .unwrap_err();
-            assert!(err.to_string().contains("panicked"), "{err}");
+            panicking_insert(&db, "doomed").await;
             // The connection is still usable and the panicking insert left nothing.
             db.write(move |c| insert(c, &format!("after-{sync:?}")))
                 .await
@@ -1172,16 +1177,7 @@ mod tests {
                                 state ^= state << 17;
                                 let id = format!("t{t:02}-{i:02}");
                                 match state % 10 {
-                                    0 => {
-                                        let e = db
-                                            .write(|c| -> Result<()> {
-                                                insert(c, "never")?;
-                                                panic!("injected")
-                                            })
-                                            .await
-                                            .unwrap_err();
-                                        assert!(e.to_string().contains("panicked"), "{e}");
-                                    }
+                                    0 => panicking_insert(&db, "never").await,
                                     1 | 2 => {
                                         // Inserts, then violates the primary key: fails alone.
                                         let e = db
