@@ -372,7 +372,7 @@ struct WriteQueue {
     jobs: VecDeque<Box<dyn WriteJob>>,
     /// The connection while nobody commits: the next request takes it.
     idle: Option<Writer>,
-    /// The connection handed to the writer thread (more requests, or a retry).
+    /// The connection handed to the writer thread (more requests, a retry or a due checkpoint).
     for_thread: Option<Writer>,
     /// While the writer thread waits for a batch to fill: the size at which
     /// the request that reaches it wakes the thread.
@@ -529,10 +529,10 @@ impl WriteShared {
         }
     }
 
-    /// The writer thread: whenever it is handed the connection, commits
-    /// batches (waiting on locks, retrying transient failures, letting new
-    /// requests join the open transaction) until nothing is waiting, then
-    /// leaves the connection idle.
+    /// The writer thread: whenever it is handed the connection, checkpoints
+    /// the WAL if due and commits batches (waiting on locks, retrying
+    /// transient failures, letting new requests join the open transaction)
+    /// until nothing is waiting, then leaves the connection idle.
     fn thread_loop(&self) {
         while let Some(writer) = self.wait_for_connection() {
             let mut holder = Some(writer);
