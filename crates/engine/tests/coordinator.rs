@@ -902,10 +902,9 @@ async fn policy_refusals_are_typed_and_persist_nothing() {
     h.assert_gate_idle();
 }
 
-#[tokio::test]
-async fn depth_budget_and_background_limits_reach_the_model_as_tool_errors() {
-    // depth: root → a → b → c with max depth 2: b's delegate call is refused.
-    let mut s = setup(
+/// The root may call a; a delegates to b once, b to c once.
+fn chain_a_b_c() -> Setup {
+    setup(
         vec![
             agent("a").delegates(&["b"]).script(vec![
                 delegate_call("b", "go"),
@@ -918,7 +917,13 @@ async fn depth_budget_and_background_limits_reach_the_model_as_tool_errors() {
             agent("c"),
         ],
         &["a"],
-    );
+    )
+}
+
+#[tokio::test]
+async fn depth_budget_and_background_limits_reach_the_model_as_tool_errors() {
+    // depth: root → a → b → c with max depth 2: b's delegate call is refused.
+    let mut s = chain_a_b_c();
     s.config.max_tree_depth = 2;
     let h = s.build();
     let r = foreground_results(
@@ -932,20 +937,7 @@ async fn depth_budget_and_background_limits_reach_the_model_as_tool_errors() {
     assert_eq!(h.runs().await.len(), 2, "no run for c");
 
     // budget: 2 runs per tree; a → b succeeds, b → c is the third run.
-    let mut s = setup(
-        vec![
-            agent("a").delegates(&["b"]).script(vec![
-                delegate_call("b", "go"),
-                ScriptedResponse::text("a ok"),
-            ]),
-            agent("b").delegates(&["c"]).script(vec![
-                delegate_call("c", "go"),
-                ScriptedResponse::text("b ok"),
-            ]),
-            agent("c"),
-        ],
-        &["a"],
-    );
+    let mut s = chain_a_b_c();
     s.config.max_runs_per_tree = 2;
     let h2 = s.build();
     h2.coord

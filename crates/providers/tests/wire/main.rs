@@ -116,6 +116,15 @@ async fn refused(p: &dyn Provider) -> ProviderError {
     }
 }
 
+/// Streams `request` (which must be accepted) and drains the stream.
+async fn stream_all(
+    p: &dyn Provider,
+    request: &ChatRequest,
+) -> (Vec<StreamEvent>, Option<ProviderError>) {
+    let stream = p.stream(request, CancellationToken::new()).await.unwrap();
+    drain(stream).await
+}
+
 async fn drain(mut stream: ProviderStream) -> (Vec<StreamEvent>, Option<ProviderError>) {
     let mut events = Vec::new();
     while let Some(item) = stream.next().await {
@@ -161,11 +170,7 @@ fn hello_events() -> Vec<StreamEvent> {
 async fn text_stream<W: Wire>() {
     let server = Server::start(vec![Reply::sse(W::text())]).await;
     let (p, w) = provider::<W>(&server);
-    let stream = p
-        .stream(&simple_request(), CancellationToken::new())
-        .await
-        .unwrap();
-    let (events, error) = drain(stream).await;
+    let (events, error) = stream_all(&*p, &simple_request()).await;
     assert_eq!(error, None);
     assert_eq!(events, hello_events());
     let requests = server.requests();
@@ -196,11 +201,7 @@ async fn request_mapping<W: Wire>() {
 async fn split_parallel_tool_calls<W: Wire>() {
     let server = Server::start(vec![Reply::sse(W::tool_calls())]).await;
     let (p, _) = provider::<W>(&server);
-    let stream = p
-        .stream(&rich_request(), CancellationToken::new())
-        .await
-        .unwrap();
-    let (events, error) = drain(stream).await;
+    let (events, error) = stream_all(&*p, &rich_request()).await;
     assert_eq!(error, None);
     for index in [0, 1] {
         let deltas = events
@@ -319,11 +320,7 @@ async fn server_error_then_success<W: Wire>() {
     ])
     .await;
     let (p, w) = provider::<W>(&server);
-    let stream = p
-        .stream(&simple_request(), CancellationToken::new())
-        .await
-        .unwrap();
-    let (events, error) = drain(stream).await;
+    let (events, error) = stream_all(&*p, &simple_request()).await;
     assert_eq!(error, None);
     assert_eq!(events, hello_events());
     assert_eq!(server.requests().len(), 3);
@@ -391,11 +388,7 @@ async fn stream_cut_midway<W: Wire>() {
     ])
     .await;
     let (p, _) = provider::<W>(&server);
-    let stream = p
-        .stream(&simple_request(), CancellationToken::new())
-        .await
-        .unwrap();
-    let (events, error) = drain(stream).await;
+    let (events, error) = stream_all(&*p, &simple_request()).await;
     assert_eq!(events, [StreamEvent::TextDelta { text: "Hel".into() }]);
     assert!(
         matches!(error, Some(ProviderError::StreamInterrupted(_))),
@@ -428,11 +421,7 @@ async fn cut_before_output_is_retried<W: Wire>() {
     ])
     .await;
     let (p, w) = provider::<W>(&server);
-    let stream = p
-        .stream(&simple_request(), CancellationToken::new())
-        .await
-        .unwrap();
-    let (events, error) = drain(stream).await;
+    let (events, error) = stream_all(&*p, &simple_request()).await;
     assert_eq!(error, None);
     assert_eq!(events, hello_events());
     assert_eq!(server.requests().len(), 2);
@@ -444,11 +433,7 @@ async fn malformed_chunk<W: Wire>() {
     frames.push(W::malformed());
     let server = Server::start(vec![Reply::sse(frames).ending(End::Stall)]).await;
     let (p, _) = provider::<W>(&server);
-    let stream = p
-        .stream(&simple_request(), CancellationToken::new())
-        .await
-        .unwrap();
-    let (events, error) = drain(stream).await;
+    let (events, error) = stream_all(&*p, &simple_request()).await;
     assert_eq!(events, [StreamEvent::TextDelta { text: "Hel".into() }]);
     assert!(
         matches!(error, Some(ProviderError::Protocol(_))),
@@ -463,11 +448,7 @@ async fn malformed_before_output_is_not_retried<W: Wire>() {
     ])
     .await;
     let (p, w) = provider::<W>(&server);
-    let stream = p
-        .stream(&simple_request(), CancellationToken::new())
-        .await
-        .unwrap();
-    let (events, error) = drain(stream).await;
+    let (events, error) = stream_all(&*p, &simple_request()).await;
     assert!(events.is_empty());
     assert!(
         matches!(error, Some(ProviderError::Protocol(_))),
@@ -534,11 +515,7 @@ async fn read_timeout_mid_stream<W: Wire>() {
     let mut c = config::<W>(&server);
     c.read_timeout = Duration::from_millis(500);
     let p = W::provider(c, sleep);
-    let stream = p
-        .stream(&simple_request(), CancellationToken::new())
-        .await
-        .unwrap();
-    let (events, error) = drain(stream).await;
+    let (events, error) = stream_all(&*p, &simple_request()).await;
     assert_eq!(events, [StreamEvent::TextDelta { text: "Hel".into() }]);
     assert!(
         matches!(error, Some(ProviderError::Timeout(_))),
@@ -557,11 +534,7 @@ async fn read_timeout_before_output_is_retried<W: Wire>() {
     let mut c = config::<W>(&server);
     c.read_timeout = Duration::from_millis(500);
     let p = W::provider(c, sleep);
-    let stream = p
-        .stream(&simple_request(), CancellationToken::new())
-        .await
-        .unwrap();
-    let (events, error) = drain(stream).await;
+    let (events, error) = stream_all(&*p, &simple_request()).await;
     assert_eq!(error, None);
     assert_eq!(events, hello_events());
     assert_eq!(server.requests().len(), 2);
