@@ -3,6 +3,11 @@
 //! on one line with a line number inside the input. Each input is parsed
 //! twice: as a whole file, and wrapped as the frontmatter of a file (so the
 //! fuzzer reaches the YAML walk without first having to find `---\n`).
+//!
+//! `cargo xtask fuzz catalog` starts from the committed seeds in
+//! `fuzz/seeds/catalog_frontmatter/` (every past finding is one) and reports
+//! an input that runs longer than a few seconds as a hang. keel-catalog's
+//! tests parse every seed too, so a regression fails CI without nightly.
 #![no_main]
 
 use std::path::Path;

@@ -245,6 +245,9 @@ fn bench(args: &[String]) -> Result<(), String> {
     Ok(())
 }
 
+/// Seconds one fuzz input may run before libFuzzer reports it as a timeout.
+const FUZZ_INPUT_TIMEOUT_SECS: u32 = 5;
+
 fn fuzz(args: &[String]) -> Result<(), String> {
     let target = match args.first().map(String::as_str) {
         Some("catalog") => "catalog_frontmatter",
@@ -263,14 +266,24 @@ fn fuzz(args: &[String]) -> Result<(), String> {
         println!("fuzz: installing cargo-fuzz (once)");
         run(&mut cargo_cmd(&["install", "--locked", "cargo-fuzz"]))?;
     }
+    // New inputs go to the (ignored) corpus; the committed seeds, regressions
+    // included, are read from fuzz/seeds/<target> on every run.
+    let corpus = format!("corpus/{target}");
+    let seeds = format!("seeds/{target}");
+    std::fs::create_dir_all(root().join("fuzz").join(&corpus))
+        .map_err(|e| format!("cannot create fuzz/{corpus}: {e}"))?;
     let status = Command::new("cargo")
         .args([
             "+nightly",
             "fuzz",
             "run",
             target,
+            &corpus,
+            &seeds,
             "--",
             &format!("-max_total_time={seconds}"),
+            // A parse that takes this long is a hang: report it as a finding.
+            &format!("-timeout={FUZZ_INPUT_TIMEOUT_SECS}"),
         ])
         .current_dir(root().join("fuzz"))
         .status()

@@ -86,8 +86,11 @@ fn key_of(content: &str) -> Option<&str> {
 }
 
 /// 1-based character column of the first `key:` in `line` that is not part of
-/// a longer word.
+/// a longer word. An empty key (`{"": 1}`) has no text to find.
 fn column_in_line(line: &str, key: &str) -> Option<usize> {
+    if key.is_empty() {
+        return None;
+    }
     let mut from = 0;
     while let Some(pos) = line[from..].find(key) {
         let start = from + pos;
@@ -100,6 +103,7 @@ fn column_in_line(line: &str, key: &str) -> Option<usize> {
         if before_ok && after_ok {
             return Some(line[..start].chars().count() + 1);
         }
+        // Every round moves forward, so the scan ends on any input.
         from = end;
     }
     None
@@ -278,6 +282,7 @@ mod tests {
         assert_eq!(l.locate(&[Seg::Key("nope")]), None);
         assert_eq!(flow_item_column("tools: [a, \"b,c\", d]", 2), Some(19));
         assert_eq!(flow_item_column("tools: [a]", 1), None);
+        assert_eq!(column_in_line("limits: {\"\": 1}", ""), None);
         assert_eq!(l.second_key(0, 0, "id"), None);
         assert_eq!(
             render_path(&[Seg::Key("signal"), Seg::Key("severities"), Seg::Index(2)]),

@@ -916,3 +916,36 @@ fn fuzz_regression_keys_with_line_breaks_render_on_one_line() {
     );
     assert_eq!(d.to_string(), r"a\nb.md: x\ny\u{2028}z");
 }
+
+/// Parses `bytes` on another thread; a parse still running after `secs`
+/// fails the test instead of hanging it (the fuzz target's time limit).
+fn parse_within(name: &str, bytes: Vec<u8>, secs: u64) -> Result<AgentDefinition, Vec<Diagnostic>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let file = name.to_owned();
+    std::thread::spawn(move || {
+        let _ = tx.send(parse_definition_bytes(Path::new(&file), &bytes));
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(secs))
+        .unwrap_or_else(|_| panic!("parsing {name} took more than {secs} s"))
+}
+
+#[test]
+fn fuzz_regression_an_empty_key_in_a_flow_mapping_is_reported_not_spun_on() {
+    let text = "---\nid: a\ndescription: d\nllm_profile: default\nlimits: {\"\": 1}\n---\nBody.\n";
+    let diags = parse_within("agent.md", text.as_bytes().to_vec(), 10).unwrap_err();
+    insta::assert_snapshot!(render(&diags), @r#"agent.md:5:1: limits."": unknown key `""` in `limits`; known keys: max_iterations, timeout_secs, max_output_tokens, max_children"#);
+}
+
+#[test]
+fn every_fuzz_seed_parses_within_the_time_limit() {
+    let seeds = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds/catalog_frontmatter");
+    let mut names = Vec::new();
+    for entry in fs::read_dir(&seeds).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let parsed = parse_within(&name, fs::read(&path).unwrap(), 10);
+        assert_eq!(parsed.is_ok(), name == "valid.md", "{name}: {parsed:?}");
+        names.push(name);
+    }
+    assert!(names.len() >= 5, "{names:?}");
+}
