@@ -595,6 +595,7 @@ pub(crate) struct Db {
 impl Db {
     /// Opens (creating and migrating if needed) the database at `path`.
     pub(crate) fn open(path: &Path, opts: StoreOptions) -> Result<Self> {
+        restrict_to_owner(path)?;
         let mut conn = open_writer(path, &opts)?;
         let checkpoint_due = watch_wal(&mut conn, opts.wal_autocheckpoint_pages)?;
         let retry_delays = Arc::new(opts.retry_delays.clone());
@@ -724,12 +725,21 @@ impl Db {
         let delays = Arc::clone(&self.retry_delays);
         let mut f = f;
         let job: ReadJob = Box::new(move |conn: &Connection| {
-            let _ = tx.send(with_retries(&delays, || {
-                let tx = conn.unchecked_transaction()?;
-                let out = f(&tx);
-                drop(tx);
-                out
-            }));
+            // A panic fails this read alone; the reader thread (and its
+            // connection) must survive it, or each one would shrink the pool.
+            let answer = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                with_retries(&delays, || {
+                    let tx = conn.unchecked_transaction()?;
+                    let out = f(&tx);
+                    drop(tx);
+                    out
+                })
+            }))
+            .unwrap_or_else(|_| {
+                tracing::error!("a read request panicked");
+                Err(StoreError::Sqlite("read request panicked".into()))
+            });
+            let _ = tx.send(answer);
         });
         {
             let guard = self.reader_tx.lock();
@@ -751,6 +761,42 @@ impl Drop for Db {
             let _ = t.join();
         }
     }
+}
+
+/// Creates the database file readable by its owner only (0600), or tightens
+/// an existing one and its WAL and shared-memory files; SQLite creates the
+/// WAL and shared-memory files with the database file's mode.
+#[cfg(unix)]
+fn restrict_to_owner(path: &Path) -> Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let io = |what: &Path, e: std::io::Error| StoreError::Io {
+        attempts: 1,
+        message: format!("cannot restrict {} to its owner: {e}", what.display()),
+    };
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| io(path, e))?;
+    for suffix in ["", "-wal", "-shm"] {
+        let mut file = path.as_os_str().to_owned();
+        file.push(suffix);
+        let file = PathBuf::from(file);
+        let Ok(meta) = std::fs::metadata(&file) else {
+            continue;
+        };
+        if meta.permissions().mode() & 0o077 != 0 {
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600))
+                .map_err(|e| io(&file, e))?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(not(unix))]
+fn restrict_to_owner(_path: &Path) -> Result<()> {
+    Ok(())
 }
 
 /// Starts a named thread of the store.
@@ -972,6 +1018,21 @@ mod tests {
             assert!(!ids.iter().any(|id| id == "doomed"), "{ids:?}");
             drop(db);
         }
+    }
+
+    #[tokio::test]
+    async fn a_panicking_read_fails_alone_and_the_reader_survives() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // One reader: had the panic taken it down, every later read would fail.
+        let db = open(&dir, Synchronous::Normal);
+        for _ in 0..3 {
+            let err = db
+                .read(|_| -> Result<()> { panic!("bug in a read request") })
+                .await
+                .unwrap_err();
+            assert!(err.to_string().contains("panicked"), "{err}");
+        }
+        assert_eq!(db.read(count).await.expect("read after panics"), 0);
     }
 
     /// With FULL every write goes to the writer thread; a request that

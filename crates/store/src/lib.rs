@@ -153,4 +153,44 @@ mod tests {
         assert_send(&store.load_messages(id, MessageFilter::default()));
         assert_send(&store.touch_session(id, 1));
     }
+
+    /// Transcripts and tool output are private: nobody but the owner may read
+    /// the database, its WAL or its shared-memory file, whatever the umask.
+    #[cfg(unix)]
+    #[tokio::test]
+    async fn the_database_and_its_wal_are_private_to_the_owner() {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |p: &Path| std::fs::metadata(p).expect("stat").permissions().mode() & 0o777;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("keel.db");
+        // An older keel left the file world-readable: opening tightens it.
+        std::fs::write(&path, b"").expect("create");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        for fresh in [false, true] {
+            let path = if fresh {
+                dir.path().join("new.db")
+            } else {
+                path.clone()
+            };
+            let store = Store::open(&path, StoreOptions::default()).expect("open");
+            store
+                .create_session(NewSession {
+                    id: keel_core::SessionId::new(),
+                    channel: "c".into(),
+                    chat_id: "c".into(),
+                    dialog_id: "d".into(),
+                    title: "t".into(),
+                    agent_id: None,
+                    parent_id: None,
+                    delivery_context: None,
+                    now_ms: 1,
+                })
+                .await
+                .expect("write");
+            for suffix in ["", "-wal", "-shm"] {
+                let file = std::path::PathBuf::from(format!("{}{suffix}", path.display()));
+                assert_eq!(mode(&file), 0o600, "{}", file.display());
+            }
+        }
+    }
 }
