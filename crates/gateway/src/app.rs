@@ -85,6 +85,20 @@ pub struct App {
     pub offline_notice: Option<&'static str>,
 }
 
+/// Creates the data directory (and missing parents) readable by its owner
+/// only (0700): it holds the database, with every transcript. An existing
+/// directory is left as it is.
+pub fn create_data_dir(path: &Path) -> Result<(), AppError> {
+    let mut builder = std::fs::DirBuilder::new();
+    builder.recursive(true);
+    #[cfg(unix)]
+    std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o700);
+    builder.create(path).map_err(io_err(format!(
+        "cannot create data directory {}",
+        path.display()
+    )))
+}
+
 /// The database file inside a data directory.
 pub fn database_path(data_dir: &Path) -> PathBuf {
     data_dir.join("keel.db")
@@ -104,10 +118,7 @@ impl App {
         let loaded = Config::load(config_file, data_dir)?;
         let config = &loaded.config;
         let data_dir = config.data_dir();
-        std::fs::create_dir_all(&data_dir).map_err(io_err(format!(
-            "cannot create data directory {}",
-            data_dir.display()
-        )))?;
+        create_data_dir(&data_dir)?;
         let store = Store::open(database_path(&data_dir), config.store_options())?;
         let scripted: Option<Arc<dyn Provider>> = match script {
             Some(path) => Some(Arc::new(ScriptedProvider::from_file(path)?)),

@@ -259,7 +259,8 @@ pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode, AppError> {
     let data_dir = data_dir.unwrap_or_else(|| temp.0.join("data"));
     let workspace = temp.0.join("workspace");
     let agents_dir = temp.0.join("agents");
-    for dir in [&data_dir, &workspace, &agents_dir] {
+    crate::app::create_data_dir(&data_dir)?;
+    for dir in [&workspace, &agents_dir] {
         std::fs::create_dir_all(dir).map_err(io_err(format!("cannot create {}", dir.display())))?;
     }
     std::fs::write(workspace.join("notes.md"), NOTES)
