@@ -242,13 +242,22 @@ fn interrupts() -> Result<mpsc::UnboundedReceiver<()>, AppError> {
 }
 
 impl Chat {
+    /// Writes `text` with its control characters made inert: titles, model
+    /// answers and tool output may come from anyone.
+    fn put(&mut self, text: &str) {
+        let _ = self
+            .out
+            .write_all(crate::terminal::neutralize(text).as_bytes());
+    }
+
     fn say(&mut self, text: &str) {
-        let _ = writeln!(self.out, "{text}");
+        self.put(text);
+        self.put("\n");
         let _ = self.out.flush();
     }
 
     fn prompt(&mut self) {
-        let _ = write!(self.out, "you> ");
+        self.put("you> ");
         let _ = self.out.flush();
     }
 
@@ -282,32 +291,32 @@ impl Chat {
             match event {
                 TurnEvent::Stream(StreamEvent::TextDelta { text }) => {
                     if needs_prefix {
-                        let _ = write!(self.out, "keel> ");
+                        self.put("keel> ");
                         needs_prefix = false;
                     }
-                    let _ = write!(self.out, "{text}");
+                    self.put(&text);
                     at_line_start = text.ends_with('\n');
                 }
                 TurnEvent::ToolStarted { call } => {
                     if !at_line_start {
-                        let _ = writeln!(self.out);
+                        self.put("\n");
                     }
                     let args = one_line(&call.arguments.to_string(), 80);
-                    let _ = writeln!(self.out, "  [tool] {}({args})", call.name);
+                    self.say(&format!("  [tool] {}({args})", call.name));
                     at_line_start = true;
                 }
                 TurnEvent::ToolFinished { name, output, .. } => {
                     let mark = if output.is_error { "error" } else { "ok" };
                     let first = one_line(&output.content, 100);
-                    let _ = writeln!(self.out, "  [{name} {mark}] {first}");
+                    self.say(&format!("  [{name} {mark}] {first}"));
                     at_line_start = true;
                     needs_prefix = true;
                 }
                 TurnEvent::SystemNotice { text } => {
                     if !at_line_start {
-                        let _ = writeln!(self.out);
+                        self.put("\n");
                     }
-                    let _ = writeln!(self.out, "[notice] {text}");
+                    self.say(&format!("[notice] {text}"));
                     at_line_start = true;
                 }
                 TurnEvent::Stream(_) => {}
@@ -315,7 +324,7 @@ impl Chat {
             let _ = self.out.flush();
         }
         if !at_line_start {
-            let _ = writeln!(self.out);
+            self.put("\n");
         }
         match finalize.await {
             Ok(Ok(_)) => {}
@@ -468,26 +477,49 @@ impl Chat {
     }
 
     async fn resolve_checkpoint(&self, text: &str) -> Result<CheckpointId, AppError> {
-        let wanted = text.to_ascii_lowercase().replace('-', "");
         let list = self.manager.list_checkpoints(self.current).await?;
-        let matches: Vec<&CheckpointRecord> = list
-            .iter()
-            .filter(|c| {
-                let full = c.id.to_string().replace('-', "");
-                full == wanted || full.ends_with(&wanted)
-            })
-            .collect();
-        match matches.as_slice() {
-            [one] => Ok(one.id),
-            [] => Err(EngineError::InvalidInput(format!(
-                "no checkpoint {text} in this dialog (see /checkpoints)"
-            ))
-            .into()),
-            _ => Err(EngineError::InvalidInput(format!(
-                "{text} matches several checkpoints; give more digits"
-            ))
-            .into()),
+        let ids: Vec<CheckpointId> = list.iter().map(|c| c.id).collect();
+        pick_checkpoint(text, &ids).map_err(|e| EngineError::InvalidInput(e).into())
+    }
+}
+
+/// The checkpoint whose id ends with the hex digits of `text` (dashes
+/// ignored, as in the short ids `/checkpoints` shows). No digits, no match
+/// or several matches is an error naming the candidates, never a guess.
+pub fn pick_checkpoint(text: &str, ids: &[CheckpointId]) -> Result<CheckpointId, String> {
+    let wanted = text.to_ascii_lowercase().replace('-', "");
+    let candidates = |ids: &[&CheckpointId]| {
+        let mut shown: Vec<String> = ids.iter().take(10).map(short).collect();
+        if ids.len() > 10 {
+            shown.push(format!("… {} more", ids.len() - 10));
         }
+        shown.join(", ")
+    };
+    if wanted.is_empty() || !wanted.chars().all(|c| c.is_ascii_hexdigit()) {
+        let all: Vec<&CheckpointId> = ids.iter().collect();
+        return Err(if all.is_empty() {
+            format!("{text:?} is not a checkpoint id, and this dialog has no checkpoints yet")
+        } else {
+            format!(
+                "{text:?} is not a checkpoint id; give the hex digits of one of: {}",
+                candidates(&all)
+            )
+        });
+    }
+    let matches: Vec<&CheckpointId> = ids
+        .iter()
+        .filter(|id| id.to_string().replace('-', "").ends_with(&wanted))
+        .collect();
+    match matches.as_slice() {
+        [one] => Ok(**one),
+        [] => Err(format!(
+            "no checkpoint {text} in this dialog (see /checkpoints)"
+        )),
+        several => Err(format!(
+            "{text} matches {} checkpoints: {}; give more digits",
+            several.len(),
+            candidates(several)
+        )),
     }
 }
 
@@ -588,6 +620,33 @@ mod tests {
         - /info takes no argument
         - /fork needs a checkpoint id
         ");
+    }
+
+    #[test]
+    fn a_checkpoint_is_picked_only_by_a_unique_suffix_of_hex_digits() {
+        let ids: Vec<CheckpointId> = [
+            "0190f3a2-7b1c-7def-8abc-0123456789ab",
+            "0190f3a2-7b1c-7def-8abc-0123456700ab",
+            "0190f3a2-7b1c-7def-8abc-0123456789cd",
+        ]
+        .iter()
+        .map(|s| s.parse().unwrap())
+        .collect();
+        assert_eq!(pick_checkpoint("456789AB", &ids), Ok(ids[0]));
+        assert_eq!(pick_checkpoint("0123-456789cd", &ids), Ok(ids[2]));
+        let errors: Vec<String> = ["-", " ", "ab", "zz", "ef"]
+            .iter()
+            .map(|t| pick_checkpoint(t, &ids).unwrap_err())
+            .chain([pick_checkpoint("-", &[]).unwrap_err()])
+            .collect();
+        insta::assert_yaml_snapshot!(errors, @r#"
+        - "\"-\" is not a checkpoint id; give the hex digits of one of: 456789ab, 456700ab, 456789cd"
+        - "\" \" is not a checkpoint id; give the hex digits of one of: 456789ab, 456700ab, 456789cd"
+        - "ab matches 2 checkpoints: 456789ab, 456700ab; give more digits"
+        - "\"zz\" is not a checkpoint id; give the hex digits of one of: 456789ab, 456700ab, 456789cd"
+        - no checkpoint ef in this dialog (see /checkpoints)
+        - "\"-\" is not a checkpoint id, and this dialog has no checkpoints yet"
+        "#);
     }
 
     #[test]

@@ -10,3 +10,4 @@ pub mod chat;
 pub mod cli;
 pub mod config;
 pub mod demo;
+pub mod terminal;

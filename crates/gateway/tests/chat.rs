@@ -334,3 +334,89 @@ fn chat_with_a_defined_agent_directly() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown agent \"ghost\""));
 }
+
+#[test]
+fn escape_sequences_from_the_model_and_tools_are_shown_inert() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let ws = dir.path().join("ws");
+    std::fs::create_dir_all(&data).unwrap();
+    std::fs::create_dir_all(&ws).unwrap();
+    std::fs::write(data.join("keel.toml"), "workspace_root = \"../ws\"\n").unwrap();
+    // A file that clears the screen and rings the bell when printed raw.
+    std::fs::write(ws.join("evil.txt"), "\u{1b}[2J\u{7}gotcha\r\n").unwrap();
+    // OSC 52 sets the clipboard; CSI 8-bit (U+009B) and a lone CR hide text.
+    let s = script(
+        dir.path(),
+        r#"
+responses:
+  - tool_calls: [{name: "read_file\e[31m", arguments: {path: evil.txt}}]
+  - tool_calls: [{name: read_file, arguments: {path: evil.txt}}]
+  - text: "copy \e]52;c;cm0gLXJmIH4=\a done\u009b1A\rhidden\tend\nnext line"
+"#,
+    );
+    let (out, err, ok) = keel(&data, &s, "eve", "show me the file\n");
+    assert!(ok, "{err}");
+    for c in out.chars() {
+        assert!(
+            !c.is_control() || c == '\n' || c == '\t',
+            "raw control {c:?} in:\n{out}"
+        );
+    }
+    insta::assert_snapshot!(out, @r#"
+    keel chat — dialog default "Dialog default" (0 messages). /help lists commands.
+    > show me the file
+      [tool] read_file\u{1b}[31m({"path":"evil.txt"})
+      [read_file\u{1b}[31m error] error: unknown tool "read_file\u{1b}[31m"
+      [tool] read_file({"path":"evil.txt"})
+      [read_file ok] \u{1b}[2J\u{7}gotcha
+    keel> copy \u{1b}]52;c;cm0gLXJmIH4=\u{7} done\u{9b}1A\u{d}hidden	end
+    next line
+    "#);
+}
+
+#[test]
+fn rollback_with_an_empty_or_ambiguous_checkpoint_lists_the_candidates() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let s = script(dir.path(), "when_exhausted: echo\n");
+    let input = "one\n/rollback -\ntwo\n/rollback -\n/rollback  --\n/rollback x-y\n/info\n";
+    let (out, err, ok) = keel(&data, &s, "gina", input);
+    assert!(ok, "{err}");
+    assert!(!out.contains("rolled back"), "{out}");
+    assert!(out.contains("turns 2"), "nothing was rolled back:\n{out}");
+    insta::assert_snapshot!(redact(&out), @r#"
+    keel chat — dialog default "Dialog default" (0 messages). /help lists commands.
+    > one
+    keel> (offline) I am keel's built-in offline model, so I can only acknowledge: "one". Configure a provider in keel.toml to talk to a real LLM.
+    > /rollback -
+    error: invalid input: "-" is not a checkpoint id; give the hex digits of one of: <id1>
+    > two
+    keel> (offline) I am keel's built-in offline model, so I can only acknowledge: "two". Configure a provider in keel.toml to talk to a real LLM.
+    > /rollback -
+    error: invalid input: "-" is not a checkpoint id; give the hex digits of one of: <id2>, <id1>
+    > /rollback  --
+    error: invalid input: "--" is not a checkpoint id; give the hex digits of one of: <id2>, <id1>
+    > /rollback x-y
+    error: invalid input: "x-y" is not a checkpoint id; give the hex digits of one of: <id2>, <id1>
+    > /info
+    dialog default "Dialog default"
+    agent root (scripted / scripted)
+    messages 2 · turns 2 · slot default · checkpoints 2
+    tokens 137 in / 68 out over 2 model calls
+    "#);
+}
+
+#[cfg(unix)]
+#[test]
+fn a_new_data_directory_is_private_to_the_owner() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("new/data");
+    let s = script(dir.path(), "when_exhausted: echo\n");
+    let (_, err, ok) = keel(&data, &s, "hal", "hi\n");
+    assert!(ok, "{err}");
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&data), 0o700);
+    assert_eq!(mode(&data.join("keel.db")), 0o600);
+}
