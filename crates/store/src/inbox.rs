@@ -6,9 +6,10 @@
 use keel_core::{Delivery, EventId, GroupId, RunId, RunStatus, SessionId, TurnId};
 use rusqlite::{params, Connection, Row};
 
+use crate::counters::{adjust_counters, next_revision, Revisions};
 use crate::error::{Result, StoreError};
 use crate::messages::{commit_turn_tx, encode, EncodedMessage, TurnCommit, TurnCommitted};
-use crate::runs::{adjust_counters, get_run_tx, next_revision, Revisions};
+use crate::runs::get_run_tx;
 use crate::util::{fresh_id, non_negative, parse, parse_opt};
 use crate::Store;
 

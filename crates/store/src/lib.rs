@@ -60,6 +60,7 @@
 #![warn(missing_docs)]
 
 mod checkpoints;
+mod counters;
 mod db;
 mod error;
 mod inbox;
@@ -75,6 +76,7 @@ use std::sync::Arc;
 pub use checkpoints::{
     CheckpointRecord, CheckpointSource, NewCheckpoint, PrunePolicy, PruneReport,
 };
+pub use counters::{CounterRepair, SessionCounters};
 pub use db::{CommitStats, StoreOptions, Synchronous};
 pub use error::{Result, StoreError};
 pub use inbox::{
@@ -87,9 +89,8 @@ pub use messages::{
 };
 pub use migrations::SCHEMA_VERSION;
 pub use runs::{
-    AcceptGroup, AcceptRun, AcceptedGroup, AcceptedRun, CancelReport, CounterRepair, GroupRecord,
-    GroupStatus, NewGroup, NewRun, RecoveryReport, RunCursor, RunRecord, SessionCounters,
-    TerminalCommit, TerminalOutcome,
+    AcceptGroup, AcceptRun, AcceptedGroup, AcceptedRun, CancelReport, GroupRecord, GroupStatus,
+    NewGroup, NewRun, RecoveryReport, RunCursor, RunRecord, TerminalCommit, TerminalOutcome,
 };
 pub use sessions::{DialogCursor, DialogQuery, NewSession, SessionRecord, TimelineId};
 

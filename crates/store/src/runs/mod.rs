@@ -1,0 +1,120 @@
+//! Durable sub-agent runs and groups: acceptance with completion-slot
+//! reservation, state transitions conditional on the execution id, the
+//! terminal commit that converts a reservation into an inbox event, session
+//! cancellation, and recovery of the runs older runtime generations left
+//! behind. Every public operation is exactly one transaction.
+//!
+//! The invariants the transactions keep: only the execution that owns a run
+//! (its `execution_id`) moves it, and it becomes terminal at most once; a
+//! background run (or an `All` group) holds one completion slot of its root
+//! session's inbox from acceptance until its terminal commit converts the
+//! slot into exactly one completion event or releases it.
+//!
+//! - `types`: the records, requests and reports;
+//! - `rows`: row ↔ record mapping and the inserts;
+//! - `lifecycle`: accept, transitions, terminal commit, cancellation;
+//! - `recovery`: what a new runtime generation does with the older ones' runs.
+
+mod lifecycle;
+mod recovery;
+mod rows;
+mod types;
+
+use keel_core::{GroupId, RunId, SessionId};
+use rusqlite::params;
+
+use crate::error::{Result, StoreError};
+use crate::{Page, Store};
+
+pub(crate) use rows::get_run_tx;
+pub use types::{
+    AcceptGroup, AcceptRun, AcceptedGroup, AcceptedRun, CancelReport, GroupRecord, GroupStatus,
+    NewGroup, NewRun, RecoveryReport, RunCursor, RunRecord, TerminalCommit, TerminalOutcome,
+};
+
+use rows::{get_group_tx, query_runs};
+
+/// Run statuses that can still change, as an SQL list.
+pub(crate) const NONTERMINAL_RUN: &str = "('queued', 'running', 'waiting_children')";
+
+impl Store {
+    /// One run.
+    pub async fn get_run(&self, run_id: RunId) -> Result<Option<RunRecord>> {
+        self.db.read(move |c| get_run_tx(c, &run_id)).await
+    }
+
+    /// One group.
+    pub async fn get_group(&self, group_id: GroupId) -> Result<Option<GroupRecord>> {
+        self.db.read(move |c| get_group_tx(c, &group_id)).await
+    }
+
+    /// Runs of a group, in creation order.
+    pub async fn group_runs(&self, group_id: GroupId) -> Result<Vec<RunRecord>> {
+        self.db
+            .read(move |c| {
+                query_runs(
+                    c,
+                    "WHERE group_id = ?1 ORDER BY rowid",
+                    [group_id.to_string()],
+                )
+            })
+            .await
+    }
+
+    /// Runs delegated by `parent_run_id`, oldest first.
+    pub async fn child_runs(&self, parent_run_id: RunId) -> Result<Vec<RunRecord>> {
+        self.db
+            .read(move |c| {
+                query_runs(
+                    c,
+                    "WHERE parent_run_id = ?1 ORDER BY created_at, id",
+                    [parent_run_id.to_string()],
+                )
+            })
+            .await
+    }
+
+    /// Runs of a root session, newest first, paginated by (created_at, id).
+    pub async fn list_runs(
+        &self,
+        root_session_id: SessionId,
+        cursor: Option<RunCursor>,
+        limit: usize,
+    ) -> Result<Page<RunRecord, RunCursor>> {
+        if limit == 0 || limit > 1000 {
+            return Err(StoreError::InvalidInput(format!(
+                "limit {limit} is outside 1..=1000"
+            )));
+        }
+        self.db
+            .read(move |c| {
+                let (at, id) = match &cursor {
+                    Some(cur) => (cur.created_at_ms, cur.id.to_string()),
+                    None => (i64::MAX, String::new()),
+                };
+                let mut items = query_runs(
+                    c,
+                    "WHERE root_session_id = ?1 AND (?2 OR (created_at, id) < (?3, ?4)) \
+                     ORDER BY created_at DESC, id DESC LIMIT ?5",
+                    params![
+                        root_session_id.to_string(),
+                        cursor.is_none(),
+                        at,
+                        id,
+                        i64::try_from(limit + 1).unwrap_or(i64::MAX)
+                    ],
+                )?;
+                let next_cursor = if items.len() > limit {
+                    items.truncate(limit);
+                    items.last().map(|r| RunCursor {
+                        created_at_ms: r.created_at_ms,
+                        id: r.id,
+                    })
+                } else {
+                    None
+                };
+                Ok(Page { items, next_cursor })
+            })
+            .await
+    }
+}

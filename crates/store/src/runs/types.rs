@@ -1,0 +1,442 @@
+//! The records, requests and reports of runs and groups.
+
+use keel_core::{
+    AgentId, CompletionPolicy, Delivery, EventId, ExecutionMode, GroupId, RunId, RunStatus,
+    SessionId, TurnId, Usage,
+};
+
+use crate::counters::CounterRepair;
+
+/// Lifecycle state of a run group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GroupStatus {
+    /// Accepted, no run started.
+    Queued,
+    /// At least one run started, not all terminal.
+    Running,
+    /// Every run completed.
+    Completed,
+    /// Some runs completed, some did not.
+    Partial,
+    /// No run completed.
+    Failed,
+    /// Every run timed out.
+    TimedOut,
+    /// Every run was cancelled.
+    Cancelled,
+    /// Every run was interrupted by a runtime restart.
+    Interrupted,
+}
+
+impl GroupStatus {
+    /// The stable text form used on disk.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GroupStatus::Queued => "queued",
+            GroupStatus::Running => "running",
+            GroupStatus::Completed => "completed",
+            GroupStatus::Partial => "partial",
+            GroupStatus::Failed => "failed",
+            GroupStatus::TimedOut => "timed_out",
+            GroupStatus::Cancelled => "cancelled",
+            GroupStatus::Interrupted => "interrupted",
+        }
+    }
+
+    /// Whether the group can no longer change state.
+    pub fn is_terminal(self) -> bool {
+        !matches!(self, GroupStatus::Queued | GroupStatus::Running)
+    }
+}
+
+impl std::str::FromStr for GroupStatus {
+    type Err = keel_core::UnknownVariant;
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        Ok(match s {
+            "queued" => Self::Queued,
+            "running" => Self::Running,
+            "completed" => Self::Completed,
+            "partial" => Self::Partial,
+            "failed" => Self::Failed,
+            "timed_out" => Self::TimedOut,
+            "cancelled" => Self::Cancelled,
+            "interrupted" => Self::Interrupted,
+            _ => {
+                return Err(keel_core::UnknownVariant {
+                    kind: "group status",
+                    value: s.chars().take(80).collect(),
+                })
+            }
+        })
+    }
+}
+
+/// A run to accept.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewRun {
+    /// Its id.
+    pub id: RunId,
+    /// The root session the run's tree belongs to (its inbox receives the completion).
+    pub root_session_id: SessionId,
+    /// The root turn that started the tree, if known.
+    pub root_turn_id: Option<TurnId>,
+    /// The delegating run (None when the root agent delegates).
+    pub parent_run_id: Option<RunId>,
+    /// The delegating agent.
+    pub caller_agent_id: AgentId,
+    /// The caller's scope for idempotency (its run id or the root turn).
+    pub caller_scope_id: String,
+    /// Idempotency key of a single-run request (ignored inside a group).
+    pub idempotency_key: Option<String>,
+    /// The agent definition that runs.
+    pub agent_id: AgentId,
+    /// Hash of that definition.
+    pub definition_hash: String,
+    /// Provider profile name.
+    pub provider_profile: String,
+    /// Provider name.
+    pub provider_name: String,
+    /// Model id.
+    pub model_id: String,
+    /// Foreground or background.
+    pub mode: ExecutionMode,
+    /// Delegation depth (1 for a child of the root).
+    pub depth: u32,
+    /// Bound plan item, if any.
+    pub plan_item_id: Option<String>,
+    /// The execution that owns the run; every later transition must present it.
+    pub execution_id: String,
+    /// The task text.
+    pub task: String,
+    /// Extra context (JSON).
+    pub context_json: Option<String>,
+    /// Budget (JSON).
+    pub budget_json: String,
+    /// Signal contract (JSON), if the definition has one.
+    pub signal_contract_json: Option<String>,
+    /// Delivery of the run's signals.
+    pub signal_delivery: Option<Delivery>,
+    /// Delivery of a successful completion.
+    pub completion_delivery: Option<Delivery>,
+    /// Delivery of a failed completion.
+    pub failure_delivery: Option<Delivery>,
+    /// Runtime generation that owns the run.
+    pub runtime_generation: u64,
+    /// Deadline (ms).
+    pub deadline_at_ms: i64,
+}
+
+/// A stored run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunRecord {
+    /// Its id.
+    pub id: RunId,
+    /// Its group, if it was accepted in a batch.
+    pub group_id: Option<GroupId>,
+    /// Root session.
+    pub root_session_id: SessionId,
+    /// Root turn, if known.
+    pub root_turn_id: Option<TurnId>,
+    /// Delegating run.
+    pub parent_run_id: Option<RunId>,
+    /// Delegating agent.
+    pub caller_agent_id: AgentId,
+    /// Caller scope.
+    pub caller_scope_id: String,
+    /// Idempotency key.
+    pub idempotency_key: Option<String>,
+    /// Agent definition.
+    pub agent_id: AgentId,
+    /// Definition hash.
+    pub definition_hash: String,
+    /// Provider profile.
+    pub provider_profile: String,
+    /// Provider name.
+    pub provider_name: String,
+    /// Model id.
+    pub model_id: String,
+    /// Foreground or background.
+    pub mode: ExecutionMode,
+    /// Delegation depth.
+    pub depth: u32,
+    /// Bound plan item.
+    pub plan_item_id: Option<String>,
+    /// Owning execution.
+    pub execution_id: String,
+    /// Task text.
+    pub task: String,
+    /// Extra context (JSON).
+    pub context_json: Option<String>,
+    /// Budget (JSON).
+    pub budget_json: String,
+    /// Signal contract (JSON).
+    pub signal_contract_json: Option<String>,
+    /// Signal delivery.
+    pub signal_delivery: Option<Delivery>,
+    /// Completion delivery.
+    pub completion_delivery: Option<Delivery>,
+    /// Failure delivery.
+    pub failure_delivery: Option<Delivery>,
+    /// Status.
+    pub status: RunStatus,
+    /// Full result of a completed run.
+    pub result: Option<String>,
+    /// Error of a failed, timed-out, cancelled or interrupted run.
+    pub error: Option<String>,
+    /// Token usage, once known.
+    pub usage: Option<Usage>,
+    /// Cost, once known.
+    pub cost: Option<f64>,
+    /// Tool calls made.
+    pub tool_calls_count: u32,
+    /// Loop iterations made.
+    pub iterations: u32,
+    /// Owning runtime generation.
+    pub runtime_generation: u64,
+    /// Attempt number.
+    pub attempt: u32,
+    /// Whether it holds a completion slot in the root inbox.
+    pub completion_slot_reserved: bool,
+    /// Deadline (ms).
+    pub deadline_at_ms: i64,
+    /// Client revision of its last change.
+    pub revision: u64,
+    /// Start time (ms).
+    pub started_at_ms: Option<i64>,
+    /// End time (ms).
+    pub finished_at_ms: Option<i64>,
+    /// Creation time (ms).
+    pub created_at_ms: i64,
+    /// Last update (ms).
+    pub updated_at_ms: i64,
+}
+
+/// A group to accept (a batch delegation).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewGroup {
+    /// Its id.
+    pub id: GroupId,
+    /// Root session.
+    pub root_session_id: SessionId,
+    /// Delegating run (None for the root agent).
+    pub caller_run_id: Option<RunId>,
+    /// Caller scope for idempotency.
+    pub caller_scope_id: String,
+    /// Idempotency key of the batch request.
+    pub idempotency_key: Option<String>,
+    /// Foreground or background.
+    pub mode: ExecutionMode,
+    /// One completion for the group (`All`) or one per run (`Each`).
+    pub completion_policy: CompletionPolicy,
+    /// Delivery of a successful group completion.
+    pub completion_delivery: Option<Delivery>,
+    /// Delivery of a group completion with failures.
+    pub failure_delivery: Option<Delivery>,
+    /// Deadline (ms).
+    pub deadline_at_ms: i64,
+    /// Owning runtime generation.
+    pub runtime_generation: u64,
+}
+
+/// A stored group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupRecord {
+    /// Its id.
+    pub id: GroupId,
+    /// Root session.
+    pub root_session_id: SessionId,
+    /// Delegating run.
+    pub caller_run_id: Option<RunId>,
+    /// Caller scope.
+    pub caller_scope_id: String,
+    /// Idempotency key.
+    pub idempotency_key: Option<String>,
+    /// Foreground or background.
+    pub mode: ExecutionMode,
+    /// Completion policy.
+    pub completion_policy: CompletionPolicy,
+    /// Runs in the group.
+    pub expected_runs: u32,
+    /// Runs that ended.
+    pub terminal_runs: u32,
+    /// Runs that ended other than completed.
+    pub abnormal_runs: u32,
+    /// Whether the group holds a completion slot.
+    pub completion_slot_reserved: bool,
+    /// Completion delivery.
+    pub completion_delivery: Option<Delivery>,
+    /// Failure delivery.
+    pub failure_delivery: Option<Delivery>,
+    /// Deadline (ms).
+    pub deadline_at_ms: i64,
+    /// Status.
+    pub status: GroupStatus,
+    /// Owning runtime generation.
+    pub runtime_generation: u64,
+    /// Client revision of its last change.
+    pub revision: u64,
+    /// Creation time (ms).
+    pub created_at_ms: i64,
+    /// Last update (ms).
+    pub updated_at_ms: i64,
+    /// End time (ms).
+    pub finished_at_ms: Option<i64>,
+}
+
+/// Accept one run (no group); a background run reserves a completion slot.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AcceptRun {
+    /// The run.
+    pub run: NewRun,
+    /// Inbox capacity of the root session (pending events + reservations).
+    pub inbox_capacity: u32,
+    /// Now (ms).
+    pub now_ms: i64,
+}
+
+/// Result of [`Store::accept_run`](crate::Store::accept_run).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AcceptedRun {
+    /// The run (the earlier one when `existing`).
+    pub run: RunRecord,
+    /// True when the idempotency key matched an earlier request; nothing was written.
+    pub existing: bool,
+}
+
+/// Accept a group of runs; background `All` reserves one slot for the group, `Each` one per run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AcceptGroup {
+    /// The group.
+    pub group: NewGroup,
+    /// Its runs (at least one; their idempotency keys are ignored).
+    pub runs: Vec<NewRun>,
+    /// Inbox capacity of the root session.
+    pub inbox_capacity: u32,
+    /// Now (ms).
+    pub now_ms: i64,
+}
+
+/// Result of [`Store::accept_agent_group`](crate::Store::accept_agent_group).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AcceptedGroup {
+    /// The group.
+    pub group: GroupRecord,
+    /// Its runs, in creation order.
+    pub runs: Vec<RunRecord>,
+    /// True when the idempotency key matched an earlier request; nothing was written.
+    pub existing: bool,
+}
+
+/// How a run ended, as reported by its runner.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TerminalOutcome {
+    /// Finished with a result.
+    Completed {
+        /// The full result.
+        result: String,
+        /// Tokens used.
+        usage: Usage,
+        /// Tool calls made.
+        tool_calls: u32,
+        /// Loop iterations made.
+        iterations: u32,
+    },
+    /// Finished with an error.
+    Failed {
+        /// The error.
+        error: String,
+        /// Tokens used, if known.
+        usage: Option<Usage>,
+    },
+    /// Passed its deadline.
+    TimedOut {
+        /// The deadline (ms).
+        deadline_at_ms: i64,
+    },
+    /// Cancelled.
+    Cancelled {
+        /// Why.
+        reason: String,
+    },
+    /// Stopped by a runtime restart.
+    Interrupted {
+        /// Why.
+        reason: String,
+    },
+}
+
+impl TerminalOutcome {
+    /// The run status this outcome records.
+    pub fn status(&self) -> RunStatus {
+        match self {
+            TerminalOutcome::Completed { .. } => RunStatus::Completed,
+            TerminalOutcome::Failed { .. } => RunStatus::Failed,
+            TerminalOutcome::TimedOut { .. } => RunStatus::TimedOut,
+            TerminalOutcome::Cancelled { .. } => RunStatus::Cancelled,
+            TerminalOutcome::Interrupted { .. } => RunStatus::Interrupted,
+        }
+    }
+}
+
+/// What a terminal commit did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TerminalCommit {
+    /// True for the one commit that moved the run to a terminal state; false for a late or stale one (nothing written).
+    pub won: bool,
+    /// The run as stored after the commit.
+    pub run: RunRecord,
+    /// The inbox event created (run completion or group completion), if any.
+    pub event_id: Option<EventId>,
+    /// The group, if this commit finished it.
+    pub finished_group: Option<GroupRecord>,
+}
+
+/// What [`Store::cancel_session`](crate::Store::cancel_session) changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CancelReport {
+    /// Runs moved to cancelled.
+    pub runs_cancelled: Vec<RunId>,
+    /// Groups moved to cancelled.
+    pub groups_cancelled: u64,
+    /// Completion slots released.
+    pub reservations_released: u64,
+    /// Inbox events dead-lettered.
+    pub events_dead_lettered: u64,
+}
+
+/// What [`Store::recover`](crate::Store::recover) changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    /// Runs of older generations moved to interrupted.
+    pub interrupted_runs: Vec<RunId>,
+    /// Completion events created for them (from their reservations).
+    pub completion_events: u64,
+    /// Groups finished during recovery.
+    pub groups_finished: u64,
+    /// Expired leases returned to pending.
+    pub leases_expired: u64,
+    /// Counters that were wrong, with before/after.
+    pub counters_repaired: Vec<CounterRepair>,
+    /// Root sessions that now have due pending events (wake each once).
+    pub sessions_with_due_events: Vec<SessionId>,
+}
+
+/// Where a run listing continues: the (created_at, id) of the last item seen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunCursor {
+    /// `created_at_ms` of the last item.
+    pub created_at_ms: i64,
+    /// `id` of the last item.
+    pub id: RunId,
+}
+
+/// What to do with a run's reserved completion when it ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CompletionHandling {
+    /// Turn the reservation into a pending event that asks for a continuation.
+    Deliver,
+    /// Record the event as already consumed, without a continuation (`/stop`).
+    Quiet,
+    /// Release the reservation, no event (session cancelled or deleted).
+    Release,
+}
