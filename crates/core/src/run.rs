@@ -15,11 +15,30 @@ pub struct UnknownVariant {
     pub value: String,
 }
 
+/// Declares a fieldless enum whose variants each have one stable text form
+/// (on disk and on the wire), with `ALL`, `as_str`, `Display`, and a
+/// `FromStr` whose error for any other text is [`UnknownVariant`]. Extra
+/// attributes before the name (docs, derives such as serde's) go on the enum.
+///
+/// ```
+/// keel_core::text_enum!(
+///     /// A colour.
+///     Colour, "colour" {
+///         /// Red.
+///         Red = "red",
+///         /// Dark blue.
+///         DarkBlue = "dark_blue",
+///     }
+/// );
+/// assert_eq!("dark_blue".parse::<Colour>(), Ok(Colour::DarkBlue));
+/// assert_eq!(Colour::ALL, [Colour::Red, Colour::DarkBlue]);
+/// assert!("blue".parse::<Colour>().is_err());
+/// ```
+#[macro_export]
 macro_rules! text_enum {
-    ($(#[$doc:meta])* $name:ident, $kind:literal { $($(#[$vdoc:meta])* $variant:ident = $text:literal),+ $(,)? }) => {
-        $(#[$doc])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-        #[serde(rename_all = "snake_case")]
+    ($(#[$attr:meta])* $name:ident, $kind:literal { $($(#[$vdoc:meta])* $variant:ident = $text:literal),+ $(,)? }) => {
+        $(#[$attr])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
         pub enum $name {
             $($(#[$vdoc])* $variant),+
         }
@@ -36,18 +55,18 @@ macro_rules! text_enum {
             }
         }
 
-        impl std::str::FromStr for $name {
-            type Err = UnknownVariant;
-            fn from_str(s: &str) -> Result<Self, UnknownVariant> {
+        impl ::std::str::FromStr for $name {
+            type Err = $crate::UnknownVariant;
+            fn from_str(s: &str) -> ::std::result::Result<Self, $crate::UnknownVariant> {
                 match s {
                     $($text => Ok($name::$variant),)+
-                    _ => Err(UnknownVariant { kind: $kind, value: s.chars().take(80).collect() }),
+                    _ => Err($crate::UnknownVariant { kind: $kind, value: s.chars().take(80).collect() }),
                 }
             }
         }
 
-        impl std::fmt::Display for $name {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        impl ::std::fmt::Display for $name {
+            fn fmt(&self, f: &mut ::std::fmt::Formatter<'_>) -> ::std::fmt::Result {
                 f.write_str(self.as_str())
             }
         }
@@ -56,6 +75,8 @@ macro_rules! text_enum {
 
 text_enum!(
     /// Lifecycle state of a sub-agent run.
+    #[derive(Serialize, Deserialize)]
+    #[serde(rename_all = "snake_case")]
     RunStatus, "run status" {
         /// Accepted and persisted, not started.
         Queued = "queued",
@@ -88,6 +109,8 @@ impl RunStatus {
 
 text_enum!(
     /// Whether the caller waits for a delegation.
+    #[derive(Serialize, Deserialize)]
+    #[serde(rename_all = "snake_case")]
     ExecutionMode, "execution mode" {
         /// The caller awaits the result.
         Foreground = "foreground",
@@ -98,6 +121,8 @@ text_enum!(
 
 text_enum!(
     /// When a background group reports back.
+    #[derive(Serialize, Deserialize)]
+    #[serde(rename_all = "snake_case")]
     CompletionPolicy, "completion policy" {
         /// One group completion after every run is terminal.
         All = "all",
@@ -108,6 +133,8 @@ text_enum!(
 
 text_enum!(
     /// How an inbox event reaches the root agent.
+    #[derive(Serialize, Deserialize)]
+    #[serde(rename_all = "snake_case")]
     Delivery, "delivery" {
         /// In a continuation turn after the current one.
         Queue = "queue",

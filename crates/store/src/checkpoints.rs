@@ -3,7 +3,7 @@
 //! not depend on history length; rollback and fork add a timeline that points
 //! at the old prefix instead of copying it.
 
-use keel_core::{CheckpointId, SessionId};
+use keel_core::{text_enum, CheckpointId, SessionId};
 use rusqlite::{params, Connection, OptionalExtension, Row};
 
 use crate::error::{Result, StoreError};
@@ -17,46 +17,19 @@ const PRUNE_BATCH: usize = 256;
 /// Message rows deleted per transaction when an unreachable timeline is dropped.
 const MESSAGE_DELETE_BATCH: i64 = 5_000;
 
-/// Why a checkpoint was taken.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum CheckpointSource {
-    /// Automatically after a committed turn.
-    Turn,
-    /// On request.
-    Manual,
-    /// By a rollback (its parent is the checkpoint rolled back to).
-    Rollback,
-    /// As the first checkpoint of a forked session (its parent is in the source session).
-    Fork,
-}
-
-impl CheckpointSource {
-    /// The stable text form used on disk.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            CheckpointSource::Turn => "turn",
-            CheckpointSource::Manual => "manual",
-            CheckpointSource::Rollback => "rollback",
-            CheckpointSource::Fork => "fork",
-        }
+text_enum!(
+    /// Why a checkpoint was taken.
+    CheckpointSource, "checkpoint source" {
+        /// Automatically after a committed turn.
+        Turn = "turn",
+        /// On request.
+        Manual = "manual",
+        /// By a rollback (its parent is the checkpoint rolled back to).
+        Rollback = "rollback",
+        /// As the first checkpoint of a forked session (its parent is in the source session).
+        Fork = "fork",
     }
-}
-
-impl std::str::FromStr for CheckpointSource {
-    type Err = keel_core::UnknownVariant;
-    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
-        match s {
-            "turn" => Ok(Self::Turn),
-            "manual" => Ok(Self::Manual),
-            "rollback" => Ok(Self::Rollback),
-            "fork" => Ok(Self::Fork),
-            _ => Err(keel_core::UnknownVariant {
-                kind: "checkpoint source",
-                value: s.chars().take(80).collect(),
-            }),
-        }
-    }
-}
+);
 
 /// A checkpoint to record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

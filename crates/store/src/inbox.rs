@@ -3,7 +3,7 @@
 //! with backoff and dead-lettering, and the continuation-turn commit that
 //! consumes the leased events together with the turn's messages.
 
-use keel_core::{Delivery, EventId, GroupId, RunId, RunStatus, SessionId, TurnId};
+use keel_core::{text_enum, Delivery, EventId, GroupId, RunId, RunStatus, SessionId, TurnId};
 use rusqlite::{params, Connection, Row};
 
 use crate::counters::{adjust_counters, next_revision, Revisions};
@@ -15,35 +15,6 @@ use crate::Store;
 
 /// Longest accepted signal payload, in bytes.
 pub const MAX_SIGNAL_PAYLOAD_BYTES: usize = 64 * 1024;
-
-macro_rules! text_enum {
-    ($(#[$doc:meta])* $name:ident, $kind:literal { $($(#[$vdoc:meta])* $variant:ident = $text:literal),+ $(,)? }) => {
-        $(#[$doc])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-        pub enum $name {
-            $($(#[$vdoc])* $variant),+
-        }
-
-        impl $name {
-            /// The stable text form used on disk.
-            pub fn as_str(self) -> &'static str {
-                match self {
-                    $($name::$variant => $text),+
-                }
-            }
-        }
-
-        impl std::str::FromStr for $name {
-            type Err = keel_core::UnknownVariant;
-            fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
-                match s {
-                    $($text => Ok($name::$variant),)+
-                    _ => Err(keel_core::UnknownVariant { kind: $kind, value: s.chars().take(80).collect() }),
-                }
-            }
-        }
-    };
-}
 
 text_enum!(
     /// What an event is about.

@@ -1,73 +1,38 @@
 //! The records, requests and reports of runs and groups.
 
 use keel_core::{
-    AgentId, CompletionPolicy, Delivery, EventId, ExecutionMode, GroupId, RunId, RunStatus,
-    SessionId, TurnId, Usage,
+    text_enum, AgentId, CompletionPolicy, Delivery, EventId, ExecutionMode, GroupId, RunId,
+    RunStatus, SessionId, TurnId, Usage,
 };
 
 use crate::counters::CounterRepair;
 
-/// Lifecycle state of a run group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum GroupStatus {
-    /// Accepted, no run started.
-    Queued,
-    /// At least one run started, not all terminal.
-    Running,
-    /// Every run completed.
-    Completed,
-    /// Some runs completed, some did not.
-    Partial,
-    /// No run completed.
-    Failed,
-    /// Every run timed out.
-    TimedOut,
-    /// Every run was cancelled.
-    Cancelled,
-    /// Every run was interrupted by a runtime restart.
-    Interrupted,
-}
+text_enum!(
+    /// Lifecycle state of a run group.
+    GroupStatus, "group status" {
+        /// Accepted, no run started.
+        Queued = "queued",
+        /// At least one run started, not all terminal.
+        Running = "running",
+        /// Every run completed.
+        Completed = "completed",
+        /// Some runs completed, some did not.
+        Partial = "partial",
+        /// No run completed.
+        Failed = "failed",
+        /// Every run timed out.
+        TimedOut = "timed_out",
+        /// Every run was cancelled.
+        Cancelled = "cancelled",
+        /// Every run was interrupted by a runtime restart.
+        Interrupted = "interrupted",
+    }
+);
 
 impl GroupStatus {
-    /// The stable text form used on disk.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            GroupStatus::Queued => "queued",
-            GroupStatus::Running => "running",
-            GroupStatus::Completed => "completed",
-            GroupStatus::Partial => "partial",
-            GroupStatus::Failed => "failed",
-            GroupStatus::TimedOut => "timed_out",
-            GroupStatus::Cancelled => "cancelled",
-            GroupStatus::Interrupted => "interrupted",
-        }
-    }
-
     /// Whether the group can no longer change state.
     pub fn is_terminal(self) -> bool {
         !matches!(self, GroupStatus::Queued | GroupStatus::Running)
-    }
-}
-
-impl std::str::FromStr for GroupStatus {
-    type Err = keel_core::UnknownVariant;
-    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
-        Ok(match s {
-            "queued" => Self::Queued,
-            "running" => Self::Running,
-            "completed" => Self::Completed,
-            "partial" => Self::Partial,
-            "failed" => Self::Failed,
-            "timed_out" => Self::TimedOut,
-            "cancelled" => Self::Cancelled,
-            "interrupted" => Self::Interrupted,
-            _ => {
-                return Err(keel_core::UnknownVariant {
-                    kind: "group status",
-                    value: s.chars().take(80).collect(),
-                })
-            }
-        })
     }
 }
 
