@@ -387,7 +387,7 @@ impl Harness {
         let runs = self.runs().await;
         let mut of: Vec<_> = runs
             .into_iter()
-            .filter(|r| r.agent_id.as_str() == agent)
+            .filter(|r| r.spec.agent_id.as_str() == agent)
             .collect();
         assert_eq!(of.len(), 1, "one run of {agent}");
         of.remove(0)
@@ -486,20 +486,20 @@ async fn foreground_run_is_persisted_in_full_and_the_tool_sees_a_bounded_preview
         Some(long.as_str()),
         "full result persisted"
     );
-    assert_eq!(run.mode, ExecutionMode::Foreground);
-    assert_eq!(run.depth, 1);
-    assert_eq!(run.parent_run_id, None);
-    assert_eq!(run.caller_agent_id.as_str(), "root");
-    assert_eq!(run.root_turn_id, Some(h.turn));
+    assert_eq!(run.spec.mode, ExecutionMode::Foreground);
+    assert_eq!(run.spec.depth, 1);
+    assert_eq!(run.spec.parent_run_id, None);
+    assert_eq!(run.spec.caller_agent_id.as_str(), "root");
+    assert_eq!(run.spec.root_turn_id, Some(h.turn));
     assert_eq!(
         (
-            run.provider_profile.as_str(),
-            run.provider_name.as_str(),
-            run.model_id.as_str()
+            run.spec.provider_profile.as_str(),
+            run.spec.provider_name.as_str(),
+            run.spec.model_id.as_str()
         ),
         ("writer", "test", "test-model")
     );
-    assert_eq!(run.context_json.as_deref(), Some(r#"{"topic":"x"}"#));
+    assert_eq!(run.spec.context_json.as_deref(), Some(r#"{"topic":"x"}"#));
     assert!(run.usage.is_some());
     assert!(
         !run.completion_slot_reserved,
@@ -512,7 +512,7 @@ async fn foreground_run_is_persisted_in_full_and_the_tool_sees_a_bounded_preview
         .text()
         .starts_with("write\n\nContext (JSON):\n{\"topic\":\"x\"}"));
     // The tool output is a bounded projection pointing at get_result.
-    let id = run.id.to_string();
+    let id = run.spec.id.to_string();
     let shown = out.content.replace(&id, "RUN");
     insta::assert_snapshot!(shown, @r#"
     [1] run RUN (writer) completed:
@@ -638,10 +638,13 @@ async fn nested_foreground_three_levels_completes_with_every_limit_at_one() {
         h.run_of("c").await,
     );
     for r in [&a, &b, &c] {
-        assert_eq!(r.status, RunStatus::Completed, "{}", r.agent_id);
+        assert_eq!(r.status, RunStatus::Completed, "{}", r.spec.agent_id);
     }
-    assert_eq!((a.depth, b.depth, c.depth), (1, 2, 3));
-    assert_eq!((b.parent_run_id, c.parent_run_id), (Some(a.id), Some(b.id)));
+    assert_eq!((a.spec.depth, b.spec.depth, c.spec.depth), (1, 2, 3));
+    assert_eq!(
+        (b.spec.parent_run_id, c.spec.parent_run_id),
+        (Some(a.spec.id), Some(b.spec.id))
+    );
     assert_eq!(a.result.as_deref(), Some("a done"));
     // Each parent saw its child's result as a tool result.
     assert!(tool_results(h.provider("a"))[0].contains("b done"));
@@ -809,7 +812,7 @@ async fn spawn_rejection_compensates_and_returns_no_id() {
     let runs = h.runs().await;
     assert_eq!(runs.len(), 4);
     for r in &runs {
-        assert_eq!(r.status, RunStatus::Cancelled, "{}", r.task);
+        assert_eq!(r.status, RunStatus::Cancelled, "{}", r.spec.task);
         assert!(r.error.as_deref().unwrap().contains("spawn rejected"));
         assert!(!r.completion_slot_reserved);
     }
@@ -1009,7 +1012,7 @@ async fn assert_cancelled_cleanly(
     let worker = h.run_of("worker").await;
     assert_eq!(worker.status, RunStatus::Cancelled);
     assert!(worker.result.is_none());
-    assert!(!h.coord.active_runs().contains(&worker.id));
+    assert!(!h.coord.active_runs().contains(&worker.spec.id));
 }
 
 #[tokio::test]
@@ -1235,10 +1238,10 @@ async fn a_late_result_after_a_timeout_is_dropped() {
     let ended = h
         .store
         .commit_terminal(
-            run.id,
-            run.execution_id.clone(),
+            run.spec.id,
+            run.spec.execution_id.clone(),
             TerminalOutcome::TimedOut {
-                deadline_at_ms: run.deadline_at_ms,
+                deadline_at_ms: run.spec.deadline_at_ms,
             },
             false,
             keel_core::time::now_ms(),
@@ -1250,7 +1253,7 @@ async fn a_late_result_after_a_timeout_is_dropped() {
     h.expect("worker:committed:completed:false").await;
     let r = foreground_results(call.await.unwrap().unwrap());
     assert_eq!(r, vec![(RunStatus::TimedOut, None)]);
-    let stored = h.run(run.id).await;
+    let stored = h.run(run.spec.id).await;
     assert_eq!((stored.status, stored.result), (RunStatus::TimedOut, None));
     h.assert_gate_idle();
 }
@@ -1271,7 +1274,7 @@ async fn the_reaper_ends_overdue_runs_without_a_runner() {
     let run = h.run(id).await;
     assert!(
         h.coord
-            .reap_overdue(run.deadline_at_ms + 1)
+            .reap_overdue(run.spec.deadline_at_ms + 1)
             .await
             .unwrap()
             .is_empty(),
@@ -1287,11 +1290,17 @@ async fn the_reaper_ends_overdue_runs_without_a_runner() {
     .await
     .unwrap();
     assert_eq!(
-        h.coord.reap_overdue(run.deadline_at_ms - 1).await.unwrap(),
+        h.coord
+            .reap_overdue(run.spec.deadline_at_ms - 1)
+            .await
+            .unwrap(),
         vec![]
     );
     assert_eq!(
-        h.coord.reap_overdue(run.deadline_at_ms + 1).await.unwrap(),
+        h.coord
+            .reap_overdue(run.spec.deadline_at_ms + 1)
+            .await
+            .unwrap(),
         vec![id]
     );
     assert_eq!(h.run(id).await.status, RunStatus::TimedOut);
@@ -1355,7 +1364,7 @@ async fn agent_task_is_scoped_to_the_callers_tree() {
         .delegate(h.root(), fg(vec![task("other", "o")]))
         .await
         .unwrap();
-    let other_id = h.run_of("other").await.id;
+    let other_id = h.run_of("other").await.spec.id;
     h.provider("a").inner.push([
         delegate_call("b", "child work"),
         ScriptedResponse::tool_call("agent_task", json!({"action": "list"})),
@@ -1373,7 +1382,7 @@ async fn agent_task_is_scoped_to_the_callers_tree() {
     let a_results = tool_results(h.provider("a"));
     let b = h.run_of("b").await;
     assert!(
-        a_results[1].contains(&b.id.to_string()),
+        a_results[1].contains(&b.spec.id.to_string()),
         "a lists its child"
     );
     assert!(
@@ -1392,7 +1401,7 @@ async fn agent_task_is_scoped_to_the_callers_tree() {
     assert_eq!(h.coord.list_runs(&root, 100).await.unwrap().len(), 3);
     assert_eq!(
         h.coord
-            .get_result(&root, b.id)
+            .get_result(&root, b.spec.id)
             .await
             .unwrap()
             .result
@@ -1400,17 +1409,17 @@ async fn agent_task_is_scoped_to_the_callers_tree() {
         Some("result of: child work")
     );
     let stranger = CallerContext::root(SessionId::new(), TurnId::new(), CancellationToken::new());
-    let not_found = CoordinatorError::NotFound(b.id.to_string());
+    let not_found = CoordinatorError::NotFound(b.spec.id.to_string());
     assert_eq!(
-        h.coord.get_run(&stranger, b.id).await.unwrap_err(),
+        h.coord.get_run(&stranger, b.spec.id).await.unwrap_err(),
         not_found
     );
     assert_eq!(
-        h.coord.get_result(&stranger, b.id).await.unwrap_err(),
+        h.coord.get_result(&stranger, b.spec.id).await.unwrap_err(),
         not_found
     );
     assert_eq!(
-        h.coord.cancel_run(&stranger, b.id).await.unwrap_err(),
+        h.coord.cancel_run(&stranger, b.spec.id).await.unwrap_err(),
         not_found
     );
     let missing = RunId::new();
@@ -1583,7 +1592,7 @@ async fn cancelling_a_parent_run_cancels_its_foreground_descendants() {
     let call = spawn_fg(&h, "worker");
     h.expect("leaf:mid").await;
     let worker = h.run_of("worker").await;
-    let view = h.coord.cancel_run(&h.root(), worker.id).await.unwrap();
+    let view = h.coord.cancel_run(&h.root(), worker.spec.id).await.unwrap();
     assert_eq!(view.status, RunStatus::Cancelled);
     // The root turn itself was not cancelled: it gets the child's outcome.
     let results = foreground_results(call.await.unwrap().unwrap());

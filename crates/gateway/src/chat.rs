@@ -527,9 +527,11 @@ pub fn pick_checkpoint(text: &str, ids: &[CheckpointId]) -> Result<CheckpointId,
 /// one line each: id, agent, mode, status, duration, tokens.
 pub fn run_tree(runs: &[RunRecord]) -> Vec<String> {
     fn walk(runs: &[RunRecord], parent: Option<RunId>, depth: usize, out: &mut Vec<String>) {
-        let mut children: Vec<&RunRecord> =
-            runs.iter().filter(|r| r.parent_run_id == parent).collect();
-        children.sort_by_key(|r| (r.created_at_ms, r.id));
+        let mut children: Vec<&RunRecord> = runs
+            .iter()
+            .filter(|r| r.spec.parent_run_id == parent)
+            .collect();
+        children.sort_by_key(|r| (r.created_at_ms, r.spec.id));
         for r in children {
             let duration = match (r.started_at_ms, r.finished_at_ms) {
                 (Some(s), Some(f)) => format!("{} ms", (f - s).max(0)),
@@ -543,14 +545,14 @@ pub fn run_tree(runs: &[RunRecord]) -> Vec<String> {
             out.push(format!(
                 "{}{}  {}  {}  {}  {}  {} tokens",
                 "  ".repeat(depth),
-                short(r.id),
-                r.agent_id,
-                r.mode,
+                short(r.spec.id),
+                r.spec.agent_id,
+                r.spec.mode,
                 r.status,
                 duration,
                 tokens
             ));
-            walk(runs, Some(r.id), depth + 1, out);
+            walk(runs, Some(r.spec.id), depth + 1, out);
         }
     }
     let mut out = Vec::new();

@@ -320,7 +320,7 @@ fn insert_signal_tx(conn: &Connection, s: &NewSignal) -> Result<SignalCommit> {
     }
     let run = get_run_tx(conn, &s.run_id)?
         .ok_or_else(|| StoreError::NotFound(format!("run {}", s.run_id)))?;
-    if run.execution_id != s.execution_id
+    if run.spec.execution_id != s.execution_id
         || !matches!(run.status, RunStatus::Running | RunStatus::WaitingChildren)
     {
         return Err(StoreError::Stale(format!(
@@ -340,7 +340,7 @@ fn insert_signal_tx(conn: &Connection, s: &NewSignal) -> Result<SignalCommit> {
             deduplicated: true,
         });
     }
-    let root = &run.root_session_id;
+    let root = &run.spec.root_session_id;
     // Capacity counts reserved completions, so signals can never crowd them out.
     adjust_counters(conn, root, 1, 0, Some(s.inbox_capacity), s.now_ms)?;
     let revision = next_revision(conn, root, s.now_ms)?;
@@ -698,7 +698,7 @@ impl Store {
                 let Some(run) = get_run_tx(c, &run_id)? else {
                     return Err(StoreError::NotFound(format!("run {run_id}")));
                 };
-                let root = run.root_session_id;
+                let root = run.spec.root_session_id;
                 let revision = next_revision(c, &root, now_ms)?;
                 let n = c.execute(
                     "UPDATE agent_inbox_events SET status = 'superseded', superseded_at = ?1, \

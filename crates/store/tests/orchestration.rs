@@ -220,7 +220,7 @@ async fn idempotency_key_returns_the_existing_run_and_group() {
     retry.idempotency_key = Some("k1".into());
     let second = store.accept_run(accept(retry, 4)).await.unwrap();
     assert!(second.existing);
-    assert_eq!(second.run.id, first.run.id);
+    assert_eq!(second.run.spec.id, first.run.spec.id);
     assert_eq!(
         slots(&store, root).await,
         counters(0, 1),
@@ -242,12 +242,12 @@ async fn idempotency_key_returns_the_existing_run_and_group() {
     assert!(a
         .runs
         .iter()
-        .all(|r| r.idempotency_key.is_none() && r.group_id == Some(g.id)));
+        .all(|r| r.spec.idempotency_key.is_none() && r.group_id == Some(g.id)));
     let mut again = req;
     again.group.id = GroupId::new();
     let b = store.accept_agent_group(again).await.unwrap();
     assert!(b.existing);
-    assert_eq!(b.group.id, g.id);
+    assert_eq!(b.group.spec.id, g.id);
     assert_eq!(slots(&store, root).await, counters(0, 2));
 }
 
@@ -636,7 +636,7 @@ async fn run_listing_paginates_newest_first_and_finds_children() {
     let mut cursor: Option<RunCursor> = None;
     loop {
         let page = store.list_runs(root, cursor, 3).await.unwrap();
-        seen.extend(page.items.iter().map(|r| r.id));
+        seen.extend(page.items.iter().map(|r| r.spec.id));
         // Inserts between pages do not disturb later pages.
         store
             .accept_run(AcceptRun {

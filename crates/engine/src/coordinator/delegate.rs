@@ -327,7 +327,7 @@ impl AgentCoordinator {
                 })
                 .await
                 .map(|a| Accepted {
-                    group_id: Some(a.group.id),
+                    group_id: Some(a.group.spec.id),
                     runs: a.runs,
                     existing: a.existing,
                 })
@@ -351,19 +351,19 @@ impl AgentCoordinator {
             .run_context()
             .map(|p| p.ancestry.clone())
             .unwrap_or_default();
-        ancestry.push(record.agent_id.clone());
+        ancestry.push(record.spec.agent_id.clone());
         Arc::new(AgentExecutionContext {
-            root_session_id: record.root_session_id,
-            root_turn_id: record.root_turn_id,
-            run_id: record.id,
-            parent_run_id: record.parent_run_id,
-            agent_id: record.agent_id.clone(),
+            root_session_id: record.spec.root_session_id,
+            root_turn_id: record.spec.root_turn_id,
+            run_id: record.spec.id,
+            parent_run_id: record.spec.parent_run_id,
+            agent_id: record.spec.agent_id.clone(),
             ancestry,
-            depth: record.depth,
-            mode: record.mode,
+            depth: record.spec.depth,
+            mode: record.spec.mode,
             budget: Arc::clone(budget),
-            execution_id: record.execution_id.clone(),
-            deadline_at_ms: record.deadline_at_ms,
+            execution_id: record.spec.execution_id.clone(),
+            deadline_at_ms: record.spec.deadline_at_ms,
             cancellation,
             max_children: definition.limits.max_children,
             children_started: AtomicU32::new(0),
@@ -531,7 +531,7 @@ impl AgentCoordinator {
                         // The runner's commit failed: show what is stored.
                         _ => self
                             .store
-                            .get_run(record.id)
+                            .get_run(record.spec.id)
                             .await
                             .ok()
                             .flatten()
@@ -582,7 +582,7 @@ impl AgentCoordinator {
             );
         }
         let accepted = self.accept(caller, request, &planned, depth).await?;
-        let run_ids: Vec<RunId> = accepted.runs.iter().map(|r| r.id).collect();
+        let run_ids: Vec<RunId> = accepted.runs.iter().map(|r| r.spec.id).collect();
         if accepted.existing {
             drop(reservation);
             return Ok(DelegateResponse::Background {

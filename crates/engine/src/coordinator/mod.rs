@@ -280,7 +280,7 @@ impl AgentCoordinator {
     ) -> Result<RunResult, CoordinatorError> {
         let r = self.visible_run(caller, run_id).await?;
         Ok(RunResult {
-            run_id: r.id,
+            run_id: r.spec.id,
             status: r.status,
             result: r.result,
             error: r.error,
@@ -310,11 +310,11 @@ impl AgentCoordinator {
                         if out.len() >= limit {
                             break;
                         }
-                        queue.push_back(child.id);
+                        queue.push_back(child.spec.id);
                         out.push(child);
                     }
                 }
-                out.sort_by_key(|r| std::cmp::Reverse((r.created_at_ms, r.id)));
+                out.sort_by_key(|r| std::cmp::Reverse((r.created_at_ms, r.spec.id)));
                 out
             }
         };
@@ -348,7 +348,7 @@ impl AgentCoordinator {
                     self.store
                         .commit_terminal(
                             run_id,
-                            record.execution_id.clone(),
+                            record.spec.execution_id.clone(),
                             outcome,
                             true,
                             now_ms(),
@@ -502,20 +502,24 @@ impl AgentCoordinator {
     ) -> Result<RunRecord, CoordinatorError> {
         let not_found = || CoordinatorError::NotFound(run_id.to_string());
         let record = self.store.get_run(run_id).await?.ok_or_else(not_found)?;
-        if record.root_session_id != caller.root_session_id() {
+        if record.spec.root_session_id != caller.root_session_id() {
             return Err(not_found());
         }
         let Some(me) = caller.run_context() else {
             return Ok(record);
         };
-        let mut parent = record.parent_run_id;
+        let mut parent = record.spec.parent_run_id;
         // Depth is bounded by the catalog's cap; the hop limit guards a corrupt chain.
         for _ in 0..=keel_catalog::MAX_DELEGATION_DEPTH_CAP {
             let Some(p) = parent else { break };
             if p == me.run_id {
                 return Ok(record);
             }
-            parent = self.store.get_run(p).await?.and_then(|r| r.parent_run_id);
+            parent = self
+                .store
+                .get_run(p)
+                .await?
+                .and_then(|r| r.spec.parent_run_id);
         }
         Err(not_found())
     }

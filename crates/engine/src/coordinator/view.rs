@@ -51,8 +51,8 @@ pub struct ForegroundResult {
 impl ForegroundResult {
     pub(crate) fn from_record(r: &RunRecord) -> Self {
         Self {
-            run_id: r.id,
-            agent_id: r.agent_id.clone(),
+            run_id: r.spec.id,
+            agent_id: r.spec.agent_id.clone(),
             status: r.status,
             result: r.result.clone(),
             error: r.error.clone(),
@@ -126,14 +126,14 @@ pub struct AgentRunView {
 impl From<&RunRecord> for AgentRunView {
     fn from(r: &RunRecord) -> Self {
         Self {
-            run_id: r.id,
+            run_id: r.spec.id,
             group_id: r.group_id,
-            parent_run_id: r.parent_run_id,
-            agent_id: r.agent_id.clone(),
-            mode: r.mode,
+            parent_run_id: r.spec.parent_run_id,
+            agent_id: r.spec.agent_id.clone(),
+            mode: r.spec.mode,
             status: r.status,
-            depth: r.depth,
-            task: keel_core::truncate_with_note(r.task.clone(), TASK_PREVIEW_BYTES),
+            depth: r.spec.depth,
+            task: keel_core::truncate_with_note(r.spec.task.clone(), TASK_PREVIEW_BYTES),
             error: r.error.clone(),
             result_bytes: r.result.as_ref().map(String::len),
             usage: r.usage,
@@ -142,7 +142,7 @@ impl From<&RunRecord> for AgentRunView {
             created_at_ms: r.created_at_ms,
             started_at_ms: r.started_at_ms,
             finished_at_ms: r.finished_at_ms,
-            deadline_at_ms: r.deadline_at_ms,
+            deadline_at_ms: r.spec.deadline_at_ms,
         }
     }
 }

@@ -83,7 +83,7 @@ fn accept_group_tx(conn: &Connection, req: &AcceptGroup) -> Result<AcceptedGroup
             let runs = query_runs(
                 conn,
                 "WHERE group_id = ?1 ORDER BY rowid",
-                [group.id.to_string()],
+                [group.spec.id.to_string()],
             )?;
             return Ok(AcceptedGroup {
                 group,
@@ -156,10 +156,10 @@ fn transition_tx(
     now_ms: i64,
 ) -> Result<bool> {
     let run = require_run(conn, run_id)?;
-    if run.execution_id != execution_id || !from.contains(&run.status) {
+    if run.spec.execution_id != execution_id || !from.contains(&run.status) {
         return Ok(false);
     }
-    let revision = next_revision(conn, &run.root_session_id, now_ms)?;
+    let revision = next_revision(conn, &run.spec.root_session_id, now_ms)?;
     let n = conn.execute(
         "UPDATE agent_runs SET status = ?1, revision = ?2, updated_at = ?3, \
          started_at = coalesce(started_at, ?3) \
@@ -197,8 +197,8 @@ fn completion_payload(run: &RunRecord, outcome: &TerminalOutcome) -> String {
         TerminalOutcome::Interrupted { reason } => (None, Some(format!("interrupted: {reason}"))),
     };
     serde_json::json!({
-        "run_id": run.id,
-        "agent_id": run.agent_id,
+        "run_id": run.spec.id,
+        "agent_id": run.spec.agent_id,
         "status": outcome.status().as_str(),
         "result": result,
         "error": error,
@@ -288,7 +288,7 @@ pub(super) fn terminal_tx(
         TerminalOutcome::Cancelled { reason } => (None, Some(reason.clone()), None, 0, 0),
         TerminalOutcome::Interrupted { reason } => (None, Some(reason.clone()), None, 0, 0),
     };
-    let root = &run.root_session_id;
+    let root = &run.spec.root_session_id;
     let revision = revisions.of(conn, root, now_ms)?;
     let n = conn
         .prepare_cached(&format!(
@@ -313,29 +313,29 @@ pub(super) fn terminal_tx(
             iterations,
             revision,
             now_ms,
-            run.id.to_string(),
-            run.execution_id,
+            run.spec.id.to_string(),
+            run.spec.execution_id,
         ])?;
     if n != 1 {
         return Err(StoreError::Stale(format!(
             "run {} changed during its terminal commit",
-            run.id
+            run.spec.id
         )));
     }
     let ok = status == RunStatus::Completed;
     let mut event_id = None;
     if run.completion_slot_reserved {
         let delivery = if ok {
-            run.completion_delivery
+            run.spec.completion_delivery
         } else {
-            run.failure_delivery.or(run.completion_delivery)
+            run.spec.failure_delivery.or(run.spec.completion_delivery)
         }
         .unwrap_or(Delivery::Queue);
         event_id = convert_reservation(
             conn,
             root,
             ScopeKind::Run,
-            &run.id.to_string(),
+            &run.spec.id.to_string(),
             EventType::Completion,
             delivery,
             completion_payload(run, outcome),
@@ -360,7 +360,7 @@ pub(super) fn terminal_tx(
     }
     Ok(TerminalCommit {
         won: true,
-        run: require_run(conn, &run.id)?,
+        run: require_run(conn, &run.spec.id)?,
         event_id,
         finished_group,
     })
@@ -397,31 +397,34 @@ pub(super) fn finish_group(
     revision: i64,
     now_ms: i64,
 ) -> Result<(GroupRecord, Option<EventId>)> {
-    let status = group_final_status(conn, &group.id)?;
+    let status = group_final_status(conn, &group.spec.id)?;
     conn.execute(
         "UPDATE agent_run_groups SET status = ?1, completion_slot_reserved = 0, finished_at = ?2, \
          updated_at = ?2, revision = ?3 WHERE id = ?4",
-        params![status.as_str(), now_ms, revision, group.id.to_string()],
+        params![status.as_str(), now_ms, revision, group.spec.id.to_string()],
     )?;
     let mut event_id = None;
     if group.completion_slot_reserved {
         let delivery = if status == GroupStatus::Completed {
-            group.completion_delivery
+            group.spec.completion_delivery
         } else {
-            group.failure_delivery.or(group.completion_delivery)
+            group
+                .spec
+                .failure_delivery
+                .or(group.spec.completion_delivery)
         }
         .unwrap_or(Delivery::Queue);
         let runs = query_runs(
             conn,
             "WHERE group_id = ?1 ORDER BY rowid",
-            [group.id.to_string()],
+            [group.spec.id.to_string()],
         )?;
         let payload = serde_json::json!({
-            "group_id": group.id,
+            "group_id": group.spec.id,
             "status": status.as_str(),
             "runs": runs.iter().map(|r| serde_json::json!({
-                "run_id": r.id,
-                "agent_id": r.agent_id,
+                "run_id": r.spec.id,
+                "agent_id": r.spec.agent_id,
                 "status": r.status.as_str(),
                 "result": r.result,
                 "error": r.error,
@@ -430,9 +433,9 @@ pub(super) fn finish_group(
         .to_string();
         event_id = convert_reservation(
             conn,
-            &group.root_session_id,
+            &group.spec.root_session_id,
             ScopeKind::Group,
-            &group.id.to_string(),
+            &group.spec.id.to_string(),
             EventType::GroupCompletion,
             delivery,
             payload,
@@ -441,7 +444,7 @@ pub(super) fn finish_group(
             now_ms,
         )?;
     }
-    Ok((require_group(conn, &group.id)?, event_id))
+    Ok((require_group(conn, &group.spec.id)?, event_id))
 }
 
 fn commit_terminal_tx(
@@ -453,7 +456,7 @@ fn commit_terminal_tx(
     now_ms: i64,
 ) -> Result<TerminalCommit> {
     let run = require_run(conn, run_id)?;
-    if run.execution_id != execution_id || run.status.is_terminal() {
+    if run.spec.execution_id != execution_id || run.status.is_terminal() {
         // A late or foreign result: dropped, the stored terminal state stands.
         return Ok(TerminalCommit {
             won: false,
@@ -495,7 +498,7 @@ fn cancel_session_tx(
     let mut revisions = Revisions::default();
     for run in runs {
         // Re-read: finishing a group above may not touch this run, but be exact.
-        let run = require_run(conn, &run.id)?;
+        let run = require_run(conn, &run.spec.id)?;
         if run.status.is_terminal() {
             continue;
         }
@@ -513,7 +516,7 @@ fn cancel_session_tx(
         if commit.finished_group.is_some() {
             report.groups_cancelled += 1;
         }
-        report.runs_cancelled.push(run.id);
+        report.runs_cancelled.push(run.spec.id);
     }
     let revision = revisions.of(conn, root, now_ms)?;
     report.events_dead_lettered =

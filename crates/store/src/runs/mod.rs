@@ -108,7 +108,7 @@ impl Store {
                     items.truncate(limit);
                     items.last().map(|r| RunCursor {
                         created_at_ms: r.created_at_ms,
-                        id: r.id,
+                        id: r.spec.id,
                     })
                 } else {
                     None

@@ -25,14 +25,14 @@ fn recover_tx(conn: &Connection, active_generation: u64, now_ms: i64) -> Result<
         [generation],
     )?;
     for run in stale {
-        let run = require_run(conn, &run.id)?;
+        let run = require_run(conn, &run.spec.id)?;
         if run.status.is_terminal() {
             continue;
         }
         let outcome = TerminalOutcome::Interrupted {
             reason: format!(
                 "runtime generation {} stopped before the run finished",
-                run.runtime_generation
+                run.spec.runtime_generation
             ),
         };
         let commit = terminal_tx(
@@ -49,7 +49,7 @@ fn recover_tx(conn: &Connection, active_generation: u64, now_ms: i64) -> Result<
         if commit.finished_group.is_some() {
             report.groups_finished += 1;
         }
-        report.interrupted_runs.push(run.id);
+        report.interrupted_runs.push(run.spec.id);
     }
     // Groups whose counters drifted from their runs (a crash between writes cannot
     // happen inside one transaction, but a hand-edited or older database can).
@@ -61,20 +61,26 @@ fn recover_tx(conn: &Connection, active_generation: u64, now_ms: i64) -> Result<
                  count(*) FILTER (WHERE status NOT IN {NONTERMINAL_RUN} AND status <> 'completed') \
                  FROM agent_runs WHERE group_id = ?1"
             ),
-            [group.id.to_string()],
+            [group.spec.id.to_string()],
             |r| Ok((r.get(0)?, r.get(1)?)),
         )?;
         let terminal = u32_col("group terminal runs", terminal)?;
         let abnormal = u32_col("group abnormal runs", abnormal)?;
         if terminal != group.terminal_runs || abnormal != group.abnormal_runs {
-            let revision = revisions.of(conn, &group.root_session_id, now_ms)?;
+            let revision = revisions.of(conn, &group.spec.root_session_id, now_ms)?;
             conn.execute(
                 "UPDATE agent_run_groups SET terminal_runs = ?1, abnormal_runs = ?2, \
                  revision = ?3, updated_at = ?4 WHERE id = ?5",
-                params![terminal, abnormal, revision, now_ms, group.id.to_string()],
+                params![
+                    terminal,
+                    abnormal,
+                    revision,
+                    now_ms,
+                    group.spec.id.to_string()
+                ],
             )?;
             if terminal == group.expected_runs {
-                let group = require_group(conn, &group.id)?;
+                let group = require_group(conn, &group.spec.id)?;
                 let (_, event) =
                     finish_group(conn, &group, CompletionHandling::Deliver, revision, now_ms)?;
                 if event.is_some() {

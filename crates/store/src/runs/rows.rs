@@ -3,7 +3,7 @@
 use keel_core::{Delivery, GroupId, RunId, Usage};
 use rusqlite::{params, Connection, Row};
 
-use super::types::{GroupRecord, NewRun, RunRecord};
+use super::types::{GroupRecord, NewGroup, NewRun, RunRecord};
 use crate::error::{Result, StoreError};
 use crate::util::{non_negative, parse, parse_opt, to_i64};
 
@@ -38,9 +38,8 @@ pub(super) fn run_from_row(r: &Row<'_>) -> Result<RunRecord> {
             non_negative("agent_runs.completion_tokens", c.unwrap_or(0))?,
         )),
     };
-    Ok(RunRecord {
+    let spec = NewRun {
         id: parse("agent_runs.id", &s(0)?)?,
-        group_id: parse_opt("agent_runs.group_id", r.get(1)?)?,
         root_session_id: parse("agent_runs.root_session_id", &s(2)?)?,
         root_turn_id: parse_opt("agent_runs.root_turn_id", r.get(3)?)?,
         parent_run_id: parse_opt("agent_runs.parent_run_id", r.get(4)?)?,
@@ -63,6 +62,12 @@ pub(super) fn run_from_row(r: &Row<'_>) -> Result<RunRecord> {
         signal_delivery: parse_opt("agent_runs.signal_delivery", r.get(21)?)?,
         completion_delivery: parse_opt("agent_runs.completion_delivery", r.get(22)?)?,
         failure_delivery: parse_opt("agent_runs.failure_delivery", r.get(23)?)?,
+        runtime_generation: non_negative("agent_runs.runtime_generation", r.get(32)?)?,
+        deadline_at_ms: r.get(35)?,
+    };
+    Ok(RunRecord {
+        spec,
+        group_id: parse_opt("agent_runs.group_id", r.get(1)?)?,
         status: parse("agent_runs.status", &s(24)?)?,
         result: r.get(25)?,
         error: r.get(26)?,
@@ -70,10 +75,8 @@ pub(super) fn run_from_row(r: &Row<'_>) -> Result<RunRecord> {
         cost: r.get(29)?,
         tool_calls_count: u32_col("agent_runs.tool_calls_count", r.get(30)?)?,
         iterations: u32_col("agent_runs.iterations", r.get(31)?)?,
-        runtime_generation: non_negative("agent_runs.runtime_generation", r.get(32)?)?,
         attempt: u32_col("agent_runs.attempt", r.get(33)?)?,
         completion_slot_reserved: bool_col("agent_runs.completion_slot_reserved", r.get(34)?)?,
-        deadline_at_ms: r.get(35)?,
         revision: non_negative("agent_runs.revision", r.get(36)?)?,
         started_at_ms: r.get(37)?,
         finished_at_ms: r.get(38)?,
@@ -90,7 +93,7 @@ const GROUP_COLUMNS: &str =
 
 pub(super) fn group_from_row(r: &Row<'_>) -> Result<GroupRecord> {
     let s = |i: usize| -> Result<String> { Ok(r.get::<_, String>(i)?) };
-    Ok(GroupRecord {
+    let spec = NewGroup {
         id: parse("agent_run_groups.id", &s(0)?)?,
         root_session_id: parse("agent_run_groups.root_session_id", &s(1)?)?,
         caller_run_id: parse_opt("agent_run_groups.caller_run_id", r.get(2)?)?,
@@ -98,6 +101,13 @@ pub(super) fn group_from_row(r: &Row<'_>) -> Result<GroupRecord> {
         idempotency_key: r.get(4)?,
         mode: parse("agent_run_groups.mode", &s(5)?)?,
         completion_policy: parse("agent_run_groups.completion_policy", &s(6)?)?,
+        completion_delivery: parse_opt("agent_run_groups.completion_delivery", r.get(11)?)?,
+        failure_delivery: parse_opt("agent_run_groups.failure_delivery", r.get(12)?)?,
+        deadline_at_ms: r.get(13)?,
+        runtime_generation: non_negative("agent_run_groups.runtime_generation", r.get(15)?)?,
+    };
+    Ok(GroupRecord {
+        spec,
         expected_runs: u32_col("agent_run_groups.expected_runs", r.get(7)?)?,
         terminal_runs: u32_col("agent_run_groups.terminal_runs", r.get(8)?)?,
         abnormal_runs: u32_col("agent_run_groups.abnormal_runs", r.get(9)?)?,
@@ -105,11 +115,7 @@ pub(super) fn group_from_row(r: &Row<'_>) -> Result<GroupRecord> {
             "agent_run_groups.completion_slot_reserved",
             r.get(10)?,
         )?,
-        completion_delivery: parse_opt("agent_run_groups.completion_delivery", r.get(11)?)?,
-        failure_delivery: parse_opt("agent_run_groups.failure_delivery", r.get(12)?)?,
-        deadline_at_ms: r.get(13)?,
         status: parse("agent_run_groups.status", &s(14)?)?,
-        runtime_generation: non_negative("agent_run_groups.runtime_generation", r.get(15)?)?,
         revision: non_negative("agent_run_groups.revision", r.get(16)?)?,
         created_at_ms: r.get(17)?,
         updated_at_ms: r.get(18)?,

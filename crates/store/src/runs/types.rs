@@ -91,57 +91,14 @@ pub struct NewRun {
     pub deadline_at_ms: i64,
 }
 
-/// A stored run.
+/// A stored run: what was accepted, and how far it got.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RunRecord {
-    /// Its id.
-    pub id: RunId,
+    /// The run as accepted; it never changes afterwards. A run accepted in a
+    /// group has no idempotency key (the group's key covers it).
+    pub spec: NewRun,
     /// Its group, if it was accepted in a batch.
     pub group_id: Option<GroupId>,
-    /// Root session.
-    pub root_session_id: SessionId,
-    /// Root turn, if known.
-    pub root_turn_id: Option<TurnId>,
-    /// Delegating run.
-    pub parent_run_id: Option<RunId>,
-    /// Delegating agent.
-    pub caller_agent_id: AgentId,
-    /// Caller scope.
-    pub caller_scope_id: String,
-    /// Idempotency key.
-    pub idempotency_key: Option<String>,
-    /// Agent definition.
-    pub agent_id: AgentId,
-    /// Definition hash.
-    pub definition_hash: String,
-    /// Provider profile.
-    pub provider_profile: String,
-    /// Provider name.
-    pub provider_name: String,
-    /// Model id.
-    pub model_id: String,
-    /// Foreground or background.
-    pub mode: ExecutionMode,
-    /// Delegation depth.
-    pub depth: u32,
-    /// Bound plan item.
-    pub plan_item_id: Option<String>,
-    /// Owning execution.
-    pub execution_id: String,
-    /// Task text.
-    pub task: String,
-    /// Extra context (JSON).
-    pub context_json: Option<String>,
-    /// Budget (JSON).
-    pub budget_json: String,
-    /// Signal contract (JSON).
-    pub signal_contract_json: Option<String>,
-    /// Signal delivery.
-    pub signal_delivery: Option<Delivery>,
-    /// Completion delivery.
-    pub completion_delivery: Option<Delivery>,
-    /// Failure delivery.
-    pub failure_delivery: Option<Delivery>,
     /// Status.
     pub status: RunStatus,
     /// Full result of a completed run.
@@ -156,14 +113,10 @@ pub struct RunRecord {
     pub tool_calls_count: u32,
     /// Loop iterations made.
     pub iterations: u32,
-    /// Owning runtime generation.
-    pub runtime_generation: u64,
     /// Attempt number.
     pub attempt: u32,
     /// Whether it holds a completion slot in the root inbox.
     pub completion_slot_reserved: bool,
-    /// Deadline (ms).
-    pub deadline_at_ms: i64,
     /// Client revision of its last change.
     pub revision: u64,
     /// Start time (ms).
@@ -203,23 +156,11 @@ pub struct NewGroup {
     pub runtime_generation: u64,
 }
 
-/// A stored group.
+/// A stored group: what was accepted, and how many of its runs ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GroupRecord {
-    /// Its id.
-    pub id: GroupId,
-    /// Root session.
-    pub root_session_id: SessionId,
-    /// Delegating run.
-    pub caller_run_id: Option<RunId>,
-    /// Caller scope.
-    pub caller_scope_id: String,
-    /// Idempotency key.
-    pub idempotency_key: Option<String>,
-    /// Foreground or background.
-    pub mode: ExecutionMode,
-    /// Completion policy.
-    pub completion_policy: CompletionPolicy,
+    /// The group as accepted; it never changes afterwards.
+    pub spec: NewGroup,
     /// Runs in the group.
     pub expected_runs: u32,
     /// Runs that ended.
@@ -228,16 +169,8 @@ pub struct GroupRecord {
     pub abnormal_runs: u32,
     /// Whether the group holds a completion slot.
     pub completion_slot_reserved: bool,
-    /// Completion delivery.
-    pub completion_delivery: Option<Delivery>,
-    /// Failure delivery.
-    pub failure_delivery: Option<Delivery>,
-    /// Deadline (ms).
-    pub deadline_at_ms: i64,
     /// Status.
     pub status: GroupStatus,
-    /// Owning runtime generation.
-    pub runtime_generation: u64,
     /// Client revision of its last change.
     pub revision: u64,
     /// Creation time (ms).
