@@ -25,7 +25,7 @@ use keel_engine::coordinator::{
     DelegateResponse, DelegateTask, ProfileProviders, RunEvent, RunObserver,
 };
 use keel_engine::gate::{ExecutionGate, GateCounters, GateLimits};
-use keel_store::{RunRecord, Store, StoreOptions, TerminalOutcome};
+use keel_store::{CompletionHandling, RunRecord, Store, StoreOptions, TerminalOutcome};
 use serde_json::json;
 use tokio::sync::{mpsc, Barrier, Semaphore};
 
@@ -402,7 +402,7 @@ impl Harness {
     }
 
     async fn counters(&self) -> (u64, u64) {
-        let c = self.store.session_counters(self.session).await.unwrap();
+        let c = self.store.inbox_usage(self.session).await.unwrap();
         (c.pending_event_count, c.reserved_completion_slots)
     }
 }
@@ -1243,7 +1243,7 @@ async fn a_late_result_after_a_timeout_is_dropped() {
             TerminalOutcome::TimedOut {
                 deadline_at_ms: run.spec.deadline_at_ms,
             },
-            false,
+            CompletionHandling::Deliver,
             keel_core::time::now_ms(),
         )
         .await
@@ -1346,7 +1346,7 @@ async fn recovery_interrupts_runs_of_an_older_generation() {
     );
     let run = h2.run(id).await;
     assert_eq!(run.status, RunStatus::Interrupted);
-    let c = h2.store.session_counters(session).await.unwrap();
+    let c = h2.store.inbox_usage(session).await.unwrap();
     assert_eq!((c.pending_event_count, c.reserved_completion_slots), (1, 0));
 }
 

@@ -143,7 +143,7 @@ fn kill_9_with_a_background_run_in_flight_interrupts_it_with_its_completion_on_r
             .unwrap();
         let events = store.list_inbox_events(dialog.id).await.unwrap();
         assert_eq!(events.len(), 1, "{events:?}");
-        let counters = store.session_counters(dialog.id).await.unwrap();
+        let counters = store.inbox_usage(dialog.id).await.unwrap();
         assert_eq!(
             (
                 counters.pending_event_count,

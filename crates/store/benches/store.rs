@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 
 use keel_core::{CheckpointId, Message, SessionId};
 use keel_store::{
-    AcceptRun, CheckpointSource, ClaimRequest, ContinuationCommit, MessageFilter, NewCheckpoint,
-    NewMessage, NewRun, NewSession, Store, StoreOptions, Synchronous, TerminalOutcome, TurnCommit,
+    AcceptRun, CheckpointSource, ClaimRequest, CompletionHandling, ContinuationCommit,
+    MessageFilter, NewCheckpoint, NewMessage, NewRun, NewSession, Store, StoreOptions, Synchronous,
+    TerminalOutcome, TurnCommit,
 };
 use rusqlite::{params, Connection};
 
@@ -516,7 +517,7 @@ async fn inbox(path: &Path, raw_txn_rate: f64) {
                         tool_calls: 0,
                         iterations: 1,
                     },
-                    false,
+                    CompletionHandling::Deliver,
                     2,
                 )
                 .await

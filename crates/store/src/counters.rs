@@ -11,10 +11,12 @@ use crate::runs::NONTERMINAL_RUN;
 use crate::util::non_negative;
 use crate::Store;
 
-/// The capacity and revision counters of a root session.
+/// How much of a root session's inbox capacity is in use, and its client
+/// revision. Pending events plus reserved slots may not exceed the capacity
+/// a request passes in.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SessionCounters {
-    /// Client revision.
+pub struct InboxUsage {
+    /// Client revision: bumped once by every transaction that changes the session's runs or inbox.
     pub revision: u64,
     /// Events pending, leased or admitted.
     pub pending_event_count: u64,
@@ -22,15 +24,15 @@ pub struct SessionCounters {
     pub reserved_completion_slots: u64,
 }
 
-/// A counter that recovery found wrong and repaired.
+/// Inbox usage counters that recovery found wrong and repaired.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CounterRepair {
     /// The root session.
     pub root_session_id: SessionId,
     /// Stored before.
-    pub before: SessionCounters,
+    pub before: InboxUsage,
     /// Recomputed and stored now.
-    pub after: SessionCounters,
+    pub after: InboxUsage,
 }
 
 /// Makes sure the session's counter row exists.
@@ -109,7 +111,7 @@ pub(crate) fn adjust_counters(
     Ok(())
 }
 
-pub(crate) fn counters_tx(conn: &Connection, root: &SessionId) -> Result<SessionCounters> {
+pub(crate) fn usage_tx(conn: &Connection, root: &SessionId) -> Result<InboxUsage> {
     let row: Option<(i64, i64, i64)> = conn
         .query_row(
             "SELECT revision, pending_event_count, reserved_completion_slots \
@@ -119,9 +121,9 @@ pub(crate) fn counters_tx(conn: &Connection, root: &SessionId) -> Result<Session
         )
         .optional()?;
     let Some((rev, pending, reserved)) = row else {
-        return Ok(SessionCounters::default());
+        return Ok(InboxUsage::default());
     };
-    Ok(SessionCounters {
+    Ok(InboxUsage {
         revision: non_negative("agent_session_state.revision", rev)?,
         pending_event_count: non_negative("agent_session_state.pending_event_count", pending)?,
         reserved_completion_slots: non_negative(
@@ -138,7 +140,7 @@ pub(crate) fn reconcile_tx(
     now_ms: i64,
     revisions: &mut Revisions,
 ) -> Result<Option<CounterRepair>> {
-    let before = counters_tx(conn, root)?;
+    let before = usage_tx(conn, root)?;
     let key = root.to_string();
     let pending: i64 = conn.query_row(
         "SELECT count(*) FROM agent_inbox_events WHERE root_session_id = ?1 \
@@ -156,7 +158,7 @@ pub(crate) fn reconcile_tx(
         [&key],
         |r| r.get(0),
     )?;
-    let after = SessionCounters {
+    let after = InboxUsage {
         revision: before.revision,
         pending_event_count: non_negative("pending events", pending)?,
         reserved_completion_slots: non_negative("reserved slots", reserved)?,
@@ -179,7 +181,7 @@ pub(crate) fn reconcile_tx(
     Ok(Some(CounterRepair {
         root_session_id: *root,
         before,
-        after: SessionCounters {
+        after: InboxUsage {
             revision: non_negative("revision", revision)?,
             ..after
         },
@@ -187,7 +189,7 @@ pub(crate) fn reconcile_tx(
 }
 
 impl Store {
-    /// Recomputes one root session's counters; returns the repair if they were wrong.
+    /// Recomputes one root session's inbox usage from the rows; returns the repair if the stored counters were wrong.
     pub async fn reconcile_counters(
         &self,
         root_session_id: SessionId,
@@ -198,10 +200,8 @@ impl Store {
             .await
     }
 
-    /// The counters of a root session (zeros if it never had runs).
-    pub async fn session_counters(&self, root_session_id: SessionId) -> Result<SessionCounters> {
-        self.db
-            .read(move |c| counters_tx(c, &root_session_id))
-            .await
+    /// The inbox usage of a root session (zeros if it never had runs).
+    pub async fn inbox_usage(&self, root_session_id: SessionId) -> Result<InboxUsage> {
+        self.db.read(move |c| usage_tx(c, &root_session_id)).await
     }
 }

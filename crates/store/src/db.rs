@@ -283,8 +283,9 @@ pub struct CommitStats {
     pub checkpoints: u64,
 }
 
+/// The live counters behind [`CommitStats`].
 #[derive(Default)]
-struct Counters {
+struct CommitCounters {
     transactions: AtomicU64,
     requests: AtomicU64,
     on_caller: AtomicU64,
@@ -331,7 +332,7 @@ impl Writer {
     /// ever pays for it (a checkpoint copies up to a thousand pages and
     /// fsyncs twice — milliseconds), and since no write can interleave, it
     /// completes and the next transaction starts the WAL over.
-    fn checkpoint_if_due(&mut self, counters: &Counters) {
+    fn checkpoint_if_due(&mut self, counters: &CommitCounters) {
         if !self.checkpoint_due.swap(false, Ordering::AcqRel) {
             return;
         }
@@ -393,7 +394,7 @@ struct WriteShared {
     /// Whether the writer thread waits for requests to join an open transaction (see [`GATHER_WINDOW`]).
     gathers: bool,
     retry_delays: Arc<Vec<Duration>>,
-    counters: Counters,
+    counters: CommitCounters,
 }
 
 /// With `synchronous=FULL` every commit pays an fsync (~0.2 ms here), so
@@ -620,7 +621,7 @@ impl Db {
             commit_on_caller: opts.synchronous == Synchronous::Normal,
             gathers: opts.synchronous == Synchronous::Full,
             retry_delays: Arc::clone(&retry_delays),
-            counters: Counters::default(),
+            counters: CommitCounters::default(),
         });
         let shared = Arc::clone(&write);
         threads.push(spawn("keel-store-writer", move || shared.thread_loop())?);

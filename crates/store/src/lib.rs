@@ -76,7 +76,7 @@ use std::sync::Arc;
 pub use checkpoints::{
     CheckpointRecord, CheckpointSource, NewCheckpoint, PrunePolicy, PruneReport,
 };
-pub use counters::{CounterRepair, SessionCounters};
+pub use counters::{CounterRepair, InboxUsage};
 pub use db::{CommitStats, StoreOptions, Synchronous};
 pub use error::{Result, StoreError};
 pub use inbox::{
@@ -89,8 +89,9 @@ pub use messages::{
 };
 pub use migrations::SCHEMA_VERSION;
 pub use runs::{
-    AcceptGroup, AcceptRun, AcceptedGroup, AcceptedRun, CancelReport, GroupRecord, GroupStatus,
-    NewGroup, NewRun, RecoveryReport, RunCursor, RunRecord, TerminalCommit, TerminalOutcome,
+    AcceptGroup, AcceptRun, AcceptedGroup, AcceptedRun, CancelReport, CompletionHandling,
+    GroupRecord, GroupStatus, NewGroup, NewRun, RecoveryReport, RunCursor, RunRecord,
+    TerminalCommit, TerminalOutcome,
 };
 pub use sessions::{DialogCursor, DialogQuery, NewSession, SessionRecord, TimelineId};
 

@@ -10,9 +10,9 @@ use keel_core::{
     TurnId, TurnOrigin, Usage,
 };
 use keel_store::{
-    AcceptGroup, AcceptRun, ClaimRequest, ContinuationCommit, EventStatus, EventType, GroupStatus,
-    NewGroup, NewMessage, NewRun, NewSignal, ReleaseRequest, RunCursor, SessionCounters, Store,
-    StoreError, TerminalOutcome, TurnCommit,
+    AcceptGroup, AcceptRun, ClaimRequest, CompletionHandling, ContinuationCommit, EventStatus,
+    EventType, GroupStatus, InboxUsage, NewGroup, NewMessage, NewRun, NewSignal, ReleaseRequest,
+    RunCursor, Store, StoreError, TerminalOutcome, TurnCommit,
 };
 use rusqlite::Connection;
 
@@ -67,7 +67,7 @@ fn counters(pending: u64, reserved: u64) -> (u64, u64) {
 }
 
 async fn slots(store: &Store, root: SessionId) -> (u64, u64) {
-    let c: SessionCounters = store.session_counters(root).await.unwrap();
+    let c: InboxUsage = store.inbox_usage(root).await.unwrap();
     (c.pending_event_count, c.reserved_completion_slots)
 }
 
@@ -97,7 +97,13 @@ async fn background_run_lifecycle_reserves_then_delivers_one_completion() {
         .unwrap());
 
     let commit = store
-        .commit_terminal(run.id, exec.clone(), completed("42"), false, 140)
+        .commit_terminal(
+            run.id,
+            exec.clone(),
+            completed("42"),
+            CompletionHandling::Deliver,
+            140,
+        )
         .await
         .unwrap();
     assert!(commit.won);
@@ -114,7 +120,13 @@ async fn background_run_lifecycle_reserves_then_delivers_one_completion() {
 
     // A late duplicate is dropped and changes nothing.
     let late = store
-        .commit_terminal(run.id, exec, completed("late"), false, 150)
+        .commit_terminal(
+            run.id,
+            exec,
+            completed("late"),
+            CompletionHandling::Deliver,
+            150,
+        )
         .await
         .unwrap();
     assert!(!late.won);
@@ -144,7 +156,13 @@ async fn execution_id_mismatch_updates_zero_rows() {
         .await
         .unwrap());
     let t = store
-        .commit_terminal(run.id, wrong, completed("stolen"), false, 120)
+        .commit_terminal(
+            run.id,
+            wrong,
+            completed("stolen"),
+            CompletionHandling::Deliver,
+            120,
+        )
         .await
         .unwrap();
     assert!(!t.won);
@@ -161,7 +179,7 @@ async fn execution_id_mismatch_updates_zero_rows() {
             run.id,
             run.execution_id.clone(),
             completed("ok"),
-            false,
+            CompletionHandling::Deliver,
             140,
         )
         .await
@@ -286,7 +304,7 @@ async fn group_all_yields_one_group_completion_after_the_last_run() {
             runs[0].id,
             runs[0].execution_id.clone(),
             completed("a"),
-            false,
+            CompletionHandling::Deliver,
             120,
         )
         .await
@@ -300,7 +318,7 @@ async fn group_all_yields_one_group_completion_after_the_last_run() {
                 error: "boom".into(),
                 usage: None,
             },
-            false,
+            CompletionHandling::Deliver,
             130,
         )
         .await
@@ -374,7 +392,7 @@ async fn root_with_events(store: &Store, n: usize) -> (SessionId, Vec<EventId>) 
                 run.id,
                 run.execution_id,
                 completed(&format!("r{i}")),
-                false,
+                CompletionHandling::Deliver,
                 200 + i as i64,
             )
             .await
@@ -508,13 +526,13 @@ async fn cancel_session_cancels_runs_releases_slots_and_dead_letters_events() {
         .await
         .unwrap();
     assert_eq!(slots(&store, root).await, counters(2, 2));
-    let revision_before = store.session_counters(root).await.unwrap().revision;
+    let revision_before = store.inbox_usage(root).await.unwrap().revision;
     let report = store
         .cancel_session(root, "session_deleted".into(), 500)
         .await
         .unwrap();
     // One transaction, one new client revision, stamped on every row it changed.
-    let revision = store.session_counters(root).await.unwrap().revision;
+    let revision = store.inbox_usage(root).await.unwrap().revision;
     assert_eq!(revision, revision_before + 1);
     for id in &report.runs_cancelled {
         assert_eq!(
@@ -535,7 +553,13 @@ async fn cancel_session_cancels_runs_releases_slots_and_dead_letters_events() {
     assert_eq!(run.status, RunStatus::Cancelled);
     // A runner finishing afterwards loses.
     let late = store
-        .commit_terminal(live.id, live.execution_id, completed("x"), false, 600)
+        .commit_terminal(
+            live.id,
+            live.execution_id,
+            completed("x"),
+            CompletionHandling::Deliver,
+            600,
+        )
         .await
         .unwrap();
     assert!(!late.won);
@@ -574,8 +598,8 @@ async fn recover_interrupts_old_generations_expires_leases_and_repairs_counters(
         )
         .unwrap();
     }
-    let revision_before = store.session_counters(root).await.unwrap().revision;
-    let report = store.recover(2, 1_000_000).await.unwrap();
+    let revision_before = store.inbox_usage(root).await.unwrap().revision;
+    let report = store.recover_older_generations(2, 1_000_000).await.unwrap();
     assert_eq!(
         report.counters_repaired[0].after.revision,
         revision_before + 1,
@@ -611,7 +635,7 @@ async fn recover_interrupts_old_generations_expires_leases_and_repairs_counters(
     assert_eq!(events[0].status, EventStatus::Pending);
     assert_eq!(events[0].attempt_count, 1);
     // Running recovery again finds nothing to do.
-    let again = store.recover(2, 1_000_001).await.unwrap();
+    let again = store.recover_older_generations(2, 1_000_001).await.unwrap();
     assert!(again.interrupted_runs.is_empty() && again.counters_repaired.is_empty());
     assert_eq!(slots(&store, root).await, counters(2, 1));
 }

@@ -429,7 +429,7 @@ impl AgentCoordinator {
                 context.run_id,
                 context.execution_id.clone(),
                 outcome,
-                true,
+                keel_store::CompletionHandling::Quiet,
                 now_ms(),
             )
             .await

@@ -350,7 +350,7 @@ impl AgentCoordinator {
                             run_id,
                             record.spec.execution_id.clone(),
                             outcome,
-                            true,
+                            keel_store::CompletionHandling::Quiet,
                             now_ms(),
                         )
                         .await?;
@@ -403,7 +403,7 @@ impl AgentCoordinator {
     pub async fn recover_on_activation(&self) -> Result<RecoveryReport, CoordinatorError> {
         let report = self
             .store
-            .recover(self.config.runtime_generation, now_ms())
+            .recover_older_generations(self.config.runtime_generation, now_ms())
             .await?;
         if !report.interrupted_runs.is_empty() {
             tracing::info!(
@@ -435,7 +435,13 @@ impl AgentCoordinator {
             };
             let commit = self
                 .store
-                .commit_terminal(run_id, p.execution_id, outcome, false, now_ms)
+                .commit_terminal(
+                    run_id,
+                    p.execution_id,
+                    outcome,
+                    keel_store::CompletionHandling::Deliver,
+                    now_ms,
+                )
                 .await?;
             if commit.won {
                 tracing::info!(%run_id, "reaper: run passed its deadline without a runner");

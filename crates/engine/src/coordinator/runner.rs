@@ -12,7 +12,7 @@ use keel_core::{
     ExecutionMode, Extensions, Message, Provider, RunId, ScopeRule, ToolExecutionContext,
     ToolRegistry,
 };
-use keel_store::{RunRecord, TerminalOutcome};
+use keel_store::{CompletionHandling, RunRecord, TerminalOutcome};
 use tokio::sync::watch;
 
 use super::context::AgentExecutionContext;
@@ -174,8 +174,13 @@ impl AgentCoordinator {
         for mut done in children {
             let _ = done.wait_for(|finished| *finished).await;
         }
-        let quiet =
-            matches!(outcome, TerminalOutcome::Cancelled { .. }) && context.cancel_cause().quiet;
+        let handling = if matches!(outcome, TerminalOutcome::Cancelled { .. })
+            && context.cancel_cause().quiet
+        {
+            CompletionHandling::Quiet
+        } else {
+            CompletionHandling::Deliver
+        };
         let status = outcome.status();
         let committed = self
             .store
@@ -183,7 +188,7 @@ impl AgentCoordinator {
                 context.run_id,
                 context.execution_id.clone(),
                 outcome,
-                quiet,
+                handling,
                 now_ms(),
             )
             .await;

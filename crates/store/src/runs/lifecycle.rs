@@ -14,7 +14,7 @@ use super::types::{
     GroupRecord, GroupStatus, RunRecord, TerminalCommit, TerminalOutcome,
 };
 use super::NONTERMINAL_RUN;
-use crate::counters::{adjust_counters, counters_tx, next_revision, Revisions};
+use crate::counters::{adjust_counters, next_revision, usage_tx, Revisions};
 use crate::error::{Result, StoreError};
 use crate::inbox::{insert_event_tx, EventType, NewEventRow, ScopeKind};
 use crate::util::{parse, to_i64};
@@ -452,7 +452,7 @@ fn commit_terminal_tx(
     run_id: &RunId,
     execution_id: &str,
     outcome: &TerminalOutcome,
-    quiet: bool,
+    handling: CompletionHandling,
     now_ms: i64,
 ) -> Result<TerminalCommit> {
     let run = require_run(conn, run_id)?;
@@ -465,11 +465,6 @@ fn commit_terminal_tx(
             finished_group: None,
         });
     }
-    let handling = if quiet {
-        CompletionHandling::Quiet
-    } else {
-        CompletionHandling::Deliver
-    };
     terminal_tx(
         conn,
         &run,
@@ -502,7 +497,7 @@ fn cancel_session_tx(
         if run.status.is_terminal() {
             continue;
         }
-        let before = counters_tx(conn, root)?.reserved_completion_slots;
+        let before = usage_tx(conn, root)?.reserved_completion_slots;
         let commit = terminal_tx(
             conn,
             &run,
@@ -511,7 +506,7 @@ fn cancel_session_tx(
             now_ms,
             &mut revisions,
         )?;
-        let after = counters_tx(conn, root)?.reserved_completion_slots;
+        let after = usage_tx(conn, root)?.reserved_completion_slots;
         report.reservations_released += before.saturating_sub(after);
         if commit.finished_group.is_some() {
             report.groups_cancelled += 1;
@@ -579,17 +574,19 @@ impl Store {
 
     /// Ends a run if (run_id, execution_id, non-terminal) still holds; the winner
     /// converts the reservation into a completion (or the group's), else nothing is written.
-    /// `quiet` records the completion as consumed without a continuation (`/stop`).
+    /// `handling` says what becomes of the run's completion slot, if it holds one.
     pub async fn commit_terminal(
         &self,
         run_id: RunId,
         execution_id: String,
         outcome: TerminalOutcome,
-        quiet: bool,
+        handling: CompletionHandling,
         now_ms: i64,
     ) -> Result<TerminalCommit> {
         self.db
-            .write(move |c| commit_terminal_tx(c, &run_id, &execution_id, &outcome, quiet, now_ms))
+            .write(move |c| {
+                commit_terminal_tx(c, &run_id, &execution_id, &outcome, handling, now_ms)
+            })
             .await
     }
 

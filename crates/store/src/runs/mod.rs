@@ -28,8 +28,9 @@ use crate::{Page, Store};
 
 pub(crate) use rows::get_run_tx;
 pub use types::{
-    AcceptGroup, AcceptRun, AcceptedGroup, AcceptedRun, CancelReport, GroupRecord, GroupStatus,
-    NewGroup, NewRun, RecoveryReport, RunCursor, RunRecord, TerminalCommit, TerminalOutcome,
+    AcceptGroup, AcceptRun, AcceptedGroup, AcceptedRun, CancelReport, CompletionHandling,
+    GroupRecord, GroupStatus, NewGroup, NewRun, RecoveryReport, RunCursor, RunRecord,
+    TerminalCommit, TerminalOutcome,
 };
 
 use rows::{get_group_tx, query_runs};

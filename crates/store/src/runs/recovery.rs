@@ -113,9 +113,16 @@ fn recover_tx(conn: &Connection, active_generation: u64, now_ms: i64) -> Result<
 }
 
 impl Store {
-    /// Activation recovery: older generations' runs → interrupted (with their
-    /// completions), expired leases → pending, counters recomputed and repaired.
-    pub async fn recover(&self, active_generation: u64, now_ms: i64) -> Result<RecoveryReport> {
+    /// Run once when runtime generation `active_generation` starts, before it
+    /// accepts work: runs of older generations that never finished become
+    /// interrupted (with their completions), expired leases return to
+    /// pending, and every root session's inbox usage is recomputed and
+    /// repaired. Idempotent; nothing is stored about the generation itself.
+    pub async fn recover_older_generations(
+        &self,
+        active_generation: u64,
+        now_ms: i64,
+    ) -> Result<RecoveryReport> {
         self.db
             .write(move |c| recover_tx(c, active_generation, now_ms))
             .await

@@ -302,7 +302,7 @@ pub struct CancelReport {
     pub events_dead_lettered: u64,
 }
 
-/// What [`Store::recover`](crate::Store::recover) changed.
+/// What [`Store::recover_older_generations`](crate::Store::recover_older_generations) changed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RecoveryReport {
     /// Runs of older generations moved to interrupted.
@@ -328,12 +328,14 @@ pub struct RunCursor {
     pub id: RunId,
 }
 
-/// What to do with a run's reserved completion when it ends.
+/// What becomes of the completion slot a run (or its `All` group) reserved
+/// when the run ends. Runs without a reservation (foreground) write no event
+/// whichever is chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum CompletionHandling {
+pub enum CompletionHandling {
     /// Turn the reservation into a pending event that asks for a continuation.
     Deliver,
-    /// Record the event as already consumed, without a continuation (`/stop`).
+    /// Record the event as already consumed, without a continuation (the user stopped the turn).
     Quiet,
     /// Release the reservation, no event (session cancelled or deleted).
     Release,
