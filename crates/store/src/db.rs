@@ -805,9 +805,9 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>
     std::thread::Builder::new()
         .name(name.to_owned())
         .spawn(f)
-        .map_err(|e| StoreError::Io {
-            attempts: 1,
-            message: format!("cannot start thread {name}: {e}"),
+        .map_err(|e| StoreError::ThreadSpawn {
+            name: name.to_owned(),
+            message: e.to_string(),
         })
 }
 

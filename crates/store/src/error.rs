@@ -6,8 +6,9 @@ use rusqlite::ErrorCode;
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 
 /// Everything that can go wrong in keel-store. Each variant says whether a
-/// caller may retry; only [`StoreError::Busy`] and [`StoreError::Io`] are
-/// transient, and the store has already retried them before returning.
+/// caller may retry ([`StoreError::is_retryable`]): [`StoreError::Busy`] and
+/// [`StoreError::Io`] are transient, and the store has already retried them
+/// before returning; [`StoreError::InboxFull`] clears as the inbox drains.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StoreError {
     /// The named row does not exist. Not retryable.
@@ -74,10 +75,18 @@ pub enum StoreError {
     /// The store's worker threads are gone (the store was shut down or a worker panicked). Not retryable.
     #[error("store is closed")]
     Closed,
+    /// Opening the store failed because the OS refused to start one of its threads. Not retryable.
+    #[error("cannot start store thread {name}: {message}")]
+    ThreadSpawn {
+        /// The thread's name.
+        name: String,
+        /// The OS's message.
+        message: String,
+    },
 }
 
 impl StoreError {
-    /// Whether the failure is transient (busy/locked database, I/O) and worth retrying later.
+    /// Whether retrying later may succeed: a busy or locked database, an I/O failure, a full inbox.
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
@@ -159,5 +168,15 @@ mod tests {
         let e = StoreError::from(check);
         assert!(!e.is_transient() && !e.is_retryable());
         assert!(matches!(e, StoreError::Constraint(_)));
+    }
+
+    #[test]
+    fn a_failed_thread_spawn_is_not_retryable() {
+        let e = StoreError::ThreadSpawn {
+            name: "keel-store-writer".into(),
+            message: "Resource temporarily unavailable (os error 11)".into(),
+        };
+        assert!(!e.is_transient() && !e.is_retryable());
+        insta::assert_snapshot!(e, @"cannot start store thread keel-store-writer: Resource temporarily unavailable (os error 11)");
     }
 }

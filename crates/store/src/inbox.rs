@@ -1,4 +1,4 @@
-//! The durable agent inbox (seed 002 §8.5, §9): signals inserted with
+//! The durable agent inbox of a root session: signals inserted with
 //! capacity and dedupe, claims with a lease token, steer admission, release
 //! with backoff and dead-lettering, and the continuation-turn commit that
 //! consumes the leased events together with the turn's messages.

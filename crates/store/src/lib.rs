@@ -10,7 +10,18 @@
 //! `BEGIN IMMEDIATE` transaction (group commit), each in its own savepoint;
 //! it also checkpoints the WAL, between transactions, so no caller's thread
 //! ever pays for a checkpoint. Every request is answered only after
-//! `COMMIT`, and every public method is exactly one transaction.
+//! `COMMIT`.
+//!
+//! Every public method is one transaction (a read sees one snapshot), except
+//! [`Store::prune_checkpoints`] and [`Store::delete_checkpoints`]: they delete
+//! in bounded batches, each its own transaction, so other sessions' turns
+//! never wait behind one long delete. That is safe because each batch removes
+//! only what nothing reaches: a checkpoint the policy selects (its children
+//! re-parented in the same transaction), then messages and timelines that no
+//! session head or checkpoint reaches. Nothing can come to reach them again
+//! (new heads and forks start only from existing checkpoints), so a crash
+//! between batches leaves a consistent database with some garbage left for
+//! the next prune.
 //!
 //! ```
 //! # async fn demo() -> keel_store::Result<()> {
@@ -65,7 +76,7 @@ mod db;
 mod error;
 mod inbox;
 mod messages;
-pub mod migrations;
+mod migrations;
 mod runs;
 mod sessions;
 mod util;
@@ -94,6 +105,13 @@ pub use runs::{
     TerminalCommit, TerminalOutcome,
 };
 pub use sessions::{DialogCursor, DialogQuery, NewSession, SessionRecord, TimelineId};
+
+/// Test seams, compiled only with the `testing` feature: build databases
+/// at older schema versions, or run a migration list of the test's own.
+#[cfg(feature = "testing")]
+pub mod testing {
+    pub use crate::migrations::{migrate_to, migrate_with, user_version, MIGRATIONS};
+}
 
 /// A page of a cursor-paginated listing.
 #[derive(Debug, Clone, PartialEq)]

@@ -31,7 +31,7 @@ pub fn migrate(conn: &mut Connection) -> Result<u32> {
 }
 
 /// Applies the real migrations up to version `target` only (fixtures of older versions in tests).
-#[doc(hidden)]
+#[cfg(feature = "testing")]
 pub fn migrate_to(conn: &mut Connection, target: u32) -> Result<u32> {
     let n = usize::try_from(target)
         .unwrap_or(usize::MAX)
@@ -40,7 +40,6 @@ pub fn migrate_to(conn: &mut Connection, target: u32) -> Result<u32> {
 }
 
 /// Applies `steps` (step k takes version k-1 to k) from the database's current version.
-#[doc(hidden)]
 pub fn migrate_with(conn: &mut Connection, steps: &[&str]) -> Result<u32> {
     let start = user_version(conn)?;
     let known = u32::try_from(steps.len()).unwrap_or(u32::MAX);

@@ -5,7 +5,7 @@
 mod common;
 
 use keel_core::{Message, SessionId};
-use keel_store::migrations::{migrate_to, migrate_with, user_version, MIGRATIONS};
+use keel_store::testing::{migrate_to, migrate_with, user_version, MIGRATIONS};
 use keel_store::{MessageFilter, Store, StoreError, SCHEMA_VERSION};
 use rusqlite::{params, Connection};
 

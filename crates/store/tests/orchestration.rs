@@ -1,4 +1,4 @@
-//! Orchestration transactions of seed 002 §8.6: acceptance with completion
+//! Orchestration transactions: acceptance with completion
 //! reservations, execution-id conditional transitions, terminal commits,
 //! signals, inbox claims, continuation commits, cancellation and recovery.
 #![allow(clippy::unwrap_used)] // helpers outside #[test] fns unwrap too

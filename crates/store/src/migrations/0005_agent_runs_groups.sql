@@ -1,4 +1,4 @@
--- 5: durable sub-agent runs and the groups of a batch delegation (seed 002 §8.3, §8.4).
+-- 5: durable sub-agent runs and the groups of a batch delegation.
 CREATE TABLE agent_run_groups (
     id TEXT PRIMARY KEY,
     root_session_id TEXT NOT NULL,

@@ -1,5 +1,4 @@
--- 6: the durable agent inbox and the per-root-session capacity/revision row
--- (seed 002 §8.2, §8.5).
+-- 6: the durable agent inbox and the per-root-session capacity/revision row.
 CREATE TABLE agent_session_state (
     root_session_id TEXT PRIMARY KEY,
     revision INTEGER NOT NULL DEFAULT 0,
