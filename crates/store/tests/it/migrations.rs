@@ -1,15 +1,12 @@
 //! Schema tests: the v6 snapshot, upgrades of fixtures at every older
 //! version, failed-migration rollback, newer-version refusal, CHECK constraints.
-#![allow(clippy::unwrap_used)] // helpers outside #[test] fns unwrap too
-
-mod common;
 
 use keel_core::{Message, SessionId};
 use keel_store::testing::{migrate_to, migrate_with, user_version, MIGRATIONS};
 use keel_store::{MessageFilter, Store, StoreError, SCHEMA_VERSION};
 use rusqlite::{params, Connection};
 
-use common::*;
+use crate::common::*;
 
 fn schema_text(conn: &Connection) -> String {
     let mut stmt = conn

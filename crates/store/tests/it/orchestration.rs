@@ -1,9 +1,6 @@
 //! Orchestration transactions: acceptance with completion
 //! reservations, execution-id conditional transitions, terminal commits,
 //! signals, inbox claims, continuation commits, cancellation and recovery.
-#![allow(clippy::unwrap_used)] // helpers outside #[test] fns unwrap too
-
-mod common;
 
 use keel_core::{
     CompletionPolicy, Delivery, EventId, ExecutionMode, GroupId, Message, RunStatus, SessionId,
@@ -16,7 +13,7 @@ use keel_store::{
 };
 use rusqlite::Connection;
 
-use common::*;
+use crate::common::*;
 
 fn accept(run: NewRun, capacity: u32) -> AcceptRun {
     AcceptRun {

@@ -2,9 +2,6 @@
 //! every append must get the seq it would get without the cache, whatever
 //! happened in between (rollback, fork, failed requests, retried batches,
 //! other connections writing the same file).
-#![allow(clippy::unwrap_used)]
-
-mod common;
 
 use std::time::Duration;
 
@@ -15,7 +12,7 @@ use keel_store::{
 };
 use rusqlite::{params, Connection};
 
-use common::*;
+use crate::common::*;
 
 fn manual(id: CheckpointId) -> NewCheckpoint {
     NewCheckpoint {

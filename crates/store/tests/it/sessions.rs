@@ -1,12 +1,9 @@
 //! Sessions and dialogs: create/upsert/get, rename, soft delete, the tree,
 //! and cursor pagination that stays stable while dialogs are created.
-#![allow(clippy::unwrap_used)] // helpers outside #[test] fns unwrap too
-
-mod common;
 
 use keel_store::{DialogQuery, StoreError};
 
-use common::*;
+use crate::common::*;
 
 fn query(limit: usize) -> DialogQuery {
     DialogQuery {

@@ -1,8 +1,5 @@
 //! Messages and checkpoints: turn commits, replay vs visible loads, slots,
 //! copy-on-write rollback and fork, the checkpoint tree, pruning.
-#![allow(clippy::unwrap_used)] // helpers outside #[test] fns unwrap too
-
-mod common;
 
 use keel_core::{CheckpointId, Message, SessionId, TurnOrigin};
 use keel_store::{
@@ -11,7 +8,7 @@ use keel_store::{
 };
 use rusqlite::Connection;
 
-use common::*;
+use crate::common::*;
 
 fn turn(session: SessionId, n: u64, state: &str, checkpoint: bool) -> TurnCommit {
     TurnCommit {

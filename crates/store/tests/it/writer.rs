@@ -1,8 +1,5 @@
 //! The write path: transient failures retried then surfaced as a typed
 //! error, group commit with per-request savepoints, reads during writes.
-#![allow(clippy::unwrap_used)] // helpers outside #[test] fns unwrap too
-
-mod common;
 
 use std::time::Duration;
 
@@ -13,7 +10,7 @@ use keel_store::{
 };
 use rusqlite::Connection;
 
-use common::*;
+use crate::common::*;
 
 #[tokio::test]
 async fn a_held_write_lock_surfaces_as_busy_after_the_retries() {

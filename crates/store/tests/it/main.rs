@@ -1,0 +1,11 @@
+//! Integration tests of keel-store, linked into one binary (one link on CI
+//! instead of one per file).
+#![allow(clippy::unwrap_used)] // helpers outside #[test] fns unwrap too
+
+mod common;
+mod history;
+mod migrations;
+mod orchestration;
+mod sessions;
+mod write_cache;
+mod writer;
