@@ -136,6 +136,11 @@ pub fn check(packages: &[Package]) -> Vec<Violation> {
             continue;
         };
         for dep in &pkg.deps {
+            // A dev-dependency of a crate on itself only turns on its test
+            // features (such as `testing`) for its own tests: not an edge.
+            if dep.name == pkg.name && dep.kind == DepKind::Dev {
+                continue;
+            }
             if workspace.contains_key(dep.name.as_str()) {
                 let allowed = match (own, layer_of(&dep.name)) {
                     (Layer::Ordered(a), Some(Layer::Ordered(b))) => b < a,
@@ -298,6 +303,17 @@ mod tests {
             msg.contains("keel-core depends on keel-gateway (Dev"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn a_dev_dependency_on_itself_is_no_edge() {
+        let mut pkgs = clean();
+        pkgs[1].deps.push(Dep {
+            name: "keel-store".into(),
+            kind: DepKind::Dev,
+            features: vec!["testing".into()],
+        });
+        assert_eq!(check(&pkgs), vec![]);
     }
 
     #[test]
