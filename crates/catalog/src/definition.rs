@@ -157,7 +157,7 @@ impl Severity {
 }
 
 /// What a background run of this agent may send to the root agent with
-/// `emit_signal` (seed 002 §10). Without a contract the tool is not offered.
+/// `emit_signal`. Without a contract the tool is not offered.
 /// All limits are enforced by code; the model only supplies the payload.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

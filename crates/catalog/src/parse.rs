@@ -24,7 +24,8 @@ pub const MAX_DEFINITION_BYTES: u64 = 256 * 1024;
 /// Largest frontmatter (between the delimiters), in bytes.
 pub const MAX_FRONTMATTER_BYTES: usize = 16 * 1024;
 /// Ids no definition may use: names of roles and of the runtime itself, and
-/// `general`, the built-in compatibility agent (seed 002 §4.3).
+/// `general`, kept for a built-in compatibility agent that delegations
+/// naming no agent fall back to.
 pub const RESERVED_IDS: &[&str] = &[
     "root",
     "system",

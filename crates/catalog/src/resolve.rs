@@ -112,6 +112,12 @@ impl FileCtx<'_> {
     }
 }
 
+/// A definition that parsed, with the YAML its diagnostics point into.
+type Parsed = (AgentDefinition, String);
+
+/// An id some file claims: the id, the file, its YAML.
+type Claim = (AgentId, PathBuf, String);
+
 /// Builds the id map and resolves every reference; collects every problem,
 /// parse problems included, sorted by file (config problems last).
 pub(crate) fn resolve(
@@ -119,217 +125,21 @@ pub(crate) fn resolve(
     inputs: &CatalogInputs,
 ) -> Result<Resolved, Vec<Diagnostic>> {
     let mut diags = Vec::new();
-    let mut parsed = Vec::new();
-    // Every id some file claims, in file order, even if that file has other
-    // errors (so a duplicate or a delegate to it is judged correctly).
-    let mut claims: Vec<(AgentId, PathBuf, String)> = Vec::new();
-    for sf in files {
-        match sf.parsed.outcome {
-            Ok(def) => {
-                claims.push((def.id.clone(), sf.file, sf.parsed.yaml.clone()));
-                parsed.push((def, sf.parsed.yaml));
-            }
-            Err(mut d) => {
-                if let Some(id) = sf.parsed.salvaged_id {
-                    claims.push((id, sf.file, sf.parsed.yaml));
-                }
-                diags.append(&mut d);
-            }
-        }
-    }
+    let (parsed, claims) = split_parsed(files, &mut diags);
     let known: BTreeSet<AgentId> = claims.iter().map(|(id, _, _)| id.clone()).collect();
-
-    // Pass 1: the id map, with folded duplicates named by both files.
-    let mut by_fold: BTreeMap<String, (&AgentId, &PathBuf)> = BTreeMap::new();
-    for (id, file, yaml) in &claims {
-        let folded = fold(id.as_str());
-        if let Some((first_id, first_file)) = by_fold.get(&folded) {
-            let ctx = FileCtx {
-                file: file.clone(),
-                locator: Locator::new(yaml),
-            };
-            let same = if *first_id == id {
-                String::new()
-            } else {
-                format!(
-                    " as {:?} (ids are compared ignoring case and `-`/`_`)",
-                    first_id.as_str()
-                )
-            };
-            diags.push(ctx.diag(
-                K::DuplicateId,
-                &[Seg::Key("id")],
-                format!(
-                    "agent id {:?} is already defined by {}{same}; ids must be unique — rename one of the two",
-                    id.as_str(),
-                    first_file.display()
-                ),
-            ));
-        } else {
-            by_fold.insert(folded, (id, file));
-        }
-    }
-
-    // An agent can be delegated to if the root or any agent lists it.
-    let mut delegators: BTreeMap<&AgentId, Vec<String>> = BTreeMap::new();
-    for id in &inputs.root_delegates {
-        delegators
-            .entry(id)
-            .or_default()
-            .push("root_delegates".to_owned());
-    }
-    for (def, _) in &parsed {
-        for target in &def.delegates {
-            if target != &def.id {
-                delegators
-                    .entry(target)
-                    .or_default()
-                    .push(format!("{:?}", def.id.as_str()));
-            }
-        }
-    }
-    let known_names = || known.iter().map(AgentId::as_str);
-
-    // Pass 2: references.
+    check_unique_ids(&claims, &mut diags);
+    let delegators = delegators(&parsed, inputs);
     for (def, yaml) in &parsed {
         let ctx = FileCtx {
             file: def.source_file.clone(),
             locator: Locator::new(yaml),
         };
-        for (i, target) in def.delegates.iter().enumerate() {
-            let path = [Seg::Key("delegates"), Seg::Index(i)];
-            if target == &def.id {
-                diags.push(ctx.diag(
-                    K::SelfDelegation,
-                    &path,
-                    format!(
-                        "{:?} lists itself as a delegate; an agent cannot delegate to itself — remove it",
-                        target.as_str()
-                    ),
-                ));
-            } else if !known.contains(target) {
-                diags.push(ctx.diag(
-                    K::UnknownDelegate,
-                    &path,
-                    format!(
-                        "no agent has id {:?}{}",
-                        target.as_str(),
-                        hint(target.as_str(), "agents", known_names())
-                    ),
-                ));
-            }
-        }
-        if !inputs.profiles.contains(&def.llm_profile) {
-            diags.push(ctx.diag(
-                K::UnknownProfile,
-                &[Seg::Key("llm_profile")],
-                format!(
-                    "no provider profile {:?} is configured{}",
-                    def.llm_profile,
-                    hint(
-                        &def.llm_profile,
-                        "profiles",
-                        inputs.profiles.iter().map(String::as_str)
-                    )
-                ),
-            ));
-        }
-        let by = delegators.get(&def.id);
-        let rule = if by.is_some() {
-            ScopeRule::Delegated
-        } else {
-            ScopeRule::Root
-        };
-        for (i, tool) in def.tools.iter().enumerate() {
-            let path = [Seg::Key("tools"), Seg::Index(i)];
-            let Err(e) = inputs.tools.check(tool, rule) else {
-                continue;
-            };
-            let d = match e {
-                ToolRegistryError::Unknown(_) => ctx.diag(
-                    K::UnknownTool,
-                    &path,
-                    format!(
-                        "no tool {tool:?} is registered{}",
-                        hint(tool, "tools", inputs.tools.names())
-                    ),
-                ),
-                ToolRegistryError::RuntimeOnly(_) => ctx.diag(
-                    K::RuntimeInjectedTool,
-                    &path,
-                    format!(
-                        "tool {tool:?} is injected by the runtime when allowed and cannot be listed; remove it"
-                    ),
-                ),
-                ToolRegistryError::NotDelegatable { policy, .. } => ctx.diag(
-                    K::ToolNotDelegatable,
-                    &path,
-                    format!(
-                        "tool {tool:?} has policy {policy:?} and cannot be given to an agent that is delegated to (by {}); remove the tool or stop delegating to {:?}",
-                        by.map(|v| v.join(", ")).unwrap_or_default(),
-                        def.id.as_str()
-                    ),
-                ),
-                ToolRegistryError::Duplicate(_) => ctx.diag(K::UnknownTool, &path, e.to_string()),
-            };
-            diags.push(d);
-        }
-        for (i, skill) in def.skills.iter().enumerate() {
-            if !inputs.skills.contains(skill) {
-                diags.push(ctx.diag(
-                    K::UnknownSkill,
-                    &[Seg::Key("skills"), Seg::Index(i)],
-                    format!(
-                        "no skill {skill:?} exists{}",
-                        hint(skill, "skills", inputs.skills.iter().map(String::as_str))
-                    ),
-                ));
-            }
-        }
+        check_delegates(def, &ctx, &known, &mut diags);
+        check_profile(def, &ctx, inputs, &mut diags);
+        check_tools(def, &ctx, inputs, delegators.get(&def.id), &mut diags);
+        check_skills(def, &ctx, inputs, &mut diags);
     }
-
-    // Config inputs.
-    let mut seen = BTreeSet::new();
-    for (i, id) in inputs.root_delegates.iter().enumerate() {
-        let key = format!("root_delegates[{i}]");
-        if !seen.insert(id) {
-            diags.push(
-                Diagnostic::new(
-                    None,
-                    K::DuplicateEntry,
-                    format!("{:?} is listed twice; remove one", id.as_str()),
-                )
-                .with_key(key),
-            );
-        } else if !known.contains(id) {
-            diags.push(
-                Diagnostic::new(
-                    None,
-                    K::UnknownRootDelegate,
-                    format!(
-                        "no agent definition has id {:?}{}",
-                        id.as_str(),
-                        hint(id.as_str(), "agents", known_names())
-                    ),
-                )
-                .with_key(key),
-            );
-        }
-    }
-    let depth = inputs.max_delegation_depth;
-    if !(1..=MAX_DELEGATION_DEPTH_CAP).contains(&depth) {
-        diags.push(
-            Diagnostic::new(
-                None,
-                K::InvalidInput,
-                format!(
-                    "{depth} is outside 1..={MAX_DELEGATION_DEPTH_CAP}; the depth bound is what keeps delegation cycles finite"
-                ),
-            )
-            .with_key("max_tree_depth"),
-        );
-    }
-
+    check_config_inputs(inputs, &known, &mut diags);
     if !diags.is_empty() {
         // By file (config last), then line; stable, so problems on one line
         // keep the order they were found in.
@@ -351,4 +161,263 @@ pub(crate) fn resolve(
         definitions,
         delegatable,
     })
+}
+
+/// The definitions that parsed, and every id some file claims, in file
+/// order, even if that file has other errors (so a duplicate or a delegate
+/// to it is judged correctly). Parse problems go to `diags`.
+fn split_parsed(files: Vec<SourceFile>, diags: &mut Vec<Diagnostic>) -> (Vec<Parsed>, Vec<Claim>) {
+    let mut parsed = Vec::new();
+    let mut claims = Vec::new();
+    for sf in files {
+        match sf.parsed.outcome {
+            Ok(def) => {
+                claims.push((def.id.clone(), sf.file, sf.parsed.yaml.clone()));
+                parsed.push((def, sf.parsed.yaml));
+            }
+            Err(mut d) => {
+                if let Some(id) = sf.parsed.salvaged_id {
+                    claims.push((id, sf.file, sf.parsed.yaml));
+                }
+                diags.append(&mut d);
+            }
+        }
+    }
+    (parsed, claims)
+}
+
+/// The id map: a second claim of an id (after folding) is reported on its
+/// file, naming the first.
+fn check_unique_ids(claims: &[Claim], diags: &mut Vec<Diagnostic>) {
+    let mut by_fold: BTreeMap<String, (&AgentId, &PathBuf)> = BTreeMap::new();
+    for (id, file, yaml) in claims {
+        let folded = fold(id.as_str());
+        let Some((first_id, first_file)) = by_fold.get(&folded) else {
+            by_fold.insert(folded, (id, file));
+            continue;
+        };
+        let ctx = FileCtx {
+            file: file.clone(),
+            locator: Locator::new(yaml),
+        };
+        let same = if *first_id == id {
+            String::new()
+        } else {
+            format!(
+                " as {:?} (ids are compared ignoring case and `-`/`_`)",
+                first_id.as_str()
+            )
+        };
+        diags.push(ctx.diag(
+            K::DuplicateId,
+            &[Seg::Key("id")],
+            format!(
+                "agent id {:?} is already defined by {}{same}; ids must be unique — rename one of the two",
+                id.as_str(),
+                first_file.display()
+            ),
+        ));
+    }
+}
+
+/// Who delegates to each agent: `root_delegates` and every agent listing
+/// it. An agent can be delegated to if it has an entry here.
+fn delegators<'a>(
+    parsed: &'a [Parsed],
+    inputs: &'a CatalogInputs,
+) -> BTreeMap<&'a AgentId, Vec<String>> {
+    let mut delegators: BTreeMap<&AgentId, Vec<String>> = BTreeMap::new();
+    for id in &inputs.root_delegates {
+        delegators
+            .entry(id)
+            .or_default()
+            .push("root_delegates".to_owned());
+    }
+    for (def, _) in parsed {
+        for target in &def.delegates {
+            if target != &def.id {
+                delegators
+                    .entry(target)
+                    .or_default()
+                    .push(format!("{:?}", def.id.as_str()));
+            }
+        }
+    }
+    delegators
+}
+
+/// Every delegate exists and is not the agent itself.
+fn check_delegates(
+    def: &AgentDefinition,
+    ctx: &FileCtx<'_>,
+    known: &BTreeSet<AgentId>,
+    diags: &mut Vec<Diagnostic>,
+) {
+    for (i, target) in def.delegates.iter().enumerate() {
+        let path = [Seg::Key("delegates"), Seg::Index(i)];
+        if target == &def.id {
+            diags.push(ctx.diag(
+                K::SelfDelegation,
+                &path,
+                format!(
+                    "{:?} lists itself as a delegate; an agent cannot delegate to itself — remove it",
+                    target.as_str()
+                ),
+            ));
+        } else if !known.contains(target) {
+            diags.push(ctx.diag(
+                K::UnknownDelegate,
+                &path,
+                format!(
+                    "no agent has id {:?}{}",
+                    target.as_str(),
+                    hint(target.as_str(), "agents", known.iter().map(AgentId::as_str))
+                ),
+            ));
+        }
+    }
+}
+
+/// `llm_profile` names a configured profile.
+fn check_profile(
+    def: &AgentDefinition,
+    ctx: &FileCtx<'_>,
+    inputs: &CatalogInputs,
+    diags: &mut Vec<Diagnostic>,
+) {
+    if !inputs.profiles.contains(&def.llm_profile) {
+        diags.push(ctx.diag(
+            K::UnknownProfile,
+            &[Seg::Key("llm_profile")],
+            format!(
+                "no provider profile {:?} is configured{}",
+                def.llm_profile,
+                hint(
+                    &def.llm_profile,
+                    "profiles",
+                    inputs.profiles.iter().map(String::as_str)
+                )
+            ),
+        ));
+    }
+}
+
+/// Every tool is registered, listable, and — for an agent someone
+/// delegates to (`by`) — allowed in a delegated scope (fail-closed).
+fn check_tools(
+    def: &AgentDefinition,
+    ctx: &FileCtx<'_>,
+    inputs: &CatalogInputs,
+    by: Option<&Vec<String>>,
+    diags: &mut Vec<Diagnostic>,
+) {
+    let rule = if by.is_some() {
+        ScopeRule::Delegated
+    } else {
+        ScopeRule::Root
+    };
+    for (i, tool) in def.tools.iter().enumerate() {
+        let path = [Seg::Key("tools"), Seg::Index(i)];
+        let Err(e) = inputs.tools.check(tool, rule) else {
+            continue;
+        };
+        let d = match e {
+            ToolRegistryError::Unknown(_) => ctx.diag(
+                K::UnknownTool,
+                &path,
+                format!(
+                    "no tool {tool:?} is registered{}",
+                    hint(tool, "tools", inputs.tools.names())
+                ),
+            ),
+            ToolRegistryError::RuntimeOnly(_) => ctx.diag(
+                K::RuntimeInjectedTool,
+                &path,
+                format!(
+                    "tool {tool:?} is injected by the runtime when allowed and cannot be listed; remove it"
+                ),
+            ),
+            ToolRegistryError::NotDelegatable { policy, .. } => ctx.diag(
+                K::ToolNotDelegatable,
+                &path,
+                format!(
+                    "tool {tool:?} has policy {policy:?} and cannot be given to an agent that is delegated to (by {}); remove the tool or stop delegating to {:?}",
+                    by.map(|v| v.join(", ")).unwrap_or_default(),
+                    def.id.as_str()
+                ),
+            ),
+            ToolRegistryError::Duplicate(_) => ctx.diag(K::UnknownTool, &path, e.to_string()),
+        };
+        diags.push(d);
+    }
+}
+
+/// Every skill exists.
+fn check_skills(
+    def: &AgentDefinition,
+    ctx: &FileCtx<'_>,
+    inputs: &CatalogInputs,
+    diags: &mut Vec<Diagnostic>,
+) {
+    for (i, skill) in def.skills.iter().enumerate() {
+        if !inputs.skills.contains(skill) {
+            diags.push(ctx.diag(
+                K::UnknownSkill,
+                &[Seg::Key("skills"), Seg::Index(i)],
+                format!(
+                    "no skill {skill:?} exists{}",
+                    hint(skill, "skills", inputs.skills.iter().map(String::as_str))
+                ),
+            ));
+        }
+    }
+}
+
+/// The caller's inputs: `root_delegates` name defined agents, each once;
+/// the depth bound is in range.
+fn check_config_inputs(
+    inputs: &CatalogInputs,
+    known: &BTreeSet<AgentId>,
+    diags: &mut Vec<Diagnostic>,
+) {
+    let mut seen = BTreeSet::new();
+    for (i, id) in inputs.root_delegates.iter().enumerate() {
+        let key = format!("root_delegates[{i}]");
+        if !seen.insert(id) {
+            diags.push(
+                Diagnostic::new(
+                    None,
+                    K::DuplicateEntry,
+                    format!("{:?} is listed twice; remove one", id.as_str()),
+                )
+                .with_key(key),
+            );
+        } else if !known.contains(id) {
+            diags.push(
+                Diagnostic::new(
+                    None,
+                    K::UnknownRootDelegate,
+                    format!(
+                        "no agent definition has id {:?}{}",
+                        id.as_str(),
+                        hint(id.as_str(), "agents", known.iter().map(AgentId::as_str))
+                    ),
+                )
+                .with_key(key),
+            );
+        }
+    }
+    let depth = inputs.max_delegation_depth;
+    if !(1..=MAX_DELEGATION_DEPTH_CAP).contains(&depth) {
+        diags.push(
+            Diagnostic::new(
+                None,
+                K::InvalidInput,
+                format!(
+                    "{depth} is outside 1..={MAX_DELEGATION_DEPTH_CAP}; the depth bound is what keeps delegation cycles finite"
+                ),
+            )
+            .with_key("max_tree_depth"),
+        );
+    }
 }
