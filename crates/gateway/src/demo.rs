@@ -130,18 +130,12 @@ impl RunObserver for BackgroundDone {
     }
 }
 
-struct Tour {
-    started: Instant,
+fn step(n: u32, title: &str) {
+    println!("\n{n}. {title}");
 }
 
-impl Tour {
-    fn step(&self, n: u32, title: &str) {
-        println!("\n{n}. {title}");
-    }
-
-    fn line(&self, text: &str) {
-        println!("   {text}");
-    }
+fn line(text: &str) {
+    println!("   {text}");
 }
 
 async fn turn(
@@ -251,25 +245,9 @@ async fn build(
 
 /// Runs the tour; `data_dir` keeps the database, else a temporary directory is used.
 pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode, AppError> {
-    let tour = Tour {
-        started: Instant::now(),
-    };
-    let temp = TempGuard(tempdir()?);
-    let kept = data_dir.is_some();
-    let data_dir = data_dir.unwrap_or_else(|| temp.0.join("data"));
-    let workspace = temp.0.join("workspace");
-    let agents_dir = temp.0.join("agents");
-    crate::app::create_data_dir(&data_dir)?;
-    for dir in [&workspace, &agents_dir] {
-        std::fs::create_dir_all(dir).map_err(io_err(format!("cannot create {}", dir.display())))?;
-    }
-    std::fs::write(workspace.join("notes.md"), NOTES)
-        .map_err(io_err("cannot write the demo workspace"))?;
-    for (name, text) in AGENTS {
-        std::fs::write(agents_dir.join(name), text)
-            .map_err(io_err("cannot write the demo agents"))?;
-    }
-    let db = database_path(&data_dir);
+    let started = Instant::now();
+    let dirs = DemoDirs::prepare(data_dir)?;
+    let db = database_path(&dirs.data_dir);
     println!("keel demo — an offline tour (scripted model, no network, no API key)");
     println!("database: {}", db.display());
 
@@ -278,7 +256,7 @@ pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode, AppError> {
     let Runtime {
         manager,
         coordinator,
-    } = build(store, &provider, &workspace, &agents_dir).await?;
+    } = build(store, &provider, &dirs.workspace, &dirs.agents_dir).await?;
     let background_done = Arc::new(Notify::new());
     coordinator.set_observer(Arc::new(BackgroundDone(background_done.clone())));
     let chat = format!("demo-{}", short(keel_core::SessionId::new()));
@@ -292,116 +270,13 @@ pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode, AppError> {
         })
         .await?;
 
-    tour.step(
-        1,
-        "Streaming: the answer arrives chunk by chunk and is committed when the turn ends",
-    );
-    turn(&manager, first, "Hello keel!").await?;
+    streaming_and_tools(&manager, first).await?;
+    sub_agents(&manager, first, &background_done).await?;
+    dialogs(&manager, &chat).await?;
+    let mark = checkpoints(&manager, first).await?;
+    fork(&manager, first, mark.turn_index + 2).await?;
 
-    tour.step(
-        2,
-        "Tools: one model call asks for two tools; they run concurrently, then the model answers",
-    );
-    turn(&manager, first, "What is in my notes?").await?;
-
-    tour.step(
-        3,
-        "Sub-agents: the root delegates a foreground batch of two and one background run",
-    );
-    tour.line("agents (demo/agents/*.md): researcher, writer, archivist");
-    turn(&manager, first, "Prepare the launch with your team.").await?;
-    background_done.notified().await;
-    tour.line("the run tree, read back from the database:");
-    let runs = manager.store().list_runs(first, None, 20).await?.items;
-    for line in run_tree(&runs) {
-        tour.line(&format!("  {line}"));
-    }
-    let events = manager.store().list_inbox_events(first).await?;
-    tour.line(&format!(
-        "inbox: {} completion event(s) from the background run, durable until a turn consumes them",
-        events.len()
-    ));
-
-    tour.step(
-        4,
-        "Dialogs: a second dialog is titled by the model once it has 3 user messages",
-    );
-    let second = manager.create_dialog("demo", &chat, None, None).await?;
-    let before = manager.record(second).await?.title;
-    tour.line(&format!("new dialog titled \"{before}\""));
-    for text in [
-        "Let's write a launch checklist.",
-        "Schema, benchmarks, demo.",
-        "Anything else?",
-    ] {
-        turn(&manager, second, text).await?;
-    }
-    tour.line(&format!(
-        "title is now \"{}\"",
-        manager.record(second).await?.title
-    ));
-    let page = manager.list_dialogs("demo", &chat, 10, None).await?;
-    for r in &page.items {
-        tour.line(&format!(
-            "dialog {}  \"{}\"  {} user messages",
-            r.dialog_id, r.title, r.message_count
-        ));
-    }
-
-    tour.step(
-        5,
-        "Checkpoints: checkpoint, two turns, roll back, take another branch",
-    );
-    let mark = manager.checkpoint(first).await?;
-    tour.line(&format!(
-        "checkpoint {} at turn {}",
-        short(mark.id),
-        mark.turn_index
-    ));
-    turn(&manager, first, "Plan A?").await?;
-    turn(&manager, first, "And then?").await?;
-    manager.rollback(first, mark.id).await?;
-    tour.line(&format!(
-        "rolled back to {}: the last two turns are off the current branch",
-        short(mark.id)
-    ));
-    turn(&manager, first, "Plan B?").await?;
-    tour.line("checkpoints, newest first (the abandoned branch is still listed):");
-    for c in manager.list_checkpoints(first).await? {
-        let parent = c.parent_id.map(short).unwrap_or_else(|| "-".into());
-        tour.line(&format!(
-            "  {}  turn {}  {:<8} parent {}",
-            short(c.id),
-            c.turn_index,
-            c.source.as_str(),
-            parent
-        ));
-    }
-
-    tour.step(
-        6,
-        "Fork: a new dialog starts from a checkpoint on the abandoned branch; nothing is copied",
-    );
-    let tip = mark.turn_index + 2;
-    let abandoned = manager
-        .list_checkpoints(first)
-        .await?
-        .into_iter()
-        .find(|c| c.turn_index == tip)
-        .ok_or_else(|| {
-            keel_engine::EngineError::InvalidInput(format!("no checkpoint at turn {tip}"))
-        })?;
-    let fork = manager.fork(abandoned.id, None).await?;
-    let fork_record = manager.record(fork).await?;
-    tour.line(&format!(
-        "forked {} into dialog {} \"{}\"",
-        short(abandoned.id),
-        fork_record.dialog_id,
-        fork_record.title
-    ));
-    turn(&manager, fork, "Which plan do we keep here?").await?;
-
-    tour.step(7, "Restart: drop everything, reopen the database, recover");
+    step(7, "Restart: drop everything, reopen the database, recover");
     let (before_state, before_history) = {
         let s = manager.session(first).await?;
         let g = s.lock().await;
@@ -411,11 +286,12 @@ pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode, AppError> {
     coordinator.shutdown();
     drop(coordinator);
     let store = Store::open(&db, StoreOptions::default())?;
-    let Runtime { manager, .. } = build(store, &provider, &workspace, &agents_dir).await?;
+    let Runtime { manager, .. } =
+        build(store, &provider, &dirs.workspace, &dirs.agents_dir).await?;
     let s = manager.recover(first).await?;
     let g = s.lock().await;
     let same = g.state() == &before_state && g.history() == before_history.as_slice();
-    tour.line(&format!(
+    line(&format!(
         "recovered \"{}\": {} messages, turn {}, {} tokens — identical to before the restart: {}",
         g.record().title,
         g.history().len(),
@@ -427,16 +303,196 @@ pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode, AppError> {
     if !same {
         return Ok(ExitCode::FAILURE);
     }
-    let kept_note = if kept {
+    let kept_note = if dirs.kept {
         format!("every step above is kept in {}", db.display())
     } else {
         "the database was temporary; pass --data-dir DIR to keep it".to_owned()
     };
     println!(
         "\ndone in {} ms; {kept_note}",
-        tour.started.elapsed().as_millis()
+        started.elapsed().as_millis()
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// Steps 1 and 2: a streamed answer, then a parallel tool batch.
+async fn streaming_and_tools(
+    manager: &Arc<SessionManager>,
+    first: keel_core::SessionId,
+) -> Result<(), AppError> {
+    step(
+        1,
+        "Streaming: the answer arrives chunk by chunk and is committed when the turn ends",
+    );
+    turn(manager, first, "Hello keel!").await?;
+    step(
+        2,
+        "Tools: one model call asks for two tools; they run concurrently, then the model answers",
+    );
+    turn(manager, first, "What is in my notes?").await
+}
+
+/// Step 3: a foreground batch of two sub-agents and a background run, and
+/// the run tree read back from the database.
+async fn sub_agents(
+    manager: &Arc<SessionManager>,
+    first: keel_core::SessionId,
+    background_done: &Notify,
+) -> Result<(), AppError> {
+    step(
+        3,
+        "Sub-agents: the root delegates a foreground batch of two and one background run",
+    );
+    line("agents (demo/agents/*.md): researcher, writer, archivist");
+    turn(manager, first, "Prepare the launch with your team.").await?;
+    background_done.notified().await;
+    line("the run tree, read back from the database:");
+    let runs = manager.store().list_runs(first, None, 20).await?.items;
+    for l in run_tree(&runs) {
+        line(&format!("  {l}"));
+    }
+    let events = manager.store().list_inbox_events(first).await?;
+    line(&format!(
+        "inbox: {} completion event(s) from the background run, durable until a turn consumes them",
+        events.len()
+    ));
+    Ok(())
+}
+
+/// Step 4: a second dialog, titled by the model after three user messages.
+async fn dialogs(manager: &Arc<SessionManager>, chat: &str) -> Result<(), AppError> {
+    step(
+        4,
+        "Dialogs: a second dialog is titled by the model once it has 3 user messages",
+    );
+    let second = manager.create_dialog("demo", chat, None, None).await?;
+    let before = manager.record(second).await?.title;
+    line(&format!("new dialog titled \"{before}\""));
+    for text in [
+        "Let's write a launch checklist.",
+        "Schema, benchmarks, demo.",
+        "Anything else?",
+    ] {
+        turn(manager, second, text).await?;
+    }
+    line(&format!(
+        "title is now \"{}\"",
+        manager.record(second).await?.title
+    ));
+    let page = manager.list_dialogs("demo", chat, 10, None).await?;
+    for r in &page.items {
+        line(&format!(
+            "dialog {}  \"{}\"  {} user messages",
+            r.dialog_id, r.title, r.message_count
+        ));
+    }
+    Ok(())
+}
+
+/// Step 5: a checkpoint, two turns, a rollback and another branch; returns
+/// the checkpoint.
+async fn checkpoints(
+    manager: &Arc<SessionManager>,
+    first: keel_core::SessionId,
+) -> Result<keel_store::CheckpointRecord, AppError> {
+    step(
+        5,
+        "Checkpoints: checkpoint, two turns, roll back, take another branch",
+    );
+    let mark = manager.checkpoint(first).await?;
+    line(&format!(
+        "checkpoint {} at turn {}",
+        short(mark.id),
+        mark.turn_index
+    ));
+    turn(manager, first, "Plan A?").await?;
+    turn(manager, first, "And then?").await?;
+    manager.rollback(first, mark.id).await?;
+    line(&format!(
+        "rolled back to {}: the last two turns are off the current branch",
+        short(mark.id)
+    ));
+    turn(manager, first, "Plan B?").await?;
+    line("checkpoints, newest first (the abandoned branch is still listed):");
+    for c in manager.list_checkpoints(first).await? {
+        let parent = c.parent_id.map(short).unwrap_or_else(|| "-".into());
+        line(&format!(
+            "  {}  turn {}  {:<8} parent {}",
+            short(c.id),
+            c.turn_index,
+            c.source.as_str(),
+            parent
+        ));
+    }
+    Ok(mark)
+}
+
+/// Step 6: a new dialog forked from the abandoned branch's checkpoint at turn `tip`.
+async fn fork(
+    manager: &Arc<SessionManager>,
+    first: keel_core::SessionId,
+    tip: u64,
+) -> Result<(), AppError> {
+    step(
+        6,
+        "Fork: a new dialog starts from a checkpoint on the abandoned branch; nothing is copied",
+    );
+    let abandoned = manager
+        .list_checkpoints(first)
+        .await?
+        .into_iter()
+        .find(|c| c.turn_index == tip)
+        .ok_or_else(|| {
+            keel_engine::EngineError::InvalidInput(format!("no checkpoint at turn {tip}"))
+        })?;
+    let fork = manager.fork(abandoned.id, None).await?;
+    let fork_record = manager.record(fork).await?;
+    line(&format!(
+        "forked {} into dialog {} \"{}\"",
+        short(abandoned.id),
+        fork_record.dialog_id,
+        fork_record.title
+    ));
+    turn(manager, fork, "Which plan do we keep here?").await
+}
+
+/// The demo's directories: a temporary one (removed on drop) holding the
+/// workspace, the agent definitions and, without `--data-dir`, the data.
+struct DemoDirs {
+    data_dir: PathBuf,
+    workspace: PathBuf,
+    agents_dir: PathBuf,
+    /// The data directory was given and outlives the demo.
+    kept: bool,
+    _temp: TempGuard,
+}
+
+impl DemoDirs {
+    fn prepare(data_dir: Option<PathBuf>) -> Result<Self, AppError> {
+        let temp = TempGuard(tempdir()?);
+        let kept = data_dir.is_some();
+        let data_dir = data_dir.unwrap_or_else(|| temp.0.join("data"));
+        let workspace = temp.0.join("workspace");
+        let agents_dir = temp.0.join("agents");
+        crate::app::create_data_dir(&data_dir)?;
+        for dir in [&workspace, &agents_dir] {
+            std::fs::create_dir_all(dir)
+                .map_err(io_err(format!("cannot create {}", dir.display())))?;
+        }
+        std::fs::write(workspace.join("notes.md"), NOTES)
+            .map_err(io_err("cannot write the demo workspace"))?;
+        for (name, text) in AGENTS {
+            std::fs::write(agents_dir.join(name), text)
+                .map_err(io_err("cannot write the demo agents"))?;
+        }
+        Ok(Self {
+            data_dir,
+            workspace,
+            agents_dir,
+            kept,
+            _temp: temp,
+        })
+    }
 }
 
 fn tempdir() -> Result<PathBuf, AppError> {
