@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand};
 
 /// keel — a durable runtime for LLM agents.
 #[derive(Debug, Parser)]
-#[command(name = "keel", version, about, long_about = None)]
+#[command(name = "keel", version, long_about = None)]
 pub struct Cli {
     /// What to run.
     #[command(subcommand)]

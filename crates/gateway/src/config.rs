@@ -137,7 +137,8 @@ pub struct Config {
     pub tools: ToolsConfig,
     /// `[orchestration]`: sub-agent quotas and inbox behaviour.
     pub orchestration: OrchestrationConfig,
-    /// `[server]`: where `keel serve` listens.
+    /// `[server]`: where `keel serve` will listen (parsed and validated;
+    /// there is no `serve` yet).
     pub server: ServerConfig,
 }
 
@@ -259,7 +260,9 @@ impl Default for ToolsConfig {
     }
 }
 
-/// `[orchestration]` (seed 002 §4.1): quotas of sub-agent runs and the inbox.
+/// `[orchestration]`: quotas of sub-agent runs and the inbox. The inbox
+/// timing keys and `default_run_timeout_secs` are parsed and validated but
+/// not acted on yet (docs/CONFIG.md marks them).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct OrchestrationConfig {
@@ -332,7 +335,7 @@ fn narrow(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
-/// `[server]`.
+/// `[server]`: parsed and validated, not used until `keel serve` exists.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ServerConfig {
@@ -348,16 +351,6 @@ impl Default for ServerConfig {
             bind: DEFAULT_BIND,
             token_env: DEFAULT_TOKEN_ENV.to_owned(),
         }
-    }
-}
-
-impl ServerConfig {
-    /// The management token, read from `token_env` through `env`; `None`
-    /// when the variable is unset or blank.
-    pub fn token_with_env(&self, env: &dyn Fn(&str) -> Option<String>) -> Option<String> {
-        env(&self.token_env)
-            .map(|t| t.trim().to_owned())
-            .filter(|t| !t.is_empty())
     }
 }
 
@@ -462,14 +455,9 @@ impl Config {
         })
     }
 
-    /// Parses and validates `text`, naming `file_label` in every error;
-    /// provider keys are read from the process environment. Relative paths
-    /// are kept as written.
-    pub fn from_toml_str(text: &str, file_label: &str) -> Result<Config, ConfigError> {
-        Self::from_toml_str_with_env(text, file_label, &real_env)
-    }
-
-    /// [`from_toml_str`](Self::from_toml_str) with an injected environment lookup.
+    /// Parses and validates `text`, naming `file_label` in every error and
+    /// reading provider keys through `env`. Relative paths are kept as
+    /// written.
     pub fn from_toml_str_with_env(
         text: &str,
         file_label: &str,
@@ -710,11 +698,6 @@ impl Config {
     /// Time between two sweeps of idle sessions.
     pub fn cleanup_interval(&self) -> Duration {
         Duration::from_secs(self.session.cleanup_interval_minutes.saturating_mul(60))
-    }
-
-    /// The management bearer token from `server.token_env` in the process environment.
-    pub fn management_token(&self) -> Option<String> {
-        self.server.token_with_env(&real_env)
     }
 }
 

@@ -4,6 +4,8 @@
 //! Architecture invariant: keel-gateway is the only crate that knows HTTP
 //! servers, WebSocket and wire DTOs; it converts engine types to DTOs by hand.
 
+#![deny(missing_docs)]
+
 pub mod agents;
 pub mod app;
 pub mod chat;

@@ -1,4 +1,4 @@
-//! `keel`: serve, chat, demo, agents check.
+//! `keel`: demo, chat, agents check.
 
 fn main() -> std::process::ExitCode {
     keel_gateway::cli::main()
