@@ -2,6 +2,7 @@
 //! dependencies. `ci` is exactly what CI runs.
 
 mod deps;
+mod tidy;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -12,6 +13,7 @@ const USAGE: &str = "usage: cargo xtask <command>
 commands:
   ci                         fmt, clippy, deps, tests, docs (and cargo-deny when installed)
   deps                       check the crate layering
+  tidy                       file and function sizes, dead public API, unread config keys
   bench [store|catalog|engine|...]
                              run benchmarks (all when no name is given)
   fuzz <target> [--seconds N]  run a cargo-fuzz target (catalog)";
@@ -21,6 +23,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci(),
         Some("deps") => deps_cmd(),
+        Some("tidy") => tidy_cmd(),
         Some("bench") => bench(&args[1..]),
         Some("fuzz") => fuzz(&args[1..]),
         Some("-h" | "--help" | "help") => {
@@ -71,16 +74,15 @@ fn cargo_cmd(args: &[&str]) -> Command {
     c
 }
 
-/// `cargo metadata` of the workspace, without dependencies.
-pub(crate) fn cargo_metadata() -> Result<serde_json::Value, String> {
-    let out = Command::new(cargo())
-        .args([
-            "metadata",
-            "--format-version",
-            "1",
-            "--no-deps",
-            "--offline",
-        ])
+/// `cargo metadata` of the workspace; with `resolve`, the whole resolved
+/// dependency graph (every platform), else the workspace packages only.
+pub(crate) fn cargo_metadata(resolve: bool) -> Result<serde_json::Value, String> {
+    let mut cmd = Command::new(cargo());
+    cmd.args(["metadata", "--format-version", "1", "--locked"]);
+    if !resolve {
+        cmd.arg("--no-deps");
+    }
+    let out = cmd
         .current_dir(root())
         .output()
         .map_err(|e| format!("cannot run cargo metadata: {e}"))?;
@@ -94,17 +96,34 @@ pub(crate) fn cargo_metadata() -> Result<serde_json::Value, String> {
 }
 
 fn deps_cmd() -> Result<(), String> {
-    let meta = cargo_metadata()?;
-    let packages = deps::packages_from_metadata(&meta)?;
-    let violations = deps::check(&packages);
+    let graph = deps::graph_from_metadata(&cargo_metadata(true)?)?;
+    let violations = deps::check(&graph);
     if violations.is_empty() {
-        println!("deps: {} workspace crates, layering ok", packages.len());
+        let members = graph.values().filter(|p| p.workspace).count();
+        println!("deps: {members} workspace crates, layering ok");
         return Ok(());
     }
     for v in &violations {
         eprintln!("deps: {v}");
     }
     Err(format!("{} layering violation(s)", violations.len()))
+}
+
+/// The tidy checks also run as tests of this crate (so `ci` runs them);
+/// this prints every problem at once.
+fn tidy_cmd() -> Result<(), String> {
+    let ws = tidy::Workspace::load(&root())?;
+    let md = std::fs::read_to_string(root().join("docs/CONFIG.md"))
+        .map_err(|e| format!("cannot read docs/CONFIG.md: {e}"))?;
+    let problems = tidy::check_all(&ws, &md);
+    if problems.is_empty() {
+        println!("tidy: {} files ok", ws.files.len());
+        return Ok(());
+    }
+    for p in &problems {
+        eprintln!("tidy: {p}");
+    }
+    Err(format!("{} tidy problem(s)", problems.len()))
 }
 
 fn ci() -> Result<(), String> {
