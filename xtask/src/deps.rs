@@ -221,6 +221,11 @@ pub fn check(graph: &Graph) -> Vec<Violation> {
             let Some(target) = graph.get(&dep.id) else {
                 continue;
             };
+            // A dev-dependency on itself only turns on features (such as
+            // `testing`) for the crate's own tests; it is no edge.
+            if dep.id == *id && dep.kind == DepKind::Dev {
+                continue;
+            }
             if target.workspace && !allowed.contains(&target.name.as_str()) {
                 out.push(Violation::ForbiddenEdge {
                     from: pkg.name.clone(),
@@ -601,6 +606,18 @@ mod tests {
         assert!(
             msgs[0].starts_with("keel-core depends on keel-gateway (Dev dependency), but keel-core may depend only on no workspace crate"),
             "{msgs:#?}"
+        );
+    }
+
+    #[test]
+    fn a_dev_dependency_on_itself_is_allowed_and_a_normal_one_is_not() {
+        let mut g = G::new();
+        g.edge("keel-engine", "keel-engine", DepKind::Dev);
+        assert_eq!(g.messages(), Vec::<String>::new());
+        g.edge("keel-engine", "keel-engine", DepKind::Normal);
+        assert_eq!(
+            g.messages(),
+            ["keel-engine depends on keel-engine (Normal dependency), but keel-engine may depend only on keel-core, keel-store, keel-catalog (xtask/src/deps.rs ALLOWED)"]
         );
     }
 
