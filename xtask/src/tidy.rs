@@ -86,16 +86,6 @@ pub const UNUSED_API_PENDING: &[(&str, &str, &str)] = &[
         "group_runs",
         "`serve` lists the runs of an agent group",
     ),
-    (
-        "crates/engine",
-        "root_agent",
-        "`serve` reports the root agent of a bundle",
-    ),
-    (
-        "crates/engine",
-        "reopen",
-        "a test seam of the supervisor, to be replaced",
-    ),
 ];
 
 /// Library crates: their `pub` items are API, their `src/` is sized.

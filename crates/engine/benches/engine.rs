@@ -21,9 +21,9 @@ use keel_core::{
     AgentId, CancellationToken, ChatRequest, CheckpointId, FinishReason, Provider, ProviderError,
     ProviderStream, ScriptedProvider, SessionId, StreamEvent, ToolRegistry, Usage,
 };
-use keel_engine::dialog_id::UnifiedSessionId;
-use keel_engine::manager::{NewSessionSpec, RuntimeBundle, SessionManager, SessionManagerConfig};
-use keel_engine::session::AgentProfile;
+use keel_engine::AgentProfile;
+use keel_engine::DialogAddress;
+use keel_engine::{NewSessionSpec, RuntimeBundle, SessionManager, SessionManagerConfig};
 use keel_store::{
     CheckpointSource, NewCheckpoint, NewMessage, NewSession, Store, StoreOptions, TurnCommit,
 };
@@ -127,7 +127,7 @@ fn manager(store: Store, provider: Arc<dyn Provider>) -> Arc<SessionManager> {
 /// A dialog address in chat `chat`.
 fn spec(chat: &str, dialog: &str) -> NewSessionSpec {
     NewSessionSpec {
-        address: UnifiedSessionId::new("bench", chat, dialog).unwrap(),
+        address: DialogAddress::new("bench", chat, dialog).unwrap(),
         title: None,
         agent: None,
     }
@@ -278,7 +278,7 @@ async fn manual_checkpoints(
     id: SessionId,
 ) -> CheckpointCost {
     for _ in 0..CHECKPOINT_WARMUP {
-        m.checkpoint(id).await.unwrap();
+        m.create_checkpoint(id).await.unwrap();
     }
     let (mut wal, mut logical, mut blobs) = (0u64, 0i64, 0i64);
     let mut times = Vec::with_capacity(CHECKPOINT_SAMPLES);
@@ -287,7 +287,7 @@ async fn manual_checkpoints(
         let (_, blob_before) = blob_totals(side);
         let wal_before = wal_size(db);
         let start = Instant::now();
-        let record = m.checkpoint(id).await.unwrap();
+        let record = m.create_checkpoint(id).await.unwrap();
         times.push(start.elapsed());
         let wal_after = wal_size(db);
         wal += wal_after - wal_before;
@@ -320,7 +320,7 @@ async fn interleaved_checkpoints(
         for (i, id) in ids.iter().enumerate() {
             let wal_before = wal_size(db);
             let start = Instant::now();
-            m.checkpoint(*id).await.unwrap();
+            m.create_checkpoint(*id).await.unwrap();
             times[i].push(start.elapsed());
             bytes[i].push(wal_size(db) - wal_before);
         }
@@ -378,7 +378,7 @@ async fn recover_medians(
             };
             let fresh = manager(s, Arc::new(InstantProvider));
             let start = Instant::now();
-            fresh.recover(*id).await.unwrap();
+            fresh.load(*id).await.unwrap();
             times[i].push(start.elapsed());
         }
     }
@@ -589,7 +589,7 @@ async fn turn_overhead(
                                 message: keel_core::Message::clone(&h.message),
                             })
                             .collect(),
-                        state: state.to_blob(),
+                        state: state.to_blob().unwrap(),
                         checkpoint: Some(NewCheckpoint {
                             id: CheckpointId::new(),
                             turn_index: u64::from(i) + 1,
@@ -705,13 +705,13 @@ async fn idle_memory_child(dir: &Path) {
     for _ in 0..3 {
         for id in &ids {
             let warm = manager(store.clone(), Arc::new(InstantProvider));
-            warm.recover(*id).await.unwrap();
+            warm.load(*id).await.unwrap();
         }
     }
     let m = manager(store.clone(), Arc::new(InstantProvider));
     let before = rss_bytes().unwrap_or(0);
     for id in &ids {
-        m.recover(*id).await.unwrap();
+        m.load(*id).await.unwrap();
     }
     let after = rss_bytes().unwrap_or(0);
     let per = (after.saturating_sub(before)) as f64 / ids.len() as f64;
@@ -761,8 +761,8 @@ fn delegation_model(request: &ChatRequest) -> keel_core::ScriptedResponse {
 /// against a root turn answered directly (1 model call), same manager.
 async fn delegation_overhead(dir: &Path) {
     use keel_catalog::{AgentCatalog, CatalogInputs};
-    use keel_engine::coordinator::{AgentCoordinator, CoordinatorConfig, ProfileProviders};
-    use keel_engine::gate::{ExecutionGate, GateLimits};
+    use keel_engine::{AgentCoordinator, CoordinatorConfig, ProfileProviders};
+    use keel_engine::{ExecutionGate, GateLimits};
     let store = Store::open(dir.join("delegation.db"), StoreOptions::default()).unwrap();
     let model: Arc<dyn Provider> =
         Arc::new(ScriptedProvider::new(Vec::new()).with_fallback(Arc::new(delegation_model)));
@@ -793,7 +793,7 @@ async fn delegation_overhead(dir: &Path) {
     };
     let bundle = RuntimeBundle::new(root)
         .with_loop(keel_engine::AgentLoop::new(
-            Arc::new(keel_engine::agent_loop::NoHooks),
+            Arc::new(keel_engine::NoHooks),
             gate,
         ))
         .with_coordinator(coordinator);

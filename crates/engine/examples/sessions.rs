@@ -6,9 +6,9 @@
 use std::sync::Arc;
 
 use keel_core::{AgentId, ScriptedProvider, ScriptedResponse, ToolRegistry};
-use keel_engine::dialog_id::UnifiedSessionId;
-use keel_engine::manager::{NewSessionSpec, RuntimeBundle, SessionManager, SessionManagerConfig};
-use keel_engine::session::AgentProfile;
+use keel_engine::AgentProfile;
+use keel_engine::DialogAddress;
+use keel_engine::{NewSessionSpec, RuntimeBundle, SessionManager, SessionManagerConfig};
 use keel_store::{Store, StoreOptions};
 
 #[tokio::main(flavor = "current_thread")]
@@ -34,7 +34,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let id = manager
         .create(NewSessionSpec {
-            address: UnifiedSessionId::new("example", "me", "main")?,
+            address: DialogAddress::new("example", "me", "main")?,
             title: None,
             agent: None,
         })
@@ -46,7 +46,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         r.output.final_text(),
         r.checkpoint
     );
-    let mark = manager.checkpoint(id).await?;
+    let mark = manager.create_checkpoint(id).await?;
     manager.submit_turn(id, "Plan?").await?;
     manager.submit_turn(id, "Next?").await?;
     manager.rollback(id, mark.id).await?;

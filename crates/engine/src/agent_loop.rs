@@ -16,7 +16,7 @@ use keel_core::{
 };
 use tokio::sync::mpsc;
 
-use crate::error::AgentError;
+use crate::error::{EngineError, Result};
 
 /// Something the loop reports while a turn runs.
 #[derive(Debug, Clone, PartialEq)]
@@ -53,7 +53,7 @@ pub trait TurnHooks: Send + Sync {
     /// Before the first provider call.
     fn on_turn_start(&self, _input: &[Message]) {}
     /// After the loop ended, with its outcome.
-    fn on_turn_end(&self, _result: Result<&TurnOutput, &AgentError>) {}
+    fn on_turn_end(&self, _result: Result<&TurnOutput, &EngineError>) {}
     /// Before a tool call runs.
     fn before_tool(&self, _call: &ToolCall) {}
     /// After a tool call ran.
@@ -68,13 +68,13 @@ impl TurnHooks for NoHooks {}
 pub type StepPermit = Box<dyn std::any::Any + Send>;
 
 /// Admission to provider and tool steps (the execution gate). Waiting must
-/// end with [`AgentError::Cancelled`] when `ctx.cancellation` fires.
+/// end with [`EngineError::Cancelled`] when `ctx.cancellation` fires.
 #[async_trait]
 pub trait StepGate: Send + Sync {
     /// A permit for one provider call.
-    async fn provider_step(&self, ctx: &ToolExecutionContext) -> Result<StepPermit, AgentError>;
+    async fn provider_step(&self, ctx: &ToolExecutionContext) -> Result<StepPermit>;
     /// A permit for one tool call.
-    async fn tool_step(&self, ctx: &ToolExecutionContext) -> Result<StepPermit, AgentError>;
+    async fn tool_step(&self, ctx: &ToolExecutionContext) -> Result<StepPermit>;
 }
 
 /// A gate that admits everything at once.
@@ -82,10 +82,10 @@ pub struct OpenGate;
 
 #[async_trait]
 impl StepGate for OpenGate {
-    async fn provider_step(&self, _ctx: &ToolExecutionContext) -> Result<StepPermit, AgentError> {
+    async fn provider_step(&self, _ctx: &ToolExecutionContext) -> Result<StepPermit> {
         Ok(Box::new(()))
     }
-    async fn tool_step(&self, _ctx: &ToolExecutionContext) -> Result<StepPermit, AgentError> {
+    async fn tool_step(&self, _ctx: &ToolExecutionContext) -> Result<StepPermit> {
         Ok(Box::new(()))
     }
 }
@@ -158,7 +158,7 @@ impl AgentLoop {
         &self,
         request: TurnRequest,
         events: Option<&EventSink>,
-    ) -> Result<TurnOutput, AgentError> {
+    ) -> Result<TurnOutput> {
         self.hooks.on_turn_start(&request.input);
         let result = self.run_inner(request, events).await;
         self.hooks.on_turn_end(result.as_ref());
@@ -169,7 +169,7 @@ impl AgentLoop {
         &self,
         request: TurnRequest,
         events: Option<&EventSink>,
-    ) -> Result<TurnOutput, AgentError> {
+    ) -> Result<TurnOutput> {
         let TurnRequest {
             provider,
             tools,
@@ -227,7 +227,7 @@ impl AgentLoop {
             )
             .await;
             if cancel.is_cancelled() {
-                return Err(AgentError::Cancelled);
+                return Err(EngineError::Cancelled);
             }
             for (call, output) in calls.iter().zip(results) {
                 // Failures reach the model as text starting with "error:".
@@ -237,7 +237,7 @@ impl AgentLoop {
                 new_messages.push(result);
             }
         }
-        Err(AgentError::MaxIterations {
+        Err(EngineError::MaxIterations {
             limit: max_iterations,
         })
     }
@@ -297,18 +297,18 @@ async fn stream_response(
     chat: &ChatRequest,
     ctx: &ToolExecutionContext,
     emit: &impl Fn(TurnEvent),
-) -> Result<keel_core::ProviderResponse, AgentError> {
+) -> Result<keel_core::ProviderResponse> {
     let cancel = &ctx.cancellation;
     let mut stream = tokio::select! {
         biased;
-        _ = cancel.cancelled() => return Err(AgentError::Cancelled),
+        _ = cancel.cancelled() => return Err(EngineError::Cancelled),
         s = provider.stream(chat, cancel.clone()) => s.map_err(provider_error)?,
     };
     let mut acc = ResponseAccumulator::default();
     loop {
         let next = tokio::select! {
             biased;
-            _ = cancel.cancelled() => return Err(AgentError::Cancelled),
+            _ = cancel.cancelled() => return Err(EngineError::Cancelled),
             n = stream.next() => n,
         };
         match next {
@@ -322,9 +322,9 @@ async fn stream_response(
     }
 }
 
-fn provider_error(e: ProviderError) -> AgentError {
+fn provider_error(e: ProviderError) -> EngineError {
     match e {
-        ProviderError::Cancelled => AgentError::Cancelled,
-        other => AgentError::Provider(other),
+        ProviderError::Cancelled => EngineError::Cancelled,
+        other => EngineError::Provider(other),
     }
 }

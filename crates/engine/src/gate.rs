@@ -1,6 +1,5 @@
 //! The execution gate: how many agent runs may exist and how many provider
-//! and tool steps may execute at once — globally, per session and per agent
-//! (seed 002 §6.2, SPEC §7).
+//! and tool steps may execute at once — globally, per session and per agent.
 //!
 //! Two independent kinds of admission:
 //!
@@ -19,13 +18,13 @@
 //!
 //! Step permits are always acquired global → session → agent and released in
 //! the reverse order. A run waiting for its children holds its run permit but
-//! no step permit (seed 002 §6.3), so nested delegation never deadlocks on
-//! step permits, even with every limit at 1.
+//! no step permit, so nested delegation never deadlocks on step permits, even
+//! with every limit at 1.
 //!
 //! Per-session and per-agent semaphores live in keyed registries whose
 //! entries are reference counted by every holder *and* every waiter; an
 //! entry is removed the moment nobody uses it, so the registries do not grow
-//! with the number of sessions ever seen ([`ExecutionGate::keyed_entries`]).
+//! with the number of sessions ever seen ([`GateCounters::keyed_semaphores`]).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -39,7 +38,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::agent_loop::{StepGate, StepPermit};
-use crate::error::AgentError;
+use crate::error::{EngineError, Result};
 
 /// Concurrency limits of an [`ExecutionGate`]; every limit must be ≥ 1.
 ///
@@ -117,22 +116,6 @@ impl fmt::Display for GateScope {
             GateScope::Session => "per-session",
         })
     }
-}
-
-/// Why the gate did not admit a run or a step.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum GateError {
-    /// [`ExecutionGate::try_admit_run`] found the run quota full.
-    #[error("run quota exceeded: the {scope} limit of {limit} non-terminal runs is reached")]
-    RunQuotaExceeded {
-        /// Which limit is full.
-        scope: GateScope,
-        /// Its value.
-        limit: usize,
-    },
-    /// The cancellation token fired while waiting; nothing is held.
-    #[error("cancelled while waiting for the execution gate")]
-    Cancelled,
 }
 
 /// The kind of step a [`StepPermitGuard`] admits.
@@ -217,13 +200,14 @@ impl ExecutionGate {
     }
 
     /// The limits in force (after treating 0 as 1).
-    pub fn limits(&self) -> &GateLimits {
+    #[cfg(test)]
+    fn limits(&self) -> &GateLimits {
         &self.limits
     }
 
     /// Admits a run in `session` now or fails with
-    /// [`GateError::RunQuotaExceeded`] naming the full limit; never waits.
-    pub fn try_admit_run(&self, session: SessionId) -> Result<RunPermit, GateError> {
+    /// [`EngineError::RunQuotaExceeded`] naming the full limit; never waits.
+    pub fn try_admit_run(&self, session: SessionId) -> Result<RunPermit> {
         let admission = self.runs.try_acquire(session).inspect_err(|e| {
             tracing::debug!(%session, error = %e, "run admission refused");
         })?;
@@ -234,12 +218,12 @@ impl ExecutionGate {
     }
 
     /// Admits a run in `session`, waiting for quota; fails only with
-    /// [`GateError::Cancelled`] when `cancel` fires first.
+    /// [`EngineError::Cancelled`] when `cancel` fires first.
     pub async fn admit_run(
         &self,
         session: SessionId,
         cancel: &CancellationToken,
-    ) -> Result<RunPermit, GateError> {
+    ) -> Result<RunPermit> {
         let admission = self.runs.acquire(Some(session), None, cancel).await?;
         Ok(RunPermit {
             session,
@@ -248,13 +232,13 @@ impl ExecutionGate {
     }
 
     /// Waits for a provider-step permit (global → session → agent); fails
-    /// only with [`GateError::Cancelled`], holding nothing.
+    /// only with [`EngineError::Cancelled`], holding nothing.
     pub async fn acquire_provider_step(
         &self,
         session: Option<SessionId>,
         agent: Option<&AgentId>,
         cancel: &CancellationToken,
-    ) -> Result<StepPermitGuard, GateError> {
+    ) -> Result<StepPermitGuard> {
         let admission = self.provider.acquire(session, agent, cancel).await?;
         Ok(StepPermitGuard {
             kind: StepKind::Provider,
@@ -263,13 +247,13 @@ impl ExecutionGate {
     }
 
     /// Waits for a tool-step permit (global → session → agent); fails only
-    /// with [`GateError::Cancelled`], holding nothing.
+    /// with [`EngineError::Cancelled`], holding nothing.
     pub async fn acquire_tool_step(
         &self,
         session: Option<SessionId>,
         agent: Option<&AgentId>,
         cancel: &CancellationToken,
-    ) -> Result<StepPermitGuard, GateError> {
+    ) -> Result<StepPermitGuard> {
         let admission = self.tools.acquire(session, agent, cancel).await?;
         Ok(StepPermitGuard {
             kind: StepKind::Tool,
@@ -288,7 +272,7 @@ impl ExecutionGate {
     }
 
     /// Live per-session and per-agent semaphores over all pools.
-    pub fn keyed_entries(&self) -> usize {
+    pub(crate) fn keyed_entries(&self) -> usize {
         [&self.runs, &self.provider, &self.tools]
             .iter()
             .map(|p| p.sessions.len() + p.agents.len())
@@ -298,30 +282,20 @@ impl ExecutionGate {
 
 #[async_trait]
 impl StepGate for ExecutionGate {
-    async fn provider_step(&self, ctx: &ToolExecutionContext) -> Result<StepPermit, AgentError> {
+    async fn provider_step(&self, ctx: &ToolExecutionContext) -> Result<StepPermit> {
         let (session, agent) = step_scope(ctx);
         let guard = self
             .acquire_provider_step(session, agent, &ctx.cancellation)
-            .await
-            .map_err(step_error)?;
+            .await?;
         Ok(Box::new(guard))
     }
 
-    async fn tool_step(&self, ctx: &ToolExecutionContext) -> Result<StepPermit, AgentError> {
+    async fn tool_step(&self, ctx: &ToolExecutionContext) -> Result<StepPermit> {
         let (session, agent) = step_scope(ctx);
         let guard = self
             .acquire_tool_step(session, agent, &ctx.cancellation)
-            .await
-            .map_err(step_error)?;
+            .await?;
         Ok(Box::new(guard))
-    }
-}
-
-/// A failed step acquisition as a turn error: waiting for a step permit only
-/// ends in an error through cancellation (run quota is never involved).
-fn step_error(e: GateError) -> AgentError {
-    match e {
-        GateError::Cancelled | GateError::RunQuotaExceeded { .. } => AgentError::Cancelled,
     }
 }
 
@@ -439,7 +413,7 @@ impl Pool {
         session: Option<SessionId>,
         agent: Option<&AgentId>,
         cancel: &CancellationToken,
-    ) -> Result<Admission, GateError> {
+    ) -> Result<Admission> {
         let global = GlobalPermit::new(wait(&self.global, cancel).await?);
         let session = match session {
             Some(key) => Some(
@@ -465,9 +439,9 @@ impl Pool {
     }
 
     /// Takes global then session permits without waiting (runs only).
-    fn try_acquire(&self, session: SessionId) -> Result<Admission, GateError> {
+    fn try_acquire(&self, session: SessionId) -> Result<Admission> {
         let global = Arc::clone(&self.global).try_acquire_owned().map_err(|_| {
-            GateError::RunQuotaExceeded {
+            EngineError::RunQuotaExceeded {
                 scope: GateScope::Global,
                 limit: self.capacity,
             }
@@ -477,7 +451,7 @@ impl Pool {
         let session = self
             .sessions
             .try_acquire(session, self.per_session, Stage::Session)
-            .ok_or(GateError::RunQuotaExceeded {
+            .ok_or(EngineError::RunQuotaExceeded {
                 scope: GateScope::Session,
                 limit: self.per_session,
             })?;
@@ -494,13 +468,13 @@ impl Pool {
 async fn wait(
     semaphore: &Arc<Semaphore>,
     cancel: &CancellationToken,
-) -> Result<OwnedSemaphorePermit, GateError> {
+) -> Result<OwnedSemaphorePermit> {
     tokio::select! {
         biased;
-        _ = cancel.cancelled() => Err(GateError::Cancelled),
+        _ = cancel.cancelled() => Err(EngineError::Cancelled),
         // The gate never closes its semaphores; a closed one would mean the
         // gate is going away, which callers treat like cancellation.
-        permit = Arc::clone(semaphore).acquire_owned() => permit.map_err(|_| GateError::Cancelled),
+        permit = Arc::clone(semaphore).acquire_owned() => permit.map_err(|_| EngineError::Cancelled),
     }
 }
 
@@ -590,7 +564,7 @@ impl<K: Eq + Hash + Clone> Keyed<K> {
         limit: usize,
         stage: Stage,
         cancel: &CancellationToken,
-    ) -> Result<KeyedPermit<K>, GateError> {
+    ) -> Result<KeyedPermit<K>> {
         let lease = self.lease(key, limit);
         let permit = wait(&lease.semaphore, cancel).await?;
         Ok(KeyedPermit::new(permit, lease, stage))
@@ -751,7 +725,7 @@ mod tests {
         let err = gate.try_admit_run(session).unwrap_err();
         assert_eq!(
             err,
-            GateError::RunQuotaExceeded {
+            EngineError::RunQuotaExceeded {
                 scope: GateScope::Session,
                 limit: 1
             }
@@ -784,10 +758,5 @@ mod tests {
         assert_eq!(keyed.len(), 1);
         drop(b);
         assert_eq!(keyed.len(), 0);
-    }
-
-    #[test]
-    fn gate_errors_map_to_cancelled() {
-        assert_eq!(step_error(GateError::Cancelled), AgentError::Cancelled);
     }
 }

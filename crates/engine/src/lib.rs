@@ -1,19 +1,61 @@
-//! The keel engine: agent loop, built-in tools, sessions with context slots,
-//! incremental checkpoints, dialogs, and (later) sub-agent orchestration.
+//! The keel engine: the agent loop, built-in tools, sessions with context
+//! slots, incremental checkpoints, dialogs, and sub-agent orchestration
+//! (delegation, the execution gate, the run reaper and recovery).
+//!
+//! Where to start reading:
+//!
+//! - [`AgentLoop`] runs one turn: provider call, parallel tool calls, repeat.
+//!   It writes nothing; its caller commits the turn.
+//! - [`SessionManager`] owns sessions in memory: it runs their turns and
+//!   commits each (messages, state, checkpoint) in one store transaction, and
+//!   manages dialogs, slots, memory, checkpoints and snapshots.
+//! - [`AgentCoordinator`] admits, persists, executes and ends sub-agent runs;
+//!   the root agent reaches it through the `delegate` and `agent_task` tools
+//!   ([`AgentCoordinator::root_tools`]).
+//! - [`ExecutionGate`] bounds how many runs exist and how many provider and
+//!   tool steps execute at once, globally, per session and per agent.
+//!
+//! Every fallible operation returns [`EngineError`]; at the tool boundary a
+//! refusal reaches the model as precise text and an internal failure as an
+//! error id whose detail is in the log.
 //!
 //! Architecture invariant: the engine never writes SQL (it calls keel-store's
 //! domain API) and never speaks HTTP (providers come in as `Arc<dyn Provider>`).
+#![deny(missing_docs)]
 
-pub mod agent_loop;
-pub mod coordinator;
-pub mod dialog_id;
-pub mod error;
-pub mod gate;
-pub mod manager;
-pub mod session;
-pub mod snapshot;
-pub mod state;
-pub mod tools;
+mod address;
+mod agent_loop;
+mod coordinator;
+mod error;
+mod gate;
+mod manager;
+mod session;
+mod snapshot;
+mod state;
+mod tools;
 
-pub use agent_loop::{AgentLoop, EventSink, TurnEvent, TurnHooks, TurnOutput, TurnRequest};
-pub use error::{AgentError, EngineError};
+pub use address::DialogAddress;
+pub use agent_loop::{
+    AgentLoop, EventSink, NoHooks, OpenGate, StepGate, StepPermit, TurnEvent, TurnHooks,
+    TurnOutput, TurnRequest,
+};
+pub use coordinator::{
+    project_response, AgentCoordinator, AgentRunView, CallerContext, CatalogSource,
+    CoordinatorConfig, DelegateRequest, DelegateResponse, DelegateTask, ForegroundResult,
+    ProfileProviders, ProviderFactory, RunEvent, RunObserver, RunResult,
+};
+pub use error::{EngineError, Result};
+pub use gate::{
+    ExecutionGate, GateCounters, GateLimits, GateScope, RunPermit, StepKind, StepPermitGuard,
+    StepScope,
+};
+pub use manager::{
+    NewSessionSpec, PendingTurn, RuntimeBundle, SessionManager, SessionManagerConfig,
+    SummaryConfig, TurnReport,
+};
+pub use session::{AgentProfile, AgentSession};
+pub use snapshot::{SessionSnapshot, SnapshotMessage};
+pub use state::{
+    HistoryMessage, MemoryEntry, MergeStrategy, Segment, SessionState, SlotConfig, SlotMode,
+};
+pub use tools::{builtin_registry, BuiltinToolsConfig};

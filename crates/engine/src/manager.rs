@@ -25,18 +25,18 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::address::DialogAddress;
 use crate::agent_loop::{AgentLoop, EventSink, TurnEvent, TurnOutput, TurnRequest};
 use crate::coordinator::AgentCoordinator;
-use crate::dialog_id::UnifiedSessionId;
-use crate::error::{AgentError, EngineError};
+use crate::error::{EngineError, Result};
 use crate::session::{AgentProfile, AgentSession};
 use crate::snapshot::SessionSnapshot;
 use crate::state::{MergeStrategy, SlotMode};
 
 /// Channel of sessions that are not dialogs (e.g. sub-agent children).
-pub const INTERNAL_CHANNEL: &str = "internal";
+pub(crate) const INTERNAL_CHANNEL: &str = "internal";
 /// Longest title, in characters.
-pub const MAX_TITLE_CHARS: usize = 80;
+pub(crate) const MAX_TITLE_CHARS: usize = 80;
 
 /// The agents sessions can run, and the loop that runs them. Child sessions
 /// share their parent's bundle.
@@ -80,17 +80,12 @@ impl RuntimeBundle {
     }
 
     /// The profile of `name`, or of the root agent when `None`.
-    pub fn agent(&self, name: Option<&AgentId>) -> Result<Arc<AgentProfile>, EngineError> {
+    pub fn agent(&self, name: Option<&AgentId>) -> Result<Arc<AgentProfile>> {
         let name = name.unwrap_or(&self.root);
         self.agents
             .get(name)
             .cloned()
             .ok_or_else(|| EngineError::UnknownAgent(name.to_string()))
-    }
-
-    /// The root agent's name.
-    pub fn root_agent(&self) -> &AgentId {
-        &self.root
     }
 }
 
@@ -144,7 +139,7 @@ impl Default for SessionManagerConfig {
 #[derive(Debug, Clone)]
 pub struct NewSessionSpec {
     /// Channel, chat and dialog of the session.
-    pub address: UnifiedSessionId,
+    pub address: DialogAddress,
     /// Title; `Dialog <dialog_id>` when `None`.
     pub title: Option<String>,
     /// Agent to run; the bundle's root agent when `None`.
@@ -152,12 +147,12 @@ pub struct NewSessionSpec {
 }
 
 /// The default title of a dialog.
-pub fn default_title(dialog_id: &str) -> String {
+pub(crate) fn default_title(dialog_id: &str) -> String {
     format!("Dialog {dialog_id}")
 }
 
 /// A fresh dialog id: 8 hex characters.
-pub fn new_dialog_id() -> String {
+pub(crate) fn new_dialog_id() -> String {
     let id = uuid_tail(SessionId::new());
     id[id.len() - 8..].to_owned()
 }
@@ -208,20 +203,10 @@ impl SessionManager {
         &self.store
     }
 
-    /// The runtime bundle.
-    pub fn bundle(&self) -> &Arc<RuntimeBundle> {
-        &self.bundle
-    }
-
-    /// The configuration.
-    pub fn config(&self) -> &SessionManagerConfig {
-        &self.config
-    }
-
     // ── lifecycle ────────────────────────────────────────────────────────
 
     /// Creates a session (persisted before this returns) and loads it.
-    pub async fn create(&self, spec: NewSessionSpec) -> Result<SessionId, EngineError> {
+    pub async fn create(&self, spec: NewSessionSpec) -> Result<SessionId> {
         self.create_with_parent(spec, None).await
     }
 
@@ -229,7 +214,7 @@ impl SessionManager {
         &self,
         spec: NewSessionSpec,
         parent: Option<SessionId>,
-    ) -> Result<SessionId, EngineError> {
+    ) -> Result<SessionId> {
         let agent = self.bundle.agent(spec.agent.as_ref())?;
         let title = match spec.title {
             Some(t) => clean_title(&t)?,
@@ -261,14 +246,14 @@ impl SessionManager {
         &self,
         parent: SessionId,
         agent: Option<AgentId>,
-    ) -> Result<SessionId, EngineError> {
+    ) -> Result<SessionId> {
         let parent_agent = {
             let session = self.session(parent).await?;
             let guard = session.lock().await;
             guard.agent.name.clone()
         };
         let child_dialog = uuid_tail(SessionId::new());
-        let address = UnifiedSessionId::new(INTERNAL_CHANNEL, &parent.to_string(), &child_dialog)?;
+        let address = DialogAddress::new(INTERNAL_CHANNEL, &parent.to_string(), &child_dialog)?;
         self.create_with_parent(
             NewSessionSpec {
                 address,
@@ -281,30 +266,24 @@ impl SessionManager {
     }
 
     /// The session if it is in memory (no storage access).
-    pub fn get(&self, id: SessionId) -> Result<Arc<AsyncMutex<AgentSession>>, EngineError> {
+    pub fn get(&self, id: SessionId) -> Result<Arc<AsyncMutex<AgentSession>>> {
         let mut map = self.sessions.lock();
         let entry = map.get_mut(&id).ok_or(EngineError::SessionNotFound(id))?;
         entry.last_access = Instant::now();
         Ok(entry.session.clone())
     }
 
-    /// The session, from memory or else recovered from storage.
-    pub async fn session(
-        &self,
-        id: SessionId,
-    ) -> Result<Arc<AsyncMutex<AgentSession>>, EngineError> {
+    /// The session, from memory or else loaded from storage.
+    pub async fn session(&self, id: SessionId) -> Result<Arc<AsyncMutex<AgentSession>>> {
         match self.get(id) {
             Ok(s) => Ok(s),
-            Err(_) => self.recover(id).await,
+            Err(_) => self.load(id).await,
         }
     }
 
     /// Loads a session from storage into memory (replacing nothing that is
     /// already loaded: a concurrent load wins and is returned).
-    pub async fn recover(
-        &self,
-        id: SessionId,
-    ) -> Result<Arc<AsyncMutex<AgentSession>>, EngineError> {
+    pub async fn load(&self, id: SessionId) -> Result<Arc<AsyncMutex<AgentSession>>> {
         let record = self
             .store
             .get_session(id)
@@ -313,7 +292,7 @@ impl SessionManager {
             .ok_or(EngineError::SessionNotFound(id))?;
         let agent = self.bundle.agent(record.agent_id.as_ref())?;
         let session = AgentSession::load(&self.store, record, agent).await?;
-        tracing::debug!(session_id = %id, "session recovered");
+        tracing::debug!(session_id = %id, "session loaded");
         Ok(self.insert(session))
     }
 
@@ -328,21 +307,8 @@ impl SessionManager {
         entry.session.clone()
     }
 
-    /// Puts `session` in memory in place of the loaded one with its id.
-    pub async fn replace(&self, session: AgentSession) -> Result<(), EngineError> {
-        let id = session.id();
-        let existing = self.get(id);
-        match existing {
-            Ok(slot) => *slot.lock().await = session,
-            Err(_) => {
-                self.insert(session);
-            }
-        }
-        Ok(())
-    }
-
     /// Ids of `parent`'s children that are not destroyed.
-    pub async fn children(&self, parent: SessionId) -> Result<Vec<SessionId>, EngineError> {
+    pub async fn children(&self, parent: SessionId) -> Result<Vec<SessionId>> {
         Ok(self
             .store
             .child_sessions(parent)
@@ -355,7 +321,7 @@ impl SessionManager {
 
     /// The parent of `child`; `None` for a root session or an orphan whose
     /// parent was destroyed.
-    pub async fn parent(&self, child: SessionId) -> Result<Option<SessionId>, EngineError> {
+    pub async fn parent(&self, child: SessionId) -> Result<Option<SessionId>> {
         let record = self
             .store
             .get_session(child)
@@ -374,7 +340,7 @@ impl SessionManager {
 
     /// Cancels the session's turn and its sub-agent runs (their pending
     /// inbox events are dead-lettered) and drops it from memory.
-    async fn retire(&self, id: SessionId, reason: &str) -> Result<(), EngineError> {
+    async fn retire(&self, id: SessionId, reason: &str) -> Result<()> {
         self.stop(id);
         if let Some(coordinator) = &self.bundle.coordinator {
             coordinator.cancel_session(id, reason).await?;
@@ -385,7 +351,7 @@ impl SessionManager {
 
     /// Destroys one session: cancels its turn and runs, drops it from memory,
     /// soft-deletes it and deletes its checkpoints. Children become orphans.
-    pub async fn destroy(&self, id: SessionId) -> Result<(), EngineError> {
+    pub async fn destroy(&self, id: SessionId) -> Result<()> {
         self.retire(id, "session destroyed").await?;
         let now = keel_core::time::now_ms();
         if !self.store.soft_delete_session(id, now).await? {
@@ -397,7 +363,7 @@ impl SessionManager {
     }
 
     /// Makes `id` run `agent` from now on; its history is kept.
-    pub async fn switch_agent(&self, id: SessionId, agent: &AgentId) -> Result<(), EngineError> {
+    pub async fn switch_agent(&self, id: SessionId, agent: &AgentId) -> Result<()> {
         let profile = self.bundle.agent(Some(agent))?;
         let session = self.session(id).await?;
         let mut guard = session.lock().await;
@@ -459,11 +425,7 @@ impl SessionManager {
     // ── turns ────────────────────────────────────────────────────────────
 
     /// Runs a user turn to its end and commits it.
-    pub async fn submit_turn(
-        self: &Arc<Self>,
-        id: SessionId,
-        input: &str,
-    ) -> Result<TurnReport, EngineError> {
+    pub async fn submit_turn(self: &Arc<Self>, id: SessionId, input: &str) -> Result<TurnReport> {
         self.submit_turn_stream(id, vec![Message::user(input)], None)
             .await?
             .finalize()
@@ -477,7 +439,7 @@ impl SessionManager {
         id: SessionId,
         input: Vec<Message>,
         events: Option<EventSink>,
-    ) -> Result<PendingTurn, EngineError> {
+    ) -> Result<PendingTurn> {
         let session = self.session(id).await?;
         let guard = session.lock_owned().await;
         let slot = guard.writable_slot()?;
@@ -606,7 +568,7 @@ impl SessionManager {
     }
 
     /// Summarizes the current slot now (`/compact`); a failure is reported.
-    pub async fn compact(&self, id: SessionId) -> Result<bool, EngineError> {
+    pub async fn compact(&self, id: SessionId) -> Result<bool> {
         let session = self.session(id).await?;
         let mut guard = session.lock().await;
         Ok(self.maybe_summarize(&mut guard, true).await)
@@ -620,8 +582,8 @@ impl SessionManager {
         edit: impl FnOnce(
             &AgentSession,
             &mut crate::state::SessionState,
-        ) -> Result<(T, Vec<Message>, String), EngineError>,
-    ) -> Result<T, EngineError> {
+        ) -> Result<(T, Vec<Message>, String)>,
+    ) -> Result<T> {
         let session = self.session(id).await?;
         let mut guard = session.lock().await;
         let mut state = guard.state.clone();
@@ -632,12 +594,7 @@ impl SessionManager {
     }
 
     /// Creates an empty slot.
-    pub async fn create_slot(
-        &self,
-        id: SessionId,
-        name: &str,
-        mode: SlotMode,
-    ) -> Result<(), EngineError> {
+    pub async fn create_slot(&self, id: SessionId, name: &str, mode: SlotMode) -> Result<()> {
         self.edit_state(id, |s, st| {
             st.create_slot(name, mode, s.last_seq + 1)?;
             Ok(((), Vec::new(), st.current_slot.clone()))
@@ -646,7 +603,7 @@ impl SessionManager {
     }
 
     /// Makes `name` the slot new turns use.
-    pub async fn switch_slot(&self, id: SessionId, name: &str) -> Result<(), EngineError> {
+    pub async fn switch_slot(&self, id: SessionId, name: &str) -> Result<()> {
         self.edit_state(id, |_, st| {
             st.switch_slot(name)?;
             Ok(((), Vec::new(), st.current_slot.clone()))
@@ -661,7 +618,7 @@ impl SessionManager {
         from: &str,
         name: &str,
         mode: SlotMode,
-    ) -> Result<(), EngineError> {
+    ) -> Result<()> {
         self.edit_state(id, |s, st| {
             st.derive_slot(from, name, mode, s.last_seq)?;
             Ok(((), Vec::new(), st.current_slot.clone()))
@@ -678,7 +635,7 @@ impl SessionManager {
         source: &str,
         target: &str,
         strategy: MergeStrategy,
-    ) -> Result<(), EngineError> {
+    ) -> Result<()> {
         if source_session != id {
             return Err(EngineError::SlotRule(
                 "slots can only be merged within one session".into(),
@@ -692,7 +649,7 @@ impl SessionManager {
     }
 
     /// Deletes a slot.
-    pub async fn delete_slot(&self, id: SessionId, name: &str) -> Result<(), EngineError> {
+    pub async fn delete_slot(&self, id: SessionId, name: &str) -> Result<()> {
         self.edit_state(id, |_, st| {
             st.delete_slot(name)?;
             Ok(((), Vec::new(), st.current_slot.clone()))
@@ -707,7 +664,7 @@ impl SessionManager {
         key: &str,
         value: String,
         metadata: serde_json::Value,
-    ) -> Result<(), EngineError> {
+    ) -> Result<()> {
         self.edit_state(id, |_, st| {
             st.set_memory(key, value, metadata, keel_core::time::now_ms())?;
             Ok(((), Vec::new(), st.current_slot.clone()))
@@ -720,9 +677,9 @@ impl SessionManager {
     /// The session of a dialog, created (with the default title) if new.
     pub async fn open_dialog(
         &self,
-        address: &UnifiedSessionId,
+        address: &DialogAddress,
         agent: Option<AgentId>,
-    ) -> Result<SessionId, EngineError> {
+    ) -> Result<SessionId> {
         let existing = self
             .store
             .get_dialog(address.channel(), address.chat_id(), address.dialog_id())
@@ -750,8 +707,8 @@ impl SessionManager {
         chat_id: &str,
         title: Option<String>,
         agent: Option<AgentId>,
-    ) -> Result<SessionId, EngineError> {
-        let address = UnifiedSessionId::new(channel, chat_id, &new_dialog_id())?;
+    ) -> Result<SessionId> {
+        let address = DialogAddress::new(channel, chat_id, &new_dialog_id())?;
         self.create(NewSessionSpec {
             address,
             title,
@@ -767,7 +724,7 @@ impl SessionManager {
         chat_id: &str,
         limit: usize,
         cursor: Option<DialogCursor>,
-    ) -> Result<Page<SessionRecord, DialogCursor>, EngineError> {
+    ) -> Result<Page<SessionRecord, DialogCursor>> {
         Ok(self
             .store
             .list_dialogs(DialogQuery {
@@ -785,19 +742,19 @@ impl SessionManager {
         &self,
         channel: &str,
         chat_id: &str,
-    ) -> Result<Option<SessionRecord>, EngineError> {
+    ) -> Result<Option<SessionRecord>> {
         Ok(self.store.latest_active_dialog(channel, chat_id).await?)
     }
 
     /// The stored record of a session.
-    pub async fn record(&self, id: SessionId) -> Result<SessionRecord, EngineError> {
+    pub async fn record(&self, id: SessionId) -> Result<SessionRecord> {
         let session = self.session(id).await?;
         let guard = session.lock().await;
         Ok(guard.record.clone())
     }
 
     /// Renames a dialog (and turns off auto-titling for it).
-    pub async fn rename_dialog(&self, id: SessionId, title: &str) -> Result<(), EngineError> {
+    pub async fn rename_dialog(&self, id: SessionId, title: &str) -> Result<()> {
         let title = clean_title(title)?;
         let session = self.session(id).await?;
         let mut guard = session.lock().await;
@@ -810,7 +767,7 @@ impl SessionManager {
 
     /// Soft-deletes a dialog: it disappears from listings; its rows stay, its
     /// sub-agent runs are cancelled.
-    pub async fn delete_dialog(&self, id: SessionId) -> Result<(), EngineError> {
+    pub async fn delete_dialog(&self, id: SessionId) -> Result<()> {
         self.retire(id, "dialog deleted").await?;
         if self
             .store
@@ -826,23 +783,17 @@ impl SessionManager {
     // ── checkpoints ──────────────────────────────────────────────────────
 
     /// Checkpoints of a session, newest first (abandoned branches included).
-    pub async fn list_checkpoints(
-        &self,
-        id: SessionId,
-    ) -> Result<Vec<CheckpointRecord>, EngineError> {
+    pub async fn list_checkpoints(&self, id: SessionId) -> Result<Vec<CheckpointRecord>> {
         Ok(self.store.list_checkpoints(id).await?)
     }
 
     /// The newest checkpoint of a session.
-    pub async fn latest_checkpoint(
-        &self,
-        id: SessionId,
-    ) -> Result<Option<CheckpointRecord>, EngineError> {
+    pub async fn latest_checkpoint(&self, id: SessionId) -> Result<Option<CheckpointRecord>> {
         Ok(self.list_checkpoints(id).await?.into_iter().next())
     }
 
     /// Takes a manual checkpoint of the session's current state.
-    pub async fn checkpoint(&self, id: SessionId) -> Result<CheckpointRecord, EngineError> {
+    pub async fn create_checkpoint(&self, id: SessionId) -> Result<CheckpointRecord> {
         let session = self.session(id).await?;
         let guard = session.lock().await;
         Ok(self
@@ -854,7 +805,7 @@ impl SessionManager {
                     turn_index: u64::from(guard.state.turn_index),
                     source: keel_store::CheckpointSource::Manual,
                 },
-                guard.state.to_blob(),
+                guard.state.to_blob()?,
                 keel_core::time::now_ms(),
             )
             .await?)
@@ -864,7 +815,7 @@ impl SessionManager {
         &self,
         id: SessionId,
         checkpoint: CheckpointId,
-    ) -> Result<CheckpointRecord, EngineError> {
+    ) -> Result<CheckpointRecord> {
         self.store
             .get_checkpoint(checkpoint)
             .await?
@@ -878,7 +829,7 @@ impl SessionManager {
         &self,
         id: SessionId,
         checkpoint: CheckpointId,
-    ) -> Result<CheckpointRecord, EngineError> {
+    ) -> Result<CheckpointRecord> {
         self.checkpoint_of(id, checkpoint).await?;
         let session = self.session(id).await?;
         let mut guard = session.lock().await;
@@ -903,11 +854,7 @@ impl SessionManager {
 
     /// Creates a new session from any checkpoint of any session (no history
     /// is copied). Dialogs fork into a new dialog of the same chat.
-    pub async fn fork(
-        &self,
-        checkpoint: CheckpointId,
-        title: Option<String>,
-    ) -> Result<SessionId, EngineError> {
+    pub async fn fork(&self, checkpoint: CheckpointId, title: Option<String>) -> Result<SessionId> {
         let source = self
             .store
             .get_checkpoint(checkpoint)
@@ -944,7 +891,7 @@ impl SessionManager {
     }
 
     /// Deletes every checkpoint of a session.
-    pub async fn delete_checkpoints(&self, id: SessionId) -> Result<PruneReport, EngineError> {
+    pub async fn delete_checkpoints(&self, id: SessionId) -> Result<PruneReport> {
         Ok(self.store.delete_checkpoints(id).await?)
     }
 
@@ -953,14 +900,14 @@ impl SessionManager {
         &self,
         id: SessionId,
         policy: PrunePolicy,
-    ) -> Result<PruneReport, EngineError> {
+    ) -> Result<PruneReport> {
         Ok(self.store.prune_checkpoints(id, policy).await?)
     }
 
     // ── snapshots ────────────────────────────────────────────────────────
 
     /// The whole session as portable JSON-able data.
-    pub async fn export_snapshot(&self, id: SessionId) -> Result<SessionSnapshot, EngineError> {
+    pub async fn export_snapshot(&self, id: SessionId) -> Result<SessionSnapshot> {
         let session = self.session(id).await?;
         let guard = session.lock().await;
         Ok(SessionSnapshot::of(&guard))
@@ -970,8 +917,8 @@ impl SessionManager {
     pub async fn import_snapshot(
         &self,
         snapshot: SessionSnapshot,
-        address: UnifiedSessionId,
-    ) -> Result<SessionId, EngineError> {
+        address: DialogAddress,
+    ) -> Result<SessionId> {
         let agent = snapshot
             .agent
             .as_deref()
@@ -1004,17 +951,12 @@ pub struct PendingTurn {
     guard: Option<OwnedMutexGuard<AgentSession>>,
     slot: String,
     turn_id: TurnId,
-    task: Option<JoinHandle<Result<TurnOutput, AgentError>>>,
+    task: Option<JoinHandle<Result<TurnOutput>>>,
     cancel: CancellationToken,
     events: Option<EventSink>,
 }
 
 impl PendingTurn {
-    /// The turn's id.
-    pub fn turn_id(&self) -> TurnId {
-        self.turn_id
-    }
-
     /// A token that cancels this turn.
     pub fn cancellation(&self) -> CancellationToken {
         self.cancel.clone()
@@ -1023,20 +965,15 @@ impl PendingTurn {
     /// Waits for the loop, commits the turn (messages, state, checkpoint) in
     /// one transaction, then titles/summarizes. A storage failure after the
     /// store's retries is reported as a system notice event and returned.
-    pub async fn finalize(mut self) -> Result<TurnReport, EngineError> {
+    pub async fn finalize(mut self) -> Result<TurnReport> {
         let task = self.task.take();
         let result = match task {
-            Some(t) => t.await.unwrap_or_else(|e| {
-                Err(AgentError::Provider(keel_core::ProviderError::Unavailable(
-                    format!("turn task failed: {e}"),
-                )))
-            }),
-            None => Err(AgentError::Cancelled),
+            Some(t) => t
+                .await
+                .unwrap_or_else(|e| Err(EngineError::TurnPanicked(e.to_string()))),
+            None => Err(EngineError::Cancelled),
         };
-        let mut guard = self
-            .guard
-            .take()
-            .ok_or(EngineError::Agent(AgentError::Cancelled))?;
+        let mut guard = self.guard.take().ok_or(EngineError::Cancelled)?;
         let id = guard.id();
         self.manager.active_turns.lock().remove(&id);
         let output = result?;
@@ -1077,7 +1014,7 @@ impl Drop for PendingTurn {
     }
 }
 
-fn clean_title(title: &str) -> Result<String, EngineError> {
+fn clean_title(title: &str) -> Result<String> {
     let t = title.trim();
     if t.is_empty() {
         return Err(EngineError::InvalidInput("a title cannot be empty".into()));
@@ -1098,12 +1035,12 @@ fn bounded_title(t: &str) -> String {
     out
 }
 
-/// The title prompt (seed 003 §5.4).
+/// The prompt that asks the session's model for a dialog title.
 const TITLE_PROMPT: &str = "Given the conversation history below, generate a short title \
 (3 to 8 words) that captures the core topic or the user's main need. \
 Reply with the title only, no explanation.\n\nHistory:\n";
 
-async fn generate_title(session: &AgentSession) -> Result<String, EngineError> {
+async fn generate_title(session: &AgentSession) -> Result<String> {
     let visible: Vec<String> = session
         .visible_messages()?
         .iter()
@@ -1132,8 +1069,7 @@ async fn generate_title(session: &AgentSession) -> Result<String, EngineError> {
         .agent
         .provider
         .complete(&request, CancellationToken::new())
-        .await
-        .map_err(AgentError::Provider)?;
+        .await?;
     let raw = response.message.text();
     let title = raw
         .lines()
@@ -1149,7 +1085,7 @@ const SUMMARY_PROMPT: &str = "Summarize the conversation below so that it can re
 older messages in the context: keep decisions, facts, open questions and the user's goals. \
 Be concise.\n\n";
 
-async fn summarize(session: &AgentSession, replay: &[Arc<Message>]) -> Result<String, EngineError> {
+async fn summarize(session: &AgentSession, replay: &[Arc<Message>]) -> Result<String> {
     let text: Vec<String> = replay
         .iter()
         .map(|m| format!("{}: {}", m.role.as_str(), m.text()))
@@ -1167,13 +1103,10 @@ async fn summarize(session: &AgentSession, replay: &[Arc<Message>]) -> Result<St
         .agent
         .provider
         .complete(&request, CancellationToken::new())
-        .await
-        .map_err(AgentError::Provider)?;
+        .await?;
     let summary = response.message.text().trim().to_owned();
     if summary.is_empty() {
-        return Err(EngineError::InvalidInput(
-            "the model returned an empty summary".into(),
-        ));
+        return Err(EngineError::EmptySummary);
     }
     Ok(summary)
 }

@@ -9,7 +9,7 @@ use keel_store::{
 };
 
 use crate::agent_loop::TurnOutput;
-use crate::error::EngineError;
+use crate::error::{EngineError, Result};
 use crate::state::{HistoryMessage, SessionState, SlotMode};
 
 /// What a session runs with: an agent's prompt, model and tools.
@@ -55,7 +55,7 @@ impl AgentSession {
         store: &Store,
         record: SessionRecord,
         agent: Arc<AgentProfile>,
-    ) -> Result<Self, EngineError> {
+    ) -> Result<Self> {
         let state = match &record.state_hash {
             None => SessionState::default(),
             Some(hash) => {
@@ -118,12 +118,12 @@ impl AgentSession {
     }
 
     /// The messages slot `name` replays to the model.
-    pub fn replay(&self, slot: &str) -> Result<Vec<Arc<Message>>, EngineError> {
+    pub fn replay(&self, slot: &str) -> Result<Vec<Arc<Message>>> {
         self.state.replay(slot, &self.history)
     }
 
     /// Visible messages of the current slot (what a client shows).
-    pub fn visible_messages(&self) -> Result<Vec<&HistoryMessage>, EngineError> {
+    pub fn visible_messages(&self) -> Result<Vec<&HistoryMessage>> {
         Ok(self
             .state
             .slot_view(&self.state.current_slot, &self.history)?
@@ -133,7 +133,7 @@ impl AgentSession {
     }
 
     /// Checks that a turn may run in the current slot.
-    pub(crate) fn writable_slot(&self) -> Result<String, EngineError> {
+    pub(crate) fn writable_slot(&self) -> Result<String> {
         let slot = self.state.current_slot.clone();
         if self.state.slot(&slot)?.mode == SlotMode::Readonly {
             return Err(EngineError::SlotReadonly(slot));
@@ -151,7 +151,7 @@ impl AgentSession {
         messages: Vec<(String, Message)>,
         state: SessionState,
         checkpoint: Option<CheckpointSource>,
-    ) -> Result<(Vec<i64>, Option<CheckpointId>), EngineError> {
+    ) -> Result<(Vec<i64>, Option<CheckpointId>)> {
         let now = keel_core::time::now_ms();
         let visible_user_inputs = messages
             .iter()
@@ -172,7 +172,7 @@ impl AgentSession {
                         message: message.clone(),
                     })
                     .collect(),
-                state: state.to_blob(),
+                state: state.to_blob()?,
                 checkpoint,
                 visible_user_inputs: u32::try_from(visible_user_inputs).unwrap_or(u32::MAX),
                 now_ms: now,
@@ -201,7 +201,7 @@ impl AgentSession {
         slot: &str,
         output: &TurnOutput,
         auto_checkpoint: bool,
-    ) -> Result<Option<CheckpointId>, EngineError> {
+    ) -> Result<Option<CheckpointId>> {
         let mut state = self.state.clone();
         state.turn_index = state.turn_index.saturating_add(1);
         state.cost.merge(&keel_core::CostTracker {

@@ -6,12 +6,12 @@ use serde::{Deserialize, Serialize};
 
 use keel_core::Message;
 
-use crate::error::EngineError;
+use crate::error::{EngineError, Result};
 use crate::session::AgentSession;
 use crate::state::SessionState;
 
 /// Current snapshot format version.
-pub const SNAPSHOT_FORMAT: u32 = 1;
+pub(crate) const SNAPSHOT_FORMAT: u32 = 1;
 
 /// One message of a snapshot.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -103,7 +103,7 @@ impl SessionSnapshot {
 
     /// The state with every sequence number mapped from the exported history
     /// to `new_seqs` (the seqs the imported messages got, in order).
-    pub(crate) fn remapped_state(&self, new_seqs: &[i64]) -> Result<SessionState, EngineError> {
+    pub(crate) fn remapped_state(&self, new_seqs: &[i64]) -> Result<SessionState> {
         let mut old: Vec<i64> = self.messages.iter().map(|m| m.seq).collect();
         old.sort_unstable();
         if old.len() != new_seqs.len() {

@@ -13,16 +13,16 @@ use std::sync::Arc;
 use keel_core::{CostTracker, Message, Role};
 use serde::{Deserialize, Serialize};
 
-use crate::error::EngineError;
+use crate::error::{EngineError, Result};
 
 /// Name of the slot every session starts with.
-pub const DEFAULT_SLOT: &str = "default";
+pub(crate) const DEFAULT_SLOT: &str = "default";
 /// Longest slot name.
-pub const MAX_SLOT_NAME: usize = 64;
+pub(crate) const MAX_SLOT_NAME: usize = 64;
 /// Most memory entries per session.
-pub const MAX_MEMORY_ENTRIES: usize = 256;
+pub(crate) const MAX_MEMORY_ENTRIES: usize = 256;
 /// Largest memory value, in bytes.
-pub const MAX_MEMORY_VALUE_BYTES: usize = 16 * 1024;
+pub(crate) const MAX_MEMORY_VALUE_BYTES: usize = 16 * 1024;
 
 /// How a slot replays history to the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -120,7 +120,7 @@ pub struct MemoryEntry {
     pub created_at_ms: i64,
 }
 
-/// How [`SessionState::merge_slot`] combines a slot into another.
+/// How [`SessionManager::merge_slot`](crate::SessionManager::merge_slot) combines a slot into another.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MergeStrategy {
@@ -180,14 +180,15 @@ pub struct HistoryMessage {
 }
 
 impl SessionState {
-    /// Deterministic JSON bytes (the content-addressed blob).
-    pub fn to_blob(&self) -> Vec<u8> {
-        // Serializing plain data with sorted maps cannot fail.
-        serde_json::to_vec(self).unwrap_or_default()
+    /// Deterministic JSON bytes (the content-addressed blob). An error here
+    /// is a bug; it is returned rather than stored as an empty blob that
+    /// would later read as corruption.
+    pub fn to_blob(&self) -> Result<Vec<u8>> {
+        serde_json::to_vec(self).map_err(|e| EngineError::StateEncoding(e.to_string()))
     }
 
     /// Decodes a blob; missing fields take their defaults.
-    pub fn from_blob(bytes: &[u8]) -> Result<Self, EngineError> {
+    pub(crate) fn from_blob(bytes: &[u8]) -> Result<Self> {
         let state: SessionState =
             serde_json::from_slice(bytes).map_err(|e| EngineError::CorruptState(e.to_string()))?;
         if !state.slots.contains_key(&state.current_slot) {
@@ -200,19 +201,14 @@ impl SessionState {
     }
 
     /// The configuration of slot `name`.
-    pub fn slot(&self, name: &str) -> Result<&SlotConfig, EngineError> {
+    pub fn slot(&self, name: &str) -> Result<&SlotConfig> {
         self.slots
             .get(name)
             .ok_or_else(|| EngineError::SlotNotFound(name.to_owned()))
     }
 
     /// Creates an empty slot (its history starts at `next_seq`).
-    pub fn create_slot(
-        &mut self,
-        name: &str,
-        mode: SlotMode,
-        next_seq: i64,
-    ) -> Result<(), EngineError> {
+    pub(crate) fn create_slot(&mut self, name: &str, mode: SlotMode, next_seq: i64) -> Result<()> {
         validate_slot_name(name)?;
         if self.slots.contains_key(name) {
             return Err(EngineError::SlotExists(name.to_owned()));
@@ -223,7 +219,7 @@ impl SessionState {
     }
 
     /// Makes `name` the slot new turns use.
-    pub fn switch_slot(&mut self, name: &str) -> Result<(), EngineError> {
+    pub(crate) fn switch_slot(&mut self, name: &str) -> Result<()> {
         self.slot(name)?;
         self.current_slot = name.to_owned();
         Ok(())
@@ -231,13 +227,13 @@ impl SessionState {
 
     /// Creates `name` as a fork of `from`: it sees `from`'s history up to
     /// `last_seq`, then only its own messages.
-    pub fn derive_slot(
+    pub(crate) fn derive_slot(
         &mut self,
         from: &str,
         name: &str,
         mode: SlotMode,
         last_seq: i64,
-    ) -> Result<(), EngineError> {
+    ) -> Result<()> {
         let prefix = self.slot(from)?.prefix(last_seq);
         self.create_slot(name, mode, last_seq + 1)?;
         if let Some(config) = self.slots.get_mut(name) {
@@ -249,7 +245,7 @@ impl SessionState {
     /// Deletes a slot (its messages stay in the history, so slots derived
     /// from it keep their view). The default slot, the last slot and the
     /// current slot cannot be deleted.
-    pub fn delete_slot(&mut self, name: &str) -> Result<(), EngineError> {
+    pub(crate) fn delete_slot(&mut self, name: &str) -> Result<()> {
         self.slot(name)?;
         if name == DEFAULT_SLOT {
             return Err(EngineError::SlotRule(
@@ -273,14 +269,14 @@ impl SessionState {
     /// Checks a merge of `source` into `target` and applies its state part.
     /// For [`MergeStrategy::Append`] the caller appends the returned
     /// messages (the source's own ones) to `target`.
-    pub fn merge_slot(
+    pub(crate) fn merge_slot(
         &mut self,
         source: &str,
         target: &str,
         strategy: MergeStrategy,
         history: &[HistoryMessage],
         last_seq: i64,
-    ) -> Result<Vec<Message>, EngineError> {
+    ) -> Result<Vec<Message>> {
         if source == target {
             return Err(EngineError::SlotRule(
                 "a slot cannot be merged into itself".into(),
@@ -315,11 +311,11 @@ impl SessionState {
     }
 
     /// Every message slot `name` sees, in order.
-    pub fn slot_view<'h>(
+    pub(crate) fn slot_view<'h>(
         &self,
         name: &str,
         history: &'h [HistoryMessage],
-    ) -> Result<Vec<&'h HistoryMessage>, EngineError> {
+    ) -> Result<Vec<&'h HistoryMessage>> {
         let config = self.slot(name)?;
         Ok(history
             .iter()
@@ -328,11 +324,7 @@ impl SessionState {
     }
 
     /// The messages replayed to the model for slot `name`.
-    pub fn replay(
-        &self,
-        name: &str,
-        history: &[HistoryMessage],
-    ) -> Result<Vec<Arc<Message>>, EngineError> {
+    pub fn replay(&self, name: &str, history: &[HistoryMessage]) -> Result<Vec<Arc<Message>>> {
         let config = self.slot(name)?;
         let view = self.slot_view(name, history)?;
         let mut out = Vec::with_capacity(view.len() + 1);
@@ -358,13 +350,13 @@ impl SessionState {
     }
 
     /// Sets a memory entry.
-    pub fn set_memory(
+    pub(crate) fn set_memory(
         &mut self,
         key: &str,
         value: String,
         metadata: serde_json::Value,
         now_ms: i64,
-    ) -> Result<(), EngineError> {
+    ) -> Result<()> {
         if key.is_empty() || key.len() > 128 {
             return Err(EngineError::InvalidInput(
                 "memory keys are 1 to 128 bytes".into(),
@@ -393,7 +385,7 @@ impl SessionState {
     }
 }
 
-fn validate_slot_name(name: &str) -> Result<(), EngineError> {
+fn validate_slot_name(name: &str) -> Result<()> {
     let ok = !name.is_empty()
         && name.len() <= MAX_SLOT_NAME
         && name
@@ -539,9 +531,9 @@ mod tests {
             .unwrap();
         a.set_memory("k1", "v".into(), serde_json::Value::Null, 6)
             .unwrap();
-        let b = SessionState::from_blob(&a.to_blob()).unwrap();
+        let b = SessionState::from_blob(&a.to_blob().unwrap()).unwrap();
         assert_eq!(a, b);
-        assert_eq!(a.to_blob(), b.to_blob());
+        assert_eq!(a.to_blob().unwrap(), b.to_blob().unwrap());
         let old = SessionState::from_blob(br#"{"turn_index": 3}"#).unwrap();
         assert_eq!(old.turn_index, 3);
         assert_eq!(old.current_slot, DEFAULT_SLOT);

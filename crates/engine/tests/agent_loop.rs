@@ -7,7 +7,7 @@ use keel_core::{
     DelegationPolicy, Message, Role, ScriptedProvider, ScriptedResponse, ScriptedToolCall, Tool,
     ToolError, ToolExecutionContext, ToolOutput, ToolRegistry,
 };
-use keel_engine::{AgentError, AgentLoop, TurnEvent, TurnRequest};
+use keel_engine::{AgentLoop, EngineError, TurnEvent, TurnRequest};
 use serde_json::json;
 use tokio::sync::{mpsc, Barrier, Notify};
 
@@ -182,7 +182,7 @@ async fn max_iterations_is_a_typed_error() {
         .run(request(provider, ToolRegistry::new(), 2), None)
         .await
         .unwrap_err();
-    assert_eq!(err, AgentError::MaxIterations { limit: 2 });
+    assert_eq!(err, EngineError::MaxIterations { limit: 2 });
     insta::assert_snapshot!(err, @"the agent reached its limit of 2 model calls without a final answer");
 }
 
@@ -198,7 +198,7 @@ async fn provider_errors_are_typed() {
         .unwrap_err();
     assert!(matches!(
         err,
-        AgentError::Provider(keel_core::ProviderError::Auth { status: 401, .. })
+        EngineError::Provider(keel_core::ProviderError::Auth { status: 401, .. })
     ));
 }
 
@@ -218,7 +218,7 @@ async fn cancellation_during_the_provider_stream() {
         }
     }
     cancel.cancel();
-    assert_eq!(task.await.unwrap().unwrap_err(), AgentError::Cancelled);
+    assert_eq!(task.await.unwrap().unwrap_err(), EngineError::Cancelled);
 }
 
 #[tokio::test]
@@ -232,7 +232,7 @@ async fn cancellation_during_a_tool_batch() {
     let task = tokio::spawn(async move { AgentLoop::default().run(req, None).await });
     started.notified().await;
     cancel.cancel();
-    assert_eq!(task.await.unwrap().unwrap_err(), AgentError::Cancelled);
+    assert_eq!(task.await.unwrap().unwrap_err(), EngineError::Cancelled);
     assert_eq!(
         provider.requests().len(),
         1,
@@ -248,7 +248,7 @@ impl keel_engine::TurnHooks for Recorder {
     fn on_turn_start(&self, input: &[Message]) {
         self.0.lock().push(format!("start {}", input[0].text()));
     }
-    fn on_turn_end(&self, result: Result<&keel_engine::TurnOutput, &AgentError>) {
+    fn on_turn_end(&self, result: Result<&keel_engine::TurnOutput, &EngineError>) {
         let r = match result {
             Ok(out) => format!("end ok {}", out.final_text()),
             Err(e) => format!("end err {e}"),
@@ -268,10 +268,7 @@ impl keel_engine::TurnHooks for Recorder {
 #[tokio::test]
 async fn hooks_see_turn_start_tools_and_end_in_order() {
     let recorder = Arc::new(Recorder::default());
-    let agent_loop = AgentLoop::new(
-        recorder.clone(),
-        Arc::new(keel_engine::agent_loop::OpenGate),
-    );
+    let agent_loop = AgentLoop::new(recorder.clone(), Arc::new(keel_engine::OpenGate));
     let provider = ScriptedProvider::new([
         ScriptedResponse::tool_call("nope", json!({})),
         ScriptedResponse::text("fine"),

@@ -1,4 +1,4 @@
-//! Sub-agent runs through the coordinator (seed 002 §17.2): foreground and
+//! Sub-agent runs through the coordinator: foreground and
 //! background delegation, limits, cancellation at every await point, spawn
 //! rejection, idempotency, late results, the reaper and recovery. Every
 //! scenario uses a real SQLite file and synchronizes through provider/tool
@@ -19,12 +19,12 @@ use keel_core::{
     ScriptedResponse, SessionId, StreamEvent, Tool, ToolError, ToolExecutionContext, ToolOutput,
     ToolRegistry, TurnId,
 };
-use keel_engine::agent_loop::{AgentLoop, NoHooks, TurnRequest};
-use keel_engine::coordinator::{
-    AgentCoordinator, CallerContext, CoordinatorConfig, CoordinatorError, DelegateRequest,
-    DelegateResponse, DelegateTask, ProfileProviders, RunEvent, RunObserver,
+use keel_engine::{
+    AgentCoordinator, CallerContext, CoordinatorConfig, DelegateRequest, DelegateResponse,
+    DelegateTask, EngineError, ProfileProviders, RunEvent, RunObserver,
 };
-use keel_engine::gate::{ExecutionGate, GateCounters, GateLimits};
+use keel_engine::{AgentLoop, NoHooks, TurnRequest};
+use keel_engine::{ExecutionGate, GateCounters, GateLimits};
 use keel_store::{CompletionHandling, RunRecord, Store, StoreOptions, TerminalOutcome};
 use serde_json::json;
 use tokio::sync::{mpsc, Barrier, Semaphore};
@@ -711,7 +711,7 @@ async fn background_group_all_yields_one_group_completion() {
         panic!("{response:?}")
     };
     let group = *group;
-    let shown = keel_engine::coordinator::project_response(&response, 100)
+    let shown = keel_engine::project_response(&response, 100)
         .replace(&group.to_string(), "GROUP")
         .replace(&run_ids[0].to_string(), "RUN1")
         .replace(&run_ids[1].to_string(), "RUN2");
@@ -790,25 +790,26 @@ async fn idempotent_retry_returns_the_same_run_and_group() {
 #[tokio::test]
 async fn spawn_rejection_compensates_and_returns_no_id() {
     let h = setup(vec![agent("x"), agent("y")], &["x", "y"]).build();
-    h.coord.supervisor().close();
+    // A runtime that is shutting down refuses to start runners.
+    h.coord.shutdown();
     let err = h
         .coord
         .delegate(h.root(), bg(vec![task("x", "never")]))
         .await
         .unwrap_err();
-    assert_eq!(err, CoordinatorError::SpawnRejected);
+    assert_eq!(err, EngineError::SpawnRejected);
     let err = h
         .coord
         .delegate(h.root(), bg(vec![task("x", "g1"), task("y", "g2")]))
         .await
         .unwrap_err();
-    assert_eq!(err, CoordinatorError::SpawnRejected);
+    assert_eq!(err, EngineError::SpawnRejected);
     let err = h
         .coord
         .delegate(h.root(), fg(vec![task("x", "fg")]))
         .await
         .unwrap_err();
-    assert_eq!(err, CoordinatorError::SpawnRejected);
+    assert_eq!(err, EngineError::SpawnRejected);
     let runs = h.runs().await;
     assert_eq!(runs.len(), 4);
     for r in &runs {
@@ -992,7 +993,7 @@ async fn depth_budget_and_background_limits_reach_the_model_as_tool_errors() {
 fn spawn_fg(
     h: &Harness,
     agent: &str,
-) -> tokio::task::JoinHandle<Result<DelegateResponse, CoordinatorError>> {
+) -> tokio::task::JoinHandle<Result<DelegateResponse, EngineError>> {
     let coord = h.coord.clone();
     let caller = h.root();
     let req = fg(vec![task(agent, "work")]);
@@ -1001,14 +1002,14 @@ fn spawn_fg(
 
 async fn assert_cancelled_cleanly(
     h: &Harness,
-    call: tokio::task::JoinHandle<Result<DelegateResponse, CoordinatorError>>,
+    call: tokio::task::JoinHandle<Result<DelegateResponse, EngineError>>,
 ) {
     let err = tokio::time::timeout(HANG, call)
         .await
         .unwrap()
         .unwrap()
         .unwrap_err();
-    assert_eq!(err, CoordinatorError::Cancelled);
+    assert_eq!(err, EngineError::Cancelled);
     let worker = h.run_of("worker").await;
     assert_eq!(worker.status, RunStatus::Cancelled);
     assert!(worker.result.is_none());
@@ -1280,7 +1281,7 @@ async fn the_reaper_ends_overdue_runs_without_a_runner() {
             .is_empty(),
         "a live runner is not reaped"
     );
-    h.coord.supervisor().abort_all();
+    h.coord.abort_runners();
     // The aborted runner's guard leaves the active map when its task is dropped.
     tokio::time::timeout(HANG, async {
         while !h.coord.active_runs().is_empty() {
@@ -1328,7 +1329,7 @@ async fn recovery_interrupts_runs_of_an_older_generation() {
     let _call = spawn_fg(&h, "fgw");
     h.expect("fgw:connect").await;
     // The process "dies": runners vanish, rows stay non-terminal.
-    h.coord.supervisor().abort_all();
+    h.coord.abort_runners();
     let Harness {
         dir,
         store,
@@ -1409,7 +1410,7 @@ async fn agent_task_is_scoped_to_the_callers_tree() {
         Some("result of: child work")
     );
     let stranger = CallerContext::root(SessionId::new(), TurnId::new(), CancellationToken::new());
-    let not_found = CoordinatorError::NotFound(b.spec.id.to_string());
+    let not_found = EngineError::RunNotFound(b.spec.id.to_string());
     assert_eq!(
         h.coord.get_run(&stranger, b.spec.id).await.unwrap_err(),
         not_found
@@ -1425,7 +1426,7 @@ async fn agent_task_is_scoped_to_the_callers_tree() {
     let missing = RunId::new();
     assert_eq!(
         h.coord.get_run(&root, missing).await.unwrap_err(),
-        CoordinatorError::NotFound(missing.to_string())
+        EngineError::RunNotFound(missing.to_string())
     );
     assert!(h.coord.list_runs(&stranger, 100).await.unwrap().is_empty());
     h.assert_gate_idle();
@@ -1536,14 +1537,13 @@ async fn the_reaper_task_times_out_an_orphaned_run() {
         other => panic!("{other:?}"),
     };
     h.expect("bg:connect").await;
-    h.coord.supervisor().abort_all();
+    h.coord.abort_runners();
     let reaper = h.coord.spawn_reaper(Duration::from_millis(20));
     // The deadline is wall-clock (1 s); the reaper reports its commit.
     h.expect("bg:committed:timed_out:true").await;
     assert_eq!(h.run(id).await.status, RunStatus::TimedOut);
     h.coord.shutdown();
     tokio::time::timeout(HANG, reaper).await.unwrap().unwrap();
-    assert!(h.coord.supervisor().is_closed());
     h.assert_gate_idle();
 }
 
@@ -1603,5 +1603,76 @@ async fn cancelling_a_parent_run_cancels_its_foreground_descendants() {
         leaf.error.as_deref(),
         Some("cancelled: the delegating turn or run was cancelled")
     );
+    h.assert_gate_idle();
+}
+
+/// Everything logged on this thread while the returned guard lives, as text.
+fn capture_logs() -> (
+    Arc<std::sync::Mutex<Vec<u8>>>,
+    tracing::subscriber::DefaultGuard,
+) {
+    #[derive(Clone)]
+    struct Sink(Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Sink {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buffer = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = Sink(Arc::clone(&buffer));
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_writer(move || sink.clone())
+        .finish();
+    (buffer, tracing::subscriber::set_default(subscriber))
+}
+
+#[tokio::test]
+async fn a_storage_failure_reaches_the_model_as_an_error_id_and_its_detail_only_the_log() {
+    let h = setup(vec![agent("x")], &["x"]).build();
+    // From now on SQLite refuses every new run, with a message of its own.
+    rusqlite::Connection::open(h.dir.path().join("keel.db"))
+        .unwrap()
+        .execute_batch(
+            "CREATE TRIGGER refuse_runs BEFORE INSERT ON agent_runs \
+             BEGIN SELECT RAISE(ABORT, 'disk on fire in agent_runs'); END;",
+        )
+        .unwrap();
+    let (logs, _guard) = capture_logs();
+    let tools = h.coord.root_tools();
+    let delegate = tools.iter().find(|t| t.name() == "delegate").unwrap();
+    let text = delegate
+        .execute(
+            json!({"tasks": [{"agent": "x", "task": "t"}]}),
+            &h.root_tool_context(),
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        !text.contains("disk on fire") && !text.contains("agent_runs"),
+        "{text}"
+    );
+    let id = text
+        .strip_prefix("failed: internal error (id ")
+        .and_then(|rest| rest.split_once(')'))
+        .map(|(id, _)| id.to_owned())
+        .unwrap_or_else(|| panic!("no error id in {text:?}"));
+    insta::assert_snapshot!(
+        text.replace(&id, "ID"),
+        @"failed: internal error (id ID); the operator can find details in the logs"
+    );
+    let logged = String::from_utf8(logs.lock().unwrap().clone()).unwrap();
+    let line = logged
+        .lines()
+        .find(|l| l.contains(&id))
+        .unwrap_or_else(|| panic!("no log line has id {id}:\n{logged}"));
+    assert!(line.contains("ERROR"), "{line}");
+    assert!(line.contains("disk on fire in agent_runs"), "{line}");
+    assert!(h.runs().await.is_empty(), "nothing was persisted");
     h.assert_gate_idle();
 }

@@ -20,12 +20,11 @@ use keel_core::{
     AgentId, CancellationToken, DelegationPolicy, Message, ScriptedProvider, ScriptedResponse,
     ScriptedToolCall, SessionId, Tool, ToolError, ToolExecutionContext, ToolOutput, ToolRegistry,
 };
-use keel_engine::agent_loop::{NoHooks, OpenGate, StepGate};
-use keel_engine::gate::{
-    ExecutionGate, GateCounters, GateError, GateLimits, GateScope, StepKind, StepPermitGuard,
-    StepScope,
+use keel_engine::{AgentLoop, EngineError, TurnRequest};
+use keel_engine::{
+    ExecutionGate, GateCounters, GateLimits, GateScope, StepKind, StepPermitGuard, StepScope,
 };
-use keel_engine::{AgentError, AgentLoop, TurnRequest};
+use keel_engine::{NoHooks, OpenGate, StepGate};
 use serde_json::json;
 use tokio::sync::oneshot;
 
@@ -47,7 +46,7 @@ async fn step(
     session: Option<SessionId>,
     agent: Option<&AgentId>,
     cancel: &CancellationToken,
-) -> Result<StepPermitGuard, GateError> {
+) -> Result<StepPermitGuard, EngineError> {
     match kind {
         StepKind::Provider => gate.acquire_provider_step(session, agent, cancel).await,
         StepKind::Tool => gate.acquire_tool_step(session, agent, cancel).await,
@@ -247,7 +246,7 @@ mod gate_run_quota {
         assert_eq!(r1.session(), s1);
         assert_eq!(
             gate.try_admit_run(s1).unwrap_err(),
-            GateError::RunQuotaExceeded {
+            EngineError::RunQuotaExceeded {
                 scope: GateScope::Session,
                 limit: 1
             }
@@ -256,7 +255,7 @@ mod gate_run_quota {
         let err = gate.try_admit_run(s3).unwrap_err();
         assert_eq!(
             err,
-            GateError::RunQuotaExceeded {
+            EngineError::RunQuotaExceeded {
                 scope: GateScope::Global,
                 limit: 2
             }
@@ -303,7 +302,7 @@ mod gate_run_quota {
         let mut waiting = pin!(gate.admit_run(other, &cancel));
         assert!(poll!(&mut waiting).is_pending());
         cancel.cancel();
-        assert_eq!(waiting.await.unwrap_err(), GateError::Cancelled);
+        assert_eq!(waiting.await.unwrap_err(), EngineError::Cancelled);
         assert_eq!(
             gate.snapshot(),
             GateCounters {
@@ -336,9 +335,9 @@ mod gate_cancellation {
         let mut waiter = pin!(gate.acquire_tool_step(Some(SessionId::new()), None, &cancel));
         assert!(poll!(&mut waiter).is_pending());
         // Still at the global stage: no session entry for the waiter yet.
-        assert_eq!(gate.keyed_entries(), 1);
+        assert_eq!(gate.snapshot().keyed_semaphores, 1);
         cancel.cancel();
-        assert_eq!(waiter.await.unwrap_err(), GateError::Cancelled);
+        assert_eq!(waiter.await.unwrap_err(), EngineError::Cancelled);
         assert_eq!(
             gate.snapshot(),
             GateCounters {
@@ -376,7 +375,7 @@ mod gate_cancellation {
             }
         );
         cancel.cancel();
-        assert_eq!(waiter.await.unwrap_err(), GateError::Cancelled);
+        assert_eq!(waiter.await.unwrap_err(), EngineError::Cancelled);
         assert_eq!(
             gate.snapshot(),
             GateCounters {
@@ -402,7 +401,7 @@ mod gate_cancellation {
             .acquire_provider_step(Some(SessionId::new()), Some(&worker), &never)
             .await
             .unwrap();
-        assert_eq!(gate.keyed_entries(), 2);
+        assert_eq!(gate.snapshot().keyed_semaphores, 2);
 
         let cancel = CancellationToken::new();
         let mut waiter =
@@ -418,7 +417,7 @@ mod gate_cancellation {
             }
         );
         cancel.cancel();
-        assert_eq!(waiter.await.unwrap_err(), GateError::Cancelled);
+        assert_eq!(waiter.await.unwrap_err(), EngineError::Cancelled);
         assert_eq!(
             gate.snapshot(),
             GateCounters {
@@ -432,7 +431,7 @@ mod gate_cancellation {
             .acquire_provider_step(None, Some(&agent("other")), &never)
             .await
             .unwrap();
-        assert_eq!(gate.keyed_entries(), 2);
+        assert_eq!(gate.snapshot().keyed_semaphores, 2);
         drop((holder, free));
         assert_eq!(gate.snapshot(), idle());
     }
@@ -476,17 +475,17 @@ mod gate_cancellation {
             gate.acquire_provider_step(session, None, &cancel)
                 .await
                 .unwrap_err(),
-            GateError::Cancelled
+            EngineError::Cancelled
         );
         assert_eq!(
             gate.acquire_tool_step(session, None, &cancel)
                 .await
                 .unwrap_err(),
-            GateError::Cancelled
+            EngineError::Cancelled
         );
         assert_eq!(
             gate.admit_run(SessionId::new(), &cancel).await.unwrap_err(),
-            GateError::Cancelled
+            EngineError::Cancelled
         );
         assert_eq!(gate.snapshot(), idle());
     }
@@ -519,19 +518,23 @@ mod gate_cancellation {
         ];
         let run = gate.try_admit_run(sessions[0]).unwrap();
         // 5 provider-session + 1 tool-session + 1 tool-agent + 1 run-session.
-        assert_eq!(gate.keyed_entries(), 8);
+        assert_eq!(gate.snapshot().keyed_semaphores, 8);
         // Permits without a session or agent use no keyed entry.
         let anonymous = gate.acquire_tool_step(None, None, &cancel).await.unwrap();
-        assert_eq!(gate.keyed_entries(), 8);
+        assert_eq!(gate.snapshot().keyed_semaphores, 8);
         drop(anonymous);
 
         let [t1, t2] = tools;
         drop(t1);
-        assert_eq!(gate.keyed_entries(), 8, "one tool permit still uses both");
+        assert_eq!(
+            gate.snapshot().keyed_semaphores,
+            8,
+            "one tool permit still uses both"
+        );
         drop(t2);
-        assert_eq!(gate.keyed_entries(), 6);
+        assert_eq!(gate.snapshot().keyed_semaphores, 6);
         held.truncate(2);
-        assert_eq!(gate.keyed_entries(), 3);
+        assert_eq!(gate.snapshot().keyed_semaphores, 3);
         drop(held);
         drop(run);
         assert_eq!(gate.snapshot(), idle());
@@ -581,7 +584,7 @@ mod gate_nested_delegation {
             // Quota is full: a second (background) admission fails fast.
             assert_eq!(
                 gate.try_admit_run(root_session).unwrap_err(),
-                GateError::RunQuotaExceeded {
+                EngineError::RunQuotaExceeded {
                     scope: GateScope::Global,
                     limit: 1
                 }
@@ -621,7 +624,8 @@ mod gate_nested_delegation {
 
     #[tokio::test]
     async fn a_parent_holding_its_step_permit_would_block_its_child() {
-        // The counterfactual that §6.3 forbids, to show the previous test bites.
+        // The counterfactual (a parent waiting on children while it holds a
+        // step permit), to show the previous test bites.
         let gate = gate(GateLimits::uniform(1));
         let session = SessionId::new();
         let cancel = CancellationToken::new();
@@ -806,7 +810,11 @@ mod gate_step_gate_impl {
 
         let permit = gate.tool_step(&ctx).await.unwrap();
         assert!(permit.downcast_ref::<StepPermitGuard>().is_some());
-        assert_eq!(gate.keyed_entries(), 2, "root session + worker agent");
+        assert_eq!(
+            gate.snapshot().keyed_semaphores,
+            2,
+            "root session + worker agent"
+        );
         let never = CancellationToken::new();
         // The scope's session is limited, the ctx's own session is not involved.
         let mut same_session = pin!(gate.acquire_tool_step(Some(root_session), None, &never));
@@ -861,7 +869,7 @@ mod gate_step_gate_impl {
         let mut running = pin!(agent_loop.run(turn(provider.clone(), &probe, context), None));
         assert!(poll!(&mut running).is_pending());
         cancel.cancel();
-        assert_eq!(running.await.unwrap_err(), AgentError::Cancelled);
+        assert_eq!(running.await.unwrap_err(), EngineError::Cancelled);
         assert!(
             provider.requests().is_empty(),
             "the provider was never called"

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use common::*;
 use keel_core::{Message, Role, ScriptedResponse};
-use keel_engine::manager::SessionManagerConfig;
-use keel_engine::state::{MergeStrategy, SlotMode};
-use keel_engine::{AgentError, EngineError, TurnEvent};
+use keel_engine::SessionManagerConfig;
+use keel_engine::{EngineError, TurnEvent};
+use keel_engine::{MergeStrategy, SlotMode};
 use keel_store::CheckpointSource;
 
 #[tokio::test]
@@ -88,7 +88,7 @@ async fn restart_recovers_identical_messages_slots_memory_cost_and_turn_index() 
         manager.get(id).is_err(),
         "nothing in memory after a restart"
     );
-    let s = manager.recover(id).await.unwrap();
+    let s = manager.load(id).await.unwrap();
     let g = s.lock().await;
     assert_eq!(g.state(), &before_state);
     assert_eq!(g.history(), &before_history[..]);
@@ -106,7 +106,7 @@ async fn rollback_restores_turn_index_cost_and_slots_exactly() {
     replies(&h.provider, &["a", "b", "c"]);
     let id = h.manager.create(spec("d1")).await.unwrap();
     h.manager.submit_turn(id, "1").await.unwrap();
-    let at = h.manager.checkpoint(id).await.unwrap();
+    let at = h.manager.create_checkpoint(id).await.unwrap();
     let state_at = h.manager.get(id).unwrap().lock().await.state().clone();
     h.manager
         .create_slot(id, "scratch", SlotMode::Full)
@@ -129,7 +129,7 @@ async fn branching_keeps_the_abandoned_branch_restorable() {
     let h = harness(SessionManagerConfig::default());
     replies(&h.provider, &["a1", "a2", "a3", "b1", "b2"]);
     let id = h.manager.create(spec("d1")).await.unwrap();
-    let a = h.manager.checkpoint(id).await.unwrap();
+    let a = h.manager.create_checkpoint(id).await.unwrap();
     for t in ["x1", "x2", "x3"] {
         h.manager.submit_turn(id, t).await.unwrap();
     }
@@ -216,7 +216,7 @@ async fn snapshot_export_import_round_trip() {
         .unwrap();
     let snap = h.manager.export_snapshot(id).await.unwrap();
     let json = serde_json::to_string(&snap).unwrap();
-    let back: keel_engine::snapshot::SessionSnapshot = serde_json::from_str(&json).unwrap();
+    let back: keel_engine::SessionSnapshot = serde_json::from_str(&json).unwrap();
     let copy = h
         .manager
         .import_snapshot(back, address("copy"))
@@ -412,10 +412,7 @@ async fn max_iterations_fails_the_turn_without_committing() {
         .push((0..8).map(|_| ScriptedResponse::tool_call("nope", serde_json::json!({}))));
     let id = h.manager.create(spec("d1")).await.unwrap();
     let err = h.manager.submit_turn(id, "loop").await.unwrap_err();
-    assert!(matches!(
-        err,
-        EngineError::Agent(AgentError::MaxIterations { limit: 8 })
-    ));
+    assert!(matches!(err, EngineError::MaxIterations { limit: 8 }));
     assert!(visible_texts(&h.manager, id).await.is_empty());
 }
 
@@ -630,7 +627,7 @@ async fn a_dropped_provider_stream_is_a_typed_error_and_no_partial_assistant_mes
     let id = h.manager.create(spec("d1")).await.unwrap();
     let err = h.manager.submit_turn(id, "q").await.unwrap_err();
     assert!(
-        matches!(&err, EngineError::Agent(AgentError::Provider(keel_core::ProviderError::StreamInterrupted(m))) if m == "connection reset"),
+        matches!(&err, EngineError::Provider(keel_core::ProviderError::StreamInterrupted(m)) if m == "connection reset"),
         "{err}"
     );
     assert!(visible_texts(&h.manager, id).await.is_empty());
@@ -646,12 +643,10 @@ async fn cancellation_during_a_tool_batch_commits_nothing() {
         ScriptedResponse::tool_call("sleep", serde_json::json!({"ms": 3_600_000})),
         ScriptedResponse::text("after"),
     ]);
-    let mut tools = keel_core::ToolRegistry::new();
-    tools
-        .register(std::sync::Arc::new(keel_engine::tools::SleepTool))
-        .unwrap();
-    let bundle = keel_engine::manager::RuntimeBundle::new(profile("root", &provider, tools));
-    let manager = keel_engine::manager::SessionManager::new(
+    let tools =
+        keel_engine::builtin_registry(&keel_engine::BuiltinToolsConfig::new(dir.path())).unwrap();
+    let bundle = keel_engine::RuntimeBundle::new(profile("root", &provider, tools));
+    let manager = keel_engine::SessionManager::new(
         open_store(dir.path()),
         bundle,
         SessionManagerConfig::default(),
@@ -673,7 +668,7 @@ async fn cancellation_during_a_tool_batch_commits_nothing() {
 
 #[tokio::test]
 async fn auto_summary_runs_past_the_ratio_is_debounced_and_never_fails_the_turn() {
-    let summary = keel_engine::manager::SummaryConfig {
+    let summary = keel_engine::SummaryConfig {
         trigger_ratio: 0.5,
         max_context_tokens: 10,
         debounce_turns: 2,

@@ -21,7 +21,7 @@ pub fn catalog_inputs(config: Option<&Config>) -> Result<CatalogInputs, AppError
         ),
         Some(c) => (
             c.profile_names(),
-            keel_engine::tools::builtin_registry(&c.builtin_tools())?,
+            keel_engine::builtin_registry(&c.builtin_tools())?,
             c.root_delegate_ids(),
             Some(c.orchestration.max_tree_depth),
         ),

@@ -7,15 +7,13 @@ use std::sync::Arc;
 use keel_catalog::CatalogHandle;
 use keel_core::tool::ScopeRule;
 use keel_core::{AgentId, Provider, ScriptedProvider, ToolRegistry};
-use keel_engine::agent_loop::NoHooks;
-use keel_engine::coordinator::{
-    AgentCoordinator, CoordinatorConfig, ProfileProviders, ProviderFactory,
-};
-use keel_engine::gate::ExecutionGate;
-use keel_engine::manager::{RuntimeBundle, SessionManager};
-use keel_engine::session::AgentProfile;
-use keel_engine::tools::builtin_registry;
+use keel_engine::builtin_registry;
 use keel_engine::AgentLoop;
+use keel_engine::AgentProfile;
+use keel_engine::ExecutionGate;
+use keel_engine::NoHooks;
+use keel_engine::{AgentCoordinator, CoordinatorConfig, ProfileProviders, ProviderFactory};
+use keel_engine::{RuntimeBundle, SessionManager};
 use keel_store::Store;
 
 use crate::config::{Config, ConfigError, LoadedConfig};
@@ -38,18 +36,12 @@ pub enum AppError {
     /// The database could not be opened or written.
     #[error("storage: {0}")]
     Store(#[from] keel_store::StoreError),
-    /// An engine operation failed.
+    /// An engine operation failed (sessions, sub-agent runs, built-in tools).
     #[error("{0}")]
     Engine(#[from] keel_engine::EngineError),
     /// The agent definitions are invalid (every problem is listed).
     #[error("agent definitions:\n{0}")]
     Catalog(keel_catalog::Diagnostics),
-    /// Sub-agent runs could not be recovered or managed.
-    #[error("{0}")]
-    Coordinator(#[from] keel_engine::coordinator::CoordinatorError),
-    /// The built-in tools could not be set up.
-    #[error("{0}")]
-    Tools(#[from] keel_engine::tools::BuiltinToolsError),
     /// A file or terminal operation failed.
     #[error("{context}: {source}")]
     Io {
@@ -168,7 +160,7 @@ impl App {
                 })?;
                 let tools = builtin
                     .scoped(def.tools.iter().map(String::as_str), ScopeRule::Root)
-                    .map_err(keel_engine::tools::BuiltinToolsError::from)?;
+                    .map_err(keel_engine::EngineError::from)?;
                 direct_agents.push(AgentProfile {
                     name: def.id.clone(),
                     system_prompt: def.body.clone(),
@@ -199,7 +191,7 @@ impl App {
                 for tool in coordinator.root_tools() {
                     root_tools
                         .register(tool)
-                        .map_err(keel_engine::tools::BuiltinToolsError::from)?;
+                        .map_err(keel_engine::EngineError::from)?;
                 }
                 if !delegates.is_empty() {
                     system_prompt.push_str(
@@ -249,7 +241,7 @@ impl App {
 /// The built-in tools a default configuration registers (for `agents check`).
 pub fn default_tool_registry() -> Result<ToolRegistry, AppError> {
     let dir = std::env::current_dir().map_err(io_err("cannot read the current directory"))?;
-    let mut cfg = keel_engine::tools::BuiltinToolsConfig::new(dir);
+    let mut cfg = keel_engine::BuiltinToolsConfig::new(dir);
     cfg.enable_write = true;
     cfg.enable_shell = true;
     Ok(builtin_registry(&cfg)?)

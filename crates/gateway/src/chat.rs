@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use keel_core::RunId;
 use keel_core::{CheckpointId, Message, SessionId, StreamEvent};
-use keel_engine::dialog_id::UnifiedSessionId;
-use keel_engine::manager::SessionManager;
+use keel_engine::DialogAddress;
+use keel_engine::SessionManager;
 use keel_engine::{EngineError, TurnEvent};
 use keel_store::{CheckpointRecord, RunRecord};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -150,12 +150,12 @@ pub async fn run(
         .map(|a| keel_core::AgentId::parse(&a))
         .transpose()
         .map_err(|e| AppError::Engine(EngineError::InvalidInput(e.to_string())))?;
-    UnifiedSessionId::new(CHANNEL, &chat, "default")?;
+    DialogAddress::new(CHANNEL, &chat, "default")?;
     let manager = app.manager.clone();
     let current = match manager.latest_dialog(CHANNEL, &chat).await? {
         Some(record) => record.id,
         None => {
-            let address = UnifiedSessionId::new(CHANNEL, &chat, "default")?;
+            let address = DialogAddress::new(CHANNEL, &chat, "default")?;
             manager.open_dialog(&address, agent.clone()).await?
         }
     };
@@ -358,7 +358,7 @@ impl Chat {
                 }
             }
             Slash::Switch(dialog) => {
-                let address = UnifiedSessionId::new(CHANNEL, &self.chat, &dialog)?;
+                let address = DialogAddress::new(CHANNEL, &self.chat, &dialog)?;
                 let found = m
                     .store()
                     .get_dialog(CHANNEL, &self.chat, &dialog)

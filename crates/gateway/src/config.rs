@@ -20,10 +20,10 @@ use std::time::Duration;
 
 use keel_catalog::CatalogInputs;
 use keel_core::{AgentId, Provider, ToolRegistry};
-use keel_engine::coordinator::CoordinatorConfig;
-use keel_engine::gate::GateLimits;
-use keel_engine::manager::{SessionManagerConfig, SummaryConfig};
-use keel_engine::tools::BuiltinToolsConfig;
+use keel_engine::BuiltinToolsConfig;
+use keel_engine::CoordinatorConfig;
+use keel_engine::GateLimits;
+use keel_engine::{SessionManagerConfig, SummaryConfig};
 use keel_providers::{ProviderKind, ProviderProfile};
 use keel_store::{StoreOptions, Synchronous};
 use serde::{Deserialize, Serialize};

@@ -11,17 +11,15 @@ use keel_catalog::{AgentCatalog, CatalogInputs};
 use keel_core::{
     ChatRequest, Message, Role, ScriptedProvider, ScriptedResponse, ScriptedToolCall, StreamEvent,
 };
-use keel_engine::agent_loop::NoHooks;
-use keel_engine::coordinator::{
-    AgentCoordinator, CoordinatorConfig, ProfileProviders, RunEvent, RunObserver,
-};
-use keel_engine::dialog_id::UnifiedSessionId;
-use keel_engine::gate::{ExecutionGate, GateLimits};
-use keel_engine::manager::{NewSessionSpec, RuntimeBundle, SessionManager, SessionManagerConfig};
-use keel_engine::session::AgentProfile;
-use keel_engine::tools::{builtin_registry, BuiltinToolsConfig};
 use keel_engine::AgentLoop;
+use keel_engine::AgentProfile;
+use keel_engine::DialogAddress;
+use keel_engine::NoHooks;
 use keel_engine::TurnEvent;
+use keel_engine::{builtin_registry, BuiltinToolsConfig};
+use keel_engine::{AgentCoordinator, CoordinatorConfig, ProfileProviders, RunEvent, RunObserver};
+use keel_engine::{ExecutionGate, GateLimits};
+use keel_engine::{NewSessionSpec, RuntimeBundle, SessionManager, SessionManagerConfig};
 use keel_store::{Store, StoreOptions};
 use serde_json::json;
 use tokio::sync::{mpsc, Notify};
@@ -178,7 +176,7 @@ async fn turn(
         println!("\n   ({chunks} streamed chunks)");
     }
     done.await
-        .map_err(|e| keel_engine::EngineError::InvalidInput(format!("turn task: {e}")))??;
+        .map_err(|e| keel_engine::EngineError::TurnPanicked(e.to_string()))??;
     Ok(())
 }
 
@@ -220,7 +218,7 @@ async fn build(
     for tool in coordinator.root_tools() {
         tools
             .register(tool)
-            .map_err(keel_engine::tools::BuiltinToolsError::from)?;
+            .map_err(keel_engine::EngineError::from)?;
     }
     let root = AgentProfile {
         name: keel_core::AgentId::root(),
@@ -264,7 +262,7 @@ pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode, AppError> {
     // have their default title (the second dialog shows it).
     let first = manager
         .create(NewSessionSpec {
-            address: UnifiedSessionId::new("demo", &chat, "intro")?,
+            address: DialogAddress::new("demo", &chat, "intro")?,
             title: Some("Getting started".into()),
             agent: None,
         })
@@ -288,7 +286,7 @@ pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode, AppError> {
     let store = Store::open(&db, StoreOptions::default())?;
     let Runtime { manager, .. } =
         build(store, &provider, &dirs.workspace, &dirs.agents_dir).await?;
-    let s = manager.recover(first).await?;
+    let s = manager.load(first).await?;
     let g = s.lock().await;
     let same = g.state() == &before_state && g.history() == before_history.as_slice();
     line(&format!(
@@ -399,7 +397,7 @@ async fn checkpoints(
         5,
         "Checkpoints: checkpoint, two turns, roll back, take another branch",
     );
-    let mark = manager.checkpoint(first).await?;
+    let mark = manager.create_checkpoint(first).await?;
     line(&format!(
         "checkpoint {} at turn {}",
         short(mark.id),

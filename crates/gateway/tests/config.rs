@@ -416,11 +416,11 @@ fn conversions_carry_the_settings() {
     // The defaults are the engine's own.
     assert_eq!(
         Config::default().gate_limits(),
-        keel_engine::gate::GateLimits::default()
+        keel_engine::GateLimits::default()
     );
     assert_eq!(
         Config::default().coordinator_config(),
-        keel_engine::coordinator::CoordinatorConfig::default()
+        keel_engine::CoordinatorConfig::default()
     );
 }
 

@@ -10,20 +10,20 @@ use keel_core::{
 };
 use parking_lot::Mutex;
 
-use super::error::CoordinatorError;
+use crate::error::{EngineError, Result};
 
 /// The runs a delegation tree may still create: one shared atomic count.
 /// A tree starts at one delegate call of the root agent and contains every
 /// run that call and its descendants create.
 #[derive(Debug)]
-pub struct TreeBudget {
+pub(crate) struct TreeBudget {
     limit: u32,
     used: AtomicU32,
 }
 
 impl TreeBudget {
     /// A budget of `limit` runs, none used.
-    pub fn new(limit: u32) -> Self {
+    pub(crate) fn new(limit: u32) -> Self {
         Self {
             limit,
             used: AtomicU32::new(0),
@@ -31,17 +31,12 @@ impl TreeBudget {
     }
 
     /// The most runs the tree may create.
-    pub fn limit(&self) -> u32 {
+    pub(crate) fn limit(&self) -> u32 {
         self.limit
     }
 
-    /// Runs created (or reserved) so far.
-    pub fn used(&self) -> u32 {
-        self.used.load(Ordering::Acquire)
-    }
-
     /// Reserves `n` runs, all or nothing; on refusal returns the count in use.
-    pub fn try_reserve(&self, n: u32) -> Result<(), u32> {
+    pub(crate) fn try_reserve(&self, n: u32) -> Result<(), u32> {
         self.used
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
                 used.checked_add(n).filter(|total| *total <= self.limit)
@@ -50,7 +45,7 @@ impl TreeBudget {
     }
 
     /// Gives back `n` reserved runs that were never persisted.
-    pub fn release(&self, n: u32) {
+    pub(crate) fn release(&self, n: u32) {
         let _ = self
             .used
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
@@ -71,31 +66,31 @@ pub(crate) struct CancelCause {
 /// facts its tools (delegate, agent_task) read. Put in the run's
 /// [`ToolExecutionContext::extensions`] as `Arc<AgentExecutionContext>`.
 #[derive(Debug)]
-pub struct AgentExecutionContext {
+pub(crate) struct AgentExecutionContext {
     /// The root session the run's tree belongs to (its inbox gets completions).
-    pub root_session_id: SessionId,
+    pub(crate) root_session_id: SessionId,
     /// The root turn that started the tree, if known.
-    pub root_turn_id: Option<TurnId>,
+    pub(crate) root_turn_id: Option<TurnId>,
     /// This run.
-    pub run_id: RunId,
+    pub(crate) run_id: RunId,
     /// The delegating run (`None` when the root agent delegated).
-    pub parent_run_id: Option<RunId>,
+    pub(crate) parent_run_id: Option<RunId>,
     /// The agent definition this run executes.
-    pub agent_id: AgentId,
+    pub(crate) agent_id: AgentId,
     /// Agents from the root's child down to this run's agent, inclusive.
-    pub ancestry: Vec<AgentId>,
+    pub(crate) ancestry: Vec<AgentId>,
     /// Delegation depth (1 for a child of the root).
-    pub depth: u32,
+    pub(crate) depth: u32,
     /// Foreground or background.
-    pub mode: ExecutionMode,
+    pub(crate) mode: ExecutionMode,
     /// The run budget of the tree, shared with every run in it.
-    pub budget: Arc<TreeBudget>,
+    pub(crate) budget: Arc<TreeBudget>,
     /// The execution that owns the run; every state change presents it.
-    pub execution_id: String,
+    pub(crate) execution_id: String,
     /// Deadline (Unix ms).
-    pub deadline_at_ms: i64,
+    pub(crate) deadline_at_ms: i64,
     /// Fires when the run is cancelled; foreground children derive from it.
-    pub cancellation: CancellationToken,
+    pub(crate) cancellation: CancellationToken,
     pub(crate) max_children: u32,
     pub(crate) children_started: AtomicU32,
     pub(crate) cancel_cause: Mutex<Option<CancelCause>>,
@@ -124,11 +119,6 @@ impl AgentExecutionContext {
         })
     }
 
-    /// How many children this run started.
-    pub fn children_started(&self) -> u32 {
-        self.children_started.load(Ordering::Acquire)
-    }
-
     /// Reserves `n` children against `limits.max_children`; on refusal returns the count started.
     pub(crate) fn try_start_children(&self, n: u32) -> Result<(), u32> {
         let limit = self.max_children;
@@ -149,7 +139,7 @@ impl AgentExecutionContext {
     }
 
     /// The run's `limits.max_children`.
-    pub fn max_children(&self) -> u32 {
+    pub(crate) fn max_children(&self) -> u32 {
         self.max_children
     }
 }
@@ -179,7 +169,7 @@ impl CallerContext {
     }
 
     /// The run described by `context`.
-    pub fn run(context: Arc<AgentExecutionContext>) -> CallerContext {
+    pub(crate) fn run(context: Arc<AgentExecutionContext>) -> CallerContext {
         CallerContext {
             root_session_id: context.root_session_id,
             root_turn_id: context.root_turn_id,
@@ -192,9 +182,7 @@ impl CallerContext {
     /// `Arc<AgentExecutionContext>` extension, matching `run_id`) or a root
     /// turn (`run_id` absent, session and turn present). Anything else has no
     /// identity and may not delegate.
-    pub fn from_tool_context(
-        ctx: &ToolExecutionContext,
-    ) -> Result<CallerContext, CoordinatorError> {
+    pub(crate) fn from_tool_context(ctx: &ToolExecutionContext) -> Result<CallerContext> {
         match ctx.run_id {
             Some(run_id) => match ctx.extensions.get::<Arc<AgentExecutionContext>>() {
                 Some(agent) if agent.run_id == run_id => {
@@ -203,60 +191,60 @@ impl CallerContext {
                     caller.cancellation = ctx.cancellation.clone();
                     Ok(caller)
                 }
-                _ => Err(CoordinatorError::MissingCallerIdentity),
+                _ => Err(EngineError::MissingCallerIdentity),
             },
             None => match (ctx.session_id, ctx.turn_id) {
                 (Some(session), Some(turn)) => {
                     Ok(CallerContext::root(session, turn, ctx.cancellation.clone()))
                 }
-                _ => Err(CoordinatorError::MissingCallerIdentity),
+                _ => Err(EngineError::MissingCallerIdentity),
             },
         }
     }
 
     /// The root session.
-    pub fn root_session_id(&self) -> SessionId {
+    pub(crate) fn root_session_id(&self) -> SessionId {
         self.root_session_id
     }
 
     /// The root turn, if known.
-    pub fn root_turn_id(&self) -> Option<TurnId> {
+    pub(crate) fn root_turn_id(&self) -> Option<TurnId> {
         self.root_turn_id
     }
 
     /// The calling run's context (`None` for the root agent).
-    pub fn run_context(&self) -> Option<&Arc<AgentExecutionContext>> {
+    pub(crate) fn run_context(&self) -> Option<&Arc<AgentExecutionContext>> {
         self.run.as_ref()
     }
 
     /// Whether the caller is the root agent.
-    pub fn is_root(&self) -> bool {
+    pub(crate) fn is_root(&self) -> bool {
         self.run.is_none()
     }
 
     /// The calling agent (`None` for the root agent).
-    pub fn agent_id(&self) -> Option<&AgentId> {
+    pub(crate) fn agent_id(&self) -> Option<&AgentId> {
         self.run.as_ref().map(|r| &r.agent_id)
     }
 
     /// The calling agent's name as shown in messages (`root` for the root agent).
-    pub fn agent_name(&self) -> String {
+    pub(crate) fn agent_name(&self) -> String {
         self.agent_id()
             .map_or_else(|| "root".to_owned(), |a| a.as_str().to_owned())
     }
 
     /// The caller's depth (0 for the root agent).
-    pub fn depth(&self) -> u32 {
+    pub(crate) fn depth(&self) -> u32 {
         self.run.as_ref().map_or(0, |r| r.depth)
     }
 
     /// The caller's cancellation token.
-    pub fn cancellation(&self) -> &CancellationToken {
+    pub(crate) fn cancellation(&self) -> &CancellationToken {
         &self.cancellation
     }
 
     /// The idempotency scope: the calling run, or the root turn.
-    pub fn scope_id(&self) -> String {
+    pub(crate) fn scope_id(&self) -> String {
         match (&self.run, self.root_turn_id) {
             (Some(run), _) => format!("run:{}", run.run_id),
             (None, Some(turn)) => format!("turn:{turn}"),

@@ -1,4 +1,4 @@
-//! Admission of a delegation (seed 002 §7.1–§7.2): validate the caller's
+//! Admission of a delegation: validate the caller's
 //! rights and limits without side effects, reserve tree budget and (for
 //! background runs) run quota, persist the queued run(s) or group, then
 //! spawn supervised runners — awaiting them (foreground) or returning ids at
@@ -17,18 +17,18 @@ use keel_store::{
 use parking_lot::Mutex;
 
 use super::context::{AgentExecutionContext, CallerContext, TreeBudget};
-use super::error::CoordinatorError;
 use super::runner::{Launch, Quota};
 use super::view::{DelegateRequest, DelegateResponse, ForegroundResult};
 use super::{AgentCoordinator, PendingRun};
+use crate::error::{EngineError, Result};
 use crate::gate::RunPermit;
 
 /// Longest task text, in bytes.
-pub const MAX_TASK_BYTES: usize = 32 * 1024;
+pub(crate) const MAX_TASK_BYTES: usize = 32 * 1024;
 /// Longest context (as JSON), in bytes.
-pub const MAX_CONTEXT_BYTES: usize = 16 * 1024;
+pub(crate) const MAX_CONTEXT_BYTES: usize = 16 * 1024;
 /// Longest idempotency key, in bytes.
-pub const MAX_IDEMPOTENCY_KEY_BYTES: usize = 128;
+pub(crate) const MAX_IDEMPOTENCY_KEY_BYTES: usize = 128;
 
 /// Reason recorded on runs whose runner could not be spawned.
 const SPAWN_REJECTED_REASON: &str = "not started: the runtime is shutting down (spawn rejected)";
@@ -80,15 +80,15 @@ impl AgentCoordinator {
         &self,
         caller: CallerContext,
         request: DelegateRequest,
-    ) -> Result<DelegateResponse, CoordinatorError> {
+    ) -> Result<DelegateResponse> {
         if caller.cancellation().is_cancelled() {
-            return Err(CoordinatorError::Cancelled);
+            return Err(EngineError::Cancelled);
         }
         let (planned, depth, budget) = self.plan(&caller, &request)?;
         let n = u32::try_from(planned.len()).unwrap_or(u32::MAX);
         budget
             .try_reserve(n)
-            .map_err(|used| CoordinatorError::TreeBudgetExceeded {
+            .map_err(|used| EngineError::TreeBudgetExceeded {
                 limit: budget.limit(),
                 used,
                 requested: n,
@@ -96,7 +96,7 @@ impl AgentCoordinator {
         if let Some(me) = caller.run_context() {
             if let Err(started) = me.try_start_children(n) {
                 budget.release(n);
-                return Err(CoordinatorError::ChildLimit {
+                return Err(EngineError::ChildLimit {
                     agent: me.agent_id.to_string(),
                     limit: me.max_children(),
                     started,
@@ -129,23 +129,23 @@ impl AgentCoordinator {
         &self,
         caller: &CallerContext,
         request: &DelegateRequest,
-    ) -> Result<(Vec<PlannedRun>, u32, Arc<TreeBudget>), CoordinatorError> {
+    ) -> Result<(Vec<PlannedRun>, u32, Arc<TreeBudget>)> {
         if request.mode == ExecutionMode::Background && !caller.is_root() {
-            return Err(CoordinatorError::BackgroundNotAllowed);
+            return Err(EngineError::BackgroundNotAllowed);
         }
         let requested = u32::try_from(request.tasks.len()).unwrap_or(u32::MAX);
         if requested == 0 {
-            return Err(CoordinatorError::InvalidRequest("tasks is empty".into()));
+            return Err(EngineError::InvalidDelegation("tasks is empty".into()));
         }
         if requested > self.config.max_children_per_call {
-            return Err(CoordinatorError::TooManyTasks {
+            return Err(EngineError::TooManyTasks {
                 requested,
                 limit: self.config.max_children_per_call,
             });
         }
         if let Some(key) = &request.idempotency_key {
             if key.is_empty() || key.len() > MAX_IDEMPOTENCY_KEY_BYTES {
-                return Err(CoordinatorError::InvalidRequest(format!(
+                return Err(EngineError::InvalidDelegation(format!(
                     "idempotency_key must be 1..={MAX_IDEMPOTENCY_KEY_BYTES} bytes"
                 )));
             }
@@ -160,12 +160,12 @@ impl AgentCoordinator {
         for (i, t) in request.tasks.iter().enumerate() {
             let n = i + 1;
             if t.task.trim().is_empty() {
-                return Err(CoordinatorError::InvalidRequest(format!(
+                return Err(EngineError::InvalidDelegation(format!(
                     "task {n} has an empty task text"
                 )));
             }
             if t.task.len() > MAX_TASK_BYTES {
-                return Err(CoordinatorError::InvalidRequest(format!(
+                return Err(EngineError::InvalidDelegation(format!(
                     "task {n} is {} bytes; at most {MAX_TASK_BYTES} are allowed",
                     t.task.len()
                 )));
@@ -175,7 +175,7 @@ impl AgentCoordinator {
                 Some(v) => {
                     let json = v.to_string();
                     if json.len() > MAX_CONTEXT_BYTES {
-                        return Err(CoordinatorError::InvalidRequest(format!(
+                        return Err(EngineError::InvalidDelegation(format!(
                             "the context of task {n} is {} bytes as JSON; at most {MAX_CONTEXT_BYTES} are allowed",
                             json.len()
                         )));
@@ -186,20 +186,20 @@ impl AgentCoordinator {
             let definition = catalog
                 .get(&t.agent)
                 .cloned()
-                .ok_or_else(|| CoordinatorError::UnknownAgent(t.agent.to_string()))?;
+                .ok_or_else(|| EngineError::UnknownAgent(t.agent.to_string()))?;
             if !catalog.may_delegate(caller.agent_id(), &t.agent) {
-                return Err(CoordinatorError::UnauthorizedEdge {
+                return Err(EngineError::UnauthorizedEdge {
                     caller: caller.agent_name(),
                     target: t.agent.to_string(),
                 });
             }
             if depth > limit {
-                return Err(CoordinatorError::DepthExceeded { depth, limit });
+                return Err(EngineError::DepthExceeded { depth, limit });
             }
             let provider = self
                 .providers
                 .provider(&definition.llm_profile)
-                .ok_or_else(|| CoordinatorError::UnknownProfile {
+                .ok_or_else(|| EngineError::UnknownProfile {
                     agent: t.agent.to_string(),
                     profile: definition.llm_profile.clone(),
                 })?;
@@ -208,7 +208,7 @@ impl AgentCoordinator {
                     definition.tools.iter().map(String::as_str),
                     ScopeRule::Delegated,
                 )
-                .map_err(|e| CoordinatorError::ToolScope {
+                .map_err(|e| EngineError::ToolScope {
                     agent: t.agent.to_string(),
                     reason: e.to_string(),
                 })?;
@@ -233,7 +233,7 @@ impl AgentCoordinator {
         request: &DelegateRequest,
         planned: &[PlannedRun],
         depth: u32,
-    ) -> Result<Accepted, CoordinatorError> {
+    ) -> Result<Accepted> {
         let now = now_ms();
         let capacity = self.config.max_pending_inbox_events_per_session;
         let parent = caller.run_context();
@@ -333,8 +333,8 @@ impl AgentCoordinator {
                 })
         };
         result.map_err(|e| match e {
-            StoreError::InboxFull { capacity, .. } => CoordinatorError::InboxFull { capacity },
-            other => CoordinatorError::Store(other),
+            StoreError::InboxFull { capacity, .. } => EngineError::InboxFull { capacity },
+            other => other.into(),
         })
     }
 
@@ -377,7 +377,7 @@ impl AgentCoordinator {
     async fn spawn_all(
         &self,
         launches: Vec<Launch>,
-    ) -> Result<Vec<tokio::task::JoinHandle<Option<RunRecord>>>, CoordinatorError> {
+    ) -> Result<Vec<tokio::task::JoinHandle<Option<RunRecord>>>> {
         let me = self.me.upgrade();
         let mut handles = Vec::with_capacity(launches.len());
         let mut launches = launches.into_iter();
@@ -414,7 +414,7 @@ impl AgentCoordinator {
         for (_, handle) in handles {
             let _ = handle.await;
         }
-        Err(CoordinatorError::SpawnRejected)
+        Err(EngineError::SpawnRejected)
     }
 
     /// Ends a run whose runner never started: cancelled, completion recorded
@@ -467,7 +467,7 @@ impl AgentCoordinator {
         depth: u32,
         budget: Arc<TreeBudget>,
         reservation: Reservation<'_>,
-    ) -> Result<DelegateResponse, CoordinatorError> {
+    ) -> Result<DelegateResponse> {
         let accepted = self.accept(caller, request, &planned, depth).await?;
         if accepted.existing {
             drop(reservation);
@@ -558,7 +558,7 @@ impl AgentCoordinator {
             }
         }
         if caller.cancellation().is_cancelled() {
-            return Err(CoordinatorError::Cancelled);
+            return Err(EngineError::Cancelled);
         }
         outcome
     }
@@ -571,15 +571,11 @@ impl AgentCoordinator {
         depth: u32,
         budget: Arc<TreeBudget>,
         reservation: Reservation<'_>,
-    ) -> Result<DelegateResponse, CoordinatorError> {
+    ) -> Result<DelegateResponse> {
         // Run quota before any write; released on every failure below.
         let mut permits: Vec<RunPermit> = Vec::with_capacity(planned.len());
         for _ in &planned {
-            permits.push(
-                self.gate
-                    .try_admit_run(caller.root_session_id())
-                    .map_err(|e| CoordinatorError::RunQuotaFull(e.to_string()))?,
-            );
+            permits.push(self.gate.try_admit_run(caller.root_session_id())?);
         }
         let accepted = self.accept(caller, request, &planned, depth).await?;
         let run_ids: Vec<RunId> = accepted.runs.iter().map(|r| r.spec.id).collect();

@@ -1,7 +1,7 @@
-//! Sub-agent runs (seed 002 §6–§7, SPEC §7): the [`AgentCoordinator`] admits
-//! delegations (foreground or background), persists every run, executes it
-//! under the execution gate with a deadline and a cancellation token, and
-//! ends it with the store's conditional terminal commit.
+//! Sub-agent runs: the [`AgentCoordinator`] admits delegations (foreground
+//! or background), persists every run, executes it under the execution gate
+//! with a deadline and a cancellation token, and ends it with the store's
+//! conditional terminal commit.
 //!
 //! - **Identity.** The root agent is not a run: a root turn is identified by
 //!   its session and turn ([`CallerContext::root`]). A run carries an
@@ -25,7 +25,6 @@
 
 mod context;
 mod delegate;
-mod error;
 mod providers;
 mod runner;
 mod supervisor;
@@ -47,15 +46,15 @@ use tokio::task::JoinHandle;
 use crate::agent_loop::{AgentLoop, NoHooks, StepGate};
 use crate::gate::ExecutionGate;
 
-pub use context::{AgentExecutionContext, CallerContext, TreeBudget};
-pub use delegate::{MAX_CONTEXT_BYTES, MAX_IDEMPOTENCY_KEY_BYTES, MAX_TASK_BYTES};
-pub use error::CoordinatorError;
+use crate::error::{EngineError, Result};
+pub(crate) use context::AgentExecutionContext;
+pub use context::CallerContext;
 pub use providers::{ProfileProviders, ProviderFactory};
-pub use supervisor::{SpawnRejected, Supervisor};
-pub use tools::{AgentTaskTool, DelegateTool, AGENT_TASK_TOOL, DELEGATE_TOOL};
+use supervisor::Supervisor;
+use tools::{AgentTaskTool, DelegateTool};
 pub use view::{
     project_response, AgentRunView, DelegateRequest, DelegateResponse, DelegateTask,
-    ForegroundResult, RunResult, TASK_PREVIEW_BYTES,
+    ForegroundResult, RunResult,
 };
 
 /// A point in a run's life reported to a [`RunObserver`].
@@ -75,7 +74,9 @@ pub enum RunEvent {
     },
 }
 
-/// Observes runner lifecycle points (tests use it as a deterministic barrier).
+/// Observes runner lifecycle points: a caller waits on them instead of
+/// polling (the demo waits for a background completion; tests use them as
+/// deterministic barriers).
 pub trait RunObserver: Send + Sync {
     /// Called by the runner of `run_id` at `event`.
     fn on_run_event(&self, run_id: RunId, agent: &keel_core::AgentId, event: RunEvent);
@@ -211,22 +212,14 @@ impl AgentCoordinator {
         &self.config
     }
 
-    /// The store.
-    pub fn store(&self) -> &Store {
-        &self.store
+    /// Aborts every runner task as a crash of the process would: their runs
+    /// stay non-terminal until the reaper or recovery ends them.
+    #[cfg(feature = "testing")]
+    pub fn abort_runners(&self) {
+        self.supervisor.abort_all();
     }
 
-    /// The execution gate.
-    pub fn gate(&self) -> &Arc<ExecutionGate> {
-        &self.gate
-    }
-
-    /// The supervisor of runner tasks (tests close it to make spawns fail).
-    pub fn supervisor(&self) -> &Supervisor {
-        &self.supervisor
-    }
-
-    /// Installs `observer` for runner lifecycle events (test hook).
+    /// Installs `observer` for runner lifecycle events, replacing any earlier one.
     pub fn set_observer(&self, observer: Arc<dyn RunObserver>) {
         *self.observer.lock() = Some(observer);
     }
@@ -263,21 +256,13 @@ impl AgentCoordinator {
         ]
     }
 
-    /// One run of the caller's tree; any other id is [`CoordinatorError::NotFound`].
-    pub async fn get_run(
-        &self,
-        caller: &CallerContext,
-        run_id: RunId,
-    ) -> Result<AgentRunView, CoordinatorError> {
+    /// One run of the caller's tree; any other id is [`EngineError::RunNotFound`].
+    pub async fn get_run(&self, caller: &CallerContext, run_id: RunId) -> Result<AgentRunView> {
         Ok(AgentRunView::from(&self.visible_run(caller, run_id).await?))
     }
 
     /// The full result (or error) of a run of the caller's tree.
-    pub async fn get_result(
-        &self,
-        caller: &CallerContext,
-        run_id: RunId,
-    ) -> Result<RunResult, CoordinatorError> {
+    pub async fn get_result(&self, caller: &CallerContext, run_id: RunId) -> Result<RunResult> {
         let r = self.visible_run(caller, run_id).await?;
         Ok(RunResult {
             run_id: r.spec.id,
@@ -293,7 +278,7 @@ impl AgentCoordinator {
         &self,
         caller: &CallerContext,
         limit: usize,
-    ) -> Result<Vec<AgentRunView>, CoordinatorError> {
+    ) -> Result<Vec<AgentRunView>> {
         let limit = limit.clamp(1, 1000);
         let records = match caller.run_context() {
             None => {
@@ -324,11 +309,7 @@ impl AgentCoordinator {
     /// Cancels a non-terminal run of the caller's tree (and with it its
     /// foreground descendants) and waits until it is terminal. A background
     /// run's completion is recorded as consumed: the caller asked for it.
-    pub async fn cancel_run(
-        &self,
-        caller: &CallerContext,
-        run_id: RunId,
-    ) -> Result<AgentRunView, CoordinatorError> {
+    pub async fn cancel_run(&self, caller: &CallerContext, run_id: RunId) -> Result<AgentRunView> {
         let record = self.visible_run(caller, run_id).await?;
         if !record.status.is_terminal() {
             let reason = format!("cancelled by {}", caller.agent_name());
@@ -362,18 +343,14 @@ impl AgentCoordinator {
             .store
             .get_run(run_id)
             .await?
-            .ok_or_else(|| CoordinatorError::NotFound(run_id.to_string()))?;
+            .ok_or_else(|| EngineError::RunNotFound(run_id.to_string()))?;
         Ok(AgentRunView::from(&record))
     }
 
     /// Cancels every run of a root session (archive/delete): non-terminal runs
     /// end cancelled with their reservations released and pending events
     /// dead-lettered, then live runners are stopped (their late commits are dropped).
-    pub async fn cancel_session(
-        &self,
-        session: SessionId,
-        reason: &str,
-    ) -> Result<CancelReport, CoordinatorError> {
+    pub async fn cancel_session(&self, session: SessionId, reason: &str) -> Result<CancelReport> {
         let report = self
             .store
             .cancel_session(session, reason.to_owned(), now_ms())
@@ -400,7 +377,7 @@ impl AgentCoordinator {
     /// Activation recovery: runs of older runtime generations that are still
     /// queued/running/waiting end as interrupted (background ones turn their
     /// reserved completion into a failure event); leases and counters are repaired.
-    pub async fn recover_on_activation(&self) -> Result<RecoveryReport, CoordinatorError> {
+    pub async fn recover_on_activation(&self) -> Result<RecoveryReport> {
         let report = self
             .store
             .recover_older_generations(self.config.runtime_generation, now_ms())
@@ -418,7 +395,7 @@ impl AgentCoordinator {
     /// Ends as timed out every run accepted by this process that is past its
     /// deadline at `now_ms` and has no live runner (the runner itself uses
     /// `timeout_at`). Returns the runs it ended.
-    pub async fn reap_overdue(&self, now_ms: i64) -> Result<Vec<RunId>, CoordinatorError> {
+    pub async fn reap_overdue(&self, now_ms: i64) -> Result<Vec<RunId>> {
         let overdue: Vec<(RunId, PendingRun)> = {
             let active = self.active.lock();
             self.pending
@@ -501,12 +478,8 @@ impl AgentCoordinator {
 
     /// The run if it belongs to the caller's tree; otherwise `NotFound`
     /// (whether or not it exists elsewhere: no existence leak).
-    async fn visible_run(
-        &self,
-        caller: &CallerContext,
-        run_id: RunId,
-    ) -> Result<RunRecord, CoordinatorError> {
-        let not_found = || CoordinatorError::NotFound(run_id.to_string());
+    async fn visible_run(&self, caller: &CallerContext, run_id: RunId) -> Result<RunRecord> {
+        let not_found = || EngineError::RunNotFound(run_id.to_string());
         let record = self.store.get_run(run_id).await?.ok_or_else(not_found)?;
         if record.spec.root_session_id != caller.root_session_id() {
             return Err(not_found());

@@ -29,11 +29,6 @@ impl ProfileProviders {
         self.profiles.insert(profile.into(), provider);
         self
     }
-
-    /// Profile names, sorted.
-    pub fn names(&self) -> impl Iterator<Item = &str> {
-        self.profiles.keys().map(String::as_str)
-    }
 }
 
 impl ProviderFactory for ProfileProviders {

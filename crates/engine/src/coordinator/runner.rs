@@ -19,7 +19,7 @@ use super::context::AgentExecutionContext;
 use super::tools::{AgentTaskTool, DelegateTool};
 use super::{ActiveRun, AgentCoordinator, RunEvent};
 use crate::agent_loop::{TurnOutput, TurnRequest};
-use crate::error::AgentError;
+use crate::error::{internal_message, EngineError};
 use crate::gate::{RunPermit, StepScope};
 
 /// How a run obtains its run quota.
@@ -93,9 +93,8 @@ impl Drop for ActiveGuard {
 
 /// Why the loop did not produce an output.
 enum Stop {
-    Agent(AgentError),
+    Agent(EngineError),
     Setup(String),
-    Store(keel_store::StoreError),
     /// The run was no longer queued (ended by cancel_session or the reaper).
     Superseded,
 }
@@ -141,13 +140,16 @@ impl AgentCoordinator {
                 tool_calls: out.tool_calls,
                 iterations: out.iterations,
             },
-            Ok(Err(Stop::Agent(AgentError::Cancelled))) | Ok(Err(Stop::Superseded)) => {
+            Ok(Err(Stop::Agent(EngineError::Cancelled))) | Ok(Err(Stop::Superseded)) => {
                 TerminalOutcome::Cancelled {
                     reason: context.cancel_cause().reason,
                 }
             }
-            Ok(Err(Stop::Agent(AgentError::TimedOut))) => TerminalOutcome::TimedOut {
-                deadline_at_ms: context.deadline_at_ms,
+            // The run's error is what the delegating model reads: internal
+            // detail goes to the log under an id.
+            Ok(Err(Stop::Agent(e))) if e.is_internal() => TerminalOutcome::Failed {
+                error: internal_message(&e),
+                usage: None,
             },
             Ok(Err(Stop::Agent(e))) => TerminalOutcome::Failed {
                 error: e.to_string(),
@@ -155,10 +157,6 @@ impl AgentCoordinator {
             },
             Ok(Err(Stop::Setup(e))) => TerminalOutcome::Failed {
                 error: e,
-                usage: None,
-            },
-            Ok(Err(Stop::Store(e))) => TerminalOutcome::Failed {
-                error: format!("storage: {e}"),
                 usage: None,
             },
         };
@@ -214,7 +212,8 @@ impl AgentCoordinator {
                 (None, false)
             }
         };
-        // Quota is released only after the terminal commit (seed 002 §6.2).
+        // Quota is released only after the terminal commit, so the count of
+        // non-terminal runs never undercounts what the store holds.
         drop(permit);
         drop(guard);
         self.notify(&context, RunEvent::Committed { status, won });
@@ -236,11 +235,11 @@ impl AgentCoordinator {
                 .gate
                 .admit_run(context.root_session_id, &context.cancellation)
                 .await
-                .map_err(|_| Stop::Agent(AgentError::Cancelled))?;
+                .map_err(|_| Stop::Agent(EngineError::Cancelled))?;
             *permit = Some(p);
         }
         if context.cancellation.is_cancelled() {
-            return Err(Stop::Agent(AgentError::Cancelled));
+            return Err(Stop::Agent(EngineError::Cancelled));
         }
         match self
             .store
@@ -249,7 +248,7 @@ impl AgentCoordinator {
         {
             Ok(true) => {}
             Ok(false) => return Err(Stop::Superseded),
-            Err(e) => return Err(Stop::Store(e)),
+            Err(e) => return Err(Stop::Agent(e.into())),
         }
         let tools = self.run_tools(definition).map_err(Stop::Setup)?;
         self.notify(context, RunEvent::Started);

@@ -7,10 +7,11 @@ use std::future::Future;
 use parking_lot::Mutex;
 use tokio::task::{AbortHandle, JoinHandle};
 
-/// A spawn was refused because the supervisor is closed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("the task supervisor is closed")]
-pub struct SpawnRejected;
+/// A spawn was refused because the supervisor is closed. The only caller
+/// turns it into [`EngineError::SpawnRejected`](crate::EngineError::SpawnRejected)
+/// after compensating the runs it could not start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SpawnRejected;
 
 #[derive(Default)]
 struct State {
@@ -20,18 +21,18 @@ struct State {
 
 /// Tracks spawned tasks; [`Supervisor::close`] makes further spawns fail.
 #[derive(Default)]
-pub struct Supervisor {
+pub(crate) struct Supervisor {
     state: Mutex<State>,
 }
 
 impl Supervisor {
     /// An open supervisor with no tasks.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Spawns `task` on the current runtime unless the supervisor is closed.
-    pub fn spawn<F>(&self, task: F) -> Result<JoinHandle<F::Output>, SpawnRejected>
+    pub(crate) fn spawn<F>(&self, task: F) -> Result<JoinHandle<F::Output>, SpawnRejected>
     where
         F: Future + Send + 'static,
         F::Output: Send + 'static,
@@ -47,29 +48,13 @@ impl Supervisor {
     }
 
     /// Refuses every later spawn; running tasks continue.
-    pub fn close(&self) {
+    pub(crate) fn close(&self) {
         self.state.lock().closed = true;
     }
 
-    /// Accepts spawns again (after a test closed it).
-    pub fn reopen(&self) {
-        self.state.lock().closed = false;
-    }
-
-    /// Whether spawns are refused.
-    pub fn is_closed(&self) -> bool {
-        self.state.lock().closed
-    }
-
-    /// Tasks not finished yet.
-    pub fn live(&self) -> usize {
-        let mut state = self.state.lock();
-        state.tasks.retain(|t| !t.is_finished());
-        state.tasks.len()
-    }
-
     /// Aborts every task (their runs stay non-terminal until the reaper or recovery ends them).
-    pub fn abort_all(&self) {
+    #[cfg(feature = "testing")]
+    pub(crate) fn abort_all(&self) {
         for t in self.state.lock().tasks.drain(..) {
             t.abort();
         }

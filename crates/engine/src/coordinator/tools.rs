@@ -1,7 +1,8 @@
 //! The runtime-injected tools: `delegate` (start sub-agent runs) and
 //! `agent_task` (get, list, get_result, cancel runs of the caller's tree).
-//! Both derive the caller from the tool context; refusals reach the model as
-//! tool errors with the coordinator's message.
+//! Both derive the caller from the tool context. Every engine error goes
+//! through [`EngineError::into_tool_error`]: refusals reach the model with
+//! the coordinator's message, internal failures as an error id.
 
 use std::sync::{Arc, Weak};
 
@@ -14,15 +15,15 @@ use keel_core::{
 use serde::Deserialize;
 
 use super::context::CallerContext;
-use super::error::CoordinatorError;
 use super::view::{project_response, DelegateRequest, DelegateTask};
 use super::AgentCoordinator;
+use crate::error::{internal_tool_error, EngineError};
 use crate::tools::MAX_TOOL_OUTPUT_BYTES;
 
 /// Name of the delegate tool.
-pub const DELEGATE_TOOL: &str = "delegate";
+pub(crate) const DELEGATE_TOOL: &str = "delegate";
 /// Name of the agent_task tool.
-pub const AGENT_TASK_TOOL: &str = "agent_task";
+pub(crate) const AGENT_TASK_TOOL: &str = "agent_task";
 
 /// Most runs `agent_task list` returns.
 const LIST_LIMIT: usize = 50;
@@ -37,7 +38,7 @@ fn invalid(e: serde_json::Error) -> ToolError {
 }
 
 /// `delegate`: runs tasks on sub-agents, in the foreground or background.
-pub struct DelegateTool {
+pub(crate) struct DelegateTool {
     coordinator: Weak<AgentCoordinator>,
     description: String,
 }
@@ -45,7 +46,7 @@ pub struct DelegateTool {
 impl DelegateTool {
     /// A delegate tool whose description lists `targets` (with their
     /// descriptions from `catalog`). Authorization is still checked per call.
-    pub fn new(
+    pub(crate) fn new(
         coordinator: Weak<AgentCoordinator>,
         catalog: &AgentCatalog,
         targets: &[AgentId],
@@ -107,7 +108,7 @@ pub(crate) fn parse_delegate_args(args: serde_json::Value) -> Result<DelegateReq
         .into_iter()
         .map(|t| {
             let agent = AgentId::parse(&t.agent).map_err(|_| {
-                CoordinatorError::UnknownAgent(t.agent.chars().take(80).collect()).into_tool_error()
+                EngineError::UnknownAgent(t.agent.chars().take(80).collect()).into_tool_error()
             })?;
             Ok(DelegateTask {
                 agent,
@@ -171,9 +172,12 @@ impl Tool for DelegateTool {
         ctx: &ToolExecutionContext,
     ) -> Result<ToolOutput, ToolError> {
         let coordinator = coordinator(&self.coordinator)?;
-        let caller = CallerContext::from_tool_context(ctx)?;
+        let caller = CallerContext::from_tool_context(ctx).map_err(EngineError::into_tool_error)?;
         let request = parse_delegate_args(args)?;
-        let response = coordinator.delegate(caller, request).await?;
+        let response = coordinator
+            .delegate(caller, request)
+            .await
+            .map_err(EngineError::into_tool_error)?;
         Ok(ToolOutput::text(project_response(
             &response,
             coordinator.config().result_preview_bytes,
@@ -182,13 +186,13 @@ impl Tool for DelegateTool {
 }
 
 /// `agent_task`: inspect or cancel runs of the caller's own tree.
-pub struct AgentTaskTool {
+pub(crate) struct AgentTaskTool {
     coordinator: Weak<AgentCoordinator>,
 }
 
 impl AgentTaskTool {
     /// The tool, bound to `coordinator`.
-    pub fn new(coordinator: Weak<AgentCoordinator>) -> Self {
+    pub(crate) fn new(coordinator: Weak<AgentCoordinator>) -> Self {
         Self { coordinator }
     }
 }
@@ -211,7 +215,7 @@ struct TaskToolArgs {
 }
 
 fn pretty<T: serde::Serialize>(value: &T) -> Result<String, ToolError> {
-    serde_json::to_string_pretty(value).map_err(|e| ToolError::Failed(e.to_string()))
+    serde_json::to_string_pretty(value).map_err(|e| internal_tool_error(&e))
 }
 
 #[async_trait]
@@ -248,7 +252,7 @@ impl Tool for AgentTaskTool {
         ctx: &ToolExecutionContext,
     ) -> Result<ToolOutput, ToolError> {
         let coordinator = coordinator(&self.coordinator)?;
-        let caller = CallerContext::from_tool_context(ctx)?;
+        let caller = CallerContext::from_tool_context(ctx).map_err(EngineError::into_tool_error)?;
         let args: TaskToolArgs = serde_json::from_value(args).map_err(invalid)?;
         let run_id = || -> Result<RunId, ToolError> {
             let text = args
@@ -258,12 +262,31 @@ impl Tool for AgentTaskTool {
             text.parse::<RunId>()
                 .map_err(|e| ToolError::InvalidArguments(e.to_string()))
         };
+        let engine = EngineError::into_tool_error;
         let text = match args.action {
-            TaskAction::List => pretty(&coordinator.list_runs(&caller, LIST_LIMIT).await?)?,
-            TaskAction::Get => pretty(&coordinator.get_run(&caller, run_id()?).await?)?,
-            TaskAction::Cancel => pretty(&coordinator.cancel_run(&caller, run_id()?).await?)?,
+            TaskAction::List => pretty(
+                &coordinator
+                    .list_runs(&caller, LIST_LIMIT)
+                    .await
+                    .map_err(engine)?,
+            )?,
+            TaskAction::Get => pretty(
+                &coordinator
+                    .get_run(&caller, run_id()?)
+                    .await
+                    .map_err(engine)?,
+            )?,
+            TaskAction::Cancel => pretty(
+                &coordinator
+                    .cancel_run(&caller, run_id()?)
+                    .await
+                    .map_err(engine)?,
+            )?,
             TaskAction::GetResult => {
-                let r = coordinator.get_result(&caller, run_id()?).await?;
+                let r = coordinator
+                    .get_result(&caller, run_id()?)
+                    .await
+                    .map_err(engine)?;
                 match (r.result, r.error) {
                     (Some(result), _) => result,
                     (None, Some(error)) => format!("run {} {}: {error}", r.run_id, r.status),

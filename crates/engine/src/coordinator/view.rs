@@ -7,7 +7,7 @@ use keel_store::RunRecord;
 use serde::Serialize;
 
 /// Longest task text shown in a run view, in bytes.
-pub const TASK_PREVIEW_BYTES: usize = 200;
+pub(crate) const TASK_PREVIEW_BYTES: usize = 200;
 
 /// One task of a delegate request.
 #[derive(Debug, Clone, PartialEq)]
@@ -101,7 +101,7 @@ pub struct AgentRunView {
     pub status: RunStatus,
     /// Depth in the tree.
     pub depth: u32,
-    /// The task, cut to [`TASK_PREVIEW_BYTES`].
+    /// The task, cut to its first 200 bytes.
     pub task: String,
     /// Error of a run that did not complete.
     pub error: Option<String>,

@@ -10,6 +10,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::{parse_args, Workspace, MAX_TOOL_OUTPUT_BYTES};
+use crate::error::internal_tool_error;
 
 /// Largest file `read_file` and `search_text` look into.
 const MAX_FILE_BYTES: u64 = 4 * 1024 * 1024;
@@ -31,7 +32,7 @@ async fn blocking<T: Send + 'static>(
     tokio::select! {
         biased;
         _ = ctx.cancellation.cancelled() => Err(ToolError::Cancelled),
-        r = task => r.map_err(|e| ToolError::Failed(format!("file task failed: {e}")))?,
+        r = task => r.map_err(|e| internal_tool_error(&format_args!("file task failed: {e}")))?,
     }
 }
 
@@ -54,13 +55,13 @@ fn read_text(path: &Path, shown: &str) -> Result<String, ToolError> {
 }
 
 /// Reads a text file inside the workspace.
-pub struct ReadFileTool {
+pub(crate) struct ReadFileTool {
     workspace: Workspace,
 }
 
 impl ReadFileTool {
     /// A `read_file` confined to `workspace`.
-    pub fn new(workspace: Workspace) -> Self {
+    pub(crate) fn new(workspace: Workspace) -> Self {
         Self { workspace }
     }
 }
@@ -127,13 +128,13 @@ impl Tool for ReadFileTool {
 }
 
 /// Lists a directory inside the workspace.
-pub struct ListDirTool {
+pub(crate) struct ListDirTool {
     workspace: Workspace,
 }
 
 impl ListDirTool {
     /// A `list_dir` confined to `workspace`.
-    pub fn new(workspace: Workspace) -> Self {
+    pub(crate) fn new(workspace: Workspace) -> Self {
         Self { workspace }
     }
 }
@@ -206,13 +207,13 @@ impl Tool for ListDirTool {
 }
 
 /// Searches text files in the workspace for a literal string.
-pub struct SearchTextTool {
+pub(crate) struct SearchTextTool {
     workspace: Workspace,
 }
 
 impl SearchTextTool {
     /// A `search_text` confined to `workspace`.
-    pub fn new(workspace: Workspace) -> Self {
+    pub(crate) fn new(workspace: Workspace) -> Self {
         Self { workspace }
     }
 }
@@ -322,13 +323,13 @@ impl Tool for SearchTextTool {
 }
 
 /// Writes a text file inside the workspace (root agent only).
-pub struct WriteFileTool {
+pub(crate) struct WriteFileTool {
     workspace: Workspace,
 }
 
 impl WriteFileTool {
     /// A `write_file` confined to `workspace`.
-    pub fn new(workspace: Workspace) -> Self {
+    pub(crate) fn new(workspace: Workspace) -> Self {
         Self { workspace }
     }
 }

@@ -13,15 +13,16 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_core::{ToolError, ToolRegistry, ToolRegistryError};
+use keel_core::{ToolError, ToolRegistry};
 use serde::de::DeserializeOwned;
 
-pub use fs::{ListDirTool, ReadFileTool, SearchTextTool, WriteFileTool};
-pub use shell::ShellTool;
-pub use time::{CurrentTimeTool, SleepTool};
+use crate::error::{EngineError, Result};
+use fs::{ListDirTool, ReadFileTool, SearchTextTool, WriteFileTool};
+use shell::ShellTool;
+use time::{CurrentTimeTool, SleepTool};
 
 /// Most bytes any built-in tool returns to the model.
-pub const MAX_TOOL_OUTPUT_BYTES: usize = 64 * 1024;
+pub(crate) const MAX_TOOL_OUTPUT_BYTES: usize = 64 * 1024;
 
 /// Which built-in tools exist and where file tools may look.
 #[derive(Debug, Clone)]
@@ -49,7 +50,8 @@ impl BuiltinToolsConfig {
 }
 
 /// Names of every built-in tool, whether enabled or not.
-pub const BUILTIN_TOOL_NAMES: &[&str] = &[
+#[cfg(test)]
+const BUILTIN_TOOL_NAMES: &[&str] = &[
     "current_time",
     "list_dir",
     "read_file",
@@ -60,7 +62,7 @@ pub const BUILTIN_TOOL_NAMES: &[&str] = &[
 ];
 
 /// Builds the registry of built-in tools described by `config`.
-pub fn builtin_registry(config: &BuiltinToolsConfig) -> Result<ToolRegistry, BuiltinToolsError> {
+pub fn builtin_registry(config: &BuiltinToolsConfig) -> Result<ToolRegistry> {
     let workspace = Workspace::new(&config.workspace_root)?;
     let mut registry = ToolRegistry::new();
     registry.register(Arc::new(ReadFileTool::new(workspace.clone())))?;
@@ -77,32 +79,16 @@ pub fn builtin_registry(config: &BuiltinToolsConfig) -> Result<ToolRegistry, Bui
     Ok(registry)
 }
 
-/// Why the built-in tools could not be assembled.
-#[derive(Debug, thiserror::Error)]
-pub enum BuiltinToolsError {
-    /// The workspace root does not exist or is not a directory.
-    #[error("workspace root {path}: {message}")]
-    Workspace {
-        /// The configured root.
-        path: PathBuf,
-        /// What is wrong with it.
-        message: String,
-    },
-    /// Two tools share a name.
-    #[error(transparent)]
-    Registry(#[from] ToolRegistryError),
-}
-
 /// A canonical directory that file tools may not leave.
 #[derive(Debug, Clone)]
-pub struct Workspace {
+pub(crate) struct Workspace {
     root: Arc<PathBuf>,
 }
 
 impl Workspace {
     /// Canonicalizes `root`, which must be an existing directory.
-    pub fn new(root: &Path) -> Result<Self, BuiltinToolsError> {
-        let bad = |message: String| BuiltinToolsError::Workspace {
+    pub(crate) fn new(root: &Path) -> Result<Self> {
+        let bad = |message: String| EngineError::Workspace {
             path: root.to_path_buf(),
             message,
         };
@@ -116,13 +102,13 @@ impl Workspace {
     }
 
     /// The canonical root.
-    pub fn root(&self) -> &Path {
+    pub(crate) fn root(&self) -> &Path {
         &self.root
     }
 
     /// Resolves a user-supplied path to an existing file or directory inside
     /// the workspace, following symlinks only while they stay inside.
-    pub fn resolve_existing(&self, user_path: &str) -> Result<PathBuf, ToolError> {
+    pub(crate) fn resolve_existing(&self, user_path: &str) -> Result<PathBuf, ToolError> {
         let joined = self.join(user_path)?;
         let canonical = joined
             .canonicalize()
@@ -133,7 +119,7 @@ impl Workspace {
 
     /// Resolves a path that may not exist yet (for writing): its parent must
     /// exist inside the workspace and the target must not be a symlink out.
-    pub fn resolve_for_write(&self, user_path: &str) -> Result<PathBuf, ToolError> {
+    pub(crate) fn resolve_for_write(&self, user_path: &str) -> Result<PathBuf, ToolError> {
         let joined = self.join(user_path)?;
         let name = joined
             .file_name()
@@ -161,7 +147,7 @@ impl Workspace {
     }
 
     /// The path relative to the root, for display.
-    pub fn display(&self, path: &Path) -> String {
+    pub(crate) fn display(&self, path: &Path) -> String {
         match path.strip_prefix(self.root.as_path()) {
             Ok(rel) if rel.as_os_str().is_empty() => ".".into(),
             Ok(rel) => rel.display().to_string(),

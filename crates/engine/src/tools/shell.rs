@@ -11,16 +11,17 @@ use serde_json::json;
 use tokio::io::AsyncReadExt;
 
 use super::{parse_args, Workspace, MAX_TOOL_OUTPUT_BYTES};
+use crate::error::internal_tool_error;
 
 /// Runs shell commands in the workspace.
-pub struct ShellTool {
+pub(crate) struct ShellTool {
     workspace: Workspace,
     timeout: Duration,
 }
 
 impl ShellTool {
     /// A shell whose commands run in `workspace` for at most `timeout`.
-    pub fn new(workspace: Workspace, timeout: Duration) -> Self {
+    pub(crate) fn new(workspace: Workspace, timeout: Duration) -> Self {
         Self { workspace, timeout }
     }
 }
@@ -72,7 +73,7 @@ impl Tool for ShellTool {
             .stderr(Stdio::piped())
             .kill_on_drop(true)
             .spawn()
-            .map_err(|e| ToolError::Failed(format!("cannot start sh: {e}")))?;
+            .map_err(|e| internal_tool_error(&format_args!("cannot start sh: {e}")))?;
         let mut stdout = child.stdout.take();
         let mut stderr = child.stderr.take();
         let read_all = async {
@@ -96,7 +97,8 @@ impl Tool for ShellTool {
             }
             r = read_all => r,
         };
-        let status = status.map_err(|e| ToolError::Failed(format!("wait: {e}")))?;
+        let status =
+            status.map_err(|e| internal_tool_error(&format_args!("waiting for sh: {e}")))?;
         let text = format!(
             "exit status: {}\n--- stdout ---\n{}\n--- stderr ---\n{}",
             status

@@ -12,10 +12,10 @@ use serde_json::json;
 use super::parse_args;
 
 /// Longest accepted sleep.
-pub const MAX_SLEEP: Duration = Duration::from_secs(24 * 60 * 60);
+pub(crate) const MAX_SLEEP: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// Formats Unix milliseconds as an RFC 3339 UTC timestamp.
-pub fn rfc3339_utc(unix_ms: i64) -> String {
+pub(crate) fn rfc3339_utc(unix_ms: i64) -> String {
     let secs = unix_ms.div_euclid(1000);
     let millis = unix_ms.rem_euclid(1000);
     let days = secs.div_euclid(86_400);
@@ -39,7 +39,7 @@ pub fn rfc3339_utc(unix_ms: i64) -> String {
 }
 
 /// Tells the model the current UTC time.
-pub struct CurrentTimeTool;
+pub(crate) struct CurrentTimeTool;
 
 #[async_trait]
 impl Tool for CurrentTimeTool {
@@ -72,7 +72,7 @@ impl Tool for CurrentTimeTool {
 }
 
 /// Waits for a duration; ends early only when its turn is cancelled.
-pub struct SleepTool;
+pub(crate) struct SleepTool;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -6,9 +6,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use keel_core::{AgentId, ScriptedProvider, ScriptedResponse, ToolRegistry};
-use keel_engine::dialog_id::UnifiedSessionId;
-use keel_engine::manager::{NewSessionSpec, RuntimeBundle, SessionManager, SessionManagerConfig};
-use keel_engine::session::AgentProfile;
+use keel_engine::AgentProfile;
+use keel_engine::DialogAddress;
+use keel_engine::{NewSessionSpec, RuntimeBundle, SessionManager, SessionManagerConfig};
 use keel_store::{Store, StoreOptions};
 
 pub struct Harness {
@@ -53,8 +53,8 @@ pub fn harness(config: SessionManagerConfig) -> Harness {
     }
 }
 
-pub fn address(dialog: &str) -> UnifiedSessionId {
-    UnifiedSessionId::new("test", "chat", dialog).unwrap()
+pub fn address(dialog: &str) -> DialogAddress {
+    DialogAddress::new("test", "chat", dialog).unwrap()
 }
 
 pub fn spec(dialog: &str) -> NewSessionSpec {

@@ -1,25 +1,26 @@
-//! [`UnifiedSessionId`]: `channel:chat_id:dialog_id`, the address of a dialog.
+//! [`DialogAddress`]: `channel:chat_id:dialog_id`, where a dialog lives.
 
 use std::fmt;
 use std::str::FromStr;
 
-use crate::error::EngineError;
+use crate::error::{EngineError, Result};
 
-/// Longest part of a unified session id.
-pub const MAX_PART_LEN: usize = 128;
+/// Longest part of a dialog address, in characters.
+pub(crate) const MAX_PART_LEN: usize = 128;
 
-/// `channel:chat_id:dialog_id`, e.g. `cli:alice:default`.
+/// The address of a dialog, `channel:chat_id:dialog_id` (e.g. `cli:alice:default`):
+/// a channel holds chats, a chat holds dialogs, each dialog is one session.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct UnifiedSessionId {
+pub struct DialogAddress {
     channel: String,
     chat_id: String,
     dialog_id: String,
 }
 
-impl UnifiedSessionId {
+impl DialogAddress {
     /// Validates and joins the three parts. Each is 1 to 128 characters
     /// without ':' or control characters.
-    pub fn new(channel: &str, chat_id: &str, dialog_id: &str) -> Result<Self, EngineError> {
+    pub fn new(channel: &str, chat_id: &str, dialog_id: &str) -> Result<Self> {
         for (name, part) in [
             ("channel", channel),
             ("chat_id", chat_id),
@@ -50,7 +51,7 @@ impl UnifiedSessionId {
     }
 }
 
-fn validate_part(name: &str, part: &str) -> Result<(), EngineError> {
+fn validate_part(name: &str, part: &str) -> Result<()> {
     let problem = if part.is_empty() {
         Some("is empty")
     } else if part.chars().count() > MAX_PART_LEN {
@@ -68,10 +69,10 @@ fn validate_part(name: &str, part: &str) -> Result<(), EngineError> {
     }
 }
 
-impl FromStr for UnifiedSessionId {
+impl FromStr for DialogAddress {
     type Err = EngineError;
 
-    fn from_str(s: &str) -> Result<Self, EngineError> {
+    fn from_str(s: &str) -> Result<Self> {
         let mut parts = s.split(':');
         match (parts.next(), parts.next(), parts.next(), parts.next()) {
             (Some(c), Some(chat), Some(d), None) => Self::new(c, chat, d),
@@ -83,7 +84,7 @@ impl FromStr for UnifiedSessionId {
     }
 }
 
-impl fmt::Display for UnifiedSessionId {
+impl fmt::Display for DialogAddress {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}:{}:{}", self.channel, self.chat_id, self.dialog_id)
     }
@@ -95,7 +96,7 @@ mod tests {
 
     #[test]
     fn parses_and_formats() {
-        let id: UnifiedSessionId = "cli:alice:d1".parse().unwrap();
+        let id: DialogAddress = "cli:alice:d1".parse().unwrap();
         assert_eq!(
             (id.channel(), id.chat_id(), id.dialog_id()),
             ("cli", "alice", "d1")
@@ -113,7 +114,7 @@ mod tests {
             &format!("c:{}:d", "x".repeat(129)),
         ]
         .iter()
-        .map(|s| s.parse::<UnifiedSessionId>().unwrap_err().to_string())
+        .map(|s| s.parse::<DialogAddress>().unwrap_err().to_string())
         .collect();
         insta::assert_yaml_snapshot!(errs, @r#"
         - "invalid input: \"cli:alice\" is not channel:chat_id:dialog_id"
