@@ -4,31 +4,21 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Who authored a message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Role {
-    /// Instructions for the model.
-    System,
-    /// A person, or a hidden runtime trigger standing in for one.
-    User,
-    /// The model.
-    Assistant,
-    /// The result of a tool call.
-    Tool,
-}
-
-impl Role {
-    /// The stable text form used on disk and on the wire.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::System => "system",
-            Role::User => "user",
-            Role::Assistant => "assistant",
-            Role::Tool => "tool",
-        }
+crate::text_enum!(
+    /// Who authored a message.
+    #[derive(Serialize, Deserialize)]
+    #[serde(rename_all = "snake_case")]
+    Role, "role" {
+        /// Instructions for the model.
+        System = "system",
+        /// A person, or a hidden runtime trigger standing in for one.
+        User = "user",
+        /// The model.
+        Assistant = "assistant",
+        /// The result of a tool call.
+        Tool = "tool",
     }
-}
+);
 
 /// One part of a message's content.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -60,51 +50,34 @@ pub struct ToolCall {
     pub arguments: serde_json::Value,
 }
 
-/// Whether clients (HTTP, WS, terminal) see a message. Hidden messages are
-/// replayed to the model but never shown, e.g. continuation triggers.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ClientVisibility {
-    /// Shown to clients.
-    #[default]
-    Visible,
-    /// Replayed to the model only.
-    Hidden,
-}
-
-impl ClientVisibility {
-    /// The stable text form used on disk and on the wire.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ClientVisibility::Visible => "visible",
-            ClientVisibility::Hidden => "hidden",
-        }
+crate::text_enum!(
+    /// Whether clients (HTTP, WS, terminal) see a message. Hidden messages are
+    /// replayed to the model but never shown, e.g. continuation triggers.
+    #[derive(Default, Serialize, Deserialize)]
+    #[serde(rename_all = "snake_case")]
+    ClientVisibility, "client visibility" {
+        /// Shown to clients.
+        #[default]
+        Visible = "visible",
+        /// Replayed to the model only.
+        Hidden = "hidden",
     }
-}
+);
 
-/// What started the turn a message belongs to.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TurnOrigin {
-    /// A person sent input.
-    #[default]
-    User,
-    /// Background agent results arrived through the inbox.
-    AgentContinuation,
-    /// The runtime itself (summaries, titles, notices).
-    System,
-}
-
-impl TurnOrigin {
-    /// The stable text form used on disk and on the wire.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            TurnOrigin::User => "user",
-            TurnOrigin::AgentContinuation => "agent_continuation",
-            TurnOrigin::System => "system",
-        }
+crate::text_enum!(
+    /// What started the turn a message belongs to.
+    #[derive(Default, Serialize, Deserialize)]
+    #[serde(rename_all = "snake_case")]
+    TurnOrigin, "turn origin" {
+        /// A person sent input.
+        #[default]
+        User = "user",
+        /// Background agent results arrived through the inbox.
+        AgentContinuation = "agent_continuation",
+        /// The runtime itself (summaries, titles, notices).
+        System = "system",
     }
-}
+);
 
 /// One message of a conversation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
