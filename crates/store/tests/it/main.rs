@@ -7,5 +7,7 @@ mod history;
 mod migrations;
 mod orchestration;
 mod sessions;
+mod stored_enums;
+mod timelines;
 mod write_cache;
 mod writer;

@@ -1,0 +1,366 @@
+//! Timelines against a model: random sequences of turn commits, manual
+//! checkpoints, rollbacks, forks, prunes and deletes, checked after every
+//! step against an in-memory tree in which each session and each checkpoint
+//! simply owns a copy of its whole history. The store shares prefixes
+//! between timelines instead; what any session or checkpoint loads must be
+//! the same.
+
+use keel_core::{CheckpointId, Message, SessionId};
+use keel_store::{
+    CheckpointSource, MessageFilter, NewCheckpoint, NewMessage, PrunePolicy, Store, StoreError,
+    TurnCommit,
+};
+use proptest::prelude::*;
+use proptest::sample::Index;
+use proptest::test_runner::TestCaseError;
+
+use crate::common::*;
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// A committed turn of `messages` messages, with a turn checkpoint or not.
+    Turn {
+        session: Index,
+        messages: usize,
+        checkpoint: bool,
+    },
+    /// A manual checkpoint with a new state.
+    Manual { session: Index },
+    /// A rollback of `session` to `checkpoint`, which may be another session's (refused).
+    Rollback { session: Index, checkpoint: Index },
+    /// A new session forked from `checkpoint`.
+    Fork { checkpoint: Index },
+    /// Prune of `session` keeping its newest `keep_latest` checkpoints (at least one).
+    Prune { session: Index, keep_latest: usize },
+    /// Delete of every checkpoint of `session`.
+    DeleteAll { session: Index },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        5 => (any::<Index>(), 0..=3usize, any::<bool>()).prop_map(|(session, messages, checkpoint)| {
+            Op::Turn { session, messages, checkpoint }
+        }),
+        1 => any::<Index>().prop_map(|session| Op::Manual { session }),
+        3 => (any::<Index>(), any::<Index>())
+            .prop_map(|(session, checkpoint)| Op::Rollback { session, checkpoint }),
+        2 => any::<Index>().prop_map(|checkpoint| Op::Fork { checkpoint }),
+        1 => (any::<Index>(), 0..=2usize)
+            .prop_map(|(session, keep_latest)| Op::Prune { session, keep_latest }),
+        1 => any::<Index>().prop_map(|session| Op::DeleteAll { session }),
+    ]
+}
+
+#[derive(Debug)]
+struct ModelSession {
+    id: SessionId,
+    /// Message texts in seq order (seq = position + 1).
+    history: Vec<String>,
+    /// The live state, once one was committed.
+    state: Option<Vec<u8>>,
+}
+
+#[derive(Debug)]
+struct ModelCheckpoint {
+    id: CheckpointId,
+    session: SessionId,
+    history: Vec<String>,
+    state: Vec<u8>,
+    parent: Option<CheckpointId>,
+}
+
+/// Sessions, and the checkpoints that still exist in creation order.
+#[derive(Debug, Default)]
+struct Model {
+    sessions: Vec<ModelSession>,
+    checkpoints: Vec<ModelCheckpoint>,
+    /// Source of unique message texts, states and dialog names.
+    counter: u64,
+}
+
+impl Model {
+    fn fresh(&mut self, what: &str) -> String {
+        self.counter += 1;
+        format!("{what}-{}", self.counter)
+    }
+
+    /// The session's newest checkpoint: the parent of its next turn or manual one.
+    fn newest_of(&self, session: SessionId) -> Option<CheckpointId> {
+        self.checkpoints
+            .iter()
+            .rev()
+            .find(|c| c.session == session)
+            .map(|c| c.id)
+    }
+
+    /// Records checkpoint `id` of session `s` at its head: its history and live state.
+    fn checkpoint_head(&mut self, s: usize, id: CheckpointId, parent: Option<CheckpointId>) {
+        let m = &self.sessions[s];
+        self.checkpoints.push(ModelCheckpoint {
+            id,
+            session: m.id,
+            history: m.history.clone(),
+            state: m.state.clone().expect("a checkpointed session has a state"),
+            parent,
+        });
+    }
+
+    /// Removes `doomed` (newest first, as the store does), re-parenting each
+    /// one's children to its parent so the tree stays connected.
+    fn remove(&mut self, doomed: &[CheckpointId]) {
+        for id in doomed {
+            let Some(pos) = self.checkpoints.iter().position(|c| c.id == *id) else {
+                continue;
+            };
+            let gone = self.checkpoints.remove(pos);
+            for c in &mut self.checkpoints {
+                if c.parent == Some(gone.id) {
+                    c.parent = gone.parent;
+                }
+            }
+        }
+    }
+}
+
+fn texts(messages: &[keel_store::StoredMessage]) -> Vec<(i64, String)> {
+    messages.iter().map(|m| (m.seq, m.message.text())).collect()
+}
+
+fn numbered(history: &[String]) -> Vec<(i64, String)> {
+    (1..).zip(history.iter().cloned()).collect()
+}
+
+async fn apply(store: &Store, model: &mut Model, op: Op, now_ms: i64) -> Result<(), TestCaseError> {
+    match op {
+        Op::Turn {
+            session,
+            messages,
+            checkpoint,
+        } => {
+            let s = session.index(model.sessions.len());
+            let id = model.sessions[s].id;
+            let texts: Vec<String> = (0..messages).map(|_| model.fresh("message")).collect();
+            let state = model.fresh("state").into_bytes();
+            let new_cp = checkpoint.then(CheckpointId::new);
+            let committed = store
+                .commit_turn(TurnCommit {
+                    session_id: id,
+                    messages: texts
+                        .iter()
+                        .enumerate()
+                        .map(|(i, t)| {
+                            NewMessage::new(if i % 2 == 0 {
+                                Message::user(t.as_str())
+                            } else {
+                                Message::assistant(t.as_str())
+                            })
+                        })
+                        .collect(),
+                    state: state.clone(),
+                    checkpoint: new_cp.map(|id| NewCheckpoint {
+                        id,
+                        turn_index: 1,
+                        source: CheckpointSource::Turn,
+                    }),
+                    visible_user_inputs: 1,
+                    now_ms,
+                })
+                .await
+                .unwrap();
+            let before = model.sessions[s].history.len() as i64;
+            let expected: Vec<i64> = (before + 1..=before + messages as i64).collect();
+            prop_assert_eq!(committed.seqs, expected);
+            let parent = model.newest_of(id);
+            let m = &mut model.sessions[s];
+            m.history.extend(texts);
+            m.state = Some(state);
+            if let Some(cp) = new_cp {
+                model.checkpoint_head(s, cp, parent);
+            }
+        }
+        Op::Manual { session } => {
+            let s = session.index(model.sessions.len());
+            let id = model.sessions[s].id;
+            let state = model.fresh("state").into_bytes();
+            let cp = CheckpointId::new();
+            store
+                .create_checkpoint(
+                    id,
+                    NewCheckpoint {
+                        id: cp,
+                        turn_index: 1,
+                        source: CheckpointSource::Manual,
+                    },
+                    state.clone(),
+                    now_ms,
+                )
+                .await
+                .unwrap();
+            let parent = model.newest_of(id);
+            model.sessions[s].state = Some(state);
+            model.checkpoint_head(s, cp, parent);
+        }
+        Op::Rollback {
+            session,
+            checkpoint,
+        } => {
+            if model.checkpoints.is_empty() {
+                return Ok(());
+            }
+            let s = session.index(model.sessions.len());
+            let id = model.sessions[s].id;
+            let target = &model.checkpoints[checkpoint.index(model.checkpoints.len())];
+            let (target_id, target_session) = (target.id, target.session);
+            let (history, state) = (target.history.clone(), target.state.clone());
+            let cp = CheckpointId::new();
+            let result = store.rollback(id, target_id, cp, now_ms).await;
+            if target_session != id {
+                prop_assert!(
+                    matches!(result, Err(StoreError::InvalidInput(_))),
+                    "rollback to another session's checkpoint: {result:?}"
+                );
+                return Ok(());
+            }
+            result.unwrap();
+            let m = &mut model.sessions[s];
+            m.history = history;
+            m.state = Some(state);
+            model.checkpoint_head(s, cp, Some(target_id));
+        }
+        Op::Fork { checkpoint } => {
+            if model.checkpoints.is_empty() {
+                return Ok(());
+            }
+            let source = &model.checkpoints[checkpoint.index(model.checkpoints.len())];
+            let (source_id, history, state) =
+                (source.id, source.history.clone(), source.state.clone());
+            let dialog = model.fresh("fork");
+            let cp = CheckpointId::new();
+            let (created, _) = store
+                .fork(source_id, new_session(&dialog, now_ms), cp)
+                .await
+                .unwrap();
+            model.sessions.push(ModelSession {
+                id: created.id,
+                history,
+                state: Some(state),
+            });
+            model.checkpoint_head(model.sessions.len() - 1, cp, Some(source_id));
+        }
+        Op::Prune {
+            session,
+            keep_latest,
+        } => {
+            let id = model.sessions[session.index(model.sessions.len())].id;
+            let policy = PrunePolicy {
+                keep_latest: Some(keep_latest),
+                older_than_ms: None,
+            };
+            let report = store.prune_checkpoints(id, policy).await.unwrap();
+            let doomed: Vec<CheckpointId> = model
+                .checkpoints
+                .iter()
+                .rev()
+                .filter(|c| c.session == id)
+                .skip(keep_latest.max(1))
+                .map(|c| c.id)
+                .collect();
+            prop_assert_eq!(report.checkpoints_deleted, doomed.len() as u64);
+            model.remove(&doomed);
+        }
+        Op::DeleteAll { session } => {
+            let id = model.sessions[session.index(model.sessions.len())].id;
+            let report = store.delete_checkpoints(id).await.unwrap();
+            let doomed: Vec<CheckpointId> = model
+                .checkpoints
+                .iter()
+                .rev()
+                .filter(|c| c.session == id)
+                .map(|c| c.id)
+                .collect();
+            prop_assert_eq!(report.checkpoints_deleted, doomed.len() as u64);
+            model.remove(&doomed);
+        }
+    }
+    Ok(())
+}
+
+/// Everything the store can load equals the model.
+async fn check(store: &Store, model: &Model) -> Result<(), TestCaseError> {
+    for s in &model.sessions {
+        let loaded = store
+            .load_messages(s.id, MessageFilter::default())
+            .await
+            .unwrap();
+        prop_assert_eq!(texts(&loaded), numbered(&s.history), "session {}", s.id);
+        prop_assert_eq!(store.last_seq(s.id).await.unwrap(), s.history.len() as i64);
+        let record = store.get_session(s.id).await.unwrap().unwrap();
+        let state = match record.state_hash {
+            Some(hash) => store.get_state_blob(hash).await.unwrap(),
+            None => None,
+        };
+        prop_assert_eq!(&state, &s.state, "state of session {}", s.id);
+        let listed: Vec<CheckpointId> = store
+            .list_checkpoints(s.id)
+            .await
+            .unwrap()
+            .iter()
+            .map(|c| c.id)
+            .collect();
+        let expected: Vec<CheckpointId> = model
+            .checkpoints
+            .iter()
+            .rev()
+            .filter(|c| c.session == s.id)
+            .map(|c| c.id)
+            .collect();
+        prop_assert_eq!(listed, expected, "checkpoints of session {}", s.id);
+    }
+    for c in &model.checkpoints {
+        let loaded = store
+            .load_messages_at_checkpoint(c.id, MessageFilter::default())
+            .await
+            .unwrap();
+        prop_assert_eq!(texts(&loaded), numbered(&c.history), "checkpoint {}", c.id);
+        let record = store.get_checkpoint(c.id).await.unwrap().unwrap();
+        prop_assert_eq!(record.session_id, c.session);
+        prop_assert_eq!(record.parent_id, c.parent, "parent of checkpoint {}", c.id);
+        prop_assert_eq!(record.seq, c.history.len() as i64);
+        let state = store.get_state_blob(record.state_hash).await.unwrap();
+        prop_assert_eq!(
+            state.as_ref(),
+            Some(&c.state),
+            "state of checkpoint {}",
+            c.id
+        );
+    }
+    Ok(())
+}
+
+async fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let (_dir, store) = temp_store();
+    let first = store.create_session(new_session("d", 1)).await.unwrap();
+    let mut model = Model {
+        sessions: vec![ModelSession {
+            id: first.id,
+            history: vec![],
+            state: None,
+        }],
+        ..Model::default()
+    };
+    for (i, op) in ops.into_iter().enumerate() {
+        apply(&store, &mut model, op, 10 + i as i64).await?;
+        check(&store, &model).await?;
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn every_session_and_checkpoint_loads_the_models_history(ops in prop::collection::vec(op(), 1..24)) {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(run(ops))?;
+    }
+}
