@@ -1,0 +1,235 @@
+//! [`SessionManager`]: creates, loads, evicts and destroys sessions, runs
+//! their turns (committing each turn with its checkpoint in one store
+//! transaction), and manages dialogs, slots, memory and checkpoints.
+//!
+//! Locking: the session map is a `parking_lot` mutex that is never held
+//! across an `.await` (its guard is not `Send`, so the compiler enforces it).
+//! Each session has its own async mutex; a turn holds it from start to
+//! commit, so turns of one session are serialized and turns of different
+//! sessions run in parallel.
+//!
+//! The manager's methods are grouped by what they work on:
+//! `lifecycle` (create, load, evict, destroy), `turns` (run and commit
+//! a turn), `slots` (context slots and session memory), `dialogs`,
+//! `checkpoints` (list, create, roll back, fork, prune), `snapshots`
+//! (export and import) and `housekeeping` (titles and summaries after a
+//! turn).
+
+mod checkpoints;
+mod dialogs;
+mod housekeeping;
+mod lifecycle;
+mod slots;
+mod snapshots;
+mod turns;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use keel_core::{AgentId, CheckpointId, SessionId, TurnId};
+use keel_store::Store;
+use parking_lot::Mutex;
+use tokio::sync::Mutex as AsyncMutex;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::address::DialogAddress;
+use crate::agent_loop::{AgentLoop, TurnOutput};
+use crate::coordinator::AgentCoordinator;
+use crate::error::{EngineError, Result};
+use crate::session::{AgentProfile, AgentSession};
+
+pub use turns::PendingTurn;
+
+/// Channel of sessions that are not dialogs (e.g. sub-agent children).
+pub(crate) const INTERNAL_CHANNEL: &str = "internal";
+/// Longest title, in characters.
+pub(crate) const MAX_TITLE_CHARS: usize = 80;
+
+/// The agents sessions can run, and the loop that runs them. Child sessions
+/// share their parent's bundle.
+pub struct RuntimeBundle {
+    agents: HashMap<AgentId, Arc<AgentProfile>>,
+    root: AgentId,
+    agent_loop: Arc<AgentLoop>,
+    coordinator: Option<Arc<AgentCoordinator>>,
+}
+
+impl RuntimeBundle {
+    /// A bundle whose default (root) agent is `root`.
+    pub fn new(root: AgentProfile) -> Self {
+        let name = root.name.clone();
+        let mut agents = HashMap::new();
+        agents.insert(name.clone(), Arc::new(root));
+        Self {
+            agents,
+            root: name,
+            agent_loop: Arc::new(AgentLoop::default()),
+            coordinator: None,
+        }
+    }
+
+    /// Sub-agent runs of deleted sessions are cancelled through `coordinator`.
+    pub fn with_coordinator(mut self, coordinator: Arc<AgentCoordinator>) -> Self {
+        self.coordinator = Some(coordinator);
+        self
+    }
+
+    /// Adds another agent sessions may switch to.
+    pub fn with_agent(mut self, profile: AgentProfile) -> Self {
+        self.agents.insert(profile.name.clone(), Arc::new(profile));
+        self
+    }
+
+    /// Runs turns with `agent_loop` (hooks, step gate).
+    pub fn with_loop(mut self, agent_loop: AgentLoop) -> Self {
+        self.agent_loop = Arc::new(agent_loop);
+        self
+    }
+
+    /// The profile of `name`, or of the root agent when `None`.
+    pub fn agent(&self, name: Option<&AgentId>) -> Result<Arc<AgentProfile>> {
+        let name = name.unwrap_or(&self.root);
+        self.agents
+            .get(name)
+            .cloned()
+            .ok_or_else(|| EngineError::UnknownAgent(name.to_string()))
+    }
+}
+
+/// When to summarize a slot's context automatically.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SummaryConfig {
+    /// Summarize when the replayed context exceeds this share of the budget.
+    pub trigger_ratio: f32,
+    /// The context budget, in estimated tokens.
+    pub max_context_tokens: usize,
+    /// Turns between two summaries of a session.
+    pub debounce_turns: u32,
+}
+
+impl Default for SummaryConfig {
+    fn default() -> Self {
+        Self {
+            trigger_ratio: 0.75,
+            max_context_tokens: 32_000,
+            debounce_turns: 3,
+        }
+    }
+}
+
+/// Behaviour of a [`SessionManager`].
+#[derive(Debug, Clone)]
+pub struct SessionManagerConfig {
+    /// Checkpoint after every committed turn (default true).
+    pub auto_checkpoint: bool,
+    /// Sessions idle this long are dropped from memory (storage keeps them).
+    pub idle_ttl: Duration,
+    /// Generate a title once this many visible user messages exist while the
+    /// title is still the default (0 disables; default 10).
+    pub auto_title_after: u64,
+    /// Automatic summaries, off when `None`.
+    pub summary: Option<SummaryConfig>,
+}
+
+impl Default for SessionManagerConfig {
+    fn default() -> Self {
+        Self {
+            auto_checkpoint: true,
+            idle_ttl: Duration::from_secs(24 * 3600),
+            auto_title_after: 10,
+            summary: None,
+        }
+    }
+}
+
+/// Where a new session lives.
+#[derive(Debug, Clone)]
+pub struct NewSessionSpec {
+    /// Channel, chat and dialog of the session.
+    pub address: DialogAddress,
+    /// Title; `Dialog <dialog_id>` when `None`.
+    pub title: Option<String>,
+    /// Agent to run; the bundle's root agent when `None`.
+    pub agent: Option<AgentId>,
+}
+
+/// The default title of a dialog.
+pub(crate) fn default_title(dialog_id: &str) -> String {
+    format!("Dialog {dialog_id}")
+}
+
+/// A fresh dialog id: 8 hex characters.
+pub(crate) fn new_dialog_id() -> String {
+    let id = uuid_tail(SessionId::new());
+    id[id.len() - 8..].to_owned()
+}
+
+fn uuid_tail(id: SessionId) -> String {
+    id.as_uuid().simple().to_string()
+}
+
+/// The result of a committed turn.
+#[derive(Debug, Clone)]
+pub struct TurnReport {
+    /// The turn's id.
+    pub turn_id: TurnId,
+    /// What the turn produced (already committed).
+    pub output: TurnOutput,
+    /// The automatic checkpoint, when enabled.
+    pub checkpoint: Option<CheckpointId>,
+}
+
+struct Entry {
+    session: Arc<AsyncMutex<AgentSession>>,
+    last_access: Instant,
+}
+
+/// Manages sessions; see the module docs.
+pub struct SessionManager {
+    store: Store,
+    bundle: Arc<RuntimeBundle>,
+    config: SessionManagerConfig,
+    sessions: Mutex<HashMap<SessionId, Entry>>,
+    active_turns: Mutex<HashMap<SessionId, CancellationToken>>,
+}
+
+impl SessionManager {
+    /// A manager over `store` running agents from `bundle`.
+    pub fn new(store: Store, bundle: RuntimeBundle, config: SessionManagerConfig) -> Arc<Self> {
+        Arc::new(Self {
+            store,
+            bundle: Arc::new(bundle),
+            config,
+            sessions: Mutex::new(HashMap::new()),
+            active_turns: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+}
+
+fn clean_title(title: &str) -> Result<String> {
+    let t = title.trim();
+    if t.is_empty() {
+        return Err(EngineError::InvalidInput("a title cannot be empty".into()));
+    }
+    if t.chars().any(char::is_control) {
+        return Err(EngineError::InvalidInput(
+            "a title cannot contain control characters".into(),
+        ));
+    }
+    Ok(bounded_title(t))
+}
+
+fn bounded_title(t: &str) -> String {
+    let mut out: String = t.chars().take(MAX_TITLE_CHARS).collect();
+    if out.chars().count() < t.chars().count() {
+        out.push('…');
+    }
+    out
+}
