@@ -24,8 +24,8 @@ pub use provider::{
 };
 pub use run::{CompletionPolicy, Delivery, ExecutionMode, RunStatus, UnknownVariant};
 pub use scripted::{
-    Script, ScriptError, ScriptedError, ScriptedErrorKind, ScriptedProvider, ScriptedResponse,
-    ScriptedToolCall, WhenExhausted,
+    Script, ScriptedError, ScriptedErrorKind, ScriptedProvider, ScriptedResponse, ScriptedToolCall,
+    WhenExhausted,
 };
 pub use tokio_util::sync::CancellationToken;
 pub use tool::{

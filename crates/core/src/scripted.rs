@@ -1,10 +1,10 @@
 //! [`ScriptedProvider`]: a deterministic [`Provider`] that replays a script of
 //! responses (text, tool calls, errors, delays) and records every request it
 //! sees. It is the test double of every crate and the offline provider of the
-//! demo.
+//! demo. A [`Script`] is plain data (serde); reading one from a file is the
+//! caller's business (keel-providers parses YAML/JSON script files).
 
 use std::collections::VecDeque;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -181,7 +181,8 @@ pub enum WhenExhausted {
     Echo,
 }
 
-/// A script file: either a plain list of responses or this map.
+/// A script: responses in order and what to do once they are used up. In a
+/// script file it is this map, or just the list of responses.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Script {
@@ -191,27 +192,6 @@ pub struct Script {
     /// Behaviour after the last response.
     #[serde(default)]
     pub when_exhausted: WhenExhausted,
-}
-
-/// Why a script could not be loaded.
-#[derive(Debug, thiserror::Error)]
-pub enum ScriptError {
-    /// The file could not be read.
-    #[error("cannot read script {path}: {source}")]
-    Io {
-        /// The file.
-        path: String,
-        /// The I/O error.
-        source: std::io::Error,
-    },
-    /// The text is not a valid script.
-    #[error("invalid script{}: {message}", path.as_ref().map(|p| format!(" {p}")).unwrap_or_default())]
-    Invalid {
-        /// The file, when loaded from one.
-        path: Option<String>,
-        /// What is wrong, with the location serde reported.
-        message: String,
-    },
 }
 
 /// A function that answers a request once the script is used up.
@@ -260,21 +240,6 @@ impl ScriptedProvider {
             WhenExhausted::Error => p,
             WhenExhausted::Echo => p.with_fallback(Arc::new(echo)),
         }
-    }
-
-    /// Parses a script from YAML or JSON text (JSON is YAML).
-    pub fn from_text(text: &str) -> Result<Self, ScriptError> {
-        parse_script(text, None).map(Self::from_script)
-    }
-
-    /// Loads a script file (`.yaml`, `.yml` or `.json`).
-    pub fn from_file(path: &Path) -> Result<Self, ScriptError> {
-        let shown = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| ScriptError::Io {
-            path: shown.clone(),
-            source,
-        })?;
-        parse_script(&text, Some(shown)).map(Self::from_script)
     }
 
     /// Answers with `responder` once the script is used up.
@@ -343,24 +308,6 @@ fn echo(request: &ChatRequest) -> ScriptedResponse {
         "(offline) I am keel's built-in offline model, so I can only acknowledge: \"{said}\". \
          Configure a provider in keel.toml to talk to a real LLM."
     ))
-}
-
-fn parse_script(text: &str, path: Option<String>) -> Result<Script, ScriptError> {
-    let invalid = |e: serde_yaml::Error| ScriptError::Invalid {
-        path: path.clone(),
-        message: e.to_string(),
-    };
-    let value: serde_yaml::Value = serde_yaml::from_str(text).map_err(invalid)?;
-    // Parse the text again as the chosen shape so errors keep their line.
-    if value.is_sequence() {
-        let responses = serde_yaml::from_str(text).map_err(invalid)?;
-        Ok(Script {
-            responses,
-            when_exhausted: WhenExhausted::Error,
-        })
-    } else {
-        serde_yaml::from_str(text).map_err(invalid)
-    }
 }
 
 struct Step {
@@ -678,28 +625,6 @@ mod tests {
                 .unwrap();
             assert!(r.message.text().contains(&format!("\"msg {i}\"")));
         }
-    }
-
-    #[test]
-    fn loads_yaml_and_json_and_reports_bad_scripts() {
-        let yaml = "
-- text: hello
-- tool_calls:
-    - name: current_time
-- error: { kind: server, status: 503, message: busy }
-";
-        let p = ScriptedProvider::from_text(yaml).unwrap();
-        assert_eq!(p.remaining(), 3);
-        let json = r#"{"responses": [{"text": "hi", "delay_ms": 5}], "when_exhausted": "echo"}"#;
-        let p = ScriptedProvider::from_text(json).unwrap();
-        assert_eq!(p.remaining(), 1);
-        let errs: Vec<String> = ["- txt: typo", "- error: { kind: meltdown }", "responses: 3"]
-            .iter()
-            .map(|t| ScriptedProvider::from_text(t).err().unwrap().to_string())
-            .collect();
-        insta::assert_yaml_snapshot!(errs);
-        let missing = ScriptedProvider::from_file(Path::new("/nonexistent/script.yaml"));
-        assert!(matches!(missing, Err(ScriptError::Io { .. })));
     }
 
     #[test]

@@ -32,7 +32,7 @@ pub enum AppError {
     Provider(#[from] keel_providers::ProviderConfigError),
     /// The script given with --script is invalid.
     #[error("{0}")]
-    Script(#[from] keel_core::ScriptError),
+    Script(#[from] keel_providers::ScriptError),
     /// The database could not be opened or written.
     #[error("storage: {0}")]
     Store(#[from] keel_store::StoreError),
@@ -113,7 +113,9 @@ impl App {
         create_data_dir(&data_dir)?;
         let store = Store::open(database_path(&data_dir), config.store_options())?;
         let scripted: Option<Arc<dyn Provider>> = match script {
-            Some(path) => Some(Arc::new(ScriptedProvider::from_file(path)?)),
+            Some(path) => Some(Arc::new(ScriptedProvider::from_script(
+                keel_providers::load_script(path)?,
+            ))),
             None => None,
         };
         let mut providers = ProfileProviders::new();

@@ -2,7 +2,8 @@
 //! `/chat/completions` adapter ([`OpenAiProvider`]) and an Anthropic
 //! `/messages` adapter ([`AnthropicProvider`]), both streaming SSE with tool
 //! calls, usage, bounded retries, timeouts and cancellation; plus the
-//! [`ProviderProfile`] config type and [`build_provider`].
+//! [`ProviderProfile`] config type and [`build_provider`], and the script
+//! files of keel's offline [`keel_core::ScriptedProvider`] ([`load_script`]).
 //!
 //! Architecture invariant: this is the only keel crate that speaks HTTP to a
 //! model. It knows nothing of sessions or storage; it turns a
@@ -16,6 +17,7 @@ mod anthropic;
 mod http;
 mod openai;
 mod profile;
+mod script;
 
 pub use anthropic::{AnthropicProvider, ANTHROPIC_VERSION, DEFAULT_ANTHROPIC_MAX_TOKENS};
 pub use http::{HttpProviderConfig, RetryPolicy, SleepFn};
@@ -26,3 +28,4 @@ pub use profile::{
     DEFAULT_READ_TIMEOUT_SECS, MAX_CONNECT_TIMEOUT_SECS, MAX_READ_TIMEOUT_SECS, MAX_RETRIES_CAP,
     OPENAI_API_KEY_ENV, OPENAI_BASE_URL,
 };
+pub use script::{load_script, parse_script, ScriptError};

@@ -9,12 +9,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_core::{Provider, ScriptError, ScriptedProvider};
+use keel_core::{Provider, ScriptedProvider};
 use serde::{Deserialize, Serialize};
 
 use crate::anthropic::AnthropicProvider;
 use crate::http::{HttpProviderConfig, RetryPolicy};
 use crate::openai::OpenAiProvider;
+use crate::script::{load_script, ScriptError};
 
 /// Default `base_url` of kind `openai`.
 pub const OPENAI_BASE_URL: &str = "https://api.openai.com/v1";
@@ -396,12 +397,12 @@ pub fn build_provider_with_env(
         ),
         ProviderKind::Scripted => {
             let provider = match &profile.script {
-                Some(path) => ScriptedProvider::from_file(path).map_err(|source| {
-                    ProviderConfigError::Script {
+                Some(path) => load_script(path)
+                    .map(ScriptedProvider::from_script)
+                    .map_err(|source| ProviderConfigError::Script {
                         key: format!("{key_path}.script"),
                         source,
-                    }
-                })?,
+                    })?,
                 None => ScriptedProvider::offline(),
             };
             let model = profile.model.trim();
