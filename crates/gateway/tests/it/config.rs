@@ -1,6 +1,5 @@
 //! `keel.toml`: defaults, parsing, validation messages, profile resolution,
 //! conversions, and the key reference that docs/CONFIG.md must contain.
-#![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -478,6 +477,6 @@ fn config_doc_contains_the_generated_reference() {
     }
     panic!(
         "docs/CONFIG.md is out of date with crates/gateway/src/config; regenerate it with\n    \
-         UPDATE_CONFIG_DOC=1 cargo test -p keel-gateway --test config"
+         UPDATE_CONFIG_DOC=1 cargo test -p keel-gateway --test it config"
     );
 }

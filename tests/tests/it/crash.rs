@@ -1,14 +1,12 @@
 //! Crash safety of the real binary: `kill -9` in the middle of a turn loses
 //! nothing committed and leaves nothing half-written.
-#![allow(clippy::unwrap_used)]
-#![cfg(unix)]
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 fn chat(data: &Path, script: &Path) -> std::process::Child {
-    Command::new(env!("CARGO_BIN_EXE_keel"))
+    crate::keel()
         .args(["chat", "--chat", "erin", "--data-dir"])
         .arg(data)
         .arg("--script")

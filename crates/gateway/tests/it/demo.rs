@@ -1,5 +1,4 @@
 //! `keel demo` runs offline, end to end, and exits 0.
-#![allow(clippy::unwrap_used)]
 
 use std::process::Command;
 

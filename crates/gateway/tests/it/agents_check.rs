@@ -1,6 +1,5 @@
 //! `keel agents check DIR`: exit 0 with the catalog summary, or exit 1 with
 //! every diagnostic.
-#![allow(clippy::unwrap_used)]
 
 use std::process::Command;
 

@@ -1,16 +1,15 @@
 //! Transcript tests of `keel chat`: the real binary, a real data directory,
 //! stdin scripts, the ScriptedProvider via --script. Ids and the temp path
 //! are redacted after their shape is checked.
-#![allow(clippy::unwrap_used)]
 
 use std::io::Write;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 /// Runs `keel chat` with `args`, feeding `stdin`; returns stdout, stderr
 /// and the exit code.
 fn run_chat(args: &[&std::ffi::OsStr], stdin: &str) -> (String, String, Option<i32>) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
+    let mut child = crate::keel()
         .arg("chat")
         .args(args)
         .env("KEEL_LOG", "error")
@@ -170,7 +169,7 @@ fn ctrl_c_stops_the_running_turn_not_the_program() {
         dir.path(),
         "responses:\n  - {text: thinking forever, chunk_delay_ms: 3600000}\n  - text: done\n",
     );
-    let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
+    let mut child = crate::keel()
         .args(["chat", "--chat", "carol", "--data-dir"])
         .arg(dir.path().join("data"))
         .arg("--script")
@@ -191,7 +190,7 @@ fn ctrl_c_stops_the_running_turn_not_the_program() {
     while !String::from_utf8_lossy(&seen).contains("keel> thinking ") {
         assert_ne!(out.read_until(b' ', &mut seen).unwrap(), 0, "EOF");
     }
-    let status = Command::new("kill")
+    let status = std::process::Command::new("kill")
         .args(["-INT", &child.id().to_string()])
         .status()
         .unwrap();
@@ -296,7 +295,7 @@ fn chat_with_a_defined_agent_directly() {
     )
     .unwrap();
     let s = script(dir.path(), "when_exhausted: echo\n");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
+    let mut child = crate::keel()
         .args(["chat", "--chat", "frank", "--agent", "helper", "--data-dir"])
         .arg(&data)
         .arg("--script")
@@ -325,7 +324,7 @@ fn chat_with_a_defined_agent_directly() {
         "{stdout}"
     );
     // An unknown agent is a clear start-up error.
-    let out = Command::new(env!("CARGO_BIN_EXE_keel"))
+    let out = crate::keel()
         .args(["chat", "--chat", "frank2", "--agent", "ghost", "--data-dir"])
         .arg(&data)
         .stdin(Stdio::null())
