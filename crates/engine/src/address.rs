@@ -92,6 +92,8 @@ impl fmt::Display for DialogAddress {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     #[test]
@@ -123,5 +125,62 @@ mod tests {
         - "invalid input: chat_id contains a control character"
         - "invalid input: chat_id is longer than 128 characters"
         "#);
+    }
+
+    /// A valid part: 1 to 128 characters, none of them ':' or a control character.
+    fn part() -> impl Strategy<Value = String> {
+        "[^:\\p{Cc}]{1,128}"
+    }
+
+    /// A part broken in one of the ways the rules name, with that rule's wording.
+    fn bad_part() -> impl Strategy<Value = (String, &'static str)> {
+        prop_oneof![
+            Just((String::new(), "is empty")),
+            "[^:\\p{Cc}]{129,140}".prop_map(|p| (p, "is longer than 128 characters")),
+            ("[^:\\p{Cc}]{0,10}", "[^:\\p{Cc}]{0,10}")
+                .prop_map(|(a, b)| (format!("{a}:{b}"), "contains ':'")),
+            ("[^:\\p{Cc}]{0,10}", "\\p{Cc}", "[^:\\p{Cc}]{0,10}")
+                .prop_map(|(a, c, b)| (format!("{a}{c}{b}"), "contains a control character")),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn display_and_parse_round_trip(channel in part(), chat in part(), dialog in part()) {
+            let address = DialogAddress::new(&channel, &chat, &dialog).unwrap();
+            let text = address.to_string();
+            prop_assert_eq!(&text, &format!("{channel}:{chat}:{dialog}"));
+            let back: DialogAddress = text.parse().unwrap();
+            prop_assert_eq!(
+                (back.channel(), back.chat_id(), back.dialog_id()),
+                (channel.as_str(), chat.as_str(), dialog.as_str())
+            );
+            prop_assert_eq!(back, address);
+        }
+
+        #[test]
+        fn a_bad_part_is_rejected_by_name(
+            good in part(),
+            (bad, problem) in bad_part(),
+            position in 0..3usize,
+        ) {
+            let mut parts = [good.as_str(); 3];
+            parts[position] = &bad;
+            let err = DialogAddress::new(parts[0], parts[1], parts[2]).unwrap_err();
+            let name = ["channel", "chat_id", "dialog_id"][position];
+            prop_assert_eq!(err, EngineError::InvalidInput(format!("{name} {problem}")));
+        }
+
+        #[test]
+        fn text_without_exactly_three_parts_is_rejected(
+            parts in prop::collection::vec(part(), 0..6).prop_filter("not three", |p| p.len() != 3),
+        ) {
+            let text = parts.join(":");
+            let err = text.parse::<DialogAddress>().unwrap_err();
+            let is_shape_error = err.to_string().ends_with("is not channel:chat_id:dialog_id");
+            prop_assert!(is_shape_error, "{}", err);
+        }
     }
 }

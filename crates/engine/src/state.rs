@@ -560,3 +560,255 @@ mod tests {
             .unwrap();
     }
 }
+
+/// Slots against a model: random sequences of slot operations and appended
+/// messages, checked after every step against a map in which each slot
+/// simply owns a copy of the messages it replays (and of its own messages,
+/// which an `Append` merge copies). The state shares history between slots
+/// through segments instead; every replay must be the same.
+#[cfg(test)]
+mod model_tests {
+    use std::collections::BTreeMap;
+
+    use proptest::prelude::*;
+    use proptest::test_runner::TestCaseError;
+
+    use super::*;
+
+    const NAMES: [&str; 4] = [DEFAULT_SLOT, "a", "b", "c"];
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// A message written to the slot (as a committed turn would).
+        Append(usize),
+        Create(usize),
+        Derive {
+            from: usize,
+            name: usize,
+        },
+        Merge {
+            source: usize,
+            target: usize,
+            replace: bool,
+        },
+        Delete(usize),
+        Switch(usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let name = 0..NAMES.len();
+        prop_oneof![
+            3 => name.clone().prop_map(Op::Append),
+            1 => name.clone().prop_map(Op::Create),
+            2 => (name.clone(), name.clone()).prop_map(|(from, name)| Op::Derive { from, name }),
+            2 => (name.clone(), name.clone(), any::<bool>()).prop_map(|(source, target, replace)| {
+                Op::Merge { source, target, replace }
+            }),
+            1 => name.clone().prop_map(Op::Delete),
+            1 => name.prop_map(Op::Switch),
+        ]
+    }
+
+    /// What each slot replays, and which of those messages are its own.
+    #[derive(Debug, Default)]
+    struct Model {
+        current: String,
+        view: BTreeMap<String, Vec<String>>,
+        own: BTreeMap<String, Vec<String>>,
+    }
+
+    impl Model {
+        fn new() -> Self {
+            let mut m = Model {
+                current: DEFAULT_SLOT.to_owned(),
+                ..Model::default()
+            };
+            m.view.insert(DEFAULT_SLOT.to_owned(), Vec::new());
+            m.own.insert(DEFAULT_SLOT.to_owned(), Vec::new());
+            m
+        }
+
+        fn has(&self, name: &str) -> bool {
+            self.view.contains_key(name)
+        }
+    }
+
+    struct Session {
+        state: SessionState,
+        history: Vec<HistoryMessage>,
+        next_text: usize,
+    }
+
+    impl Session {
+        fn last_seq(&self) -> i64 {
+            self.history.last().map_or(0, |m| m.seq)
+        }
+
+        fn append(&mut self, slot: &str, text: String) {
+            let seq = self.last_seq() + 1;
+            self.history.push(HistoryMessage {
+                seq,
+                slot: slot.to_owned(),
+                message: Arc::new(Message::user(text)),
+                created_at_ms: seq,
+            });
+        }
+
+        fn fresh_text(&mut self) -> String {
+            self.next_text += 1;
+            format!("m{}", self.next_text)
+        }
+    }
+
+    /// Applies `op` to the session and the model; an operation the model
+    /// says is invalid must fail and leave the state as it was.
+    fn step(s: &mut Session, m: &mut Model, op: &Op) -> Result<(), TestCaseError> {
+        let before = s.state.clone();
+        let valid = match *op {
+            Op::Append(x) => {
+                let x = NAMES[x];
+                if m.has(x) {
+                    let text = s.fresh_text();
+                    s.append(x, text.clone());
+                    m.view.entry(x.to_owned()).or_default().push(text.clone());
+                    m.own.entry(x.to_owned()).or_default().push(text);
+                }
+                return Ok(());
+            }
+            Op::Create(x) => {
+                let x = NAMES[x];
+                let valid = !m.has(x);
+                let r = s.state.create_slot(x, SlotMode::Full, s.last_seq() + 1);
+                if valid && r.is_ok() {
+                    m.view.insert(x.to_owned(), Vec::new());
+                    m.own.insert(x.to_owned(), Vec::new());
+                }
+                (valid, r.is_ok())
+            }
+            Op::Derive { from, name } => {
+                let (from, name) = (NAMES[from], NAMES[name]);
+                let valid = m.has(from) && !m.has(name);
+                let r = s
+                    .state
+                    .derive_slot(from, name, SlotMode::Full, s.last_seq());
+                if valid && r.is_ok() {
+                    let copy = m.view[from].clone();
+                    m.view.insert(name.to_owned(), copy);
+                    m.own.insert(name.to_owned(), Vec::new());
+                }
+                (valid, r.is_ok())
+            }
+            Op::Merge {
+                source,
+                target,
+                replace,
+            } => {
+                let (source, target) = (NAMES[source], NAMES[target]);
+                let valid = m.has(source) && m.has(target) && source != target;
+                let strategy = if replace {
+                    MergeStrategy::Replace
+                } else {
+                    MergeStrategy::Append
+                };
+                let last_seq = s.last_seq();
+                let r = s
+                    .state
+                    .merge_slot(source, target, strategy, &s.history, last_seq);
+                let ok = r.is_ok();
+                if let (true, Ok(appended)) = (valid, r) {
+                    if replace {
+                        let copy = m.view[source].clone();
+                        m.view.insert(target.to_owned(), copy);
+                        m.own.insert(target.to_owned(), Vec::new());
+                    } else {
+                        let texts: Vec<String> = appended.iter().map(Message::text).collect();
+                        prop_assert_eq!(&texts, &m.own[source], "appended messages");
+                        for text in texts {
+                            s.append(target, text.clone());
+                            m.view
+                                .entry(target.to_owned())
+                                .or_default()
+                                .push(text.clone());
+                            m.own.entry(target.to_owned()).or_default().push(text);
+                        }
+                    }
+                }
+                (valid, ok)
+            }
+            Op::Delete(x) => {
+                let x = NAMES[x];
+                let valid = m.has(x) && x != DEFAULT_SLOT && x != m.current;
+                let r = s.state.delete_slot(x);
+                if valid && r.is_ok() {
+                    m.view.remove(x);
+                    m.own.remove(x);
+                }
+                (valid, r.is_ok())
+            }
+            Op::Switch(x) => {
+                let x = NAMES[x];
+                let valid = m.has(x);
+                let r = s.state.switch_slot(x);
+                if valid && r.is_ok() {
+                    m.current = x.to_owned();
+                }
+                (valid, r.is_ok())
+            }
+        };
+        let (valid, ok) = valid;
+        prop_assert_eq!(
+            ok,
+            valid,
+            "{:?} succeeded when the model says valid={}",
+            op,
+            valid
+        );
+        if !valid {
+            prop_assert_eq!(&s.state, &before, "a refused {:?} changed the state", op);
+        }
+        Ok(())
+    }
+
+    fn check(s: &Session, m: &Model) -> Result<(), TestCaseError> {
+        let names: Vec<&String> = s.state.slots.keys().collect();
+        let expected: Vec<&String> = m.view.keys().collect();
+        prop_assert_eq!(names, expected);
+        prop_assert_eq!(&s.state.current_slot, &m.current);
+        for (name, want) in &m.view {
+            let got: Vec<String> = s
+                .state
+                .replay(name, &s.history)
+                .map_err(|e| TestCaseError::fail(e.to_string()))?
+                .iter()
+                .map(|msg| msg.text())
+                .collect();
+            prop_assert_eq!(&got, want, "replay of slot {}", name);
+        }
+        let blob = s
+            .state
+            .to_blob()
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let back =
+            SessionState::from_blob(&blob).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(&back, &s.state, "the blob round trip");
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(128))]
+
+        #[test]
+        fn every_slot_replays_what_the_model_says(ops in prop::collection::vec(op(), 1..40)) {
+            let mut s = Session {
+                state: SessionState::default(),
+                history: Vec::new(),
+                next_text: 0,
+            };
+            let mut m = Model::new();
+            for op in &ops {
+                step(&mut s, &mut m, op)?;
+                check(&s, &m)?;
+            }
+        }
+    }
+}

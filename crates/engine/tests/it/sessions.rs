@@ -1,10 +1,8 @@
 //! Sessions, turns, checkpoints and dialogs on a real SQLite file.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use keel_core::{Message, Role, ScriptedResponse};
 use keel_engine::SessionManagerConfig;
 use keel_engine::{EngineError, TurnEvent};

@@ -1,0 +1,9 @@
+//! Integration tests of keel-engine, linked into one binary (one link on CI
+//! instead of one per file).
+#![allow(clippy::unwrap_used)] // helpers outside #[test] fns unwrap too
+
+mod agent_loop;
+mod common;
+mod coordinator;
+mod gate;
+mod sessions;
