@@ -7,11 +7,12 @@ use std::sync::Arc;
 
 use keel_catalog::{AgentCatalog, CatalogInputs};
 
-use crate::app::{default_tool_registry, AppError};
+use crate::app::default_tool_registry;
 use crate::config::Config;
+use crate::error::Result;
 
 /// Builds the catalog inputs a configuration implies.
-pub fn catalog_inputs(config: Option<&Config>) -> Result<CatalogInputs, AppError> {
+pub fn catalog_inputs(config: Option<&Config>) -> Result<CatalogInputs> {
     let (profiles, tools, root_delegates, depth) = match config {
         None => (
             vec!["default".to_owned()],
@@ -35,7 +36,7 @@ pub fn catalog_inputs(config: Option<&Config>) -> Result<CatalogInputs, AppError
 }
 
 /// Runs the check; exit 0 with a summary, or 1 with the diagnostics.
-pub fn check(dir: &Path, config_file: Option<&Path>) -> Result<ExitCode, AppError> {
+pub fn check(dir: &Path, config_file: Option<&Path>) -> Result<ExitCode> {
     let loaded = match config_file {
         Some(path) => Some(Config::load(Some(path), None)?),
         None => None,

@@ -17,46 +17,10 @@ use keel_engine::{RuntimeBundle, SessionManager};
 use keel_store::Store;
 
 use crate::config::{Config, ConfigError, LoadedConfig};
+use crate::error::{io_err, AppError, Result};
 
 /// The profile the root agent runs on.
 const DEFAULT_PROFILE: &str = "default";
-
-/// Why the binary could not do its job.
-#[derive(Debug, thiserror::Error)]
-pub enum AppError {
-    /// The configuration is invalid.
-    #[error("{0}")]
-    Config(#[from] crate::config::ConfigError),
-    /// A provider profile could not be built.
-    #[error("{0}")]
-    Provider(#[from] keel_providers::ProviderConfigError),
-    /// The script given with --script is invalid.
-    #[error("{0}")]
-    Script(#[from] keel_providers::ScriptError),
-    /// The database could not be opened or written.
-    #[error("storage: {0}")]
-    Store(#[from] keel_store::StoreError),
-    /// An engine operation failed (sessions, sub-agent runs, built-in tools).
-    #[error("{0}")]
-    Engine(#[from] keel_engine::EngineError),
-    /// The agent definitions are invalid (every problem is listed).
-    #[error("agent definitions:\n{0}")]
-    Catalog(keel_catalog::Diagnostics),
-    /// A file or terminal operation failed.
-    #[error("{context}: {source}")]
-    Io {
-        /// What was being done.
-        context: String,
-        /// The error.
-        source: std::io::Error,
-    },
-}
-
-/// Maps an I/O error with what was being done.
-pub fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> AppError {
-    let context = context.into();
-    move |source| AppError::Io { context, source }
-}
 
 /// The root agent's role prompt when none is configured.
 pub const ROOT_PROMPT: &str = "You are keel's root agent, a careful and concise assistant. \
@@ -80,7 +44,7 @@ pub struct App {
 /// Creates the data directory (and missing parents) readable by its owner
 /// only (0700): it holds the database, with every transcript. An existing
 /// directory is left as it is.
-pub fn create_data_dir(path: &Path) -> Result<(), AppError> {
+pub fn create_data_dir(path: &Path) -> Result<()> {
     let mut builder = std::fs::DirBuilder::new();
     builder.recursive(true);
     #[cfg(unix)]
@@ -106,7 +70,7 @@ impl App {
         config_file: Option<&Path>,
         data_dir: Option<&Path>,
         script: Option<&Path>,
-    ) -> Result<Self, AppError> {
+    ) -> Result<Self> {
         let loaded = Config::load(config_file, data_dir)?;
         let config = &loaded.config;
         let data_dir = config.data_dir();
@@ -241,7 +205,7 @@ impl App {
 }
 
 /// The built-in tools a default configuration registers (for `agents check`).
-pub fn default_tool_registry() -> Result<ToolRegistry, AppError> {
+pub fn default_tool_registry() -> Result<ToolRegistry> {
     let dir = std::env::current_dir().map_err(io_err("cannot read the current directory"))?;
     let mut cfg = keel_engine::BuiltinToolsConfig::new(dir);
     cfg.enable_write = true;

@@ -11,13 +11,14 @@ use keel_core::RunId;
 use keel_core::{CheckpointId, Message, SessionId, StreamEvent};
 use keel_engine::DialogAddress;
 use keel_engine::SessionManager;
-use keel_engine::{EngineError, TurnEvent};
+use keel_engine::TurnEvent;
 use keel_store::{CheckpointRecord, RunRecord};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::mpsc;
 
-use crate::app::{App, AppError};
+use crate::app::App;
 use crate::cli::DataArgs;
+use crate::error::{io_err, AppError, Result};
 
 /// The channel terminal dialogs live in.
 pub const CHANNEL: &str = "cli";
@@ -136,7 +137,7 @@ pub async fn run(
     chat: String,
     agent: Option<String>,
     script: Option<PathBuf>,
-) -> Result<ExitCode, AppError> {
+) -> Result<ExitCode> {
     let app = App::open(
         data.config.as_deref(),
         data.data_dir.as_deref(),
@@ -149,7 +150,7 @@ pub async fn run(
     let agent = agent
         .map(|a| keel_core::AgentId::parse(&a))
         .transpose()
-        .map_err(|e| AppError::Engine(EngineError::InvalidInput(e.to_string())))?;
+        .map_err(|e| AppError::InvalidInput(e.to_string()))?;
     DialogAddress::new(CHANNEL, &chat, "default")?;
     let manager = app.manager.clone();
     let current = match manager.latest_dialog(CHANNEL, &chat).await? {
@@ -179,7 +180,7 @@ pub async fn run(
             chat.prompt();
         }
         let line = tokio::select! {
-            line = lines.next_line() => line.map_err(crate::app::io_err("cannot read stdin"))?,
+            line = lines.next_line() => line.map_err(io_err("cannot read stdin"))?,
             _ = interrupts.recv() => {
                 chat.say("(nothing to stop; /exit or Ctrl-D leaves)");
                 continue;
@@ -215,13 +216,13 @@ pub async fn run(
 
 /// Ctrl-C presses, from a listener installed once for the whole chat (a
 /// press between two turns is never lost or delivered to the wrong place).
-fn interrupts() -> Result<mpsc::UnboundedReceiver<()>, AppError> {
+fn interrupts() -> Result<mpsc::UnboundedReceiver<()>> {
     let (tx, rx) = mpsc::unbounded_channel();
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
-        let mut sigint = signal(SignalKind::interrupt())
-            .map_err(crate::app::io_err("cannot listen for Ctrl-C"))?;
+        let mut sigint =
+            signal(SignalKind::interrupt()).map_err(io_err("cannot listen for Ctrl-C"))?;
         tokio::spawn(async move {
             while sigint.recv().await.is_some() {
                 if tx.send(()).is_err() {
@@ -336,7 +337,7 @@ impl Chat {
         }
     }
 
-    async fn command(&mut self, cmd: Slash) -> Result<(), AppError> {
+    async fn command(&mut self, cmd: Slash) -> Result<()> {
         let m = self.manager.clone();
         match cmd {
             Slash::New(title) => {
@@ -476,10 +477,10 @@ impl Chat {
         Ok(())
     }
 
-    async fn resolve_checkpoint(&self, text: &str) -> Result<CheckpointId, AppError> {
+    async fn resolve_checkpoint(&self, text: &str) -> Result<CheckpointId> {
         let list = self.manager.list_checkpoints(self.current).await?;
         let ids: Vec<CheckpointId> = list.iter().map(|c| c.id).collect();
-        pick_checkpoint(text, &ids).map_err(|e| EngineError::InvalidInput(e).into())
+        pick_checkpoint(text, &ids).map_err(AppError::InvalidInput)
     }
 }
 

@@ -24,8 +24,9 @@ use keel_store::{Store, StoreOptions};
 use serde_json::json;
 use tokio::sync::{mpsc, Notify};
 
-use crate::app::{database_path, io_err, AppError, ROOT_PROMPT};
+use crate::app::{database_path, ROOT_PROMPT};
 use crate::chat::{run_tree, short};
+use crate::error::{io_err, AppError, Result};
 
 const NOTES: &str = "# Launch plan\n\n- Freeze the schema at v6\n- Record benchmarks\n- Ship the offline demo first\n";
 
@@ -136,11 +137,7 @@ fn line(text: &str) {
     println!("   {text}");
 }
 
-async fn turn(
-    manager: &Arc<SessionManager>,
-    id: keel_core::SessionId,
-    text: &str,
-) -> Result<(), AppError> {
+async fn turn(manager: &Arc<SessionManager>, id: keel_core::SessionId, text: &str) -> Result<()> {
     println!("   you> {text}");
     let (tx, mut rx) = mpsc::unbounded_channel();
     let pending = manager
@@ -190,7 +187,7 @@ async fn build(
     provider: &ScriptedProvider,
     workspace: &Path,
     agents_dir: &Path,
-) -> Result<Runtime, AppError> {
+) -> Result<Runtime> {
     let builtin = Arc::new(builtin_registry(&BuiltinToolsConfig::new(workspace))?);
     let mut inputs = CatalogInputs::new(["default"], builtin.clone());
     inputs.root_delegates = ["researcher", "writer", "archivist"]
@@ -242,7 +239,7 @@ async fn build(
 }
 
 /// Runs the tour; `data_dir` keeps the database, else a temporary directory is used.
-pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode, AppError> {
+pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode> {
     let started = Instant::now();
     let dirs = DemoDirs::prepare(data_dir)?;
     let db = database_path(&dirs.data_dir);
@@ -317,7 +314,7 @@ pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode, AppError> {
 async fn streaming_and_tools(
     manager: &Arc<SessionManager>,
     first: keel_core::SessionId,
-) -> Result<(), AppError> {
+) -> Result<()> {
     step(
         1,
         "Streaming: the answer arrives chunk by chunk and is committed when the turn ends",
@@ -336,7 +333,7 @@ async fn sub_agents(
     manager: &Arc<SessionManager>,
     first: keel_core::SessionId,
     background_done: &Notify,
-) -> Result<(), AppError> {
+) -> Result<()> {
     step(
         3,
         "Sub-agents: the root delegates a foreground batch of two and one background run",
@@ -358,7 +355,7 @@ async fn sub_agents(
 }
 
 /// Step 4: a second dialog, titled by the model after three user messages.
-async fn dialogs(manager: &Arc<SessionManager>, chat: &str) -> Result<(), AppError> {
+async fn dialogs(manager: &Arc<SessionManager>, chat: &str) -> Result<()> {
     step(
         4,
         "Dialogs: a second dialog is titled by the model once it has 3 user messages",
@@ -392,7 +389,7 @@ async fn dialogs(manager: &Arc<SessionManager>, chat: &str) -> Result<(), AppErr
 async fn checkpoints(
     manager: &Arc<SessionManager>,
     first: keel_core::SessionId,
-) -> Result<keel_store::CheckpointRecord, AppError> {
+) -> Result<keel_store::CheckpointRecord> {
     step(
         5,
         "Checkpoints: checkpoint, two turns, roll back, take another branch",
@@ -426,11 +423,7 @@ async fn checkpoints(
 }
 
 /// Step 6: a new dialog forked from the abandoned branch's checkpoint at turn `tip`.
-async fn fork(
-    manager: &Arc<SessionManager>,
-    first: keel_core::SessionId,
-    tip: u64,
-) -> Result<(), AppError> {
+async fn fork(manager: &Arc<SessionManager>, first: keel_core::SessionId, tip: u64) -> Result<()> {
     step(
         6,
         "Fork: a new dialog starts from a checkpoint on the abandoned branch; nothing is copied",
@@ -440,9 +433,7 @@ async fn fork(
         .await?
         .into_iter()
         .find(|c| c.turn_index == tip)
-        .ok_or_else(|| {
-            keel_engine::EngineError::InvalidInput(format!("no checkpoint at turn {tip}"))
-        })?;
+        .ok_or_else(|| AppError::Demo(format!("no checkpoint at turn {tip}")))?;
     let fork = manager.fork(abandoned.id, None).await?;
     let fork_record = manager.record(fork).await?;
     line(&format!(
@@ -466,7 +457,7 @@ struct DemoDirs {
 }
 
 impl DemoDirs {
-    fn prepare(data_dir: Option<PathBuf>) -> Result<Self, AppError> {
+    fn prepare(data_dir: Option<PathBuf>) -> Result<Self> {
         let temp = TempGuard(tempdir()?);
         let kept = data_dir.is_some();
         let data_dir = data_dir.unwrap_or_else(|| temp.0.join("data"));
@@ -493,7 +484,7 @@ impl DemoDirs {
     }
 }
 
-fn tempdir() -> Result<PathBuf, AppError> {
+fn tempdir() -> Result<PathBuf> {
     let dir =
         std::env::temp_dir().join(format!("keel-demo-{}", short(keel_core::SessionId::new())));
     std::fs::create_dir_all(&dir).map_err(io_err(format!("cannot create {}", dir.display())))?;

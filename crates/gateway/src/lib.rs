@@ -1,8 +1,10 @@
 //! The `keel` binary's library: configuration, the terminal chat with its
 //! slash commands, the offline demo and `agents check`.
 //!
-//! Architecture invariant: keel-gateway is the only crate that knows HTTP
-//! servers, WebSocket and wire DTOs; it converts engine types to DTOs by hand.
+//! Architecture invariant: keel-gateway is the only crate that talks to
+//! users — the terminal today; HTTP, WebSocket and wire DTOs when `serve`
+//! arrives belong here too and nowhere else. It wires the other crates
+//! together and owns no domain logic of its own.
 
 #![deny(missing_docs)]
 
@@ -12,4 +14,7 @@ pub mod chat;
 pub mod cli;
 pub mod config;
 pub mod demo;
+mod error;
 pub mod terminal;
+
+pub use error::{io_err, AppError, Result};

@@ -39,6 +39,15 @@ impl fmt::Display for ConfigProblem {
 }
 
 /// Why a configuration could not be loaded or used. Displays one error per line.
+///
+/// The narrow error of the config API ([`Config::load`](super::Config::load),
+/// parsing, validation, provider building), kept apart from
+/// [`AppError`](crate::AppError), which wraps it: it is a report of every
+/// located problem (file, line, key) rather than one failure, and callers
+/// — `keel agents check`, the start-up message, the tests — read it problem
+/// by problem through [`problems`](Self::problems). Returning the whole
+/// binary's error from `Config::load` would hide that shape. Never
+/// retryable: the file or the environment must change.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// `--config` names a file that does not exist.
