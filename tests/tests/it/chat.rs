@@ -209,17 +209,7 @@ fn ctrl_c_stops_the_running_turn_not_the_program() {
 fn delegation_through_keel_toml_agents_and_the_runs_command() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
-    std::fs::create_dir_all(data.join("agents")).unwrap();
-    std::fs::write(
-        data.join("keel.toml"),
-        "agents_dir = \"agents\"\nroot_delegates = [\"helper\"]\n",
-    )
-    .unwrap();
-    std::fs::write(
-        data.join("agents/helper.md"),
-        "---\nid: helper\ndescription: Answers small questions.\nllm_profile: default\n---\nYou help.\n",
-    )
-    .unwrap();
+    crate::data_dir_with_agent(&data, "helper", "Answers small questions.", true);
     // One script serves the root and the helper, in the order they ask.
     let s = script(
         dir.path(),
@@ -287,38 +277,20 @@ fn an_invalid_keel_toml_stops_start_up_naming_the_file_and_key() {
 fn chat_with_a_defined_agent_directly() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
-    std::fs::create_dir_all(data.join("agents")).unwrap();
-    std::fs::write(data.join("keel.toml"), "agents_dir = \"agents\"\n").unwrap();
-    std::fs::write(
-        data.join("agents/helper.md"),
-        "---\nid: helper\ndescription: Answers small questions.\nllm_profile: default\n---\nYou help.\n",
-    )
-    .unwrap();
+    crate::data_dir_with_agent(&data, "helper", "Answers small questions.", false);
     let s = script(dir.path(), "when_exhausted: echo\n");
-    let mut child = crate::keel()
-        .args(["chat", "--chat", "frank", "--agent", "helper", "--data-dir"])
-        .arg(&data)
-        .arg("--script")
-        .arg(&s)
-        .env("KEEL_LOG", "error")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(b"hi\n/info\n")
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    let stdout = String::from_utf8(out.stdout).unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let args = [
+        "--chat".as_ref(),
+        "frank".as_ref(),
+        "--agent".as_ref(),
+        "helper".as_ref(),
+        "--data-dir".as_ref(),
+        data.as_os_str(),
+        "--script".as_ref(),
+        s.as_os_str(),
+    ];
+    let (stdout, stderr, code) = run_chat(&args, "hi\n/info\n");
+    assert_eq!(code, Some(0), "{stderr}");
     assert!(
         stdout.contains("agent helper (scripted / scripted)"),
         "{stdout}"

@@ -81,17 +81,7 @@ fn kill_9_mid_turn_keeps_committed_turns_and_drops_the_unfinished_one() {
 fn kill_9_with_a_background_run_in_flight_interrupts_it_with_its_completion_on_restart() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
-    std::fs::create_dir_all(data.join("agents")).unwrap();
-    std::fs::write(
-        data.join("keel.toml"),
-        "agents_dir = \"agents\"\nroot_delegates = [\"slow\"]\n",
-    )
-    .unwrap();
-    std::fs::write(
-        data.join("agents/slow.md"),
-        "---\nid: slow\ndescription: Takes its time.\nllm_profile: default\n---\nYou are slow.\n",
-    )
-    .unwrap();
+    crate::data_dir_with_agent(&data, "slow", "Takes its time.", true);
     // The root delegates in the background; every later answer (the root's
     // and the run's) takes an hour, so the process dies with the run live.
     let script = dir.path().join("slow.yaml");

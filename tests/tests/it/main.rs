@@ -18,3 +18,32 @@ mod crash;
 pub fn keel() -> std::process::Command {
     std::process::Command::new(env!("CARGO_BIN_EXE_keel-e2e"))
 }
+
+/// A data directory whose keel.toml loads `agents/` with one agent, `id`
+/// (`description`, on the `default` profile), that the root agent may
+/// delegate to when `root_delegate`.
+pub fn data_dir_with_agent(
+    data: &std::path::Path,
+    id: &str,
+    description: &str,
+    root_delegate: bool,
+) {
+    std::fs::create_dir_all(data.join("agents")).unwrap();
+    let delegates = if root_delegate {
+        format!("root_delegates = [\"{id}\"]\n")
+    } else {
+        String::new()
+    };
+    std::fs::write(
+        data.join("keel.toml"),
+        format!("agents_dir = \"agents\"\n{delegates}"),
+    )
+    .unwrap();
+    std::fs::write(
+        data.join(format!("agents/{id}.md")),
+        format!(
+            "---\nid: {id}\ndescription: {description}\nllm_profile: default\n---\nYou are {id}.\n"
+        ),
+    )
+    .unwrap();
+}
