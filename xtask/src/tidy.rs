@@ -50,10 +50,6 @@ pub const DATA_TABLES: &[(&str, &str, &str)] = &[(
     "the keel.toml key reference: one row per key",
 )];
 
-/// Files over [`MAX_FILE_CODE_LINES`] whose split is under way elsewhere:
-/// (file, by whom). An entry whose file is gone or small is reported.
-pub const SPLIT_PENDING: &[(&str, &str)] = &[];
-
 /// Public items nothing in the workspace uses yet, each kept for the work
 /// that will: (crate directory, name, why). An entry whose item is used or
 /// gone is reported, so the list only shrinks.
@@ -255,15 +251,9 @@ pub fn check_all(ws: &Workspace, config_md: &str) -> Vec<String> {
 
 // ── sizes ──────────────────────────────────────────────────────────────────
 
-/// Files of library crates with more than [`MAX_FILE_CODE_LINES`] code
-/// lines, and stale entries of [`SPLIT_PENDING`].
+/// Files of library crates with more than [`MAX_FILE_CODE_LINES`] code lines.
 pub fn long_files(ws: &Workspace) -> Vec<String> {
-    long_files_with(ws, SPLIT_PENDING)
-}
-
-fn long_files_with(ws: &Workspace, split_pending: &[(&str, &str)]) -> Vec<String> {
     let mut out = Vec::new();
-    let mut pending_seen = BTreeSet::new();
     for file in ws.library_files() {
         let mut test_lines = BTreeSet::new();
         for item in &file.syntax.items {
@@ -281,20 +271,10 @@ fn long_files_with(ws: &Workspace, split_pending: &[(&str, &str)]) -> Vec<String
                 !test_lines.contains(&(i + 1)) && !line.is_empty() && !line.starts_with("//")
             })
             .count();
-        let pending = split_pending.iter().find(|(f, _)| *f == file.path);
-        if let (true, Some((f, _))) = (code > MAX_FILE_CODE_LINES, pending) {
-            pending_seen.insert(*f);
-        } else if code > MAX_FILE_CODE_LINES {
+        if code > MAX_FILE_CODE_LINES {
             out.push(format!(
                 "{}: {code} lines of non-test code (at most {MAX_FILE_CODE_LINES}); split it along its sections",
                 file.path
-            ));
-        }
-    }
-    for (file, _) in split_pending {
-        if !pending_seen.contains(file) {
-            out.push(format!(
-                "{file}: SPLIT_PENDING lists it, but it is gone or short now; remove the entry"
             ));
         }
     }
@@ -991,7 +971,7 @@ mod tests {
             ("crates/store/tests/long.rs", &over),
         ]);
         assert_eq!(
-            long_files_with(&w, &[]),
+            long_files(&w),
             ["crates/store/src/over.rs: 901 lines of non-test code (at most 900); split it along its sections"]
         );
     }
@@ -1007,26 +987,9 @@ mod tests {
             ("crates/core/src/tests.rs", &long),
             ("crates/core/src/real.rs", &long),
         ]);
-        let v = long_files_with(&w, &[]);
+        let v = long_files(&w);
         assert_eq!(v.len(), 1, "{v:#?}");
         assert!(v[0].starts_with("crates/core/src/real.rs:"), "{v:#?}");
-    }
-
-    #[test]
-    fn a_file_with_its_split_pending_is_accepted_until_it_is_short() {
-        let long = "fn f() {}\n".repeat(MAX_FILE_CODE_LINES + 1);
-        let w = ws(&[
-            ("crates/store/src/runs.rs", &long),
-            ("crates/engine/src/manager.rs", "fn f() {}\n"),
-        ]);
-        let pending = [
-            ("crates/store/src/runs.rs", "a split"),
-            ("crates/engine/src/manager.rs", "another split"),
-        ];
-        assert_eq!(
-            long_files_with(&w, &pending),
-            ["crates/engine/src/manager.rs: SPLIT_PENDING lists it, but it is gone or short now; remove the entry"]
-        );
     }
 
     #[test]
