@@ -18,6 +18,10 @@
 //!   say so (`pub(crate)`), or it is API and should say what it is. (rustc's
 //!   `missing_docs` sees only items reachable from the crate root; this
 //!   sees `pub` items in private modules too.)
+//! - **Comments cite only the repository.** A comment that points to a
+//!   design document outside the repository (a numbered seed, a section of
+//!   the product spec) sends the reader where they cannot follow; state the
+//!   rule itself. See [`outside_citations`].
 //! - **Config keys with a reader.** Every key of the generated table in
 //!   docs/CONFIG.md is read by the runtime, unless its row says it is not
 //!   supported yet (and then nothing may read it — drop the mark once it is).
@@ -245,7 +249,34 @@ pub fn check_all(ws: &Workspace, config_md: &str) -> Vec<String> {
     let mut out = long_files(ws);
     out.extend(long_fns(ws));
     out.extend(unused_pub_items(ws));
+    out.extend(outside_citations(ws));
     out.extend(unread_config_keys(ws, config_md));
+    out
+}
+
+/// Comment lines that cite a document outside the repository: a design seed
+/// by number ("seed" and three digits), the product spec (its name in
+/// capitals), or a section sign.
+pub fn outside_citations(ws: &Workspace) -> Vec<String> {
+    let mut out = Vec::new();
+    for file in &ws.files {
+        for (i, line) in file.text.lines().enumerate() {
+            let Some(comment) = line.trim_start().strip_prefix("//") else {
+                continue;
+            };
+            let seed = comment.match_indices("seed ").any(|(at, _)| {
+                let digits = &comment[at + 5..];
+                digits.len() >= 3 && digits.bytes().take(3).all(|b| b.is_ascii_digit())
+            });
+            if seed || comment.contains("SPEC") || comment.contains('\u{a7}') {
+                out.push(format!(
+                    "{}:{}: the comment cites a document outside the repository; state the rule itself",
+                    file.path,
+                    i + 1
+                ));
+            }
+        }
+    }
     out
 }
 
@@ -1129,6 +1160,32 @@ mod tests {
     fn the_workspace_has_no_dead_public_api() {
         let (w, _) = real();
         let v = unused_pub_items(&w);
+        assert!(v.is_empty(), "{}", v.join("\n"));
+    }
+
+    // ── citations ──
+
+    #[test]
+    fn comments_citing_outside_documents_are_reported() {
+        let text = "/// Quotas (seed 002 \u{a7}4.1).\n// As SPEC says.\n// a seed 12 is fine\nconst S: &str = \"seed 002\";\n";
+        let w = ws(&[
+            ("crates/core/src/a.rs", text),
+            ("xtask/src/b.rs", "//! SPEC\n"),
+        ]);
+        assert_eq!(
+            outside_citations(&w),
+            [
+                "crates/core/src/a.rs:1: the comment cites a document outside the repository; state the rule itself",
+                "crates/core/src/a.rs:2: the comment cites a document outside the repository; state the rule itself",
+                "xtask/src/b.rs:1: the comment cites a document outside the repository; state the rule itself",
+            ]
+        );
+    }
+
+    #[test]
+    fn no_comment_cites_an_outside_document() {
+        let (w, _) = real();
+        let v = outside_citations(&w);
         assert!(v.is_empty(), "{}", v.join("\n"));
     }
 
