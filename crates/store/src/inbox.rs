@@ -295,7 +295,7 @@ fn event_from_row(r: &Row<'_>) -> Result<InboxEvent> {
     })
 }
 
-fn query_events(
+pub(crate) fn query_events(
     conn: &Connection,
     where_sql: &str,
     params: impl rusqlite::Params,

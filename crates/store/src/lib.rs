@@ -77,6 +77,7 @@ mod error;
 mod inbox;
 mod messages;
 mod migrations;
+mod projection;
 mod runs;
 mod sessions;
 mod util;
@@ -96,9 +97,10 @@ pub use inbox::{
     MAX_SIGNAL_PAYLOAD_BYTES,
 };
 pub use messages::{
-    MessageFilter, NewMessage, StoredMessage, TurnCommit, TurnCommitted, DEFAULT_SLOT,
+    MessageFilter, MessagePage, NewMessage, StoredMessage, TurnCommit, TurnCommitted, DEFAULT_SLOT,
 };
 pub use migrations::SCHEMA_VERSION;
+pub use projection::{AgentChanges, RunQuery};
 pub use runs::{
     AcceptGroup, AcceptRun, AcceptedGroup, AcceptedRun, CancelReport, CompletionHandling,
     GroupRecord, GroupStatus, NewGroup, NewRun, RecoveryReport, RunCursor, RunRecord,

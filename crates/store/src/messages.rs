@@ -7,7 +7,7 @@ use rusqlite::{params, Connection};
 use crate::checkpoints::{insert_checkpoint_tx, put_state_tx, CheckpointRecord, NewCheckpoint};
 use crate::db::{HeadState, WriteCache};
 use crate::error::{Result, StoreError};
-use crate::sessions::{bump_activity, require_session};
+use crate::sessions::{bump_activity, require_session, TimelineId};
 use crate::Store;
 
 /// The slot name of the default context slot.
@@ -54,6 +54,19 @@ pub struct MessageFilter {
     pub from_seq: Option<i64>,
     /// Only messages of this slot.
     pub slot: Option<String>,
+}
+
+/// One page of a session's current history (see [`Store::load_message_page`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MessagePage {
+    /// Only messages clients see.
+    pub visible_only: bool,
+    /// Newest first (continue below `cursor`) instead of oldest first (above it).
+    pub newest_first: bool,
+    /// The seq of the last message of the previous page.
+    pub cursor: Option<i64>,
+    /// Page size (1..=1000).
+    pub limit: usize,
 }
 
 /// Everything one committed turn writes, in one transaction.
@@ -227,16 +240,66 @@ pub(crate) fn load_chain(
             filter.slot
         ])?;
         while let Some(r) = rows.next()? {
-            let seq: i64 = r.get(0)?;
-            let content: String = r.get(2)?;
-            let message: Message = serde_json::from_str(&content)
-                .map_err(|e| StoreError::corrupt(&format!("messages.content (seq {seq})"), e))?;
-            out.push(StoredMessage {
-                seq,
-                slot: r.get(1)?,
-                message,
-                created_at_ms: r.get(3)?,
-            });
+            out.push(stored_from_row(r)?);
+        }
+    }
+    Ok(out)
+}
+
+/// One timeline's messages in a seq range, newest first (for pages read backwards).
+const LOAD_RANGE_DESC_SQL: &str = "SELECT seq, slot, content, created_at FROM messages \
+     WHERE timeline_id = ?1 AND seq >= ?2 AND seq <= ?3 \
+       AND (NOT ?4 OR client_visibility = 'visible') \
+     ORDER BY seq DESC LIMIT ?5";
+
+/// One timeline's messages in a seq range, oldest first, at most `?5`.
+const LOAD_RANGE_ASC_SQL: &str = "SELECT seq, slot, content, created_at FROM messages \
+     WHERE timeline_id = ?1 AND seq >= ?2 AND seq <= ?3 \
+       AND (NOT ?4 OR client_visibility = 'visible') \
+     ORDER BY seq LIMIT ?5";
+
+fn stored_from_row(r: &rusqlite::Row<'_>) -> Result<StoredMessage> {
+    let seq: i64 = r.get(0)?;
+    let content: String = r.get(2)?;
+    let message: Message = serde_json::from_str(&content)
+        .map_err(|e| StoreError::corrupt(&format!("messages.content (seq {seq})"), e))?;
+    Ok(StoredMessage {
+        seq,
+        slot: r.get(1)?,
+        message,
+        created_at_ms: r.get(3)?,
+    })
+}
+
+/// A page of the history visible from `timeline`: the ancestor chain is
+/// walked forwards or backwards, each timeline one bounded range scan.
+fn load_page(conn: &Connection, timeline: &str, page: &MessagePage) -> Result<Vec<StoredMessage>> {
+    let mut ranges = chain(conn, timeline, i64::MAX)?;
+    let (sql, low, high) = if page.newest_first {
+        ranges.reverse();
+        (
+            LOAD_RANGE_DESC_SQL,
+            i64::MIN,
+            page.cursor.map_or(i64::MAX, |c| c - 1),
+        )
+    } else {
+        (
+            LOAD_RANGE_ASC_SQL,
+            page.cursor.map_or(i64::MIN, |c| c + 1),
+            i64::MAX,
+        )
+    };
+    let mut stmt = conn.prepare_cached(sql)?;
+    let mut out = Vec::new();
+    for (tid, cut) in ranges {
+        let left = page.limit.saturating_sub(out.len());
+        if left == 0 {
+            break;
+        }
+        let left = i64::try_from(left).unwrap_or(i64::MAX);
+        let mut rows = stmt.query(params![tid, low, cut.min(high), page.visible_only, left])?;
+        while let Some(r) = rows.next()? {
+            out.push(stored_from_row(r)?);
         }
     }
     Ok(out)
@@ -365,6 +428,44 @@ impl Store {
             .read(move |c| {
                 let session = require_session(c, &session_id)?;
                 load_chain(c, session.head_timeline_id.as_str(), i64::MAX, &filter)
+            })
+            .await
+    }
+
+    /// A page of the session's current history, oldest or newest first.
+    /// Messages are only ever appended above the head, so a page sequence
+    /// read oldest first never skips or repeats one; read newest first, new
+    /// messages appear only before the first page.
+    pub async fn load_message_page(
+        &self,
+        session_id: SessionId,
+        page: MessagePage,
+    ) -> Result<Vec<StoredMessage>> {
+        if page.limit == 0 || page.limit > 1000 {
+            return Err(StoreError::InvalidInput(format!(
+                "limit {} is outside 1..=1000",
+                page.limit
+            )));
+        }
+        self.db
+            .read(move |c| {
+                let session = require_session(c, &session_id)?;
+                load_page(c, session.head_timeline_id.as_str(), &page)
+            })
+            .await
+    }
+
+    /// The session's current history as (timeline, last seq) ranges, root
+    /// first: a checkpoint at (timeline, seq) lies on the current branch when
+    /// one range has its timeline and a last seq at or above its seq.
+    pub async fn history_ranges(&self, session_id: SessionId) -> Result<Vec<(TimelineId, i64)>> {
+        self.db
+            .read(move |c| {
+                let session = require_session(c, &session_id)?;
+                Ok(chain(c, session.head_timeline_id.as_str(), i64::MAX)?
+                    .into_iter()
+                    .map(|(t, upto)| (TimelineId(t), upto))
+                    .collect())
             })
             .await
     }

@@ -33,7 +33,8 @@ pub use types::{
     TerminalCommit, TerminalOutcome,
 };
 
-use rows::{get_group_tx, query_runs};
+use rows::get_group_tx;
+pub(crate) use rows::query_runs;
 
 /// Run statuses that can still change, as an SQL list.
 pub(crate) const NONTERMINAL_RUN: &str = "('queued', 'running', 'waiting_children')";

@@ -123,7 +123,7 @@ pub(super) fn group_from_row(r: &Row<'_>) -> Result<GroupRecord> {
     })
 }
 
-pub(super) fn query_runs(
+pub(crate) fn query_runs(
     conn: &Connection,
     where_sql: &str,
     params: impl rusqlite::Params,

@@ -6,6 +6,7 @@ mod common;
 mod history;
 mod migrations;
 mod orchestration;
+mod projection;
 mod sessions;
 mod stored_enums;
 mod timelines;
