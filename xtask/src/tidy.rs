@@ -78,11 +78,6 @@ pub const UNUSED_API_PENDING: &[(&str, &str, &str)] = &[
         "reconcile_counters",
         "the inbox delivery loop repairs counters it finds inconsistent",
     ),
-    (
-        "crates/store",
-        "group_runs",
-        "`serve` lists the runs of an agent group",
-    ),
 ];
 
 /// Library crates: their `pub` items are API, their `src/` is sized.

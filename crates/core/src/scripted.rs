@@ -56,8 +56,6 @@ pub enum ScriptedErrorKind {
     Protocol,
     /// [`ProviderError::Unavailable`].
     Unavailable,
-    /// [`ProviderError::ContextLengthExceeded`].
-    ContextLengthExceeded,
 }
 
 /// An error a scripted response ends with.
@@ -101,9 +99,6 @@ impl ScriptedError {
             ScriptedErrorKind::StreamInterrupted => ProviderError::StreamInterrupted(message),
             ScriptedErrorKind::Protocol => ProviderError::Protocol(message),
             ScriptedErrorKind::Unavailable => ProviderError::Unavailable(message),
-            ScriptedErrorKind::ContextLengthExceeded => {
-                ProviderError::ContextLengthExceeded(message)
-            }
         }
     }
 }

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use keel_catalog::CatalogHandle;
+use keel_catalog::{CatalogHandle, CatalogInputs};
 use keel_core::tool::ScopeRule;
 use keel_core::{AgentId, Provider, ScriptedProvider, ToolRegistry};
 use keel_engine::builtin_registry;
@@ -37,6 +37,9 @@ pub struct App {
     pub manager: Arc<SessionManager>,
     /// Sub-agent runs; `None` without agent definitions.
     pub coordinator: Option<Arc<AgentCoordinator>>,
+    /// The agent catalog and what a reload validates it against; `None`
+    /// without agent definitions.
+    pub catalog: Option<(Arc<CatalogHandle>, CatalogInputs)>,
     /// The one-line notice printed at start-up when no provider is configured.
     pub offline_notice: Option<&'static str>,
 }
@@ -71,17 +74,26 @@ impl App {
         data_dir: Option<&Path>,
         script: Option<&Path>,
     ) -> Result<Self> {
-        let loaded = Config::load(config_file, data_dir)?;
-        let config = &loaded.config;
-        let data_dir = config.data_dir();
-        create_data_dir(&data_dir)?;
-        let store = Store::open(database_path(&data_dir), config.store_options())?;
         let scripted: Option<Arc<dyn Provider>> = match script {
             Some(path) => Some(Arc::new(ScriptedProvider::from_script(
                 keel_providers::load_script(path)?,
             ))),
             None => None,
         };
+        Self::open_with_provider(config_file, data_dir, scripted).await
+    }
+
+    /// [`App::open`] with `provider`, when given, in place of every configured one.
+    pub async fn open_with_provider(
+        config_file: Option<&Path>,
+        data_dir: Option<&Path>,
+        scripted: Option<Arc<dyn Provider>>,
+    ) -> Result<Self> {
+        let loaded = Config::load(config_file, data_dir)?;
+        let config = &loaded.config;
+        let data_dir = config.data_dir();
+        create_data_dir(&data_dir)?;
+        let store = Store::open(database_path(&data_dir), config.store_options())?;
         let mut providers = ProfileProviders::new();
         for name in config.profile_names() {
             let provider = match &scripted {
@@ -101,11 +113,11 @@ impl App {
         };
         let gate = Arc::new(ExecutionGate::new(config.gate_limits()));
         let builtin = Arc::new(builtin_registry(&config.builtin_tools())?);
+        let inputs = config.catalog_inputs(builtin.clone());
         let catalog = match config.agents_dir() {
-            Some(dir) if dir.is_dir() => Some(
-                CatalogHandle::load(&dir, &config.catalog_inputs(builtin.clone()))
-                    .map_err(AppError::Catalog)?,
-            ),
+            Some(dir) if dir.is_dir() => Some(Arc::new(
+                CatalogHandle::load(&dir, &inputs).map_err(AppError::Catalog)?,
+            )),
             _ => None,
         };
         let mut root_tools = (*builtin).clone();
@@ -137,13 +149,13 @@ impl App {
                 });
             }
         }
-        let coordinator = match catalog {
+        let coordinator = match &catalog {
             None => None,
             Some(catalog) => {
                 let delegates = catalog.current().root_delegates().to_vec();
                 let coordinator = AgentCoordinator::new(
                     store.clone(),
-                    Arc::new(catalog),
+                    catalog.clone(),
                     Arc::new(providers),
                     builtin.clone(),
                     gate.clone(),
@@ -182,7 +194,7 @@ impl App {
             provider: root_provider,
             tools: Arc::new(root_tools),
             max_iterations: 16,
-            max_output_tokens: Some(config.root_max_output_tokens),
+            max_output_tokens: None,
         };
         let mut bundle =
             RuntimeBundle::new(root).with_loop(AgentLoop::new(Arc::new(NoHooks), gate));
@@ -199,6 +211,7 @@ impl App {
             store,
             manager,
             coordinator,
+            catalog: catalog.map(|c| (c, inputs)),
             offline_notice,
         })
     }

@@ -49,6 +49,15 @@ pub enum Command {
         #[arg(long, value_name = "FILE")]
         script: Option<PathBuf>,
     },
+    /// HTTP + WebSocket API (docs/PROTOCOL.md); SIGHUP reloads agents, SIGTERM stops.
+    Serve {
+        /// Data directory and configuration.
+        #[command(flatten)]
+        data: DataArgs,
+        /// Address to listen on (default: server.bind, 127.0.0.1:7420).
+        #[arg(long, value_name = "ADDR")]
+        bind: Option<std::net::SocketAddr>,
+    },
     /// Agent definitions.
     Agents {
         /// What to do with them.
@@ -94,6 +103,7 @@ pub fn main() -> ExitCode {
                 agent,
                 script,
             } => crate::chat::run(data, chat, agent, script).await,
+            Command::Serve { data, bind } => crate::serve::run(data, bind).await,
             Command::Agents {
                 command: AgentsCommand::Check { dir, config },
             } => crate::agents::check(&dir, config.as_deref()),

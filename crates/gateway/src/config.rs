@@ -106,9 +106,13 @@ pub const MAX_CHILDREN_PER_CALL_CAP: usize = 64;
 pub const DEFAULT_BIND: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 7420));
 /// Default `server.token_env`.
 pub const DEFAULT_TOKEN_ENV: &str = "KEEL_TOKEN";
+/// Default `server.shutdown_grace_secs`.
+pub const DEFAULT_SHUTDOWN_GRACE_SECS: u64 = 30;
+/// Largest `server.shutdown_grace_secs` (1 h).
+pub const MAX_SHUTDOWN_GRACE_SECS: u64 = 3600;
 
 /// The whole of `keel.toml`. Every key is optional; see [`reference()`].
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     /// Where the database and `keel.toml` live. Unset: `--data-dir`, else
@@ -123,8 +127,6 @@ pub struct Config {
     pub agents_dir: Option<PathBuf>,
     /// Agents the root agent may delegate to.
     pub root_delegates: Vec<String>,
-    /// Output token cap of each model call of the root agent.
-    pub root_max_output_tokens: u32,
     /// Root directory of the file tools. Unset: the current directory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub workspace_root: Option<PathBuf>,
@@ -139,28 +141,8 @@ pub struct Config {
     pub tools: ToolsConfig,
     /// `[orchestration]`: sub-agent quotas and inbox behaviour.
     pub orchestration: OrchestrationConfig,
-    /// `[server]`: where `keel serve` will listen (parsed and validated;
-    /// there is no `serve` yet).
+    /// `[server]`: how `keel serve` listens, authenticates and shuts down.
     pub server: ServerConfig,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Self {
-            data_dir: None,
-            default_profile: None,
-            agents_dir: None,
-            root_delegates: Vec::new(),
-            root_max_output_tokens: keel_catalog::DEFAULT_MAX_OUTPUT_TOKENS,
-            workspace_root: None,
-            providers: BTreeMap::new(),
-            session: SessionConfig::default(),
-            storage: StorageConfig::default(),
-            tools: ToolsConfig::default(),
-            orchestration: OrchestrationConfig::default(),
-            server: ServerConfig::default(),
-        }
-    }
 }
 
 /// `[session]`.
@@ -356,14 +338,16 @@ fn narrow(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
-/// `[server]`: parsed and validated, not used until `keel serve` exists.
+/// `[server]`: how `keel serve` listens, authenticates and shuts down.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ServerConfig {
     /// Address `keel serve` listens on.
     pub bind: SocketAddr,
-    /// Environment variable holding the management bearer token.
+    /// Environment variable holding the bearer token of the API.
     pub token_env: String,
+    /// Seconds a shutdown lets running turns finish before cancelling them.
+    pub shutdown_grace_secs: u64,
 }
 
 impl Default for ServerConfig {
@@ -371,6 +355,7 @@ impl Default for ServerConfig {
         Self {
             bind: DEFAULT_BIND,
             token_env: DEFAULT_TOKEN_ENV.to_owned(),
+            shutdown_grace_secs: DEFAULT_SHUTDOWN_GRACE_SECS,
         }
     }
 }

@@ -1,10 +1,11 @@
-//! The `keel` binary's library: configuration, the terminal chat with its
-//! slash commands, the offline demo and `agents check`.
+//! The `keel` binary's library: configuration, the HTTP/WebSocket server,
+//! the terminal chat with its slash commands, the offline demo and `agents
+//! check`.
 //!
 //! Architecture invariant: keel-gateway is the only crate that talks to
-//! users — the terminal today; HTTP, WebSocket and wire DTOs when `serve`
-//! arrives belong here too and nowhere else. It wires the other crates
-//! together and owns no domain logic of its own.
+//! users — the terminal, HTTP, WebSocket and wire DTOs (converted from
+//! engine types by hand) belong here and nowhere else. It wires the other
+//! crates together and owns no domain logic of its own.
 
 #![deny(missing_docs)]
 
@@ -15,6 +16,7 @@ pub mod cli;
 pub mod config;
 pub mod demo;
 mod error;
+pub mod serve;
 pub mod terminal;
 
 pub use error::{io_err, AppError, Result};

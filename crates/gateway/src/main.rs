@@ -1,4 +1,4 @@
-//! `keel`: demo, chat, agents check.
+//! `keel`: serve, chat, demo, agents check.
 
 fn main() -> std::process::ExitCode {
     keel_gateway::cli::main()

@@ -101,6 +101,11 @@ impl PendingTurn {
         self.cancel.clone()
     }
 
+    /// The turn's id (also in its [`TurnReport`]).
+    pub fn turn_id(&self) -> TurnId {
+        self.turn_id
+    }
+
     /// Waits for the loop, commits the turn (messages, state, checkpoint) in
     /// one transaction, then titles/summarizes. A storage failure after the
     /// store's retries is reported as a system notice event and returned.

@@ -14,13 +14,6 @@ pub(super) fn problems(config: &Config, env: &dyn Fn(&str) -> Option<String>) ->
     let mut out = Problems(Vec::new());
     profiles(config, env, &mut out);
     root_delegates(config, &mut out);
-    let output = keel_catalog::MAX_OUTPUT_TOKENS_BOUND;
-    out.range(
-        "root_max_output_tokens",
-        u64::from(config.root_max_output_tokens),
-        output.min,
-        output.max,
-    );
     session(&config.session, &mut out);
     storage(&config.storage, &mut out);
     tools(&config.tools, &mut out);
@@ -339,4 +332,10 @@ fn orchestration(o: &OrchestrationConfig, out: &mut Problems) {
 
 fn server(s: &ServerConfig, out: &mut Problems) {
     out.env_name("server.token_env", &s.token_env);
+    out.range(
+        "server.shutdown_grace_secs",
+        s.shutdown_grace_secs,
+        0,
+        MAX_SHUTDOWN_GRACE_SECS,
+    );
 }

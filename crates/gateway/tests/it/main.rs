@@ -1,6 +1,6 @@
 //! Integration tests of keel-gateway, linked into one binary: the
-//! configuration, and the `keel` binary's own commands (`demo`, `agents
-//! check`, `--help`). The chat transcripts and crash tests, which drive the
+//! configuration, the `keel` binary's own commands (`demo`, `agents
+//! check`, `--help`), and `keel serve` in-process with real clients. The chat transcripts and crash tests, which drive the
 //! binary across crates, are in keel-e2e.
 #![allow(clippy::unwrap_used)] // helpers outside #[test] fns unwrap too
 
@@ -8,3 +8,4 @@ mod agents_check;
 mod cli;
 mod config;
 mod demo;
+mod serve;

@@ -1,0 +1,669 @@
+//! The wire types of `keel serve`'s REST API: what clients send and receive,
+//! separate from engine and store types and converted from them by hand.
+//! Names are snake_case, times RFC 3339 strings (UTC, milliseconds), ids
+//! UUID strings; request bodies reject unknown fields.
+
+use std::time::{Duration, UNIX_EPOCH};
+
+use keel_core::{ContentPart, Role};
+use keel_store::{CheckpointRecord, InboxEvent, RunRecord, SessionRecord, StoredMessage};
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+use uuid::Uuid;
+
+/// Longest text of one message or steer, in bytes.
+pub const MAX_TEXT_BYTES: usize = 256 * 1024;
+/// Largest page a listing returns.
+pub const MAX_PAGE: usize = 200;
+/// Page size when `limit` is not given.
+pub const DEFAULT_PAGE: usize = 50;
+
+/// A point in time: RFC 3339, UTC, milliseconds (`2026-11-30T12:00:00.000Z`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, ToSchema)]
+#[schema(value_type = String, format = DateTime, example = "2026-11-30T12:00:00.000Z")]
+pub struct Timestamp(pub i64);
+
+impl Serialize for Timestamp {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let ms = u64::try_from(self.0).unwrap_or(0);
+        let at = UNIX_EPOCH + Duration::from_millis(ms);
+        s.collect_str(&humantime::format_rfc3339_millis(at))
+    }
+}
+
+impl<'de> Deserialize<'de> for Timestamp {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        let at = humantime::parse_rfc3339(&text).map_err(serde::de::Error::custom)?;
+        let ms = at
+            .duration_since(UNIX_EPOCH)
+            .map_err(serde::de::Error::custom)?
+            .as_millis();
+        Ok(Timestamp(
+            i64::try_from(ms).map_err(serde::de::Error::custom)?,
+        ))
+    }
+}
+
+/// Declares a wire enum mirroring a keel-core text enum, with `From` the core type.
+macro_rules! wire_enum {
+    ($(#[$m:meta])* $name:ident from $core:ty { $($(#[$vm:meta])* $variant:ident),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+        #[serde(rename_all = "snake_case")]
+        pub enum $name { $($(#[$vm])* $variant),+ }
+
+        impl From<$core> for $name {
+            fn from(v: $core) -> Self {
+                match v { $(<$core>::$variant => $name::$variant),+ }
+            }
+        }
+
+        impl From<$name> for $core {
+            fn from(v: $name) -> Self {
+                match v { $($name::$variant => <$core>::$variant),+ }
+            }
+        }
+    };
+}
+
+wire_enum!(
+    /// What started a turn.
+    TurnOrigin from keel_core::TurnOrigin {
+        /// A person sent input.
+        User,
+        /// Results of background agent runs arrived.
+        AgentContinuation,
+        /// The runtime itself.
+        System,
+    }
+);
+
+wire_enum!(
+    /// Who wrote a message.
+    MessageRole from Role {
+        /// Instructions for the model.
+        System,
+        /// A person.
+        User,
+        /// The model.
+        Assistant,
+        /// A tool's output.
+        Tool,
+    }
+);
+
+wire_enum!(
+    /// Where a sub-agent run is in its life.
+    RunStatus from keel_core::RunStatus {
+        /// Accepted, not started.
+        Queued,
+        /// Executing.
+        Running,
+        /// Waiting for its foreground children.
+        WaitingChildren,
+        /// Finished with a result.
+        Completed,
+        /// Finished with an error.
+        Failed,
+        /// Passed its deadline.
+        TimedOut,
+        /// Cancelled.
+        Cancelled,
+        /// Stopped by a restart of keel.
+        Interrupted,
+    }
+);
+
+wire_enum!(
+    /// Whether the delegating agent waited for the run.
+    RunMode from keel_core::ExecutionMode {
+        /// The caller waited.
+        Foreground,
+        /// The result arrives later, in the inbox.
+        Background,
+    }
+);
+
+wire_enum!(
+    /// What an agent event reports.
+    AgentEventType from keel_store::EventType {
+        /// A signal of a running run.
+        Signal,
+        /// A run finished.
+        Completion,
+        /// A group of runs finished.
+        GroupCompletion,
+    }
+);
+
+wire_enum!(
+    /// Where an agent event is in its delivery to the root agent.
+    AgentEventStatus from keel_store::EventStatus {
+        /// Waiting for a turn.
+        Pending,
+        /// Being delivered.
+        Leased,
+        /// Taken into a running turn.
+        Admitted,
+        /// Delivered.
+        Consumed,
+        /// Replaced by a later fact.
+        Superseded,
+        /// Given up on.
+        DeadLetter,
+    }
+);
+
+wire_enum!(
+    /// How a checkpoint came to be.
+    CheckpointSource from keel_store::CheckpointSource {
+        /// After a committed turn.
+        Turn,
+        /// Asked for explicitly.
+        Manual,
+        /// Made by a rollback (the new branch's start).
+        Rollback,
+        /// Made by a fork (the new dialog's start).
+        Fork,
+    }
+);
+
+/// A dialog: one conversation of a chat. Its `id` (a session id) names it
+/// in every URL and frame.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Dialog {
+    /// The dialog's session id.
+    pub id: Uuid,
+    /// Channel (`api`, `cli` …).
+    pub channel: String,
+    /// Chat within the channel.
+    pub chat_id: String,
+    /// Short id within the chat (what `keel chat` shows).
+    pub dialog_id: String,
+    /// Title.
+    pub title: String,
+    /// The agent it talks to (`root` for keel's root agent).
+    pub agent: Option<String>,
+    /// Visible user messages so far.
+    pub message_count: u64,
+    /// Creation time.
+    pub created_at: Timestamp,
+    /// Last activity.
+    pub last_active_at: Timestamp,
+}
+
+impl From<&SessionRecord> for Dialog {
+    fn from(r: &SessionRecord) -> Self {
+        Self {
+            id: r.id.as_uuid(),
+            channel: r.channel.clone(),
+            chat_id: r.chat_id.clone(),
+            dialog_id: r.dialog_id.clone(),
+            title: r.title.clone(),
+            agent: r.agent_id.as_ref().map(|a| a.as_str().to_owned()),
+            message_count: r.message_count,
+            created_at: Timestamp(r.created_at_ms),
+            last_active_at: Timestamp(r.last_active_at_ms),
+        }
+    }
+}
+
+/// A page of dialogs, most recently created first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DialogPage {
+    /// The dialogs.
+    pub items: Vec<Dialog>,
+    /// Pass as `cursor` for the next page; `null` on the last page.
+    pub next_cursor: Option<String>,
+}
+
+/// Which dialogs to list.
+#[derive(Debug, Clone, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct DialogListQuery {
+    /// Channel (default `api`).
+    pub channel: Option<String>,
+    /// Chat (default `default`).
+    pub chat_id: Option<String>,
+    /// `next_cursor` of the previous page.
+    pub cursor: Option<String>,
+    /// Page size, 1..=200 (default 50).
+    pub limit: Option<usize>,
+}
+
+/// A new dialog.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NewDialog {
+    /// Channel (default `api`).
+    #[serde(default)]
+    pub channel: Option<String>,
+    /// Chat (default `default`).
+    #[serde(default)]
+    pub chat_id: Option<String>,
+    /// Title (default `Dialog <dialog_id>`).
+    #[serde(default)]
+    pub title: Option<String>,
+    /// Agent to talk to (default: the root agent).
+    #[serde(default)]
+    pub agent: Option<String>,
+}
+
+/// A change to a dialog.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DialogPatch {
+    /// New title (1..=80 characters, no control characters; longer is cut).
+    pub title: String,
+}
+
+/// A tool call the model asked for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ToolCallInfo {
+    /// The call's id.
+    pub id: String,
+    /// The tool.
+    pub name: String,
+    /// Its arguments (JSON).
+    #[schema(value_type = Object)]
+    pub arguments: serde_json::Value,
+}
+
+/// A message of a dialog's visible history.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ChatMessage {
+    /// Position in the dialog's history; pages continue from it.
+    pub seq: i64,
+    /// Author.
+    pub role: MessageRole,
+    /// The text (text parts joined).
+    pub text: String,
+    /// Tool calls of an assistant message.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallInfo>,
+    /// The call a tool message answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// The tool of a tool message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_name: Option<String>,
+    /// What started the turn the message belongs to.
+    pub turn_origin: TurnOrigin,
+    /// When it was stored.
+    pub created_at: Timestamp,
+}
+
+impl From<&StoredMessage> for ChatMessage {
+    fn from(m: &StoredMessage) -> Self {
+        let text = m
+            .message
+            .content
+            .iter()
+            .filter_map(|p| match p {
+                ContentPart::Text { text } => Some(text.as_str()),
+                ContentPart::ImageRef { .. } => None,
+            })
+            .collect::<Vec<_>>()
+            .join("");
+        Self {
+            seq: m.seq,
+            role: m.message.role.into(),
+            text,
+            tool_calls: m
+                .message
+                .tool_calls
+                .iter()
+                .map(|c| ToolCallInfo {
+                    id: c.id.clone(),
+                    name: c.name.clone(),
+                    arguments: c.arguments.clone(),
+                })
+                .collect(),
+            tool_call_id: m.message.tool_call_id.clone(),
+            tool_name: m.message.tool_name.clone(),
+            turn_origin: m.message.origin.into(),
+            created_at: Timestamp(m.created_at_ms),
+        }
+    }
+}
+
+/// Reading direction of a message listing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Order {
+    /// Oldest first; pages continue after the cursor.
+    #[default]
+    Asc,
+    /// Newest first; pages continue before the cursor.
+    Desc,
+}
+
+/// Which messages to list.
+#[derive(Debug, Clone, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct MessageListQuery {
+    /// `next_cursor` of the previous page.
+    pub cursor: Option<String>,
+    /// Page size, 1..=200 (default 50).
+    pub limit: Option<usize>,
+    /// `asc` (default) or `desc`.
+    pub order: Option<Order>,
+}
+
+/// A page of visible messages.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MessagePage {
+    /// The messages.
+    pub items: Vec<ChatMessage>,
+    /// Pass as `cursor` (with the same `order`) for the next page; `null` when none is left now.
+    pub next_cursor: Option<String>,
+}
+
+/// A message to send to a dialog: it starts a turn.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SendMessage {
+    /// The text (1 byte ..= 256 KiB).
+    pub text: String,
+}
+
+/// A turn that started.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TurnAccepted {
+    /// The dialog.
+    pub session_id: Uuid,
+    /// The turn: its events and its `turn_committed` or `turn_failed` carry this id.
+    pub turn_id: Uuid,
+}
+
+/// What `stop` did.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StopReport {
+    /// Whether a running turn was cancelled (its output is not saved).
+    pub stopped: bool,
+}
+
+/// A checkpoint of a dialog. Checkpoints form a tree through `parent_id`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Checkpoint {
+    /// Its id.
+    pub id: Uuid,
+    /// The checkpoint it follows (`null` for a root).
+    pub parent_id: Option<Uuid>,
+    /// Turns committed up to it.
+    pub turn_index: u64,
+    /// How it was made.
+    pub source: CheckpointSource,
+    /// Messages in the history it saw (its last seq).
+    pub seq: i64,
+    /// Whether the dialog's current history runs through it.
+    pub on_current_branch: bool,
+    /// Creation time.
+    pub created_at: Timestamp,
+}
+
+impl Checkpoint {
+    /// The wire form of `c`; `on_current_branch` as given.
+    pub fn from_record(c: &CheckpointRecord, on_current_branch: bool) -> Self {
+        Self {
+            id: c.id.as_uuid(),
+            parent_id: c.parent_id.map(|p| p.as_uuid()),
+            turn_index: c.turn_index,
+            source: c.source.into(),
+            seq: c.seq,
+            on_current_branch,
+            created_at: Timestamp(c.created_at_ms),
+        }
+    }
+}
+
+/// Every checkpoint of a dialog, newest first, abandoned branches included.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointList {
+    /// The checkpoints.
+    pub items: Vec<Checkpoint>,
+}
+
+/// A fork: a new dialog starting at a checkpoint.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ForkRequest {
+    /// Title of the new dialog (default `Fork of <title>`).
+    #[serde(default)]
+    pub title: Option<String>,
+}
+
+/// Token usage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TokenUsage {
+    /// Input tokens.
+    pub prompt_tokens: u64,
+    /// Output tokens.
+    pub completion_tokens: u64,
+}
+
+/// A sub-agent run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AgentRun {
+    /// Its id.
+    pub id: Uuid,
+    /// The dialog whose root agent started its tree.
+    pub session_id: Uuid,
+    /// The run that delegated it (`null` when the root agent did).
+    pub parent_run_id: Option<Uuid>,
+    /// Its batch, if it was started in one.
+    pub group_id: Option<Uuid>,
+    /// The agent.
+    pub agent: String,
+    /// Foreground or background.
+    pub mode: RunMode,
+    /// Status.
+    pub status: RunStatus,
+    /// Depth in the tree (1 for a child of the root agent).
+    pub depth: u32,
+    /// The task (at most 2 KiB shown).
+    pub task: String,
+    /// Bytes of the full result, once completed.
+    pub result_bytes: Option<u64>,
+    /// The result, cut to 2 KiB.
+    pub result_preview: Option<String>,
+    /// The whole result: only in `GET /api/agent-runs/{id}`, `null` in listings and frames.
+    pub result: Option<String>,
+    /// Why it did not complete.
+    pub error: Option<String>,
+    /// Tokens used, once known.
+    pub usage: Option<TokenUsage>,
+    /// Tool calls made.
+    pub tool_calls: u32,
+    /// Model calls made.
+    pub iterations: u32,
+    /// The provider profile and model.
+    pub model: String,
+    /// Revision of its last change (per dialog; see the WebSocket protocol).
+    pub revision: u64,
+    /// Creation time.
+    pub created_at: Timestamp,
+    /// Start time.
+    pub started_at: Option<Timestamp>,
+    /// End time.
+    pub finished_at: Option<Timestamp>,
+    /// Deadline.
+    pub deadline_at: Timestamp,
+}
+
+/// Longest task or result preview in a run listing, in bytes.
+pub const PREVIEW_BYTES: usize = 2048;
+
+impl AgentRun {
+    /// The wire form of `r`, with its whole result when `full_result`.
+    pub fn from_record(r: &RunRecord, full_result: bool) -> Self {
+        let preview = |s: &String| keel_core::truncate_with_note(s.clone(), PREVIEW_BYTES);
+        Self {
+            id: r.spec.id.as_uuid(),
+            session_id: r.spec.root_session_id.as_uuid(),
+            parent_run_id: r.spec.parent_run_id.map(|p| p.as_uuid()),
+            group_id: r.group_id.map(|g| g.as_uuid()),
+            agent: r.spec.agent_id.as_str().to_owned(),
+            mode: r.spec.mode.into(),
+            status: r.status.into(),
+            depth: r.spec.depth,
+            task: keel_core::truncate_with_note(r.spec.task.clone(), PREVIEW_BYTES),
+            result_bytes: r.result.as_ref().map(|s| s.len() as u64),
+            result_preview: r.result.as_ref().map(preview),
+            result: r.result.clone().filter(|_| full_result),
+            error: r.error.clone(),
+            usage: r.usage.map(|u| TokenUsage {
+                prompt_tokens: u.prompt_tokens,
+                completion_tokens: u.completion_tokens,
+            }),
+            tool_calls: r.tool_calls_count,
+            iterations: r.iterations,
+            model: format!("{}/{}", r.spec.provider_profile, r.spec.model_id),
+            revision: r.revision,
+            created_at: Timestamp(r.created_at_ms),
+            started_at: r.started_at_ms.map(Timestamp),
+            finished_at: r.finished_at_ms.map(Timestamp),
+            deadline_at: Timestamp(r.spec.deadline_at_ms),
+        }
+    }
+}
+
+/// Which runs to list.
+#[derive(Debug, Clone, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct RunListQuery {
+    /// Only runs started from this dialog.
+    pub session_id: Option<String>,
+    /// Only runs in these statuses, comma-separated (`running,queued`).
+    pub status: Option<String>,
+    /// Only runs of this agent.
+    pub agent: Option<String>,
+    /// Only runs of this batch.
+    pub group_id: Option<String>,
+    /// Only runs this run delegated.
+    pub parent_run_id: Option<String>,
+    /// `next_cursor` of the previous page.
+    pub cursor: Option<String>,
+    /// Page size, 1..=200 (default 50).
+    pub limit: Option<usize>,
+}
+
+/// A page of runs, newest first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AgentRunPage {
+    /// The runs.
+    pub items: Vec<AgentRun>,
+    /// Pass as `cursor` for the next page; `null` on the last page.
+    pub next_cursor: Option<String>,
+    /// With `session_id`: the dialog's revision read before the runs (pass
+    /// it as `since_revision` when subscribing).
+    pub revision: Option<u64>,
+}
+
+/// A signal or completion of a run, on its way to the root agent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AgentEvent {
+    /// Its id.
+    pub id: Uuid,
+    /// The dialog whose inbox holds it.
+    pub session_id: Uuid,
+    /// The run it is about (`null` for a group completion).
+    pub run_id: Option<Uuid>,
+    /// The group it is about.
+    pub group_id: Option<Uuid>,
+    /// What it reports.
+    #[serde(rename = "type")]
+    pub event_type: AgentEventType,
+    /// Severity of a signal.
+    pub severity: Option<String>,
+    /// Its content (JSON).
+    #[schema(value_type = Object)]
+    pub payload: serde_json::Value,
+    /// Delivery status.
+    pub status: AgentEventStatus,
+    /// Whether it starts a continuation turn.
+    pub requires_continuation: bool,
+    /// Revision of its last change (per dialog).
+    pub revision: u64,
+    /// Creation time.
+    pub created_at: Timestamp,
+    /// When a turn consumed it.
+    pub consumed_at: Option<Timestamp>,
+}
+
+impl From<&InboxEvent> for AgentEvent {
+    fn from(e: &InboxEvent) -> Self {
+        Self {
+            id: e.id.as_uuid(),
+            session_id: e.root_session_id.as_uuid(),
+            run_id: e.run_id.map(|r| r.as_uuid()),
+            group_id: e.group_id.map(|g| g.as_uuid()),
+            event_type: e.event_type.into(),
+            severity: e.severity.clone(),
+            payload: serde_json::from_str(&e.payload_json)
+                .unwrap_or_else(|_| serde_json::Value::String(e.payload_json.clone())),
+            status: e.status.into(),
+            requires_continuation: e.requires_continuation,
+            revision: e.revision,
+            created_at: Timestamp(e.created_at_ms),
+            consumed_at: e.consumed_at_ms.map(Timestamp),
+        }
+    }
+}
+
+/// The events of a run, oldest first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AgentEventList {
+    /// The events.
+    pub items: Vec<AgentEvent>,
+}
+
+/// Liveness.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Health {
+    /// Always `ok`.
+    pub status: String,
+    /// keel's version.
+    pub version: String,
+}
+
+/// Readiness: whether new turns are accepted.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Ready {
+    /// `ready`.
+    pub status: String,
+    /// Generation of the agent catalog in force (`null` without agent definitions).
+    pub catalog_generation: Option<u64>,
+    /// Turns running now.
+    pub running_turns: usize,
+}
+
+/// What a catalog reload did.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReloadReport {
+    /// The generation now in force.
+    pub generation: u64,
+    /// The agents it defines.
+    pub agents: Vec<String>,
+}

@@ -1,0 +1,305 @@
+//! The WebSocket protocol of `/api/ws` (also the events of a streamed send,
+//! as SSE): JSON text frames tagged by `type`. docs/PROTOCOL.md shows every
+//! frame; a test parses its examples into these types.
+
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use super::api::{AgentEvent, AgentRun, TurnOrigin};
+
+/// Longest client-chosen request `id`, in bytes.
+pub const MAX_REQUEST_ID_BYTES: usize = 64;
+
+/// A frame a client sends.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ClientFrame {
+    /// Receive a dialog's turns and agent updates. With `since_revision`,
+    /// agent changes at or after it are sent first.
+    Subscribe {
+        /// Echoed in the answer.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        id: Option<String>,
+        /// The dialog.
+        session_id: Uuid,
+        /// The last revision the client saw (after a reconnect).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        since_revision: Option<u64>,
+    },
+    /// Stop receiving a dialog's frames.
+    Unsubscribe {
+        /// Echoed in the answer.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        id: Option<String>,
+        /// The dialog.
+        session_id: Uuid,
+    },
+    /// Send a message: starts a turn (and subscribes to the dialog).
+    Send {
+        /// Echoed in the answer.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        id: Option<String>,
+        /// The dialog.
+        session_id: Uuid,
+        /// The text.
+        text: String,
+    },
+    /// Cancel the dialog's running turn.
+    Stop {
+        /// Echoed in the answer.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        id: Option<String>,
+        /// The dialog.
+        session_id: Uuid,
+    },
+    /// A page of the dialog's sub-agent runs, newest first.
+    GetAgentRuns {
+        /// Echoed in the answer.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        id: Option<String>,
+        /// The dialog.
+        session_id: Uuid,
+        /// `next_cursor` of the previous page.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cursor: Option<String>,
+        /// Page size, 1..=200 (default 50).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        limit: Option<usize>,
+    },
+}
+
+/// A frame the server sends. Turn frames carry the dialog and turn; agent
+/// frames the dialog's revision.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ServerFrame {
+    /// The subscription is active; `revision` is the dialog's agent revision now.
+    Subscribed {
+        /// The request's `id`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        id: Option<String>,
+        /// The dialog.
+        session_id: Uuid,
+        /// The dialog's revision.
+        revision: u64,
+    },
+    /// The subscription ended.
+    Unsubscribed {
+        /// The request's `id`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        id: Option<String>,
+        /// The dialog.
+        session_id: Uuid,
+    },
+    /// A sent message started a turn.
+    TurnAccepted {
+        /// The request's `id`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        id: Option<String>,
+        /// The dialog.
+        session_id: Uuid,
+        /// The turn.
+        turn_id: Uuid,
+    },
+    /// What a `stop` did.
+    Stopped {
+        /// The request's `id`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        id: Option<String>,
+        /// The dialog.
+        session_id: Uuid,
+        /// Whether a running turn was cancelled.
+        stopped: bool,
+    },
+    /// A page of runs (answer to `get_agent_runs`).
+    AgentRuns {
+        /// The request's `id`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        id: Option<String>,
+        /// The dialog.
+        session_id: Uuid,
+        /// The dialog's revision, read before the runs.
+        revision: u64,
+        /// The runs.
+        runs: Vec<AgentRun>,
+        /// Cursor of the next page.
+        next_cursor: Option<String>,
+    },
+    /// A turn began.
+    TurnStarted {
+        /// The dialog.
+        session_id: Uuid,
+        /// The turn.
+        turn_id: Uuid,
+        /// What started it.
+        turn_origin: TurnOrigin,
+    },
+    /// A piece of the answer's text.
+    TextDelta {
+        /// The dialog.
+        session_id: Uuid,
+        /// The turn.
+        turn_id: Uuid,
+        /// The text.
+        text: String,
+    },
+    /// A tool call is about to run.
+    ToolStarted {
+        /// The dialog.
+        session_id: Uuid,
+        /// The turn.
+        turn_id: Uuid,
+        /// The call.
+        call_id: String,
+        /// The tool.
+        name: String,
+        /// Its arguments (JSON).
+        #[schema(value_type = Object)]
+        arguments: serde_json::Value,
+    },
+    /// A tool call finished.
+    ToolFinished {
+        /// The dialog.
+        session_id: Uuid,
+        /// The turn.
+        turn_id: Uuid,
+        /// The call.
+        call_id: String,
+        /// The tool.
+        name: String,
+        /// What the model reads (at most 2 KiB shown).
+        output: String,
+        /// Whether it failed.
+        is_error: bool,
+    },
+    /// A notice about the turn that is not part of the history.
+    Notice {
+        /// The dialog.
+        session_id: Uuid,
+        /// The turn.
+        turn_id: Uuid,
+        /// The text.
+        text: String,
+    },
+    /// The turn is saved: its messages are in the history.
+    TurnCommitted {
+        /// The dialog.
+        session_id: Uuid,
+        /// The turn.
+        turn_id: Uuid,
+        /// What started it.
+        turn_origin: TurnOrigin,
+        /// Its automatic checkpoint.
+        checkpoint_id: Option<Uuid>,
+    },
+    /// The turn ended without being saved.
+    TurnFailed {
+        /// The dialog.
+        session_id: Uuid,
+        /// The turn.
+        turn_id: Uuid,
+        /// What started it.
+        turn_origin: TurnOrigin,
+        /// Whether it was stopped (by `stop` or a shutdown) rather than failing.
+        cancelled: bool,
+        /// Why, for a person.
+        message: String,
+    },
+    /// A sub-agent run changed.
+    AgentRunUpdated {
+        /// The dialog.
+        session_id: Uuid,
+        /// The dialog's revision of this change.
+        revision: u64,
+        /// The run now.
+        run: AgentRun,
+    },
+    /// A signal or completion changed.
+    AgentEventUpdated {
+        /// The dialog.
+        session_id: Uuid,
+        /// The dialog's revision of this change.
+        revision: u64,
+        /// The event now.
+        event: AgentEvent,
+    },
+    /// Frames of this dialog were dropped (the client read too slowly, or
+    /// its `since_revision` is too old): re-read what you show
+    /// (`get_agent_runs`, the messages) and continue from `revision`.
+    Resync {
+        /// The dialog.
+        session_id: Uuid,
+        /// The dialog's revision when the gap was noticed.
+        revision: u64,
+        /// Why.
+        reason: String,
+    },
+    /// A request failed; the connection stays open.
+    Error {
+        /// The request's `id`, when it had one and could be read.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        id: Option<String>,
+        /// The HTTP status the same failure has in the REST API.
+        status: u16,
+        /// What was wrong, for a program.
+        code: String,
+        /// What was wrong, for a person.
+        detail: String,
+    },
+}
+
+impl ServerFrame {
+    /// The frame's `type`, which is also its SSE event name.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ServerFrame::Subscribed { .. } => "subscribed",
+            ServerFrame::Unsubscribed { .. } => "unsubscribed",
+            ServerFrame::TurnAccepted { .. } => "turn_accepted",
+            ServerFrame::Stopped { .. } => "stopped",
+            ServerFrame::AgentRuns { .. } => "agent_runs",
+            ServerFrame::TurnStarted { .. } => "turn_started",
+            ServerFrame::TextDelta { .. } => "text_delta",
+            ServerFrame::ToolStarted { .. } => "tool_started",
+            ServerFrame::ToolFinished { .. } => "tool_finished",
+            ServerFrame::Notice { .. } => "notice",
+            ServerFrame::TurnCommitted { .. } => "turn_committed",
+            ServerFrame::TurnFailed { .. } => "turn_failed",
+            ServerFrame::AgentRunUpdated { .. } => "agent_run_updated",
+            ServerFrame::AgentEventUpdated { .. } => "agent_event_updated",
+            ServerFrame::Resync { .. } => "resync",
+            ServerFrame::Error { .. } => "error",
+        }
+    }
+
+    /// The turn a turn frame belongs to.
+    pub fn turn_id(&self) -> Option<Uuid> {
+        match self {
+            ServerFrame::TurnStarted { turn_id, .. }
+            | ServerFrame::TextDelta { turn_id, .. }
+            | ServerFrame::ToolStarted { turn_id, .. }
+            | ServerFrame::ToolFinished { turn_id, .. }
+            | ServerFrame::Notice { turn_id, .. }
+            | ServerFrame::TurnCommitted { turn_id, .. }
+            | ServerFrame::TurnFailed { turn_id, .. } => Some(*turn_id),
+            _ => None,
+        }
+    }
+
+    /// The revision of an agent frame.
+    pub fn revision(&self) -> Option<u64> {
+        match self {
+            ServerFrame::AgentRunUpdated { revision, .. }
+            | ServerFrame::AgentEventUpdated { revision, .. } => Some(*revision),
+            _ => None,
+        }
+    }
+
+    /// Whether this frame ends its turn.
+    pub fn ends_turn(&self) -> bool {
+        matches!(
+            self,
+            ServerFrame::TurnCommitted { .. } | ServerFrame::TurnFailed { .. }
+        )
+    }
+}

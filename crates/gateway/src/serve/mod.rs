@@ -1,0 +1,349 @@
+//! `keel serve`: the HTTP and WebSocket API on the same [`App`] as `keel
+//! chat`. docs/PROTOCOL.md is the client's guide; `/api/openapi.json` the
+//! generated contract.
+//!
+//! - `api` and `frames` are the wire types (REST bodies; WebSocket and SSE
+//!   frames), converted from engine and store types by hand;
+//! - `routes` maps requests to the engine; `problem` turns every failure
+//!   into `application/problem+json`; `auth` checks the bearer token;
+//! - `turns` runs the turns clients start, apart from their connections;
+//!   `hub` fans a dialog's frames out to its subscribers with bounded
+//!   buffers; `projection` publishes sub-agent changes in revision order;
+//! - `ws` and `sse` are the two streaming transports.
+//!
+//! Shutdown: stop accepting connections, refuse new turns, let running
+//! turns finish for the grace period, cancel the rest (a cancelled turn
+//! commits nothing), then close WebSockets with "going away".
+
+pub mod api;
+mod auth;
+pub mod frames;
+mod hub;
+mod openapi;
+pub mod problem;
+mod projection;
+mod routes;
+mod sse;
+mod turns;
+mod ws;
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::app::App;
+use crate::cli::DataArgs;
+use crate::config::{ConfigError, LoadedConfig};
+use crate::{io_err, AppError};
+
+pub use auth::Token;
+pub use openapi::openapi_json;
+pub use turns::DrainReport;
+
+use api::ReloadReport;
+use hub::Hub;
+use problem::{ApiError, ApiResult};
+use projection::{Projections, RunRefresher};
+use turns::TurnRunner;
+
+/// Sizes a client controls, and the buffers that bound what a slow client costs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest request body, in bytes.
+    pub max_body_bytes: usize,
+    /// Largest WebSocket message, in bytes.
+    pub max_frame_bytes: usize,
+    /// Frames kept per watched dialog for subscribers that read slowly.
+    pub hub_capacity: usize,
+    /// Frames queued per WebSocket connection before its subscriptions wait.
+    pub connection_queue: usize,
+}
+
+impl Default for Limits {
+    /// 1 MiB bodies and frames, 1024 frames per dialog, 64 per connection.
+    fn default() -> Self {
+        Self {
+            max_body_bytes: 1024 * 1024,
+            max_frame_bytes: 1024 * 1024,
+            hub_capacity: 1024,
+            connection_queue: 64,
+        }
+    }
+}
+
+/// How `keel serve` listens.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// Address to listen on.
+    pub bind: SocketAddr,
+    /// The bearer token every `/api` request must present; `None`: no auth.
+    pub token: Option<Token>,
+    /// How long a shutdown waits for running turns before cancelling them.
+    pub shutdown_grace: Duration,
+    /// Size limits and buffers.
+    pub limits: Limits,
+}
+
+impl ServeOptions {
+    /// Options from `[server]` of `config`, `bind` (`--bind`) taking
+    /// precedence, and the token from the environment variable
+    /// `server.token_env` names (read through `env`). A non-loopback
+    /// address without a token is refused.
+    pub fn from_config(
+        config: &LoadedConfig,
+        bind: Option<SocketAddr>,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Self, ConfigError> {
+        let server = &config.config.server;
+        let (addr, key) = match bind {
+            Some(addr) => (addr, "--bind"),
+            None => (server.bind, "server.bind"),
+        };
+        let token = env(&server.token_env).and_then(|t| Token::new(&t));
+        if token.is_none() && !addr.ip().is_loopback() {
+            return Err(ConfigError::single(
+                config.source_label(),
+                key,
+                format!(
+                    "{addr} is not a loopback address and no token is set: anyone who can reach it \
+                     could use the API. Set the environment variable {} (server.token_env) to a \
+                     secret, or bind 127.0.0.1",
+                    server.token_env
+                ),
+            ));
+        }
+        Ok(Self {
+            bind: addr,
+            token,
+            shutdown_grace: Duration::from_secs(server.shutdown_grace_secs),
+            limits: Limits::default(),
+        })
+    }
+}
+
+/// What every request handler reaches: the app and the server's machinery.
+pub(crate) struct Shared {
+    app: App,
+    token: Option<Token>,
+    limits: Limits,
+    hub: Arc<Hub>,
+    projections: Arc<Projections>,
+    turns: Arc<TurnRunner>,
+    /// Cancelled once running turns are drained: WebSockets close, streams end.
+    closing: CancellationToken,
+    /// WebSocket connections, which a shutdown waits for.
+    sockets: TaskTracker,
+}
+
+impl Shared {
+    /// Rebuilds the agent catalog from its directory; on any error the
+    /// catalog in force stays and the error lists every problem.
+    async fn reload(&self) -> ApiResult<ReloadReport> {
+        let Some((handle, inputs)) = self.app.catalog.clone() else {
+            return Err(ApiError::Conflict(
+                "keel started without agent definitions; there is no catalog to reload".to_owned(),
+            ));
+        };
+        let reloading = handle.clone();
+        let outcome = tokio::task::spawn_blocking(move || reloading.reload(&inputs))
+            .await
+            .map_err(|e| ApiError::internal(&e))?;
+        match outcome {
+            Ok(generation) => Ok(ReloadReport {
+                generation,
+                agents: handle
+                    .current()
+                    .ids()
+                    .map(|id| id.as_str().to_owned())
+                    .collect(),
+            }),
+            Err(diagnostics) => Err(ApiError::Unprocessable {
+                detail: format!(
+                    "the agent definitions in {} have {} problem(s); generation {} stays in force",
+                    handle.root().display(),
+                    diagnostics.len(),
+                    handle.current().generation()
+                ),
+                errors: diagnostics
+                    .as_slice()
+                    .iter()
+                    .map(|d| d.to_string())
+                    .collect(),
+            }),
+        }
+    }
+}
+
+/// A running server.
+pub struct Server {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    grace: Duration,
+    stop_accepting: CancellationToken,
+    task: JoinHandle<std::io::Result<()>>,
+}
+
+impl Server {
+    /// Binds `options.bind` and starts serving `app`.
+    pub async fn start(app: App, options: ServeOptions) -> Result<Server, AppError> {
+        let listener = TcpListener::bind(options.bind)
+            .await
+            .map_err(io_err(format!("cannot listen on {}", options.bind)))?;
+        let addr = listener
+            .local_addr()
+            .map_err(io_err("cannot read the listening address"))?;
+        let hub = Arc::new(Hub::new(options.limits.hub_capacity));
+        let projections = Arc::new(Projections::new(app.store.clone(), hub.clone()));
+        if let Some(coordinator) = &app.coordinator {
+            coordinator.set_observer(Arc::new(RunRefresher {
+                projections: projections.clone(),
+                store: app.store.clone(),
+            }));
+        }
+        let turns = Arc::new(TurnRunner::new(
+            app.manager.clone(),
+            hub.clone(),
+            projections.clone(),
+        ));
+        let shared = Arc::new(Shared {
+            app,
+            token: options.token,
+            limits: options.limits,
+            hub,
+            projections,
+            turns,
+            closing: CancellationToken::new(),
+            sockets: TaskTracker::new(),
+        });
+        let stop_accepting = CancellationToken::new();
+        let serve = axum::serve(listener, routes::router(shared.clone()))
+            .with_graceful_shutdown(stop_accepting.clone().cancelled_owned());
+        let task = tokio::spawn(async move { serve.await });
+        Ok(Server {
+            addr,
+            shared,
+            grace: options.shutdown_grace,
+            stop_accepting,
+            task,
+        })
+    }
+
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Reloads the agent catalog (what `POST /api/admin/reload` and SIGHUP do).
+    pub async fn reload(&self) -> Result<ReloadReport, ApiError> {
+        self.shared.reload().await
+    }
+
+    /// Starts a shutdown: no new connections, no new turns; running turns
+    /// go on. [`Server::shutdown`] completes it.
+    pub fn begin_shutdown(&self) {
+        self.stop_accepting.cancel();
+        self.shared.turns.refuse_new();
+    }
+
+    /// Stops accepting, drains running turns (see the module docs), closes
+    /// every connection and stops the coordinator.
+    pub async fn shutdown(self) -> DrainReport {
+        self.begin_shutdown();
+        let report = self.shared.turns.drain(self.grace).await;
+        self.shared.closing.cancel();
+        self.shared.sockets.close();
+        self.shared.sockets.wait().await;
+        match self.task.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "the server ended with an error"),
+            Err(e) => tracing::warn!(error = %e, "the server task failed"),
+        }
+        if let Some(coordinator) = &self.shared.app.coordinator {
+            coordinator.shutdown();
+        }
+        report
+    }
+}
+
+/// `keel serve`: serves until SIGTERM or Ctrl-C; SIGHUP reloads the agent catalog.
+pub async fn run(data: DataArgs, bind: Option<SocketAddr>) -> Result<ExitCode, AppError> {
+    let app = App::open(data.config.as_deref(), data.data_dir.as_deref(), None).await?;
+    if let Some(notice) = app.offline_notice {
+        eprintln!("{notice}");
+    }
+    let options = ServeOptions::from_config(&app.config, bind, &|var| std::env::var(var).ok())?;
+    let auth = if options.token.is_some() {
+        "bearer token required"
+    } else {
+        "no token: loopback only"
+    };
+    let grace = options.shutdown_grace;
+    let server = Server::start(app, options).await?;
+    println!(
+        "keel serve: listening on http://{}/ ({auth}; API under /api, contract at /api/openapi.json)",
+        server.addr()
+    );
+    signals::serve_until_stopped(&server).await?;
+    eprintln!(
+        "keel serve: shutting down; running turns get {} s to finish",
+        grace.as_secs()
+    );
+    let report = server.shutdown().await;
+    eprintln!(
+        "keel serve: stopped ({} turn(s) finished, {} cancelled and not saved)",
+        report.finished, report.cancelled
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+mod signals {
+    //! The signals `keel serve` acts on.
+
+    use super::*;
+
+    /// Waits for SIGTERM or SIGINT, reloading the catalog on each SIGHUP.
+    #[cfg(unix)]
+    pub(super) async fn serve_until_stopped(server: &Server) -> Result<(), AppError> {
+        use tokio::signal::unix::{signal, SignalKind};
+        let listen = |kind: SignalKind, what: &str| {
+            signal(kind).map_err(io_err(format!("cannot listen for {what}")))
+        };
+        let mut term = listen(SignalKind::terminate(), "SIGTERM")?;
+        let mut int = listen(SignalKind::interrupt(), "SIGINT")?;
+        let mut hup = listen(SignalKind::hangup(), "SIGHUP")?;
+        loop {
+            tokio::select! {
+                _ = term.recv() => return Ok(()),
+                _ = int.recv() => return Ok(()),
+                _ = hup.recv() => match server.reload().await {
+                    Ok(r) => eprintln!(
+                        "keel serve: agent catalog reloaded (generation {}, {} agent(s))",
+                        r.generation,
+                        r.agents.len()
+                    ),
+                    Err(ApiError::Unprocessable { detail, errors }) => {
+                        eprintln!("keel serve: reload refused: {detail}");
+                        for e in errors {
+                            eprintln!("  {e}");
+                        }
+                    }
+                    Err(e) => eprintln!("keel serve: reload refused: {e}"),
+                },
+            }
+        }
+    }
+
+    /// Waits for Ctrl-C.
+    #[cfg(not(unix))]
+    pub(super) async fn serve_until_stopped(_server: &Server) -> Result<(), AppError> {
+        tokio::signal::ctrl_c()
+            .await
+            .map_err(io_err("cannot listen for Ctrl-C"))
+    }
+}

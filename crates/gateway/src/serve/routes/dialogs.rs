@@ -1,0 +1,290 @@
+//! Dialogs and what happens in them: listing, creating, renaming and
+//! deleting dialogs; their visible messages; sending (a turn, optionally
+//! streamed as SSE); stopping the running turn; checkpoints, rollback, fork.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use keel_core::{AgentId, CheckpointId};
+use keel_engine::DialogAddress;
+use keel_store::{DialogCursor, MessagePage as StorePage};
+
+use super::{checked_text, decode_cursor, encode_cursor, page_limit, parse_id};
+use crate::serve::api::{
+    ChatMessage, Checkpoint, CheckpointList, Dialog, DialogListQuery, DialogPage, DialogPatch,
+    ForkRequest, MessageListQuery, MessagePage, NewDialog, Order, SendMessage, StopReport,
+    TurnAccepted,
+};
+use crate::serve::openapi::Errors;
+use crate::serve::problem::{ApiError, ApiJson, ApiPath, ApiQuery, ApiResult};
+use crate::serve::Shared;
+
+/// Channel of dialogs created through the API when none is given.
+pub const DEFAULT_CHANNEL: &str = "api";
+/// Chat of dialogs created or listed through the API when none is given.
+pub const DEFAULT_CHAT: &str = "default";
+
+/// Lists a chat's dialogs, most recently created first.
+#[utoipa::path(get, path = "/api/dialogs", tag = "dialogs", params(DialogListQuery),
+    responses((status = 200, description = "A page of dialogs", body = DialogPage), Errors))]
+pub(crate) async fn list(
+    State(shared): State<Arc<Shared>>,
+    ApiQuery(q): ApiQuery<DialogListQuery>,
+) -> ApiResult<Json<DialogPage>> {
+    let channel = q.channel.as_deref().unwrap_or(DEFAULT_CHANNEL);
+    let chat = q.chat_id.as_deref().unwrap_or(DEFAULT_CHAT);
+    DialogAddress::new(channel, chat, DEFAULT_CHAT)?;
+    let limit = page_limit(q.limit)?;
+    let cursor = match q.cursor.as_deref() {
+        None => None,
+        Some(c) => {
+            let (created_at_ms, id) = decode_cursor(c)?;
+            Some(DialogCursor { created_at_ms, id })
+        }
+    };
+    let page = shared
+        .app
+        .manager
+        .list_dialogs(channel, chat, limit, cursor)
+        .await?;
+    Ok(Json(DialogPage {
+        items: page.items.iter().map(Dialog::from).collect(),
+        next_cursor: page
+            .next_cursor
+            .map(|c| encode_cursor(c.created_at_ms, c.id)),
+    }))
+}
+
+/// Creates a dialog with a fresh short id in a chat.
+#[utoipa::path(post, path = "/api/dialogs", tag = "dialogs", request_body = NewDialog,
+    responses((status = 201, description = "The new dialog", body = Dialog), Errors))]
+pub(crate) async fn create(
+    State(shared): State<Arc<Shared>>,
+    ApiJson(body): ApiJson<NewDialog>,
+) -> ApiResult<(StatusCode, Json<Dialog>)> {
+    let channel = body.channel.as_deref().unwrap_or(DEFAULT_CHANNEL);
+    let chat = body.chat_id.as_deref().unwrap_or(DEFAULT_CHAT);
+    let agent = body
+        .agent
+        .as_deref()
+        .map(AgentId::parse)
+        .transpose()
+        .map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    let title = match body.title {
+        Some(t) => Some(checked_title(&t)?),
+        None => None,
+    };
+    let manager = &shared.app.manager;
+    let id = manager.create_dialog(channel, chat, title, agent).await?;
+    let record = shared.dialog_by_id(id).await?;
+    Ok((StatusCode::CREATED, Json(Dialog::from(&record))))
+}
+
+/// A title as the engine stores it, checked before anything is written.
+fn checked_title(title: &str) -> ApiResult<String> {
+    let t = title.trim();
+    if t.is_empty() || t.chars().any(char::is_control) {
+        return Err(ApiError::BadRequest(
+            "a title must have text and no control characters".to_owned(),
+        ));
+    }
+    Ok(t.to_owned())
+}
+
+/// One dialog.
+#[utoipa::path(get, path = "/api/dialogs/{id}", tag = "dialogs",
+    params(("id" = String, Path, description = "The dialog's id")),
+    responses((status = 200, description = "The dialog", body = Dialog), Errors))]
+pub(crate) async fn get_one(
+    State(shared): State<Arc<Shared>>,
+    ApiPath(id): ApiPath<String>,
+) -> ApiResult<Json<Dialog>> {
+    Ok(Json(Dialog::from(&shared.dialog(&id).await?)))
+}
+
+/// Renames a dialog (which also stops automatic titles for it).
+#[utoipa::path(patch, path = "/api/dialogs/{id}", tag = "dialogs", request_body = DialogPatch,
+    params(("id" = String, Path, description = "The dialog's id")),
+    responses((status = 200, description = "The renamed dialog", body = Dialog), Errors))]
+pub(crate) async fn rename(
+    State(shared): State<Arc<Shared>>,
+    ApiPath(id): ApiPath<String>,
+    ApiJson(patch): ApiJson<DialogPatch>,
+) -> ApiResult<Json<Dialog>> {
+    let record = shared.dialog(&id).await?;
+    let title = checked_title(&patch.title)?;
+    shared.app.manager.rename_dialog(record.id, &title).await?;
+    Ok(Json(Dialog::from(&shared.dialog_by_id(record.id).await?)))
+}
+
+/// Deletes a dialog: it leaves listings and its sub-agent runs are cancelled; its rows stay.
+#[utoipa::path(delete, path = "/api/dialogs/{id}", tag = "dialogs",
+    params(("id" = String, Path, description = "The dialog's id")),
+    responses((status = 204, description = "Deleted"), Errors))]
+pub(crate) async fn delete(
+    State(shared): State<Arc<Shared>>,
+    ApiPath(id): ApiPath<String>,
+) -> ApiResult<StatusCode> {
+    let record = shared.dialog(&id).await?;
+    shared.app.manager.delete_dialog(record.id).await?;
+    shared.projections.refresh(record.id).await;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// The dialog's visible messages (hidden runtime messages are never listed).
+#[utoipa::path(get, path = "/api/dialogs/{id}/messages", tag = "dialogs",
+    params(("id" = String, Path, description = "The dialog's id"), MessageListQuery),
+    responses((status = 200, description = "A page of messages", body = MessagePage), Errors))]
+pub(crate) async fn messages(
+    State(shared): State<Arc<Shared>>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<MessageListQuery>,
+) -> ApiResult<Json<MessagePage>> {
+    let record = shared.dialog(&id).await?;
+    let limit = page_limit(q.limit)?;
+    let cursor = match q.cursor.as_deref() {
+        None => None,
+        Some(c) => Some(c.parse::<i64>().map_err(|_| {
+            ApiError::BadRequest(format!("cursor {c:?} is not one this server gave"))
+        })?),
+    };
+    let items = shared
+        .app
+        .store
+        .load_message_page(
+            record.id,
+            StorePage {
+                visible_only: true,
+                newest_first: q.order.unwrap_or_default() == Order::Desc,
+                cursor,
+                limit,
+            },
+        )
+        .await?;
+    let next_cursor = (items.len() == limit)
+        .then(|| items.last().map(|m| m.seq.to_string()))
+        .flatten();
+    Ok(Json(MessagePage {
+        items: items.iter().map(ChatMessage::from).collect(),
+        next_cursor,
+    }))
+}
+
+/// Sends a message: a turn starts once the dialog's previous turn ended.
+/// With `Accept: text/event-stream` the turn's frames stream as SSE events
+/// until `turn_committed` or `turn_failed`; otherwise the turn's id returns
+/// at once and its frames go to the dialog's WebSocket subscribers.
+#[utoipa::path(post, path = "/api/dialogs/{id}/messages", tag = "dialogs", request_body = SendMessage,
+    params(("id" = String, Path, description = "The dialog's id")),
+    responses(
+        (status = 202, description = "The turn started", body = TurnAccepted),
+        (status = 200, description = "The turn's frames (`turn_started`, `text_delta`, … `turn_committed` or `turn_failed`) as server-sent events named by their `type`", content_type = "text/event-stream", body = String),
+        Errors))]
+pub(crate) async fn send(
+    State(shared): State<Arc<Shared>>,
+    ApiPath(id): ApiPath<String>,
+    headers: HeaderMap,
+    ApiJson(body): ApiJson<SendMessage>,
+) -> ApiResult<Response> {
+    let record = shared.dialog(&id).await?;
+    let text = checked_text(body.text)?;
+    let wants_stream = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("text/event-stream"));
+    if wants_stream {
+        return crate::serve::sse::send_streamed(shared, record.id, text).await;
+    }
+    let turn = shared.turns.send(record.id, text).await?;
+    let accepted = TurnAccepted {
+        session_id: record.id.as_uuid(),
+        turn_id: turn.as_uuid(),
+    };
+    Ok((StatusCode::ACCEPTED, Json(accepted)).into_response())
+}
+
+/// Cancels the dialog's running turn; nothing of it is saved.
+#[utoipa::path(post, path = "/api/dialogs/{id}/stop", tag = "dialogs",
+    params(("id" = String, Path, description = "The dialog's id")),
+    responses((status = 200, description = "Whether a turn was running", body = StopReport), Errors))]
+pub(crate) async fn stop(
+    State(shared): State<Arc<Shared>>,
+    ApiPath(id): ApiPath<String>,
+) -> ApiResult<Json<StopReport>> {
+    let record = shared.dialog(&id).await?;
+    Ok(Json(StopReport {
+        stopped: shared.app.manager.stop(record.id),
+    }))
+}
+
+/// Every checkpoint of the dialog, newest first, as a tree through `parent_id`.
+#[utoipa::path(get, path = "/api/dialogs/{id}/checkpoints", tag = "checkpoints",
+    params(("id" = String, Path, description = "The dialog's id")),
+    responses((status = 200, description = "The checkpoints", body = CheckpointList), Errors))]
+pub(crate) async fn checkpoints(
+    State(shared): State<Arc<Shared>>,
+    ApiPath(id): ApiPath<String>,
+) -> ApiResult<Json<CheckpointList>> {
+    let record = shared.dialog(&id).await?;
+    let store = &shared.app.store;
+    let ranges = store.history_ranges(record.id).await?;
+    let list = shared.app.manager.list_checkpoints(record.id).await?;
+    let items = list
+        .iter()
+        .map(|c| {
+            let current = ranges
+                .iter()
+                .any(|(t, upto)| *t == c.timeline_id && c.seq <= *upto);
+            Checkpoint::from_record(c, current)
+        })
+        .collect();
+    Ok(Json(CheckpointList { items }))
+}
+
+/// Goes back to a checkpoint: a new branch starts there (after the running
+/// turn, if any, ended); the abandoned branch stays listed.
+#[utoipa::path(post, path = "/api/dialogs/{id}/checkpoints/{checkpoint_id}/rollback", tag = "checkpoints",
+    params(("id" = String, Path, description = "The dialog's id"),
+           ("checkpoint_id" = String, Path, description = "A checkpoint of this dialog")),
+    responses((status = 200, description = "The checkpoint the new branch starts from", body = Checkpoint), Errors))]
+pub(crate) async fn rollback(
+    State(shared): State<Arc<Shared>>,
+    ApiPath((id, checkpoint)): ApiPath<(String, String)>,
+) -> ApiResult<Json<Checkpoint>> {
+    let record = shared.dialog(&id).await?;
+    let checkpoint: CheckpointId = parse_id("checkpoint", &checkpoint)?;
+    let made = shared.app.manager.rollback(record.id, checkpoint).await?;
+    Ok(Json(Checkpoint::from_record(&made, true)))
+}
+
+/// Copies a checkpoint into a new dialog of the same chat (no history is copied).
+#[utoipa::path(post, path = "/api/dialogs/{id}/checkpoints/{checkpoint_id}/fork", tag = "checkpoints",
+    request_body = ForkRequest,
+    params(("id" = String, Path, description = "The dialog's id"),
+           ("checkpoint_id" = String, Path, description = "A checkpoint of this dialog")),
+    responses((status = 201, description = "The new dialog", body = Dialog), Errors))]
+pub(crate) async fn fork(
+    State(shared): State<Arc<Shared>>,
+    ApiPath((id, checkpoint)): ApiPath<(String, String)>,
+    ApiJson(body): ApiJson<ForkRequest>,
+) -> ApiResult<(StatusCode, Json<Dialog>)> {
+    let record = shared.dialog(&id).await?;
+    let checkpoint: CheckpointId = parse_id("checkpoint", &checkpoint)?;
+    let title = match body.title {
+        Some(t) => Some(checked_title(&t)?),
+        None => None,
+    };
+    let store = &shared.app.store;
+    store
+        .get_checkpoint(checkpoint)
+        .await?
+        .filter(|c| c.session_id == record.id)
+        .ok_or_else(|| ApiError::NotFound(format!("checkpoint {checkpoint} not found")))?;
+    let new = shared.app.manager.fork(checkpoint, title).await?;
+    let made = shared.dialog_by_id(new).await?;
+    Ok((StatusCode::CREATED, Json(Dialog::from(&made))))
+}

@@ -1,0 +1,143 @@
+//! The router of `keel serve` and what its handlers share: id, cursor and
+//! limit parsing, the dialog lookup, the input checks.
+//!
+//! - `dialogs`: dialogs, messages, sending, stop, checkpoints;
+//! - `runs`: sub-agent runs and their events;
+//! - `system`: health, readiness, the OpenAPI document, catalog reload.
+
+pub(crate) mod dialogs;
+pub(crate) mod runs;
+pub(crate) mod system;
+
+use std::str::FromStr;
+use std::sync::Arc;
+
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use axum::Router;
+use keel_core::SessionId;
+use keel_store::SessionRecord;
+
+use super::api::{DEFAULT_PAGE, MAX_PAGE, MAX_TEXT_BYTES};
+use super::problem::{ApiError, ApiResult};
+use super::Shared;
+
+/// Every route; `/api` behind the bearer token when one is configured.
+pub(crate) fn router(shared: Arc<Shared>) -> Router {
+    let api = Router::new()
+        .route("/health", get(system::health))
+        .route("/ready", get(system::ready))
+        .route("/openapi.json", get(system::openapi))
+        .route("/admin/reload", post(system::reload))
+        .route("/dialogs", get(dialogs::list).post(dialogs::create))
+        .route(
+            "/dialogs/{id}",
+            get(dialogs::get_one)
+                .patch(dialogs::rename)
+                .delete(dialogs::delete),
+        )
+        .route(
+            "/dialogs/{id}/messages",
+            get(dialogs::messages).post(dialogs::send),
+        )
+        .route("/dialogs/{id}/stop", post(dialogs::stop))
+        .route("/dialogs/{id}/checkpoints", get(dialogs::checkpoints))
+        .route(
+            "/dialogs/{id}/checkpoints/{checkpoint_id}/rollback",
+            post(dialogs::rollback),
+        )
+        .route(
+            "/dialogs/{id}/checkpoints/{checkpoint_id}/fork",
+            post(dialogs::fork),
+        )
+        .route("/agent-runs", get(runs::list))
+        .route("/agent-runs/{id}", get(runs::get_one))
+        .route("/agent-runs/{id}/events", get(runs::events))
+        .route("/agent-runs/{id}/cancel", post(runs::cancel))
+        .route("/ws", get(super::ws::upgrade))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            shared.clone(),
+            super::auth::require_token,
+        ));
+    Router::new()
+        .route("/", get(system::index))
+        .nest("/api", api)
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(shared.limits.max_body_bytes))
+        .with_state(shared)
+}
+
+async fn not_found(axum::extract::OriginalUri(uri): axum::extract::OriginalUri) -> ApiError {
+    ApiError::NotFound(format!("no route {}", uri.path()))
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::MethodNotAllowed
+}
+
+/// Parses a path or query id (a UUID), naming `what` it should be.
+pub(crate) fn parse_id<T: FromStr>(what: &str, text: &str) -> ApiResult<T> {
+    text.parse()
+        .map_err(|_| ApiError::BadRequest(format!("{text:?} is not a {what} id (a UUID)")))
+}
+
+/// The page size `limit` asks for: 1..=[`MAX_PAGE`], [`DEFAULT_PAGE`] when absent.
+pub(crate) fn page_limit(limit: Option<usize>) -> ApiResult<usize> {
+    match limit {
+        None => Ok(DEFAULT_PAGE),
+        Some(n) if (1..=MAX_PAGE).contains(&n) => Ok(n),
+        Some(n) => Err(ApiError::BadRequest(format!(
+            "limit {n} is outside 1..={MAX_PAGE}"
+        ))),
+    }
+}
+
+/// A cursor of a listing ordered by (created_at, id): `<ms>_<uuid>`.
+pub(crate) fn encode_cursor(created_at_ms: i64, id: impl std::fmt::Display) -> String {
+    format!("{created_at_ms}_{id}")
+}
+
+/// The (created_at, id) of a cursor made by [`encode_cursor`].
+pub(crate) fn decode_cursor<T: FromStr>(cursor: &str) -> ApiResult<(i64, T)> {
+    let bad = || ApiError::BadRequest(format!("cursor {cursor:?} is not one this server gave"));
+    let (at, id) = cursor.split_once('_').ok_or_else(bad)?;
+    Ok((
+        at.parse().map_err(|_| bad())?,
+        id.parse().map_err(|_| bad())?,
+    ))
+}
+
+/// A message or steer text: not blank, at most [`MAX_TEXT_BYTES`].
+pub(crate) fn checked_text(text: String) -> ApiResult<String> {
+    if text.trim().is_empty() {
+        return Err(ApiError::BadRequest("text is empty".to_owned()));
+    }
+    if text.len() > MAX_TEXT_BYTES {
+        return Err(ApiError::PayloadTooLarge(format!(
+            "text is {} bytes; at most {MAX_TEXT_BYTES} are accepted",
+            text.len()
+        )));
+    }
+    Ok(text)
+}
+
+impl Shared {
+    /// The dialog `id` names; a deleted one is not found.
+    pub(crate) async fn dialog(&self, id: &str) -> ApiResult<SessionRecord> {
+        let session: SessionId = parse_id("dialog", id)?;
+        self.dialog_by_id(session).await
+    }
+
+    /// The dialog with session id `session`; a deleted one is not found.
+    pub(crate) async fn dialog_by_id(&self, session: SessionId) -> ApiResult<SessionRecord> {
+        self.app
+            .store
+            .get_session(session)
+            .await?
+            .filter(|r| r.deleted_at_ms.is_none())
+            .ok_or_else(|| ApiError::NotFound(format!("dialog {session} not found")))
+    }
+}

@@ -1,0 +1,192 @@
+//! Sub-agent runs: listing with filters and cursors, one run with its whole
+//! result, its events, and cancelling it through the coordinator.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::Json;
+use keel_core::{AgentId, CancellationToken, RunId, RunStatus, SessionId, TurnId};
+use keel_engine::CallerContext;
+use keel_store::{RunCursor, RunQuery, RunRecord};
+
+use super::{decode_cursor, encode_cursor, page_limit, parse_id};
+use crate::serve::api::{AgentEvent, AgentEventList, AgentRun, AgentRunPage, RunListQuery};
+use crate::serve::openapi::Errors;
+use crate::serve::problem::{ApiError, ApiPath, ApiQuery, ApiResult};
+use crate::serve::Shared;
+
+/// The statuses of a comma-separated `status` filter.
+fn statuses(text: &str) -> ApiResult<Vec<RunStatus>> {
+    text.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            s.parse::<RunStatus>()
+                .map_err(|e| ApiError::BadRequest(e.to_string()))
+        })
+        .collect()
+}
+
+/// The query a [`RunListQuery`] asks for.
+fn run_query(q: &RunListQuery) -> ApiResult<RunQuery> {
+    Ok(RunQuery {
+        root_session_id: q
+            .session_id
+            .as_deref()
+            .map(|s| parse_id::<SessionId>("dialog", s))
+            .transpose()?,
+        statuses: q
+            .status
+            .as_deref()
+            .map(statuses)
+            .transpose()?
+            .unwrap_or_default(),
+        agent_id: q
+            .agent
+            .as_deref()
+            .map(AgentId::parse)
+            .transpose()
+            .map_err(|e| ApiError::BadRequest(e.to_string()))?,
+        group_id: q
+            .group_id
+            .as_deref()
+            .map(|g| parse_id("group", g))
+            .transpose()?,
+        parent_run_id: q
+            .parent_run_id
+            .as_deref()
+            .map(|r| parse_id("run", r))
+            .transpose()?,
+        limit: page_limit(q.limit)?,
+        cursor: match q.cursor.as_deref() {
+            None => None,
+            Some(c) => {
+                let (created_at_ms, id) = decode_cursor(c)?;
+                Some(RunCursor { created_at_ms, id })
+            }
+        },
+    })
+}
+
+/// Runs, newest first, optionally of one dialog, status, agent, batch or parent.
+#[utoipa::path(get, path = "/api/agent-runs", tag = "agent-runs", params(RunListQuery),
+    responses((status = 200, description = "A page of runs", body = AgentRunPage), Errors))]
+pub(crate) async fn list(
+    State(shared): State<Arc<Shared>>,
+    ApiQuery(q): ApiQuery<RunListQuery>,
+) -> ApiResult<Json<AgentRunPage>> {
+    let query = run_query(&q)?;
+    Ok(Json(shared.run_page(query).await?))
+}
+
+impl Shared {
+    /// A page of runs; with a dialog, its revision read first.
+    pub(crate) async fn run_page(&self, query: RunQuery) -> ApiResult<AgentRunPage> {
+        let store = &self.app.store;
+        let revision = match query.root_session_id {
+            Some(session) => Some(store.inbox_usage(session).await?.revision),
+            None => None,
+        };
+        let page = match query.group_id {
+            // A batch is small: its runs come whole, in creation order.
+            Some(group) if query.cursor.is_none() => keel_store::Page {
+                items: store
+                    .group_runs(group)
+                    .await?
+                    .into_iter()
+                    .filter(|r| matches_query(&query, r))
+                    .collect(),
+                next_cursor: None,
+            },
+            Some(_) => keel_store::Page {
+                items: Vec::new(),
+                next_cursor: None,
+            },
+            None => store.query_runs(query).await?,
+        };
+        Ok(AgentRunPage {
+            items: page
+                .items
+                .iter()
+                .map(|r| AgentRun::from_record(r, false))
+                .collect(),
+            next_cursor: page
+                .next_cursor
+                .map(|c| encode_cursor(c.created_at_ms, c.id)),
+            revision,
+        })
+    }
+
+    /// The run `id` names.
+    async fn run(&self, id: &str) -> ApiResult<RunRecord> {
+        let run_id: RunId = parse_id("run", id)?;
+        self.app
+            .store
+            .get_run(run_id)
+            .await?
+            .ok_or_else(|| ApiError::NotFound(format!("run {run_id} not found")))
+    }
+}
+
+/// Whether `r` passes the filters of `q` other than the group.
+fn matches_query(q: &RunQuery, r: &RunRecord) -> bool {
+    q.root_session_id
+        .is_none_or(|s| s == r.spec.root_session_id)
+        && (q.statuses.is_empty() || q.statuses.contains(&r.status))
+        && q.agent_id.as_ref().is_none_or(|a| *a == r.spec.agent_id)
+        && q.parent_run_id
+            .is_none_or(|p| Some(p) == r.spec.parent_run_id)
+}
+
+/// One run, with its whole result.
+#[utoipa::path(get, path = "/api/agent-runs/{id}", tag = "agent-runs",
+    params(("id" = String, Path, description = "The run's id")),
+    responses((status = 200, description = "The run", body = AgentRun), Errors))]
+pub(crate) async fn get_one(
+    State(shared): State<Arc<Shared>>,
+    ApiPath(id): ApiPath<String>,
+) -> ApiResult<Json<AgentRun>> {
+    Ok(Json(AgentRun::from_record(&shared.run(&id).await?, true)))
+}
+
+/// The run's signals and completion, oldest first.
+#[utoipa::path(get, path = "/api/agent-runs/{id}/events", tag = "agent-runs",
+    params(("id" = String, Path, description = "The run's id")),
+    responses((status = 200, description = "The run's events", body = AgentEventList), Errors))]
+pub(crate) async fn events(
+    State(shared): State<Arc<Shared>>,
+    ApiPath(id): ApiPath<String>,
+) -> ApiResult<Json<AgentEventList>> {
+    let run = shared.run(&id).await?;
+    let events = shared.app.store.run_events(run.spec.id).await?;
+    Ok(Json(AgentEventList {
+        items: events.iter().map(AgentEvent::from).collect(),
+    }))
+}
+
+/// Cancels a run that has not ended (with its foreground descendants) and
+/// returns it once it has; an ended run is returned as it is.
+#[utoipa::path(post, path = "/api/agent-runs/{id}/cancel", tag = "agent-runs",
+    params(("id" = String, Path, description = "The run's id")),
+    responses((status = 200, description = "The run, ended", body = AgentRun), Errors))]
+pub(crate) async fn cancel(
+    State(shared): State<Arc<Shared>>,
+    ApiPath(id): ApiPath<String>,
+) -> ApiResult<Json<AgentRun>> {
+    let run = shared.run(&id).await?;
+    if run.status.is_terminal() {
+        return Ok(Json(AgentRun::from_record(&run, true)));
+    }
+    let Some(coordinator) = &shared.app.coordinator else {
+        return Err(ApiError::Conflict(
+            "keel started without agent definitions, so it cannot cancel runs; they end as interrupted on the next start with definitions".to_owned(),
+        ));
+    };
+    // The API acts for the dialog's owner: the root of the run's tree.
+    let root = run.spec.root_session_id;
+    let caller = CallerContext::root(root, TurnId::new(), CancellationToken::new());
+    coordinator.cancel_run(&caller, run.spec.id).await?;
+    shared.projections.refresh(root).await;
+    let ended = shared.run(&id).await?;
+    Ok(Json(AgentRun::from_record(&ended, true)))
+}

@@ -1,0 +1,251 @@
+//! [`TurnRunner`]: runs the turns clients start, independent of the
+//! connection that started them (a client that disconnects does not cancel
+//! its turn), publishes their events to the dialog's subscribers, and lets
+//! a shutdown wait for them — then cancel those still running, which
+//! commits nothing of them.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use keel_core::{Message, SessionId, StreamEvent, TurnId};
+use keel_engine::{EngineError, SessionManager, TurnEvent};
+use parking_lot::Mutex;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::api::{TurnOrigin, PREVIEW_BYTES};
+use super::frames::ServerFrame;
+use super::hub::Hub;
+use super::problem::{ApiError, ApiResult};
+use super::projection::Projections;
+
+/// How turns ended during a shutdown.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DrainReport {
+    /// Turns that ended (committed or failed) within the grace period.
+    pub finished: usize,
+    /// Turns cancelled when the grace period ran out (nothing of them was saved).
+    pub cancelled: usize,
+}
+
+/// Runs client turns; see the module docs.
+pub struct TurnRunner {
+    manager: Arc<SessionManager>,
+    hub: Arc<Hub>,
+    projections: Arc<Projections>,
+    tracker: TaskTracker,
+    /// Cancelled when a shutdown's grace period runs out: every turn still
+    /// running or waiting for its dialog is cancelled.
+    cancel_all: CancellationToken,
+    running: Mutex<HashMap<TurnId, CancellationToken>>,
+}
+
+impl std::fmt::Debug for TurnRunner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TurnRunner")
+            .field("running", &self.running.lock().len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The frame of one turn event.
+fn event_frame(session: SessionId, turn: TurnId, event: TurnEvent) -> Option<ServerFrame> {
+    let session_id = session.as_uuid();
+    let turn_id = turn.as_uuid();
+    Some(match event {
+        TurnEvent::Stream(StreamEvent::TextDelta { text }) => ServerFrame::TextDelta {
+            session_id,
+            turn_id,
+            text,
+        },
+        TurnEvent::Stream(_) => return None,
+        TurnEvent::ToolStarted { call } => ServerFrame::ToolStarted {
+            session_id,
+            turn_id,
+            call_id: call.id,
+            name: call.name,
+            arguments: call.arguments,
+        },
+        TurnEvent::ToolFinished {
+            call_id,
+            name,
+            output,
+        } => ServerFrame::ToolFinished {
+            session_id,
+            turn_id,
+            call_id,
+            name,
+            output: keel_core::truncate_with_note(output.content, PREVIEW_BYTES),
+            is_error: output.is_error,
+        },
+        TurnEvent::SystemNotice { text } => ServerFrame::Notice {
+            session_id,
+            turn_id,
+            text,
+        },
+    })
+}
+
+/// The message a client reads about a turn that ended unsaved.
+fn failure_message(e: &EngineError) -> String {
+    if e.is_cancelled() {
+        "the turn was stopped; nothing of it was saved".to_owned()
+    } else if e.is_internal() {
+        ApiError::internal(e).to_string()
+    } else {
+        format!("the turn failed and was not saved: {e}")
+    }
+}
+
+impl TurnRunner {
+    /// A runner of `manager`'s turns publishing to `hub`.
+    pub fn new(manager: Arc<SessionManager>, hub: Arc<Hub>, projections: Arc<Projections>) -> Self {
+        Self {
+            manager,
+            hub,
+            projections,
+            tracker: TaskTracker::new(),
+            cancel_all: CancellationToken::new(),
+            running: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Turns running now.
+    pub fn running(&self) -> usize {
+        self.running.lock().len()
+    }
+
+    /// Whether new turns are refused (a shutdown began).
+    pub fn is_draining(&self) -> bool {
+        self.tracker.is_closed()
+    }
+
+    /// Starts a user turn of `session` with `text`; returns its id once it
+    /// runs (after the dialog's previous turn ended).
+    pub async fn send(self: &Arc<Self>, session: SessionId, text: String) -> ApiResult<TurnId> {
+        if self.is_draining() {
+            return Err(ApiError::Unavailable(
+                "the server is shutting down; no new turns are started".to_owned(),
+            ));
+        }
+        let (started_tx, started_rx) = oneshot::channel();
+        let me = self.clone();
+        self.tracker
+            .spawn(async move { me.run(session, text, started_tx).await });
+        match started_rx.await {
+            Ok(result) => result.map_err(ApiError::from),
+            Err(_) => Err(ApiError::internal(&"the turn task ended before starting")),
+        }
+    }
+
+    async fn run(
+        self: Arc<Self>,
+        session: SessionId,
+        text: String,
+        started: oneshot::Sender<Result<TurnId, EngineError>>,
+    ) {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let submit = self
+            .manager
+            .submit_turn_stream(session, vec![Message::user(text)], Some(tx));
+        let pending = tokio::select! {
+            pending = submit => match pending {
+                Ok(p) => p,
+                Err(e) => {
+                    let _ = started.send(Err(e));
+                    return;
+                }
+            },
+            () = self.cancel_all.cancelled() => {
+                let _ = started.send(Err(EngineError::Cancelled));
+                return;
+            }
+        };
+        let turn = pending.turn_id();
+        let turn_token = pending.cancellation();
+        let mut cancel_sent = false;
+        self.running.lock().insert(turn, turn_token.clone());
+        let origin = TurnOrigin::User;
+        self.hub.publish(
+            session,
+            ServerFrame::TurnStarted {
+                session_id: session.as_uuid(),
+                turn_id: turn.as_uuid(),
+                turn_origin: origin,
+            },
+        );
+        let _ = started.send(Ok(turn));
+        let finalize = pending.finalize();
+        tokio::pin!(finalize);
+        let cancel = self.cancel_all.clone();
+        let result = loop {
+            tokio::select! {
+                Some(event) = rx.recv() => self.publish_event(session, turn, event),
+                () = cancel.cancelled(), if !cancel_sent => {
+                    cancel_sent = true;
+                    turn_token.cancel();
+                }
+                result = &mut finalize => break result,
+            }
+        };
+        // Events sent before the loop ended (the commit notice too) are queued.
+        while let Ok(event) = rx.try_recv() {
+            self.publish_event(session, turn, event);
+        }
+        self.running.lock().remove(&turn);
+        let end = match &result {
+            Ok(report) => ServerFrame::TurnCommitted {
+                session_id: session.as_uuid(),
+                turn_id: turn.as_uuid(),
+                turn_origin: origin,
+                checkpoint_id: report.checkpoint.map(|c| c.as_uuid()),
+            },
+            Err(e) => ServerFrame::TurnFailed {
+                session_id: session.as_uuid(),
+                turn_id: turn.as_uuid(),
+                turn_origin: origin,
+                cancelled: e.is_cancelled(),
+                message: failure_message(e),
+            },
+        };
+        self.hub.publish(session, end);
+        self.projections.refresh(session).await;
+    }
+
+    fn publish_event(&self, session: SessionId, turn: TurnId, event: TurnEvent) {
+        if let Some(frame) = event_frame(session, turn, event) {
+            self.hub.publish(session, frame);
+        }
+    }
+
+    /// Refuses new turns from now on.
+    pub fn refuse_new(&self) {
+        self.tracker.close();
+    }
+
+    /// Refuses new turns, waits up to `grace` for the running ones, then
+    /// cancels the rest and waits for them to end (a cancelled turn commits
+    /// nothing).
+    pub async fn drain(&self, grace: Duration) -> DrainReport {
+        self.tracker.close();
+        let before = self.running();
+        if tokio::time::timeout(grace, self.tracker.wait())
+            .await
+            .is_ok()
+        {
+            return DrainReport {
+                finished: before,
+                cancelled: 0,
+            };
+        }
+        let cancelled = self.running();
+        self.cancel_all.cancel();
+        self.tracker.wait().await;
+        DrainReport {
+            finished: before.saturating_sub(cancelled),
+            cancelled,
+        }
+    }
+}

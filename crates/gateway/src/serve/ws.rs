@@ -1,0 +1,387 @@
+//! The WebSocket at `/api/ws`. One task per connection reads client
+//! frames, writes queued server frames and closes with "going away" on
+//! shutdown. Each request runs in its own task (at most
+//! [`MAX_IN_FLIGHT`] at once) and each subscription forwards its dialog's
+//! frames into the connection's bounded queue: a client that reads slowly
+//! makes its subscriptions wait, their dialog buffers drop its oldest
+//! frames, and it gets a `resync` — the server's memory stays bounded.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use futures::{SinkExt, StreamExt};
+use keel_core::SessionId;
+use keel_store::RunQuery;
+use parking_lot::Mutex;
+use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::{mpsc, Semaphore};
+use tokio::task::AbortHandle;
+
+use super::frames::{ClientFrame, ServerFrame, MAX_REQUEST_ID_BYTES};
+use super::hub::SharedFrame;
+use super::problem::{ApiError, ApiResult};
+use super::routes::{checked_text, decode_cursor, page_limit};
+use super::Shared;
+
+/// Requests of one connection handled at once; more are refused with status 429.
+pub const MAX_IN_FLIGHT: usize = 16;
+/// Dialogs one connection may subscribe to.
+pub const MAX_SUBSCRIPTIONS: usize = 64;
+/// How long one frame may take to write before the connection is dropped.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Close codes (RFC 6455).
+mod close {
+    /// The server is shutting down.
+    pub(super) const GOING_AWAY: u16 = 1001;
+    /// A binary frame: not part of the protocol.
+    pub(super) const UNSUPPORTED: u16 = 1003;
+    /// A frame over the size limit.
+    pub(super) const TOO_BIG: u16 = 1009;
+}
+
+/// `GET /api/ws`: upgrades to the WebSocket protocol.
+pub(crate) async fn upgrade(
+    State(shared): State<Arc<Shared>>,
+    ws: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
+) -> Response {
+    let ws = match ws {
+        Ok(ws) => ws,
+        Err(rejection) => {
+            return ApiError::BadRequest(format!(
+                "{}; connect with a WebSocket client",
+                rejection.body_text()
+            ))
+            .into_response()
+        }
+    };
+    let max = shared.limits.max_frame_bytes;
+    ws.max_message_size(max)
+        .max_frame_size(max)
+        .on_upgrade(move |socket| {
+            let tracker = shared.sockets.clone();
+            let (connection, queue) = Connection::new(shared);
+            tracker.track_future(connection.serve(socket, queue))
+        })
+}
+
+/// One connection's state shared with its request tasks.
+struct Connection {
+    shared: Arc<Shared>,
+    out: mpsc::Sender<SharedFrame>,
+    subscriptions: Mutex<HashMap<SessionId, AbortHandle>>,
+    in_flight: Arc<Semaphore>,
+}
+
+fn error_frame(id: Option<String>, e: &ApiError) -> ServerFrame {
+    ServerFrame::Error {
+        id,
+        status: e.status().as_u16(),
+        code: e.code().to_owned(),
+        detail: e.to_string(),
+    }
+}
+
+fn text(frame: &ServerFrame) -> Message {
+    Message::Text(Utf8Bytes::from(
+        serde_json::to_string(frame).unwrap_or_default(),
+    ))
+}
+
+fn close_message(code: u16, reason: &str) -> Message {
+    Message::Close(Some(CloseFrame {
+        code,
+        reason: Utf8Bytes::from(reason),
+    }))
+}
+
+impl Connection {
+    /// A connection and the queue of frames to write to it.
+    fn new(shared: Arc<Shared>) -> (Arc<Self>, mpsc::Receiver<SharedFrame>) {
+        let (out, queue) = mpsc::channel(shared.limits.connection_queue.max(1));
+        let connection = Arc::new(Self {
+            shared,
+            out,
+            subscriptions: Mutex::new(HashMap::new()),
+            in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
+        });
+        (connection, queue)
+    }
+
+    async fn serve(self: Arc<Self>, socket: WebSocket, mut queue: mpsc::Receiver<SharedFrame>) {
+        let (mut sink, mut incoming) = socket.split();
+        let closing = self.shared.closing.clone();
+        let end = loop {
+            tokio::select! {
+                biased;
+                () = closing.cancelled() => {
+                    break Some(close_message(close::GOING_AWAY, "the server is shutting down"));
+                }
+                Some(frame) = queue.recv() => {
+                    match tokio::time::timeout(WRITE_TIMEOUT, sink.send(text(&frame))).await {
+                        Ok(Ok(())) => {}
+                        _ => break None,
+                    }
+                }
+                message = incoming.next() => match message {
+                    Some(Ok(Message::Text(t))) => self.clone().request(t.as_str()),
+                    Some(Ok(Message::Binary(_))) => {
+                        break Some(close_message(close::UNSUPPORTED, "binary frames are not part of the protocol; send JSON text"));
+                    }
+                    Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
+                    Some(Ok(Message::Close(_))) | None => break None,
+                    Some(Err(e)) => {
+                        let reason = format!("frame refused: {e}");
+                        let reason: String = reason.chars().take(120).collect();
+                        break Some(close_message(close::TOO_BIG, &reason));
+                    }
+                },
+            }
+        };
+        if let Some(message) = end {
+            let _ = tokio::time::timeout(WRITE_TIMEOUT, sink.send(message)).await;
+        }
+        let _ = sink.close().await;
+        for (_, handle) in self.subscriptions.lock().drain() {
+            handle.abort();
+        }
+    }
+
+    /// Handles one text frame in a task of its own.
+    fn request(self: Arc<Self>, text: &str) {
+        let (id, parsed) = parse(text);
+        let Ok(permit) = self.in_flight.clone().try_acquire_owned() else {
+            let frame = ServerFrame::Error {
+                id,
+                status: 429,
+                code: "too_many_requests".to_owned(),
+                detail: format!("at most {MAX_IN_FLIGHT} requests of one connection run at once"),
+            };
+            let _ = self.out.try_send(Arc::new(frame));
+            return;
+        };
+        tokio::spawn(async move {
+            let answers = match parsed {
+                Ok(frame) => self.handle(frame).await,
+                Err(e) => Err(e),
+            };
+            let answers = answers.unwrap_or_else(|e| vec![error_frame(id, &e)]);
+            for frame in answers {
+                if self.out.send(Arc::new(frame)).await.is_err() {
+                    break;
+                }
+            }
+            drop(permit);
+        });
+    }
+
+    async fn handle(self: &Arc<Self>, frame: ClientFrame) -> ApiResult<Vec<ServerFrame>> {
+        let shared = &self.shared;
+        match frame {
+            ClientFrame::Subscribe {
+                id,
+                session_id,
+                since_revision,
+            } => self.subscribe(id, session_id.into(), since_revision).await,
+            ClientFrame::Unsubscribe { id, session_id } => {
+                if let Some(handle) = self.subscriptions.lock().remove(&session_id.into()) {
+                    handle.abort();
+                }
+                Ok(vec![ServerFrame::Unsubscribed { id, session_id }])
+            }
+            ClientFrame::Send {
+                id,
+                session_id,
+                text,
+            } => {
+                let session = shared.dialog_by_id(session_id.into()).await?.id;
+                let text = checked_text(text)?;
+                if !self.subscriptions.lock().contains_key(&session) {
+                    self.subscribe(None, session, None).await?;
+                }
+                let turn = shared.turns.send(session, text).await?;
+                Ok(vec![ServerFrame::TurnAccepted {
+                    id,
+                    session_id,
+                    turn_id: turn.as_uuid(),
+                }])
+            }
+            ClientFrame::Stop { id, session_id } => {
+                let session = shared.dialog_by_id(session_id.into()).await?.id;
+                Ok(vec![ServerFrame::Stopped {
+                    id,
+                    session_id,
+                    stopped: shared.app.manager.stop(session),
+                }])
+            }
+            ClientFrame::GetAgentRuns {
+                id,
+                session_id,
+                cursor,
+                limit,
+            } => {
+                let session = shared.dialog_by_id(session_id.into()).await?.id;
+                let cursor = match cursor.as_deref() {
+                    None => None,
+                    Some(c) => {
+                        let (created_at_ms, id) = decode_cursor(c)?;
+                        Some(keel_store::RunCursor { created_at_ms, id })
+                    }
+                };
+                let page = shared
+                    .run_page(RunQuery {
+                        root_session_id: Some(session),
+                        limit: page_limit(limit)?,
+                        cursor,
+                        ..RunQuery::default()
+                    })
+                    .await?;
+                Ok(vec![ServerFrame::AgentRuns {
+                    id,
+                    session_id,
+                    revision: page.revision.unwrap_or(0),
+                    runs: page.items,
+                    next_cursor: page.next_cursor,
+                }])
+            }
+        }
+    }
+
+    /// Subscribes to `session`: the answer, the replay of changes at or
+    /// after `since` (or a `resync` when there are too many), then live frames.
+    async fn subscribe(
+        self: &Arc<Self>,
+        id: Option<String>,
+        session: SessionId,
+        since: Option<u64>,
+    ) -> ApiResult<Vec<ServerFrame>> {
+        let shared = &self.shared;
+        shared.dialog_by_id(session).await?;
+        if let Some(old) = self.subscriptions.lock().remove(&session) {
+            old.abort();
+        }
+        if self.subscriptions.lock().len() >= MAX_SUBSCRIPTIONS {
+            return Err(ApiError::Conflict(format!(
+                "a connection may subscribe to at most {MAX_SUBSCRIPTIONS} dialogs"
+            )));
+        }
+        let receiver = shared.hub.subscribe(session);
+        let watched_from = shared.projections.watch(session).await?;
+        let session_id = session.as_uuid();
+        let (revision, replay) = match since {
+            None => (watched_from, Vec::new()),
+            Some(since) => match shared.projections.replay(session, since).await? {
+                (now, Some(frames)) => (now, frames),
+                (now, None) => (
+                    now,
+                    vec![ServerFrame::Resync {
+                        session_id,
+                        revision: now,
+                        reason: format!(
+                            "revision {since} is too old or unknown to replay; re-read the runs"
+                        ),
+                    }],
+                ),
+            },
+        };
+        // The answer and the replay are queued before any live frame.
+        let answers = std::iter::once(ServerFrame::Subscribed {
+            id,
+            session_id,
+            revision,
+        })
+        .chain(replay);
+        for frame in answers {
+            self.out
+                .send(Arc::new(frame))
+                .await
+                .map_err(|_| ApiError::Conflict("the connection closed".to_owned()))?;
+        }
+        // Live frames already in the replay are skipped.
+        let skip_through = since.map(|_| revision);
+        let forward = tokio::spawn(forward(
+            shared.clone(),
+            session,
+            receiver,
+            self.out.clone(),
+            skip_through,
+        ));
+        self.subscriptions
+            .lock()
+            .insert(session, forward.abort_handle());
+        Ok(Vec::new())
+    }
+}
+
+/// Parses a client frame; the error says what was wrong, with the frame's `id` if it had one.
+fn parse(text: &str) -> (Option<String>, ApiResult<ClientFrame>) {
+    let id = serde_json::from_str::<serde_json::Value>(text)
+        .ok()
+        .and_then(|v| v.get("id").and_then(|i| i.as_str()).map(str::to_owned))
+        .filter(|id| id.len() <= MAX_REQUEST_ID_BYTES);
+    let frame = serde_json::from_str::<ClientFrame>(text)
+        .map_err(|e| ApiError::BadRequest(format!("invalid frame: {e}")))
+        .and_then(|frame| {
+            let too_long = match &frame {
+                ClientFrame::Subscribe { id, .. }
+                | ClientFrame::Unsubscribe { id, .. }
+                | ClientFrame::Send { id, .. }
+                | ClientFrame::Stop { id, .. }
+                | ClientFrame::GetAgentRuns { id, .. } => {
+                    id.as_ref().is_some_and(|i| i.len() > MAX_REQUEST_ID_BYTES)
+                }
+            };
+            if too_long {
+                Err(ApiError::BadRequest(format!(
+                    "id is longer than {MAX_REQUEST_ID_BYTES} bytes"
+                )))
+            } else {
+                Ok(frame)
+            }
+        });
+    (id, frame)
+}
+
+/// Forwards a dialog's frames to a connection's queue, waiting while it is
+/// full; frames the dialog's buffer dropped meanwhile become one `resync`.
+async fn forward(
+    shared: Arc<Shared>,
+    session: SessionId,
+    mut receiver: tokio::sync::broadcast::Receiver<SharedFrame>,
+    out: mpsc::Sender<SharedFrame>,
+    skip_through: Option<u64>,
+) {
+    loop {
+        let frame = match receiver.recv().await {
+            Ok(frame) => frame,
+            Err(RecvError::Lagged(_)) => {
+                let revision = shared
+                    .app
+                    .store
+                    .inbox_usage(session)
+                    .await
+                    .map(|u| u.revision)
+                    .unwrap_or(0);
+                Arc::new(ServerFrame::Resync {
+                    session_id: session.as_uuid(),
+                    revision,
+                    reason: "frames were dropped because this connection read too slowly"
+                        .to_owned(),
+                })
+            }
+            Err(RecvError::Closed) => return,
+        };
+        if let (Some(skip), Some(revision)) = (skip_through, frame.revision()) {
+            if revision <= skip {
+                continue;
+            }
+        }
+        if out.send(frame).await.is_err() {
+            return;
+        }
+    }
+}

@@ -1,0 +1,393 @@
+//! The REST API: dialogs, messages, checkpoints, auth, bad input,
+//! pagination under concurrent inserts, catalog reload.
+
+use std::collections::HashSet;
+
+use serde_json::{json, Value};
+
+use super::{Setup, TestServer};
+
+#[tokio::test]
+async fn a_dialog_lives_through_messages_checkpoints_rollback_and_fork() {
+    let t = TestServer::start(Setup::default()).await;
+    let id = t.dialog("Plans").await;
+    let r = t
+        .post(
+            &format!("/api/dialogs/{id}/messages"),
+            json!({"text": "first"}),
+        )
+        .await;
+    assert_eq!(r.status(), 202);
+    let accepted: Value = r.json().await.unwrap();
+    assert_eq!(accepted["session_id"], id.as_str());
+    // Turns of one dialog run one after the other: once the second has
+    // streamed to its commit, the first is committed too.
+    let events = t.send_streamed(&id, "second").await;
+    assert!(events.ends_with("turn_committed"), "{events}");
+    let checkpoints = t.json(&format!("/api/dialogs/{id}/checkpoints")).await;
+    assert_eq!(checkpoints["items"].as_array().unwrap().len(), 2);
+    let messages = t.json(&format!("/api/dialogs/{id}/messages")).await;
+    let texts: Vec<&str> = messages["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["role"].as_str().unwrap())
+        .collect();
+    assert_eq!(texts, ["user", "assistant", "user", "assistant"]);
+    let first = checkpoints["items"][1]["id"].as_str().unwrap().to_owned();
+    assert_eq!(checkpoints["items"][1]["turn_index"], 1);
+    let r = t
+        .post(
+            &format!("/api/dialogs/{id}/checkpoints/{first}/rollback"),
+            json!({}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    let messages = t.json(&format!("/api/dialogs/{id}/messages")).await;
+    assert_eq!(messages["items"].as_array().unwrap().len(), 2);
+    // The abandoned branch stays listed, off the current branch.
+    let list = t.json(&format!("/api/dialogs/{id}/checkpoints")).await;
+    let off: Vec<bool> = list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["on_current_branch"].as_bool().unwrap())
+        .collect();
+    assert_eq!(off.iter().filter(|on| !**on).count(), 1, "{list:#}");
+    let r = t
+        .post(
+            &format!("/api/dialogs/{id}/checkpoints/{first}/fork"),
+            json!({"title": "Forked"}),
+        )
+        .await;
+    assert_eq!(r.status(), 201);
+    let fork: Value = r.json().await.unwrap();
+    assert_eq!(fork["title"], "Forked");
+    let fork_id = fork["id"].as_str().unwrap();
+    let fork_messages = t.json(&format!("/api/dialogs/{fork_id}/messages")).await;
+    assert_eq!(fork_messages["items"].as_array().unwrap().len(), 2);
+    // Rename, then delete: the dialog is gone from listings and lookups.
+    let r = t
+        .http
+        .patch(format!("{}/api/dialogs/{id}", t.base))
+        .json(&json!({"title": "Renamed"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.json::<Value>().await.unwrap()["title"], "Renamed");
+    let r = t
+        .http
+        .delete(format!("{}/api/dialogs/{id}", t.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    assert_eq!(t.get(&format!("/api/dialogs/{id}")).await.status(), 404);
+    let listed = t.json("/api/dialogs").await;
+    let ids: Vec<&str> = listed["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [fork_id]);
+}
+
+#[tokio::test]
+async fn with_a_token_every_route_needs_it_and_without_one_none_does() {
+    let t = TestServer::start(Setup {
+        token: Some("s3cret"),
+        ..Setup::default()
+    })
+    .await;
+    for (header, path) in [
+        (None, "/api/health"),
+        (Some("Bearer wrong"), "/api/dialogs"),
+        (Some("Basic czNjcmV0"), "/api/openapi.json"),
+        (None, "/api/no-such-route"),
+    ] {
+        let mut rb = t.http.get(format!("{}{path}", t.base));
+        if let Some(h) = header {
+            rb = rb.header("authorization", h);
+        }
+        let r = rb.send().await.unwrap();
+        assert_eq!(r.status(), 401, "{path}");
+        assert_eq!(
+            r.headers()["content-type"],
+            "application/problem+json",
+            "{path}"
+        );
+        assert!(r.headers().contains_key("www-authenticate"));
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(body["code"], "unauthorized");
+        assert!(!body.to_string().contains("s3cret"));
+    }
+    assert_eq!(t.get("/api/dialogs").await.status(), 200);
+    // A WebSocket without the token is refused; with it (as a browser passes it) accepted.
+    let refused = tokio_tungstenite::connect_async(t.ws_url.clone()).await;
+    assert!(refused.is_err());
+    let _ws = t.ws().await;
+
+    let open = TestServer::start(Setup::default()).await;
+    let r = open
+        .http
+        .get(format!("{}/api/dialogs", open.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+#[tokio::test]
+async fn bad_input_is_a_precise_4xx_problem_and_changes_nothing() {
+    let t = TestServer::start(Setup::default()).await;
+    let id = t.dialog("Kept").await;
+    let url = |p: &str| format!("{}{p}", t.base);
+    let post_raw = |path: String, ct: &'static str, body: Vec<u8>| {
+        t.http
+            .post(url(&path))
+            .header("content-type", ct)
+            .body(body)
+            .send()
+    };
+    let messages = format!("/api/dialogs/{id}/messages");
+    let cases: Vec<(&str, reqwest::Response)> = vec![
+        (
+            "bad json",
+            post_raw(messages.clone(), "application/json", b"{\"text\":".to_vec())
+                .await
+                .unwrap(),
+        ),
+        (
+            "wrong type",
+            post_raw(
+                messages.clone(),
+                "application/json",
+                b"{\"text\":5}".to_vec(),
+            )
+            .await
+            .unwrap(),
+        ),
+        (
+            "unknown field",
+            post_raw(
+                messages.clone(),
+                "application/json",
+                b"{\"text\":\"a\",\"x\":1}".to_vec(),
+            )
+            .await
+            .unwrap(),
+        ),
+        (
+            "blank text",
+            post_raw(
+                messages.clone(),
+                "application/json",
+                b"{\"text\":\"  \"}".to_vec(),
+            )
+            .await
+            .unwrap(),
+        ),
+        (
+            "not json",
+            post_raw(messages.clone(), "text/plain", b"hello".to_vec())
+                .await
+                .unwrap(),
+        ),
+        (
+            "body too large",
+            post_raw(
+                messages.clone(),
+                "application/json",
+                vec![b' '; 2 * 1024 * 1024],
+            )
+            .await
+            .unwrap(),
+        ),
+        ("bad id", t.get("/api/dialogs/not-a-uuid").await),
+        (
+            "unknown dialog",
+            t.get("/api/dialogs/01a22c8d-cb40-7766-a28d-a872408af176")
+                .await,
+        ),
+        ("bad limit", t.get("/api/dialogs?limit=0").await),
+        ("bad cursor", t.get("/api/dialogs?cursor=zzz").await),
+        ("unknown query key", t.get("/api/dialogs?colour=red").await),
+        (
+            "bad status filter",
+            t.get("/api/agent-runs?status=finished").await,
+        ),
+        (
+            "bad title",
+            t.post("/api/dialogs", json!({"title": "a\u{7}b"})).await,
+        ),
+        (
+            "unknown agent",
+            t.post("/api/dialogs", json!({"agent": "ghost"})).await,
+        ),
+        ("no route", t.get("/api/nowhere").await),
+        (
+            "wrong method",
+            t.http.put(url("/api/health")).send().await.unwrap(),
+        ),
+        (
+            "no catalog to reload",
+            t.post("/api/admin/reload", json!({})).await,
+        ),
+    ];
+    let mut seen = Vec::new();
+    for (what, r) in cases {
+        let status = r.status().as_u16();
+        assert!((400..500).contains(&status), "{what}: {status}");
+        assert_eq!(
+            r.headers()["content-type"],
+            "application/problem+json",
+            "{what}"
+        );
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(body["status"], status, "{what}");
+        seen.push(format!(
+            "{what}: {status} {} — {}",
+            body["code"].as_str().unwrap(),
+            body["detail"].as_str().unwrap()
+        ));
+    }
+    insta::assert_snapshot!(seen.join("\n"));
+    // Nothing of it was written.
+    let dialog = t.json(&format!("/api/dialogs/{id}")).await;
+    assert_eq!(dialog["message_count"], 0);
+    assert_eq!(dialog["title"], "Kept");
+    assert_eq!(
+        t.json("/api/dialogs").await["items"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+}
+
+/// Reads every page of `path` (a listing with `items` and `next_cursor`),
+/// calling `between` after each page.
+async fn all_pages(
+    t: &TestServer,
+    path: &str,
+    key: &str,
+    mut between: impl AsyncFnMut(),
+) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let sep = if path.contains('?') { '&' } else { '?' };
+        let url = match &cursor {
+            Some(c) => format!("{path}{sep}cursor={c}"),
+            None => path.to_owned(),
+        };
+        let page = t.json(&url).await;
+        for item in page["items"].as_array().unwrap() {
+            out.push(item[key].to_string());
+        }
+        between().await;
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = Some(c.to_owned()),
+            None => return out,
+        }
+    }
+}
+
+#[tokio::test]
+async fn pages_neither_repeat_nor_skip_while_items_are_inserted() {
+    let t = TestServer::start(Setup::default()).await;
+    let mut before = Vec::new();
+    for i in 0..23 {
+        before.push(t.dialog(&format!("d{i}")).await);
+    }
+    // Three new dialogs after every page: they sort before the first page.
+    let listed = all_pages(&t, "/api/dialogs?limit=5", "id", async || {
+        for _ in 0..3 {
+            t.dialog("new").await;
+        }
+    })
+    .await;
+    let expected: Vec<String> = before.iter().rev().map(|id| format!("\"{id}\"")).collect();
+    assert_eq!(listed, expected);
+
+    // Messages, oldest first, while turns append more.
+    let id = before[0].clone();
+    for i in 0..6 {
+        t.send_streamed(&id, &format!("m{i}")).await;
+    }
+    let stable = t
+        .json(&format!("/api/dialogs/{id}/messages?limit=200"))
+        .await;
+    assert_eq!(stable["items"].as_array().unwrap().len(), 12);
+    let mut n = 0;
+    let seqs = all_pages(
+        &t,
+        &format!("/api/dialogs/{id}/messages?limit=5"),
+        "seq",
+        async || {
+            n += 1;
+            t.post(
+                &format!("/api/dialogs/{id}/messages"),
+                json!({"text": format!("more{n}")}),
+            )
+            .await;
+        },
+    )
+    .await;
+    let seqs: Vec<i64> = seqs.iter().map(|s| s.parse().unwrap()).collect();
+    let unique: HashSet<i64> = seqs.iter().copied().collect();
+    assert_eq!(unique.len(), seqs.len(), "no repeats: {seqs:?}");
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{seqs:?}");
+    let first: Vec<i64> = stable["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["seq"].as_i64().unwrap())
+        .collect();
+    assert_eq!(&seqs[..first.len()], first.as_slice(), "nothing skipped");
+}
+
+#[tokio::test]
+async fn a_reload_with_broken_definitions_keeps_the_catalog_in_force() {
+    let t = TestServer::start(Setup {
+        agents: true,
+        ..Setup::default()
+    })
+    .await;
+    assert_eq!(t.json("/api/ready").await["catalog_generation"], 1);
+    let agents = t.dir.path().join("agents");
+    std::fs::write(
+        agents.join("broken.md"),
+        "---\nid: broken\nunknown_key: 1\n---\nbody\n",
+    )
+    .unwrap();
+    let r = t.post("/api/admin/reload", json!({})).await;
+    assert_eq!(r.status(), 422);
+    let problem: Value = r.json().await.unwrap();
+    let errors = problem["errors"].as_array().unwrap();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.as_str().unwrap().contains("broken.md")),
+        "{problem:#}"
+    );
+    assert!(problem["detail"]
+        .as_str()
+        .unwrap()
+        .contains("generation 1 stays in force"));
+    assert_eq!(t.json("/api/ready").await["catalog_generation"], 1);
+    // SIGHUP's path refuses it the same way.
+    assert_eq!(t.server().reload().await.unwrap_err().status(), 422);
+
+    std::fs::remove_file(agents.join("broken.md")).unwrap();
+    let r = t.post("/api/admin/reload", json!({})).await;
+    assert_eq!(r.status(), 200);
+    let report: Value = r.json().await.unwrap();
+    assert_eq!(report["generation"], 2);
+    assert_eq!(
+        report["agents"],
+        json!(["archivist", "researcher", "writer"])
+    );
+    assert_eq!(t.json("/api/ready").await["catalog_generation"], 2);
+}

@@ -1,0 +1,313 @@
+//! The WebSocket: several clients on one dialog, revisions of agent
+//! updates, resync of a lagging client, replay on reconnect, bad frames.
+
+use std::collections::HashMap;
+
+use keel_core::ScriptedResponse;
+use keel_core::ScriptedToolCall;
+use keel_gateway::serve::frames::{ClientFrame, ServerFrame};
+use keel_gateway::serve::Limits;
+use serde_json::json;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::Message as WsMessage;
+use uuid::Uuid;
+
+use super::{scripted, Setup, TestServer};
+
+fn uuid(id: &str) -> Uuid {
+    id.parse().unwrap()
+}
+
+/// The turn frames of a sequence, with ids left out.
+fn shape(frames: &[ServerFrame]) -> Vec<String> {
+    frames
+        .iter()
+        .filter(|f| f.turn_id().is_some())
+        .map(|f| match f {
+            ServerFrame::TextDelta { text, .. } => format!("text_delta {text:?}"),
+            ServerFrame::TurnCommitted { turn_origin, .. } => {
+                format!("turn_committed {turn_origin:?}")
+            }
+            other => other.kind().to_owned(),
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn two_clients_on_one_dialog_see_the_same_turn() {
+    let t = TestServer::start(Setup {
+        provider: scripted(vec![ScriptedResponse::text("one two three")]),
+        ..Setup::default()
+    })
+    .await;
+    let id = uuid(&t.dialog("Shared").await);
+    let mut a = t.ws().await;
+    let mut b = t.ws().await;
+    b.send(&ClientFrame::Subscribe {
+        id: Some("b1".into()),
+        session_id: id,
+        since_revision: None,
+    })
+    .await;
+    assert!(
+        matches!(b.frame().await, ServerFrame::Subscribed { id: Some(ref i), .. } if i == "b1")
+    );
+    a.send(&ClientFrame::Send {
+        id: Some("a1".into()),
+        session_id: id,
+        text: "hello".into(),
+    })
+    .await;
+    let seen_a = a.until(ServerFrame::ends_turn).await;
+    let seen_b = b.until(ServerFrame::ends_turn).await;
+    let accepted = seen_a
+        .iter()
+        .find_map(|f| match f {
+            ServerFrame::TurnAccepted { id, turn_id, .. } => Some((id.clone(), *turn_id)),
+            _ => None,
+        })
+        .expect("the send is answered");
+    assert_eq!(accepted.0.as_deref(), Some("a1"));
+    assert!(seen_b
+        .iter()
+        .all(|f| f.turn_id().is_none_or(|t| t == accepted.1)));
+    assert_eq!(shape(&seen_a), shape(&seen_b));
+    insta::assert_yaml_snapshot!(shape(&seen_b), @r#"
+    - turn_started
+    - "text_delta \"one \""
+    - "text_delta \"two \""
+    - "text_delta \"three\""
+    - turn_committed User
+    "#);
+}
+
+/// A background and a foreground delegation: the dialog's subscribers see
+/// every run and the completion event with revisions that never go back
+/// (and go up for each run), and a reconnecting client gets them replayed.
+#[tokio::test]
+async fn agent_updates_carry_increasing_revisions_and_replay_on_reconnect() {
+    let call = |mode: &str, agent: &str| ScriptedResponse {
+        tool_calls: vec![ScriptedToolCall {
+            id: None,
+            name: "delegate".into(),
+            arguments: json!({"mode": mode, "tasks": [{"agent": agent, "task": "work"}]}),
+        }],
+        ..ScriptedResponse::default()
+    };
+    let t = TestServer::start(Setup {
+        agents: true,
+        // The foreground run answers before the root goes on; the background
+        // run and the root's answer take the two last texts in either order.
+        provider: scripted(vec![
+            call("foreground", "researcher"),
+            ScriptedResponse::text("researched"),
+            ScriptedResponse::text("the researcher answered"),
+            call("background", "archivist"),
+            ScriptedResponse::text("one text"),
+            ScriptedResponse::text("another text"),
+        ]),
+        ..Setup::default()
+    })
+    .await;
+    let id = uuid(&t.dialog("Runs").await);
+    let mut ws = t.ws().await;
+    ws.send(&ClientFrame::Subscribe {
+        id: None,
+        session_id: id,
+        since_revision: None,
+    })
+    .await;
+    let ServerFrame::Subscribed {
+        revision: start, ..
+    } = ws.frame().await
+    else {
+        panic!("subscribed first");
+    };
+    assert_eq!(start, 0);
+    // Until both turns ended, both runs completed and the background
+    // completion is an event.
+    let mut runs: HashMap<Uuid, Vec<u64>> = HashMap::new();
+    let mut statuses: HashMap<Uuid, String> = HashMap::new();
+    let mut revisions = Vec::new();
+    let mut completion_event = false;
+    let mut turns_ended = 0;
+    let mut to_send = vec!["in the background", "in the foreground"];
+    while !(turns_ended == 2
+        && completion_event
+        && statuses.len() == 2
+        && statuses.values().all(|s| s == "Completed"))
+    {
+        if turns_ended + to_send.len() == 2 {
+            if let Some(text) = to_send.pop() {
+                ws.send(&ClientFrame::Send {
+                    id: None,
+                    session_id: id,
+                    text: text.into(),
+                })
+                .await;
+            }
+        }
+        match ws.frame().await {
+            ServerFrame::AgentRunUpdated { revision, run, .. } => {
+                revisions.push(revision);
+                runs.entry(run.id).or_default().push(revision);
+                statuses.insert(run.id, format!("{:?}", run.status));
+                assert_eq!(run.revision, revision);
+            }
+            ServerFrame::AgentEventUpdated {
+                revision, event, ..
+            } => {
+                revisions.push(revision);
+                completion_event |= format!("{:?}", event.event_type) == "Completion";
+            }
+            f if f.ends_turn() => turns_ended += 1,
+            _ => {}
+        }
+    }
+    assert!(revisions.windows(2).all(|w| w[0] <= w[1]), "{revisions:?}");
+    for (run, seen) in &runs {
+        assert!(seen.windows(2).all(|w| w[0] < w[1]), "run {run}: {seen:?}");
+    }
+    let last = *revisions.last().unwrap();
+    // The REST listing agrees, and names the revision to resume from.
+    let page = t.json(&format!("/api/agent-runs?session_id={id}")).await;
+    assert_eq!(page["items"].as_array().unwrap().len(), 2);
+    assert!(page["revision"].as_u64().unwrap() >= last);
+
+    // A client that saw revision 1 reconnects: everything from 1 on is replayed.
+    let mut again = t.ws().await;
+    again
+        .send(&ClientFrame::Subscribe {
+            id: None,
+            session_id: id,
+            since_revision: Some(1),
+        })
+        .await;
+    let ServerFrame::Subscribed { revision: now, .. } = again.frame().await else {
+        panic!("subscribed first");
+    };
+    assert!(now >= last);
+    let mut replayed = Vec::new();
+    while replayed.len() < 3 {
+        match again.frame().await {
+            f @ (ServerFrame::AgentRunUpdated { .. } | ServerFrame::AgentEventUpdated { .. }) => {
+                replayed.push(f.revision().unwrap())
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(
+        replayed.iter().all(|r| *r >= 1 && *r <= now),
+        "{replayed:?}"
+    );
+    // A revision from the future cannot be replayed: resync.
+    again
+        .send(&ClientFrame::Subscribe {
+            id: None,
+            session_id: id,
+            since_revision: Some(now + 100),
+        })
+        .await;
+    let frames = again
+        .until(|f| matches!(f, ServerFrame::Resync { .. }))
+        .await;
+    assert!(matches!(frames[0], ServerFrame::Subscribed { .. }));
+}
+
+#[tokio::test]
+async fn a_client_that_reads_too_slowly_gets_a_resync_and_memory_stays_bounded() {
+    // One answer of 20,000 words of 500 bytes: ~10 MB of frames, far more
+    // than the socket buffers, the dialog's 8 frames and the connection's 2.
+    let word = "x".repeat(499);
+    let text: Vec<String> = (0..20_000).map(|_| word.clone()).collect();
+    let t = TestServer::start(Setup {
+        provider: scripted(vec![ScriptedResponse::text(text.join(" "))]),
+        limits: Limits {
+            hub_capacity: 8,
+            connection_queue: 2,
+            ..Limits::default()
+        },
+        ..Setup::default()
+    })
+    .await;
+    let id = uuid(&t.dialog("Flood").await);
+    let mut slow = t.ws().await;
+    slow.send(&ClientFrame::Subscribe {
+        id: None,
+        session_id: id,
+        since_revision: None,
+    })
+    .await;
+    assert!(matches!(slow.frame().await, ServerFrame::Subscribed { .. }));
+    // The sender reads (through SSE) to the end while `slow` reads nothing.
+    let events = t.send_streamed(&id.to_string(), "flood").await;
+    assert!(events.ends_with("turn_committed"));
+    let frames = slow.until(ServerFrame::ends_turn).await;
+    let deltas = frames
+        .iter()
+        .filter(|f| matches!(f, ServerFrame::TextDelta { .. }))
+        .count();
+    assert!(
+        frames
+            .iter()
+            .any(|f| matches!(f, ServerFrame::Resync { .. })),
+        "a resync among {} frames",
+        frames.len()
+    );
+    assert!(deltas < 20_000, "{deltas} deltas: some were dropped");
+    assert!(matches!(
+        frames.last(),
+        Some(ServerFrame::TurnCommitted { .. })
+    ));
+}
+
+#[tokio::test]
+async fn bad_frames_get_an_error_or_a_close_with_a_reason() {
+    let t = TestServer::start(Setup {
+        limits: Limits {
+            max_frame_bytes: 4096,
+            ..Limits::default()
+        },
+        ..Setup::default()
+    })
+    .await;
+    let mut ws = t.ws().await;
+    let mut errors = Vec::new();
+    for raw in [
+        "not json",
+        r#"{"type":"launch"}"#,
+        r#"{"type":"send","session_id":"x","text":"a"}"#,
+        r#"{"id":"r1","type":"send","session_id":"01a22c8d-cb40-7766-a28d-a872408af176","text":"a"}"#,
+        r#"{"id":"r2","type":"stop","session_id":"01a22c8d-cb40-7766-a28d-a872408af176","extra":1}"#,
+    ] {
+        ws.send_raw(WsMessage::text(raw)).await;
+        match ws.frame().await {
+            ServerFrame::Error {
+                id,
+                status,
+                code,
+                detail,
+            } => errors.push(format!("{id:?} {status} {code}: {detail}")),
+            other => panic!("{raw}: {other:?}"),
+        }
+    }
+    insta::assert_snapshot!(errors.join("\n"));
+    // Too big: closed with 1009 and the reason.
+    ws.send_raw(WsMessage::text("x".repeat(10_000))).await;
+    match ws.next_message().await {
+        Some(WsMessage::Close(Some(frame))) => {
+            assert_eq!(frame.code, CloseCode::Size);
+            assert!(!frame.reason.is_empty());
+        }
+        other => panic!("expected a close, got {other:?}"),
+    }
+    // Binary: closed with 1003.
+    let mut ws = t.ws().await;
+    ws.send_raw(WsMessage::binary(vec![1, 2, 3])).await;
+    match ws.next_message().await {
+        Some(WsMessage::Close(Some(frame))) => assert_eq!(frame.code, CloseCode::Unsupported),
+        other => panic!("expected a close, got {other:?}"),
+    }
+    // The server is fine.
+    assert_eq!(t.get("/api/health").await.status(), 200);
+}
