@@ -688,7 +688,7 @@ mod tests {
     /// The real workspace obeys the rules (the check runs under `cargo test` too).
     #[test]
     fn the_workspace_is_layered() {
-        let meta = crate::cargo_metadata(true).expect("cargo metadata");
+        let meta = crate::cargo_metadata().expect("cargo metadata");
         let graph = graph_from_metadata(&meta).unwrap();
         let members: Vec<&str> = graph
             .values()

@@ -74,14 +74,11 @@ fn cargo_cmd(args: &[&str]) -> Command {
     c
 }
 
-/// `cargo metadata` of the workspace; with `resolve`, the whole resolved
-/// dependency graph (every platform), else the workspace packages only.
-pub(crate) fn cargo_metadata(resolve: bool) -> Result<serde_json::Value, String> {
+/// `cargo metadata` of the workspace with the whole resolved dependency
+/// graph (every platform).
+pub(crate) fn cargo_metadata() -> Result<serde_json::Value, String> {
     let mut cmd = Command::new(cargo());
     cmd.args(["metadata", "--format-version", "1", "--locked"]);
-    if !resolve {
-        cmd.arg("--no-deps");
-    }
     let out = cmd
         .current_dir(root())
         .output()
@@ -96,7 +93,7 @@ pub(crate) fn cargo_metadata(resolve: bool) -> Result<serde_json::Value, String>
 }
 
 fn deps_cmd() -> Result<(), String> {
-    let graph = deps::graph_from_metadata(&cargo_metadata(true)?)?;
+    let graph = deps::graph_from_metadata(&cargo_metadata()?)?;
     let violations = deps::check(&graph);
     if violations.is_empty() {
         let members = graph.values().filter(|p| p.workspace).count();
