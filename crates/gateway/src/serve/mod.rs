@@ -142,6 +142,22 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// A `resync` of `session` at its current revision, saying `reason`.
+    async fn resync(&self, session: keel_core::SessionId, reason: &str) -> frames::ServerFrame {
+        let revision = match self.app.store.inbox_usage(session).await {
+            Ok(usage) => usage.revision,
+            Err(e) => {
+                tracing::warn!(session_id = %session, error = %e, "cannot read the revision of a resync");
+                0
+            }
+        };
+        frames::ServerFrame::Resync {
+            session_id: session.as_uuid(),
+            revision,
+            reason: reason.to_owned(),
+        }
+    }
+
     /// Rebuilds the agent catalog from its directory; on any error the
     /// catalog in force stays and the error lists every problem.
     async fn reload(&self) -> ApiResult<ReloadReport> {

@@ -40,19 +40,12 @@ pub(crate) async fn send_streamed(
                 let frame: SharedFrame = match receiver.recv().await {
                     Ok(frame) => frame,
                     Err(RecvError::Lagged(_)) => {
-                        let revision = shared
-                            .app
-                            .store
-                            .inbox_usage(session)
-                            .await
-                            .map(|u| u.revision)
-                            .unwrap_or(0);
-                        let resync = ServerFrame::Resync {
-                            session_id: session.as_uuid(),
-                            revision,
-                            reason: "the stream was read too slowly; frames were dropped"
-                                .to_owned(),
-                        };
+                        let resync = shared
+                            .resync(
+                                session,
+                                "the stream was read too slowly; frames were dropped",
+                            )
+                            .await;
                         return Some((event(&resync), Some(receiver)));
                     }
                     Err(RecvError::Closed) => return None,

@@ -358,21 +358,14 @@ async fn forward(
     loop {
         let frame = match receiver.recv().await {
             Ok(frame) => frame,
-            Err(RecvError::Lagged(_)) => {
-                let revision = shared
-                    .app
-                    .store
-                    .inbox_usage(session)
-                    .await
-                    .map(|u| u.revision)
-                    .unwrap_or(0);
-                Arc::new(ServerFrame::Resync {
-                    session_id: session.as_uuid(),
-                    revision,
-                    reason: "frames were dropped because this connection read too slowly"
-                        .to_owned(),
-                })
-            }
+            Err(RecvError::Lagged(_)) => Arc::new(
+                shared
+                    .resync(
+                        session,
+                        "frames were dropped because this connection read too slowly",
+                    )
+                    .await,
+            ),
             Err(RecvError::Closed) => return,
         };
         if let (Some(skip), Some(revision)) = (skip_through, frame.revision()) {

@@ -21,9 +21,8 @@ mod rows;
 mod types;
 
 use keel_core::{GroupId, RunId, SessionId};
-use rusqlite::params;
 
-use crate::error::{Result, StoreError};
+use crate::error::Result;
 use crate::{Page, Store};
 
 pub(crate) use rows::get_run_tx;
@@ -76,47 +75,20 @@ impl Store {
             .await
     }
 
-    /// Runs of a root session, newest first, paginated by (created_at, id).
+    /// Runs of a root session, newest first, paginated by (created_at, id)
+    /// (a [`Store::query_runs`] of one session).
     pub async fn list_runs(
         &self,
         root_session_id: SessionId,
         cursor: Option<RunCursor>,
         limit: usize,
     ) -> Result<Page<RunRecord, RunCursor>> {
-        if limit == 0 || limit > 1000 {
-            return Err(StoreError::InvalidInput(format!(
-                "limit {limit} is outside 1..=1000"
-            )));
-        }
-        self.db
-            .read(move |c| {
-                let (at, id) = match &cursor {
-                    Some(cur) => (cur.created_at_ms, cur.id.to_string()),
-                    None => (i64::MAX, String::new()),
-                };
-                let mut items = query_runs(
-                    c,
-                    "WHERE root_session_id = ?1 AND (?2 OR (created_at, id) < (?3, ?4)) \
-                     ORDER BY created_at DESC, id DESC LIMIT ?5",
-                    params![
-                        root_session_id.to_string(),
-                        cursor.is_none(),
-                        at,
-                        id,
-                        i64::try_from(limit + 1).unwrap_or(i64::MAX)
-                    ],
-                )?;
-                let next_cursor = if items.len() > limit {
-                    items.truncate(limit);
-                    items.last().map(|r| RunCursor {
-                        created_at_ms: r.created_at_ms,
-                        id: r.spec.id,
-                    })
-                } else {
-                    None
-                };
-                Ok(Page { items, next_cursor })
-            })
-            .await
+        self.query_runs(crate::RunQuery {
+            root_session_id: Some(root_session_id),
+            cursor,
+            limit,
+            ..crate::RunQuery::default()
+        })
+        .await
     }
 }
