@@ -11,7 +11,7 @@ use std::time::Instant;
 const USAGE: &str = "usage: cargo xtask <command>
 
 commands:
-  ci                         fmt, clippy, deps, tests, docs (and cargo-deny when installed)
+  ci                         fmt, clippy, deps, tests, docs (cargo-deny and schemathesis when installed)
   deps                       check the crate layering
   tidy                       file and function sizes, dead public API, unread config keys
   bench [store|catalog|engine|...]
@@ -187,6 +187,11 @@ fn ci() -> Result<(), String> {
                 .env("RUSTDOCFLAGS", "-D warnings"))
         }),
     ));
+    if succeeds(Command::new("schemathesis").arg("--version")) {
+        steps.push(("schemathesis", Box::new(schemathesis)));
+    } else {
+        println!("ci: schemathesis not installed, skipping the API fuzz run (.ci/run installs it)");
+    }
     if deny {
         steps.push((
             "deny",
@@ -216,6 +221,70 @@ fn ci() -> Result<(), String> {
         total.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// Runs schemathesis against a live `keel serve` (offline model, a token,
+/// a fresh data directory) from the OpenAPI document it serves: every
+/// check, a fixed seed; any server error or schema violation fails.
+fn schemathesis() -> Result<(), String> {
+    use std::io::{BufRead, BufReader};
+    run(&mut cargo_cmd(&[
+        "build",
+        "--locked",
+        "-p",
+        "keel-gateway",
+        "--bin",
+        "keel",
+    ]))?;
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target"));
+    let data = std::env::temp_dir().join(format!("keel-schemathesis-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&data);
+    let token = format!("ci-{}", std::process::id());
+    let mut server = Command::new(target.join("debug").join("keel"))
+        .args(["serve", "--bind", "127.0.0.1:0", "--data-dir"])
+        .arg(&data)
+        .env("KEEL_TOKEN", &token)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot start keel serve: {e}"))?;
+    let stdout = server.stdout.take().ok_or("keel serve has no stdout")?;
+    let mut first = String::new();
+    BufReader::new(stdout)
+        .read_line(&mut first)
+        .map_err(|e| format!("cannot read keel serve's address: {e}"))?;
+    let result = match first
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+    {
+        Some(addr) => run(Command::new("schemathesis").args([
+            "run",
+            &format!("http://{addr}/api/openapi.json"),
+            "--header",
+            &format!("Authorization: Bearer {token}"),
+            "--checks",
+            "all",
+            "--max-examples",
+            "50",
+            "--seed",
+            "1",
+        ])),
+        None => Err(format!("keel serve printed no address: {first:?}")),
+    };
+    // SIGTERM: the server shuts down gracefully and exits 0.
+    let stopped = Command::new("kill")
+        .args(["-TERM", &server.id().to_string()])
+        .status()
+        .map_err(|e| format!("cannot signal keel serve: {e}"))
+        .and_then(|_| server.wait().map_err(|e| format!("keel serve: {e}")));
+    let _ = std::fs::remove_dir_all(&data);
+    result?;
+    match stopped? {
+        status if status.success() => Ok(()),
+        status => Err(format!("keel serve exited with {status} after SIGTERM")),
+    }
 }
 
 fn bench(args: &[String]) -> Result<(), String> {

@@ -11,8 +11,8 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
-/// Longest text of one message or steer, in bytes.
-pub const MAX_TEXT_BYTES: usize = 256 * 1024;
+/// Longest text of one message, in characters.
+pub const MAX_TEXT_CHARS: usize = 100_000;
 /// Largest page a listing returns.
 pub const MAX_PAGE: usize = 200;
 /// Page size when `limit` is not given.
@@ -226,12 +226,18 @@ pub struct DialogPage {
 #[into_params(parameter_in = Query)]
 pub struct DialogListQuery {
     /// Channel (default `api`).
+    #[param(pattern = r"^[^:\u0000-\u001f\u007f-\u009f]{1,128}$")]
     pub channel: Option<String>,
     /// Chat (default `default`).
+    #[param(pattern = r"^[^:\u0000-\u001f\u007f-\u009f]{1,128}$")]
     pub chat_id: Option<String>,
     /// `next_cursor` of the previous page.
+    #[param(
+        pattern = r"^[0-9]{1,18}_[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$"
+    )]
     pub cursor: Option<String>,
     /// Page size, 1..=200 (default 50).
+    #[param(minimum = 1, maximum = 200)]
     pub limit: Option<usize>,
 }
 
@@ -239,17 +245,23 @@ pub struct DialogListQuery {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewDialog {
-    /// Channel (default `api`).
+    /// Channel (default `api`): 1..=128 characters, no `:` and no control characters.
     #[serde(default)]
+    #[schema(pattern = r"^[^:\u0000-\u001f\u007f-\u009f]{1,128}$")]
     pub channel: Option<String>,
-    /// Chat (default `default`).
+    /// Chat (default `default`), as `channel`.
     #[serde(default)]
+    #[schema(pattern = r"^[^:\u0000-\u001f\u007f-\u009f]{1,128}$")]
     pub chat_id: Option<String>,
     /// Title (default `Dialog <dialog_id>`).
     #[serde(default)]
+    #[schema(
+        pattern = r"^[^\u0000-\u001f\u007f-\u009f]*[^\s\u0000-\u001f\u007f-\u009f][^\u0000-\u001f\u007f-\u009f]*$"
+    )]
     pub title: Option<String>,
     /// Agent to talk to (default: the root agent).
     #[serde(default)]
+    #[schema(pattern = r"^[a-z][a-z0-9_-]{0,63}$")]
     pub agent: Option<String>,
 }
 
@@ -257,7 +269,10 @@ pub struct NewDialog {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DialogPatch {
-    /// New title (1..=80 characters, no control characters; longer is cut).
+    /// New title: some text, no control characters (more than 80 characters are cut).
+    #[schema(
+        pattern = r"^[^\u0000-\u001f\u007f-\u009f]*[^\s\u0000-\u001f\u007f-\u009f][^\u0000-\u001f\u007f-\u009f]*$"
+    )]
     pub title: String,
 }
 
@@ -350,8 +365,10 @@ pub enum Order {
 #[into_params(parameter_in = Query)]
 pub struct MessageListQuery {
     /// `next_cursor` of the previous page.
+    #[param(pattern = r"^[0-9]{1,18}$")]
     pub cursor: Option<String>,
     /// Page size, 1..=200 (default 50).
+    #[param(minimum = 1, maximum = 200)]
     pub limit: Option<usize>,
     /// `asc` (default) or `desc`.
     pub order: Option<Order>,
@@ -371,7 +388,8 @@ pub struct MessagePage {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SendMessage {
-    /// The text (1 byte ..= 256 KiB).
+    /// The text: 1..=100,000 characters.
+    #[schema(min_length = 1, max_length = 100000)]
     pub text: String,
 }
 
@@ -442,6 +460,9 @@ pub struct CheckpointList {
 pub struct ForkRequest {
     /// Title of the new dialog (default `Fork of <title>`).
     #[serde(default)]
+    #[schema(
+        pattern = r"^[^\u0000-\u001f\u007f-\u009f]*[^\s\u0000-\u001f\u007f-\u009f][^\u0000-\u001f\u007f-\u009f]*$"
+    )]
     pub title: Option<String>,
 }
 
@@ -548,18 +569,29 @@ impl AgentRun {
 #[into_params(parameter_in = Query)]
 pub struct RunListQuery {
     /// Only runs started from this dialog.
+    #[param(value_type = Option<String>, format = Uuid)]
     pub session_id: Option<String>,
     /// Only runs in these statuses, comma-separated (`running,queued`).
+    #[param(
+        pattern = r"^(queued|running|waiting_children|completed|failed|timed_out|cancelled|interrupted)(,(queued|running|waiting_children|completed|failed|timed_out|cancelled|interrupted))*$"
+    )]
     pub status: Option<String>,
     /// Only runs of this agent.
+    #[param(pattern = r"^[a-z][a-z0-9_-]{0,63}$")]
     pub agent: Option<String>,
     /// Only runs of this batch.
+    #[param(value_type = Option<String>, format = Uuid)]
     pub group_id: Option<String>,
     /// Only runs this run delegated.
+    #[param(value_type = Option<String>, format = Uuid)]
     pub parent_run_id: Option<String>,
     /// `next_cursor` of the previous page.
+    #[param(
+        pattern = r"^[0-9]{1,18}_[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$"
+    )]
     pub cursor: Option<String>,
     /// Page size, 1..=200 (default 50).
+    #[param(minimum = 1, maximum = 200)]
     pub limit: Option<usize>,
 }
 

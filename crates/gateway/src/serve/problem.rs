@@ -174,9 +174,8 @@ impl From<EngineError> for ApiError {
             | EngineError::CheckpointNotFound(_)
             | EngineError::RunNotFound(_)
             | EngineError::SlotNotFound(_) => ApiError::NotFound(e.to_string()),
-            EngineError::InvalidInput(_) | EngineError::UnknownAgent(_) => {
-                ApiError::BadRequest(e.to_string())
-            }
+            EngineError::UnknownAgent(_) => ApiError::NotFound(e.to_string()),
+            EngineError::InvalidInput(_) => ApiError::BadRequest(e.to_string()),
             EngineError::SpawnRejected => ApiError::Unavailable(e.to_string()),
             EngineError::SlotExists(_)
             | EngineError::SlotReadonly(_)
@@ -228,10 +227,54 @@ impl From<PathRejection> for ApiError {
     }
 }
 
-/// `Json<T>` whose rejection is a problem.
-#[derive(Debug, axum::extract::FromRequest)]
-#[from_request(via(axum::Json), rejection(ApiError))]
+/// A JSON object body as `T`; any other body is a problem. (serde would
+/// also read a struct from a JSON array; the API takes objects only.)
+#[derive(Debug)]
 pub struct ApiJson<T>(pub T);
+
+/// Whether the request says its body is JSON (`application/json` or `…+json`).
+fn is_json(headers: &axum::http::HeaderMap) -> bool {
+    let Some(value) = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let mime = value
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    mime == "application/json" || (mime.starts_with("application/") && mime.ends_with("+json"))
+}
+
+impl<T, S> axum::extract::FromRequest<S> for ApiJson<T>
+where
+    T: serde::de::DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, ApiError> {
+        if !is_json(req.headers()) {
+            return Err(ApiError::UnsupportedMediaType(
+                "Expected request with `Content-Type: application/json`".to_owned(),
+            ));
+        }
+        let bytes = axum::body::Bytes::from_request(req, state)
+            .await
+            .map_err(|r| rejection(r.status(), r.body_text()))?;
+        let first = bytes.iter().find(|b| !b.is_ascii_whitespace());
+        if first.is_some_and(|b| *b != b'{') {
+            return Err(ApiError::BadRequest(
+                "the body must be a JSON object".to_owned(),
+            ));
+        }
+        let axum::Json(value) = axum::Json::<T>::from_bytes(&bytes)?;
+        Ok(ApiJson(value))
+    }
+}
 
 /// `Query<T>` whose rejection is a problem.
 #[derive(Debug, axum::extract::FromRequestParts)]

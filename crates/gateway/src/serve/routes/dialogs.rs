@@ -96,7 +96,7 @@ fn checked_title(title: &str) -> ApiResult<String> {
 
 /// One dialog.
 #[utoipa::path(get, path = "/api/dialogs/{id}", tag = "dialogs",
-    params(("id" = String, Path, description = "The dialog's id")),
+    params(("id" = uuid::Uuid, Path, description = "The dialog's id")),
     responses((status = 200, description = "The dialog", body = Dialog), Errors))]
 pub(crate) async fn get_one(
     State(shared): State<Arc<Shared>>,
@@ -107,7 +107,7 @@ pub(crate) async fn get_one(
 
 /// Renames a dialog (which also stops automatic titles for it).
 #[utoipa::path(patch, path = "/api/dialogs/{id}", tag = "dialogs", request_body = DialogPatch,
-    params(("id" = String, Path, description = "The dialog's id")),
+    params(("id" = uuid::Uuid, Path, description = "The dialog's id")),
     responses((status = 200, description = "The renamed dialog", body = Dialog), Errors))]
 pub(crate) async fn rename(
     State(shared): State<Arc<Shared>>,
@@ -122,7 +122,7 @@ pub(crate) async fn rename(
 
 /// Deletes a dialog: it leaves listings and its sub-agent runs are cancelled; its rows stay.
 #[utoipa::path(delete, path = "/api/dialogs/{id}", tag = "dialogs",
-    params(("id" = String, Path, description = "The dialog's id")),
+    params(("id" = uuid::Uuid, Path, description = "The dialog's id")),
     responses((status = 204, description = "Deleted"), Errors))]
 pub(crate) async fn delete(
     State(shared): State<Arc<Shared>>,
@@ -136,7 +136,7 @@ pub(crate) async fn delete(
 
 /// The dialog's visible messages (hidden runtime messages are never listed).
 #[utoipa::path(get, path = "/api/dialogs/{id}/messages", tag = "dialogs",
-    params(("id" = String, Path, description = "The dialog's id"), MessageListQuery),
+    params(("id" = uuid::Uuid, Path, description = "The dialog's id"), MessageListQuery),
     responses((status = 200, description = "A page of messages", body = MessagePage), Errors))]
 pub(crate) async fn messages(
     State(shared): State<Arc<Shared>>,
@@ -178,7 +178,7 @@ pub(crate) async fn messages(
 /// until `turn_committed` or `turn_failed`; otherwise the turn's id returns
 /// at once and its frames go to the dialog's WebSocket subscribers.
 #[utoipa::path(post, path = "/api/dialogs/{id}/messages", tag = "dialogs", request_body = SendMessage,
-    params(("id" = String, Path, description = "The dialog's id")),
+    params(("id" = uuid::Uuid, Path, description = "The dialog's id")),
     responses(
         (status = 202, description = "The turn started", body = TurnAccepted),
         (status = 200, description = "The turn's frames (`turn_started`, `text_delta`, … `turn_committed` or `turn_failed`) as server-sent events named by their `type`", content_type = "text/event-stream", body = String),
@@ -209,7 +209,7 @@ pub(crate) async fn send(
 
 /// Cancels the dialog's running turn; nothing of it is saved.
 #[utoipa::path(post, path = "/api/dialogs/{id}/stop", tag = "dialogs",
-    params(("id" = String, Path, description = "The dialog's id")),
+    params(("id" = uuid::Uuid, Path, description = "The dialog's id")),
     responses((status = 200, description = "Whether a turn was running", body = StopReport), Errors))]
 pub(crate) async fn stop(
     State(shared): State<Arc<Shared>>,
@@ -223,7 +223,7 @@ pub(crate) async fn stop(
 
 /// Every checkpoint of the dialog, newest first, as a tree through `parent_id`.
 #[utoipa::path(get, path = "/api/dialogs/{id}/checkpoints", tag = "checkpoints",
-    params(("id" = String, Path, description = "The dialog's id")),
+    params(("id" = uuid::Uuid, Path, description = "The dialog's id")),
     responses((status = 200, description = "The checkpoints", body = CheckpointList), Errors))]
 pub(crate) async fn checkpoints(
     State(shared): State<Arc<Shared>>,
@@ -248,8 +248,8 @@ pub(crate) async fn checkpoints(
 /// Goes back to a checkpoint: a new branch starts there (after the running
 /// turn, if any, ended); the abandoned branch stays listed.
 #[utoipa::path(post, path = "/api/dialogs/{id}/checkpoints/{checkpoint_id}/rollback", tag = "checkpoints",
-    params(("id" = String, Path, description = "The dialog's id"),
-           ("checkpoint_id" = String, Path, description = "A checkpoint of this dialog")),
+    params(("id" = uuid::Uuid, Path, description = "The dialog's id"),
+           ("checkpoint_id" = uuid::Uuid, Path, description = "A checkpoint of this dialog")),
     responses((status = 200, description = "The checkpoint the new branch starts from", body = Checkpoint), Errors))]
 pub(crate) async fn rollback(
     State(shared): State<Arc<Shared>>,
@@ -264,8 +264,8 @@ pub(crate) async fn rollback(
 /// Copies a checkpoint into a new dialog of the same chat (no history is copied).
 #[utoipa::path(post, path = "/api/dialogs/{id}/checkpoints/{checkpoint_id}/fork", tag = "checkpoints",
     request_body = ForkRequest,
-    params(("id" = String, Path, description = "The dialog's id"),
-           ("checkpoint_id" = String, Path, description = "A checkpoint of this dialog")),
+    params(("id" = uuid::Uuid, Path, description = "The dialog's id"),
+           ("checkpoint_id" = uuid::Uuid, Path, description = "A checkpoint of this dialog")),
     responses((status = 201, description = "The new dialog", body = Dialog), Errors))]
 pub(crate) async fn fork(
     State(shared): State<Arc<Shared>>,

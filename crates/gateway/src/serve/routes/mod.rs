@@ -18,7 +18,7 @@ use axum::Router;
 use keel_core::SessionId;
 use keel_store::SessionRecord;
 
-use super::api::{DEFAULT_PAGE, MAX_PAGE, MAX_TEXT_BYTES};
+use super::api::{DEFAULT_PAGE, MAX_PAGE, MAX_TEXT_CHARS};
 use super::problem::{ApiError, ApiResult};
 use super::Shared;
 
@@ -110,15 +110,15 @@ pub(crate) fn decode_cursor<T: FromStr>(cursor: &str) -> ApiResult<(i64, T)> {
     ))
 }
 
-/// A message or steer text: not blank, at most [`MAX_TEXT_BYTES`].
+/// A message text: 1..=[`MAX_TEXT_CHARS`] characters.
 pub(crate) fn checked_text(text: String) -> ApiResult<String> {
-    if text.trim().is_empty() {
+    if text.is_empty() {
         return Err(ApiError::BadRequest("text is empty".to_owned()));
     }
-    if text.len() > MAX_TEXT_BYTES {
-        return Err(ApiError::PayloadTooLarge(format!(
-            "text is {} bytes; at most {MAX_TEXT_BYTES} are accepted",
-            text.len()
+    let chars = text.chars().count();
+    if chars > MAX_TEXT_CHARS {
+        return Err(ApiError::BadRequest(format!(
+            "text has {chars} characters; at most {MAX_TEXT_CHARS} are accepted"
         )));
     }
     Ok(text)

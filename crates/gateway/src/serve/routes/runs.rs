@@ -18,8 +18,6 @@ use crate::serve::Shared;
 /// The statuses of a comma-separated `status` filter.
 fn statuses(text: &str) -> ApiResult<Vec<RunStatus>> {
     text.split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
         .map(|s| {
             s.parse::<RunStatus>()
                 .map_err(|e| ApiError::BadRequest(e.to_string()))
@@ -140,7 +138,7 @@ fn matches_query(q: &RunQuery, r: &RunRecord) -> bool {
 
 /// One run, with its whole result.
 #[utoipa::path(get, path = "/api/agent-runs/{id}", tag = "agent-runs",
-    params(("id" = String, Path, description = "The run's id")),
+    params(("id" = uuid::Uuid, Path, description = "The run's id")),
     responses((status = 200, description = "The run", body = AgentRun), Errors))]
 pub(crate) async fn get_one(
     State(shared): State<Arc<Shared>>,
@@ -151,7 +149,7 @@ pub(crate) async fn get_one(
 
 /// The run's signals and completion, oldest first.
 #[utoipa::path(get, path = "/api/agent-runs/{id}/events", tag = "agent-runs",
-    params(("id" = String, Path, description = "The run's id")),
+    params(("id" = uuid::Uuid, Path, description = "The run's id")),
     responses((status = 200, description = "The run's events", body = AgentEventList), Errors))]
 pub(crate) async fn events(
     State(shared): State<Arc<Shared>>,
@@ -167,7 +165,7 @@ pub(crate) async fn events(
 /// Cancels a run that has not ended (with its foreground descendants) and
 /// returns it once it has; an ended run is returned as it is.
 #[utoipa::path(post, path = "/api/agent-runs/{id}/cancel", tag = "agent-runs",
-    params(("id" = String, Path, description = "The run's id")),
+    params(("id" = uuid::Uuid, Path, description = "The run's id")),
     responses((status = 200, description = "The run, ended", body = AgentRun), Errors))]
 pub(crate) async fn cancel(
     State(shared): State<Arc<Shared>>,

@@ -179,14 +179,20 @@ async fn bad_input_is_a_precise_4xx_problem_and_changes_nothing() {
             .unwrap(),
         ),
         (
-            "blank text",
+            "empty text",
             post_raw(
                 messages.clone(),
                 "application/json",
-                b"{\"text\":\"  \"}".to_vec(),
+                b"{\"text\":\"\"}".to_vec(),
             )
             .await
             .unwrap(),
+        ),
+        (
+            "an array",
+            post_raw(messages.clone(), "application/json", b"[\"a\"]".to_vec())
+                .await
+                .unwrap(),
         ),
         (
             "not json",
