@@ -16,10 +16,14 @@
 //! provider and tool steps go through the same global/session step limits, so
 //! background runs cannot bypass the gateway-wide limits and vice versa.
 //!
-//! Step permits are always acquired global → session → agent and released in
-//! the reverse order. A run waiting for its children holds its run permit but
-//! no step permit, so nested delegation never deadlocks on step permits, even
-//! with every limit at 1.
+//! Step permits are always acquired session → agent → global and released in
+//! the reverse order: a step waiting on its session's or agent's limit holds
+//! no global permit, so one session's queue cannot starve the others (run
+//! admission never waits, so its order does not matter).
+//!
+//! A run waiting for its children holds its run permit but no step permit,
+//! so nested delegation never deadlocks on step permits, even with every
+//! limit at 1.
 //!
 //! Per-session and per-agent semaphores live in keyed registries whose
 //! entries are reference counted by every holder *and* every waiter; an
@@ -231,7 +235,7 @@ impl ExecutionGate {
         })
     }
 
-    /// Waits for a provider-step permit (global → session → agent); fails
+    /// Waits for a provider-step permit (session → agent → global); fails
     /// only with [`EngineError::Cancelled`], holding nothing.
     pub async fn acquire_provider_step(
         &self,
@@ -246,7 +250,7 @@ impl ExecutionGate {
         })
     }
 
-    /// Waits for a tool-step permit (global → session → agent); fails only
+    /// Waits for a tool-step permit (session → agent → global); fails only
     /// with [`EngineError::Cancelled`], holding nothing.
     pub async fn acquire_tool_step(
         &self,
@@ -405,16 +409,17 @@ impl Pool {
             .saturating_sub(self.global.available_permits())
     }
 
-    /// Waits global → session → agent. An early return (cancellation) drops
-    /// what was already taken, so nothing leaks; dropping the future while
-    /// it waits does the same.
+    /// Waits session → agent → global. A step queued behind its session's
+    /// (or agent's) limit holds no global permit, so one session with many
+    /// queued calls cannot starve the others. An early return (cancellation)
+    /// drops what was already taken, so nothing leaks; dropping the future
+    /// while it waits does the same.
     async fn acquire(
         &self,
         session: Option<SessionId>,
         agent: Option<&AgentId>,
         cancel: &CancellationToken,
     ) -> Result<Admission> {
-        let global = GlobalPermit::new(wait(&self.global, cancel).await?);
         let session = match session {
             Some(key) => Some(
                 self.sessions
@@ -431,14 +436,17 @@ impl Pool {
             ),
             None => None,
         };
+        let global = GlobalPermit::new(wait(&self.global, cancel).await?);
         Ok(Admission {
+            _global: global,
             _agent: agent,
             _session: session,
-            _global: global,
         })
     }
 
-    /// Takes global then session permits without waiting (runs only).
+    /// Takes global then session permits without waiting (runs only; as
+    /// nothing waits, the order cannot starve anyone, and a full global
+    /// quota is the one reported).
     fn try_acquire(&self, session: SessionId) -> Result<Admission> {
         let global = Arc::clone(&self.global).try_acquire_owned().map_err(|_| {
             EngineError::RunQuotaExceeded {
@@ -456,9 +464,9 @@ impl Pool {
                 limit: self.per_session,
             })?;
         Ok(Admission {
+            _global: global,
             _agent: None,
             _session: Some(session),
-            _global: global,
         })
     }
 }
@@ -480,13 +488,13 @@ async fn wait(
 
 /// Everything one admission holds.
 ///
-/// Field order is drop order: agent, then session, then global — the
-/// reverse of the acquisition order (global → session → agent). Do not
+/// Field order is drop order: global, then agent, then session — the
+/// reverse of the step acquisition order (session → agent → global). Do not
 /// reorder these fields.
 struct Admission {
+    _global: GlobalPermit,
     _agent: Option<KeyedPermit<AgentId>>,
     _session: Option<KeyedPermit<SessionId>>,
-    _global: GlobalPermit,
 }
 
 /// A permit of a pool's global semaphore.
@@ -680,21 +688,65 @@ mod tests {
         assert_eq!(
             probe::take(),
             vec![
-                ("acquire", Stage::Global),
                 ("acquire", Stage::Session),
                 ("acquire", Stage::Agent),
+                ("acquire", Stage::Global),
             ]
         );
         drop(guard);
         assert_eq!(
             probe::take(),
             vec![
+                ("release", Stage::Global),
                 ("release", Stage::Agent),
                 ("release", Stage::Session),
-                ("release", Stage::Global),
             ]
         );
         assert_eq!(gate.snapshot(), GateCounters::default());
+    }
+
+    /// A model that issues many parallel calls in one session queues them
+    /// on that session's limit; they must not hold global permits while
+    /// they wait, or every other session starves behind them.
+    #[tokio::test(start_paused = true)]
+    async fn queued_steps_of_one_session_leave_global_permits_to_others() {
+        use std::time::Duration;
+        let mut limits = GateLimits::uniform(2);
+        limits.max_concurrent_tool_steps_per_session = 1;
+        let gate = Arc::new(ExecutionGate::new(limits));
+        let (a, b) = (SessionId::new(), SessionId::new());
+        let cancel = CancellationToken::new();
+        let running = gate
+            .acquire_tool_step(Some(a), None, &cancel)
+            .await
+            .unwrap();
+        let queued: Vec<_> = (0..5)
+            .map(|_| {
+                let gate = Arc::clone(&gate);
+                tokio::spawn(async move {
+                    let cancel = CancellationToken::new();
+                    gate.acquire_tool_step(Some(a), None, &cancel).await
+                })
+            })
+            .collect();
+        // The clock is paused: this sleep ends only once every task is idle,
+        // i.e. every queued step of session A is waiting.
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        assert_eq!(
+            gate.snapshot().tool_steps_in_use,
+            1,
+            "only the running step holds a global permit"
+        );
+        let other = tokio::time::timeout(
+            Duration::from_secs(3600),
+            gate.acquire_tool_step(Some(b), None, &cancel),
+        )
+        .await;
+        assert!(other.is_ok(), "session B waited behind session A's queue");
+        drop((running, other));
+        for task in queued {
+            task.abort();
+        }
     }
 
     #[tokio::test]
@@ -708,8 +760,8 @@ mod tests {
             vec![
                 ("acquire", Stage::Global),
                 ("acquire", Stage::Session),
-                ("release", Stage::Session),
                 ("release", Stage::Global),
+                ("release", Stage::Session),
             ]
         );
     }

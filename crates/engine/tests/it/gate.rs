@@ -127,17 +127,23 @@ mod gate_limits {
             .acquire_provider_step(Some(s1), None, &cancel)
             .await
             .unwrap();
-        // Same session: waits at the session stage although global has room.
+        // Same session: waits at the session stage although global has room,
+        // holding no global permit.
         let mut same = pin!(gate.acquire_provider_step(Some(s1), None, &cancel));
         assert!(poll!(&mut same).is_pending());
-        // Other sessions pass (the waiter above holds one of the 3 global permits).
+        assert_eq!(gate.snapshot().provider_steps_in_use, 1);
+        // Other sessions pass, up to the 3 global permits.
         let b = gate
             .acquire_provider_step(Some(s2), None, &cancel)
             .await
             .unwrap();
+        let c = gate
+            .acquire_provider_step(Some(s3), None, &cancel)
+            .await
+            .unwrap();
         assert_eq!(gate.snapshot().provider_steps_in_use, 3);
         // Global is now full: a fourth session waits at the global stage.
-        let mut other = pin!(gate.acquire_provider_step(Some(s3), None, &cancel));
+        let mut other = pin!(gate.acquire_provider_step(Some(s4), None, &cancel));
         assert!(poll!(&mut other).is_pending());
 
         // b's global permit goes to the global waiter; the session waiter stays.
@@ -149,12 +155,8 @@ mod gate_limits {
         assert!(poll!(&mut same).is_pending(), "s1 is still at its limit");
         drop(a);
         let same = same.await.unwrap();
-        // Two of three global permits are held; fill the third.
-        let c = gate
-            .acquire_provider_step(Some(s2), None, &cancel)
-            .await
-            .unwrap();
-        let mut unrelated = pin!(gate.acquire_provider_step(Some(s4), None, &cancel));
+        // All three global permits are held again (c, other, same).
+        let mut unrelated = pin!(gate.acquire_provider_step(Some(s2), None, &cancel));
         assert!(poll!(&mut unrelated).is_pending());
         drop(same);
         let unrelated = unrelated.await.unwrap();
@@ -334,8 +336,8 @@ mod gate_cancellation {
         let cancel = CancellationToken::new();
         let mut waiter = pin!(gate.acquire_tool_step(Some(SessionId::new()), None, &cancel));
         assert!(poll!(&mut waiter).is_pending());
-        // Still at the global stage: no session entry for the waiter yet.
-        assert_eq!(gate.snapshot().keyed_semaphores, 1);
+        // At the global stage, the last one: the waiter holds its session permit.
+        assert_eq!(gate.snapshot().keyed_semaphores, 2);
         cancel.cancel();
         assert_eq!(waiter.await.unwrap_err(), EngineError::Cancelled);
         assert_eq!(
@@ -351,7 +353,7 @@ mod gate_cancellation {
     }
 
     #[tokio::test]
-    async fn cancel_while_waiting_at_the_session_stage_releases_the_global_permit() {
+    async fn cancel_while_waiting_at_the_session_stage_leaks_nothing() {
         let mut limits = GateLimits::uniform(4);
         limits.max_concurrent_provider_steps_per_session = 1;
         let gate = gate(limits);
@@ -365,11 +367,11 @@ mod gate_cancellation {
         let cancel = CancellationToken::new();
         let mut waiter = pin!(gate.acquire_provider_step(Some(session), None, &cancel));
         assert!(poll!(&mut waiter).is_pending());
-        // The waiter holds a global permit and shares the session's entry.
+        // The waiter shares the session's entry and holds no global permit.
         assert_eq!(
             gate.snapshot(),
             GateCounters {
-                provider_steps_in_use: 2,
+                provider_steps_in_use: 1,
                 keyed_semaphores: 1,
                 ..idle()
             }
@@ -389,7 +391,7 @@ mod gate_cancellation {
     }
 
     #[tokio::test]
-    async fn cancel_while_waiting_at_the_agent_stage_releases_session_and_global() {
+    async fn cancel_while_waiting_at_the_agent_stage_releases_the_session_permit() {
         let worker = agent("worker");
         let mut limits = GateLimits::uniform(4);
         limits
@@ -407,11 +409,11 @@ mod gate_cancellation {
         let mut waiter =
             pin!(gate.acquire_provider_step(Some(SessionId::new()), Some(&worker), &cancel));
         assert!(poll!(&mut waiter).is_pending());
-        // Waiter: global + its own session + the shared agent entry.
+        // Waiter: its own session + the shared agent entry, no global permit.
         assert_eq!(
             gate.snapshot(),
             GateCounters {
-                provider_steps_in_use: 2,
+                provider_steps_in_use: 1,
                 keyed_semaphores: 3,
                 ..idle()
             }
@@ -450,7 +452,7 @@ mod gate_cancellation {
         {
             let mut waiter = Box::pin(gate.acquire_tool_step(Some(session), None, &cancel));
             assert!(poll!(&mut waiter).is_pending());
-            assert_eq!(gate.snapshot().tool_steps_in_use, 2);
+            assert_eq!(gate.snapshot().tool_steps_in_use, 1);
             // Dropped mid-wait, like an aborted task.
         }
         assert_eq!(
