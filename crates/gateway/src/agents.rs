@@ -22,7 +22,7 @@ pub fn catalog_inputs(config: Option<&Config>) -> Result<CatalogInputs> {
         ),
         Some(c) => (
             c.profile_names(),
-            keel_engine::builtin_registry(&c.builtin_tools())?,
+            keel_engine::builtin_registry(&c.builtin_tools(Vec::new()).0)?,
             c.root_delegate_ids(),
             Some(c.orchestration.max_tree_depth),
         ),

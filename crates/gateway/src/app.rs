@@ -40,8 +40,9 @@ pub struct App {
     /// The agent catalog and what a reload validates it against; `None`
     /// without agent definitions.
     pub catalog: Option<(Arc<CatalogHandle>, CatalogInputs)>,
-    /// The one-line notice printed at start-up when no provider is configured.
-    pub offline_notice: Option<&'static str>,
+    /// One-line notices to print once at start-up: no provider configured,
+    /// shell commands not confined.
+    pub notices: Vec<String>,
 }
 
 /// Creates the data directory (and missing parents) readable by its owner
@@ -106,13 +107,17 @@ impl App {
             Some(p) => p.clone(),
             None => config.build_provider(DEFAULT_PROFILE)?,
         };
-        let offline_notice = if scripted.is_none() {
-            config.offline_notice()
-        } else {
-            None
-        };
+        let mut notices = Vec::new();
+        if scripted.is_none() {
+            notices.extend(config.offline_notice().map(str::to_owned));
+        }
         let gate = Arc::new(ExecutionGate::new(config.gate_limits()));
-        let builtin = Arc::new(builtin_registry(&config.builtin_tools())?);
+        let (tools, shell_notice) = config.builtin_tools(loaded.protected_paths());
+        if let Some(notice) = shell_notice {
+            tracing::warn!("{notice}");
+            notices.push(notice);
+        }
+        let builtin = Arc::new(builtin_registry(&tools)?);
         let inputs = config.catalog_inputs(builtin.clone());
         let catalog = match config.agents_dir() {
             Some(dir) if dir.is_dir() => Some(Arc::new(
@@ -212,7 +217,7 @@ impl App {
             manager,
             coordinator,
             catalog: catalog.map(|c| (c, inputs)),
-            offline_notice,
+            notices,
         })
     }
 }

@@ -144,7 +144,7 @@ pub async fn run(
         script.as_deref(),
     )
     .await?;
-    if let Some(notice) = app.offline_notice {
+    for notice in &app.notices {
         eprintln!("{notice}");
     }
     let agent = agent

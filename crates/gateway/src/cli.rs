@@ -81,6 +81,12 @@ pub enum AgentsCommand {
 
 /// Parses arguments and runs the command.
 pub fn main() -> ExitCode {
+    let mut args = std::env::args_os().skip(1);
+    // The shell tool starts this binary again to confine a command; that
+    // happens before anything else (one thread, no runtime, no logging).
+    if args.next().as_deref() == Some(keel_engine::SANDBOX_LAUNCHER_ARG.as_ref()) {
+        return keel_engine::run_sandbox_launcher(args);
+    }
     let cli = Cli::parse();
     init_tracing();
     let runtime = match tokio::runtime::Builder::new_multi_thread()

@@ -20,10 +20,10 @@ use std::time::Duration;
 
 use keel_catalog::CatalogInputs;
 use keel_core::{AgentId, Provider, ToolRegistry};
-use keel_engine::BuiltinToolsConfig;
-use keel_engine::CoordinatorConfig;
-use keel_engine::GateLimits;
-use keel_engine::{SessionManagerConfig, SummaryConfig};
+use keel_engine::{
+    BuiltinToolsConfig, CoordinatorConfig, GateLimits, LandlockPolicy, SessionManagerConfig,
+    ShellConfig, ShellConfinement, SummaryConfig, DEFAULT_SHELL_READ_PATHS,
+};
 use keel_providers::{ProviderKind, ProviderProfile};
 use keel_store::{StoreOptions, Synchronous};
 use serde::{Deserialize, Serialize};
@@ -251,6 +251,14 @@ pub struct ToolsConfig {
     pub enable_shell: bool,
     /// Default and maximum run time of one shell command.
     pub shell_timeout_secs: u64,
+    /// Environment variables passed to shell commands besides PATH, HOME, LANG and TERM.
+    pub shell_env: Vec<String>,
+    /// Trees shell commands may read and execute from (besides the workspace).
+    pub shell_read_paths: Vec<PathBuf>,
+    /// Let shell commands open TCP connections and listen.
+    pub shell_network: bool,
+    /// Run shell commands unconfined where the kernel has no Landlock.
+    pub shell_unsandboxed: bool,
 }
 
 impl Default for ToolsConfig {
@@ -259,6 +267,10 @@ impl Default for ToolsConfig {
             enable_write: false,
             enable_shell: false,
             shell_timeout_secs: DEFAULT_SHELL_TIMEOUT_SECS,
+            shell_env: Vec::new(),
+            shell_read_paths: DEFAULT_SHELL_READ_PATHS.iter().map(PathBuf::from).collect(),
+            shell_network: false,
+            shell_unsandboxed: false,
         }
     }
 }
@@ -371,6 +383,17 @@ pub struct LoadedConfig {
 }
 
 impl LoadedConfig {
+    /// What no tool may touch: the data directory and the configuration
+    /// file (the one read, or the one a later start would read).
+    pub fn protected_paths(&self) -> Vec<PathBuf> {
+        let data_dir = self.config.data_dir();
+        let file = self
+            .source
+            .clone()
+            .unwrap_or_else(|| data_dir.join(CONFIG_FILE_NAME));
+        vec![data_dir, file]
+    }
+
     /// How errors name this configuration: the file's path, or
     /// `keel.toml (defaults)` when no file was read.
     pub fn source_label(&self) -> String {
@@ -514,6 +537,7 @@ impl Config {
         ]
         .into_iter()
         .flatten()
+        .chain(&mut self.tools.shell_read_paths)
         {
             join(path);
         }
@@ -664,14 +688,39 @@ impl Config {
         }
     }
 
-    /// The built-in tool settings from `[tools]` and `workspace_root`.
-    pub fn builtin_tools(&self) -> BuiltinToolsConfig {
-        BuiltinToolsConfig {
+    /// The built-in tool settings from `[tools]` and `workspace_root`, with
+    /// `protected` out of every tool's reach. With the shell enabled this
+    /// checks the kernel for Landlock; the notice (print it once at start-up)
+    /// says when commands will not be confined.
+    pub fn builtin_tools(&self, protected: Vec<PathBuf>) -> (BuiltinToolsConfig, Option<String>) {
+        let t = &self.tools;
+        let (confinement, notice) = if t.enable_shell {
+            // The sandbox launcher is this binary, started again.
+            let launcher = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("keel"));
+            let policy = LandlockPolicy {
+                launcher,
+                read_paths: t.shell_read_paths.clone(),
+                network: t.shell_network,
+            };
+            ShellConfinement::choose(policy, t.shell_unsandboxed)
+        } else {
+            (
+                ShellConfinement::Refused("the shell is disabled".into()),
+                None,
+            )
+        };
+        let tools = BuiltinToolsConfig {
             workspace_root: self.workspace_root(),
-            enable_write: self.tools.enable_write,
-            enable_shell: self.tools.enable_shell,
-            shell_timeout: Duration::from_secs(self.tools.shell_timeout_secs),
-        }
+            protected_paths: protected,
+            enable_write: t.enable_write,
+            enable_shell: t.enable_shell,
+            shell: ShellConfig {
+                timeout: Duration::from_secs(t.shell_timeout_secs),
+                env: t.shell_env.clone(),
+                confinement,
+            },
+        };
+        (tools, notice)
     }
 
     /// The execution gate's limits from `[orchestration]` (no per-agent limits).

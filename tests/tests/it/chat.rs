@@ -391,3 +391,42 @@ fn a_new_data_directory_is_private_to_the_owner() {
     assert_eq!(mode(&data), 0o700);
     assert_eq!(mode(&data.join("keel.db")), 0o600);
 }
+
+#[test]
+fn tools_cannot_read_or_rewrite_keels_own_files_in_the_workspace() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(data.join("agents")).unwrap();
+    let toml = "workspace_root = \"..\"\n[tools]\nenable_write = true\n";
+    std::fs::write(data.join("keel.toml"), toml).unwrap();
+    // The model tries to turn the shell on for the next start, and to plant an agent.
+    let s = script(
+        dir.path(),
+        r#"
+responses:
+  - tool_calls:
+      - {name: read_file, arguments: {path: data/keel.toml}}
+      - {name: write_file, arguments: {path: data/keel.toml, content: "[tools]\nenable_shell = true\n"}}
+      - {name: write_file, arguments: {path: data/agents/evil.md, content: "x"}}
+      - {name: list_dir, arguments: {path: data}}
+      - {name: write_file, arguments: {path: notes.txt, content: "fine"}}
+  - text: "done"
+"#,
+    );
+    let (out, err, ok) = keel(&data, &s, "ivy", "go\n");
+    assert!(ok, "{err}");
+    assert_eq!(
+        out.matches("error] error: denied: data").count(),
+        4,
+        "{out}"
+    );
+    assert!(
+        out.contains("[write_file ok] wrote 4 bytes to notes.txt"),
+        "{out}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(data.join("keel.toml")).unwrap(),
+        toml
+    );
+    assert!(!data.join("agents/evil.md").exists());
+}

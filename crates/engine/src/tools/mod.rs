@@ -1,25 +1,33 @@
 //! Built-in tools and the registry they are assembled into.
 //!
-//! File tools are confined to a workspace root: paths are resolved and
-//! canonicalized, and anything that leaves the root (`..`, absolute paths,
-//! symlinks pointing out) is refused. `write_file` and `shell` are
-//! `RootOnly` and are registered only when enabled in the configuration.
+//! File tools are confined to a workspace root by the kernel
+//! ([`Workspace`]: `openat2(RESOLVE_BENEATH)`, no check-then-use), and never
+//! touch keel's own data directory or configuration file. `write_file` and
+//! `shell` are `RootOnly` and are registered only when enabled in the
+//! configuration; shell commands run under Landlock ([`sandbox`]).
 
 mod fs;
+mod sandbox;
 mod shell;
 mod time;
+mod workspace;
 
-use std::path::{Component, Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use keel_core::{ToolError, ToolRegistry};
 use serde::de::DeserializeOwned;
 
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 use fs::{ListDirTool, ReadFileTool, SearchTextTool, WriteFileTool};
+pub use sandbox::{
+    check_sandbox_support, run_sandbox_launcher, LandlockPolicy, DEFAULT_SHELL_READ_PATHS,
+    SANDBOX_LAUNCHER_ARG,
+};
 use shell::ShellTool;
+pub use shell::{ShellConfig, ShellConfinement};
 use time::{CurrentTimeTool, SleepTool};
+use workspace::Workspace;
 
 /// Most bytes any built-in tool returns to the model.
 pub(crate) const MAX_TOOL_OUTPUT_BYTES: usize = 64 * 1024;
@@ -29,12 +37,15 @@ pub(crate) const MAX_TOOL_OUTPUT_BYTES: usize = 64 * 1024;
 pub struct BuiltinToolsConfig {
     /// Root directory file tools are confined to.
     pub workspace_root: PathBuf,
+    /// Paths no tool may read, list, search or write, wherever they are:
+    /// keel's data directory and configuration file.
+    pub protected_paths: Vec<PathBuf>,
     /// Register `write_file` (RootOnly).
     pub enable_write: bool,
     /// Register `shell` (RootOnly).
     pub enable_shell: bool,
-    /// Default and maximum run time of a shell command.
-    pub shell_timeout: Duration,
+    /// How shell commands run.
+    pub shell: ShellConfig,
 }
 
 impl BuiltinToolsConfig {
@@ -42,9 +53,10 @@ impl BuiltinToolsConfig {
     pub fn new(workspace_root: impl Into<PathBuf>) -> Self {
         Self {
             workspace_root: workspace_root.into(),
+            protected_paths: Vec::new(),
             enable_write: false,
             enable_shell: false,
-            shell_timeout: Duration::from_secs(30),
+            shell: ShellConfig::default(),
         }
     }
 }
@@ -63,7 +75,7 @@ const BUILTIN_TOOL_NAMES: &[&str] = &[
 
 /// Builds the registry of built-in tools described by `config`.
 pub fn builtin_registry(config: &BuiltinToolsConfig) -> Result<ToolRegistry> {
-    let workspace = Workspace::new(&config.workspace_root)?;
+    let workspace = Workspace::new(&config.workspace_root, &config.protected_paths)?;
     let mut registry = ToolRegistry::new();
     registry.register(Arc::new(ReadFileTool::new(workspace.clone())))?;
     registry.register(Arc::new(ListDirTool::new(workspace.clone())))?;
@@ -74,114 +86,9 @@ pub fn builtin_registry(config: &BuiltinToolsConfig) -> Result<ToolRegistry> {
         registry.register(Arc::new(WriteFileTool::new(workspace.clone())))?;
     }
     if config.enable_shell {
-        registry.register(Arc::new(ShellTool::new(workspace, config.shell_timeout)))?;
+        registry.register(Arc::new(ShellTool::new(workspace, config.shell.clone())?))?;
     }
     Ok(registry)
-}
-
-/// A canonical directory that file tools may not leave.
-#[derive(Debug, Clone)]
-pub(crate) struct Workspace {
-    root: Arc<PathBuf>,
-}
-
-impl Workspace {
-    /// Canonicalizes `root`, which must be an existing directory.
-    pub(crate) fn new(root: &Path) -> Result<Self> {
-        let bad = |message: String| EngineError::Workspace {
-            path: root.to_path_buf(),
-            message,
-        };
-        let canonical = root.canonicalize().map_err(|e| bad(e.to_string()))?;
-        if !canonical.is_dir() {
-            return Err(bad("not a directory".into()));
-        }
-        Ok(Self {
-            root: Arc::new(canonical),
-        })
-    }
-
-    /// The canonical root.
-    pub(crate) fn root(&self) -> &Path {
-        &self.root
-    }
-
-    /// Resolves a user-supplied path to an existing file or directory inside
-    /// the workspace, following symlinks only while they stay inside.
-    pub(crate) fn resolve_existing(&self, user_path: &str) -> Result<PathBuf, ToolError> {
-        let joined = self.join(user_path)?;
-        let canonical = joined
-            .canonicalize()
-            .map_err(|e| ToolError::Failed(format!("{user_path}: {e}")))?;
-        self.ensure_inside(user_path, &canonical)?;
-        Ok(canonical)
-    }
-
-    /// Resolves a path that may not exist yet (for writing): its parent must
-    /// exist inside the workspace and the target must not be a symlink out.
-    pub(crate) fn resolve_for_write(&self, user_path: &str) -> Result<PathBuf, ToolError> {
-        let joined = self.join(user_path)?;
-        let name = joined
-            .file_name()
-            .ok_or_else(|| ToolError::InvalidArguments(format!("{user_path}: not a file path")))?
-            .to_owned();
-        let parent = joined
-            .parent()
-            .ok_or_else(|| ToolError::InvalidArguments(format!("{user_path}: no parent")))?;
-        let parent = parent
-            .canonicalize()
-            .map_err(|e| ToolError::Failed(format!("{user_path}: parent directory: {e}")))?;
-        self.ensure_inside(user_path, &parent)?;
-        let target = parent.join(name);
-        if let Ok(meta) = std::fs::symlink_metadata(&target) {
-            if meta.file_type().is_symlink() {
-                let real = target
-                    .canonicalize()
-                    .map_err(|e| ToolError::Failed(format!("{user_path}: {e}")))?;
-                self.ensure_inside(user_path, &real)?;
-            } else if meta.is_dir() {
-                return Err(ToolError::Failed(format!("{user_path}: is a directory")));
-            }
-        }
-        Ok(target)
-    }
-
-    /// The path relative to the root, for display.
-    pub(crate) fn display(&self, path: &Path) -> String {
-        match path.strip_prefix(self.root.as_path()) {
-            Ok(rel) if rel.as_os_str().is_empty() => ".".into(),
-            Ok(rel) => rel.display().to_string(),
-            Err(_) => path.display().to_string(),
-        }
-    }
-
-    fn join(&self, user_path: &str) -> Result<PathBuf, ToolError> {
-        if user_path.contains('\0') {
-            return Err(ToolError::InvalidArguments(
-                "path contains a NUL byte".into(),
-            ));
-        }
-        let p = Path::new(user_path);
-        if p.is_absolute() {
-            return Ok(p.to_path_buf());
-        }
-        if p.components().any(|c| matches!(c, Component::Prefix(_))) {
-            return Err(ToolError::InvalidArguments(format!(
-                "{user_path}: unsupported path"
-            )));
-        }
-        Ok(self.root.join(p))
-    }
-
-    fn ensure_inside(&self, user_path: &str, canonical: &Path) -> Result<(), ToolError> {
-        if canonical.starts_with(self.root.as_path()) {
-            Ok(())
-        } else {
-            Err(ToolError::Denied(format!(
-                "{user_path} is outside the workspace"
-            )))
-        }
-    }
 }
 
 /// Parses tool arguments into `T`, reporting schema mismatches to the model.
@@ -211,6 +118,7 @@ mod tests {
         let mut cfg = BuiltinToolsConfig::new(dir.path());
         cfg.enable_write = true;
         cfg.enable_shell = true;
+        cfg.shell.confinement = ShellConfinement::Unconfined;
         let on = builtin_registry(&cfg).unwrap();
         assert_eq!(on.policy("write_file"), Some(DelegationPolicy::RootOnly));
         assert_eq!(on.policy("shell"), Some(DelegationPolicy::RootOnly));
@@ -244,43 +152,5 @@ mod tests {
         assert!(err
             .to_string()
             .starts_with("workspace root /nonexistent/keel-ws"));
-    }
-
-    #[test]
-    fn paths_cannot_leave_the_workspace() {
-        let outer = tempfile::tempdir().unwrap();
-        let root = outer.path().join("ws");
-        std::fs::create_dir(&root).unwrap();
-        std::fs::write(outer.path().join("secret.txt"), "s").unwrap();
-        std::fs::write(root.join("ok.txt"), "ok").unwrap();
-        #[cfg(unix)]
-        std::os::unix::fs::symlink(outer.path().join("secret.txt"), root.join("link")).unwrap();
-        let ws = Workspace::new(&root).unwrap();
-        assert!(ws.resolve_existing("ok.txt").is_ok());
-        assert!(matches!(
-            ws.resolve_existing("../secret.txt"),
-            Err(ToolError::Denied(_))
-        ));
-        let abs = outer.path().join("secret.txt");
-        assert!(matches!(
-            ws.resolve_existing(abs.to_str().unwrap()),
-            Err(ToolError::Denied(_))
-        ));
-        #[cfg(unix)]
-        {
-            assert!(matches!(
-                ws.resolve_existing("link"),
-                Err(ToolError::Denied(_))
-            ));
-            assert!(matches!(
-                ws.resolve_for_write("link"),
-                Err(ToolError::Denied(_))
-            ));
-        }
-        assert!(matches!(
-            ws.resolve_for_write("../x.txt"),
-            Err(ToolError::Denied(_))
-        ));
-        assert!(ws.resolve_for_write("new.txt").is_ok());
     }
 }

@@ -88,6 +88,10 @@ busy_timeout_ms = 5000
 enable_write = false
 enable_shell = false
 shell_timeout_secs = 30
+shell_env = []
+shell_read_paths = ["/bin", "/sbin", "/usr", "/lib", "/lib32", "/lib64", "/etc", "/opt", "/dev", "/proc"]
+shell_network = false
+shell_unsandboxed = false
 
 [orchestration]
 max_tree_depth = 3
@@ -303,12 +307,43 @@ pub fn reference() -> Vec<KeyDoc> {
     code(
         &mut rows,
         "tools.enable_shell",
-        "Register `shell` (root agent only).".into(),
+        "Register `shell` (root agent only). Its commands run under Landlock (see docs/SECURITY.md); \
+         keel's data directory and configuration file must then lie outside `workspace_root` and \
+         `tools.shell_read_paths`, or start-up fails."
+            .into(),
     );
     code(
         &mut rows,
         "tools.shell_timeout_secs",
         format!("Default and maximum run time of a shell command, 1..={MAX_SHELL_TIMEOUT_SECS}."),
+    );
+    code(
+        &mut rows,
+        "tools.shell_env",
+        "Environment variables passed from keel's environment to shell commands, besides `PATH`, \
+         `HOME`, `LANG` and `TERM` (everything else is cleared; `TMPDIR` is a private directory). \
+         Provider key variables and `server.token_env` are refused."
+            .into(),
+    );
+    code(
+        &mut rows,
+        "tools.shell_read_paths",
+        "Trees shell commands may read and execute from, besides the workspace (which they may also \
+         write) and their temporary directory. Missing paths are skipped."
+            .into(),
+    );
+    code(
+        &mut rows,
+        "tools.shell_network",
+        "Allow shell commands to open TCP connections and listen (Landlock ABI 4+; UDP is never \
+         restricted)."
+            .into(),
+    );
+    code(
+        &mut rows,
+        "tools.shell_unsandboxed",
+        "On a kernel without Landlock, run shell commands unconfined instead of refusing them."
+            .into(),
     );
 
     let depth_cap = keel_catalog::MAX_DELEGATION_DEPTH_CAP;

@@ -16,7 +16,7 @@ pub(super) fn problems(config: &Config, env: &dyn Fn(&str) -> Option<String>) ->
     root_delegates(config, &mut out);
     session(&config.session, &mut out);
     storage(&config.storage, &mut out);
-    tools(&config.tools, &mut out);
+    tools(config, &mut out);
     orchestration(&config.orchestration, &mut out);
     server(&config.server, &mut out);
     out.0
@@ -236,13 +236,38 @@ fn storage(s: &StorageConfig, out: &mut Problems) {
     );
 }
 
-fn tools(t: &ToolsConfig, out: &mut Problems) {
+fn tools(config: &Config, out: &mut Problems) {
+    let t = &config.tools;
     out.range(
         "tools.shell_timeout_secs",
         t.shell_timeout_secs,
         1,
         MAX_SHELL_TIMEOUT_SECS,
     );
+    // Variables that hold keel's own secrets never reach a command.
+    let secrets: BTreeSet<&str> = config
+        .providers
+        .values()
+        .filter_map(|p| p.api_key_env.as_deref())
+        .chain(
+            [ProviderKind::OpenAi, ProviderKind::Anthropic]
+                .into_iter()
+                .filter_map(|kind| -> Option<&str> { kind.default_api_key_env() }),
+        )
+        .chain([config.server.token_env.as_str()])
+        .collect();
+    for (i, name) in t.shell_env.iter().enumerate() {
+        let key = format!("tools.shell_env[{i}]");
+        out.env_name(&key, name);
+        if secrets.contains(name.as_str()) {
+            out.push(
+                &key,
+                format!(
+                    "{name} holds a key keel uses; shell commands (and so the model) would read it"
+                ),
+            );
+        }
+    }
 }
 
 fn orchestration(o: &OrchestrationConfig, out: &mut Problems) {

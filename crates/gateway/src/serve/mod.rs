@@ -290,7 +290,7 @@ impl Server {
 /// `keel serve`: serves until SIGTERM or Ctrl-C; SIGHUP reloads the agent catalog.
 pub async fn run(data: DataArgs, bind: Option<SocketAddr>) -> Result<ExitCode, AppError> {
     let app = App::open(data.config.as_deref(), data.data_dir.as_deref(), None).await?;
-    if let Some(notice) = app.offline_notice {
+    for notice in &app.notices {
         eprintln!("{notice}");
     }
     let options = ServeOptions::from_config(&app.config, bind, &|var| std::env::var(var).ok())?;

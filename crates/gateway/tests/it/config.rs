@@ -205,6 +205,23 @@ fn timeouts_over_their_hard_cap_are_errors() {
 }
 
 #[test]
+fn shell_env_never_passes_keels_own_keys() {
+    let text = "server.token_env = \"ADMIN\"\n\
+        [tools]\nshell_env = [\"CARGO_HOME\", \"OPENAI_API_KEY\", \"ANTHROPIC_API_KEY\", \"ADMIN\", \"A=B\", \"MY_KEY\"]\n\
+        [providers.main]\nkind = \"openai\"\nmodel = \"m\"\nbase_url = \"http://127.0.0.1:1/v1\"\napi_key_env = \"MY_KEY\"\n";
+    let err = Config::from_toml_str_with_env(text, "keel.toml", &env(&[("MY_KEY", "k")]))
+        .unwrap_err()
+        .to_string();
+    insta::assert_snapshot!(err, @r#"
+    keel.toml:3: tools.shell_env[1]: OPENAI_API_KEY holds a key keel uses; shell commands (and so the model) would read it
+    keel.toml:3: tools.shell_env[2]: ANTHROPIC_API_KEY holds a key keel uses; shell commands (and so the model) would read it
+    keel.toml:3: tools.shell_env[3]: ADMIN holds a key keel uses; shell commands (and so the model) would read it
+    keel.toml:3: tools.shell_env[4]: "A=B" is not an environment variable name
+    keel.toml:3: tools.shell_env[5]: MY_KEY holds a key keel uses; shell commands (and so the model) would read it
+    "#);
+}
+
+#[test]
 fn missing_env_var_for_a_key_is_an_error() {
     let text = "[providers.main]\nkind = \"anthropic\"\nmodel = \"claude\"\n\n[providers.local]\nkind = \"openai\"\nmodel = \"llama3\"\nbase_url = \"http://127.0.0.1:11434/v1\"\napi_key_env = \"LOCAL_KEY\"\n";
     let err = Config::from_toml_str_with_env(text, "keel.toml", &env(NO_ENV))
@@ -357,7 +374,8 @@ fn conversions_carry_the_settings() {
          [session]\nttl_hours = 2\ncleanup_interval_minutes = 5\nauto_title_after_n_messages = 0\nauto_checkpoint = false\n\
          [session.summary]\nenabled = true\nmax_context_tokens = 8000\n\
          [storage]\nsynchronous = \"full\"\nretry_delays_ms = [5]\nbusy_timeout_ms = 10\n\
-         [tools]\nenable_write = true\nshell_timeout_secs = 9\n",
+         [tools]\nenable_write = true\nenable_shell = true\nshell_timeout_secs = 9\n\
+         shell_env = [\"CARGO_HOME\"]\nshell_read_paths = [\"/usr\"]\nshell_network = true\n",
     )
     .unwrap();
     let store = c.store_options();
@@ -379,10 +397,21 @@ fn conversions_carry_the_settings() {
         (8000, 3)
     );
     assert_eq!(c.cleanup_interval(), Duration::from_secs(300));
-    let tools = c.builtin_tools();
+    let (tools, notice) = c.builtin_tools(vec![PathBuf::from("/srv/data")]);
     assert_eq!(tools.workspace_root, PathBuf::from("/srv/w"));
-    assert!(tools.enable_write && !tools.enable_shell);
-    assert_eq!(tools.shell_timeout, Duration::from_secs(9));
+    assert_eq!(tools.protected_paths, [PathBuf::from("/srv/data")]);
+    assert!(tools.enable_write && tools.enable_shell);
+    assert_eq!(tools.shell.timeout, Duration::from_secs(9));
+    assert_eq!(tools.shell.env, ["CARGO_HOME"]);
+    match tools.shell.confinement {
+        keel_engine::ShellConfinement::Landlock(policy) => {
+            assert_eq!(policy.read_paths, [PathBuf::from("/usr")]);
+            assert!(policy.network);
+            assert_eq!(notice, None);
+        }
+        // A kernel without Landlock: refused, and said so.
+        other => assert!(notice.is_some(), "{other:?}"),
+    }
     assert!(Config::default().session_manager_config().summary.is_none());
     let o = parse(
         "[orchestration]\nmax_tree_depth = 5\nmax_runs_per_tree = 7\nmax_concurrent_runs = 6\n\

@@ -1,6 +1,7 @@
 //! Integration tests of keel-gateway, linked into one binary: the
 //! configuration, the `keel` binary's own commands (`demo`, `agents
-//! check`, `--help`), and `keel serve` in-process with real clients. The chat transcripts and crash tests, which drive the
+//! check`, `--help`), the shell tool confined through it, and `keel serve`
+//! in-process with real clients. The chat transcripts and crash tests, which drive the
 //! binary across crates, are in keel-e2e.
 #![allow(clippy::unwrap_used)] // helpers outside #[test] fns unwrap too
 
@@ -9,3 +10,4 @@ mod cli;
 mod config;
 mod demo;
 mod serve;
+mod shell_sandbox;
