@@ -348,6 +348,12 @@ mod tests {
         .unwrap()
     }
 
+    /// The pid a test command wrote to `child.pid` in the workspace.
+    fn child_pid(dir: &std::path::Path) -> i32 {
+        let text = std::fs::read_to_string(dir.join("child.pid")).unwrap();
+        text.trim().parse().unwrap()
+    }
+
     /// Waits (up to a minute, for a failing test) until process `pid` has
     /// exited; false if it is still running then.
     fn exits(pid: i32) -> bool {
@@ -489,11 +495,7 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(err, ToolError::TimedOut(1000));
-        let pid: i32 = std::fs::read_to_string(d.path().join("child.pid"))
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
+        let pid = child_pid(d.path());
         assert!(
             exits(pid),
             "the background child of a timed-out command survived"
@@ -512,11 +514,7 @@ mod tests {
         .await
         .unwrap();
         assert!(out.content.contains("started"), "{}", out.content);
-        let pid: i32 = std::fs::read_to_string(d.path().join("child.pid"))
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
+        let pid = child_pid(d.path());
         assert!(exits(pid), "the command's background child outlived it");
     }
 
@@ -525,7 +523,6 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let ctx = ToolExecutionContext::default();
         let shell = tool(d.path(), 60);
-        let pid_file = d.path().join("child.pid");
         // The command says it is running by creating a FIFO's writer end
         // only after the background child exists.
         rustix::fs::mknodat(
@@ -550,11 +547,7 @@ mod tests {
         };
         let (result, ()) = tokio::join!(running, cancel);
         assert_eq!(result.unwrap_err(), ToolError::Cancelled);
-        let pid: i32 = std::fs::read_to_string(pid_file)
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
+        let pid = child_pid(d.path());
         assert!(
             exits(pid),
             "the background child of a cancelled command survived"
