@@ -596,6 +596,7 @@ async fn turn_overhead(
                             source: CheckpointSource::Turn,
                         }),
                         visible_user_inputs: 1,
+                        expected_head: None,
                         now_ms: keel_core::time::now_ms(),
                     }
                 })

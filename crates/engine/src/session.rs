@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use keel_core::{CheckpointId, Message, Provider, SessionId, ToolRegistry};
 use keel_store::{
-    CheckpointSource, MessageFilter, NewCheckpoint, NewMessage, SessionRecord, Store, TurnCommit,
+    CheckpointSource, MessageFilter, NewCheckpoint, NewMessage, SessionHead, SessionRecord, Store,
+    TurnCommit,
 };
 
 use crate::agent_loop::TurnOutput;
@@ -175,6 +176,12 @@ impl AgentSession {
                 state: state.to_blob()?,
                 checkpoint,
                 visible_user_inputs: u32::try_from(visible_user_inputs).unwrap_or(u32::MAX),
+                // Two writers can never silently interleave on one session:
+                // the commit is refused if the history moved since this load.
+                expected_head: Some(SessionHead {
+                    timeline: self.record.head_timeline_id.clone(),
+                    last_seq: self.last_seq,
+                }),
                 now_ms: now,
             })
             .await?;

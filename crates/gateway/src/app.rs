@@ -14,7 +14,7 @@ use keel_engine::ExecutionGate;
 use keel_engine::NoHooks;
 use keel_engine::{AgentCoordinator, CoordinatorConfig, ProfileProviders, ProviderFactory};
 use keel_engine::{RuntimeBundle, SessionManager};
-use keel_store::Store;
+use keel_store::{describe_process, RuntimeLock, Store};
 
 use crate::config::{Config, ConfigError, LoadedConfig};
 use crate::error::{io_err, AppError, Result};
@@ -43,6 +43,10 @@ pub struct App {
     /// One-line notices to print once at start-up: no provider configured,
     /// shell commands not confined.
     pub notices: Vec<String>,
+    /// The runtime generation this process activated on the database.
+    pub generation: u64,
+    /// This process's exclusive hold on the database; released on drop.
+    pub lock: RuntimeLock,
 }
 
 /// Creates the data directory (and missing parents) readable by its owner
@@ -69,8 +73,11 @@ impl App {
     /// providers for every profile, the built-in tools, the execution gate,
     /// the agent catalog and coordinator when `agents_dir` has definitions
     /// (recovering runs of earlier processes), and the session manager.
+    /// `command` names this process in the data directory's lock (`keel chat`),
+    /// so a second process is refused with its name.
     /// `script` replaces every provider with one ScriptedProvider.
     pub async fn open(
+        command: &str,
         config_file: Option<&Path>,
         data_dir: Option<&Path>,
         script: Option<&Path>,
@@ -81,11 +88,12 @@ impl App {
             ))),
             None => None,
         };
-        Self::open_with_provider(config_file, data_dir, scripted).await
+        Self::open_with_provider(command, config_file, data_dir, scripted).await
     }
 
     /// [`App::open`] with `provider`, when given, in place of every configured one.
     pub async fn open_with_provider(
+        command: &str,
         config_file: Option<&Path>,
         data_dir: Option<&Path>,
         scripted: Option<Arc<dyn Provider>>,
@@ -94,7 +102,23 @@ impl App {
         let config = &loaded.config;
         let data_dir = config.data_dir();
         create_data_dir(&data_dir)?;
-        let store = Store::open(database_path(&data_dir), config.store_options())?;
+        let db = database_path(&data_dir);
+        // One process owns a data directory: a second one is refused here,
+        // before it migrates, recovers or writes anything.
+        let holder = describe_process(command);
+        let lock = RuntimeLock::acquire(&db, &holder)?;
+        let store = Store::open(&db, config.store_options())?;
+        let activation = store
+            .activate_runtime(holder, keel_core::time::now_ms())
+            .await?;
+        let recovery = &activation.recovery;
+        if !recovery.interrupted_runs.is_empty() || !recovery.counters_repaired.is_empty() {
+            tracing::warn!(
+                interrupted = recovery.interrupted_runs.len(),
+                repaired = recovery.counters_repaired.len(),
+                "recovered sub-agent runs of an earlier process"
+            );
+        }
         let mut providers = ProfileProviders::new();
         for name in config.profile_names() {
             let provider = match &scripted {
@@ -165,9 +189,7 @@ impl App {
                     builtin.clone(),
                     gate.clone(),
                     CoordinatorConfig {
-                        // Later processes must own a newer generation than
-                        // earlier ones; wall-clock milliseconds do that.
-                        runtime_generation: u64::try_from(keel_core::time::now_ms()).unwrap_or(1),
+                        runtime_generation: activation.generation,
                         ..config.coordinator_config()
                     },
                 );
@@ -179,14 +201,6 @@ impl App {
                 if !delegates.is_empty() {
                     system_prompt.push_str(
                         " You can hand work to sub-agents with the delegate tool; its description lists them.",
-                    );
-                }
-                let report = coordinator.recover_on_activation().await?;
-                if !report.interrupted_runs.is_empty() || !report.counters_repaired.is_empty() {
-                    tracing::warn!(
-                        interrupted = report.interrupted_runs.len(),
-                        repaired = report.counters_repaired.len(),
-                        "recovered sub-agent runs of an earlier process"
                     );
                 }
                 coordinator.spawn_reaper(coordinator.config().reaper_interval);
@@ -218,6 +232,8 @@ impl App {
             coordinator,
             catalog: catalog.map(|c| (c, inputs)),
             notices,
+            generation: activation.generation,
+            lock,
         })
     }
 }

@@ -139,6 +139,7 @@ pub async fn run(
     script: Option<PathBuf>,
 ) -> Result<ExitCode> {
     let app = App::open(
+        "keel chat",
         data.config.as_deref(),
         data.data_dir.as_deref(),
         script.as_deref(),

@@ -20,7 +20,7 @@ use keel_engine::{builtin_registry, BuiltinToolsConfig};
 use keel_engine::{AgentCoordinator, CoordinatorConfig, ProfileProviders, RunEvent, RunObserver};
 use keel_engine::{ExecutionGate, GateLimits};
 use keel_engine::{NewSessionSpec, RuntimeBundle, SessionManager, SessionManagerConfig};
-use keel_store::{Store, StoreOptions};
+use keel_store::{describe_process, RuntimeLock, Store, StoreOptions};
 use serde_json::json;
 use tokio::sync::{mpsc, Notify};
 
@@ -199,6 +199,10 @@ async fn build(
         .with_model("keel-demo-sub")
         .with_fallback(Arc::new(sub_agent_model));
     let gate = Arc::new(ExecutionGate::new(GateLimits::default()));
+    // Activation recovers what an earlier runtime left unfinished.
+    let activation = store
+        .activate_runtime(describe_process("keel demo"), keel_core::time::now_ms())
+        .await?;
     let coordinator = AgentCoordinator::new(
         store.clone(),
         Arc::new(catalog),
@@ -206,11 +210,10 @@ async fn build(
         builtin.clone(),
         gate.clone(),
         CoordinatorConfig {
-            runtime_generation: u64::try_from(keel_core::time::now_ms()).unwrap_or(1),
+            runtime_generation: activation.generation,
             ..CoordinatorConfig::default()
         },
     );
-    coordinator.recover_on_activation().await?;
     let mut tools = (*builtin).clone();
     for tool in coordinator.root_tools() {
         tools
@@ -247,6 +250,8 @@ pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode> {
     println!("database: {}", db.display());
 
     let provider = ScriptedProvider::new(script()).with_model("keel-demo");
+    // Held for the whole tour (both runtimes below live in this process).
+    let _lock = RuntimeLock::acquire(&db, &describe_process("keel demo"))?;
     let store = Store::open(&db, StoreOptions::default())?;
     let Runtime {
         manager,

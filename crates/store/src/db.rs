@@ -591,6 +591,9 @@ pub(crate) struct Db {
     reader_tx: Mutex<Option<mpsc::Sender<ReadJob>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     retry_delays: Arc<Vec<Duration>>,
+    /// The runtime generation this store writes for (0 until activated):
+    /// once set, a write finding a newer generation on disk is refused.
+    fence: Arc<AtomicU64>,
 }
 
 impl Db {
@@ -641,7 +644,13 @@ impl Db {
             reader_tx: Mutex::new(Some(rtx)),
             threads: Mutex::new(threads),
             retry_delays,
+            fence: Arc::new(AtomicU64::new(0)),
         })
+    }
+
+    /// Fences every later write to `generation` (see [`crate::runtime`]).
+    pub(crate) fn set_fence(&self, generation: u64) {
+        self.fence.store(generation, Ordering::Release);
     }
 
     /// Transactions and requests the writer has handled.
@@ -686,11 +695,16 @@ impl Db {
 
     /// Queues the request; if the connection is idle, commits right here on
     /// the caller's thread (no hand-off), else the holder commits it.
-    async fn submit<T, F>(&self, f: F, maintains_cache: bool) -> Result<T>
+    async fn submit<T, F>(&self, mut f: F, maintains_cache: bool) -> Result<T>
     where
         T: Send + 'static,
         F: FnMut(&Connection, &mut WriteCache) -> Result<T> + Send + 'static,
     {
+        let fence = Arc::clone(&self.fence);
+        let f = move |c: &Connection, cache: &mut WriteCache| {
+            crate::runtime::check_fence(c, fence.load(Ordering::Acquire))?;
+            f(c, cache)
+        };
         let (tx, rx) = oneshot::channel();
         let job = Box::new(TypedJob {
             f,

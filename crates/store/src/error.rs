@@ -69,6 +69,26 @@ pub enum StoreError {
         /// Why.
         message: String,
     },
+    /// Another process holds the runtime lock of this database. Not retryable
+    /// until that process exits.
+    #[error("{path} is in use by another keel process ({holder}); stop it first, or use another data directory")]
+    InUse {
+        /// The database file.
+        path: String,
+        /// Who holds it, as its lock file says.
+        holder: String,
+    },
+    /// A newer runtime generation activated on this database: this process
+    /// no longer owns it and may write nothing more. Not retryable.
+    #[error("runtime generation {ours} was superseded by generation {current} ({holder}); this process no longer owns the database")]
+    Fenced {
+        /// The generation this process activated.
+        ours: u64,
+        /// The generation on disk.
+        current: u64,
+        /// Who activated it.
+        holder: String,
+    },
     /// Any other SQLite failure (a bug or misuse). Not retryable.
     #[error("sqlite: {0}")]
     Sqlite(String),

@@ -1,4 +1,4 @@
-//! SQLite storage of keel: schema v6, forward-only migrations, group commit,
+//! SQLite storage of keel: schema v7, forward-only migrations, group commit,
 //! domain APIs. The only crate that knows SQL.
 //!
 //! [`Store`] is a cheap, cloneable handle over one write connection and a
@@ -58,6 +58,7 @@
 //!             source: CheckpointSource::Turn,
 //!         }),
 //!         visible_user_inputs: 1,
+//!         expected_head: None,
 //!         now_ms: keel_core::time::now_ms(),
 //!     })
 //!     .await?;
@@ -79,6 +80,7 @@ mod messages;
 mod migrations;
 mod projection;
 mod runs;
+mod runtime;
 mod sessions;
 mod util;
 
@@ -97,7 +99,8 @@ pub use inbox::{
     MAX_SIGNAL_PAYLOAD_BYTES,
 };
 pub use messages::{
-    MessageFilter, MessagePage, NewMessage, StoredMessage, TurnCommit, TurnCommitted, DEFAULT_SLOT,
+    MessageFilter, MessagePage, NewMessage, SessionHead, StoredMessage, TurnCommit, TurnCommitted,
+    DEFAULT_SLOT,
 };
 pub use migrations::SCHEMA_VERSION;
 pub use projection::{AgentChanges, RunQuery};
@@ -106,6 +109,7 @@ pub use runs::{
     GroupRecord, GroupStatus, NewGroup, NewRun, RecoveryReport, RunCursor, RunRecord,
     TerminalCommit, TerminalOutcome,
 };
+pub use runtime::{describe_process, Activation, RuntimeLock};
 pub use sessions::{DialogCursor, DialogQuery, NewSession, SessionRecord, TimelineId};
 
 /// Test seams, compiled only with the `testing` feature: build databases

@@ -82,8 +82,20 @@ pub struct TurnCommit {
     pub checkpoint: Option<NewCheckpoint>,
     /// Visible user inputs in this turn (added to `message_count`).
     pub visible_user_inputs: u32,
+    /// Where the history ended when the turn started; if it has moved since
+    /// (another writer appended or moved the head), nothing is committed.
+    pub expected_head: Option<SessionHead>,
     /// Commit time (ms).
     pub now_ms: i64,
+}
+
+/// The end of a session's history: its head timeline and the last seq on it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionHead {
+    /// The head timeline.
+    pub timeline: TimelineId,
+    /// The last seq visible from it (0 for an empty history).
+    pub last_seq: i64,
 }
 
 /// What a turn commit assigned.
@@ -325,6 +337,21 @@ pub(crate) fn commit_turn_tx(
         Some(seq) => seq,
         None => last_seq(conn, head)?,
     };
+    if let Some(expected) = &turn.expected_head {
+        if expected.timeline.as_str() != head || expected.last_seq != last {
+            return Err(StoreError::Conflict(format!(
+                "session {} changed since the turn started (its history ended at seq {} and now \
+                 ends at seq {last}{}); the turn was not saved",
+                session.id,
+                expected.last_seq,
+                if expected.timeline.as_str() == head {
+                    ""
+                } else {
+                    " on another branch"
+                }
+            )));
+        }
+    }
     let seqs = append_tx(conn, &session.id, head, last, messages, turn.now_ms)?;
     let last = seqs.last().copied().unwrap_or(last);
     let state_hash = put_state_tx(conn, &session, &turn.state)?;

@@ -7,7 +7,7 @@ use rusqlite::{Connection, TransactionBehavior};
 use crate::error::{Result, StoreError};
 
 /// The schema version this build reads and writes.
-pub const SCHEMA_VERSION: u32 = 6;
+pub const SCHEMA_VERSION: u32 = 7;
 
 /// The steps, in order: `MIGRATIONS[k - 1]` takes a database from version `k - 1` to `k`.
 pub const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
@@ -17,6 +17,7 @@ pub const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
     include_str!("migrations/0004_visibility_delivery.sql"),
     include_str!("migrations/0005_agent_runs_groups.sql"),
     include_str!("migrations/0006_inbox_session_state.sql"),
+    include_str!("migrations/0007_runtime_generation.sql"),
 ];
 
 /// `PRAGMA user_version` of `conn`'s database.

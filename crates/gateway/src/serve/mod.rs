@@ -289,7 +289,13 @@ impl Server {
 
 /// `keel serve`: serves until SIGTERM or Ctrl-C; SIGHUP reloads the agent catalog.
 pub async fn run(data: DataArgs, bind: Option<SocketAddr>) -> Result<ExitCode, AppError> {
-    let app = App::open(data.config.as_deref(), data.data_dir.as_deref(), None).await?;
+    let app = App::open(
+        "keel serve",
+        data.config.as_deref(),
+        data.data_dir.as_deref(),
+        None,
+    )
+    .await?;
     for notice in &app.notices {
         eprintln!("{notice}");
     }

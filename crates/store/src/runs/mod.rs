@@ -25,6 +25,7 @@ use keel_core::{GroupId, RunId, SessionId};
 use crate::error::Result;
 use crate::{Page, Store};
 
+pub(crate) use recovery::recover_tx;
 pub(crate) use rows::get_run_tx;
 pub use types::{
     AcceptGroup, AcceptRun, AcceptedGroup, AcceptedRun, CancelReport, CompletionHandling,

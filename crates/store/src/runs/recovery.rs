@@ -14,7 +14,11 @@ use crate::error::Result;
 use crate::util::{parse, to_i64};
 use crate::Store;
 
-fn recover_tx(conn: &Connection, active_generation: u64, now_ms: i64) -> Result<RecoveryReport> {
+pub(crate) fn recover_tx(
+    conn: &Connection,
+    active_generation: u64,
+    now_ms: i64,
+) -> Result<RecoveryReport> {
     let mut report = RecoveryReport::default();
     let generation = to_i64("active_generation", active_generation)?;
     let mut revisions = Revisions::default();

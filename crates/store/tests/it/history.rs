@@ -21,6 +21,7 @@ fn turn(session: SessionId, n: u64, state: &str, checkpoint: bool) -> TurnCommit
             source: CheckpointSource::Turn,
         }),
         visible_user_inputs: 1,
+        expected_head: None,
         now_ms: 1000 + i64::try_from(n).unwrap(),
     }
 }

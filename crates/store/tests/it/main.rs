@@ -7,6 +7,7 @@ mod history;
 mod migrations;
 mod orchestration;
 mod projection;
+mod runtime;
 mod sessions;
 mod stored_enums;
 mod timelines;

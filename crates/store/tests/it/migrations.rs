@@ -1,4 +1,4 @@
-//! Schema tests: the v6 snapshot, upgrades of fixtures at every older
+//! Schema tests: the current schema's snapshot, upgrades of fixtures at every older
 //! version, failed-migration rollback, newer-version refusal, CHECK constraints.
 
 use keel_core::{Message, SessionId};
@@ -26,12 +26,12 @@ fn schema_text(conn: &Connection) -> String {
 }
 
 #[test]
-fn fresh_database_gets_schema_v6() {
+fn fresh_database_gets_the_current_schema() {
     let (dir, store) = temp_store();
     drop(store);
     let conn = Connection::open(db_path(&dir)).unwrap();
     assert_eq!(user_version(&conn).unwrap(), SCHEMA_VERSION);
-    insta::assert_snapshot!("schema_v6", schema_text(&conn));
+    insta::assert_snapshot!("schema", schema_text(&conn));
 }
 
 #[test]
@@ -223,7 +223,7 @@ fn a_newer_database_is_refused_and_left_untouched() {
     let dir = tempfile::tempdir().unwrap();
     {
         let conn = Connection::open(db_path(&dir)).unwrap();
-        conn.execute_batch("CREATE TABLE future (x); PRAGMA user_version = 7;")
+        conn.execute_batch("CREATE TABLE future (x); PRAGMA user_version = 8;")
             .unwrap();
     }
     let bytes_before = std::fs::read(db_path(&dir)).unwrap();
@@ -231,11 +231,11 @@ fn a_newer_database_is_refused_and_left_untouched() {
     assert_eq!(
         err,
         StoreError::NewerSchema {
-            found: 7,
-            supported: 6
+            found: 8,
+            supported: 7
         }
     );
-    insta::assert_snapshot!(err, @"database schema version 7 is newer than this build supports (6); refusing to open it");
+    insta::assert_snapshot!(err, @"database schema version 8 is newer than this build supports (7); refusing to open it");
     assert_eq!(std::fs::read(db_path(&dir)).unwrap(), bytes_before);
     assert!(!dir.path().join("keel.db-wal").exists());
 }

@@ -202,6 +202,7 @@ async fn rows_of_every_kind(store: &Store) -> Rows {
                 source: CheckpointSource::Turn,
             }),
             visible_user_inputs: 1,
+            expected_head: None,
             now_ms: 40,
         })
         .await

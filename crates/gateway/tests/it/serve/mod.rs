@@ -76,9 +76,10 @@ impl TestServer {
             config.push_str("\nroot_delegates = [\"researcher\", \"writer\", \"archivist\"]\n");
         }
         std::fs::write(dir.path().join("keel.toml"), config).unwrap();
-        let app = App::open_with_provider(None, Some(dir.path()), Some(setup.provider))
-            .await
-            .unwrap();
+        let app =
+            App::open_with_provider("keel test", None, Some(dir.path()), Some(setup.provider))
+                .await
+                .unwrap();
         let options = ServeOptions {
             bind: "127.0.0.1:0".parse().unwrap(),
             token: setup.token.and_then(Token::new),

@@ -1,0 +1,181 @@
+//! One process owns a database at a time. [`RuntimeLock`] is an exclusive
+//! lock on a file next to the database, naming its holder, so a second
+//! process is refused before it touches anything; [`Store::activate_runtime`]
+//! then bumps the stored runtime generation and recovers what older
+//! generations left unfinished, in one transaction. From then on every write
+//! of that store checks the generation: if a newer process activated (say the
+//! lock file was deleted under a running process), the older one's writes are
+//! refused instead of silently interleaving with the newer one's.
+
+use std::fs::{File, OpenOptions, TryLockError};
+use std::io::{Read, Seek, Write};
+use std::path::{Path, PathBuf};
+
+use rusqlite::{params, Connection, OptionalExtension};
+
+use crate::error::{Result, StoreError};
+use crate::runs::{recover_tx, RecoveryReport};
+use crate::util::{non_negative, to_i64};
+use crate::Store;
+
+/// The exclusive lock of a database file, held for the life of a process's
+/// runtime; released when dropped (or when the process dies, even by
+/// `kill -9`: the operating system drops the lock with the file handle).
+#[derive(Debug)]
+pub struct RuntimeLock {
+    path: PathBuf,
+    _file: File,
+}
+
+impl RuntimeLock {
+    /// Locks `<database>.lock` and records `holder` (who, for the error a
+    /// second process gets) in it. Fails with [`StoreError::InUse`] naming
+    /// the current holder when another process has it.
+    pub fn acquire(database: &Path, holder: &str) -> Result<Self> {
+        let path = lock_path(database);
+        let io = |e: std::io::Error| StoreError::Io {
+            attempts: 1,
+            message: format!("lock file {}: {e}", path.display()),
+        };
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(io)?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(TryLockError::WouldBlock) => {
+                let mut text = String::new();
+                // The holder writes its line right after locking; an empty
+                // file means it has not yet.
+                let _ = file.read_to_string(&mut text);
+                let holder = text.trim();
+                return Err(StoreError::InUse {
+                    path: database.display().to_string(),
+                    holder: if holder.is_empty() {
+                        "holder unknown".to_owned()
+                    } else {
+                        holder.to_owned()
+                    },
+                });
+            }
+            Err(TryLockError::Error(e)) => return Err(io(e)),
+        }
+        file.set_len(0).map_err(io)?;
+        file.rewind().map_err(io)?;
+        file.write_all(holder.as_bytes()).map_err(io)?;
+        file.flush().map_err(io)?;
+        Ok(Self { path, _file: file })
+    }
+
+    /// The lock file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// The lock file of a database.
+fn lock_path(database: &Path) -> PathBuf {
+    let mut name = database.as_os_str().to_owned();
+    name.push(".lock");
+    PathBuf::from(name)
+}
+
+/// Who this process is, for lock files and the stored holder:
+/// `<what> (pid <pid> on <host>)`.
+pub fn describe_process(what: &str) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "an unknown host".to_owned());
+    format!("{what} (pid {} on {host})", std::process::id())
+}
+
+/// What [`Store::activate_runtime`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Activation {
+    /// The generation this process now owns; greater than every generation
+    /// any earlier process activated or stamped on a run.
+    pub generation: u64,
+    /// The holder of the previous generation, if any process activated before.
+    pub previous_holder: Option<String>,
+    /// What recovery of the older generations changed.
+    pub recovery: RecoveryReport,
+}
+
+/// The stored generation and its holder.
+fn current(conn: &Connection) -> Result<Option<(u64, String)>> {
+    conn.prepare_cached("SELECT generation, holder FROM runtime_state WHERE id = 1")?
+        .query_row([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)))
+        .optional()?
+        .map(|(g, h)| Ok((non_negative("runtime_state.generation", g)?, h)))
+        .transpose()
+}
+
+/// Refuses a write of generation `ours` once a newer one activated (0 = not fenced).
+pub(crate) fn check_fence(conn: &Connection, ours: u64) -> Result<()> {
+    if ours == 0 {
+        return Ok(());
+    }
+    match current(conn)? {
+        Some((current, holder)) if current != ours => Err(StoreError::Fenced {
+            ours,
+            current,
+            holder,
+        }),
+        _ => Ok(()),
+    }
+}
+
+fn activate_tx(conn: &Connection, holder: &str, now_ms: i64) -> Result<Activation> {
+    let previous = current(conn)?;
+    // Runs stamped by builds that used wall-clock generations stay older.
+    let stamped: i64 = conn.query_row(
+        "SELECT max(coalesce((SELECT max(runtime_generation) FROM agent_runs), 0), \
+                    coalesce((SELECT max(runtime_generation) FROM agent_run_groups), 0))",
+        [],
+        |r| r.get(0),
+    )?;
+    let stored = previous.as_ref().map_or(0, |(g, _)| *g);
+    let generation = stored
+        .max(non_negative("agent_runs.runtime_generation", stamped)?)
+        .checked_add(1)
+        .ok_or_else(|| StoreError::corrupt("runtime_state.generation", "overflow"))?;
+    conn.execute(
+        "INSERT INTO runtime_state (id, generation, holder, activated_at) VALUES (1, ?1, ?2, ?3) \
+         ON CONFLICT (id) DO UPDATE SET generation = ?1, holder = ?2, activated_at = ?3",
+        params![to_i64("generation", generation)?, holder, now_ms],
+    )?;
+    let recovery = recover_tx(conn, generation, now_ms)?;
+    Ok(Activation {
+        generation,
+        previous_holder: previous.map(|(_, h)| h),
+        recovery,
+    })
+}
+
+impl Store {
+    /// Starts a new runtime generation on this database, in one
+    /// transaction: the stored generation is bumped (past any generation a
+    /// run was stamped with), `holder` recorded, and what older generations
+    /// left unfinished is recovered (see [`Store::recover_older_generations`]).
+    /// Every later write of this store (and its clones) is fenced to the new
+    /// generation. Take a [`RuntimeLock`] first so no other process races it.
+    pub async fn activate_runtime(&self, holder: String, now_ms: i64) -> Result<Activation> {
+        let activation = self
+            .db
+            .write(move |c| activate_tx(c, &holder, now_ms))
+            .await?;
+        self.db.set_fence(activation.generation);
+        Ok(activation)
+    }
+
+    /// The stored runtime generation and its holder (`None` before any activation).
+    pub async fn runtime_generation(&self) -> Result<Option<(u64, String)>> {
+        self.db.read(current).await
+    }
+}

@@ -1,0 +1,135 @@
+//! One process owns a database: the runtime lock refuses a second holder by
+//! name, activation bumps the generation past every older one and recovers
+//! in the same transaction, a superseded generation can write nothing, and a
+//! turn commit refuses a history that moved since the turn started.
+
+use keel_core::{ExecutionMode, RunStatus};
+use keel_store::{AcceptRun, RuntimeLock, SessionHead, Store, StoreError, TurnCommit};
+
+use crate::common::*;
+
+#[test]
+fn a_second_lock_holder_is_refused_with_the_first_ones_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = db_path(&dir);
+    let first = RuntimeLock::acquire(&db, "keel chat (pid 1 on alpha)").unwrap();
+    assert!(first.path().ends_with("keel.db.lock"));
+    let err = RuntimeLock::acquire(&db, "keel chat (pid 2 on beta)").unwrap_err();
+    assert!(matches!(err, StoreError::InUse { .. }));
+    let shown = err.to_string().replace(&db.display().to_string(), "<db>");
+    insta::assert_snapshot!(shown, @"<db> is in use by another keel process (keel chat (pid 1 on alpha)); stop it first, or use another data directory");
+    drop(first);
+    // Released with the handle: the next process takes it and names itself.
+    let second = RuntimeLock::acquire(&db, "keel chat (pid 3 on gamma)").unwrap();
+    let err = RuntimeLock::acquire(&db, "x").unwrap_err();
+    assert!(err.to_string().contains("pid 3 on gamma"), "{err}");
+    drop(second);
+}
+
+#[tokio::test]
+async fn activation_bumps_past_stamped_runs_and_recovers_them_in_one_step() {
+    let (_dir, store) = temp_store();
+    assert_eq!(store.runtime_generation().await.unwrap(), None);
+    let root = keel_core::SessionId::new();
+    // A run stamped by a build that used wall-clock generations.
+    let mut old = new_run(root, ExecutionMode::Background);
+    old.runtime_generation = 1_700_000_000_000;
+    store
+        .accept_run(AcceptRun {
+            run: old.clone(),
+            inbox_capacity: 10,
+            now_ms: 1,
+        })
+        .await
+        .unwrap();
+    let first = store.activate_runtime("first".into(), 10).await.unwrap();
+    assert_eq!(first.generation, 1_700_000_000_001);
+    assert_eq!(first.previous_holder, None);
+    assert_eq!(first.recovery.interrupted_runs, [old.id]);
+    assert_eq!(first.recovery.sessions_with_due_events, [root]);
+    let run = store.get_run(old.id).await.unwrap().unwrap();
+    assert_eq!(run.status, RunStatus::Interrupted);
+    let second = store.activate_runtime("second".into(), 20).await.unwrap();
+    assert_eq!(second.generation, first.generation + 1);
+    assert_eq!(second.previous_holder.as_deref(), Some("first"));
+    assert_eq!(
+        store.runtime_generation().await.unwrap(),
+        Some((second.generation, "second".to_owned()))
+    );
+}
+
+#[tokio::test]
+async fn a_superseded_generation_writes_nothing() {
+    let (dir, older) = temp_store();
+    older.activate_runtime("older".into(), 1).await.unwrap();
+    let session = older.create_session(new_session("a", 1)).await.unwrap();
+    // A second process activates on the same file (its lock file was
+    // deleted, say): from now on the first one is fenced off.
+    let newer = Store::open(db_path(&dir), fast_options()).unwrap();
+    let activation = newer.activate_runtime("newer".into(), 2).await.unwrap();
+    let err = older
+        .append_message(session.id, user("late"), 3)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err,
+        StoreError::Fenced {
+            ours: activation.generation - 1,
+            current: activation.generation,
+            holder: "newer".into()
+        }
+    );
+    assert!(older
+        .create_session(new_session("b", 3))
+        .await
+        .unwrap_err()
+        .to_string()
+        .contains("superseded by generation"));
+    // The newer process writes; reads of the older still work.
+    newer
+        .append_message(session.id, user("fresh"), 4)
+        .await
+        .unwrap();
+    assert_eq!(older.last_seq(session.id).await.unwrap(), 1);
+}
+
+fn turn(session: keel_core::SessionId, head: Option<SessionHead>) -> TurnCommit {
+    TurnCommit {
+        session_id: session,
+        messages: vec![user("q"), assistant("a")],
+        state: b"{}".to_vec(),
+        checkpoint: None,
+        visible_user_inputs: 1,
+        expected_head: head,
+        now_ms: 5,
+    }
+}
+
+#[tokio::test]
+async fn a_turn_commit_refuses_a_history_that_moved() {
+    let (_dir, store) = temp_store();
+    let session = store.create_session(new_session("a", 1)).await.unwrap();
+    let head = |last_seq| SessionHead {
+        timeline: session.head_timeline_id.clone(),
+        last_seq,
+    };
+    store
+        .commit_turn(turn(session.id, Some(head(0))))
+        .await
+        .unwrap();
+    // A second writer that started from the same (empty) history loses.
+    let err = store
+        .commit_turn(turn(session.id, Some(head(0))))
+        .await
+        .unwrap_err();
+    insta::assert_snapshot!(
+        err.to_string().replace(&session.id.to_string(), "<session>"),
+        @"conflict: session <session> changed since the turn started (its history ended at seq 0 and now ends at seq 2); the turn was not saved"
+    );
+    assert_eq!(store.last_seq(session.id).await.unwrap(), 2);
+    store
+        .commit_turn(turn(session.id, Some(head(2))))
+        .await
+        .unwrap();
+    assert_eq!(store.last_seq(session.id).await.unwrap(), 4);
+}
