@@ -17,6 +17,7 @@ use keel_core::{
 use tokio::sync::mpsc;
 
 use crate::error::{EngineError, Result};
+use crate::mailbox::TurnMailbox;
 
 /// Something the loop reports while a turn runs.
 #[derive(Debug, Clone, PartialEq)]
@@ -181,6 +182,8 @@ impl AgentLoop {
             context,
         } = request;
         let cancel = context.cancellation.clone();
+        // A root turn's steer input enters at each model-call boundary.
+        let mailbox = context.extensions.get::<Arc<TurnMailbox>>().cloned();
         let emit = |e: TurnEvent| {
             if let Some(tx) = events {
                 // A client that went away does not stop the turn.
@@ -203,6 +206,12 @@ impl AgentLoop {
         let mut usage = Usage::default();
         let mut tool_calls = 0u32;
         for iteration in 1..=max_iterations {
+            if let Some(mailbox) = &mailbox {
+                for m in mailbox.drain() {
+                    chat.messages.push(Arc::new(m.clone()));
+                    new_messages.push(m);
+                }
+            }
             let response = {
                 let _permit = self.gate.provider_step(&context).await?;
                 stream_response(provider.as_ref(), &chat, &context, &emit).await?
@@ -211,13 +220,20 @@ impl AgentLoop {
             let calls = response.message.tool_calls.clone();
             chat.messages.push(Arc::new(response.message.clone()));
             new_messages.push(response.message);
-            if calls.is_empty() {
+            // Steer that arrived during the answer gets an answer too, while
+            // the iteration limit allows; otherwise it becomes the next turn.
+            let steered =
+                iteration < max_iterations && mailbox.as_ref().is_some_and(|m| m.has_input());
+            if calls.is_empty() && !steered {
                 return Ok(TurnOutput {
                     messages: new_messages,
                     usage,
                     iterations: iteration,
                     tool_calls,
                 });
+            }
+            if calls.is_empty() {
+                continue;
             }
             tool_calls = tool_calls.saturating_add(u32::try_from(calls.len()).unwrap_or(u32::MAX));
             let results = futures::future::join_all(

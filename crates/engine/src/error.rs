@@ -38,6 +38,19 @@ pub enum EngineError {
     #[error("the turn task panicked: {0}")]
     TurnPanicked(String),
 
+    /// The session already has this many user turns queued. Retryable when a turn ends.
+    #[error("this session already has {queued} messages waiting; try again when a turn ends")]
+    SessionBusy {
+        /// The queue's capacity.
+        queued: usize,
+    },
+    /// The running turn already has this many steer messages waiting. Retryable at its next model call.
+    #[error("the running turn already has {capacity} steer messages waiting for the model")]
+    SteerFull {
+        /// The steer lane's capacity.
+        capacity: usize,
+    },
+
     // ── sessions, slots, checkpoints, dialogs ────────────────────────────
     /// No session with this id (in memory, or in storage when loading). Not retryable.
     #[error("session {0} not found")]
@@ -198,6 +211,8 @@ impl EngineError {
     pub fn is_retryable(&self) -> bool {
         match self {
             EngineError::EmptySummary
+            | EngineError::SessionBusy { .. }
+            | EngineError::SteerFull { .. }
             | EngineError::InboxFull { .. }
             | EngineError::RunQuotaExceeded { .. }
             | EngineError::SpawnRejected => true,

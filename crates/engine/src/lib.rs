@@ -27,7 +27,9 @@ mod address;
 mod agent_loop;
 mod coordinator;
 mod error;
+mod events;
 mod gate;
+mod mailbox;
 mod manager;
 mod session;
 mod snapshot;
@@ -45,13 +47,15 @@ pub use coordinator::{
     ProfileProviders, ProviderFactory, RunEvent, RunObserver, RunResult,
 };
 pub use error::{EngineError, Result};
+pub use events::{SessionEvent, SessionEvents, SessionSubscription, SubscriptionError};
 pub use gate::{
     ExecutionGate, GateCounters, GateLimits, GateScope, RunPermit, StepKind, StepPermitGuard,
     StepScope,
 };
+pub use mailbox::{MailboxLimits, WakeSource, WakeupState};
 pub use manager::{
-    NewSessionSpec, PendingTurn, RuntimeBundle, SessionManager, SessionManagerConfig,
-    SummaryConfig, TurnReport,
+    NewSessionSpec, RuntimeBundle, SessionManager, SessionManagerConfig, SteerOutcome, StopReport,
+    SummaryConfig, TurnReport, TurnTicket,
 };
 pub use session::{AgentProfile, AgentSession};
 pub use snapshot::{SessionSnapshot, SnapshotMessage};

@@ -1,6 +1,13 @@
 //! `keel chat`: a terminal chat on the engine. Lines are user messages;
-//! lines starting with `/` are slash commands. Works the same whether stdin
-//! is a terminal or a pipe (one line = one message), so it can be scripted.
+//! lines starting with `/` are slash commands. Turns run on the session's
+//! worker and everything they stream arrives through the session feed, so
+//! a continuation turn that answers background results while the chat is
+//! idle is printed too.
+//!
+//! At a terminal, a line typed while a turn runs steers that turn (the model
+//! reads it at its next call) and `/stop` stops it. From a pipe, lines are
+//! read one at a time after each turn ends, so a script is deterministic:
+//! one line, one message.
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -8,12 +15,12 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use keel_core::RunId;
-use keel_core::{CheckpointId, Message, SessionId, StreamEvent};
+use keel_core::{CheckpointId, Message, SessionId, StreamEvent, TurnId, TurnOrigin};
 use keel_engine::DialogAddress;
-use keel_engine::SessionManager;
 use keel_engine::TurnEvent;
+use keel_engine::{SessionEvent, SessionManager, SessionSubscription, SteerOutcome};
 use keel_store::{CheckpointRecord, RunRecord};
-use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, BufReader, Lines};
 use tokio::sync::mpsc;
 
 use crate::app::App;
@@ -128,7 +135,29 @@ struct Chat {
     chat: String,
     agent: Option<keel_core::AgentId>,
     current: SessionId,
+    /// The current dialog's feed.
+    feed: SessionSubscription,
+    /// Where the stream of the turn being printed stands.
+    printer: Printer,
+    /// Whether stdin is a terminal (steer and `/stop` while a turn runs).
+    interactive: bool,
     out: std::io::Stdout,
+}
+
+/// Line state of the turn output being printed.
+#[derive(Default)]
+struct Printer {
+    /// "keel> " is printed before the first text of each model answer.
+    needs_prefix: bool,
+    at_line_start: bool,
+}
+
+/// What a line typed while a turn runs does.
+enum WhileRunning {
+    /// Keep waiting for the turn.
+    Continue,
+    /// Stdin ended.
+    Eof,
 }
 
 /// Runs the chat until EOF or `/exit`.
@@ -161,14 +190,17 @@ pub async fn run(
             manager.open_dialog(&address, agent.clone()).await?
         }
     };
+    let feed = manager.events().subscribe(current).await?;
     let mut chat = Chat {
         manager,
         chat,
         agent,
         current,
+        feed,
+        printer: Printer::default(),
+        interactive: std::io::stdin().is_terminal(),
         out: std::io::stdout(),
     };
-    let interactive = std::io::stdin().is_terminal();
     let mut interrupts = interrupts()?;
     let record = chat.manager.record(chat.current).await?;
     chat.say(&format!(
@@ -177,14 +209,19 @@ pub async fn run(
     ));
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     loop {
-        if interactive {
+        if chat.interactive {
             chat.prompt();
         }
-        let line = tokio::select! {
-            line = lines.next_line() => line.map_err(io_err("cannot read stdin"))?,
-            _ = interrupts.recv() => {
-                chat.say("(nothing to stop; /exit or Ctrl-D leaves)");
-                continue;
+        let line = loop {
+            tokio::select! {
+                line = lines.next_line() => break line.map_err(io_err("cannot read stdin"))?,
+                // A continuation turn may answer background results meanwhile.
+                event = chat.feed.recv() => {
+                    if chat.show(event).is_some() && chat.interactive {
+                        chat.prompt();
+                    }
+                }
+                _ = interrupts.recv() => chat.say("(nothing to stop; /exit or Ctrl-D leaves)"),
             }
         };
         let Some(line) = line else { break };
@@ -192,7 +229,7 @@ pub async fn run(
         if line.trim().is_empty() {
             continue;
         }
-        if !interactive {
+        if !chat.interactive {
             chat.say(&format!("> {line}"));
         }
         if line.starts_with('/') {
@@ -208,8 +245,8 @@ pub async fn run(
                     chat.say(HELP);
                 }
             }
-        } else {
-            chat.turn(line, &mut interrupts).await;
+        } else if chat.turn(line, &mut lines, &mut interrupts).await? {
+            break;
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -263,79 +300,194 @@ impl Chat {
         let _ = self.out.flush();
     }
 
-    async fn turn(&mut self, text: &str, interrupts: &mut mpsc::UnboundedReceiver<()>) {
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let pending = match self
-            .manager
-            .submit_turn_stream(self.current, vec![Message::user(text)], Some(tx))
-            .await
-        {
-            Ok(p) => p,
+    /// Sends `text` as a turn and prints it until it ends; returns true when
+    /// stdin ended meanwhile.
+    async fn turn<R: AsyncBufRead + Unpin>(
+        &mut self,
+        text: &str,
+        lines: &mut Lines<R>,
+        interrupts: &mut mpsc::UnboundedReceiver<()>,
+    ) -> Result<bool> {
+        let ticket = match self.manager.send(self.current, Message::user(text)).await {
+            Ok(t) => t,
             Err(e) => {
                 self.say(&format!("error: {e}"));
-                return;
+                return Ok(false);
             }
         };
-        let cancel = pending.cancellation();
-        let finalize = tokio::spawn(pending.finalize());
-        // "keel> " is printed before the first text of each model answer.
-        let mut needs_prefix = true;
-        let mut at_line_start = true;
+        let turn_id = ticket.turn_id();
+        let mut eof = false;
         loop {
-            let event = tokio::select! {
-                e = rx.recv() => e,
-                Some(()) = interrupts.recv() => {
-                    cancel.cancel();
-                    continue;
-                }
-            };
-            let Some(event) = event else { break };
-            match event {
-                TurnEvent::Stream(StreamEvent::TextDelta { text }) => {
-                    if needs_prefix {
-                        self.put("keel> ");
-                        needs_prefix = false;
+            tokio::select! {
+                biased;
+                event = self.feed.recv() => {
+                    if self.show(event.clone()) == Some(turn_id) {
+                        break;
                     }
-                    self.put(&text);
-                    at_line_start = text.ends_with('\n');
-                }
-                TurnEvent::ToolStarted { call } => {
-                    if !at_line_start {
-                        self.put("\n");
+                    if matches!(event, Err(keel_engine::SubscriptionError::Closed)) {
+                        break;
                     }
-                    let args = one_line(&call.arguments.to_string(), 80);
-                    self.say(&format!("  [tool] {}({args})", call.name));
-                    at_line_start = true;
                 }
-                TurnEvent::ToolFinished { name, output, .. } => {
-                    let mark = if output.is_error { "error" } else { "ok" };
-                    let first = one_line(&output.content, 100);
-                    self.say(&format!("  [{name} {mark}] {first}"));
-                    at_line_start = true;
-                    needs_prefix = true;
-                }
-                TurnEvent::SystemNotice { text } => {
-                    if !at_line_start {
-                        self.put("\n");
+                Some(()) = interrupts.recv() => self.stop().await,
+                line = lines.next_line(), if self.interactive && !eof => {
+                    let line = line.map_err(io_err("cannot read stdin"))?;
+                    if let WhileRunning::Eof = self.while_running(line).await {
+                        eof = true;
                     }
-                    self.say(&format!("[notice] {text}"));
-                    at_line_start = true;
                 }
-                TurnEvent::Stream(_) => {}
             }
-            let _ = self.out.flush();
         }
-        if !at_line_start {
+        if let Err(e) = ticket.outcome().await {
+            if e.is_cancelled() {
+                self.say("(stopped; nothing from this turn was saved)");
+            }
+        }
+        Ok(eof)
+    }
+
+    /// A line typed while a turn runs: `/stop` stops it, another slash
+    /// command waits, anything else steers it.
+    async fn while_running(&mut self, line: Option<String>) -> WhileRunning {
+        let Some(line) = line else {
+            return WhileRunning::Eof;
+        };
+        let line = line.trim();
+        if line.is_empty() {
+            return WhileRunning::Continue;
+        }
+        if line.starts_with('/') {
+            match parse_slash(line) {
+                Ok(Slash::Stop) => self.stop().await,
+                _ => self
+                    .say("(a turn is running: /stop stops it; other commands wait until it ends)"),
+            }
+            return WhileRunning::Continue;
+        }
+        match self.manager.steer(self.current, line) {
+            Ok(SteerOutcome::Steered { .. }) => {
+                self.say("(steering: the model reads this at its next step)")
+            }
+            Ok(SteerOutcome::NoRunningTurn) => {
+                self.say("(the turn just ended; send it again as a new message)")
+            }
+            Err(e) => self.say(&format!("error: {e}")),
+        }
+        WhileRunning::Continue
+    }
+
+    async fn stop(&mut self) {
+        match self.manager.stop(self.current).await {
+            Ok(report) => {
+                if report.turn.is_none() {
+                    self.say("no turn is running");
+                }
+                if !report.runs_cancelled.is_empty() {
+                    self.say(&format!(
+                        "(cancelled {} background run(s))",
+                        report.runs_cancelled.len()
+                    ));
+                }
+            }
+            Err(e) => self.say(&format!("error: {e}")),
+        }
+    }
+
+    /// Prints one feed event; returns the turn it ended, if it ended one.
+    fn show(
+        &mut self,
+        event: Result<Arc<SessionEvent>, keel_engine::SubscriptionError>,
+    ) -> Option<TurnId> {
+        let event = match event {
+            Ok(e) => e,
+            Err(keel_engine::SubscriptionError::Lagged { skipped }) => {
+                self.line_break();
+                self.say(&format!(
+                    "(the terminal fell behind; {skipped} updates were skipped)"
+                ));
+                return None;
+            }
+            Err(keel_engine::SubscriptionError::Closed) => return None,
+        };
+        match event.as_ref() {
+            SessionEvent::TurnStarted { origin, .. } => {
+                self.printer = Printer {
+                    needs_prefix: true,
+                    at_line_start: true,
+                };
+                if *origin == TurnOrigin::AgentContinuation {
+                    self.line_break();
+                    self.say("[background results arrived]");
+                }
+            }
+            SessionEvent::Turn { event, .. } => self.show_turn_event(event),
+            SessionEvent::TurnCommitted { turn_id, .. } => {
+                self.line_break();
+                return Some(*turn_id);
+            }
+            SessionEvent::TurnFailed {
+                turn_id,
+                message,
+                cancelled,
+                ..
+            } => {
+                self.line_break();
+                if !cancelled {
+                    self.say(&format!("error: {message}"));
+                }
+                return Some(*turn_id);
+            }
+            SessionEvent::Notice { text } => {
+                self.line_break();
+                self.say(&format!("[notice] {text}"));
+            }
+            SessionEvent::RunUpdated { .. } | SessionEvent::InboxEventUpdated { .. } => {}
+        }
+        let _ = self.out.flush();
+        None
+    }
+
+    fn show_turn_event(&mut self, event: &TurnEvent) {
+        match event {
+            TurnEvent::Stream(StreamEvent::TextDelta { text }) => {
+                if self.printer.needs_prefix {
+                    self.put("keel> ");
+                    self.printer.needs_prefix = false;
+                }
+                self.put(text);
+                self.printer.at_line_start = text.ends_with('\n');
+            }
+            TurnEvent::ToolStarted { call } => {
+                self.line_break();
+                let args = one_line(&call.arguments.to_string(), 80);
+                self.say(&format!("  [tool] {}({args})", call.name));
+            }
+            TurnEvent::ToolFinished { name, output, .. } => {
+                let mark = if output.is_error { "error" } else { "ok" };
+                let first = one_line(&output.content, 100);
+                self.say(&format!("  [{name} {mark}] {first}"));
+                self.printer.needs_prefix = true;
+            }
+            TurnEvent::SystemNotice { text } => {
+                self.line_break();
+                self.say(&format!("[notice] {text}"));
+            }
+            TurnEvent::Stream(_) => {}
+        }
+    }
+
+    /// Ends a partly printed line.
+    fn line_break(&mut self) {
+        if !self.printer.at_line_start {
             self.put("\n");
+            self.printer.at_line_start = true;
         }
-        match finalize.await {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) if e.is_cancelled() => {
-                self.say("(stopped; nothing from this turn was saved)")
-            }
-            Ok(Err(e)) => self.say(&format!("error: {e}")),
-            Err(e) => self.say(&format!("error: the turn task failed: {e}")),
-        }
+    }
+
+    /// Makes `id` the current dialog and follows its feed.
+    async fn switch_to(&mut self, id: SessionId) -> Result<()> {
+        self.feed = self.manager.events().subscribe(id).await?;
+        self.current = id;
+        Ok(())
     }
 
     async fn command(&mut self, cmd: Slash) -> Result<()> {
@@ -345,7 +497,7 @@ impl Chat {
                 let id = m
                     .create_dialog(CHANNEL, &self.chat, title, self.agent.clone())
                     .await?;
-                self.current = id;
+                self.switch_to(id).await?;
                 let r = m.record(id).await?;
                 self.say(&format!("new dialog {} \"{}\"", r.dialog_id, r.title));
             }
@@ -368,7 +520,7 @@ impl Chat {
                     .filter(|r| r.deleted_at_ms.is_none());
                 match found {
                     Some(r) => {
-                        self.current = r.id;
+                        self.switch_to(r.id).await?;
                         self.say(&format!(
                             "switched to {} \"{}\"",
                             address.dialog_id(),
@@ -387,13 +539,14 @@ impl Chat {
                 let r = m.record(self.current).await?;
                 m.delete_dialog(self.current).await?;
                 self.say(&format!("deleted {} \"{}\"", r.dialog_id, r.title));
-                self.current = match m.latest_dialog(CHANNEL, &self.chat).await? {
+                let next = match m.latest_dialog(CHANNEL, &self.chat).await? {
                     Some(next) => next.id,
                     None => {
                         m.create_dialog(CHANNEL, &self.chat, None, self.agent.clone())
                             .await?
                     }
                 };
+                self.switch_to(next).await?;
                 let r = m.record(self.current).await?;
                 self.say(&format!("now in {} \"{}\"", r.dialog_id, r.title));
             }
@@ -428,11 +581,7 @@ impl Chat {
                 drop(g);
                 self.say(&info);
             }
-            Slash::Stop => {
-                if !m.stop(self.current) {
-                    self.say("no turn is running");
-                }
-            }
+            Slash::Stop => self.stop().await,
             Slash::Checkpoints => {
                 let list = m.list_checkpoints(self.current).await?;
                 if list.is_empty() {
@@ -454,7 +603,7 @@ impl Chat {
             Slash::Fork(id) => {
                 let target = self.resolve_checkpoint(&id).await?;
                 let new = m.fork(target, None).await?;
-                self.current = new;
+                self.switch_to(new).await?;
                 let r = m.record(new).await?;
                 self.say(&format!(
                     "forked {} into dialog {} \"{}\"",

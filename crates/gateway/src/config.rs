@@ -685,6 +685,7 @@ impl Config {
                 max_context_tokens: s.summary.max_context_tokens,
                 debounce_turns: s.summary.debounce_turns,
             }),
+            ..SessionManagerConfig::default()
         }
     }
 

@@ -20,9 +20,10 @@ use keel_engine::{builtin_registry, BuiltinToolsConfig};
 use keel_engine::{AgentCoordinator, CoordinatorConfig, ProfileProviders, RunEvent, RunObserver};
 use keel_engine::{ExecutionGate, GateLimits};
 use keel_engine::{NewSessionSpec, RuntimeBundle, SessionManager, SessionManagerConfig};
+use keel_engine::{SessionEvent, SessionSubscription};
 use keel_store::{describe_process, RuntimeLock, Store, StoreOptions};
 use serde_json::json;
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::Notify;
 
 use crate::app::{database_path, ROOT_PROMPT};
 use crate::chat::{run_tree, short};
@@ -139,14 +140,11 @@ fn line(text: &str) {
 
 async fn turn(manager: &Arc<SessionManager>, id: keel_core::SessionId, text: &str) -> Result<()> {
     println!("   you> {text}");
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let pending = manager
-        .submit_turn_stream(id, vec![Message::user(text)], Some(tx))
-        .await?;
-    let done = tokio::spawn(pending.finalize());
+    let mut feed = manager.events().subscribe(id).await?;
+    let ticket = manager.send(id, Message::user(text)).await?;
     let mut streaming = false;
     let mut chunks = 0;
-    while let Some(event) = rx.recv().await {
+    while let Some(event) = turn_event(&mut feed, ticket.turn_id()).await {
         match event {
             TurnEvent::Stream(StreamEvent::TextDelta { text }) => {
                 if !streaming {
@@ -172,9 +170,27 @@ async fn turn(manager: &Arc<SessionManager>, id: keel_core::SessionId, text: &st
     if streaming {
         println!("\n   ({chunks} streamed chunks)");
     }
-    done.await
-        .map_err(|e| keel_engine::EngineError::TurnPanicked(e.to_string()))??;
+    ticket.outcome().await?;
     Ok(())
+}
+
+/// The next event of turn `turn` on `feed`; `None` once the turn ended.
+async fn turn_event(feed: &mut SessionSubscription, turn: keel_core::TurnId) -> Option<TurnEvent> {
+    loop {
+        let event = feed.recv().await.ok()?;
+        match event.as_ref() {
+            SessionEvent::Turn { turn_id, event, .. } if *turn_id == turn => {
+                return Some(event.clone())
+            }
+            SessionEvent::TurnCommitted { turn_id, .. }
+            | SessionEvent::TurnFailed { turn_id, .. }
+                if *turn_id == turn =>
+            {
+                return None
+            }
+            _ => {}
+        }
+    }
 }
 
 struct Runtime {

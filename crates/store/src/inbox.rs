@@ -209,6 +209,15 @@ pub struct ContinuationCommitted {
     pub consumed: u64,
 }
 
+/// When a root session's inbox has work (see [`Store::inbox_schedule`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InboxSchedule {
+    /// Creation time of the oldest pending event that is due now (ms).
+    pub oldest_due_at_ms: Option<i64>,
+    /// The earliest retry time of a pending event not yet due (ms).
+    pub next_due_at_ms: Option<i64>,
+}
+
 /// Row of a new event (internal).
 pub(crate) struct NewEventRow<'a> {
     pub root_session_id: SessionId,
@@ -726,20 +735,28 @@ impl Store {
             .await
     }
 
-    /// Creation time of the oldest pending event due at `now_ms` (fairness: max inbox wait).
-    pub async fn oldest_due_event_at(
+    /// When a root session's inbox has work: the creation time of its oldest
+    /// pending event due at `now_ms`, and the earliest retry time of those
+    /// not yet due.
+    pub async fn inbox_schedule(
         &self,
         root_session_id: SessionId,
         now_ms: i64,
-    ) -> Result<Option<i64>> {
+    ) -> Result<InboxSchedule> {
         self.db
             .read(move |c| {
-                Ok(c.query_row(
-                    "SELECT min(created_at) FROM agent_inbox_events WHERE root_session_id = ?1 \
-                     AND status = 'pending' AND (next_attempt_at IS NULL OR next_attempt_at <= ?2)",
+                let (oldest_due_at_ms, next_due_at_ms) = c.query_row(
+                    "SELECT min(created_at) FILTER (WHERE next_attempt_at IS NULL \
+                              OR next_attempt_at <= ?2), \
+                            min(next_attempt_at) FILTER (WHERE next_attempt_at > ?2) \
+                     FROM agent_inbox_events WHERE root_session_id = ?1 AND status = 'pending'",
                     params![root_session_id.to_string(), now_ms],
-                    |r| r.get(0),
-                )?)
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )?;
+                Ok(InboxSchedule {
+                    oldest_due_at_ms,
+                    next_due_at_ms,
+                })
             })
             .await
     }

@@ -71,6 +71,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod changes;
 mod checkpoints;
 mod counters;
 mod db;
@@ -87,6 +88,7 @@ mod util;
 use std::path::Path;
 use std::sync::Arc;
 
+pub use changes::SessionChanges;
 pub use checkpoints::{
     CheckpointRecord, CheckpointSource, NewCheckpoint, PrunePolicy, PruneReport,
 };
@@ -95,7 +97,7 @@ pub use db::{CommitStats, StoreOptions, Synchronous};
 pub use error::{Result, StoreError};
 pub use inbox::{
     ClaimRequest, ContinuationCommit, ContinuationCommitted, EventStatus, EventType, InboxEvent,
-    InboxLease, NewSignal, ReleaseReport, ReleaseRequest, ScopeKind, SignalCommit,
+    InboxLease, InboxSchedule, NewSignal, ReleaseReport, ReleaseRequest, ScopeKind, SignalCommit,
     MAX_SIGNAL_PAYLOAD_BYTES,
 };
 pub use messages::{

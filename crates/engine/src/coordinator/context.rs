@@ -3,7 +3,7 @@
 //! [`TreeBudget`] shared by every run of one delegation tree.
 
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use keel_core::{
     AgentId, CancellationToken, ExecutionMode, RunId, SessionId, ToolExecutionContext, TurnId,
@@ -151,10 +151,15 @@ pub struct CallerContext {
     root_turn_id: Option<TurnId>,
     run: Option<Arc<AgentExecutionContext>>,
     cancellation: CancellationToken,
+    /// The root turn's run budget: every delegation made through this caller
+    /// (and its clones) draws from it.
+    root_budget: Arc<OnceLock<Arc<TreeBudget>>>,
 }
 
 impl CallerContext {
-    /// The root turn `turn_id` of `session`, cancelled by `cancellation` (`/stop`).
+    /// The root turn `turn_id` of `session`, cancelled by `cancellation`
+    /// (`/stop`). Every delegation made through it (and its clones) shares
+    /// one run budget of `max_runs_per_tree`.
     pub fn root(
         session: SessionId,
         turn_id: TurnId,
@@ -165,6 +170,7 @@ impl CallerContext {
             root_turn_id: Some(turn_id),
             run: None,
             cancellation,
+            root_budget: Arc::new(OnceLock::new()),
         }
     }
 
@@ -175,6 +181,7 @@ impl CallerContext {
             root_turn_id: context.root_turn_id,
             cancellation: context.cancellation.clone(),
             run: Some(context),
+            root_budget: Arc::new(OnceLock::new()),
         }
     }
 
@@ -195,7 +202,12 @@ impl CallerContext {
             },
             None => match (ctx.session_id, ctx.turn_id) {
                 (Some(session), Some(turn)) => {
-                    Ok(CallerContext::root(session, turn, ctx.cancellation.clone()))
+                    let caller = CallerContext::root(session, turn, ctx.cancellation.clone());
+                    // The turn's own budget, shared by all its tool calls.
+                    if let Some(budget) = ctx.extensions.get::<Arc<TreeBudget>>() {
+                        let _ = caller.root_budget.set(Arc::clone(budget));
+                    }
+                    Ok(caller)
                 }
                 _ => Err(EngineError::MissingCallerIdentity),
             },
@@ -236,6 +248,18 @@ impl CallerContext {
     /// The caller's depth (0 for the root agent).
     pub(crate) fn depth(&self) -> u32 {
         self.run.as_ref().map_or(0, |r| r.depth)
+    }
+
+    /// The run budget of the caller's tree: its run's, or the root turn's
+    /// (created with `limit` on first use).
+    pub(crate) fn tree_budget(&self, limit: u32) -> Arc<TreeBudget> {
+        match &self.run {
+            Some(run) => Arc::clone(&run.budget),
+            None => Arc::clone(
+                self.root_budget
+                    .get_or_init(|| Arc::new(TreeBudget::new(limit))),
+            ),
+        }
     }
 
     /// The caller's cancellation token.

@@ -219,10 +219,7 @@ impl AgentCoordinator {
                 context_json,
             });
         }
-        let budget = match caller.run_context() {
-            Some(me) => Arc::clone(&me.budget),
-            None => Arc::new(TreeBudget::new(self.config.max_runs_per_tree)),
-        };
+        let budget = caller.tree_budget(self.config.max_runs_per_tree);
         Ok((planned, depth, budget))
     }
 
@@ -332,10 +329,12 @@ impl AgentCoordinator {
                     existing: a.existing,
                 })
         };
-        result.map_err(|e| match e {
+        let accepted = result.map_err(|e| match e {
             StoreError::InboxFull { capacity, .. } => EngineError::InboxFull { capacity },
             other => other.into(),
-        })
+        })?;
+        self.changed(caller.root_session_id()).await;
+        Ok(accepted)
     }
 
     /// The execution context of a newly accepted run.
@@ -436,6 +435,7 @@ impl AgentCoordinator {
         {
             Ok(_) => {
                 self.pending.lock().remove(&context.run_id);
+                self.changed(context.root_session_id).await;
             }
             Err(e) => tracing::error!(
                 run_id = %context.run_id,
@@ -492,6 +492,7 @@ impl AgentCoordinator {
             {
                 tracing::warn!(run_id = %p.run_id, error = %e, "could not mark the parent waiting");
             }
+            self.changed(p.root_session_id).await;
         }
         let launches: Vec<Launch> = accepted
             .runs
@@ -556,6 +557,7 @@ impl AgentCoordinator {
             {
                 tracing::warn!(run_id = %p.run_id, error = %e, "could not mark the parent running");
             }
+            self.changed(p.root_session_id).await;
         }
         if caller.cancellation().is_cancelled() {
             return Err(EngineError::Cancelled);

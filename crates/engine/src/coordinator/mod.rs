@@ -32,7 +32,7 @@ mod tools;
 mod view;
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use keel_catalog::{AgentCatalog, CatalogHandle};
@@ -44,6 +44,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::agent_loop::{AgentLoop, NoHooks, StepGate};
+use crate::events::SessionEvents;
 use crate::gate::ExecutionGate;
 
 use crate::error::{EngineError, Result};
@@ -164,6 +165,7 @@ pub struct AgentCoordinator {
     session_tokens: Mutex<HashMap<SessionId, CancellationToken>>,
     shutdown: CancellationToken,
     observer: Mutex<Option<Arc<dyn RunObserver>>>,
+    events: OnceLock<Arc<SessionEvents>>,
     me: Weak<AgentCoordinator>,
 }
 
@@ -203,6 +205,7 @@ impl AgentCoordinator {
             session_tokens: Mutex::new(HashMap::new()),
             shutdown: CancellationToken::new(),
             observer: Mutex::new(None),
+            events: OnceLock::new(),
             me: me.clone(),
         })
     }
@@ -254,6 +257,13 @@ impl AgentCoordinator {
             )),
             Arc::new(AgentTaskTool::new(Arc::downgrade(self))),
         ]
+    }
+
+    /// A fresh run budget for one root turn: every delegation of the turn
+    /// (and of its runs) draws from it, so `max_runs_per_tree` bounds the
+    /// whole turn, not each delegate call.
+    pub(crate) fn root_turn_budget(&self) -> Arc<context::TreeBudget> {
+        Arc::new(context::TreeBudget::new(self.config.max_runs_per_tree))
     }
 
     /// One run of the caller's tree; any other id is [`EngineError::RunNotFound`].
@@ -336,6 +346,7 @@ impl AgentCoordinator {
                         )
                         .await?;
                     self.pending.lock().remove(&run_id);
+                    self.changed(record.spec.root_session_id).await;
                 }
             }
         }
@@ -345,6 +356,33 @@ impl AgentCoordinator {
             .await?
             .ok_or_else(|| EngineError::RunNotFound(run_id.to_string()))?;
         Ok(AgentRunView::from(&record))
+    }
+
+    /// Cancels the running background runs of a root session (`/stop`) and
+    /// waits until each is terminal. Their completions are recorded as
+    /// consumed (no continuation turn starts for them) and their
+    /// unconsumed signals are superseded. Returns the runs it cancelled.
+    pub async fn stop_background_runs(&self, session: SessionId) -> Result<Vec<RunId>> {
+        let running: Vec<(Arc<AgentExecutionContext>, watch::Receiver<bool>)> = self
+            .active
+            .lock()
+            .values()
+            .filter(|a| {
+                a.context.root_session_id == session
+                    && a.context.mode == keel_core::ExecutionMode::Background
+            })
+            .map(|a| (Arc::clone(&a.context), a.done.clone()))
+            .collect();
+        let mut cancelled = Vec::with_capacity(running.len());
+        for (context, _) in &running {
+            context.cancel("stopped by the user", true);
+            cancelled.push(context.run_id);
+        }
+        for (_, mut done) in running {
+            let _ = done.wait_for(|finished| *finished).await;
+        }
+        cancelled.sort();
+        Ok(cancelled)
     }
 
     /// Cancels every run of a root session (archive/delete): non-terminal runs
@@ -371,6 +409,7 @@ impl AgentCoordinator {
         self.pending
             .lock()
             .retain(|_, p| p.root_session_id != session);
+        self.changed(session).await;
         Ok(report)
     }
 
@@ -420,6 +459,12 @@ impl AgentCoordinator {
                     now_ms,
                 )
                 .await?;
+            self.terminal_committed(
+                p.root_session_id,
+                &commit,
+                keel_store::CompletionHandling::Deliver,
+            )
+            .await;
             if commit.won {
                 tracing::info!(%run_id, "reaper: run passed its deadline without a runner");
                 reaped.push(run_id);
@@ -465,6 +510,33 @@ impl AgentCoordinator {
     pub fn shutdown(&self) {
         self.shutdown.cancel();
         self.supervisor.close();
+    }
+
+    /// Connects the coordinator to the session manager's feeds, so committed
+    /// run and inbox changes reach subscribers.
+    pub(crate) fn attach(&self, events: Arc<SessionEvents>) {
+        if self.events.set(events).is_err() {
+            tracing::warn!("the coordinator is already attached to a session manager");
+        }
+    }
+
+    /// Publishes what changed in `root`'s runs and inbox to its subscribers.
+    pub(crate) async fn changed(&self, root: SessionId) {
+        if let Some(events) = self.events.get() {
+            events.project(root).await;
+        }
+    }
+
+    /// After a terminal commit: publish it.
+    async fn terminal_committed(
+        &self,
+        root: SessionId,
+        commit: &keel_store::TerminalCommit,
+        _handling: keel_store::CompletionHandling,
+    ) {
+        if commit.won {
+            self.changed(root).await;
+        }
     }
 
     /// The coordinator-owned token of a root session that background runs derive from.

@@ -192,6 +192,8 @@ impl AgentCoordinator {
             .await;
         let (record, won) = match committed {
             Ok(commit) => {
+                self.terminal_committed(context.root_session_id, &commit, handling)
+                    .await;
                 if !commit.won {
                     tracing::info!(
                         run_id = %context.run_id,
@@ -246,7 +248,7 @@ impl AgentCoordinator {
             .mark_run_running(context.run_id, context.execution_id.clone(), now_ms())
             .await
         {
-            Ok(true) => {}
+            Ok(true) => self.changed(context.root_session_id).await,
             Ok(false) => return Err(Stop::Superseded),
             Err(e) => return Err(Stop::Agent(e.into())),
         }

@@ -153,7 +153,7 @@ impl SessionManager {
     /// Cancels the session's turn and its sub-agent runs (their pending
     /// inbox events are dead-lettered) and drops it from memory.
     pub(super) async fn retire(&self, id: SessionId, reason: &str) -> Result<()> {
-        self.stop(id);
+        self.cancel_turn(id);
         if let Some(coordinator) = &self.bundle.coordinator {
             coordinator.cancel_session(id, reason).await?;
         }

@@ -5,12 +5,13 @@
 //! Locking: the session map is a `parking_lot` mutex that is never held
 //! across an `.await` (its guard is not `Send`, so the compiler enforces it).
 //! Each session has its own async mutex; a turn holds it from start to
-//! commit, so turns of one session are serialized and turns of different
+//! commit. Turns run only on the session's worker (`worker`), one at a
+//! time, so turns of one session are serialized and turns of different
 //! sessions run in parallel.
 //!
 //! The manager's methods are grouped by what they work on:
-//! `lifecycle` (create, load, evict, destroy), `turns` (run and commit
-//! a turn), `slots` (context slots and session memory), `dialogs`,
+//! `lifecycle` (create, load, evict, destroy), `worker` (the session
+//! worker: send, steer, stop), `turns` (run and commit a turn), `slots` (context slots and session memory), `dialogs`,
 //! `checkpoints` (list, create, roll back, fork, prune), `snapshots`
 //! (export and import) and `housekeeping` (titles and summaries after a
 //! turn).
@@ -22,6 +23,7 @@ mod lifecycle;
 mod slots;
 mod snapshots;
 mod turns;
+mod worker;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -32,15 +34,16 @@ use keel_store::Store;
 use parking_lot::Mutex;
 use tokio::sync::Mutex as AsyncMutex;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 use crate::address::DialogAddress;
 use crate::agent_loop::{AgentLoop, TurnOutput};
 use crate::coordinator::AgentCoordinator;
 use crate::error::{EngineError, Result};
+use crate::events::{SessionEvents, DEFAULT_EVENT_CAPACITY};
+use crate::mailbox::MailboxLimits;
 use crate::session::{AgentProfile, AgentSession};
 
-pub use turns::PendingTurn;
+pub use worker::{SteerOutcome, StopReport, TurnTicket};
 
 /// Channel of sessions that are not dialogs (e.g. sub-agent children).
 pub(crate) const INTERNAL_CHANNEL: &str = "internal";
@@ -131,6 +134,12 @@ pub struct SessionManagerConfig {
     pub auto_title_after: u64,
     /// Automatic summaries, off when `None`.
     pub summary: Option<SummaryConfig>,
+    /// User turns one session may have queued behind its running turn.
+    pub user_queue: usize,
+    /// Capacities of a running turn's steer lanes.
+    pub mailbox: MailboxLimits,
+    /// Events a session feed buffers for a slow subscriber.
+    pub event_capacity: usize,
 }
 
 impl Default for SessionManagerConfig {
@@ -140,6 +149,9 @@ impl Default for SessionManagerConfig {
             idle_ttl: Duration::from_secs(24 * 3600),
             auto_title_after: 10,
             summary: None,
+            user_queue: 32,
+            mailbox: MailboxLimits::default(),
+            event_capacity: DEFAULT_EVENT_CAPACITY,
         }
     }
 }
@@ -192,24 +204,35 @@ pub struct SessionManager {
     bundle: Arc<RuntimeBundle>,
     config: SessionManagerConfig,
     sessions: Mutex<HashMap<SessionId, Entry>>,
-    active_turns: Mutex<HashMap<SessionId, CancellationToken>>,
+    workers: worker::Workers,
+    events: Arc<SessionEvents>,
 }
 
 impl SessionManager {
     /// A manager over `store` running agents from `bundle`.
     pub fn new(store: Store, bundle: RuntimeBundle, config: SessionManagerConfig) -> Arc<Self> {
+        let events = SessionEvents::new(store.clone(), config.event_capacity);
+        if let Some(coordinator) = &bundle.coordinator {
+            coordinator.attach(Arc::clone(&events));
+        }
         Arc::new(Self {
             store,
             bundle: Arc::new(bundle),
             config,
             sessions: Mutex::new(HashMap::new()),
-            active_turns: Mutex::new(HashMap::new()),
+            workers: Mutex::new(HashMap::new()),
+            events,
         })
     }
 
     /// The store.
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// The live feeds of sessions (turn events, run and inbox changes).
+    pub fn events(&self) -> &Arc<SessionEvents> {
+        &self.events
     }
 }
 

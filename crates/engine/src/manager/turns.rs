@@ -1,10 +1,11 @@
-//! Running a turn and committing it: [`SessionManager::submit_turn_stream`]
-//! starts the loop, [`PendingTurn::finalize`] commits its messages, state
-//! and checkpoint in one store transaction.
+//! Running a turn and committing it: [`SessionManager::start_turn`] starts
+//! the loop under the session's lock, [`PendingTurn::finalize`] commits its
+//! messages, state and checkpoint in one store transaction. Only the session
+//! worker (`worker.rs`) calls them: every turn of a session goes through it.
 
 use std::sync::Arc;
 
-use keel_core::{Message, SessionId, ToolExecutionContext, TurnId};
+use keel_core::{Extensions, Message, Role, SessionId, ToolExecutionContext, TurnId, TurnOrigin};
 use tokio::sync::OwnedMutexGuard;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -12,104 +13,102 @@ use tokio_util::sync::CancellationToken;
 use super::{SessionManager, TurnReport};
 use crate::agent_loop::{EventSink, TurnEvent, TurnOutput, TurnRequest};
 use crate::error::{EngineError, Result};
+use crate::mailbox::TurnMailbox;
 use crate::session::AgentSession;
 
-impl SessionManager {
-    /// Runs a user turn to its end and commits it.
-    pub async fn submit_turn(self: &Arc<Self>, id: SessionId, input: &str) -> Result<TurnReport> {
-        self.submit_turn_stream(id, vec![Message::user(input)], None)
-            .await?
-            .finalize()
-            .await
-    }
+/// How a turn starts.
+pub(crate) struct TurnStart {
+    /// The turn's id (known to the caller before the turn runs).
+    pub(crate) turn_id: TurnId,
+    /// Who started it.
+    pub(crate) origin: TurnOrigin,
+    /// The user's message, or a hidden trigger.
+    pub(crate) input: Vec<Message>,
+    /// Where the loop's events go.
+    pub(crate) events: Option<EventSink>,
+    /// Steer input for the running turn.
+    pub(crate) mailbox: Arc<TurnMailbox>,
+    /// Cancels the turn (`/stop`).
+    pub(crate) cancel: CancellationToken,
+    /// Only tools that read (a continuation may not act on the world).
+    pub(crate) read_only: bool,
+}
 
-    /// Starts a turn whose events go to `events`; nothing is committed (no
-    /// message, no checkpoint) unless [`PendingTurn::finalize`] is called.
-    pub async fn submit_turn_stream(
+impl SessionManager {
+    /// Starts a turn whose events go to `start.events`; nothing is committed
+    /// (no message, no checkpoint) unless [`PendingTurn::finalize`] is called.
+    pub(crate) async fn start_turn(
         self: &Arc<Self>,
         id: SessionId,
-        input: Vec<Message>,
-        events: Option<EventSink>,
+        start: TurnStart,
     ) -> Result<PendingTurn> {
         let session = self.session(id).await?;
         let guard = session.lock_owned().await;
         let slot = guard.writable_slot()?;
         let history = guard.replay(&slot)?;
         let agent = guard.agent.clone();
-        let turn_id = TurnId::new();
-        let cancel = CancellationToken::new();
-        self.active_turns.lock().insert(id, cancel.clone());
-        let origin = input.first().map(|m| m.origin).unwrap_or_default();
+        let tools = if start.read_only {
+            Arc::new(agent.tools.filtered(|t| t.read_only()))
+        } else {
+            agent.tools.clone()
+        };
+        let mut extensions = Extensions::default();
+        extensions.insert(Arc::clone(&start.mailbox));
+        if let Some(coordinator) = &self.bundle.coordinator {
+            // One run budget for every delegation of this root turn.
+            extensions.insert(coordinator.root_turn_budget());
+        }
         let request = TurnRequest {
             provider: agent.provider.clone(),
-            tools: agent.tools.clone(),
+            tools,
             system_prompt: Some(agent.system_prompt.clone()),
             history,
-            input,
+            input: start.input,
             max_iterations: agent.max_iterations,
             max_output_tokens: agent.max_output_tokens,
             context: ToolExecutionContext {
                 session_id: Some(id),
-                turn_id: Some(turn_id),
+                turn_id: Some(start.turn_id),
                 run_id: None,
-                origin,
-                cancellation: cancel.clone(),
-                extensions: Default::default(),
+                origin: start.origin,
+                cancellation: start.cancel.clone(),
+                extensions,
             },
         };
         let agent_loop = self.bundle.agent_loop.clone();
-        let sink = events.clone();
+        let sink = start.events.clone();
         let task = tokio::spawn(async move { agent_loop.run(request, sink.as_ref()).await });
         Ok(PendingTurn {
             manager: self.clone(),
             guard: Some(guard),
             slot,
-            turn_id,
+            turn_id: start.turn_id,
+            origin: start.origin,
             task: Some(task),
-            cancel,
-            events,
+            cancel: start.cancel,
+            events: start.events,
         })
-    }
-
-    /// Cancels the running turn of `id`; returns whether one was running.
-    pub fn stop(&self, id: SessionId) -> bool {
-        match self.active_turns.lock().remove(&id) {
-            Some(token) => {
-                token.cancel();
-                true
-            }
-            None => false,
-        }
     }
 }
 
 /// A turn whose events are streaming; commit it with [`Self::finalize`].
 /// Dropping it cancels the turn and commits nothing.
-pub struct PendingTurn {
+pub(crate) struct PendingTurn {
     manager: Arc<SessionManager>,
     guard: Option<OwnedMutexGuard<AgentSession>>,
     slot: String,
     turn_id: TurnId,
+    origin: TurnOrigin,
     task: Option<JoinHandle<Result<TurnOutput>>>,
     cancel: CancellationToken,
     events: Option<EventSink>,
 }
 
 impl PendingTurn {
-    /// A token that cancels this turn.
-    pub fn cancellation(&self) -> CancellationToken {
-        self.cancel.clone()
-    }
-
-    /// The turn's id (also in its [`TurnReport`]).
-    pub fn turn_id(&self) -> TurnId {
-        self.turn_id
-    }
-
     /// Waits for the loop, commits the turn (messages, state, checkpoint) in
     /// one transaction, then titles/summarizes. A storage failure after the
     /// store's retries is reported as a system notice event and returned.
-    pub async fn finalize(mut self) -> Result<TurnReport> {
+    pub(crate) async fn finalize(mut self) -> Result<TurnReport> {
         let task = self.task.take();
         let result = match task {
             Some(t) => t
@@ -119,8 +118,18 @@ impl PendingTurn {
         };
         let mut guard = self.guard.take().ok_or(EngineError::Cancelled)?;
         let id = guard.id();
-        self.manager.active_turns.lock().remove(&id);
-        let output = result?;
+        let mut output = result?;
+        if self.cancel.is_cancelled() {
+            // Stopped after the loop's last await: nothing is committed.
+            return Err(EngineError::Cancelled);
+        }
+        if self.origin != TurnOrigin::User {
+            for m in &mut output.messages {
+                if matches!(m.role, Role::Assistant | Role::Tool) {
+                    m.origin = self.origin;
+                }
+            }
+        }
         let auto = self.manager.config.auto_checkpoint;
         let checkpoint = match guard
             .commit_turn(&self.manager.store, &self.slot, &output, auto)
@@ -151,9 +160,6 @@ impl Drop for PendingTurn {
         if let Some(task) = self.task.take() {
             self.cancel.cancel();
             task.abort();
-        }
-        if let Some(guard) = self.guard.take() {
-            self.manager.active_turns.lock().remove(&guard.id());
         }
     }
 }

@@ -987,6 +987,44 @@ async fn depth_budget_and_background_limits_reach_the_model_as_tool_errors() {
     ]);
 }
 
+#[tokio::test]
+async fn max_runs_per_tree_bounds_a_whole_root_turn_not_each_call() {
+    // Three concurrent 8-task calls of one root turn with a budget of 16:
+    // exactly two are accepted, and no run of the third is persisted.
+    let mut s = setup(vec![agent("a")], &["a"]);
+    s.gate = GateLimits::uniform(32);
+    let h = s.build();
+    let root = h.root();
+    let batch = || fg((0..8).map(|i| task("a", &format!("t{i}"))).collect());
+    let results =
+        futures::future::join_all((0..3).map(|_| h.coord.delegate(root.clone(), batch()))).await;
+    let refused: Vec<_> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert_eq!(refused.len(), 1, "{results:?}");
+    assert!(
+        matches!(
+            refused[0],
+            EngineError::TreeBudgetExceeded {
+                limit: 16,
+                used: 16,
+                requested: 8
+            }
+        ),
+        "{}",
+        refused[0]
+    );
+    assert_eq!(h.runs().await.len(), 16);
+    // Another turn has its own budget.
+    h.coord
+        .delegate(
+            CallerContext::root(h.session, TurnId::new(), h.stop.clone()),
+            batch(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(h.runs().await.len(), 24);
+    h.assert_gate_idle();
+}
+
 // ── cancellation ──────────────────────────────────────────────────────────
 
 /// Starts a foreground delegation of `worker` from the root in a task.

@@ -7,3 +7,4 @@ mod common;
 mod coordinator;
 mod gate;
 mod sessions;
+mod worker;

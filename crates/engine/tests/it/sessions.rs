@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use crate::common::*;
-use keel_core::{Message, Role, ScriptedResponse};
+use keel_core::{Message, ScriptedResponse};
 use keel_engine::SessionManagerConfig;
 use keel_engine::{EngineError, TurnEvent};
 use keel_engine::{MergeStrategy, SlotMode};
@@ -361,18 +361,18 @@ async fn cancellation_mid_stream_commits_nothing_and_the_session_stays_usable() 
     slow.chunk_delay_ms = 60_000;
     h.provider.push([slow, ScriptedResponse::text("fine")]);
     let id = h.manager.create(spec("d1")).await.unwrap();
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let pending = h
-        .manager
-        .submit_turn_stream(id, vec![Message::user("q")], Some(tx))
-        .await
-        .unwrap();
-    while !matches!(
-        rx.recv().await,
-        Some(TurnEvent::Stream(keel_core::StreamEvent::TextDelta { .. }))
-    ) {}
-    assert!(h.manager.stop(id));
-    let err = pending.finalize().await.unwrap_err();
+    let mut feed = h.manager.events().subscribe(id).await.unwrap();
+    let ticket = h.manager.send(id, Message::user("q")).await.unwrap();
+    turn_event(&mut feed, |e| {
+        matches!(
+            e,
+            TurnEvent::Stream(keel_core::StreamEvent::TextDelta { .. })
+        )
+    })
+    .await;
+    let report = h.manager.stop(id).await.unwrap();
+    assert_eq!(report.turn, Some(ticket.turn_id()));
+    let err = ticket.outcome().await.unwrap_err();
     assert!(err.is_cancelled(), "{err}");
     assert!(h.manager.list_checkpoints(id).await.unwrap().is_empty());
     assert!(visible_texts(&h.manager, id).await.is_empty());
@@ -381,23 +381,20 @@ async fn cancellation_mid_stream_commits_nothing_and_the_session_stays_usable() 
 }
 
 #[tokio::test(start_paused = true)]
-async fn dropping_a_streamed_turn_leaves_no_half_checkpoint() {
+async fn stopping_a_turn_before_its_answer_leaves_no_half_checkpoint() {
     let h = harness(SessionManagerConfig::default());
     h.provider.push([
         ScriptedResponse::text("streamed").delayed(60_000),
         ScriptedResponse::text("ok"),
     ]);
     let id = h.manager.create(spec("d1")).await.unwrap();
-    let pending = h
-        .manager
-        .submit_turn_stream(id, vec![Message::user("q")], None)
-        .await
-        .unwrap();
+    let ticket = h.manager.send(id, Message::user("q")).await.unwrap();
     // Single-threaded runtime: the turn task runs only when we yield.
     while h.provider.requests().is_empty() {
         tokio::task::yield_now().await;
     }
-    drop(pending);
+    h.manager.stop(id).await.unwrap();
+    assert!(ticket.outcome().await.unwrap_err().is_cancelled());
     assert!(h.manager.list_checkpoints(id).await.unwrap().is_empty());
     h.manager.submit_turn(id, "q2").await.unwrap();
     assert_eq!(visible_texts(&h.manager, id).await, ["q2", "ok"]);
@@ -545,32 +542,6 @@ async fn dialogs_list_recent_first_and_soft_delete() {
 }
 
 #[tokio::test]
-async fn hidden_messages_do_not_count_as_user_input() {
-    let h = harness(SessionManagerConfig::default());
-    replies(&h.provider, &["ack"]);
-    let id = h.manager.create(spec("d1")).await.unwrap();
-    let trigger = Message::user("[background results]")
-        .hidden()
-        .with_origin(keel_core::TurnOrigin::AgentContinuation);
-    h.manager
-        .submit_turn_stream(id, vec![trigger], None)
-        .await
-        .unwrap()
-        .finalize()
-        .await
-        .unwrap();
-    let s = h.manager.get(id).unwrap();
-    let g = s.lock().await;
-    assert_eq!(g.record().message_count, 0);
-    assert_eq!(
-        g.visible_messages().unwrap().len(),
-        1,
-        "only the assistant reply is visible"
-    );
-    assert_eq!(g.history()[0].message.role, Role::User);
-}
-
-#[tokio::test]
 async fn a_storage_failure_is_a_notice_and_a_typed_error_and_nothing_changes() {
     let dir = tempfile::tempdir().unwrap();
     let options = keel_store::StoreOptions {
@@ -586,19 +557,27 @@ async fn a_storage_failure_is_a_notice_and_a_typed_error_and_nothing_changes() {
     // Another process holds the write lock for the whole turn.
     let blocker = rusqlite::Connection::open(dir.path().join("keel.db")).unwrap();
     blocker.execute_batch("BEGIN EXCLUSIVE").unwrap();
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let pending = manager
-        .submit_turn_stream(id, vec![Message::user("q")], Some(tx))
-        .await
-        .unwrap();
-    let err = pending.finalize().await.unwrap_err();
+    let mut feed = manager.events().subscribe(id).await.unwrap();
+    let ticket = manager.send(id, Message::user("q")).await.unwrap();
+    let err = ticket.outcome().await.unwrap_err();
     assert!(matches!(err, EngineError::Store(_)), "{err}");
     let mut notices = Vec::new();
-    while let Ok(e) = rx.try_recv() {
-        if let TurnEvent::SystemNotice { text } = e {
-            notices.push(text);
+    let mut failure = None;
+    while let Some(e) = feed.try_recv().unwrap() {
+        match e.as_ref() {
+            keel_engine::SessionEvent::Turn {
+                event: TurnEvent::SystemNotice { text },
+                ..
+            } => notices.push(text.clone()),
+            keel_engine::SessionEvent::TurnFailed { message, .. } => {
+                failure = Some(message.clone())
+            }
+            _ => {}
         }
     }
+    // The client reads an error id, never SQLite's words.
+    let failure = failure.unwrap();
+    assert!(failure.starts_with("internal error (id "), "{failure}");
     assert_eq!(notices.len(), 1, "{notices:?}");
     assert!(notices[0].starts_with("This turn could not be saved"));
     blocker.execute_batch("ROLLBACK").unwrap();
@@ -650,14 +629,11 @@ async fn cancellation_during_a_tool_batch_commits_nothing() {
         SessionManagerConfig::default(),
     );
     let id = manager.create(spec("d1")).await.unwrap();
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let pending = manager
-        .submit_turn_stream(id, vec![Message::user("wait")], Some(tx))
-        .await
-        .unwrap();
-    while !matches!(rx.recv().await, Some(TurnEvent::ToolStarted { .. })) {}
-    assert!(manager.stop(id));
-    assert!(pending.finalize().await.unwrap_err().is_cancelled());
+    let mut feed = manager.events().subscribe(id).await.unwrap();
+    let ticket = manager.send(id, Message::user("wait")).await.unwrap();
+    turn_event(&mut feed, |e| matches!(e, TurnEvent::ToolStarted { .. })).await;
+    manager.stop(id).await.unwrap();
+    assert!(ticket.outcome().await.unwrap_err().is_cancelled());
     assert!(visible_texts(&manager, id).await.is_empty());
     assert!(manager.list_checkpoints(id).await.unwrap().is_empty());
     manager.submit_turn(id, "again").await.unwrap();

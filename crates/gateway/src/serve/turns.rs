@@ -9,9 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keel_core::{Message, SessionId, StreamEvent, TurnId};
-use keel_engine::{EngineError, SessionManager, TurnEvent};
+use keel_engine::{EngineError, SessionEvent, SessionManager, SubscriptionError, TurnEvent};
 use parking_lot::Mutex;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -122,8 +122,8 @@ impl TurnRunner {
         self.tracker.is_closed()
     }
 
-    /// Starts a user turn of `session` with `text`; returns its id once it
-    /// runs (after the dialog's previous turn ended).
+    /// Queues a user turn of `session` with `text` on the session's worker;
+    /// returns its id at once (it runs after the dialog's earlier turns).
     pub async fn send(self: &Arc<Self>, session: SessionId, text: String) -> ApiResult<TurnId> {
         if self.is_draining() {
             return Err(ApiError::Unavailable(
@@ -146,13 +146,19 @@ impl TurnRunner {
         text: String,
         started: oneshot::Sender<Result<TurnId, EngineError>>,
     ) {
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let submit = self
-            .manager
-            .submit_turn_stream(session, vec![Message::user(text)], Some(tx));
-        let pending = tokio::select! {
-            pending = submit => match pending {
-                Ok(p) => p,
+        // The turn runs on the session's worker; its events come from the
+        // session feed, subscribed before it is sent so none is missed.
+        let mut feed = match self.manager.events().subscribe(session).await {
+            Ok(feed) => feed,
+            Err(e) => {
+                let _ = started.send(Err(e));
+                return;
+            }
+        };
+        let send = self.manager.send(session, Message::user(text));
+        let ticket = tokio::select! {
+            ticket = send => match ticket {
+                Ok(t) => t,
                 Err(e) => {
                     let _ = started.send(Err(e));
                     return;
@@ -163,37 +169,49 @@ impl TurnRunner {
                 return;
             }
         };
-        let turn = pending.turn_id();
-        let turn_token = pending.cancellation();
+        let turn = ticket.turn_id();
+        let turn_token = ticket.cancellation();
         let mut cancel_sent = false;
         self.running.lock().insert(turn, turn_token.clone());
         let origin = TurnOrigin::User;
-        self.hub.publish(
-            session,
-            ServerFrame::TurnStarted {
-                session_id: session.as_uuid(),
-                turn_id: turn.as_uuid(),
-                turn_origin: origin,
-            },
-        );
         let _ = started.send(Ok(turn));
-        let finalize = pending.finalize();
-        tokio::pin!(finalize);
         let cancel = self.cancel_all.clone();
-        let result = loop {
+        loop {
             tokio::select! {
-                Some(event) = rx.recv() => self.publish_event(session, turn, event),
+                event = feed.recv() => match event {
+                    Ok(event) => match event.as_ref() {
+                        SessionEvent::TurnStarted { turn_id, .. } if *turn_id == turn => {
+                            self.hub.publish(
+                                session,
+                                ServerFrame::TurnStarted {
+                                    session_id: session.as_uuid(),
+                                    turn_id: turn.as_uuid(),
+                                    turn_origin: origin,
+                                },
+                            );
+                        }
+                        SessionEvent::Turn { turn_id, event, .. } if *turn_id == turn => {
+                            self.publish_event(session, turn, event.clone());
+                        }
+                        SessionEvent::TurnCommitted { turn_id, .. }
+                        | SessionEvent::TurnFailed { turn_id, .. }
+                            if *turn_id == turn =>
+                        {
+                            break;
+                        }
+                        _ => {}
+                    },
+                    // Frames were lost; the outcome below still arrives.
+                    Err(SubscriptionError::Lagged { .. }) => {}
+                    Err(SubscriptionError::Closed) => break,
+                },
                 () = cancel.cancelled(), if !cancel_sent => {
                     cancel_sent = true;
                     turn_token.cancel();
                 }
-                result = &mut finalize => break result,
             }
-        };
-        // Events sent before the loop ended (the commit notice too) are queued.
-        while let Ok(event) = rx.try_recv() {
-            self.publish_event(session, turn, event);
         }
+        let result = ticket.outcome().await;
         self.running.lock().remove(&turn);
         let end = match &result {
             Ok(report) => ServerFrame::TurnCommitted {

@@ -215,7 +215,7 @@ impl Connection {
                 Ok(vec![ServerFrame::Stopped {
                     id,
                     session_id,
-                    stopped: shared.app.manager.stop(session),
+                    stopped: shared.app.manager.stop(session).await?.turn.is_some(),
                 }])
             }
             ClientFrame::GetAgentRuns {

@@ -7,3 +7,7 @@ CREATE TABLE runtime_state (
     holder TEXT NOT NULL,
     activated_at INTEGER NOT NULL
 );
+
+-- A client that follows a root session reads what changed since the
+-- revision it last saw.
+CREATE INDEX idx_agent_runs_revision ON agent_runs(root_session_id, revision);

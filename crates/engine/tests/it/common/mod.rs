@@ -79,3 +79,18 @@ pub async fn visible_texts(manager: &SessionManager, id: keel_core::SessionId) -
 pub fn replies(p: &ScriptedProvider, texts: &[&str]) {
     p.push(texts.iter().map(|t| ScriptedResponse::text(*t)));
 }
+
+/// Waits on `feed` for a turn event matching `wanted` and returns it.
+pub async fn turn_event(
+    feed: &mut keel_engine::SessionSubscription,
+    wanted: impl Fn(&keel_engine::TurnEvent) -> bool,
+) -> keel_engine::TurnEvent {
+    loop {
+        let event = feed.recv().await.unwrap();
+        if let keel_engine::SessionEvent::Turn { event, .. } = event.as_ref() {
+            if wanted(event) {
+                return event.clone();
+            }
+        }
+    }
+}

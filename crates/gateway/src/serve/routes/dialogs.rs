@@ -207,7 +207,8 @@ pub(crate) async fn send(
     Ok((StatusCode::ACCEPTED, Json(accepted)).into_response())
 }
 
-/// Cancels the dialog's running turn; nothing of it is saved.
+/// Cancels the dialog's running turn (nothing of it is saved) and its
+/// running background runs (their results start no turn).
 #[utoipa::path(post, path = "/api/dialogs/{id}/stop", tag = "dialogs",
     params(("id" = uuid::Uuid, Path, description = "The dialog's id")),
     responses((status = 200, description = "Whether a turn was running", body = StopReport), Errors))]
@@ -217,7 +218,7 @@ pub(crate) async fn stop(
 ) -> ApiResult<Json<StopReport>> {
     let record = shared.dialog(&id).await?;
     Ok(Json(StopReport {
-        stopped: shared.app.manager.stop(record.id),
+        stopped: shared.app.manager.stop(record.id).await?.turn.is_some(),
     }))
 }
 

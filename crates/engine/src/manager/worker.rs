@@ -1,0 +1,485 @@
+//! The session worker: every turn of a session runs on it, one at a time.
+//!
+//! A worker exists only while its session has work: [`SessionManager::send`]
+//! (a user turn) or an inbox wake starts it, and it leaves as soon as it finds
+//! nothing to do. It has two lanes: a bounded queue of user turns, and a
+//! payload-free inbox wake (SQLite holds the events; the wake only says
+//! "look"). Between turns it decides what runs next: the user's turn first,
+//! unless the inbox has due events and either `max_user_turn_burst_before_inbox`
+//! user turns ran in a row or the oldest due event waited
+//! `max_inbox_wait_secs` — then a continuation turn answers the inbox first.
+//!
+//! While a turn runs, [`SessionManager::steer`] puts input into it (read at
+//! the next model call) and [`SessionManager::stop`] ends it. Every turn's
+//! events go to the session's feed ([`crate::SessionEvents`]).
+//!
+//! Leaving without losing work: the worker removes itself from the registry
+//! only under the registry lock, after checking that no user turn is queued
+//! and no wake is pending; senders and wakers enqueue under the same lock,
+//! so anything that arrives afterwards finds no worker and starts a new one.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+
+use keel_core::{Message, RunId, SessionId, TurnId, TurnOrigin};
+use parking_lot::Mutex;
+use tokio::sync::{mpsc, oneshot, watch, Notify};
+use tokio_util::sync::CancellationToken;
+
+use super::turns::TurnStart;
+use super::{SessionManager, TurnReport};
+use crate::error::{internal_message, EngineError, Result};
+use crate::events::SessionEvent;
+use crate::mailbox::{Refused, TurnMailbox, WakeSource};
+
+/// A user turn accepted by [`SessionManager::send`]: its id at once, its
+/// outcome when it ends.
+#[derive(Debug)]
+pub struct TurnTicket {
+    turn_id: TurnId,
+    cancel: CancellationToken,
+    outcome: oneshot::Receiver<Result<TurnReport>>,
+}
+
+impl TurnTicket {
+    /// The turn's id (its events on the session feed carry it).
+    pub fn turn_id(&self) -> TurnId {
+        self.turn_id
+    }
+
+    /// A token that cancels this turn alone — before it starts (it never
+    /// runs) or while it runs (nothing of it is committed). Unlike
+    /// [`SessionManager::stop`], background runs are left alone.
+    pub fn cancellation(&self) -> CancellationToken {
+        self.cancel.clone()
+    }
+
+    /// Waits for the turn to end: its report once committed, or why it
+    /// committed nothing ([`EngineError::Cancelled`] after `/stop`).
+    pub async fn outcome(self) -> Result<TurnReport> {
+        self.outcome.await.unwrap_or(Err(EngineError::Cancelled))
+    }
+}
+
+/// What [`SessionManager::steer`] did with the text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SteerOutcome {
+    /// The running turn reads it at its next model call.
+    Steered {
+        /// The turn.
+        turn_id: TurnId,
+    },
+    /// No turn is running (or it is ending): nothing was done; send it as
+    /// the next turn instead.
+    NoRunningTurn,
+}
+
+/// What [`SessionManager::stop`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StopReport {
+    /// The turn that was stopped (nothing of it is committed), if one ran.
+    pub turn: Option<TurnId>,
+    /// Inbox events the turn held that are pending again.
+    pub events_released: u64,
+    /// Background runs of the session that were cancelled (their results
+    /// are recorded without starting a turn).
+    pub runs_cancelled: Vec<RunId>,
+}
+
+/// A queued user turn.
+struct UserTask {
+    turn_id: TurnId,
+    input: Message,
+    cancel: CancellationToken,
+    reply: Option<oneshot::Sender<Result<TurnReport>>>,
+}
+
+/// The running turn, as steer and stop see it.
+#[derive(Clone)]
+struct ActiveTurn {
+    turn_id: TurnId,
+    cancel: CancellationToken,
+    mailbox: Arc<TurnMailbox>,
+    /// Becomes true once the turn ended and everything it held is released.
+    done: watch::Receiver<bool>,
+}
+
+/// State a worker shares with senders, wakers, steer and stop.
+#[derive(Default)]
+pub(super) struct WorkerShared {
+    wake: Notify,
+    wake_pending: AtomicBool,
+    active: Mutex<Option<ActiveTurn>>,
+}
+
+/// A worker as the registry holds it.
+pub(super) struct WorkerHandle {
+    user_tx: mpsc::Sender<UserTask>,
+    shared: Arc<WorkerShared>,
+}
+
+/// The live workers, by session.
+pub(super) type Workers = Mutex<HashMap<SessionId, WorkerHandle>>;
+
+/// What the worker does after a step.
+enum Step {
+    /// Look for more work now.
+    Again,
+    /// Nothing to do: wait for a user turn or a wake.
+    Wait,
+    /// The worker left the registry.
+    Exit,
+}
+
+/// A worker's private state.
+struct WorkerState {
+    user_rx: mpsc::Receiver<UserTask>,
+    /// Steer the model never read, to run as the next user turns.
+    carried: VecDeque<UserTask>,
+    /// A user turn taken from the queue, not yet run.
+    next_user: Option<UserTask>,
+}
+
+impl SessionManager {
+    /// Queues a user turn of `session` with `input` (a user message) and
+    /// returns at once with its ticket; the turn runs on the session's
+    /// worker after the turns queued before it. Fails with
+    /// [`EngineError::SessionBusy`] when the session's queue is full.
+    pub async fn send(self: &Arc<Self>, session: SessionId, input: Message) -> Result<TurnTicket> {
+        if input.role != keel_core::Role::User {
+            return Err(EngineError::InvalidInput(
+                "a turn's input is a user message".into(),
+            ));
+        }
+        // Fail now, not in the ticket, for a session that does not exist.
+        self.session(session).await?;
+        let turn_id = TurnId::new();
+        let cancel = CancellationToken::new();
+        let (reply, outcome) = oneshot::channel();
+        self.enqueue(
+            session,
+            UserTask {
+                turn_id,
+                input,
+                cancel: cancel.clone(),
+                reply: Some(reply),
+            },
+        )?;
+        Ok(TurnTicket {
+            turn_id,
+            cancel,
+            outcome,
+        })
+    }
+
+    /// Runs a user turn with `input` to its end (queued like [`Self::send`]).
+    pub async fn submit_turn(self: &Arc<Self>, id: SessionId, input: &str) -> Result<TurnReport> {
+        self.send(id, Message::user(input)).await?.outcome().await
+    }
+
+    /// Gives `text` to the running turn of `session`, read by the model at
+    /// its next call. With no running turn nothing is done.
+    pub fn steer(&self, session: SessionId, text: &str) -> Result<SteerOutcome> {
+        if text.trim().is_empty() {
+            return Err(EngineError::InvalidInput("steer text is empty".into()));
+        }
+        let Some(active) = self.active_turn(session) else {
+            return Ok(SteerOutcome::NoRunningTurn);
+        };
+        match active.mailbox.push_user(Message::user(text)) {
+            Ok(()) => Ok(SteerOutcome::Steered {
+                turn_id: active.turn_id,
+            }),
+            Err(Refused::Closed) => Ok(SteerOutcome::NoRunningTurn),
+            Err(Refused::Full) => Err(EngineError::SteerFull {
+                capacity: self.config.mailbox.user,
+            }),
+        }
+    }
+
+    /// Stops the running turn of `session` (nothing of it is committed)
+    /// and cancels the session's background runs, whose results are
+    /// recorded without starting a turn. Returns once all of it is done.
+    pub async fn stop(self: &Arc<Self>, session: SessionId) -> Result<StopReport> {
+        let mut report = StopReport::default();
+        if let Some(mut active) = self.active_turn(session) {
+            active.cancel.cancel();
+            let _ = active.done.wait_for(|done| *done).await;
+            report.turn = Some(active.turn_id);
+        }
+        if let Some(coordinator) = &self.bundle.coordinator {
+            report.runs_cancelled = coordinator.stop_background_runs(session).await?;
+        }
+        tracing::info!(session_id = %session, turn = ?report.turn, runs = report.runs_cancelled.len(), "stopped");
+        Ok(report)
+    }
+
+    /// Cancels the running turn of `session` without waiting for it.
+    pub(super) fn cancel_turn(&self, session: SessionId) {
+        if let Some(active) = self.active_turn(session) {
+            active.cancel.cancel();
+        }
+    }
+
+    /// How many sessions have a worker right now (sessions with work).
+    pub fn active_workers(&self) -> usize {
+        self.workers.lock().len()
+    }
+
+    /// The id of the turn `session` is running, if any.
+    pub fn running_turn(&self, session: SessionId) -> Option<TurnId> {
+        self.active_turn(session).map(|a| a.turn_id)
+    }
+
+    fn active_turn(&self, session: SessionId) -> Option<ActiveTurn> {
+        let workers = self.workers.lock();
+        let handle = workers.get(&session)?;
+        let active = handle.shared.active.lock().clone();
+        active
+    }
+
+    /// Queues `task` on the session's worker, starting one if needed.
+    fn enqueue(self: &Arc<Self>, session: SessionId, task: UserTask) -> Result<()> {
+        let mut workers = self.workers.lock();
+        let mut task = task;
+        for _ in 0..2 {
+            let handle = self.worker_locked(&mut workers, session);
+            match handle.user_tx.try_send(task) {
+                Ok(()) => {
+                    if let Some(active) = handle.shared.active.lock().as_ref() {
+                        active.mailbox.note_queued(WakeSource::UserQueue);
+                    }
+                    return Ok(());
+                }
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    return Err(EngineError::SessionBusy {
+                        queued: self.config.user_queue,
+                    })
+                }
+                // The worker is gone without deregistering (it panicked):
+                // replace it.
+                Err(mpsc::error::TrySendError::Closed(t)) => {
+                    workers.remove(&session);
+                    task = t;
+                }
+            }
+        }
+        Err(EngineError::SessionBusy {
+            queued: self.config.user_queue,
+        })
+    }
+
+    /// The session's worker; started if it has none. Called under the
+    /// registry lock.
+    fn worker_locked<'a>(
+        self: &Arc<Self>,
+        workers: &'a mut HashMap<SessionId, WorkerHandle>,
+        session: SessionId,
+    ) -> &'a WorkerHandle {
+        workers.entry(session).or_insert_with(|| {
+            let (user_tx, user_rx) = mpsc::channel(self.config.user_queue.max(1));
+            let shared = Arc::new(WorkerShared::default());
+            let state = WorkerState {
+                user_rx,
+                carried: VecDeque::new(),
+                next_user: None,
+            };
+            tokio::spawn(worker_loop(
+                Arc::downgrade(self),
+                session,
+                state,
+                Arc::clone(&shared),
+            ));
+            WorkerHandle { user_tx, shared }
+        })
+    }
+
+    /// One decision of the worker: run the next turn, wait, or leave.
+    async fn worker_step(
+        self: &Arc<Self>,
+        session: SessionId,
+        shared: &Arc<WorkerShared>,
+        state: &mut WorkerState,
+    ) -> Step {
+        shared.wake_pending.store(false, Ordering::Release);
+        if state.next_user.is_none() {
+            state.next_user = state
+                .carried
+                .pop_front()
+                .or_else(|| state.user_rx.try_recv().ok());
+        }
+        if let Some(task) = state.next_user.take() {
+            self.run_user_turn(session, shared, state, task).await;
+            return Step::Again;
+        }
+        let mut workers = self.workers.lock();
+        if !state.user_rx.is_empty() || shared.wake_pending.load(Ordering::Acquire) {
+            return Step::Again;
+        }
+        if workers
+            .get(&session)
+            .is_some_and(|h| Arc::ptr_eq(&h.shared, shared))
+        {
+            workers.remove(&session);
+            return Step::Exit;
+        }
+        Step::Wait
+    }
+
+    async fn run_user_turn(
+        self: &Arc<Self>,
+        session: SessionId,
+        shared: &Arc<WorkerShared>,
+        state: &mut WorkerState,
+        task: UserTask,
+    ) {
+        let (result, unread) = self
+            .run_turn(
+                session,
+                shared,
+                task.turn_id,
+                TurnOrigin::User,
+                vec![task.input],
+                task.cancel,
+            )
+            .await;
+        if result.is_ok() {
+            // Steer the model never read becomes the next turn, in order.
+            for input in unread {
+                state.carried.push_back(UserTask {
+                    turn_id: TurnId::new(),
+                    input,
+                    cancel: CancellationToken::new(),
+                    reply: None,
+                });
+            }
+        }
+        if let Some(reply) = task.reply {
+            let _ = reply.send(result);
+        }
+    }
+
+    /// Runs one turn on the worker: registers it for steer and stop,
+    /// streams its events to the session feed, commits it, and publishes the
+    /// outcome. Returns it with the user steer the model never read.
+    async fn run_turn(
+        self: &Arc<Self>,
+        session: SessionId,
+        shared: &Arc<WorkerShared>,
+        turn_id: TurnId,
+        origin: TurnOrigin,
+        input: Vec<Message>,
+        cancel: CancellationToken,
+    ) -> (Result<TurnReport>, Vec<Message>) {
+        let mailbox = Arc::new(TurnMailbox::new(turn_id, self.config.mailbox));
+        let (done_tx, done_rx) = watch::channel(false);
+        *shared.active.lock() = Some(ActiveTurn {
+            turn_id,
+            cancel: cancel.clone(),
+            mailbox: Arc::clone(&mailbox),
+            done: done_rx,
+        });
+        self.events
+            .publish(session, SessionEvent::TurnStarted { turn_id, origin });
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let started = if cancel.is_cancelled() {
+            // Cancelled while it waited in the queue: it never runs.
+            Err(EngineError::Cancelled)
+        } else {
+            self.start_turn(
+                session,
+                TurnStart {
+                    turn_id,
+                    origin,
+                    input,
+                    events: Some(tx),
+                    mailbox: Arc::clone(&mailbox),
+                    cancel,
+                    read_only: origin != TurnOrigin::User,
+                },
+            )
+            .await
+        };
+        let result = match started {
+            Err(e) => Err(e),
+            Ok(pending) => {
+                let finalize = pending.finalize();
+                tokio::pin!(finalize);
+                loop {
+                    tokio::select! {
+                        biased;
+                        Some(event) = rx.recv() => {
+                            self.events.publish(session, SessionEvent::Turn { turn_id, origin, event });
+                        }
+                        result = &mut finalize => break result,
+                    }
+                }
+            }
+        };
+        while let Ok(event) = rx.try_recv() {
+            self.events.publish(
+                session,
+                SessionEvent::Turn {
+                    turn_id,
+                    origin,
+                    event,
+                },
+            );
+        }
+        let leftovers = mailbox.close(result.is_err());
+        *shared.active.lock() = None;
+        let outcome = match &result {
+            Ok(report) => SessionEvent::TurnCommitted {
+                turn_id,
+                origin,
+                checkpoint: report.checkpoint,
+            },
+            Err(e) => SessionEvent::TurnFailed {
+                turn_id,
+                origin,
+                message: if e.is_internal() {
+                    internal_message(e)
+                } else {
+                    e.to_string()
+                },
+                cancelled: e.is_cancelled(),
+            },
+        };
+        self.events.publish(session, outcome);
+        done_tx.send_replace(true);
+        (result, leftovers.user)
+    }
+}
+
+/// The worker task of `session`; see the module docs. It holds the manager
+/// only while it works, never while it waits.
+async fn worker_loop(
+    manager: Weak<SessionManager>,
+    session: SessionId,
+    mut state: WorkerState,
+    shared: Arc<WorkerShared>,
+) {
+    loop {
+        let step = {
+            let Some(manager) = manager.upgrade() else {
+                return;
+            };
+            manager.worker_step(session, &shared, &mut state).await
+        };
+        match step {
+            Step::Again => {}
+            Step::Exit => return,
+            Step::Wait => {
+                tokio::select! {
+                    biased;
+                    task = state.user_rx.recv() => match task {
+                        Some(task) => state.next_user = Some(task),
+                        None => return,
+                    },
+                    () = shared.wake.notified() => {}
+                }
+            }
+        }
+    }
+}
