@@ -141,3 +141,47 @@ fn kill_9_with_a_background_run_in_flight_interrupts_it_with_its_completion_on_r
         );
     });
 }
+
+/// One process owns a data directory: a second `keel chat` on it is refused
+/// before it touches anything, with an error naming the first one.
+#[test]
+fn a_second_chat_on_the_same_data_directory_is_refused_naming_the_holder() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let echo = dir.path().join("echo.yaml");
+    std::fs::write(&echo, "when_exhausted: echo\n").unwrap();
+    let mut first = chat(&data, &echo);
+    let mut stdin = first.stdin.take().unwrap();
+    let mut lines = BufReader::new(first.stdout.take().unwrap()).lines();
+    // The banner is printed once the runtime is activated (lock held).
+    assert!(lines.next().unwrap().unwrap().starts_with("keel chat — dialog"));
+
+    let second = crate::keel()
+        .args(["chat", "--chat", "erin", "--data-dir"])
+        .arg(&data)
+        .arg("--script")
+        .arg(&echo)
+        .env("KEEL_LOG", "error")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!second.status.success());
+    let err = String::from_utf8(second.stderr).unwrap();
+    let holder = format!("keel chat (pid {} on ", first.id());
+    assert!(
+        err.contains("is in use by another keel process") && err.contains(&holder),
+        "{err}"
+    );
+    assert!(second.stdout.is_empty(), "nothing ran");
+
+    // The first chat is unaffected and still answers.
+    stdin.write_all(b"still here?\n").unwrap();
+    loop {
+        let line = lines.next().unwrap().unwrap();
+        if line.contains("still here?") && line.starts_with("keel>") {
+            break;
+        }
+    }
+    drop(stdin);
+    assert!(first.wait().unwrap().success());
+}
