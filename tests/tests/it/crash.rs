@@ -154,7 +154,11 @@ fn a_second_chat_on_the_same_data_directory_is_refused_naming_the_holder() {
     let mut stdin = first.stdin.take().unwrap();
     let mut lines = BufReader::new(first.stdout.take().unwrap()).lines();
     // The banner is printed once the runtime is activated (lock held).
-    assert!(lines.next().unwrap().unwrap().starts_with("keel chat — dialog"));
+    assert!(lines
+        .next()
+        .unwrap()
+        .unwrap()
+        .starts_with("keel chat — dialog"));
 
     let second = crate::keel()
         .args(["chat", "--chat", "erin", "--data-dir"])
