@@ -7,7 +7,7 @@
 //! lock file was deleted under a running process), the older one's writes are
 //! refused instead of silently interleaving with the newer one's.
 
-use std::fs::{File, OpenOptions, TryLockError};
+use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
 
@@ -44,9 +44,9 @@ impl RuntimeLock {
             .truncate(false)
             .open(&path)
             .map_err(io)?;
-        match file.try_lock() {
-            Ok(()) => {}
-            Err(TryLockError::WouldBlock) => {
+        match try_lock(&file) {
+            Ok(true) => {}
+            Ok(false) => {
                 let mut text = String::new();
                 // The holder writes its line right after locking; an empty
                 // file means it has not yet.
@@ -61,7 +61,7 @@ impl RuntimeLock {
                     },
                 });
             }
-            Err(TryLockError::Error(e)) => return Err(io(e)),
+            Err(e) => return Err(io(e)),
         }
         file.set_len(0).map_err(io)?;
         file.rewind().map_err(io)?;
@@ -74,6 +74,25 @@ impl RuntimeLock {
     pub fn path(&self) -> &Path {
         &self.path
     }
+}
+
+/// Takes an exclusive advisory lock on `file` without waiting; false when
+/// another open file holds it.
+#[cfg(unix)]
+fn try_lock(file: &File) -> std::io::Result<bool> {
+    use rustix::fs::{flock, FlockOperation};
+    match flock(file, FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(true),
+        Err(e) if e == rustix::io::Errno::WOULDBLOCK => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Without flock the lock file only names the holder; the generation fence
+/// still refuses a superseded process's writes.
+#[cfg(not(unix))]
+fn try_lock(_file: &File) -> std::io::Result<bool> {
+    Ok(true)
 }
 
 /// The lock file of a database.
