@@ -80,7 +80,7 @@ pub enum SessionEvent {
         /// The session's revision of this change.
         revision: u64,
         /// The run as stored after it.
-        run: RunRecord,
+        run: Box<RunRecord>,
     },
     /// An inbox event of the session changed (inserted, leased, delivered,
     /// released, dead-lettered, superseded).
@@ -88,7 +88,7 @@ pub enum SessionEvent {
         /// The session's revision of this change.
         revision: u64,
         /// The event as stored after it.
-        event: InboxEvent,
+        event: Box<InboxEvent>,
     },
 }
 
@@ -266,13 +266,13 @@ impl SessionEvents {
 fn run_event(run: RunRecord) -> SessionEvent {
     SessionEvent::RunUpdated {
         revision: run.revision,
-        run,
+        run: Box::new(run),
     }
 }
 
 fn inbox_event(event: InboxEvent) -> SessionEvent {
     SessionEvent::InboxEventUpdated {
         revision: event.revision,
-        event,
+        event: Box::new(event),
     }
 }

@@ -328,7 +328,7 @@ impl TurnMailbox {
         inner.closed = true;
         let mut agent: Vec<HeldEvents> = inner.agent.drain(..).map(|e| e.held).collect();
         if include_drained {
-            agent.extend(inner.drained.drain(..));
+            agent.append(&mut inner.drained);
         }
         Leftovers {
             user: inner.user.drain(..).map(|(_, m)| m).collect(),
