@@ -65,7 +65,7 @@ pub const UNUSED_API_PENDING: &[(&str, &str, &str)] = &[
     ),
     (
         "crates/store",
-        "oldest_due_event_at",
+        "inbox_schedule",
         "the inbox delivery loop sleeps until the next due event",
     ),
     (
