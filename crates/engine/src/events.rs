@@ -27,6 +27,9 @@ use tokio::sync::{broadcast, Mutex as AsyncMutex};
 use crate::agent_loop::TurnEvent;
 use crate::error::Result;
 
+/// Most runs (and most events) one projection read returns.
+const CHANGES_PER_READ: usize = 500;
+
 /// Events one session channel buffers for a slow subscriber.
 pub const DEFAULT_EVENT_CAPACITY: usize = 1024;
 
@@ -232,34 +235,63 @@ impl SessionEvents {
             }
         };
         let mut projected = projected.lock().await;
-        let since = match *projected {
-            Some(r) => r,
+        let Some(mut since) = *projected else {
             // A subscriber is reading the starting revision; it will see
             // these changes in its query.
-            None => return,
+            return;
         };
-        let changes = match self.store.changes_since(session, since).await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(session_id = %session, error = %e, "projecting run and inbox changes failed; retried at the next change");
-                return;
-            }
-        };
-        let mut runs = changes.runs.into_iter().peekable();
-        let mut events = changes.events.into_iter().peekable();
-        // Merge the two revision-ordered lists.
         loop {
-            let next = match (runs.peek(), events.peek()) {
-                (None, None) => break,
-                (Some(r), Some(e)) if r.revision <= e.revision => runs.next().map(run_event),
-                (Some(_), None) => runs.next().map(run_event),
-                (_, Some(_)) => events.next().map(inbox_event),
+            let changes = match self
+                .store
+                .agent_changes_since(session, since, CHANGES_PER_READ)
+                .await
+            {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(session_id = %session, error = %e, "projecting run and inbox changes failed; retried at the next change");
+                    break;
+                }
             };
-            if let Some(event) = next {
-                self.publish(session, event);
+            // A list cut at the read limit is complete only up to its last
+            // revision: publish up to there, read again from there.
+            let full = |n: usize| n >= CHANGES_PER_READ;
+            let cut = [
+                full(changes.runs.len()).then(|| changes.runs.last().map(|r| r.revision)),
+                full(changes.events.len()).then(|| changes.events.last().map(|e| e.revision)),
+            ]
+            .into_iter()
+            .flatten()
+            .flatten()
+            .min();
+            let upto = cut.unwrap_or(changes.revision);
+            let mut runs = changes
+                .runs
+                .into_iter()
+                .filter(|r| r.revision <= upto)
+                .peekable();
+            let mut events = changes
+                .events
+                .into_iter()
+                .filter(|e| e.revision <= upto)
+                .peekable();
+            // Merge the two revision-ordered lists.
+            loop {
+                let next = match (runs.peek(), events.peek()) {
+                    (None, None) => break,
+                    (Some(r), Some(e)) if r.revision <= e.revision => runs.next().map(run_event),
+                    (Some(_), None) => runs.next().map(run_event),
+                    (_, Some(_)) => events.next().map(inbox_event),
+                };
+                if let Some(event) = next {
+                    self.publish(session, event);
+                }
+            }
+            since = since.max(upto);
+            *projected = Some(since);
+            if cut.is_none() {
+                break;
             }
         }
-        *projected = Some(changes.revision.max(since));
     }
 }
 

@@ -71,7 +71,6 @@
 //! ```
 #![warn(missing_docs)]
 
-mod changes;
 mod checkpoints;
 mod counters;
 mod db;
@@ -88,7 +87,6 @@ mod util;
 use std::path::Path;
 use std::sync::Arc;
 
-pub use changes::SessionChanges;
 pub use checkpoints::{
     CheckpointRecord, CheckpointSource, NewCheckpoint, PrunePolicy, PruneReport,
 };
