@@ -57,15 +57,7 @@ impl AgentSession {
         record: SessionRecord,
         agent: Arc<AgentProfile>,
     ) -> Result<Self> {
-        let state = match &record.state_hash {
-            None => SessionState::default(),
-            Some(hash) => {
-                let blob = store.get_state_blob(hash.clone()).await?.ok_or_else(|| {
-                    EngineError::CorruptState(format!("state blob {hash} is missing"))
-                })?;
-                SessionState::from_blob(&blob)?
-            }
-        };
+        let state = SessionState::of_record(store, &record).await?;
         let history: Vec<HistoryMessage> = store
             .load_messages(record.id, MessageFilter::default())
             .await?

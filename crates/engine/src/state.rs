@@ -187,6 +187,23 @@ impl SessionState {
         serde_json::to_vec(self).map_err(|e| EngineError::StateEncoding(e.to_string()))
     }
 
+    /// The state `record` points at: its committed blob, or the default
+    /// before its first commit.
+    pub(crate) async fn of_record(
+        store: &keel_store::Store,
+        record: &keel_store::SessionRecord,
+    ) -> Result<Self> {
+        match &record.state_hash {
+            None => Ok(SessionState::default()),
+            Some(hash) => {
+                let blob = store.get_state_blob(hash.clone()).await?.ok_or_else(|| {
+                    EngineError::CorruptState(format!("state blob {hash} is missing"))
+                })?;
+                SessionState::from_blob(&blob)
+            }
+        }
+    }
+
     /// Decodes a blob; missing fields take their defaults.
     pub(crate) fn from_blob(bytes: &[u8]) -> Result<Self> {
         let state: SessionState =

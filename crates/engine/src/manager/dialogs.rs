@@ -1,12 +1,13 @@
 //! Dialogs: sessions addressed by channel, chat and dialog id, listed,
 //! renamed and soft-deleted.
 
-use keel_core::{AgentId, SessionId};
+use keel_core::{AgentId, CostTracker, SessionId};
 use keel_store::{DialogCursor, DialogQuery, Page, SessionRecord};
 
 use super::{clean_title, new_dialog_id, NewSessionSpec, SessionManager};
 use crate::address::DialogAddress;
 use crate::error::{EngineError, Result};
+use crate::state::SessionState;
 
 impl SessionManager {
     /// The session of a dialog, created (with the default title) if new.
@@ -86,6 +87,18 @@ impl SessionManager {
         let session = self.session(id).await?;
         let guard = session.lock().await;
         Ok(guard.record.clone())
+    }
+
+    /// Token usage of a session's committed turns, read from its stored
+    /// state: a running turn is not waited for (its usage counts once it
+    /// commits).
+    pub async fn usage(&self, id: SessionId) -> Result<CostTracker> {
+        let record = self
+            .store
+            .get_session(id)
+            .await?
+            .ok_or(EngineError::SessionNotFound(id))?;
+        Ok(SessionState::of_record(&self.store, &record).await?.cost)
     }
 
     /// Renames a dialog (and turns off auto-titling for it).

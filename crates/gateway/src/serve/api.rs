@@ -210,6 +210,28 @@ impl From<&SessionRecord> for Dialog {
     }
 }
 
+/// Tokens a dialog's own turns used (its sub-agent runs report theirs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DialogUsage {
+    /// Input tokens of its committed turns.
+    pub prompt_tokens: u64,
+    /// Output tokens of its committed turns.
+    pub completion_tokens: u64,
+    /// Model calls of its committed turns.
+    pub model_calls: u64,
+}
+
+impl From<keel_core::CostTracker> for DialogUsage {
+    fn from(c: keel_core::CostTracker) -> Self {
+        Self {
+            prompt_tokens: c.prompt_tokens,
+            completion_tokens: c.completion_tokens,
+            model_calls: c.requests,
+        }
+    }
+}
+
 /// A page of dialogs, most recently created first.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use super::api::{AgentEvent, AgentRun, TurnOrigin};
+use super::api::{AgentEvent, AgentRun, Dialog, TurnOrigin};
 
 /// Longest client-chosen request `id`, in bytes.
 pub const MAX_REQUEST_ID_BYTES: usize = 64;
@@ -224,6 +224,14 @@ pub enum ServerFrame {
         /// The event now.
         event: AgentEvent,
     },
+    /// The dialog changed: its title (renamed, or titled automatically),
+    /// its message count, its last activity.
+    DialogUpdated {
+        /// The dialog.
+        session_id: Uuid,
+        /// The dialog now.
+        dialog: Dialog,
+    },
     /// Frames of this dialog were dropped (the client read too slowly, or
     /// its `since_revision` is too old): re-read what you show
     /// (`get_agent_runs`, the messages) and continue from `revision`.
@@ -267,6 +275,7 @@ impl ServerFrame {
             ServerFrame::TurnFailed { .. } => "turn_failed",
             ServerFrame::AgentRunUpdated { .. } => "agent_run_updated",
             ServerFrame::AgentEventUpdated { .. } => "agent_event_updated",
+            ServerFrame::DialogUpdated { .. } => "dialog_updated",
             ServerFrame::Resync { .. } => "resync",
             ServerFrame::Error { .. } => "error",
         }

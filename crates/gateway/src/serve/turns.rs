@@ -15,7 +15,7 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::api::{TurnOrigin, PREVIEW_BYTES};
+use super::api::{Dialog, TurnOrigin, PREVIEW_BYTES};
 use super::frames::ServerFrame;
 use super::hub::Hub;
 use super::problem::{ApiError, ApiResult};
@@ -228,8 +228,30 @@ impl TurnRunner {
                 message: failure_message(e),
             },
         };
+        let committed = result.is_ok();
         self.hub.publish(session, end);
+        if committed {
+            self.publish_dialog(session).await;
+        }
         self.projections.refresh(session).await;
+    }
+
+    /// Publishes the dialog as it is now (a committed turn changed its
+    /// message count and activity, and may have titled it).
+    async fn publish_dialog(&self, session: SessionId) {
+        match self.manager.store().get_session(session).await {
+            Ok(Some(record)) => self.hub.publish(
+                session,
+                ServerFrame::DialogUpdated {
+                    session_id: session.as_uuid(),
+                    dialog: Dialog::from(&record),
+                },
+            ),
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(session_id = %session, error = %e, "cannot read the dialog to publish its change")
+            }
+        }
     }
 
     fn publish_event(&self, session: SessionId, turn: TurnId, event: TurnEvent) {

@@ -15,9 +15,10 @@ use keel_store::{DialogCursor, MessagePage as StorePage};
 use super::{checked_text, decode_cursor, encode_cursor, page_limit, parse_id};
 use crate::serve::api::{
     ChatMessage, Checkpoint, CheckpointList, Dialog, DialogListQuery, DialogPage, DialogPatch,
-    ForkRequest, MessageListQuery, MessagePage, NewDialog, Order, SendMessage, StopReport,
-    TurnAccepted,
+    DialogUsage, ForkRequest, MessageListQuery, MessagePage, NewDialog, Order, SendMessage,
+    StopReport, TurnAccepted,
 };
+use crate::serve::frames::ServerFrame;
 use crate::serve::openapi::Errors;
 use crate::serve::problem::{ApiError, ApiJson, ApiPath, ApiQuery, ApiResult};
 use crate::serve::Shared;
@@ -117,7 +118,15 @@ pub(crate) async fn rename(
     let record = shared.dialog(&id).await?;
     let title = checked_title(&patch.title)?;
     shared.app.manager.rename_dialog(record.id, &title).await?;
-    Ok(Json(Dialog::from(&shared.dialog_by_id(record.id).await?)))
+    let dialog = Dialog::from(&shared.dialog_by_id(record.id).await?);
+    shared.hub.publish(
+        record.id,
+        ServerFrame::DialogUpdated {
+            session_id: dialog.id,
+            dialog: dialog.clone(),
+        },
+    );
+    Ok(Json(dialog))
 }
 
 /// Deletes a dialog: it leaves listings and its sub-agent runs are cancelled; its rows stay.
@@ -220,6 +229,19 @@ pub(crate) async fn stop(
     Ok(Json(StopReport {
         stopped: shared.app.manager.stop(record.id).await?.turn.is_some(),
     }))
+}
+
+/// Tokens and model calls of the dialog's committed turns (a running turn
+/// counts once it commits; sub-agent runs report their own usage).
+#[utoipa::path(get, path = "/api/dialogs/{id}/usage", tag = "dialogs",
+    params(("id" = uuid::Uuid, Path, description = "The dialog's id")),
+    responses((status = 200, description = "The dialog's usage", body = DialogUsage), Errors))]
+pub(crate) async fn usage(
+    State(shared): State<Arc<Shared>>,
+    ApiPath(id): ApiPath<String>,
+) -> ApiResult<Json<DialogUsage>> {
+    let record = shared.dialog(&id).await?;
+    Ok(Json(shared.app.manager.usage(record.id).await?.into()))
 }
 
 /// Every checkpoint of the dialog, newest first, as a tree through `parent_id`.

@@ -41,6 +41,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
             get(dialogs::messages).post(dialogs::send),
         )
         .route("/dialogs/{id}/stop", post(dialogs::stop))
+        .route("/dialogs/{id}/usage", get(dialogs::usage))
         .route("/dialogs/{id}/checkpoints", get(dialogs::checkpoints))
         .route(
             "/dialogs/{id}/checkpoints/{checkpoint_id}/rollback",

@@ -79,6 +79,7 @@ fn every_frame_in_protocol_md_is_a_frame_and_every_frame_has_an_example() {
             "agent_event_updated",
             "agent_run_updated",
             "agent_runs",
+            "dialog_updated",
             "error",
             "notice",
             "resync",

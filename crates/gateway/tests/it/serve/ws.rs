@@ -311,3 +311,65 @@ async fn bad_frames_get_an_error_or_a_close_with_a_reason() {
     // The server is fine.
     assert_eq!(t.get("/api/health").await.status(), 200);
 }
+
+/// Subscribers see the dialog change: after a committed turn (its message
+/// count and, here, its usage), and when it is renamed. Its usage counts
+/// committed turns only.
+#[tokio::test]
+async fn a_dialog_change_is_published_and_its_usage_counts_committed_turns() {
+    let t = TestServer::start(Setup {
+        provider: scripted(vec![ScriptedResponse {
+            usage: Some(keel_core::Usage::new(120, 18)),
+            ..ScriptedResponse::text("hello")
+        }]),
+        ..Setup::default()
+    })
+    .await;
+    let id = t.dialog("Before").await;
+    let usage = t.json(&format!("/api/dialogs/{id}/usage")).await;
+    assert_eq!(
+        usage,
+        json!({"prompt_tokens": 0, "completion_tokens": 0, "model_calls": 0})
+    );
+    let mut ws = t.ws().await;
+    ws.send(&ClientFrame::Send {
+        id: None,
+        session_id: uuid(&id),
+        text: "hi".into(),
+    })
+    .await;
+    let frames = ws
+        .until(|f| matches!(f, ServerFrame::DialogUpdated { .. }))
+        .await;
+    let ends: Vec<&str> = frames.iter().rev().take(2).map(|f| f.kind()).collect();
+    assert_eq!(ends, ["dialog_updated", "turn_committed"]);
+    let Some(ServerFrame::DialogUpdated { dialog, .. }) = frames.last() else {
+        unreachable!()
+    };
+    assert_eq!((dialog.title.as_str(), dialog.message_count), ("Before", 1));
+    let usage = t.json(&format!("/api/dialogs/{id}/usage")).await;
+    assert_eq!(
+        usage,
+        json!({"prompt_tokens": 120, "completion_tokens": 18, "model_calls": 1})
+    );
+
+    let r = t
+        .http
+        .patch(format!("{}/api/dialogs/{id}", t.base))
+        .json(&json!({"title": "After"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    match ws.frame().await {
+        ServerFrame::DialogUpdated { session_id, dialog } => {
+            assert_eq!(session_id, uuid(&id));
+            assert_eq!(dialog.title, "After");
+        }
+        other => panic!("expected dialog_updated, got {other:?}"),
+    }
+    let r = t
+        .get("/api/dialogs/01a22c8d-cb40-7766-a28d-a872408af176/usage")
+        .await;
+    assert_eq!(r.status(), 404);
+}
