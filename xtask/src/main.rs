@@ -11,7 +11,8 @@ use std::time::Instant;
 const USAGE: &str = "usage: cargo xtask <command>
 
 commands:
-  ci                         fmt, clippy, deps, tests, docs (cargo-deny and schemathesis when installed)
+  ci                         fmt, clippy, deps, tests, docs, the browser test (cargo-deny and schemathesis when installed)
+  web                        the web page's browser test (headless Chromium, Playwright)
   deps                       check the crate layering
   tidy                       file and function sizes, dead public API, unread config keys
   bench [store|catalog|engine|...]
@@ -23,6 +24,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci(),
         Some("deps") => deps_cmd(),
+        Some("web") => web_prerequisites().and_then(|()| web_test()),
         Some("tidy") => tidy_cmd(),
         Some("bench") => bench(&args[1..]),
         Some("fuzz") => fuzz(&args[1..]),
@@ -123,9 +125,85 @@ fn tidy_cmd() -> Result<(), String> {
     Err(format!("{} tidy problem(s)", problems.len()))
 }
 
+/// Set to `1` to leave the browser test out of `ci` on a machine that
+/// cannot run it (CI itself never sets it: `.ci/run` installs what it needs).
+const SKIP_BROWSER_TEST: &str = "KEEL_SKIP_BROWSER_TEST";
+/// The browser the test drives (Debian's `chromium`, unless overridden).
+const CHROMIUM_ENV: &str = "KEEL_CHROMIUM";
+
+fn chromium() -> PathBuf {
+    std::env::var_os(CHROMIUM_ENV)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/usr/bin/chromium"))
+}
+
+/// Whether the browser test can run here; the error says how to make it so.
+fn web_prerequisites() -> Result<(), String> {
+    let mut missing = Vec::new();
+    if !chromium().is_file() {
+        missing.push(format!(
+            "Chromium at {} (apt-get install chromium, or set {CHROMIUM_ENV})",
+            chromium().display()
+        ));
+    }
+    if !succeeds(Command::new("python3").args(["-c", "import playwright.sync_api"])) {
+        missing.push("Playwright for Python (python3 -m pip install playwright)".to_owned());
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "the web page's browser test needs {}. .ci/run installs both; to leave the test \
+         out on purpose, set {SKIP_BROWSER_TEST}=1",
+        missing.join(" and ")
+    ))
+}
+
+/// The target directory (`CARGO_TARGET_DIR`, else `target/`).
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target"))
+}
+
+/// Builds the `keel` binary (debug) and returns its path.
+fn build_keel() -> Result<PathBuf, String> {
+    run(&mut cargo_cmd(&[
+        "build",
+        "--locked",
+        "-p",
+        "keel-gateway",
+        "--bin",
+        "keel",
+    ]))?;
+    Ok(target_dir().join("debug").join("keel"))
+}
+
+/// Builds `keel` and runs tests/web/test_page.py against it; screenshots
+/// go to `<target>/web-screenshots`.
+fn web_test() -> Result<(), String> {
+    let keel = build_keel()?;
+    let out = target_dir().join("web-screenshots");
+    run(Command::new("python3")
+        .arg("crates/gateway/tests/web/test_page.py")
+        .arg("--keel")
+        .arg(&keel)
+        .arg("--out")
+        .arg(&out)
+        .arg("--chromium")
+        .arg(chromium()))
+}
+
 fn ci() -> Result<(), String> {
     // Snapshots are reviewed locally; in CI a changed snapshot is a failure.
     std::env::set_var("INSTA_UPDATE", "no");
+    let browser = std::env::var(SKIP_BROWSER_TEST).as_deref() != Ok("1");
+    if browser {
+        // Checked first: a missing browser fails at once, not after the tests.
+        web_prerequisites()?;
+    } else {
+        println!("ci: {SKIP_BROWSER_TEST}=1: the browser test is left out");
+    }
     let nextest = succeeds(cargo_cmd(&["nextest", "--version"]).current_dir(root()));
     let deny = succeeds(cargo_cmd(&["deny", "--version"]).current_dir(root()));
     type Step = (&'static str, Box<dyn Fn() -> Result<(), String>>);
@@ -192,6 +270,9 @@ fn ci() -> Result<(), String> {
     } else {
         println!("ci: schemathesis not installed, skipping the API fuzz run (.ci/run installs it)");
     }
+    if browser {
+        steps.push(("web (browser test)", Box::new(web_test)));
+    }
     if deny {
         steps.push((
             "deny",
@@ -228,21 +309,11 @@ fn ci() -> Result<(), String> {
 /// check, a fixed seed; any server error or schema violation fails.
 fn schemathesis() -> Result<(), String> {
     use std::io::{BufRead, BufReader};
-    run(&mut cargo_cmd(&[
-        "build",
-        "--locked",
-        "-p",
-        "keel-gateway",
-        "--bin",
-        "keel",
-    ]))?;
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("target"));
+    let keel = build_keel()?;
     let data = std::env::temp_dir().join(format!("keel-schemathesis-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&data);
     let token = format!("ci-{}", std::process::id());
-    let mut server = Command::new(target.join("debug").join("keel"))
+    let mut server = Command::new(keel)
         .args(["serve", "--bind", "127.0.0.1:0", "--data-dir"])
         .arg(&data)
         .env("KEEL_TOKEN", &token)

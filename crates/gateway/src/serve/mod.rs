@@ -9,7 +9,8 @@
 //! - `turns` runs the turns clients start, apart from their connections;
 //!   `hub` fans a dialog's frames out to its subscribers with bounded
 //!   buffers; `projection` publishes sub-agent changes in revision order;
-//! - `ws` and `sse` are the two streaming transports.
+//! - `ws` and `sse` are the two streaming transports;
+//! - `web` serves the web page at `/`, its files compiled into the binary.
 //!
 //! Shutdown: stop accepting connections, refuse new turns, let running
 //! turns finish for the grace period, cancel the rest (a cancelled turn
@@ -25,6 +26,7 @@ mod projection;
 mod routes;
 mod sse;
 mod turns;
+pub mod web;
 mod ws;
 
 use std::net::SocketAddr;

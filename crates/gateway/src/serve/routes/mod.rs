@@ -4,6 +4,9 @@
 //! - `dialogs`: dialogs, messages, sending, stop, checkpoints;
 //! - `runs`: sub-agent runs and their events;
 //! - `system`: health, readiness, the OpenAPI document, catalog reload.
+//!
+//! The web page (`/` and `/assets/…`, see `web`) is outside `/api` and
+//! needs no token: it asks the user for one when the API answers 401.
 
 pub(crate) mod dialogs;
 pub(crate) mod runs;
@@ -63,7 +66,8 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
             super::auth::require_token,
         ));
     Router::new()
-        .route("/", get(system::index))
+        .route("/", get(super::web::index))
+        .route("/assets/{build}/{*path}", get(super::web::asset))
         .nest("/api", api)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)

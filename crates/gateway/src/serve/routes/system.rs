@@ -1,5 +1,5 @@
 //! The server itself: liveness, readiness, the OpenAPI document, catalog
-//! reload, and the plain-text index at `/`.
+//! reload.
 
 use std::sync::Arc;
 
@@ -64,13 +64,4 @@ pub(crate) async fn reload(State(shared): State<Arc<Shared>>) -> ApiResult<Json<
         "agent catalog reloaded through the API"
     );
     Ok(Json(report))
-}
-
-/// What `/` shows until a web page is served there.
-pub(crate) async fn index() -> impl IntoResponse {
-    (
-        [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
-        "keel serve\n\nThe API is under /api: its OpenAPI document is /api/openapi.json,\n\
-         the WebSocket is /api/ws, and docs/PROTOCOL.md in the repository is the guide.\n",
-    )
 }

@@ -4,6 +4,7 @@
 mod doc;
 mod rest;
 mod shutdown;
+mod web;
 mod ws;
 
 use std::path::Path;

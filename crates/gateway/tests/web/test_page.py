@@ -1,0 +1,458 @@
+#!/usr/bin/env python3
+"""Browser test of keel's web page, run by `cargo xtask ci`.
+
+It starts the real `keel serve` binary on an ephemeral loopback port, with
+the scripted models of fixture/ (deterministic answers for the root agent
+and each sub-agent), and drives Debian's Chromium headless through
+Playwright for Python. Each scenario asserts what a user would see and
+writes a screenshot under --out.
+
+    python3 crates/gateway/tests/web/test_page.py --keel target/debug/keel \
+        --out target/web-screenshots
+
+Exit status 0 when every scenario passed; otherwise the failing scenario,
+the page's console and the server's log are printed and the status is 1.
+"""
+
+import argparse
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+from playwright.sync_api import expect, sync_playwright
+
+HERE = pathlib.Path(__file__).resolve().parent
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+TIMEOUT_MS = 20_000
+TOKEN = "s3cret-browser-token"
+
+
+class Server:
+    """A `keel serve` process on a data directory."""
+
+    def __init__(self, keel, data_dir):
+        self.keel = keel
+        self.data_dir = data_dir
+        self.proc = None
+        self.port = None
+        self.log = []
+
+    def start(self, port=0, token=None):
+        env = dict(os.environ)
+        env.pop("KEEL_TOKEN", None)
+        if token:
+            env["KEEL_TOKEN"] = token
+        env.setdefault("KEEL_LOG", "warn")
+        self.proc = subprocess.Popen(
+            [self.keel, "serve", "--data-dir", str(self.data_dir), "--bind", f"127.0.0.1:{port}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        ready = threading.Event()
+
+        def read():
+            for line in self.proc.stdout:
+                self.log.append(line.rstrip())
+                m = re.search(r"listening on http://127\.0\.0\.1:(\d+)/", line)
+                if m:
+                    self.port = int(m.group(1))
+                    ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(30):
+            self.stop()
+            raise RuntimeError("keel serve did not start:\n" + "\n".join(self.log))
+        return f"http://127.0.0.1:{self.port}/"
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+class Run:
+    """The page under test and what it has shown."""
+
+    def __init__(self, page, out, server):
+        self.page = page
+        self.out = out
+        self.server = server
+        self.console = []
+        self.dialogs = []
+        self.shots = []
+        self.blocked_in_sanitizer = 0
+        page.on("console", self.on_console)
+        page.on("pageerror", lambda e: self.console.append(f"pageerror: {e}"))
+        page.on("dialog", self.on_dialog)
+
+    def on_console(self, message):
+        source = message.location.get("url", "")
+        # DOMPurify parses untrusted HTML in an inert document; Chromium
+        # reports the inline handlers it meets there as CSP violations
+        # (blocked) before DOMPurify drops them. Those are expected.
+        if source.endswith("/vendor/purify.min.js") and "Content Security Policy" in message.text:
+            self.blocked_in_sanitizer += 1
+            return
+        self.console.append(f"{message.type}: {message.text} ({source})")
+
+    def on_dialog(self, dialog):
+        self.dialogs.append(f"{dialog.type}: {dialog.message}")
+        dialog.dismiss()
+
+    def shot(self, name):
+        path = self.out / f"{len(self.shots) + 1:02d}-{name}.png"
+        self.page.screenshot(path=str(path))
+        self.shots.append(path)
+
+    def send(self, text):
+        box = self.page.locator("#input")
+        box.fill(text)
+        box.press("Enter")
+
+    def assistant(self, nth=-1):
+        return self.page.locator("article.msg.assistant").nth(nth)
+
+    def errors(self):
+        """Script errors and CSP reports of the page itself. Failed requests
+        are left out: the reconnect and token scenarios cause them on
+        purpose, and an unexpected one fails an expectation anyway."""
+        network = ("error: Failed to load resource", "error: WebSocket connection to")
+        return [c for c in self.console
+                if c.startswith(("error", "pageerror")) and not c.startswith(network)]
+
+
+# ── scenarios ───────────────────────────────────────────────────────────────
+
+
+def scenario_first_load(r):
+    """The page loads, connects, and offers an empty conversation."""
+    page = r.page
+    expect(page.locator("#connection")).to_have_attribute("data-state", "open")
+    expect(page.locator("#empty")).to_be_visible()
+    expect(page.locator("#input")).to_be_focused()
+    r.shot("empty")
+
+
+def scenario_streamed_answer(r):
+    """Enter sends; the answer streams in (seen part-way) and is saved."""
+    page = r.page
+    r.send("Hello")
+    expect(page.locator("article.msg.user").first).to_contain_text("Hello")
+    streaming = page.locator("article.msg.assistant.streaming .md")
+    expect(streaming).to_contain_text("Hello! I am")
+    partial = streaming.inner_text()
+    assert "watch it arrive" not in partial, f"the whole answer came at once: {partial!r}"
+    r.shot("streaming")
+    expect(page.locator("article.msg.assistant.streaming")).to_have_count(0)
+    expect(r.assistant()).to_contain_text("so you can watch it arrive.")
+    # The dialog exists, is listed, and its automatic title arrives live.
+    expect(page.locator("#dialog-title")).to_have_text("Launch planning")
+    expect(page.locator(".dialog-link[aria-current=page]")).to_contain_text("Launch planning")
+    expect(page.locator("#counters")).to_contain_text("calls")
+    expect(page.locator("#timeline li.checkpoint")).to_have_count(1)
+    r.shot("answer")
+
+
+def scenario_shift_enter(r):
+    """Shift+Enter adds a line instead of sending."""
+    box = r.page.locator("#input")
+    box.fill("first line")
+    box.press("Shift+Enter")
+    box.type("second line")
+    assert box.input_value() == "first line\nsecond line", box.input_value()
+    expect(r.page.locator("article.msg.user")).to_have_count(1)
+    box.fill("")
+
+
+def scenario_xss_is_inert(r):
+    """Model output with script, handlers and javascript: links renders as inert text."""
+    page = r.page
+    r.send("Show me something tricky")
+    answer = r.assistant()
+    expect(answer).to_contain_text("hover me")
+    expect(page.locator("article.msg.assistant.streaming")).to_have_count(0)
+    body = answer.locator(".md").first
+    expect(body.locator("strong")).to_have_text("bold")
+    expect(body.locator("a", has_text="good link")).to_have_attribute("href", "https://example.com/docs")
+    expect(body.locator("a", has_text="good link")).to_have_attribute("rel", re.compile("noopener"))
+    for selector in ["script", "iframe", "svg", "form", "button", "[onerror]", "[onclick]", "[onload]", "[onmouseover]", "[style]"]:
+        assert body.locator(selector).count() == 0, f"{selector} survived sanitizing"
+    hrefs = body.locator("a").evaluate_all("els => els.map(a => a.getAttribute('href'))")
+    assert not any(h and h.strip().lower().startswith("javascript:") for h in hrefs), hrefs
+    # Hover and click what the payload targeted: nothing may run.
+    body.locator("p", has_text="hover me").hover()
+    body.locator("p", has_text="hover me").click()
+    for link in ["bad link", "raw anchor"]:
+        anchor = body.locator("a", has_text=link)
+        if anchor.count():
+            anchor.click()
+    page.wait_for_timeout(300)
+    assert page.evaluate("window.__xss") is None, f"injected code ran: {page.evaluate('window.__xss')}"
+    assert r.dialogs == [], f"dialogs fired: {r.dialogs}"
+    assert len(page.context.pages) == 1, "a link opened a window"
+    r.shot("xss-inert")
+
+
+def scenario_rollback(r):
+    """Rollback moves the timeline to an older checkpoint; the abandoned branch stays listed, greyed."""
+    page = r.page
+    timeline = page.locator("#timeline li.checkpoint")
+    expect(timeline).to_have_count(2)
+    first = page.locator("#timeline li.checkpoint", has_text="Turn 1")
+    first.get_by_role("button", name=re.compile("^Roll back")).click()
+    expect(timeline).to_have_count(3)
+    abandoned = page.locator("#timeline li.checkpoint.abandoned")
+    expect(abandoned).to_have_count(1)
+    expect(abandoned).to_contain_text("Turn 2")
+    expect(page.locator("#timeline li.checkpoint.head")).to_contain_text("rollback")
+    # The history follows the branch: the tricky answer is gone from the chat.
+    expect(page.locator("article.msg.assistant")).to_have_count(1)
+    expect(page.locator("#messages")).not_to_contain_text("hover me")
+    r.shot("rollback")
+
+
+def scenario_stop_with_escape(r):
+    """Esc stops a running turn; nothing of it is saved and the message is marked unanswered."""
+    page = r.page
+    r.send("Tell me slowly")
+    expect(page.locator("#stop")).to_be_visible()
+    expect(page.locator("article.msg.assistant.streaming .md")).to_contain_text("This answer")
+    expect(page.locator("#send")).to_have_text(re.compile("Steer|Queue"))
+    r.shot("running")
+    page.keyboard.press("Escape")
+    expect(page.locator("#stop")).to_be_hidden()
+    expect(page.locator("article.msg.user").last).to_have_class(re.compile("unanswered"))
+    expect(page.locator("article.msg.user").last).to_contain_text("unanswered")
+    r.shot("stopped")
+
+
+def scenario_delegation(r):
+    """A delegation shows three runs; the background one turns completed without a reload."""
+    page = r.page
+    page.evaluate("window.__samePage = true")
+    r.send("Plan the launch with the team")
+    runs = page.locator("#run-tree li.run")
+    expect(runs).to_have_count(3)
+    expect(page.locator("#run-tree li.run[data-agent=researcher]")).to_have_attribute("data-status", "completed")
+    expect(page.locator("#run-tree li.run[data-agent=writer]")).to_have_attribute("data-status", "completed")
+    archivist = page.locator("#run-tree li.run[data-agent=archivist]")
+    expect(archivist).to_have_attribute("data-mode", "background")
+    expect(archivist).to_have_attribute("data-status", re.compile("queued|running"))
+    expect(archivist.get_by_role("button", name=re.compile("^Cancel"))).to_be_visible()
+    expect(page.locator("#run-tree .group-line")).to_contain_text("batch of 2")
+    expect(r.assistant()).to_contain_text("files the decisions in the background")
+    # Tool calls show as collapsible lines.
+    tool = page.locator("details.tool", has_text="delegate").first
+    expect(tool).to_be_visible()
+    tool.locator("summary").click()
+    expect(tool.locator(".tool-output")).to_be_visible()
+    r.shot("runs-running")
+    expect(archivist).to_have_attribute("data-status", "completed", timeout=TIMEOUT_MS)
+    expect(archivist.get_by_role("button", name=re.compile("^Cancel"))).to_have_count(0)
+    expect(archivist.locator(".run-tokens")).to_contain_text("tok")
+    expect(page.locator("#counters")).to_contain_text("sub-agents")
+    assert page.evaluate("window.__samePage") is True, "the page reloaded"
+    expect(page.locator("#inbox .inbox-stat")).to_have_count(3)
+    r.shot("runs-completed")
+
+
+def scenario_reload_restores(r):
+    """A reload shows the same dialog: title, history, runs, timeline."""
+    page = r.page
+    before = page.locator("article.msg").count()
+    page.reload()
+    expect(page.locator("#connection")).to_have_attribute("data-state", "open")
+    expect(page.locator("#dialog-title")).to_have_text("Launch planning")
+    expect(page.locator("article.msg")).to_have_count(before)
+    expect(page.locator("#run-tree li.run")).to_have_count(3)
+    expect(page.locator("#run-tree li.run[data-agent=archivist]")).to_have_attribute("data-status", "completed")
+    expect(page.locator("#timeline li.checkpoint.abandoned")).to_have_count(1)
+    r.shot("reloaded")
+
+
+def scenario_dialogs(r):
+    """New, rename, switch and delete dialogs."""
+    page = r.page
+    page.get_by_role("button", name="New dialog", exact=True).click()
+    expect(page.locator(".dialog-link")).to_have_count(2)
+    expect(page.locator("#empty")).to_be_visible()
+    page.locator(".dialog-actions").get_by_role("button", name="Rename").click()
+    page.locator("#rename-input").fill("Scratch pad")
+    page.locator("#rename-input").press("Enter")
+    expect(page.locator("#dialog-title")).to_have_text("Scratch pad")
+    expect(page.locator(".dialog-link[aria-current=page]")).to_contain_text("Scratch pad")
+    page.locator(".dialog-link", has_text="Launch planning").click()
+    expect(page.locator("#dialog-title")).to_have_text("Launch planning")
+    expect(page.locator("#run-tree li.run")).to_have_count(3)
+    page.locator(".dialog-link", has_text="Scratch pad").click()
+    expect(page.locator("#dialog-title")).to_have_text("Scratch pad")
+    page.locator(".dialog-actions").get_by_role("button", name="Delete").click()
+    page.locator("#confirm-ok").click()
+    expect(page.locator(".dialog-link")).to_have_count(1)
+    expect(page.locator("#dialog-title")).to_have_text("Launch planning")
+    r.shot("dialogs")
+
+
+def scenario_narrow_screen(r):
+    """At 375 px wide nothing overflows and the panels open from buttons."""
+    page = r.page
+    page.set_viewport_size({"width": 375, "height": 812})
+    expect(page.locator("#toggle-dialogs")).to_be_visible()
+    width = page.evaluate("document.documentElement.scrollWidth")
+    assert width <= 375, f"the page is {width}px wide at 375px"
+    expect(page.locator("#input")).to_be_visible()
+    r.shot("narrow")
+    page.get_by_role("button", name="Show runs and checkpoints").click()
+    expect(page.locator("#activity")).to_be_in_viewport()
+    r.shot("narrow-activity")
+    page.keyboard.press("Escape")
+    page.get_by_role("button", name="Show dialogs").click()
+    expect(page.locator("#sidebar")).to_be_in_viewport()
+    r.shot("narrow-dialogs")
+    page.keyboard.press("Escape")
+    page.set_viewport_size({"width": 1400, "height": 860})
+
+
+def scenario_reconnect(r):
+    """When the server goes away a banner says so; when it is back the page re-reads and goes on."""
+    page = r.page
+    port = r.server.port
+    messages = page.locator("article.msg").count()
+    r.server.stop()
+    expect(page.locator("#banner")).to_be_visible()
+    expect(page.locator("#banner")).to_contain_text("dropped")
+    expect(page.locator("#connection")).to_have_attribute("data-state", re.compile("closed|connecting"))
+    r.shot("reconnecting")
+    r.server.start(port=port)
+    expect(page.locator("#banner")).to_be_hidden(timeout=TIMEOUT_MS)
+    expect(page.locator("#connection")).to_have_attribute("data-state", "open")
+    expect(page.locator("article.msg")).to_have_count(messages)
+    expect(page.locator("#run-tree li.run")).to_have_count(3)
+
+
+def scenario_token_prompt(r):
+    """A server with a token: the page asks for it, refuses a wrong one, keeps the right one for the tab."""
+    page = r.page
+    port = r.server.port
+    r.server.stop()
+    r.server.start(port=port, token=TOKEN)
+    page.reload()
+    expect(page.locator("#token-dialog")).to_be_visible()
+    page.locator("#token-input").fill("wrong")
+    page.locator("#token-input").press("Enter")
+    expect(page.locator("#token-error")).to_be_visible()
+    r.shot("token-prompt")
+    page.locator("#token-input").fill(TOKEN)
+    page.locator("#token-input").press("Enter")
+    expect(page.locator("#token-dialog")).to_be_hidden()
+    expect(page.locator("#dialog-title")).to_have_text("Launch planning")
+    expect(page.locator("#connection")).to_have_attribute("data-state", "open")
+    assert page.evaluate("sessionStorage.getItem('keel.token')") == TOKEN
+    page.reload()
+    expect(page.locator("#connection")).to_have_attribute("data-state", "open")
+    expect(page.locator("#token-dialog")).to_be_hidden()
+
+
+SCENARIOS = [
+    scenario_first_load,
+    scenario_streamed_answer,
+    scenario_shift_enter,
+    scenario_xss_is_inert,
+    scenario_rollback,
+    scenario_stop_with_escape,
+    scenario_delegation,
+    scenario_reload_restores,
+    scenario_dialogs,
+    scenario_narrow_screen,
+    scenario_reconnect,
+    scenario_token_prompt,
+]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keel", required=True, help="the keel binary")
+    parser.add_argument("--out", required=True, help="directory for screenshots")
+    parser.add_argument("--chromium", default="/usr/bin/chromium")
+    args = parser.parse_args()
+    out = pathlib.Path(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    expect.set_options(timeout=TIMEOUT_MS)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="keel-web-") as tmp:
+        data = pathlib.Path(tmp) / "data"
+        shutil.copytree(HERE / "fixture", data)
+        server = Server(args.keel, data)
+        base = server.start()
+        failed = None
+        try:
+            with sync_playwright() as p:
+                context = p.chromium.launch_persistent_context(
+                    str(pathlib.Path(tmp) / "profile"),
+                    executable_path=args.chromium,
+                    headless=True,
+                    args=CHROMIUM_ARGS,
+                    viewport={"width": 1400, "height": 860},
+                    # No transitions: screenshots show panels where they end up.
+                    reduced_motion="reduce",
+                )
+                page = context.pages[0] if context.pages else context.new_page()
+                page.set_default_timeout(TIMEOUT_MS)
+                run = Run(page, out, server)
+                page.goto(base)
+                for scenario in SCENARIOS:
+                    name = scenario.__name__.removeprefix("scenario_")
+                    t0 = time.monotonic()
+                    try:
+                        scenario(run)
+                    except Exception:  # noqa: BLE001 — reported below with context
+                        failed = name
+                        run.shot(f"FAILED-{name}")
+                        print(f"web: {name} FAILED", flush=True)
+                        traceback.print_exc()
+                        break
+                    print(f"web: {name} ok ({time.monotonic() - t0:.1f} s)", flush=True)
+                if not failed and run.errors():
+                    failed = "console"
+                    print("web: the page logged errors:", *run.errors(), sep="\n  ")
+                if failed:
+                    print("web: page console:", *run.console[-40:], sep="\n  ")
+                context.close()
+        finally:
+            server.stop()
+        if failed:
+            print("web: server log:", *server.log[-60:], sep="\n  ")
+            print(f"web: FAILED ({failed}); screenshots in {out}")
+            return 1
+    print(f"web: {len(SCENARIOS)} scenarios passed in {time.monotonic() - started:.1f} s; "
+          f"screenshots in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+// The conversation: the dialog's visible history and the turns streaming
+// into it. A turn is one <article>: its text (Markdown, sanitized) and its
+// tool calls as collapsible lines. Turns that answer background results
+// (turn_origin agent_continuation) carry a light label, not a user bubble.
+import { h, replace } from './dom.js';
+import { renderMarkdown } from './markdown.js';
+import { clock } from './format.js';
+
+const CONTINUATION = 'agent_continuation';
+
+function toolLine(name, args) {
+  const argText = typeof args === 'string' ? args : JSON.stringify(args ?? {});
+  const state = h('span', { class: 'tool-state', text: 'running' });
+  const output = h('pre', { class: 'tool-output', text: '' });
+  const el = h('details', { class: 'tool', data: { state: 'running' } },
+    h('summary', {},
+      h('span', { class: 'tool-icon', 'aria-hidden': 'true' }),
+      h('span', { class: 'tool-name', text: name }),
+      h('code', { class: 'tool-args', text: argText }),
+      state),
+    h('div', { class: 'tool-body' },
+      h('div', { class: 'tool-label', text: 'Arguments' }),
+      h('pre', { class: 'tool-input', text: JSON.stringify(args ?? {}, null, 2) }),
+      h('div', { class: 'tool-label', text: 'Output' }),
+      output));
+  return {
+    el,
+    finish(text, isError) {
+      el.dataset.state = isError ? 'error' : 'ok';
+      state.textContent = isError ? 'error' : 'done';
+      output.textContent = text ?? '';
+    },
+  };
+}
+
+/** One assistant turn being shown: text blocks and tool lines in order. */
+class TurnView {
+  constructor(origin, time) {
+    this.el = h('article', { class: 'msg assistant', data: { origin } });
+    if (origin === CONTINUATION) {
+      this.el.append(h('div', { class: 'turn-label', text: 'Background results arrived' }));
+    }
+    this.body = h('div', { class: 'msg-body' });
+    this.el.append(this.body);
+    if (time) this.el.append(h('div', { class: 'msg-meta', text: clock(time) }));
+    this.text = null;
+    this.tools = new Map();
+    this.pending = false;
+  }
+
+  /** Appends streamed text to the last text block. */
+  appendText(text) {
+    if (!this.text) {
+      const el = h('div', { class: 'md' });
+      this.body.append(el);
+      this.text = { el, source: '' };
+    }
+    this.text.source += text;
+    if (!this.pending) {
+      this.pending = true;
+      requestAnimationFrame(() => {
+        this.pending = false;
+        renderMarkdown(this.text.el, this.text.source);
+      });
+    }
+  }
+
+  /** A whole text block (history). */
+  setText(text) {
+    if (!text) return;
+    const el = h('div', { class: 'md' });
+    renderMarkdown(el, text);
+    this.body.append(el);
+    this.text = null;
+  }
+
+  tool(id, name, args) {
+    const line = toolLine(name, args);
+    this.tools.set(id, line);
+    this.body.append(line.el);
+    this.text = null;
+    return line;
+  }
+
+  finishTool(id, name, output, isError) {
+    (this.tools.get(id) ?? this.tool(id, name, {})).finish(output, isError);
+  }
+
+  note(text, kind) {
+    this.body.append(h('p', { class: `turn-note ${kind}`, text }));
+  }
+
+  streaming(on) {
+    this.el.classList.toggle('streaming', on);
+    this.el.setAttribute('aria-busy', on ? 'true' : 'false');
+  }
+}
+
+function userBubble(text, { time, unanswered, steer } = {}) {
+  const el = h('article', { class: 'msg user' },
+    h('div', { class: 'msg-body' }, h('p', { class: 'user-text', text })));
+  const meta = h('div', { class: 'msg-meta' });
+  if (steer) meta.append(h('span', { class: 'tag', text: 'steer' }));
+  if (time) meta.append(h('span', { text: clock(time) }));
+  el.append(meta);
+  if (unanswered) markUnanswered(el);
+  return el;
+}
+
+/** Marks a user message as not answered (its turn failed or was stopped). */
+export function markUnanswered(el, why) {
+  if (el.classList.contains('unanswered')) return;
+  el.classList.add('unanswered');
+  el.dataset.unanswered = 'true';
+  el.querySelector('.msg-meta')?.prepend(
+    h('span', { class: 'tag warn', title: why ?? 'No answer was saved for this message', text: 'unanswered' }));
+}
+
+export class Chat {
+  constructor(container, empty) {
+    this.container = container;
+    this.empty = empty;
+    this.live = new Map();
+    this.byTurn = new Map();
+    this.failedTurns = new Map();
+  }
+
+  get running() {
+    return this.live.size > 0;
+  }
+
+  /** Shows the dialog's history (oldest first), replacing what is shown. */
+  showHistory(messages, hasEarlier, onEarlier) {
+    const stick = this.atBottom();
+    const nodes = [];
+    if (hasEarlier) {
+      nodes.push(h('button', { type: 'button', class: 'quiet earlier', text: 'Show earlier messages', on: { click: onEarlier } }));
+    }
+    let turn = null;
+    for (const m of messages) {
+      if (m.role === 'user') {
+        turn = null;
+        nodes.push(userBubble(m.text, { time: m.created_at, unanswered: m.unanswered === true }));
+      } else if (m.role === 'assistant') {
+        const origin = m.turn_origin ?? 'user';
+        if (!turn || (origin === CONTINUATION && turn.origin !== CONTINUATION)) {
+          turn = new TurnView(origin, m.created_at);
+          turn.origin = origin;
+          nodes.push(turn.el);
+        }
+        turn.setText(m.text);
+        for (const c of m.tool_calls ?? []) turn.tool(c.id, c.name, c.arguments);
+      } else if (m.role === 'tool' && turn) {
+        const line = turn.tools.get(m.tool_call_id);
+        if (line) line.finish(m.text, m.is_error === true);
+      }
+    }
+    // Turns still streaming stay below the history.
+    for (const view of this.live.values()) nodes.push(view.el);
+    replace(this.container, ...nodes);
+    this.empty.hidden = nodes.length > 0;
+    if (nodes.length === 0) this.container.append(this.empty);
+    if (stick) this.scroll();
+  }
+
+  /** Clears everything (another dialog is shown). */
+  reset() {
+    this.live.clear();
+    this.byTurn.clear();
+    this.failedTurns.clear();
+    replace(this.container, this.empty);
+    this.empty.hidden = false;
+  }
+
+  /** Shows a message the user just sent; returns its element. */
+  addUser(text, steer) {
+    const el = userBubble(text, { time: new Date().toISOString(), steer });
+    el.classList.add('sending');
+    this.add(el);
+    return el;
+  }
+
+  /** Links a sent message to its turn (from `turn_accepted`). */
+  accepted(el, turnId) {
+    el.classList.remove('sending');
+    el.dataset.turn = turnId;
+    this.byTurn.set(turnId, el);
+    const failed = this.failedTurns.get(turnId);
+    if (failed) markUnanswered(el, failed);
+  }
+
+  add(el) {
+    const stick = this.atBottom();
+    this.empty.hidden = true;
+    this.empty.remove();
+    this.container.append(el);
+    if (stick) this.scroll();
+  }
+
+  /** Applies a turn frame of the shown dialog. */
+  frame(f) {
+    let view = this.live.get(f.turn_id);
+    const stick = this.atBottom();
+    switch (f.type) {
+      case 'turn_started':
+        if (view) return;
+        view = new TurnView(f.turn_origin, new Date().toISOString());
+        view.streaming(true);
+        this.live.set(f.turn_id, view);
+        this.add(view.el);
+        break;
+      case 'text_delta':
+        view?.appendText(f.text);
+        break;
+      case 'tool_started':
+        view?.tool(f.call_id, f.name, f.arguments);
+        break;
+      case 'tool_finished':
+        view?.finishTool(f.call_id, f.name, f.output, f.is_error);
+        break;
+      case 'notice':
+        view?.note(f.text, 'notice');
+        break;
+      case 'turn_committed':
+        view?.streaming(false);
+        this.live.delete(f.turn_id);
+        break;
+      case 'turn_failed': {
+        const why = f.cancelled ? 'Stopped — nothing of this turn was saved.' : f.message;
+        if (view) {
+          view.streaming(false);
+          view.note(why, f.cancelled ? 'stopped' : 'failed');
+          view.el.classList.add('failed');
+        }
+        this.live.delete(f.turn_id);
+        const bubble = this.byTurn.get(f.turn_id);
+        if (bubble) markUnanswered(bubble, why);
+        else this.failedTurns.set(f.turn_id, why);
+        break;
+      }
+      default:
+        return;
+    }
+    if (stick) this.scroll();
+  }
+
+  atBottom() {
+    const c = this.container;
+    return c.scrollHeight - c.scrollTop - c.clientHeight < 80;
+  }
+
+  scroll() {
+    requestAnimationFrame(() => {
+      this.container.scrollTop = this.container.scrollHeight;
+    });
+  }
+}
