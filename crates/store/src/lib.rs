@@ -103,7 +103,7 @@ pub use messages::{
     DEFAULT_SLOT,
 };
 pub use migrations::SCHEMA_VERSION;
-pub use projection::{AgentChanges, RunQuery};
+pub use projection::{AgentChanges, EventCursor, RunQuery};
 pub use runs::{
     AcceptGroup, AcceptRun, AcceptedGroup, AcceptedRun, CancelReport, CompletionHandling,
     GroupRecord, GroupStatus, NewGroup, NewRun, RecoveryReport, RunCursor, RunRecord,

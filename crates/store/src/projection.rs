@@ -3,7 +3,7 @@
 //! after a client revision (one snapshot, so a reconnecting client catches
 //! up without a gap).
 
-use keel_core::{AgentId, GroupId, RunId, RunStatus, SessionId};
+use keel_core::{AgentId, EventId, GroupId, RunId, RunStatus, SessionId};
 use rusqlite::params;
 
 use crate::counters::usage_tx;
@@ -29,6 +29,15 @@ pub struct RunQuery {
     pub limit: usize,
     /// Continue after this item.
     pub cursor: Option<RunCursor>,
+}
+
+/// Where an event listing continues: the (created_at, id) of the last item seen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EventCursor {
+    /// `created_at_ms` of the last item of the previous page.
+    pub created_at_ms: i64,
+    /// `id` of the last item of the previous page.
+    pub id: EventId,
 }
 
 /// Runs and inbox events of a root session changed after a client revision.
@@ -94,6 +103,43 @@ impl Store {
                     items.last().map(|r| RunCursor {
                         created_at_ms: r.created_at_ms,
                         id: r.spec.id,
+                    })
+                } else {
+                    None
+                };
+                Ok(Page { items, next_cursor })
+            })
+            .await
+    }
+
+    /// Inbox events of a root session (signals and completions, whatever
+    /// their status), newest first, `limit` (1..=1000) at a time. New
+    /// events sort before every cursor, so a page sequence never repeats or
+    /// skips one however many arrive meanwhile.
+    pub async fn query_session_events(
+        &self,
+        root_session_id: SessionId,
+        cursor: Option<EventCursor>,
+        limit: usize,
+    ) -> Result<Page<InboxEvent, EventCursor>> {
+        let fetch = check_limit(limit)?;
+        self.db
+            .read(move |c| {
+                let (at, id) = match &cursor {
+                    Some(cur) => (cur.created_at_ms, cur.id.to_string()),
+                    None => (i64::MAX, String::new()),
+                };
+                let mut items = query_events(
+                    c,
+                    "WHERE root_session_id = ?1 AND (?2 OR (created_at, id) < (?3, ?4)) \
+                     ORDER BY created_at DESC, id DESC LIMIT ?5",
+                    params![root_session_id.to_string(), cursor.is_none(), at, id, fetch],
+                )?;
+                let next_cursor = if items.len() > limit {
+                    items.truncate(limit);
+                    items.last().map(|e| EventCursor {
+                        created_at_ms: e.created_at_ms,
+                        id: e.id,
                     })
                 } else {
                     None

@@ -682,6 +682,34 @@ impl From<&InboxEvent> for AgentEvent {
     }
 }
 
+/// Which of a dialog's events to list.
+#[derive(Debug, Clone, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct EventListQuery {
+    /// `next_cursor` of the previous page.
+    #[param(
+        pattern = r"^[0-9]{1,18}_[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$"
+    )]
+    pub cursor: Option<String>,
+    /// Page size, 1..=200 (default 50).
+    #[param(minimum = 1, maximum = 200)]
+    pub limit: Option<usize>,
+}
+
+/// A page of a dialog's events, newest first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AgentEventPage {
+    /// The events.
+    pub items: Vec<AgentEvent>,
+    /// Pass as `cursor` for the next page; `null` on the last page.
+    pub next_cursor: Option<String>,
+    /// The dialog's revision read before the events (pass it as
+    /// `since_revision` when subscribing).
+    pub revision: u64,
+}
+
 /// The events of a run, oldest first.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]

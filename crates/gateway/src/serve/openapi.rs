@@ -79,7 +79,7 @@ impl Modify for BearerAuth {
         dialogs::list, dialogs::create, dialogs::get_one, dialogs::rename, dialogs::delete,
         dialogs::messages, dialogs::send, dialogs::stop, dialogs::usage,
         dialogs::checkpoints, dialogs::rollback, dialogs::fork,
-        runs::list, runs::get_one, runs::events, runs::cancel,
+        runs::list, runs::get_one, runs::events, runs::dialog_events, runs::cancel,
     ),
     components(schemas(Problem, frames::ClientFrame, frames::ServerFrame, api::Order)),
     modifiers(&BearerAuth),

@@ -264,6 +264,21 @@ async function loadRuns() {
   renderRuns();
 }
 
+/** Re-reads every event (signal, completion) of the dialog, all pages. */
+async function loadEvents() {
+  const dialog = state.current;
+  let cursor = null;
+  do {
+    const q = `dialogs/${dialog.id}/agent-events?limit=200${cursor ? `&cursor=${encodeURIComponent(cursor)}` : ''}`;
+    const page = await api('GET', q);
+    if (state.current?.id !== dialog.id) return;
+    if (cursor === null) state.revision = Math.max(state.revision, page.revision);
+    page.items.forEach((e) => runs.event(e));
+    cursor = page.next_cursor;
+  } while (cursor);
+  renderRuns();
+}
+
 async function cancelRun(run) {
   const ended = await attempt(`Cancelling ${run.agent}`, () => api('POST', `agent-runs/${run.id}/cancel`));
   if (ended && runs.run(ended)) renderRuns();
@@ -351,7 +366,7 @@ async function resync() {
   await attempt('Reloading', async () => {
     await loadDialogs();
     if (!state.current) return;
-    await Promise.all([loadMessages(), loadCheckpoints(), loadUsage(), loadRuns(), refreshDialog()]);
+    await Promise.all([loadMessages(), loadCheckpoints(), loadUsage(), loadRuns(), loadEvents(), refreshDialog()]);
   });
   updateComposer();
 }

@@ -380,8 +380,18 @@ async fn signals_are_deduplicated_capacity_checked_and_need_a_live_execution() {
 async fn root_with_events(store: &Store, n: usize) -> (SessionId, Vec<EventId>) {
     let session = store.create_session(new_session("root", 1)).await.unwrap();
     let root = session.id;
+    let ids = add_completions(store, root, 0..n).await;
+    (root, ids)
+}
+
+/// Completions of background runs `numbers` of `root`, created at 200 + n ms.
+async fn add_completions(
+    store: &Store,
+    root: SessionId,
+    numbers: std::ops::Range<usize>,
+) -> Vec<EventId> {
     let mut ids = Vec::new();
-    for i in 0..n {
+    for i in numbers {
         let run = new_run(root, ExecutionMode::Background);
         store.accept_run(accept(run.clone(), 100)).await.unwrap();
         let c = store
@@ -396,7 +406,39 @@ async fn root_with_events(store: &Store, n: usize) -> (SessionId, Vec<EventId>) 
             .unwrap();
         ids.push(c.event_id.unwrap());
     }
-    (root, ids)
+    ids
+}
+
+#[tokio::test]
+async fn session_events_page_newest_first_and_new_ones_come_before_the_first_page() {
+    let (_dir, store) = temp_store();
+    let (root, mut ids) = root_with_events(&store, 7).await;
+    let other = store.create_session(new_session("other", 1)).await.unwrap();
+    add_completions(&store, other.id, 0..2).await;
+    let mut seen = Vec::new();
+    let mut cursor = None;
+    let mut more = 100..100;
+    loop {
+        let page = store.query_session_events(root, cursor, 3).await.unwrap();
+        assert!(page.items.len() <= 3);
+        seen.extend(page.items.iter().map(|e| e.id));
+        // Events arriving between pages sort before the first one.
+        more = more.end..more.end + 2;
+        add_completions(&store, root, more.clone()).await;
+        match page.next_cursor {
+            Some(c) => cursor = Some(c),
+            None => break,
+        }
+    }
+    ids.reverse();
+    assert_eq!(
+        seen, ids,
+        "no event repeated, skipped, or from another dialog"
+    );
+    assert!(matches!(
+        store.query_session_events(root, None, 0).await,
+        Err(StoreError::InvalidInput(_))
+    ));
 }
 
 #[tokio::test]

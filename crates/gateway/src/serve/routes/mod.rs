@@ -45,6 +45,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         )
         .route("/dialogs/{id}/stop", post(dialogs::stop))
         .route("/dialogs/{id}/usage", get(dialogs::usage))
+        .route("/dialogs/{id}/agent-events", get(runs::dialog_events))
         .route("/dialogs/{id}/checkpoints", get(dialogs::checkpoints))
         .route(
             "/dialogs/{id}/checkpoints/{checkpoint_id}/rollback",

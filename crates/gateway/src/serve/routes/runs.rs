@@ -7,10 +7,13 @@ use axum::extract::State;
 use axum::Json;
 use keel_core::{AgentId, CancellationToken, RunId, RunStatus, SessionId, TurnId};
 use keel_engine::CallerContext;
-use keel_store::{RunCursor, RunQuery, RunRecord};
+use keel_store::{EventCursor, RunCursor, RunQuery, RunRecord};
 
 use super::{decode_cursor, encode_cursor, page_limit, parse_id};
-use crate::serve::api::{AgentEvent, AgentEventList, AgentRun, AgentRunPage, RunListQuery};
+use crate::serve::api::{
+    AgentEvent, AgentEventList, AgentEventPage, AgentRun, AgentRunPage, EventListQuery,
+    RunListQuery,
+};
 use crate::serve::openapi::Errors;
 use crate::serve::problem::{ApiError, ApiPath, ApiQuery, ApiResult};
 use crate::serve::Shared;
@@ -159,6 +162,37 @@ pub(crate) async fn events(
     let events = shared.app.store.run_events(run.spec.id).await?;
     Ok(Json(AgentEventList {
         items: events.iter().map(AgentEvent::from).collect(),
+    }))
+}
+
+/// A dialog's signals and completions (whatever their delivery status),
+/// newest first, with the dialog's revision read before them.
+#[utoipa::path(get, path = "/api/dialogs/{id}/agent-events", tag = "agent-runs",
+    params(("id" = uuid::Uuid, Path, description = "The dialog's id"), EventListQuery),
+    responses((status = 200, description = "A page of the dialog's events", body = AgentEventPage), Errors))]
+pub(crate) async fn dialog_events(
+    State(shared): State<Arc<Shared>>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<EventListQuery>,
+) -> ApiResult<Json<AgentEventPage>> {
+    let record = shared.dialog(&id).await?;
+    let store = &shared.app.store;
+    let limit = page_limit(q.limit)?;
+    let cursor = match q.cursor.as_deref() {
+        None => None,
+        Some(c) => {
+            let (created_at_ms, id) = decode_cursor(c)?;
+            Some(EventCursor { created_at_ms, id })
+        }
+    };
+    let revision = store.inbox_usage(record.id).await?.revision;
+    let page = store.query_session_events(record.id, cursor, limit).await?;
+    Ok(Json(AgentEventPage {
+        items: page.items.iter().map(AgentEvent::from).collect(),
+        next_cursor: page
+            .next_cursor
+            .map(|c| encode_cursor(c.created_at_ms, c.id)),
+        revision,
     }))
 }
 

@@ -7,7 +7,7 @@ use keel_core::ScriptedResponse;
 use keel_core::ScriptedToolCall;
 use keel_gateway::serve::frames::{ClientFrame, ServerFrame};
 use keel_gateway::serve::Limits;
-use serde_json::json;
+use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::Message as WsMessage;
 use uuid::Uuid;
@@ -173,6 +173,14 @@ async fn agent_updates_carry_increasing_revisions_and_replay_on_reconnect() {
     let page = t.json(&format!("/api/agent-runs?session_id={id}")).await;
     assert_eq!(page["items"].as_array().unwrap().len(), 2);
     assert!(page["revision"].as_u64().unwrap() >= last);
+    // So does the dialog's event listing: the background run's completion.
+    let events = t.json(&format!("/api/dialogs/{id}/agent-events")).await;
+    let items = events["items"].as_array().unwrap();
+    assert_eq!(items.len(), 1, "{events:#}");
+    assert_eq!(items[0]["type"], "completion");
+    assert_eq!(items[0]["session_id"], id.to_string());
+    assert!(events["revision"].as_u64().unwrap() >= last);
+    assert_eq!(events["next_cursor"], Value::Null);
 
     // A client that saw revision 1 reconnects: everything from 1 on is replayed.
     let mut again = t.ws().await;
