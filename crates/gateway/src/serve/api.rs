@@ -425,6 +425,17 @@ pub struct TurnAccepted {
     pub turn_id: Uuid,
 }
 
+/// What `steer` did.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SteerReport {
+    /// Whether a running turn took the text (it reads it at its next model
+    /// call); `false`: no turn was running and nothing was done.
+    pub steered: bool,
+    /// The turn that took it.
+    pub turn_id: Option<Uuid>,
+}
+
 /// What `stop` did.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]

@@ -53,6 +53,18 @@ pub enum ClientFrame {
         /// The dialog.
         session_id: Uuid,
     },
+    /// Give text to the dialog's running turn: the model reads it at its
+    /// next call. With no running turn nothing is done (`steered: false`):
+    /// send it as a message instead.
+    Steer {
+        /// Echoed in the answer.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        id: Option<String>,
+        /// The dialog.
+        session_id: Uuid,
+        /// The text.
+        text: String,
+    },
     /// A page of the dialog's sub-agent runs, newest first.
     GetAgentRuns {
         /// Echoed in the answer.
@@ -111,6 +123,18 @@ pub enum ServerFrame {
         session_id: Uuid,
         /// Whether a running turn was cancelled.
         stopped: bool,
+    },
+    /// What a `steer` did.
+    Steered {
+        /// The request's `id`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        id: Option<String>,
+        /// The dialog.
+        session_id: Uuid,
+        /// Whether a running turn took the text.
+        steered: bool,
+        /// The turn that took it.
+        turn_id: Option<Uuid>,
     },
     /// A page of runs (answer to `get_agent_runs`).
     AgentRuns {
@@ -265,6 +289,7 @@ impl ServerFrame {
             ServerFrame::Unsubscribed { .. } => "unsubscribed",
             ServerFrame::TurnAccepted { .. } => "turn_accepted",
             ServerFrame::Stopped { .. } => "stopped",
+            ServerFrame::Steered { .. } => "steered",
             ServerFrame::AgentRuns { .. } => "agent_runs",
             ServerFrame::TurnStarted { .. } => "turn_started",
             ServerFrame::TextDelta { .. } => "text_delta",

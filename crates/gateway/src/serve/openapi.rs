@@ -77,7 +77,7 @@ impl Modify for BearerAuth {
     paths(
         system::health, system::ready, system::openapi, system::reload,
         dialogs::list, dialogs::create, dialogs::get_one, dialogs::rename, dialogs::delete,
-        dialogs::messages, dialogs::send, dialogs::stop, dialogs::usage,
+        dialogs::messages, dialogs::send, dialogs::stop, dialogs::steer, dialogs::usage,
         dialogs::checkpoints, dialogs::rollback, dialogs::fork,
         runs::list, runs::get_one, runs::events, runs::dialog_events, runs::cancel,
     ),

@@ -180,6 +180,7 @@ impl From<EngineError> for ApiError {
             EngineError::SlotExists(_)
             | EngineError::SlotReadonly(_)
             | EngineError::SlotRule(_)
+            | EngineError::SteerFull { .. }
             | EngineError::Cancelled => ApiError::Conflict(e.to_string()),
             other => ApiError::internal(&other),
         }

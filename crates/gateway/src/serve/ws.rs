@@ -218,6 +218,20 @@ impl Connection {
                     stopped: shared.app.manager.stop(session).await?.turn.is_some(),
                 }])
             }
+            ClientFrame::Steer {
+                id,
+                session_id,
+                text,
+            } => {
+                let session = shared.dialog_by_id(session_id.into()).await?.id;
+                let report = shared.steer(session, checked_text(text)?)?;
+                Ok(vec![ServerFrame::Steered {
+                    id,
+                    session_id,
+                    steered: report.steered,
+                    turn_id: report.turn_id,
+                }])
+            }
             ClientFrame::GetAgentRuns {
                 id,
                 session_id,
@@ -331,6 +345,7 @@ fn parse(text: &str) -> (Option<String>, ApiResult<ClientFrame>) {
                 | ClientFrame::Unsubscribe { id, .. }
                 | ClientFrame::Send { id, .. }
                 | ClientFrame::Stop { id, .. }
+                | ClientFrame::Steer { id, .. }
                 | ClientFrame::GetAgentRuns { id, .. } => {
                     id.as_ref().is_some_and(|i| i.len() > MAX_REQUEST_ID_BYTES)
                 }

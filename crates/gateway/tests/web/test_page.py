@@ -250,6 +250,30 @@ def scenario_stop_with_escape(r):
     r.shot("stopped")
 
 
+def scenario_steer(r):
+    """Typing while a turn runs steers it: the model reads it and answers it in the same turn."""
+    page = r.page
+    r.send("What should we weigh?")
+    expect(page.locator("article.msg.assistant.streaming .md")).to_contain_text("Let me think")
+    expect(page.locator("#send")).to_have_text("Steer")
+    r.send("Put the schema first")
+    steer = page.locator("article.msg.user", has_text="Put the schema first")
+    expect(steer.locator(".tag", has_text="steer")).to_be_visible()
+    r.shot("steering")
+    expect(r.assistant()).to_contain_text("Got it: the schema comes first.")
+    expect(page.locator("#stop")).to_be_hidden()
+    expect(page.locator("article.msg.assistant.streaming")).to_have_count(0)
+    # One turn, saved in order: the question, the first answer, the steer
+    # the model read, and its answer to it.
+    texts = [t.split("\n")[0] for t in page.locator("article.msg").all_inner_texts()[-4:]]
+    assert texts == [
+        "What should we weigh?",
+        "Let me think about the launch: there are several things to weigh here, one at a time.",
+        "Put the schema first",
+        "Got it: the schema comes first.",
+    ], texts
+
+
 def scenario_delegation(r):
     """A delegation shows three runs; the background one turns completed without a reload."""
     page = r.page
@@ -384,6 +408,7 @@ SCENARIOS = [
     scenario_xss_is_inert,
     scenario_rollback,
     scenario_stop_with_escape,
+    scenario_steer,
     scenario_delegation,
     scenario_reload_restores,
     scenario_dialogs,

@@ -180,6 +180,11 @@ export class Chat {
     return el;
   }
 
+  /** A steer that found no running turn, sent as a message instead. */
+  unsteer(el) {
+    el.querySelector('.tag')?.remove();
+  }
+
   /** Links a sent message to its turn (from `turn_accepted`). */
   accepted(el, turnId) {
     el.classList.remove('sending');

@@ -202,10 +202,12 @@ async function send() {
   autosize();
   const bubble = chat.addUser(text, steering);
   try {
-    if (steering) {
-      await socket.request({ type: 'steer', session_id: dialog.id, text });
+    const steered = steering && (await socket.request({ type: 'steer', session_id: dialog.id, text })).steered;
+    if (steered) {
       bubble.classList.remove('sending');
     } else {
+      // No turn was running (any more): the text starts one.
+      if (steering) chat.unsteer(bubble);
       const answer = await socket.request({ type: 'send', session_id: dialog.id, text });
       chat.accepted(bubble, answer.turn_id);
     }

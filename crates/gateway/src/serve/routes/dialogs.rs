@@ -8,15 +8,15 @@ use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use keel_core::{AgentId, CheckpointId};
-use keel_engine::DialogAddress;
+use keel_core::{AgentId, CheckpointId, SessionId};
+use keel_engine::{DialogAddress, SteerOutcome};
 use keel_store::{DialogCursor, MessagePage as StorePage};
 
 use super::{checked_text, decode_cursor, encode_cursor, page_limit, parse_id};
 use crate::serve::api::{
     ChatMessage, Checkpoint, CheckpointList, Dialog, DialogListQuery, DialogPage, DialogPatch,
     DialogUsage, ForkRequest, MessageListQuery, MessagePage, NewDialog, Order, SendMessage,
-    StopReport, TurnAccepted,
+    SteerReport, StopReport, TurnAccepted,
 };
 use crate::serve::frames::ServerFrame;
 use crate::serve::openapi::Errors;
@@ -229,6 +229,37 @@ pub(crate) async fn stop(
     Ok(Json(StopReport {
         stopped: shared.app.manager.stop(record.id).await?.turn.is_some(),
     }))
+}
+
+/// Gives text to the dialog's running turn (the model reads it at its next
+/// call). With no running turn nothing is done: `steered` is false, and
+/// the client sends the text as a message instead.
+#[utoipa::path(post, path = "/api/dialogs/{id}/steer", tag = "dialogs", request_body = SendMessage,
+    params(("id" = uuid::Uuid, Path, description = "The dialog's id")),
+    responses((status = 200, description = "Whether a running turn took the text", body = SteerReport), Errors))]
+pub(crate) async fn steer(
+    State(shared): State<Arc<Shared>>,
+    ApiPath(id): ApiPath<String>,
+    ApiJson(body): ApiJson<SendMessage>,
+) -> ApiResult<Json<SteerReport>> {
+    let record = shared.dialog(&id).await?;
+    Ok(Json(shared.steer(record.id, checked_text(body.text)?)?))
+}
+
+impl Shared {
+    /// Steers `session`'s running turn with `text` (already checked).
+    pub(crate) fn steer(&self, session: SessionId, text: String) -> ApiResult<SteerReport> {
+        Ok(match self.app.manager.steer(session, &text)? {
+            SteerOutcome::Steered { turn_id } => SteerReport {
+                steered: true,
+                turn_id: Some(turn_id.as_uuid()),
+            },
+            SteerOutcome::NoRunningTurn => SteerReport {
+                steered: false,
+                turn_id: None,
+            },
+        })
+    }
 }
 
 /// Tokens and model calls of the dialog's committed turns (a running turn

@@ -44,6 +44,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
             get(dialogs::messages).post(dialogs::send),
         )
         .route("/dialogs/{id}/stop", post(dialogs::stop))
+        .route("/dialogs/{id}/steer", post(dialogs::steer))
         .route("/dialogs/{id}/usage", get(dialogs::usage))
         .route("/dialogs/{id}/agent-events", get(runs::dialog_events))
         .route("/dialogs/{id}/checkpoints", get(dialogs::checkpoints))

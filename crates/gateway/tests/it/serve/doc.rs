@@ -71,7 +71,14 @@ fn every_frame_in_protocol_md_is_a_frame_and_every_frame_has_an_example() {
     }
     assert_eq!(
         client_kinds.into_iter().collect::<Vec<_>>(),
-        ["get_agent_runs", "send", "stop", "subscribe", "unsubscribe"]
+        [
+            "get_agent_runs",
+            "send",
+            "steer",
+            "stop",
+            "subscribe",
+            "unsubscribe"
+        ]
     );
     assert_eq!(
         server_kinds.into_iter().collect::<Vec<_>>(),
@@ -83,6 +90,7 @@ fn every_frame_in_protocol_md_is_a_frame_and_every_frame_has_an_example() {
             "error",
             "notice",
             "resync",
+            "steered",
             "stopped",
             "subscribed",
             "text_delta",

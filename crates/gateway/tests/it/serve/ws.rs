@@ -2,17 +2,19 @@
 //! updates, resync of a lagging client, replay on reconnect, bad frames.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use keel_core::ScriptedResponse;
 use keel_core::ScriptedToolCall;
 use keel_gateway::serve::frames::{ClientFrame, ServerFrame};
 use keel_gateway::serve::Limits;
 use serde_json::{json, Value};
+use tokio::sync::Semaphore;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::Message as WsMessage;
 use uuid::Uuid;
 
-use super::{scripted, Setup, TestServer};
+use super::{scripted, GatedProvider, Setup, TestServer};
 
 fn uuid(id: &str) -> Uuid {
     id.parse().unwrap()
@@ -380,4 +382,85 @@ async fn a_dialog_change_is_published_and_its_usage_counts_committed_turns() {
         .get("/api/dialogs/01a22c8d-cb40-7766-a28d-a872408af176/usage")
         .await;
     assert_eq!(r.status(), 404);
+}
+
+/// Steer reaches the running turn (over the WebSocket and REST); with no
+/// running turn nothing is done and the answer says so.
+#[tokio::test]
+async fn steer_reaches_the_running_turn_and_says_when_none_runs() {
+    let gate = Arc::new(Semaphore::new(0));
+    let t = TestServer::start(Setup {
+        provider: Arc::new(GatedProvider { gate: gate.clone() }),
+        ..Setup::default()
+    })
+    .await;
+    let id = uuid(&t.dialog("Steered").await);
+    let idle = t.dialog("Idle").await;
+    let mut ws = t.ws().await;
+    ws.send(&ClientFrame::Send {
+        id: None,
+        session_id: id,
+        text: "work".into(),
+    })
+    .await;
+    let frames = ws
+        .until(|f| matches!(f, ServerFrame::TextDelta { .. }))
+        .await;
+    let turn = frames.iter().find_map(ServerFrame::turn_id).unwrap();
+    ws.send(&ClientFrame::Steer {
+        id: Some("t1".into()),
+        session_id: id,
+        text: "focus on the schema".into(),
+    })
+    .await;
+    let answer = ws
+        .until(|f| matches!(f, ServerFrame::Steered { .. } | ServerFrame::Error { .. }))
+        .await;
+    assert_eq!(
+        answer.last(),
+        Some(&ServerFrame::Steered {
+            id: Some("t1".into()),
+            session_id: id,
+            steered: true,
+            turn_id: Some(turn),
+        })
+    );
+    let r = t
+        .post(
+            &format!("/api/dialogs/{id}/steer"),
+            json!({"text": "and the benchmarks"}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.json::<Value>().await.unwrap(),
+        json!({"steered": true, "turn_id": turn.to_string()})
+    );
+    let r = t
+        .post(&format!("/api/dialogs/{id}/steer"), json!({"text": " "}))
+        .await;
+    assert_eq!(r.status(), 400);
+    let r = t
+        .post(
+            &format!("/api/dialogs/{idle}/steer"),
+            json!({"text": "hello?"}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.json::<Value>().await.unwrap(),
+        json!({"steered": false, "turn_id": null})
+    );
+    // The model reads the steer at its next call: the turn goes on past
+    // its first answer, one call for the steer, then commits.
+    gate.add_permits(2);
+    let end = ws.until(ServerFrame::ends_turn).await;
+    assert!(
+        matches!(end.last(), Some(ServerFrame::TurnCommitted { turn_id, .. }) if *turn_id == turn)
+    );
+    let deltas = end
+        .iter()
+        .filter(|f| matches!(f, ServerFrame::TextDelta { .. }))
+        .count();
+    assert_eq!(deltas, 3, "{end:?}");
 }
