@@ -163,6 +163,14 @@ pub enum ProviderError {
     /// The provider cannot answer at all (e.g. a script ran out): fatal.
     #[error("provider unavailable: {0}")]
     Unavailable(String),
+    /// The request is longer than the model's context window: fatal as sent;
+    /// a shorter (compacted) request may succeed.
+    #[error("the request exceeds the model's context window: {0}")]
+    ContextLengthExceeded(String),
+    /// The response broke a configured bound (total bytes, tool-argument
+    /// bytes, total time of the call); the message names the key: fatal.
+    #[error("provider response over a limit: {0}")]
+    LimitExceeded(String),
 }
 
 impl ProviderError {
@@ -178,7 +186,9 @@ impl ProviderError {
             | ProviderError::StreamInterrupted(_)
             | ProviderError::Protocol(_)
             | ProviderError::Cancelled
-            | ProviderError::Unavailable(_) => false,
+            | ProviderError::Unavailable(_)
+            | ProviderError::ContextLengthExceeded(_)
+            | ProviderError::LimitExceeded(_) => false,
         }
     }
 
@@ -469,6 +479,11 @@ mod tests {
             ProviderError::StreamInterrupted("cut".into()),
             ProviderError::Cancelled,
             ProviderError::Unavailable("script exhausted".into()),
+            ProviderError::ContextLengthExceeded("prompt is too long".into()),
+            ProviderError::LimitExceeded(
+                "the response is longer than 1024 bytes (the limit is providers.main.max_response_bytes)"
+                    .into(),
+            ),
         ];
         assert!(retryable.iter().all(ProviderError::is_retryable));
         assert!(!fatal.iter().any(ProviderError::is_retryable));

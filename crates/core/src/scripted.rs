@@ -56,6 +56,8 @@ pub enum ScriptedErrorKind {
     Protocol,
     /// [`ProviderError::Unavailable`].
     Unavailable,
+    /// [`ProviderError::ContextLengthExceeded`].
+    ContextLengthExceeded,
 }
 
 /// An error a scripted response ends with.
@@ -99,6 +101,9 @@ impl ScriptedError {
             ScriptedErrorKind::StreamInterrupted => ProviderError::StreamInterrupted(message),
             ScriptedErrorKind::Protocol => ProviderError::Protocol(message),
             ScriptedErrorKind::Unavailable => ProviderError::Unavailable(message),
+            ScriptedErrorKind::ContextLengthExceeded => {
+                ProviderError::ContextLengthExceeded(message)
+            }
         }
     }
 }

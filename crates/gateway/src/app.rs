@@ -213,7 +213,7 @@ impl App {
             provider: root_provider,
             tools: Arc::new(root_tools),
             max_iterations: 16,
-            max_output_tokens: None,
+            max_output_tokens: Some(config.root_max_output_tokens),
         };
         let mut bundle =
             RuntimeBundle::new(root).with_loop(AgentLoop::new(Arc::new(NoHooks), gate));

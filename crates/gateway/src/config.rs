@@ -112,7 +112,7 @@ pub const DEFAULT_SHUTDOWN_GRACE_SECS: u64 = 30;
 pub const MAX_SHUTDOWN_GRACE_SECS: u64 = 3600;
 
 /// The whole of `keel.toml`. Every key is optional; see [`reference()`].
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     /// Where the database and `keel.toml` live. Unset: `--data-dir`, else
@@ -127,6 +127,8 @@ pub struct Config {
     pub agents_dir: Option<PathBuf>,
     /// Agents the root agent may delegate to.
     pub root_delegates: Vec<String>,
+    /// Output token cap of each model call of the root agent.
+    pub root_max_output_tokens: u32,
     /// Root directory of the file tools. Unset: the current directory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub workspace_root: Option<PathBuf>,
@@ -143,6 +145,25 @@ pub struct Config {
     pub orchestration: OrchestrationConfig,
     /// `[server]`: how `keel serve` listens, authenticates and shuts down.
     pub server: ServerConfig,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            data_dir: None,
+            default_profile: None,
+            agents_dir: None,
+            root_delegates: Vec::new(),
+            root_max_output_tokens: keel_catalog::DEFAULT_MAX_OUTPUT_TOKENS,
+            workspace_root: None,
+            providers: BTreeMap::new(),
+            session: SessionConfig::default(),
+            storage: StorageConfig::default(),
+            tools: ToolsConfig::default(),
+            orchestration: OrchestrationConfig::default(),
+            server: ServerConfig::default(),
+        }
+    }
 }
 
 /// `[session]`.

@@ -17,8 +17,8 @@ use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
 use crate::http::{
-    classify, secret_header, truncate_chars, Decoder, HttpProviderConfig, Progress, SleepFn,
-    Transport,
+    classify, saturating_count_opt, secret_header, truncate_chars, Decoder, HttpProviderConfig,
+    Progress, SleepFn, Transport,
 };
 
 /// The Messages API version keel speaks.
@@ -270,13 +270,13 @@ struct WireMessageDelta {
 
 #[derive(Debug, Default, Deserialize)]
 struct WireUsage {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "saturating_count_opt")]
     input_tokens: Option<u64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "saturating_count_opt")]
     cache_creation_input_tokens: Option<u64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "saturating_count_opt")]
     cache_read_input_tokens: Option<u64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "saturating_count_opt")]
     output_tokens: Option<u64>,
 }
 

@@ -1,7 +1,9 @@
 //! The HTTP layer both adapters share: one `reqwest::Client` per provider,
-//! bounded retries with exponential backoff or the server's `retry-after`,
-//! connect and per-chunk read timeouts, cancellation at every await, error
-//! classification, and the SSE event loop that feeds a wire [`Decoder`].
+//! bounded retries with exponential backoff or the server's `retry-after`
+//! (clamped), connect and per-chunk read timeouts, the bounds of one call
+//! ([`ResponseLimits`]: response bytes, tool-argument bytes, a total
+//! deadline), cancellation at every await, error classification, and the SSE
+//! event loop that feeds a wire [`Decoder`].
 //!
 //! Invariant: a request is sent again only while no [`StreamEvent`] has reached
 //! the caller. Once output was emitted, any failure ends the stream with a
@@ -27,6 +29,87 @@ use tokio_util::sync::CancellationToken;
 const ERROR_BODY_LIMIT: usize = 8 * 1024;
 /// Provider messages quoted in errors are cut to this many characters.
 const MESSAGE_LIMIT: usize = 500;
+/// A `retry-after` above this (a day) is read as this: absurd header values
+/// are clamped, never turned into a panic or an overflow.
+pub const RETRY_AFTER_CAP: Duration = Duration::from_secs(24 * 3600);
+/// Default [`ResponseLimits::max_response_bytes`] (32 MiB: streamed chunks
+/// carry a few hundred bytes of framing per token).
+pub const DEFAULT_MAX_RESPONSE_BYTES: u64 = 32 * 1024 * 1024;
+/// Default [`ResponseLimits::max_tool_argument_bytes`] (4 MiB).
+pub const DEFAULT_MAX_TOOL_ARGUMENT_BYTES: u64 = 4 * 1024 * 1024;
+/// Default [`ResponseLimits::total_timeout`], in seconds.
+pub const DEFAULT_TOTAL_TIMEOUT_SECS: u64 = 600;
+/// Longest accepted total deadline of one call (30 days), so a deadline is
+/// always a representable instant.
+const TOTAL_TIMEOUT_CAP: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// The bounds of one model call. A call that breaks one fails with
+/// [`ProviderError::LimitExceeded`] naming the configuration key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResponseLimits {
+    /// Most bytes of one response body (event-stream framing included).
+    pub max_response_bytes: u64,
+    /// Most bytes of tool-call arguments in one response, over all its calls.
+    pub max_tool_argument_bytes: u64,
+    /// Longest time one call may take, from the first request to the end of
+    /// the stream, retries and waits included.
+    pub total_timeout: Duration,
+    /// Where these limits are configured (`providers.NAME`); errors name
+    /// `{key_path}.max_response_bytes` and so on.
+    pub key_path: String,
+}
+
+impl Default for ResponseLimits {
+    fn default() -> Self {
+        Self {
+            max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+            max_tool_argument_bytes: DEFAULT_MAX_TOOL_ARGUMENT_BYTES,
+            total_timeout: Duration::from_secs(DEFAULT_TOTAL_TIMEOUT_SECS),
+            key_path: "providers.NAME".to_owned(),
+        }
+    }
+}
+
+impl ResponseLimits {
+    fn exceeded(&self, key: &str, what: String) -> ProviderError {
+        ProviderError::LimitExceeded(format!("{what} (the limit is {}.{key})", self.key_path))
+    }
+
+    fn too_many_bytes(&self) -> ProviderError {
+        self.exceeded(
+            "max_response_bytes",
+            format!(
+                "the response is longer than {} bytes",
+                self.max_response_bytes
+            ),
+        )
+    }
+
+    fn too_many_argument_bytes(&self) -> ProviderError {
+        self.exceeded(
+            "max_tool_argument_bytes",
+            format!(
+                "the tool-call arguments are longer than {} bytes",
+                self.max_tool_argument_bytes
+            ),
+        )
+    }
+
+    fn past_deadline(&self) -> ProviderError {
+        self.exceeded(
+            "total_timeout_secs",
+            format!(
+                "the call took longer than {} s",
+                self.total_timeout.as_secs()
+            ),
+        )
+    }
+
+    /// The instant a call started now must end by.
+    fn deadline(&self) -> tokio::time::Instant {
+        tokio::time::Instant::now() + self.total_timeout.min(TOTAL_TIMEOUT_CAP)
+    }
+}
 
 /// A timer: returns a future that completes after the given duration.
 /// Replaceable so tests can record backoff and `retry-after` waits instead of
@@ -109,6 +192,8 @@ pub struct HttpProviderConfig {
     pub retry: RetryPolicy,
     /// Output token cap used when the request sets none.
     pub max_tokens: Option<u32>,
+    /// Bounds of each call.
+    pub limits: ResponseLimits,
 }
 
 impl HttpProviderConfig {
@@ -123,6 +208,7 @@ impl HttpProviderConfig {
             read_timeout: Duration::from_secs(crate::profile::DEFAULT_READ_TIMEOUT_SECS),
             retry: RetryPolicy::default(),
             max_tokens: None,
+            limits: ResponseLimits::default(),
         }
     }
 
@@ -155,6 +241,7 @@ impl fmt::Debug for HttpProviderConfig {
             .field("read_timeout", &self.read_timeout)
             .field("retry", &self.retry)
             .field("max_tokens", &self.max_tokens)
+            .field("limits", &self.limits)
             .finish()
     }
 }
@@ -200,6 +287,7 @@ pub(crate) struct Transport {
     connect_timeout: Duration,
     read_timeout: Duration,
     retry: RetryPolicy,
+    limits: ResponseLimits,
     hint: Arc<str>,
     sleep: SleepFn,
 }
@@ -211,6 +299,8 @@ enum BodyError {
     Timeout(Duration),
     /// The connection failed.
     Read(reqwest::Error),
+    /// The body grew past `max_response_bytes`.
+    TooLarge,
 }
 
 impl fmt::Display for BodyError {
@@ -218,6 +308,7 @@ impl fmt::Display for BodyError {
         match self {
             BodyError::Timeout(d) => write!(f, "no data for {} ms", d.as_millis()),
             BodyError::Read(e) => f.write_str(&error_chain(e)),
+            BodyError::TooLarge => f.write_str("the response is too large"),
         }
     }
 }
@@ -256,6 +347,7 @@ impl Transport {
             connect_timeout: config.connect_timeout,
             read_timeout: config.read_timeout,
             retry: config.retry.clone(),
+            limits: config.limits.clone(),
             hint: config.credential_hint().into(),
             sleep: tokio_sleep(),
         })
@@ -307,10 +399,16 @@ impl Transport {
         F: Fn() -> D + Send + 'static,
     {
         let mut retries = 0;
-        let response = self.connect(&body, &cancel, &mut retries).await?;
+        let deadline = self.limits.deadline();
+        let response =
+            tokio::time::timeout_at(deadline, self.connect(&body, &cancel, &mut retries))
+                .await
+                .map_err(|_| self.limits.past_deadline())??;
         let state = StreamState {
             events: self.sse(response),
             transport: self.clone(),
+            deadline,
+            argument_bytes: 0,
             body,
             decoder: new_decoder(),
             new_decoder,
@@ -409,6 +507,9 @@ impl Transport {
                 message,
             });
         }
+        if status.is_client_error() && is_context_overflow(&text) {
+            return Err(ProviderError::ContextLengthExceeded(message));
+        }
         Err(classify(status.as_u16(), &message, retry_after, &self.hint))
     }
 
@@ -463,14 +564,21 @@ impl Transport {
     }
 
     /// The response body as SSE events, each chunk awaited at most
-    /// `read_timeout`.
+    /// `read_timeout`, the whole body at most `max_response_bytes`.
     fn sse(&self, response: Response) -> SseStream {
         let read_timeout = self.read_timeout;
+        let max_bytes = self.limits.max_response_bytes;
         let bytes = response.bytes_stream().boxed();
-        let timed = futures::stream::unfold(Some(bytes), move |bytes| async move {
-            let mut bytes = bytes?;
+        let timed = futures::stream::unfold(Some((bytes, 0u64)), move |state| async move {
+            let (mut bytes, seen) = state?;
             match tokio::time::timeout(read_timeout, bytes.next()).await {
-                Ok(Some(Ok(chunk))) => Some((Ok(chunk), Some(bytes))),
+                Ok(Some(Ok(chunk))) => {
+                    let seen = seen.saturating_add(chunk.len() as u64);
+                    if seen > max_bytes {
+                        return Some((Err(BodyError::TooLarge), None));
+                    }
+                    Some((Ok(chunk), Some((bytes, seen))))
+                }
                 Ok(Some(Err(e))) => Some((Err(BodyError::Read(e)), None)),
                 Ok(None) => None,
                 Err(_) => Some((Err(BodyError::Timeout(read_timeout)), None)),
@@ -483,6 +591,10 @@ impl Transport {
 /// The state behind one [`ProviderStream`].
 struct StreamState<D, F> {
     transport: Arc<Transport>,
+    /// When the whole call must be over.
+    deadline: tokio::time::Instant,
+    /// Tool-call argument bytes handed out so far.
+    argument_bytes: u64,
     body: Bytes,
     events: SseStream,
     decoder: D,
@@ -504,6 +616,16 @@ impl<D: Decoder, F: Fn() -> D + Send + 'static> StreamState<D, F> {
                 return Some(Err(ProviderError::Cancelled));
             }
             if let Some(event) = self.pending.pop_front() {
+                if let StreamEvent::ToolCallDelta { arguments, .. } = &event {
+                    self.argument_bytes =
+                        self.argument_bytes.saturating_add(arguments.len() as u64);
+                    let limits = &self.transport.limits;
+                    if self.argument_bytes > limits.max_tool_argument_bytes {
+                        self.finished = true;
+                        self.pending.clear();
+                        return Some(Err(limits.too_many_argument_bytes()));
+                    }
+                }
                 self.emitted = true;
                 return Some(Ok(event));
             }
@@ -516,6 +638,10 @@ impl<D: Decoder, F: Fn() -> D + Send + 'static> StreamState<D, F> {
                     self.finished = true;
                     return Some(Err(ProviderError::Cancelled));
                 }
+                _ = tokio::time::sleep_until(self.deadline) => {
+                    self.finished = true;
+                    return Some(Err(self.transport.limits.past_deadline()));
+                }
                 read = self.events.next() => read,
             };
             let failure = match read {
@@ -527,6 +653,9 @@ impl<D: Decoder, F: Fn() -> D + Send + 'static> StreamState<D, F> {
                     }
                     Err(e) => e,
                 },
+                Some(Err(EventStreamError::Transport(BodyError::TooLarge))) => {
+                    self.transport.limits.too_many_bytes()
+                }
                 Some(Err(e)) => sse_error(e),
                 None => match self.decoder.on_eof(&mut self.pending) {
                     Ok(()) => {
@@ -553,12 +682,17 @@ impl<D: Decoder, F: Fn() -> D + Send + 'static> StreamState<D, F> {
     /// Sends the request again after a failure before any output.
     async fn restart(&mut self, failure: ProviderError) -> Result<(), ProviderError> {
         let transport = self.transport.clone();
-        transport
-            .before_retry(failure, &self.cancel, &mut self.retries)
-            .await?;
-        let response = transport
-            .connect(&self.body, &self.cancel, &mut self.retries)
-            .await?;
+        let retry = async {
+            transport
+                .before_retry(failure, &self.cancel, &mut self.retries)
+                .await?;
+            transport
+                .connect(&self.body, &self.cancel, &mut self.retries)
+                .await
+        };
+        let response = tokio::time::timeout_at(self.deadline, retry)
+            .await
+            .map_err(|_| transport.limits.past_deadline())??;
         self.events = transport.sse(response);
         self.decoder = (self.new_decoder)();
         Ok(())
@@ -587,7 +721,7 @@ fn sse_error(e: EventStreamError<BodyError>) -> ProviderError {
             "no data from the provider for {} ms",
             d.as_millis()
         )),
-        EventStreamError::Transport(read @ BodyError::Read(_)) => {
+        EventStreamError::Transport(read @ (BodyError::Read(_) | BodyError::TooLarge)) => {
             ProviderError::StreamInterrupted(format!("the connection failed: {read}"))
         }
         EventStreamError::Utf8(e) => {
@@ -640,6 +774,7 @@ pub(crate) fn classify(
             message: format!("{message} ({hint})"),
         },
         429 => ProviderError::RateLimited { retry_after },
+        400..=499 if is_context_overflow(&message) => ProviderError::ContextLengthExceeded(message),
         408 => ProviderError::Timeout(format!("the provider answered 408: {message}")),
         500.. => ProviderError::Server { status, message },
         _ => ProviderError::BadRequest { status, message },
@@ -665,6 +800,23 @@ pub(crate) fn error_message(body: &str, status: StatusCode) -> String {
             .map_or_else(|| format!("HTTP {}", status.as_u16()), str::to_owned);
     }
     truncate_chars(&text, MESSAGE_LIMIT)
+}
+
+/// Whether an error body or message says the request is longer than the
+/// model's context window (OpenAI's `context_length_exceeded`, Anthropic's
+/// "prompt is too long", vLLM's and llama.cpp's wordings).
+pub(crate) fn is_context_overflow(text: &str) -> bool {
+    const MARKERS: [&str; 7] = [
+        "context_length_exceeded",
+        "maximum context length",
+        "context length exceeded",
+        "context window",
+        "prompt is too long",
+        "exceed_context_size",
+        "exceeds the available context size",
+    ];
+    let text = text.to_ascii_lowercase();
+    MARKERS.iter().any(|m| text.contains(m))
 }
 
 /// Whether an error body carries OpenAI's `insufficient_quota` code.
@@ -693,25 +845,72 @@ pub(crate) fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Durati
             .and_then(|v: &HeaderValue| v.to_str().ok())
     };
     if let Some(ms) = header("retry-after-ms").and_then(|v| v.trim().parse::<f64>().ok()) {
-        if ms.is_finite() && ms >= 0.0 {
-            return Some(Duration::from_secs_f64(ms / 1000.0));
+        if let Some(wait) = clamped_secs(ms / 1000.0) {
+            return Some(wait);
         }
     }
     parse_retry_after(header(RETRY_AFTER.as_str())?, now)
 }
 
 /// Parses a `retry-after` value: delay seconds or an HTTP date (a date in the
-/// past means "now").
+/// past means "now"). Negative and NaN values are ignored; waits above
+/// [`RETRY_AFTER_CAP`] (infinite ones included) are read as the cap.
 pub(crate) fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
     let value = value.trim();
     if let Ok(secs) = value.parse::<u64>() {
-        return Some(Duration::from_secs(secs));
+        return Some(Duration::from_secs(secs).min(RETRY_AFTER_CAP));
     }
     if let Ok(secs) = value.parse::<f64>() {
-        return (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs));
+        return clamped_secs(secs);
     }
     let at = httpdate::parse_http_date(value).ok()?;
-    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+    Some(
+        at.duration_since(now)
+            .unwrap_or(Duration::ZERO)
+            .min(RETRY_AFTER_CAP),
+    )
+}
+
+/// `secs` as a wait of at most [`RETRY_AFTER_CAP`]; `None` when negative or NaN.
+fn clamped_secs(secs: f64) -> Option<Duration> {
+    if secs.is_nan() || secs < 0.0 {
+        return None;
+    }
+    Some(Duration::try_from_secs_f64(secs).map_or(RETRY_AFTER_CAP, |d| d.min(RETRY_AFTER_CAP)))
+}
+
+/// A token count from the wire: any JSON number, saturated into `u64`
+/// (negative → 0, above `u64::MAX` → `u64::MAX`); `None` for `null` or a
+/// non-number. A provider's absurd usage never fails a response.
+fn count(value: serde_json::Value) -> Option<u64> {
+    let serde_json::Value::Number(n) = value else {
+        return None;
+    };
+    Some(match (n.as_u64(), n.as_f64()) {
+        (Some(v), _) => v,
+        (None, Some(f)) if f.is_nan() || f <= 0.0 => 0,
+        // `as` saturates: floats above u64::MAX become u64::MAX.
+        (None, Some(f)) => f as u64,
+        (None, None) => 0,
+    })
+}
+
+/// Deserializes a token count with [`count`]; a missing number is 0.
+pub(crate) fn saturating_count<'de, D>(deserializer: D) -> Result<u64, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    let value = <serde_json::Value as serde::Deserialize>::deserialize(deserializer)?;
+    Ok(count(value).unwrap_or(0))
+}
+
+/// Deserializes an optional token count with [`count`].
+pub(crate) fn saturating_count_opt<'de, D>(deserializer: D) -> Result<Option<u64>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    let value = <serde_json::Value as serde::Deserialize>::deserialize(deserializer)?;
+    Ok(count(value))
 }
 
 #[cfg(test)]
@@ -738,6 +937,75 @@ mod tests {
         assert_eq!(retry_after(&headers, now), Some(Duration::from_secs(7)));
         headers.insert("retry-after-ms", HeaderValue::from_static("120"));
         assert_eq!(retry_after(&headers, now), Some(Duration::from_millis(120)));
+    }
+
+    #[test]
+    fn absurd_retry_after_values_are_clamped_never_a_panic() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        let cap = Some(RETRY_AFTER_CAP);
+        for huge in [
+            "1e300",
+            "inf",
+            "18446744073709551615",
+            "99999999999999999999999",
+        ] {
+            assert_eq!(parse_retry_after(huge, now), cap, "{huge}");
+        }
+        for ignored in ["NaN", "-1", "-1e300", "-inf"] {
+            assert_eq!(parse_retry_after(ignored, now), None, "{ignored}");
+        }
+        let far =
+            httpdate::fmt_http_date(SystemTime::UNIX_EPOCH + Duration::from_secs(253_402_300_799));
+        assert_eq!(parse_retry_after(&far, now), cap);
+        let ms = |v: &'static str, plain: Option<&'static str>| {
+            let mut h = HeaderMap::new();
+            h.insert("retry-after-ms", HeaderValue::from_static(v));
+            if let Some(p) = plain {
+                h.insert(RETRY_AFTER, HeaderValue::from_static(p));
+            }
+            retry_after(&h, now)
+        };
+        assert_eq!(ms("1e308", None), cap);
+        assert_eq!(ms("inf", None), cap);
+        // A negative or NaN `retry-after-ms` falls back to `retry-after`.
+        assert_eq!(ms("-5", Some("2")), Some(Duration::from_secs(2)));
+        assert_eq!(ms("NaN", None), None);
+        // A clamped wait is longer than any policy waits for: the 429 is returned.
+        let limited = ProviderError::RateLimited { retry_after: cap };
+        assert_eq!(RetryPolicy::default().delay_after(&limited, 0), None);
+    }
+
+    #[test]
+    fn usage_counts_saturate() {
+        #[derive(serde::Deserialize)]
+        struct U {
+            #[serde(deserialize_with = "saturating_count")]
+            n: u64,
+        }
+        let n = |json: &str| serde_json::from_str::<U>(json).unwrap().n;
+        assert_eq!(n(r#"{"n": 12}"#), 12);
+        assert_eq!(n(r#"{"n": 18446744073709551615}"#), u64::MAX);
+        assert_eq!(n(r#"{"n": 1e30}"#), u64::MAX);
+        assert_eq!(n(r#"{"n": 99999999999999999999999}"#), u64::MAX);
+        assert_eq!(n(r#"{"n": -7}"#), 0);
+        assert_eq!(n(r#"{"n": null}"#), 0);
+        assert_eq!(n(r#"{"n": "12"}"#), 0);
+    }
+
+    #[test]
+    fn context_overflow_wordings_are_recognised() {
+        for text in [
+            r#"{"error":{"message":"This model's maximum context length is 128000 tokens.","code":"context_length_exceeded"}}"#,
+            r#"{"type":"error","error":{"type":"invalid_request_error","message":"prompt is too long: 210000 tokens > 200000 maximum"}}"#,
+            r#"{"error":{"code":400,"message":"the request exceeds the available context size","type":"exceed_context_size_error"}}"#,
+        ] {
+            assert!(is_context_overflow(text), "{text}");
+        }
+        assert!(!is_context_overflow(r#"{"error":{"message":"bad model"}}"#));
+        assert!(matches!(
+            classify(400, "prompt is too long: 9 tokens > 8 maximum", None, "h"),
+            ProviderError::ContextLengthExceeded(_)
+        ));
     }
 
     #[test]

@@ -20,12 +20,17 @@ mod profile;
 mod script;
 
 pub use anthropic::{AnthropicProvider, ANTHROPIC_VERSION, DEFAULT_ANTHROPIC_MAX_TOKENS};
-pub use http::{HttpProviderConfig, RetryPolicy, SleepFn};
+pub use http::{
+    HttpProviderConfig, ResponseLimits, RetryPolicy, SleepFn, DEFAULT_MAX_RESPONSE_BYTES,
+    DEFAULT_MAX_TOOL_ARGUMENT_BYTES, DEFAULT_TOTAL_TIMEOUT_SECS, RETRY_AFTER_CAP,
+};
 pub use openai::OpenAiProvider;
 pub use profile::{
-    build_provider, build_provider_with_env, ProviderConfigError, ProviderKind, ProviderProfile,
-    ANTHROPIC_API_KEY_ENV, ANTHROPIC_BASE_URL, DEFAULT_CONNECT_TIMEOUT_SECS, DEFAULT_MAX_RETRIES,
-    DEFAULT_READ_TIMEOUT_SECS, MAX_CONNECT_TIMEOUT_SECS, MAX_READ_TIMEOUT_SECS, MAX_RETRIES_CAP,
-    OPENAI_API_KEY_ENV, OPENAI_BASE_URL,
+    build_provider, build_provider_with_env, default_context_window, ProviderConfigError,
+    ProviderKind, ProviderProfile, ANTHROPIC_API_KEY_ENV, ANTHROPIC_BASE_URL,
+    DEFAULT_CONNECT_TIMEOUT_SECS, DEFAULT_CONTEXT_WINDOW_TOKENS, DEFAULT_MAX_RETRIES,
+    DEFAULT_READ_TIMEOUT_SECS, MAX_CONNECT_TIMEOUT_SECS, MAX_CONTEXT_WINDOW_TOKENS,
+    MAX_READ_TIMEOUT_SECS, MAX_RESPONSE_BYTES_CAP, MAX_RETRIES_CAP, MAX_TOOL_ARGUMENT_BYTES_CAP,
+    MAX_TOTAL_TIMEOUT_SECS, MIN_CONTEXT_WINDOW_TOKENS, OPENAI_API_KEY_ENV, OPENAI_BASE_URL,
 };
 pub use script::{load_script, parse_script, ScriptError};

@@ -18,8 +18,8 @@ use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
 use crate::http::{
-    classify, secret_header, truncate_chars, Decoder, HttpProviderConfig, Progress, SleepFn,
-    Transport,
+    classify, saturating_count, secret_header, truncate_chars, Decoder, HttpProviderConfig,
+    Progress, SleepFn, Transport,
 };
 
 /// A provider speaking the OpenAI chat completions wire format.
@@ -228,9 +228,9 @@ struct WireFunction {
 
 #[derive(Debug, Deserialize)]
 struct WireUsage {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "saturating_count")]
     prompt_tokens: u64,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "saturating_count")]
     completion_tokens: u64,
 }
 

@@ -13,7 +13,10 @@ use keel_core::{Provider, ScriptedProvider};
 use serde::{Deserialize, Serialize};
 
 use crate::anthropic::AnthropicProvider;
-use crate::http::{HttpProviderConfig, RetryPolicy};
+use crate::http::{
+    HttpProviderConfig, ResponseLimits, RetryPolicy, DEFAULT_MAX_RESPONSE_BYTES,
+    DEFAULT_MAX_TOOL_ARGUMENT_BYTES, DEFAULT_TOTAL_TIMEOUT_SECS,
+};
 use crate::openai::OpenAiProvider;
 use crate::script::{load_script, ScriptError};
 
@@ -37,6 +40,18 @@ pub const MAX_READ_TIMEOUT_SECS: u64 = 3600;
 pub const DEFAULT_MAX_RETRIES: u32 = 3;
 /// Largest accepted `max_retries`.
 pub const MAX_RETRIES_CAP: u32 = 10;
+/// Largest accepted `max_response_bytes` (1 GiB).
+pub const MAX_RESPONSE_BYTES_CAP: u64 = 1024 * 1024 * 1024;
+/// Largest accepted `max_tool_argument_bytes` (256 MiB).
+pub const MAX_TOOL_ARGUMENT_BYTES_CAP: u64 = 256 * 1024 * 1024;
+/// Largest accepted `total_timeout_secs` (2 h).
+pub const MAX_TOTAL_TIMEOUT_SECS: u64 = 7200;
+/// Smallest accepted `context_window_tokens`.
+pub const MIN_CONTEXT_WINDOW_TOKENS: u64 = 1_000;
+/// Largest accepted `context_window_tokens`.
+pub const MAX_CONTEXT_WINDOW_TOKENS: u64 = 10_000_000;
+/// `context_window_tokens` of a model keel does not know.
+pub const DEFAULT_CONTEXT_WINDOW_TOKENS: u64 = 32_000;
 
 /// Which wire protocol a profile speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -94,6 +109,53 @@ fn default_max_retries() -> u32 {
     DEFAULT_MAX_RETRIES
 }
 
+fn default_max_response_bytes() -> u64 {
+    DEFAULT_MAX_RESPONSE_BYTES
+}
+
+fn default_max_tool_argument_bytes() -> u64 {
+    DEFAULT_MAX_TOOL_ARGUMENT_BYTES
+}
+
+fn default_total_timeout_secs() -> u64 {
+    DEFAULT_TOTAL_TIMEOUT_SECS
+}
+
+/// Context windows of well-known models, by model-name prefix (the longest
+/// matching prefix wins). Unknown models get [`DEFAULT_CONTEXT_WINDOW_TOKENS`].
+const KNOWN_CONTEXT_WINDOWS: &[(&str, u64)] = &[
+    ("gpt-4.1", 1_047_576),
+    ("gpt-4o", 128_000),
+    ("gpt-4-turbo", 128_000),
+    ("gpt-4", 8_192),
+    ("gpt-3.5-turbo", 16_385),
+    ("gpt-5", 400_000),
+    ("o1", 200_000),
+    ("o3", 200_000),
+    ("o4-mini", 200_000),
+    ("claude", 200_000),
+    ("deepseek", 64_000),
+    ("qwen", 32_768),
+    ("llama3.1", 128_000),
+    ("llama3.2", 128_000),
+    ("llama3.3", 128_000),
+    ("llama3", 8_192),
+    ("mistral", 32_000),
+    ("gemma", 8_192),
+];
+
+/// The context window of `model`: the longest known model-name prefix
+/// (`gpt-4o` 128000, `claude` 200000 …), else [`DEFAULT_CONTEXT_WINDOW_TOKENS`].
+pub fn default_context_window(model: &str) -> u64 {
+    let model = model.trim().to_ascii_lowercase();
+    let name = model.rsplit('/').next().unwrap_or(&model);
+    KNOWN_CONTEXT_WINDOWS
+        .iter()
+        .filter(|(prefix, _)| name.starts_with(prefix))
+        .max_by_key(|(prefix, _)| prefix.len())
+        .map_or(DEFAULT_CONTEXT_WINDOW_TOKENS, |(_, tokens)| *tokens)
+}
+
 /// One `[providers.NAME]` table.
 ///
 /// API keys: when `api_key_env` is set, that variable must hold the key.
@@ -130,6 +192,21 @@ pub struct ProviderProfile {
     /// Output token cap used when a request sets none (Anthropic defaults to 4096).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<u32>,
+    /// Most bytes of one response body (default 32 MiB, at most 1 GiB).
+    #[serde(default = "default_max_response_bytes")]
+    pub max_response_bytes: u64,
+    /// Most bytes of tool-call arguments in one response (default 4 MiB,
+    /// at most 256 MiB).
+    #[serde(default = "default_max_tool_argument_bytes")]
+    pub max_tool_argument_bytes: u64,
+    /// Longest time, in seconds, one model call may take, retries included
+    /// (default 600, 1..=7200).
+    #[serde(default = "default_total_timeout_secs")]
+    pub total_timeout_secs: u64,
+    /// The model's context window in tokens; requests are compacted to stay
+    /// under it. Default: known for well-known models, else 32000.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context_window_tokens: Option<u64>,
     /// For `scripted`: a YAML/JSON script file; without one the provider is
     /// the offline echo.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -148,8 +225,19 @@ impl ProviderProfile {
             read_timeout_secs: DEFAULT_READ_TIMEOUT_SECS,
             max_retries: DEFAULT_MAX_RETRIES,
             max_tokens: None,
+            max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+            max_tool_argument_bytes: DEFAULT_MAX_TOOL_ARGUMENT_BYTES,
+            total_timeout_secs: DEFAULT_TOTAL_TIMEOUT_SECS,
+            context_window_tokens: None,
             script: None,
         }
+    }
+
+    /// The context window requests of this profile must fit in:
+    /// `context_window_tokens`, else the model's known window.
+    pub fn context_window(&self) -> u64 {
+        self.context_window_tokens
+            .unwrap_or_else(|| default_context_window(&self.model))
     }
 
     /// The API root requests go to (none for `scripted`).
@@ -230,6 +318,16 @@ impl ProviderProfile {
         if self.max_tokens == Some(0) {
             return Err(invalid("max_tokens", "must be at least 1".into()));
         }
+        check_range(self.max_response_bytes, 1024, MAX_RESPONSE_BYTES_CAP)
+            .map_err(|m| invalid("max_response_bytes", m))?;
+        check_range(self.max_tool_argument_bytes, 1, MAX_TOOL_ARGUMENT_BYTES_CAP)
+            .map_err(|m| invalid("max_tool_argument_bytes", m))?;
+        check_range(self.total_timeout_secs, 1, MAX_TOTAL_TIMEOUT_SECS)
+            .map_err(|m| invalid("total_timeout_secs", m))?;
+        if let Some(tokens) = self.context_window_tokens {
+            check_range(tokens, MIN_CONTEXT_WINDOW_TOKENS, MAX_CONTEXT_WINDOW_TOKENS)
+                .map_err(|m| invalid("context_window_tokens", m))?;
+        }
         Ok(())
     }
 
@@ -284,6 +382,12 @@ impl ProviderProfile {
             ..RetryPolicy::default()
         };
         config.max_tokens = self.max_tokens;
+        config.limits = ResponseLimits {
+            max_response_bytes: self.max_response_bytes,
+            max_tool_argument_bytes: self.max_tool_argument_bytes,
+            total_timeout: Duration::from_secs(self.total_timeout_secs),
+            key_path: key_path.to_owned(),
+        };
         Ok(config)
     }
 }
@@ -545,6 +649,34 @@ mod tests {
                 },
             ),
             (
+                "tiny response cap",
+                ProviderProfile {
+                    max_response_bytes: 10,
+                    ..base.clone()
+                },
+            ),
+            (
+                "zero tool argument cap",
+                ProviderProfile {
+                    max_tool_argument_bytes: 0,
+                    ..base.clone()
+                },
+            ),
+            (
+                "endless call",
+                ProviderProfile {
+                    total_timeout_secs: 86_400,
+                    ..base.clone()
+                },
+            ),
+            (
+                "tiny context window",
+                ProviderProfile {
+                    context_window_tokens: Some(10),
+                    ..base.clone()
+                },
+            ),
+            (
                 "script on http",
                 ProviderProfile {
                     script: Some("s.yaml".into()),
@@ -594,6 +726,24 @@ mod tests {
             .collect();
         insta::assert_yaml_snapshot!(messages);
         base.validate_with_env("providers.main", &key).unwrap();
+    }
+
+    #[test]
+    fn context_windows_of_known_models() {
+        let window =
+            |model: &str| ProviderProfile::new(ProviderKind::OpenAi, model).context_window();
+        assert_eq!(window("gpt-4o-mini"), 128_000);
+        assert_eq!(window("gpt-4.1-nano"), 1_047_576);
+        assert_eq!(window("gpt-4"), 8_192);
+        assert_eq!(window("claude-sonnet-4-5"), 200_000);
+        assert_eq!(window("Qwen/Qwen2.5-7B-Instruct"), 32_768);
+        assert_eq!(window("llama3.1:8b"), 128_000);
+        assert_eq!(window("my-finetune"), DEFAULT_CONTEXT_WINDOW_TOKENS);
+        let set = ProviderProfile {
+            context_window_tokens: Some(4_000),
+            ..ProviderProfile::new(ProviderKind::OpenAi, "gpt-4o")
+        };
+        assert_eq!(set.context_window(), 4_000);
     }
 
     #[test]

@@ -35,6 +35,12 @@ pub(crate) fn to_i64(what: &str, v: u64) -> Result<i64> {
     i64::try_from(v).map_err(|_| StoreError::InvalidInput(format!("{what} {v} is too large")))
 }
 
+/// A token count as SQLite's integer: a provider may report absurd usage, and
+/// a count above `i64::MAX` is stored as `i64::MAX` rather than failing the commit.
+pub(crate) fn saturating_i64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
 /// Hex SHA-256 of `bytes`: the key of a state blob.
 pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
     format!("{:x}", Sha256::digest(bytes))

@@ -8,8 +8,11 @@
 use std::collections::BTreeMap;
 
 use keel_providers::{
-    DEFAULT_CONNECT_TIMEOUT_SECS, DEFAULT_MAX_RETRIES, DEFAULT_READ_TIMEOUT_SECS,
-    MAX_CONNECT_TIMEOUT_SECS, MAX_READ_TIMEOUT_SECS, MAX_RETRIES_CAP,
+    DEFAULT_CONNECT_TIMEOUT_SECS, DEFAULT_CONTEXT_WINDOW_TOKENS, DEFAULT_MAX_RESPONSE_BYTES,
+    DEFAULT_MAX_RETRIES, DEFAULT_MAX_TOOL_ARGUMENT_BYTES, DEFAULT_READ_TIMEOUT_SECS,
+    DEFAULT_TOTAL_TIMEOUT_SECS, MAX_CONNECT_TIMEOUT_SECS, MAX_CONTEXT_WINDOW_TOKENS,
+    MAX_READ_TIMEOUT_SECS, MAX_RESPONSE_BYTES_CAP, MAX_RETRIES_CAP, MAX_TOOL_ARGUMENT_BYTES_CAP,
+    MAX_TOTAL_TIMEOUT_SECS, MIN_CONTEXT_WINDOW_TOKENS,
 };
 
 use super::*;
@@ -49,6 +52,7 @@ data_dir = ".keel"
 default_profile = "main"
 agents_dir = "agents"
 root_delegates = ["researcher", "reviewer"]
+root_max_output_tokens = 4096
 workspace_root = "."
 
 # An OpenAI-compatible endpoint; the key is read from $OPENAI_API_KEY.
@@ -61,6 +65,10 @@ connect_timeout_secs = 10
 read_timeout_secs = 120
 max_retries = 3
 max_tokens = 4096
+max_response_bytes = 33554432
+max_tool_argument_bytes = 4194304
+total_timeout_secs = 600
+context_window_tokens = 128000
 
 # keel's deterministic scripted provider (no network).
 [providers.offline]
@@ -155,6 +163,15 @@ pub fn reference() -> Vec<KeyDoc> {
         "root_delegates",
         "Agent ids the root agent may delegate to.".into(),
     );
+    let output_bound = keel_catalog::MAX_OUTPUT_TOKENS_BOUND;
+    code(
+        &mut rows,
+        "root_max_output_tokens",
+        format!(
+            "Output token cap of each model call of the root agent, {}..={}.",
+            output_bound.min, output_bound.max
+        ),
+    );
     text(
         &mut rows,
         "workspace_root",
@@ -218,6 +235,51 @@ pub fn reference() -> Vec<KeyDoc> {
         "providers.NAME.max_tokens",
         "unset",
         "Output token cap when a request sets none (Anthropic then uses 4096).".into(),
+    );
+    let response_bytes = format!("`{DEFAULT_MAX_RESPONSE_BYTES}` (32 MiB)");
+    text(
+        &mut rows,
+        "providers.NAME.max_response_bytes",
+        &response_bytes,
+        format!(
+            "Most bytes of one model response (event-stream framing included); a longer \
+             response fails the call, 1024..={MAX_RESPONSE_BYTES_CAP}."
+        ),
+    );
+    let argument_bytes = format!("`{DEFAULT_MAX_TOOL_ARGUMENT_BYTES}` (4 MiB)");
+    text(
+        &mut rows,
+        "providers.NAME.max_tool_argument_bytes",
+        &argument_bytes,
+        format!(
+            "Most bytes of tool-call arguments in one model response, over all its calls, \
+             1..={MAX_TOOL_ARGUMENT_BYTES_CAP}."
+        ),
+    );
+    let total = format!("`{DEFAULT_TOTAL_TIMEOUT_SECS}`");
+    text(
+        &mut rows,
+        "providers.NAME.total_timeout_secs",
+        &total,
+        format!(
+            "Longest time, in seconds, one model call may take from the first request to \
+             the end of the answer, retries included, 1..={MAX_TOTAL_TIMEOUT_SECS}."
+        ),
+    );
+    let window = format!(
+        "known for well-known models (e.g. `gpt-4o` 128000, `claude-*` 200000), else \
+         `{DEFAULT_CONTEXT_WINDOW_TOKENS}`"
+    );
+    text(
+        &mut rows,
+        "providers.NAME.context_window_tokens",
+        &window,
+        format!(
+            "The model's context window in tokens. Requests are kept under it by \
+             compacting older history into a summary (tokens are estimated, see \
+             docs/ARCHITECTURE.md), \
+             {MIN_CONTEXT_WINDOW_TOKENS}..={MAX_CONTEXT_WINDOW_TOKENS}."
+        ),
     );
     text(
         &mut rows,

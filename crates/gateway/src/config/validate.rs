@@ -14,6 +14,13 @@ pub(super) fn problems(config: &Config, env: &dyn Fn(&str) -> Option<String>) ->
     let mut out = Problems(Vec::new());
     profiles(config, env, &mut out);
     root_delegates(config, &mut out);
+    let output = keel_catalog::MAX_OUTPUT_TOKENS_BOUND;
+    out.range(
+        "root_max_output_tokens",
+        u64::from(config.root_max_output_tokens),
+        output.min,
+        output.max,
+    );
     session(&config.session, &mut out);
     storage(&config.storage, &mut out);
     tools(config, &mut out);

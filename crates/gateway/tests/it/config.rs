@@ -201,6 +201,9 @@ fn timeouts_over_their_hard_cap_are_errors() {
     insta::assert_snapshot!(errors(&[
         "[tools]\nshell_timeout_secs = 7200\n[orchestration]\ndefault_run_timeout_secs = 100000\ninbox_event_ttl_hours = 10000\n",
         "[providers.main]\nkind = \"openai\"\nmodel = \"m\"\nread_timeout_secs = 86400\n",
+        "[providers.main]\nkind = \"openai\"\nmodel = \"m\"\ntotal_timeout_secs = 86400\n",
+        "[providers.main]\nkind = \"openai\"\nmodel = \"m\"\nmax_response_bytes = 0\n",
+        "root_max_output_tokens = 0\n",
     ]));
 }
 
@@ -508,4 +511,26 @@ fn config_doc_contains_the_generated_reference() {
         "docs/CONFIG.md is out of date with crates/gateway/src/config; regenerate it with\n    \
          UPDATE_CONFIG_DOC=1 cargo test -p keel-gateway --test it config"
     );
+}
+
+/// `root_max_output_tokens` reaches the root agent the binary runs: every
+/// model call of a root turn carries an output cap, its default when unset.
+#[tokio::test]
+async fn the_root_agent_runs_with_the_configured_output_cap() {
+    for (file, expected) in [("", 4096), ("root_max_output_tokens = 512\n", 512)] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keel.toml");
+        std::fs::write(&path, file).unwrap();
+        let app = keel_gateway::app::App::open("test", Some(&path), Some(dir.path()), None)
+            .await
+            .unwrap();
+        let id = app
+            .manager
+            .create_dialog("test", "chat", None, None)
+            .await
+            .unwrap();
+        let session = app.manager.session(id).await.unwrap();
+        let cap = session.lock().await.agent().max_output_tokens;
+        assert_eq!(cap, Some(expected), "{file:?}");
+    }
 }

@@ -28,6 +28,10 @@ pub trait Wire {
     fn malformed() -> String;
     /// The body of a 401.
     fn unauthorized() -> String;
+    /// "Hi" with usage numbers no counter can hold (above `u64::MAX`, negative).
+    fn absurd_usage() -> Vec<String>;
+    /// The body of the API's 400 for a request over the context window.
+    fn context_overflow() -> String;
 }
 
 pub struct OpenAi;
@@ -132,6 +136,25 @@ impl Wire for OpenAi {
     fn unauthorized() -> String {
         json!({ "error": { "message": "Incorrect API key provided: sk-test.",
                            "type": "invalid_request_error", "code": "invalid_api_key" } })
+        .to_string()
+    }
+
+    fn absurd_usage() -> Vec<String> {
+        vec![
+            chunk(json!({ "content": "Hi" }), None),
+            chunk(json!({}), Some("stop")),
+            "data: {\"choices\": [], \"usage\": {\"prompt_tokens\": 1e30, \
+             \"completion_tokens\": -4}}\n\n"
+                .to_owned(),
+            "data: [DONE]\n\n".to_owned(),
+        ]
+    }
+
+    fn context_overflow() -> String {
+        json!({ "error": { "message": "This model's maximum context length is 128000 tokens. \
+                                        However, your messages resulted in 130000 tokens.",
+                           "type": "invalid_request_error", "param": "messages",
+                           "code": "context_length_exceeded" } })
         .to_string()
     }
 }
@@ -259,6 +282,32 @@ impl Wire for Anthropic {
     fn unauthorized() -> String {
         json!({ "type": "error",
                 "error": { "type": "authentication_error", "message": "invalid x-api-key" } })
+        .to_string()
+    }
+
+    fn absurd_usage() -> Vec<String> {
+        let mut frames = vec![
+            "event: message_start\ndata: {\"type\": \"message_start\", \"message\": \
+             {\"id\": \"m\", \"usage\": {\"input_tokens\": 99999999999999999999999, \
+             \"output_tokens\": 1}}}\n\n"
+                .to_owned(),
+            an_text_start(0),
+            an_text(0, "Hi"),
+            an_stop(0),
+        ];
+        frames.push(
+            "event: message_delta\ndata: {\"type\": \"message_delta\", \"delta\": \
+             {\"stop_reason\": \"end_turn\"}, \"usage\": {\"output_tokens\": -4}}\n\n"
+                .to_owned(),
+        );
+        frames.push(event("message_stop", json!({ "type": "message_stop" })));
+        frames
+    }
+
+    fn context_overflow() -> String {
+        json!({ "type": "error",
+                "error": { "type": "invalid_request_error",
+                           "message": "prompt is too long: 210000 tokens > 200000 maximum" } })
         .to_string()
     }
 }

@@ -571,6 +571,154 @@ async fn json_instead_of_a_stream_is_protocol<W: Wire>() {
     );
 }
 
+async fn responses_over_max_bytes_fail_naming_the_key<W: Wire>() {
+    let server = Server::start(vec![Reply::sse(W::text()), Reply::sse(W::text())]).await;
+    let (sleep, w) = recording_sleep();
+    let mut c = config::<W>(&server);
+    c.limits.max_response_bytes = 120;
+    c.limits.key_path = "providers.main".into();
+    let p = W::provider(c, sleep);
+    let (_, error) = stream_all(&*p, &simple_request()).await;
+    let Some(ProviderError::LimitExceeded(message)) = error else {
+        panic!("{error:?}");
+    };
+    assert_eq!(
+        message,
+        "the response is longer than 120 bytes (the limit is providers.main.max_response_bytes)"
+    );
+    assert_eq!(
+        server.requests().len(),
+        1,
+        "an oversized answer is not asked again"
+    );
+    assert!(waits(&w).is_empty());
+}
+
+async fn tool_arguments_over_their_cap_fail<W: Wire>() {
+    let server = Server::start(vec![Reply::sse(W::tool_calls())]).await;
+    let (sleep, _) = recording_sleep();
+    let mut c = config::<W>(&server);
+    c.limits.max_tool_argument_bytes = 25;
+    let p = W::provider(c, sleep);
+    let (events, error) = stream_all(&*p, &simple_request()).await;
+    let argument_bytes: usize = events
+        .iter()
+        .map(|e| match e {
+            StreamEvent::ToolCallDelta { arguments, .. } => arguments.len(),
+            _ => 0,
+        })
+        .sum();
+    assert!(
+        argument_bytes <= 25,
+        "{argument_bytes} bytes passed the cap"
+    );
+    let Some(ProviderError::LimitExceeded(message)) = error else {
+        panic!("{error:?}");
+    };
+    assert!(message.ends_with(".max_tool_argument_bytes)"), "{message}");
+    // Under the cap, the same answer passes.
+    let server = Server::start(vec![Reply::sse(W::tool_calls())]).await;
+    let (sleep, _) = recording_sleep();
+    let mut c = config::<W>(&server);
+    c.limits.max_tool_argument_bytes = 48;
+    let (_, error) = stream_all(&*W::provider(c, sleep), &simple_request()).await;
+    assert_eq!(error, None);
+}
+
+/// A server that keeps the connection alive with a comment every 20 ms
+/// never trips the read timeout; the call's total deadline ends it.
+async fn total_deadline_ends_a_trickling_stream<W: Wire>() {
+    let server = Server::start(vec![
+        Reply::sse(W::first_delta()).ending(End::Trickle(Duration::from_millis(20)))
+    ])
+    .await;
+    let (sleep, _) = recording_sleep();
+    let mut c = config::<W>(&server);
+    c.read_timeout = Duration::from_secs(30);
+    c.limits.total_timeout = Duration::from_millis(300);
+    let p = W::provider(c, sleep);
+    let started = std::time::Instant::now();
+    let (events, error) = stream_all(&*p, &simple_request()).await;
+    assert_eq!(events, [StreamEvent::TextDelta { text: "Hel".into() }]);
+    let Some(ProviderError::LimitExceeded(message)) = error else {
+        panic!("{error:?}");
+    };
+    assert!(message.ends_with(".total_timeout_secs)"), "{message}");
+    assert!(started.elapsed() < Duration::from_secs(30));
+}
+
+/// The deadline also bounds retries: backoff waits of a server that keeps
+/// failing cannot keep a call alive past it.
+async fn total_deadline_bounds_the_retries<W: Wire>() {
+    let down = r#"{"error":{"message":"down"}}"#;
+    let server = Server::start(vec![Reply::json(503, down); 4]).await;
+    let mut c = config::<W>(&server);
+    c.limits.total_timeout = Duration::from_millis(200);
+    // Real waits: the first backoff (250 ms) outlasts the deadline.
+    let sleep: SleepFn = Arc::new(|d| Box::pin(tokio::time::sleep(d)));
+    let p = W::provider(c, sleep);
+    let err = refused(p.as_ref()).await;
+    assert!(matches!(err, ProviderError::LimitExceeded(_)), "{err:?}");
+    assert_eq!(server.requests().len(), 1);
+}
+
+async fn absurd_retry_after_never_panics<W: Wire>() {
+    let busy = r#"{"error":{"message":"Rate limit reached"}}"#;
+    let server = Server::start(vec![
+        Reply::json(429, busy)
+            .header("retry-after", "1e300")
+            .header("retry-after-ms", "NaN"),
+        Reply::json(429, busy).header("retry-after", "-5"),
+        Reply::json(429, busy).header("retry-after-ms", "-1e309"),
+        Reply::sse(W::text()),
+    ])
+    .await;
+    let (p, w) = provider::<W>(&server);
+    let err = refused(p.as_ref()).await;
+    assert_eq!(
+        err,
+        ProviderError::RateLimited {
+            retry_after: Some(keel_providers::RETRY_AFTER_CAP)
+        },
+        "a clamped day is longer than the policy waits"
+    );
+    assert!(waits(&w).is_empty());
+    // Negative values are ignored: the backoff applies instead.
+    let r = p
+        .complete(&simple_request(), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(r.message.text(), "Hello, world!");
+    assert_eq!(
+        waits(&w),
+        [Duration::from_millis(250), Duration::from_millis(500)]
+    );
+}
+
+async fn context_overflow_is_its_own_error<W: Wire>() {
+    let server = Server::start(vec![Reply::json(400, &W::context_overflow())]).await;
+    let (p, w) = provider::<W>(&server);
+    let err = refused(p.as_ref()).await;
+    assert!(
+        matches!(err, ProviderError::ContextLengthExceeded(_)),
+        "{err:?}"
+    );
+    assert!(!err.is_retryable());
+    assert_eq!(server.requests().len(), 1);
+    assert!(waits(&w).is_empty());
+}
+
+async fn absurd_usage_saturates<W: Wire>() {
+    let server = Server::start(vec![Reply::sse(W::absurd_usage())]).await;
+    let (p, _) = provider::<W>(&server);
+    let r = p
+        .complete(&simple_request(), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(r.message.text(), "Hi");
+    assert_eq!(r.usage, Usage::new(u64::MAX, 0));
+}
+
 /// Runs every conformance case for one adapter.
 macro_rules! conformance {
     ($module:ident, $wire:ty) => {
@@ -586,7 +734,10 @@ macro_rules! conformance {
                 malformed_before_output_is_not_retried, cancel_mid_stream, cancel_during_backoff,
                 cancelled_before_the_call, read_timeout_mid_stream,
                 read_timeout_before_output_is_retried, connection_refused_is_retried_then_typed,
-                json_instead_of_a_stream_is_protocol
+                json_instead_of_a_stream_is_protocol, responses_over_max_bytes_fail_naming_the_key,
+                tool_arguments_over_their_cap_fail, total_deadline_ends_a_trickling_stream,
+                total_deadline_bounds_the_retries, absurd_retry_after_never_panics,
+                context_overflow_is_its_own_error, absurd_usage_saturates
             );
         }
     };

@@ -17,6 +17,9 @@ pub enum End {
     Cut,
     /// The connection stays open and silent.
     Stall,
+    /// The connection stays open, sending an SSE comment every so often
+    /// (never silent long enough for a read timeout).
+    Trickle(std::time::Duration),
 }
 
 /// One canned response.
@@ -154,6 +157,14 @@ async fn serve(mut socket: TcpStream, reply: Reply, recorded: Arc<Mutex<Vec<Reco
             }
             End::Cut => {}
             End::Stall => std::future::pending::<()>().await,
+            End::Trickle(every) => loop {
+                tokio::time::sleep(every).await;
+                let ping = ": ping\n\n";
+                let framed = format!("{:x}\r\n{ping}\r\n", ping.len());
+                if socket.write_all(framed.as_bytes()).await.is_err() {
+                    return;
+                }
+            },
         }
     }
     let _ = socket.shutdown().await;

@@ -17,7 +17,7 @@ use super::NONTERMINAL_RUN;
 use crate::counters::{adjust_counters, next_revision, usage_tx, Revisions};
 use crate::error::{Result, StoreError};
 use crate::inbox::{insert_event_tx, EventType, NewEventRow, ScopeKind};
-use crate::util::{parse, to_i64};
+use crate::util::{parse, saturating_i64, to_i64};
 use crate::Store;
 
 fn accept_run_tx(conn: &Connection, req: &AcceptRun) -> Result<AcceptedRun> {
@@ -303,12 +303,8 @@ pub(super) fn terminal_tx(
             status.as_str(),
             result,
             error,
-            usage
-                .map(|u| to_i64("prompt_tokens", u.prompt_tokens))
-                .transpose()?,
-            usage
-                .map(|u| to_i64("completion_tokens", u.completion_tokens))
-                .transpose()?,
+            usage.map(|u| saturating_i64(u.prompt_tokens)),
+            usage.map(|u| saturating_i64(u.completion_tokens)),
             tool_calls,
             iterations,
             revision,

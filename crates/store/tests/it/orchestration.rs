@@ -68,6 +68,32 @@ async fn slots(store: &Store, root: SessionId) -> (u64, u64) {
     (c.pending_event_count, c.reserved_completion_slots)
 }
 
+/// A provider may report usage no SQLite integer holds; the terminal commit
+/// stores it saturated instead of failing (which would leave the run stuck).
+#[tokio::test]
+async fn usage_above_i64_saturates() {
+    let (_dir, store) = temp_store();
+    let run = new_run(SessionId::new(), ExecutionMode::Foreground);
+    let exec = run.execution_id.clone();
+    store.accept_run(accept(run.clone(), 4)).await.unwrap();
+    assert!(store
+        .mark_run_running(run.id, exec.clone(), 110)
+        .await
+        .unwrap());
+    let outcome = TerminalOutcome::Completed {
+        result: "ok".into(),
+        usage: Usage::new(u64::MAX, u64::MAX - 1),
+        tool_calls: 0,
+        iterations: 1,
+    };
+    let commit = store
+        .commit_terminal(run.id, exec, outcome, CompletionHandling::Deliver, 140)
+        .await
+        .unwrap();
+    let max = i64::MAX as u64;
+    assert_eq!(commit.run.usage, Some(Usage::new(max, max)));
+}
+
 #[tokio::test]
 async fn background_run_lifecycle_reserves_then_delivers_one_completion() {
     let (_dir, store) = temp_store();
