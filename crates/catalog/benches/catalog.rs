@@ -92,7 +92,11 @@ fn main() {
         .register(Arc::new(Fake("search_text")))
         .expect("register");
     let mut inputs = CatalogInputs::new(["default"], Arc::new(tools));
-    inputs.skills.insert("git".to_owned());
+    inputs.skills = keel_catalog::SkillSet::from_texts([(
+        "git.md",
+        "---\nname: git\ndescription: Git workflows.\n---\nRebase.\n",
+    )])
+    .expect("skills");
     inputs.root_delegates = (0..5)
         .map(|i| AgentId::parse(&format!("agent-{i:03}")).expect("id"))
         .collect();

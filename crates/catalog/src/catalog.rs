@@ -13,6 +13,7 @@ use crate::diagnostic::Diagnostics;
 use crate::loader::{read_root, SourceFile};
 use crate::parse::parse_full;
 use crate::resolve::{resolve, CatalogInputs};
+use crate::skills::SkillSet;
 
 /// A validated, immutable set of agent definitions. Cloning is cheap (one
 /// `Arc`); a reload builds a new catalog and never changes this one.
@@ -30,6 +31,7 @@ pub struct AgentCatalog {
 
 struct CatalogInner {
     definitions: BTreeMap<AgentId, Arc<AgentDefinition>>,
+    skills: SkillSet,
     root_delegates: Vec<AgentId>,
     delegatable: BTreeSet<AgentId>,
     max_delegation_depth: u32,
@@ -68,6 +70,7 @@ impl AgentCatalog {
         Self {
             inner: Arc::new(CatalogInner {
                 definitions: BTreeMap::new(),
+                skills: SkillSet::empty(),
                 root_delegates: Vec::new(),
                 delegatable: BTreeSet::new(),
                 max_delegation_depth: crate::resolve::DEFAULT_MAX_DELEGATION_DEPTH,
@@ -87,6 +90,7 @@ impl AgentCatalog {
         Ok(Self {
             inner: Arc::new(CatalogInner {
                 definitions: resolved.definitions,
+                skills: inputs.skills.clone(),
                 root_delegates: inputs.root_delegates.clone(),
                 delegatable: resolved.delegatable,
                 max_delegation_depth: inputs.max_delegation_depth,
@@ -126,6 +130,12 @@ impl AgentCatalog {
     /// Whether there are no agents.
     pub fn is_empty(&self) -> bool {
         self.inner.definitions.is_empty()
+    }
+
+    /// The skills the definitions were checked against (what `get_skill`
+    /// serves).
+    pub fn skills(&self) -> &SkillSet {
+        &self.inner.skills
     }
 
     /// Agents the root agent may delegate to, in config order.
@@ -212,8 +222,19 @@ impl AgentCatalog {
                     llm_profile: d.llm_profile.clone(),
                     tools: d.tools.clone(),
                     delegates: d.delegates.clone(),
+                    skills: d.skills.clone(),
                     signal: d.signal.is_some(),
                     hash_prefix: d.hash_prefix().to_owned(),
+                })
+                .collect(),
+            skills: self
+                .inner
+                .skills
+                .iter()
+                .map(|s| SkillSummary {
+                    name: s.name.clone(),
+                    description: s.description.clone(),
+                    file: s.source_file.clone(),
                 })
                 .collect(),
         }
@@ -243,6 +264,8 @@ pub struct AgentSummary {
     pub tools: Vec<String>,
     /// Agents it may delegate to.
     pub delegates: Vec<AgentId>,
+    /// Skills it may read.
+    pub skills: Vec<String>,
     /// Whether it has a signal contract.
     pub signal: bool,
     /// First 12 hex digits of its `definition_hash`.
@@ -258,6 +281,19 @@ pub struct CatalogSummary {
     pub root_delegates: Vec<AgentId>,
     /// One entry per agent, sorted by id.
     pub agents: Vec<AgentSummary>,
+    /// One entry per skill, sorted by name.
+    pub skills: Vec<SkillSummary>,
+}
+
+/// One skill line of a [`CatalogSummary`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SkillSummary {
+    /// The skill's name.
+    pub name: String,
+    /// What it is for.
+    pub description: String,
+    /// Its file.
+    pub file: PathBuf,
 }
 
 fn join<T: AsRef<str>>(items: &[T]) -> String {
@@ -296,9 +332,14 @@ impl fmt::Display for CatalogSummary {
             .max()
             .unwrap_or(0);
         for a in &self.agents {
+            let skills = if a.skills.is_empty() {
+                String::new()
+            } else {
+                format!("  skills={}", join(&a.skills))
+            };
             write!(
                 f,
-                "\n  {:<w_id$}  {}  profile={:<w_prof$}  tools={}  delegates={}{}  ({})",
+                "\n  {:<w_id$}  {}  profile={:<w_prof$}  tools={}  delegates={}{skills}{}  ({})",
                 a.id.as_str(),
                 a.hash_prefix,
                 a.llm_profile,
@@ -306,6 +347,18 @@ impl fmt::Display for CatalogSummary {
                 join(&a.delegates),
                 if a.signal { "  signal" } else { "" },
                 a.file.display()
+            )?;
+        }
+        let n = self.skills.len();
+        write!(f, "\n{n} skill{}", if n == 1 { "" } else { "s" })?;
+        let w_name = self.skills.iter().map(|s| s.name.len()).max().unwrap_or(0);
+        for s in &self.skills {
+            write!(
+                f,
+                "\n  {:<w_name$}  {}  ({})",
+                s.name,
+                s.description,
+                s.file.display()
             )?;
         }
         Ok(())

@@ -1,4 +1,5 @@
-//! Strict Markdown-frontmatter agent definitions and the immutable agent catalog.
+//! Strict Markdown-frontmatter agent definitions and skills, and the
+//! immutable agent catalog.
 //!
 //! Users write one agent per `*.md` file: a YAML frontmatter between a
 //! first-line `---` and a closing `---`, then the role prompt. A typo must
@@ -47,9 +48,12 @@
 //!   every chain finite (see [`AgentCatalog`]).
 //! - **Hash**: `definition_hash` ignores formatting and changes with any
 //!   value (see [`AgentDefinition::definition_hash`]).
+//! - **Skills** ([`SkillSet`]) come from their own root with the same file
+//!   rules (frontmatter `name`, `description`; the body is the skill); an
+//!   agent's `skills:` entries must name existing skills.
 //!
 //! Architecture invariant: keel-catalog depends only on keel-core and never
-//! touches the filesystem outside the definitions root.
+//! touches the filesystem outside the definitions and skills roots.
 #![deny(missing_docs)]
 
 mod catalog;
@@ -59,18 +63,20 @@ mod loader;
 mod locate;
 mod parse;
 mod resolve;
+mod skills;
 
 use std::path::Path;
 
-pub use catalog::{AgentCatalog, AgentSummary, CatalogHandle, CatalogSummary};
+pub use catalog::{AgentCatalog, AgentSummary, CatalogHandle, CatalogSummary, SkillSummary};
 pub use definition::*;
 pub use diagnostic::{Diagnostic, DiagnosticKind, Diagnostics};
 pub use loader::MAX_DEFINITIONS;
 pub use parse::{
-    is_reserved, parse_definition, parse_definition_bytes, MAX_DEFINITION_BYTES,
-    MAX_FRONTMATTER_BYTES, RESERVED_IDS,
+    is_reserved, parse_definition, parse_definition_bytes, parse_skill, parse_skill_bytes,
+    MAX_DEFINITION_BYTES, MAX_FRONTMATTER_BYTES, RESERVED_IDS,
 };
 pub use resolve::{CatalogInputs, DEFAULT_MAX_DELEGATION_DEPTH, MAX_DELEGATION_DEPTH_CAP};
+pub use skills::{Skill, SkillSet};
 
 /// What `keel agents check DIR` runs: loads `root` as generation 0 and
 /// returns the summary to print, or every problem.

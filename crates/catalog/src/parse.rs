@@ -18,6 +18,7 @@ use serde_yaml::Value;
 use crate::definition::*;
 use crate::diagnostic::{Diagnostic, DiagnosticKind as K};
 use crate::locate::{render_path, Locator, Seg};
+use crate::skills::{Skill, SkillFrontmatter};
 
 /// Largest definition file, in bytes (checked before reading).
 pub const MAX_DEFINITION_BYTES: u64 = 256 * 1024;
@@ -52,23 +53,25 @@ pub fn parse_definition_bytes(
     }
     match std::str::from_utf8(bytes) {
         Ok(text) => parse_definition(file, text),
-        Err(e) => {
-            let line = bytes[..e.valid_up_to()]
-                .iter()
-                .filter(|&&b| b == b'\n')
-                .count()
-                + 1;
-            Err(vec![Diagnostic::new(
-                Some(file),
-                K::NotUtf8,
-                format!(
-                    "the file is not valid UTF-8 (first bad byte at offset {}); save it as UTF-8",
-                    e.valid_up_to()
-                ),
-            )
-            .at(line, None)])
-        }
+        Err(e) => Err(vec![not_utf8(file, bytes, &e)]),
     }
+}
+
+fn not_utf8(file: &Path, bytes: &[u8], e: &std::str::Utf8Error) -> Diagnostic {
+    let line = bytes[..e.valid_up_to()]
+        .iter()
+        .filter(|&&b| b == b'\n')
+        .count()
+        + 1;
+    Diagnostic::new(
+        Some(file),
+        K::NotUtf8,
+        format!(
+            "the file is not valid UTF-8 (first bad byte at offset {}); save it as UTF-8",
+            e.valid_up_to()
+        ),
+    )
+    .at(line, None)
 }
 
 pub(crate) fn too_large(file: &Path, len: u64) -> Diagnostic {
@@ -108,41 +111,146 @@ pub(crate) fn parse_bytes_full(file: &Path, bytes: &[u8]) -> Parsed {
 }
 
 pub(crate) fn parse_full(file: &Path, text: &str) -> Parsed {
-    let failed = |diags, yaml: &str, salvaged_id| Parsed {
-        outcome: Err(diags),
-        yaml: yaml.to_owned(),
-        salvaged_id,
+    let checked = match check_document(file, text, &AGENT) {
+        Ok(c) => c,
+        Err(rejected) => {
+            let salvaged_id = match &rejected.value {
+                Some(value) => value
+                    .get("id")
+                    .and_then(Value::as_str)
+                    .and_then(|s| AgentId::parse(s).ok()),
+                None => salvage_id(rejected.yaml),
+            };
+            return Parsed {
+                outcome: Err(rejected.diags),
+                yaml: rejected.yaml.to_owned(),
+                salvaged_id,
+            };
+        }
     };
-    let parts = match split(file, text) {
-        Ok(p) => p,
-        Err(diags) => return failed(diags, "", None),
-    };
+    let outcome = typed::<Frontmatter>(file, checked.value)
+        .map(|fm| AgentDefinition::from_frontmatter(fm, checked.body, file.to_path_buf()));
+    Parsed {
+        outcome,
+        yaml: checked.yaml.to_owned(),
+        salvaged_id: None,
+    }
+}
+
+/// Parses one skill file: a frontmatter with `name` and `description`, then
+/// the skill's instructions. Same strictness as agent definitions.
+pub fn parse_skill(file: &Path, text: &str) -> Result<Skill, Vec<Diagnostic>> {
+    let checked = check_document(file, text, &SKILL).map_err(|r| r.diags)?;
+    let fm = typed::<SkillFrontmatter>(file, checked.value)?;
+    Ok(Skill {
+        name: fm.name,
+        description: fm.description,
+        body: checked.body,
+        source_file: file.to_path_buf(),
+    })
+}
+
+/// [`parse_skill`] from raw bytes: size limit and UTF-8 first.
+pub fn parse_skill_bytes(file: &Path, bytes: &[u8]) -> Result<Skill, Vec<Diagnostic>> {
+    if bytes.len() as u64 > MAX_DEFINITION_BYTES {
+        return Err(vec![too_large(file, bytes.len() as u64)]);
+    }
+    match std::str::from_utf8(bytes) {
+        Ok(text) => parse_skill(file, text),
+        Err(e) => Err(vec![not_utf8(file, bytes, &e)]),
+    }
+}
+
+/// The authoritative typed parse of a value the walk accepted. The walk
+/// checks at least what the `deny_unknown_fields` structs check; this is the
+/// fail-closed backstop if they ever disagree.
+fn typed<T: serde::de::DeserializeOwned>(file: &Path, value: Value) -> Result<T, Vec<Diagnostic>> {
+    serde_yaml::from_value::<T>(value).map_err(|e| {
+        vec![Diagnostic::new(
+            Some(file),
+            K::WrongType,
+            strip_location(&e.to_string()),
+        )]
+    })
+}
+
+/// What a frontmatter document describes: its keys and the wording of the
+/// structural errors that name them.
+pub(crate) struct DocKind {
+    fields: &'static [Field],
+    /// Keys named when the opening `---` is missing.
+    keys: &'static str,
+    /// The required keys, for an empty frontmatter.
+    needs: &'static str,
+    /// The error for an empty body.
+    empty_body: &'static str,
+    /// Whether a misplaced key may belong in a nested table (`limits:` …).
+    nested: bool,
+}
+
+const AGENT: DocKind = DocKind {
+    fields: TOP,
+    keys: "id, description, llm_profile …",
+    needs: "`id`, `description` and `llm_profile`",
+    empty_body: "the role prompt after the frontmatter is empty; write the agent's instructions below the closing `---`",
+    nested: true,
+};
+
+const SKILL: DocKind = DocKind {
+    fields: SKILL_TOP,
+    keys: "name, description",
+    needs: "`name` and `description`",
+    empty_body: "the skill's instructions after the frontmatter are empty; write them below the closing `---`",
+    nested: false,
+};
+
+/// A document that passed every check: its YAML value, normalized body and
+/// YAML text.
+struct Checked<'a> {
+    value: Value,
+    body: String,
+    yaml: &'a str,
+}
+
+/// A document with problems: every one of them, its YAML text, and the
+/// parsed value when the YAML itself was valid.
+struct Rejected<'a> {
+    diags: Vec<Diagnostic>,
+    yaml: &'a str,
+    value: Option<Value>,
+}
+
+/// Delimiters and size, the line scan, the YAML parse and the walk over
+/// `kind`'s keys; every problem found is returned.
+fn check_document<'a>(
+    file: &Path,
+    text: &'a str,
+    kind: &DocKind,
+) -> Result<Checked<'a>, Rejected<'a>> {
+    let rejected = |diags, yaml, value| Rejected { diags, yaml, value };
+    let parts = split(file, text, kind).map_err(|diags| rejected(diags, "", None))?;
     let mut diags = scan_lines(file, parts.yaml);
     let body = normalize_body(parts.body);
     if body.is_empty() {
         diags.push(
-            Diagnostic::new(
-                Some(file),
-                K::EmptyBody,
-                "the role prompt after the frontmatter is empty; write the agent's instructions below the closing `---`",
-            )
-            .at(parts.body_line, None),
+            Diagnostic::new(Some(file), K::EmptyBody, kind.empty_body).at(parts.body_line, None),
         );
     }
     if diags.iter().any(|d| d.kind != K::EmptyBody) {
         // Tabs or document markers make the YAML mean something else or fail;
         // report them alone rather than serde_yaml's confusing consequences.
-        return failed(diags, parts.yaml, salvage_id(parts.yaml));
+        return Err(rejected(diags, parts.yaml, None));
     }
     let value: Value = match serde_yaml::from_str(parts.yaml) {
         Ok(v) => v,
         Err(e) => {
             diags.insert(0, yaml_error(file, parts.yaml, &e));
-            return failed(diags, parts.yaml, salvage_id(parts.yaml));
+            return Err(rejected(diags, parts.yaml, None));
         }
     };
     let mut walk = Walk {
         file,
+        kind,
         locator: Locator::new(parts.yaml),
         diags: Vec::new(),
     };
@@ -152,31 +260,13 @@ pub(crate) fn parse_full(file: &Path, text: &str) -> Parsed {
     // Compiler order: by line, problems without a line (missing keys) first.
     all.sort_by_key(|d| d.line.unwrap_or(0));
     if !all.is_empty() {
-        let salvaged = value
-            .get("id")
-            .and_then(Value::as_str)
-            .and_then(|s| AgentId::parse(s).ok());
-        return failed(all, parts.yaml, salvaged);
+        return Err(rejected(all, parts.yaml, Some(value)));
     }
-    let outcome = match serde_yaml::from_value::<Frontmatter>(value) {
-        Ok(fm) => Ok(AgentDefinition::from_frontmatter(
-            fm,
-            body,
-            file.to_path_buf(),
-        )),
-        // The walk checks at least what the structs check; this is the
-        // fail-closed backstop if they ever disagree.
-        Err(e) => Err(vec![Diagnostic::new(
-            Some(file),
-            K::WrongType,
-            strip_location(&e.to_string()),
-        )]),
-    };
-    Parsed {
-        outcome,
-        yaml: parts.yaml.to_owned(),
-        salvaged_id: None,
-    }
+    Ok(Checked {
+        value,
+        body,
+        yaml: parts.yaml,
+    })
 }
 
 struct Parts<'a> {
@@ -206,7 +296,7 @@ fn is_delimiter(line: &str) -> bool {
     line.trim_end() == "---"
 }
 
-fn split<'a>(file: &Path, text: &'a str) -> Result<Parts<'a>, Vec<Diagnostic>> {
+fn split<'a>(file: &Path, text: &'a str, kind: &DocKind) -> Result<Parts<'a>, Vec<Diagnostic>> {
     let missing =
         |msg: &str| vec![Diagnostic::new(Some(file), K::MissingFrontmatter, msg).at(1, Some(1))];
     if text.starts_with('\u{feff}') {
@@ -218,9 +308,10 @@ fn split<'a>(file: &Path, text: &'a str) -> Result<Parts<'a>, Vec<Diagnostic>> {
     match lines.next() {
         Some((_, first)) if is_delimiter(first) => {}
         _ => {
-            return Err(missing(
-                "the first line must be `---`, opening the YAML frontmatter (id, description, llm_profile …)",
-            ))
+            return Err(missing(&format!(
+                "the first line must be `---`, opening the YAML frontmatter ({})",
+                kind.keys
+            )))
         }
     }
     let yaml_start = text.find('\n').map_or(text.len(), |i| i + 1);
@@ -415,6 +506,7 @@ fn yaml_error(file: &Path, yaml: &str, e: &serde_yaml::Error) -> Diagnostic {
 #[derive(Clone, Copy)]
 enum Ty {
     Id,
+    SkillName,
     Text,
     Name,
     Names,
@@ -445,6 +537,11 @@ const TOP: &[Field] = &[
     field("skills", Ty::Names, false),
     field("limits", Ty::Limits, false),
     field("signal", Ty::Signal, false),
+];
+
+const SKILL_TOP: &[Field] = &[
+    field("name", Ty::SkillName, true),
+    field("description", Ty::Text, true),
 ];
 
 const LIMITS: &[Field] = &[
@@ -516,6 +613,7 @@ fn describe(v: &Value) -> String {
 
 struct Walk<'a> {
     file: &'a Path,
+    kind: &'a DocKind,
     locator: Locator<'a>,
     diags: Vec<Diagnostic>,
 }
@@ -533,12 +631,15 @@ impl Walk<'_> {
 
     fn top(&mut self, v: &Value) {
         match v {
-            Value::Mapping(_) => self.mapping(v, &[], TOP),
+            Value::Mapping(_) => self.mapping(v, &[], self.kind.fields),
             Value::Null => self.diags.push(
                 Diagnostic::new(
                     Some(self.file),
                     K::NotAMapping,
-                    "the frontmatter is empty; it needs at least `id`, `description` and `llm_profile`",
+                    format!(
+                        "the frontmatter is empty; it needs at least {}",
+                        self.kind.needs
+                    ),
                 )
                 .at(2, None),
             ),
@@ -619,7 +720,7 @@ impl Walk<'_> {
             .filter(|(d, n)| *d <= 2.max(n.len() / 4));
         if let Some((_, suggestion)) = best {
             msg.push_str(&format!("; did you mean `{suggestion}`?"));
-        } else if let Some(home) = home_of(name) {
+        } else if let Some(home) = home_of(name).filter(|_| self.kind.nested) {
             msg.push_str(&format!(
                 "; `{name}` belongs at {home} — check the indentation"
             ));
@@ -646,6 +747,20 @@ impl Walk<'_> {
             Ty::Id => {
                 if let Some(s) = self.string(v, path, "an agent id") {
                     self.agent_id(s, path, true);
+                }
+            }
+            Ty::SkillName => {
+                if let Some(s) = self.string(v, path, "a skill name") {
+                    if let Err(keel_core::IdError::BadAgentId { value, reason }) = AgentId::parse(s)
+                    {
+                        self.push(
+                            K::InvalidValue,
+                            path,
+                            format!(
+                                "invalid skill name {value:?}: {reason} (names match [a-z][a-z0-9_-]{{0,63}})"
+                            ),
+                        );
+                    }
                 }
             }
             Ty::Text => {

@@ -14,6 +14,7 @@ use crate::definition::AgentDefinition;
 use crate::diagnostic::{Diagnostic, DiagnosticKind as K};
 use crate::loader::SourceFile;
 use crate::locate::{render_path, Locator, Seg};
+use crate::skills::SkillSet;
 
 /// Default longest delegation chain (root → a → b → c).
 pub const DEFAULT_MAX_DELEGATION_DEPTH: u32 = 3;
@@ -28,8 +29,8 @@ pub struct CatalogInputs {
     pub profiles: BTreeSet<String>,
     /// Every registered tool with its delegation policy.
     pub tools: Arc<ToolRegistry>,
-    /// Names of the available skills.
-    pub skills: BTreeSet<String>,
+    /// The skills definitions may list.
+    pub skills: SkillSet,
     /// Agents the root agent may delegate to (config `root_delegates`).
     pub root_delegates: Vec<AgentId>,
     /// Longest delegation chain from the root (config `max_tree_depth`),
@@ -48,7 +49,7 @@ impl CatalogInputs {
         Self {
             profiles: profiles.into_iter().map(Into::into).collect(),
             tools,
-            skills: BTreeSet::new(),
+            skills: SkillSet::empty(),
             root_delegates: Vec::new(),
             max_delegation_depth: DEFAULT_MAX_DELEGATION_DEPTH,
         }
@@ -366,7 +367,7 @@ fn check_skills(
                 &[Seg::Key("skills"), Seg::Index(i)],
                 format!(
                     "no skill {skill:?} exists{}",
-                    hint(skill, "skills", inputs.skills.iter().map(String::as_str))
+                    hint(skill, "skills", inputs.skills.names())
                 ),
             ));
         }

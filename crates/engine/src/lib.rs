@@ -63,6 +63,7 @@ pub use state::{
     HistoryMessage, MemoryEntry, MergeStrategy, Segment, SessionState, SlotConfig, SlotMode,
 };
 pub use tools::{
-    builtin_registry, check_sandbox_support, run_sandbox_launcher, BuiltinToolsConfig,
-    LandlockPolicy, ShellConfig, ShellConfinement, DEFAULT_SHELL_READ_PATHS, SANDBOX_LAUNCHER_ARG,
+    builtin_registry, check_sandbox_support, grant_skills, run_sandbox_launcher,
+    BuiltinToolsConfig, LandlockPolicy, ShellConfig, ShellConfinement, DEFAULT_SHELL_READ_PATHS,
+    SANDBOX_LAUNCHER_ARG,
 };

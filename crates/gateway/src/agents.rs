@@ -1,11 +1,11 @@
-//! `keel agents check DIR`: validates agent definitions against the
-//! configuration and prints the catalog, or every diagnostic.
+//! `keel agents check DIR`: validates agent definitions and skills against
+//! the configuration and prints the catalog, or every diagnostic.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use keel_catalog::{AgentCatalog, CatalogInputs};
+use keel_catalog::{AgentCatalog, CatalogInputs, Diagnostics, SkillSet};
 
 use crate::app::default_tool_registry;
 use crate::config::Config;
@@ -35,13 +35,43 @@ pub fn catalog_inputs(config: Option<&Config>) -> Result<CatalogInputs> {
     Ok(inputs)
 }
 
+/// The skills a check validates against: `--skills DIR`, else the
+/// configuration's skills directory, else a `skills` directory next to the
+/// definitions directory (the data-directory layout), else none.
+fn skills_for_check(
+    dir: &Path,
+    config: Option<&Config>,
+    skills: Option<&Path>,
+) -> std::result::Result<SkillSet, Diagnostics> {
+    let chosen: Option<PathBuf> = match (skills, config) {
+        (Some(explicit), _) => Some(explicit.to_path_buf()),
+        (None, Some(c)) => c.skills_dir(),
+        (None, None) => dir
+            .parent()
+            .map(|p| p.join(crate::config::DEFAULT_SKILLS_SUBDIR))
+            .filter(|p| p.is_dir()),
+    };
+    match chosen {
+        Some(root) => SkillSet::load(&root),
+        None => Ok(SkillSet::empty()),
+    }
+}
+
 /// Runs the check; exit 0 with a summary, or 1 with the diagnostics.
-pub fn check(dir: &Path, config_file: Option<&Path>) -> Result<ExitCode> {
+pub fn check(dir: &Path, config_file: Option<&Path>, skills: Option<&Path>) -> Result<ExitCode> {
     let loaded = match config_file {
         Some(path) => Some(Config::load(Some(path), None)?),
         None => None,
     };
-    let inputs = catalog_inputs(loaded.as_ref().map(|l| &l.config))?;
+    let config = loaded.as_ref().map(|l| &l.config);
+    let mut inputs = catalog_inputs(config)?;
+    inputs.skills = match skills_for_check(dir, config, skills) {
+        Ok(set) => set,
+        Err(diagnostics) => {
+            println!("{diagnostics}");
+            return Ok(ExitCode::FAILURE);
+        }
+    };
     match AgentCatalog::load(dir, &inputs, 1) {
         Ok(catalog) => {
             println!("{}", catalog.summary());

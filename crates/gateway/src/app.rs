@@ -7,11 +7,11 @@ use std::sync::Arc;
 use keel_catalog::{CatalogHandle, CatalogInputs};
 use keel_core::tool::ScopeRule;
 use keel_core::{AgentId, Provider, ScriptedProvider, ToolRegistry};
-use keel_engine::builtin_registry;
 use keel_engine::AgentLoop;
 use keel_engine::AgentProfile;
 use keel_engine::ExecutionGate;
 use keel_engine::NoHooks;
+use keel_engine::{builtin_registry, grant_skills};
 use keel_engine::{AgentCoordinator, CoordinatorConfig, ProfileProviders, ProviderFactory};
 use keel_engine::{RuntimeBundle, SessionManager};
 use keel_store::{describe_process, RuntimeLock, Store};
@@ -142,7 +142,8 @@ impl App {
             notices.push(notice);
         }
         let builtin = Arc::new(builtin_registry(&tools)?);
-        let inputs = config.catalog_inputs(builtin.clone());
+        let skills = config.load_skills().map_err(AppError::Catalog)?;
+        let inputs = config.catalog_inputs(builtin.clone(), skills.clone());
         let catalog = match config.agents_dir() {
             Some(dir) if dir.is_dir() => Some(Arc::new(
                 CatalogHandle::load(&dir, &inputs).map_err(AppError::Catalog)?,
@@ -165,12 +166,14 @@ impl App {
                         ),
                     )
                 })?;
-                let tools = builtin
+                let mut tools = builtin
                     .scoped(def.tools.iter().map(String::as_str), ScopeRule::Root)
                     .map_err(keel_engine::EngineError::from)?;
+                let mut prompt = def.body.clone();
+                grant_skills(&skills, &def.skills, &mut tools, &mut prompt)?;
                 direct_agents.push(AgentProfile {
                     name: def.id.clone(),
-                    system_prompt: def.body.clone(),
+                    system_prompt: prompt,
                     provider,
                     tools: Arc::new(tools),
                     max_iterations: def.limits.max_iterations,
@@ -207,6 +210,9 @@ impl App {
                 Some(coordinator)
             }
         };
+        // The root agent is the user's own: it may load every skill.
+        let all_skills: Vec<String> = skills.names().map(str::to_owned).collect();
+        grant_skills(&skills, &all_skills, &mut root_tools, &mut system_prompt)?;
         let root = AgentProfile {
             name: AgentId::root(),
             system_prompt,

@@ -69,13 +69,18 @@ pub enum Command {
 /// `keel agents …`.
 #[derive(Debug, Subcommand)]
 pub enum AgentsCommand {
-    /// Validate a directory of agent definitions and print the catalog.
+    /// Validate a directory of agent definitions (and the skills they list)
+    /// and print the catalog.
     Check {
         /// The definitions directory.
         dir: PathBuf,
         /// Configuration to validate against (default: built-in defaults).
         #[arg(long, value_name = "FILE")]
         config: Option<PathBuf>,
+        /// The skills directory (default: the configuration's, else a
+        /// `skills` directory next to DIR if there is one).
+        #[arg(long, value_name = "DIR")]
+        skills: Option<PathBuf>,
     },
 }
 
@@ -111,8 +116,13 @@ pub fn main() -> ExitCode {
             } => crate::chat::run(data, chat, agent, script).await,
             Command::Serve { data, bind } => crate::serve::run(data, bind).await,
             Command::Agents {
-                command: AgentsCommand::Check { dir, config },
-            } => crate::agents::check(&dir, config.as_deref()),
+                command:
+                    AgentsCommand::Check {
+                        dir,
+                        config,
+                        skills,
+                    },
+            } => crate::agents::check(&dir, config.as_deref(), skills.as_deref()),
         }
     });
     match result {

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
-use keel_catalog::CatalogInputs;
+use keel_catalog::{CatalogInputs, SkillSet};
 use keel_core::{AgentId, Provider, ToolRegistry};
 use keel_engine::{
     BuiltinToolsConfig, CoordinatorConfig, GateLimits, LandlockPolicy, SessionManagerConfig,
@@ -40,6 +40,8 @@ pub const DEFAULT_DATA_DIR: &str = ".keel";
 pub const DATA_DIR_ENV: &str = "KEEL_DATA_DIR";
 /// Sub-directory of the data directory holding agent definitions by default.
 pub const DEFAULT_AGENTS_SUBDIR: &str = "agents";
+/// Sub-directory of the data directory holding skills by default.
+pub const DEFAULT_SKILLS_SUBDIR: &str = "skills";
 /// The profile name that `llm_profile: default` refers to.
 pub const DEFAULT_PROFILE_NAME: &str = "default";
 /// The one-line notice printed when no provider is configured.
@@ -125,6 +127,9 @@ pub struct Config {
     /// Directory of agent definitions. Unset: `<data_dir>/agents` if it exists.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub agents_dir: Option<PathBuf>,
+    /// Directory of skills. Unset: `<data_dir>/skills` if it exists.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skills_dir: Option<PathBuf>,
     /// Agents the root agent may delegate to.
     pub root_delegates: Vec<String>,
     /// Output token cap of each model call of the root agent.
@@ -153,6 +158,7 @@ impl Default for Config {
             data_dir: None,
             default_profile: None,
             agents_dir: None,
+            skills_dir: None,
             root_delegates: Vec::new(),
             root_max_output_tokens: keel_catalog::DEFAULT_MAX_OUTPUT_TOKENS,
             workspace_root: None,
@@ -554,6 +560,7 @@ impl Config {
         for path in [
             &mut self.data_dir,
             &mut self.agents_dir,
+            &mut self.skills_dir,
             &mut self.workspace_root,
         ]
         .into_iter()
@@ -584,6 +591,23 @@ impl Config {
             .or_else(|| Some(self.data_dir().join(DEFAULT_AGENTS_SUBDIR)).filter(|p| p.is_dir()))
     }
 
+    /// The skills directory: `skills_dir`, else `<data_dir>/skills` if that
+    /// directory exists, else none.
+    pub fn skills_dir(&self) -> Option<PathBuf> {
+        self.skills_dir
+            .clone()
+            .or_else(|| Some(self.data_dir().join(DEFAULT_SKILLS_SUBDIR)).filter(|p| p.is_dir()))
+    }
+
+    /// The skills of [`Config::skills_dir`] (none when there is no such
+    /// directory); every problem of every file is reported.
+    pub fn load_skills(&self) -> Result<SkillSet, keel_catalog::Diagnostics> {
+        match self.skills_dir() {
+            Some(dir) => SkillSet::load(&dir),
+            None => Ok(SkillSet::empty()),
+        }
+    }
+
     /// The root of the file tools: `workspace_root`, else the current directory.
     pub fn workspace_root(&self) -> PathBuf {
         self.workspace_root
@@ -600,9 +624,11 @@ impl Config {
     }
 
     /// What the agent catalog validates definitions against: the profile
-    /// names (with `default`), `tools`, `root_delegates` and `max_tree_depth`.
-    pub fn catalog_inputs(&self, tools: Arc<ToolRegistry>) -> CatalogInputs {
+    /// names (with `default`), `tools`, `skills`, `root_delegates` and
+    /// `max_tree_depth`.
+    pub fn catalog_inputs(&self, tools: Arc<ToolRegistry>, skills: SkillSet) -> CatalogInputs {
         let mut inputs = CatalogInputs::new(self.profile_names(), tools);
+        inputs.skills = skills;
         inputs.root_delegates = self.root_delegate_ids();
         inputs.max_delegation_depth = self.orchestration.max_tree_depth;
         inputs

@@ -8,8 +8,8 @@ mod hash;
 mod load;
 mod parse;
 mod resolve;
+mod skills;
 
-use std::collections::BTreeSet;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -61,12 +61,18 @@ fn registry() -> Arc<ToolRegistry> {
 
 fn inputs(root_delegates: &[&str]) -> CatalogInputs {
     let mut i = CatalogInputs::new(["default", "fast"], registry());
-    i.skills = BTreeSet::from(["git".to_owned(), "rust".to_owned()]);
+    let (git, rust) = (skill("git", "Git workflows."), skill("rust", "Rust style."));
+    i.skills =
+        SkillSet::from_texts([("git.md", git.as_str()), ("rust.md", rust.as_str())]).unwrap();
     i.root_delegates = root_delegates
         .iter()
         .map(|s| AgentId::parse(s).unwrap())
         .collect();
     i
+}
+
+fn skill(name: &str, description: &str) -> String {
+    format!("---\nname: {name}\ndescription: {description}\n---\nHow to {name}.\n")
 }
 
 fn agent(id: &str, extra: &str) -> String {

@@ -252,7 +252,7 @@ impl AgentCoordinator {
             Ok(false) => return Err(Stop::Superseded),
             Err(e) => return Err(Stop::Agent(e.into())),
         }
-        let tools = self.run_tools(definition).map_err(Stop::Setup)?;
+        let (tools, system_prompt) = self.run_tools(definition).map_err(Stop::Setup)?;
         self.notify(context, RunEvent::Started);
         let mut extensions = Extensions::default();
         extensions.insert(Arc::clone(context));
@@ -263,7 +263,7 @@ impl AgentCoordinator {
         let request = TurnRequest {
             provider,
             tools: Arc::new(tools),
-            system_prompt: Some(definition.body.clone()),
+            system_prompt: Some(system_prompt),
             history: Vec::new(),
             input: vec![Message::user(input)],
             max_iterations: definition.limits.max_iterations,
@@ -283,11 +283,13 @@ impl AgentCoordinator {
             .map_err(Stop::Agent)
     }
 
-    /// The run's tool set: the definition's tools from the shared registry
-    /// (fail-closed: only `Delegatable`), plus `delegate` and `agent_task`
-    /// when the agent has delegates (depth and budget are enforced per call,
-    /// so the model sees a typed refusal rather than a missing tool).
-    fn run_tools(&self, definition: &AgentDefinition) -> Result<ToolRegistry, String> {
+    /// The run's tool set and system prompt: the definition's tools from the
+    /// shared registry (fail-closed: only `Delegatable`), plus `delegate` and
+    /// `agent_task` when the agent has delegates (depth and budget are
+    /// enforced per call, so the model sees a typed refusal rather than a
+    /// missing tool), plus `get_skill` and the list of its skills when its
+    /// definition names some.
+    fn run_tools(&self, definition: &AgentDefinition) -> Result<(ToolRegistry, String), String> {
         let mut registry = self
             .tools
             .scoped(
@@ -305,6 +307,14 @@ impl AgentCoordinator {
                 .register(Arc::new(AgentTaskTool::new(self.me.clone())))
                 .map_err(|e| format!("tool set refused: {e}"))?;
         }
-        Ok(registry)
+        let mut prompt = definition.body.clone();
+        crate::tools::grant_skills(
+            catalog.skills(),
+            &definition.skills,
+            &mut registry,
+            &mut prompt,
+        )
+        .map_err(|e| format!("tool set refused: {e}"))?;
+        Ok((registry, prompt))
     }
 }

@@ -9,6 +9,7 @@
 mod fs;
 mod sandbox;
 mod shell;
+mod skills;
 mod time;
 mod workspace;
 
@@ -28,6 +29,8 @@ use shell::ShellTool;
 pub use shell::{ShellConfig, ShellConfinement};
 use time::{CurrentTimeTool, SleepTool};
 use workspace::Workspace;
+
+pub use skills::grant_skills;
 
 /// Most bytes any built-in tool returns to the model.
 pub(crate) const MAX_TOOL_OUTPUT_BYTES: usize = 64 * 1024;

@@ -163,6 +163,7 @@ struct Agent {
     id: &'static str,
     delegates: Vec<&'static str>,
     tools: Vec<&'static str>,
+    skills: Vec<&'static str>,
     limits: Option<&'static str>,
     script: Vec<ScriptedResponse>,
     block_connect: bool,
@@ -175,6 +176,7 @@ fn agent(id: &'static str) -> Agent {
         id,
         delegates: vec![],
         tools: vec![],
+        skills: vec![],
         limits: None,
         script: vec![],
         block_connect: false,
@@ -190,6 +192,10 @@ impl Agent {
     }
     fn tools(mut self, t: &[&'static str]) -> Self {
         self.tools = t.to_vec();
+        self
+    }
+    fn skills(mut self, s: &[&'static str]) -> Self {
+        self.skills = s.to_vec();
         self
     }
     fn limits(mut self, l: &'static str) -> Self {
@@ -221,6 +227,9 @@ impl Agent {
             self.tools.join(", "),
             self.delegates.join(", ")
         );
+        if !self.skills.is_empty() {
+            s.push_str(&format!("skills: [{}]\n", self.skills.join(", ")));
+        }
         if let Some(l) = self.limits {
             s.push_str(&format!("limits: {l}\n"));
         }
@@ -277,6 +286,17 @@ impl Setup {
             .map(|d| AgentId::parse(d).unwrap())
             .collect();
         inputs.max_delegation_depth = self.config.max_tree_depth;
+        inputs.skills = keel_catalog::SkillSet::from_texts([
+            (
+                "git.md",
+                "---\nname: git\ndescription: Git workflows.\n---\nRebase, never merge.\n",
+            ),
+            (
+                "rust.md",
+                "---\nname: rust\ndescription: Rust style.\n---\nNo unwrap.\n",
+            ),
+        ])
+        .unwrap();
         let texts: Vec<(String, String)> = self
             .agents
             .iter()
@@ -531,6 +551,50 @@ async fn foreground_run_is_persisted_in_full_and_the_tool_sees_a_bounded_preview
     assert_eq!(full.content, long.as_str());
     assert_eq!(h.counters().await, (0, 0));
     h.assert_gate_idle();
+}
+
+/// A run of an agent with `skills: [git]` is told about that skill in its
+/// system prompt and can load it, and only it, with `get_skill`.
+#[tokio::test]
+async fn a_run_reads_the_skills_of_its_allowlist_only() {
+    let h = setup(
+        vec![agent("coder").skills(&["git"]).script(vec![
+            ScriptedResponse::tool_call("get_skill", json!({"name": "git"})),
+            ScriptedResponse::tool_call("get_skill", json!({"name": "rust"})),
+            ScriptedResponse::text("done"),
+        ])],
+        &["coder"],
+    )
+    .build();
+    let tools = h.coord.root_tools();
+    let delegate = tools.iter().find(|t| t.name() == "delegate").unwrap();
+    delegate
+        .execute(
+            json!({"tasks": [{"agent": "coder", "task": "commit it"}]}),
+            &h.root_tool_context(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(h.run_of("coder").await.status, RunStatus::Completed);
+    let seen = h.provider("coder").inner.requests();
+    assert_eq!(
+        seen[0].messages[0].text(),
+        "You are coder.\n\nSkills you can load with the get_skill tool when a task calls for them:\n- git: Git workflows."
+    );
+    assert!(seen[0].tools.iter().any(|t| t.name == "get_skill"));
+    let results: Vec<String> = seen[2]
+        .messages
+        .iter()
+        .filter(|m| m.role == keel_core::Role::Tool)
+        .map(|m| m.text())
+        .collect();
+    assert_eq!(
+        results,
+        [
+            "Rebase, never merge.",
+            "error: denied: no skill \"rust\" is available to you; your skills: git"
+        ]
+    );
 }
 
 #[tokio::test]

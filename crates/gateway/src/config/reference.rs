@@ -51,6 +51,7 @@ data_dir = ".keel"
 # What `llm_profile: default` means: required when several profiles exist.
 default_profile = "main"
 agents_dir = "agents"
+skills_dir = "skills"
 root_delegates = ["researcher", "reviewer"]
 root_max_output_tokens = 4096
 workspace_root = "."
@@ -157,6 +158,15 @@ pub fn reference() -> Vec<KeyDoc> {
         "agents_dir",
         "unset: `<data_dir>/agents` if it exists",
         "Directory of agent definitions (Markdown with frontmatter); must exist when set.".into(),
+    );
+    text(
+        &mut rows,
+        "skills_dir",
+        "unset: `<data_dir>/skills` if it exists",
+        "Directory of skills (`*.md` with `name` and `description` frontmatter; the body is \
+         the skill). The root agent may load every skill, another agent those its `skills:` \
+         lists; must exist when set."
+            .into(),
     );
     code(
         &mut rows,

@@ -34,6 +34,7 @@ pub(super) fn filesystem_problems(config: &Config) -> Vec<KeyedProblem> {
     let mut out = Problems(Vec::new());
     for (key, dir) in [
         ("agents_dir", &config.agents_dir),
+        ("skills_dir", &config.skills_dir),
         ("workspace_root", &config.workspace_root),
     ] {
         if let Some(dir) = dir {

@@ -70,3 +70,53 @@ fn with_a_config_profiles_and_tool_switches_come_from_it() {
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("no provider profile \"local\""), "{out}");
 }
+
+/// The data-directory layout: `skills/` next to `agents/` is read, each
+/// agent's `skills:` must name one of them, and the summary lists both.
+#[test]
+fn skills_next_to_the_definitions_are_checked_and_listed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (agents, skills) = (dir.path().join("agents"), dir.path().join("skills"));
+    std::fs::create_dir(&agents).unwrap();
+    std::fs::create_dir(&skills).unwrap();
+    std::fs::write(
+        agents.join("coder.md"),
+        "---\nid: coder\ndescription: Writes code.\nllm_profile: default\nskills: [review]\n---\nYou code.\n",
+    )
+    .unwrap();
+    std::fs::write(
+        skills.join("review.md"),
+        "---\nname: review\ndescription: How to review a change.\n---\nRead it twice.\n",
+    )
+    .unwrap();
+    let (out, code) = check(&agents, &[]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("skills=review"), "{out}");
+    assert!(
+        out.contains("1 skill\n  review  How to review a change.  (skills/review.md)"),
+        "{out}"
+    );
+
+    // An explicit --skills directory without that skill fails the agent.
+    let empty = dir.path().join("none");
+    std::fs::create_dir(&empty).unwrap();
+    let (out, code) = check(&agents, &["--skills", empty.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("skills[0]: no skill \"review\" exists"),
+        "{out}"
+    );
+
+    // A broken skill file fails the check, naming the file.
+    std::fs::write(
+        skills.join("bad.md"),
+        "---\nname: Bad\ndescription: x\n---\nbody\n",
+    )
+    .unwrap();
+    let (out, code) = check(&agents, &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.starts_with("skills/bad.md:2:1: name: invalid skill name"),
+        "{out}"
+    );
+}

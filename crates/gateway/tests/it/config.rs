@@ -534,3 +534,49 @@ async fn the_root_agent_runs_with_the_configured_output_cap() {
         assert_eq!(cap, Some(expected), "{file:?}");
     }
 }
+
+/// `<data_dir>/skills` reaches the root agent: its system prompt lists every
+/// skill and it has `get_skill`; a broken skill file stops start-up naming it.
+#[tokio::test]
+async fn skills_in_the_data_dir_reach_the_root_agent() {
+    let dir = tempfile::tempdir().unwrap();
+    let skills = dir.path().join("skills");
+    std::fs::create_dir(&skills).unwrap();
+    std::fs::write(
+        skills.join("review.md"),
+        "---\nname: review\ndescription: How to review a change.\n---\nRead it twice.\n",
+    )
+    .unwrap();
+    let app = keel_gateway::app::App::open("test", None, Some(dir.path()), None)
+        .await
+        .unwrap();
+    let id = app
+        .manager
+        .create_dialog("test", "chat", None, None)
+        .await
+        .unwrap();
+    let session = app.manager.session(id).await.unwrap();
+    let guard = session.lock().await;
+    let agent = guard.agent();
+    assert!(
+        agent.system_prompt.ends_with(
+            "get_skill tool when a task calls for them:\n- review: How to review a change."
+        ),
+        "{}",
+        agent.system_prompt
+    );
+    assert!(agent.tools.get("get_skill").is_some());
+    drop(guard);
+    drop(app);
+
+    std::fs::write(skills.join("bad.md"), "---\nname: x\n---\nbody\n").unwrap();
+    let err = keel_gateway::app::App::open("test", None, Some(dir.path()), None)
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        err.to_string()
+            .contains("skills/bad.md: description: required key is missing"),
+        "{err}"
+    );
+}
