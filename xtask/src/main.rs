@@ -15,7 +15,7 @@ commands:
   web                        the web page's browser test (headless Chromium, Playwright)
   deps                       check the crate layering
   tidy                       file and function sizes, dead public API, unread config keys
-  bench [store|catalog|engine|...]
+  bench [store|catalog|engine|serve|...]
                              run benchmarks (all when no name is given)
   fuzz <target> [--seconds N]  run a cargo-fuzz target (catalog)";
 
@@ -358,44 +358,48 @@ fn schemathesis() -> Result<(), String> {
     }
 }
 
-fn bench(args: &[String]) -> Result<(), String> {
-    let available: Vec<String> = std::fs::read_dir(root().join("crates"))
+/// Every `crates/<dir>/benches/<name>.rs`, as (name, package `keel-<dir>`), sorted by name.
+fn benches() -> Result<Vec<(String, String)>, String> {
+    let mut found = Vec::new();
+    for krate in std::fs::read_dir(root().join("crates"))
         .map_err(|e| format!("cannot list crates/: {e}"))?
         .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|name| {
-            root()
-                .join("crates")
-                .join(name)
-                .join("benches")
-                .join(format!("{name}.rs"))
-                .is_file()
-        })
-        .collect();
-    let chosen: Vec<String> = if args.is_empty() {
-        let mut all = available.clone();
-        all.sort();
-        all
-    } else {
-        for a in args {
-            if !available.contains(a) {
-                return Err(format!(
-                    "no benchmark {a:?}; available: {}",
-                    available.join(", ")
-                ));
+    {
+        let dir = krate.file_name().to_string_lossy().into_owned();
+        let Ok(files) = std::fs::read_dir(krate.path().join("benches")) else {
+            continue;
+        };
+        for file in files.filter_map(|e| e.ok()) {
+            let path = file.path();
+            if path.extension().is_some_and(|x| x == "rs") {
+                if let Some(stem) = path.file_stem() {
+                    found.push((stem.to_string_lossy().into_owned(), format!("keel-{dir}")));
+                }
             }
         }
-        args.to_vec()
-    };
-    for name in chosen {
+    }
+    found.sort();
+    Ok(found)
+}
+
+fn bench(args: &[String]) -> Result<(), String> {
+    let available = benches()?;
+    let names: Vec<&str> = available.iter().map(|(n, _)| n.as_str()).collect();
+    for a in args {
+        if !names.contains(&a.as_str()) {
+            return Err(format!(
+                "no benchmark {a:?}; available: {}",
+                names.join(", ")
+            ));
+        }
+    }
+    for (name, package) in &available {
+        if !args.is_empty() && !args.contains(name) {
+            continue;
+        }
         println!("bench: ── {name} ──");
         run(&mut cargo_cmd(&[
-            "bench",
-            "--locked",
-            "-p",
-            &format!("keel-{name}"),
-            "--bench",
-            &name,
+            "bench", "--locked", "-p", package, "--bench", name,
         ]))?;
     }
     Ok(())

@@ -1,12 +1,15 @@
 //! End-to-end tests of keel, linked into one binary: the `keel` binary run
-//! as a user runs it — chat transcripts over stdin/stdout, and crash safety
-//! under `kill -9` — against a real data directory, with a
-//! ScriptedProvider script standing in for the model.
+//! as a user runs it — chat transcripts over stdin/stdout, `keel serve`
+//! under SIGTERM and SIGHUP, and crash safety under `kill -9` — against a
+//! real data directory, with a ScriptedProvider script standing in for the
+//! model.
 #![allow(clippy::unwrap_used)] // helpers outside #[test] fns unwrap too
 
 mod chat;
 #[cfg(unix)]
 mod crash;
+#[cfg(unix)]
+mod serve;
 
 /// A command running the `keel` binary.
 ///

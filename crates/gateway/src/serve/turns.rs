@@ -233,7 +233,10 @@ impl TurnRunner {
         if committed {
             self.publish_dialog(session).await;
         }
-        self.projections.refresh(session).await;
+        // Only a turn that called tools can have started or cancelled runs.
+        if result.as_ref().map_or(true, |r| r.output.tool_calls > 0) {
+            self.projections.refresh(session).await;
+        }
     }
 
     /// Publishes the dialog as it is now (a committed turn changed its

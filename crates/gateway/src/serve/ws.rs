@@ -17,7 +17,7 @@ use futures::{SinkExt, StreamExt};
 use keel_core::SessionId;
 use keel_store::RunQuery;
 use parking_lot::Mutex;
-use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 use tokio::sync::{mpsc, Semaphore};
 use tokio::task::AbortHandle;
 
@@ -31,6 +31,8 @@ use super::Shared;
 pub const MAX_IN_FLIGHT: usize = 16;
 /// Dialogs one connection may subscribe to.
 pub const MAX_SUBSCRIPTIONS: usize = 64;
+/// Most frames a subscription takes from its dialog at once.
+const FORWARD_BATCH: usize = 64;
 /// How long one frame may take to write before the connection is dropped.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -122,7 +124,19 @@ impl Connection {
                     break Some(close_message(close::GOING_AWAY, "the server is shutting down"));
                 }
                 Some(frame) = queue.recv() => {
-                    match tokio::time::timeout(WRITE_TIMEOUT, sink.send(text(&frame))).await {
+                    // Everything queued goes out with one flush, adjacent
+                    // text deltas of a turn merged into one frame.
+                    let mut batch = vec![frame];
+                    while let Ok(more) = queue.try_recv() {
+                        batch.push(more);
+                    }
+                    let write = async {
+                        for frame in coalesce(batch) {
+                            sink.feed(text(&frame)).await?;
+                        }
+                        sink.flush().await
+                    };
+                    match tokio::time::timeout(WRITE_TIMEOUT, write).await {
                         Ok(Ok(())) => {}
                         _ => break None,
                     }
@@ -331,6 +345,40 @@ impl Connection {
     }
 }
 
+/// `frames` with each run of adjacent `text_delta`s of one turn merged into one.
+fn coalesce(frames: Vec<SharedFrame>) -> Vec<SharedFrame> {
+    let mut out: Vec<SharedFrame> = Vec::with_capacity(frames.len());
+    for frame in frames {
+        if let (
+            Some(ServerFrame::TextDelta {
+                session_id,
+                turn_id,
+                text,
+            }),
+            ServerFrame::TextDelta {
+                turn_id: next_turn,
+                text: next,
+                ..
+            },
+        ) = (out.last().map(|f| f.as_ref()), frame.as_ref())
+        {
+            if turn_id == next_turn {
+                let merged = ServerFrame::TextDelta {
+                    session_id: *session_id,
+                    turn_id: *turn_id,
+                    text: format!("{text}{next}"),
+                };
+                if let Some(last) = out.last_mut() {
+                    *last = Arc::new(merged);
+                }
+                continue;
+            }
+        }
+        out.push(frame);
+    }
+    out
+}
+
 /// Parses a client frame; the error says what was wrong, with the frame's `id` if it had one.
 fn parse(text: &str) -> (Option<String>, ApiResult<ClientFrame>) {
     let id = serde_json::from_str::<serde_json::Value>(text)
@@ -370,26 +418,36 @@ async fn forward(
     out: mpsc::Sender<SharedFrame>,
     skip_through: Option<u64>,
 ) {
+    let lagged = || {
+        shared.resync(
+            session,
+            "frames were dropped because this connection read too slowly",
+        )
+    };
     loop {
-        let frame = match receiver.recv().await {
+        let first = match receiver.recv().await {
             Ok(frame) => frame,
-            Err(RecvError::Lagged(_)) => Arc::new(
-                shared
-                    .resync(
-                        session,
-                        "frames were dropped because this connection read too slowly",
-                    )
-                    .await,
-            ),
+            Err(RecvError::Lagged(_)) => Arc::new(lagged().await),
             Err(RecvError::Closed) => return,
         };
-        if let (Some(skip), Some(revision)) = (skip_through, frame.revision()) {
-            if revision <= skip {
-                continue;
+        // Frames already waiting go on together, adjacent text deltas merged.
+        let mut batch = vec![first];
+        while batch.len() < FORWARD_BATCH {
+            match receiver.try_recv() {
+                Ok(frame) => batch.push(frame),
+                Err(TryRecvError::Lagged(_)) => batch.push(Arc::new(lagged().await)),
+                Err(TryRecvError::Empty | TryRecvError::Closed) => break,
             }
         }
-        if out.send(frame).await.is_err() {
-            return;
+        for frame in coalesce(batch) {
+            if let (Some(skip), Some(revision)) = (skip_through, frame.revision()) {
+                if revision <= skip {
+                    continue;
+                }
+            }
+            if out.send(frame).await.is_err() {
+                return;
+            }
         }
     }
 }

@@ -1,0 +1,335 @@
+//! `cargo bench -p keel-gateway --bench serve` (`cargo xtask bench serve`):
+//! `keel serve` under 100 concurrent WebSocket clients sending 50 turns each
+//! with the offline provider, against the same turns driven in-process
+//! through `SessionManager::submit_turn` in the same run. Prints `BENCH
+//! serve_… key=value` lines: turns/s and their ratio, p50/p99 turn latency,
+//! errors, "database is locked" lines in the server's log, and the
+//! server's resident memory at the end.
+#![allow(clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::{SinkExt, StreamExt};
+use keel_core::{Provider, ScriptedProvider, SessionId};
+use keel_gateway::app::App;
+use keel_gateway::serve::frames::{ClientFrame, ServerFrame};
+use tokio_tungstenite::tungstenite::Message as WsMessage;
+
+/// WebSocket frames the clients received.
+static FRAMES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Concurrent clients (each on its own dialog).
+const CLIENTS: usize = 100;
+/// Turns each client sends, one after the other.
+const TURNS: usize = 50;
+/// Rounds of both sides, interleaved (the machine's load drifts; the median ratio is reported).
+const ROUNDS: usize = 3;
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        println!(
+            "# {CLIENTS} clients x {TURNS} turns, offline provider; {ROUNDS} rounds of in-process then keel serve"
+        );
+        let mut ratios = Vec::new();
+        for round in 1..=ROUNDS {
+            let base = in_process().await;
+            report(&format!("serve_in_process round={round}"), &base);
+            let served = over_websocket().await;
+            report(&format!("serve_websocket round={round}"), &served.run);
+            println!(
+                "BENCH serve_server round={round} errors={} database_locked_lines={} rss_end_mib={:.1} rss_peak_mib={:.1}",
+                served.run.errors,
+                served.locked_lines,
+                served.rss_kib as f64 / 1024.0,
+                served.hwm_kib as f64 / 1024.0
+            );
+            ratios.push(served.run.turns_per_s() / base.turns_per_s());
+        }
+        ratios.sort_by(f64::total_cmp);
+        println!(
+            "BENCH serve_ratio turns_per_s_ratio_median={:.2} min={:.2} max={:.2} (goal >= 0.6)",
+            ratios[ratios.len() / 2],
+            ratios[0],
+            ratios[ratios.len() - 1]
+        );
+    });
+}
+
+/// Latencies and errors of one side.
+struct Run {
+    elapsed: Duration,
+    latencies: Vec<Duration>,
+    errors: usize,
+    /// CPU seconds the turns cost (server and client for the WebSocket side).
+    cpu: f64,
+}
+
+impl Run {
+    fn turns_per_s(&self) -> f64 {
+        self.latencies.len() as f64 / self.elapsed.as_secs_f64()
+    }
+
+    fn percentile(&self, p: f64) -> Duration {
+        let mut sorted = self.latencies.clone();
+        sorted.sort();
+        let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+        sorted.get(i).copied().unwrap_or_default()
+    }
+}
+
+fn report(name: &str, run: &Run) {
+    println!(
+        "BENCH {name} turns={} secs={:.2} turns_per_s={:.0} p50_ms={:.2} p99_ms={:.2} cpu_ms_per_turn={:.3} errors={}",
+        run.latencies.len(),
+        run.elapsed.as_secs_f64(),
+        run.turns_per_s(),
+        run.percentile(0.5).as_secs_f64() * 1000.0,
+        run.percentile(0.99).as_secs_f64() * 1000.0,
+        run.cpu * 1000.0 / run.latencies.len().max(1) as f64,
+        run.errors
+    );
+}
+
+/// The baseline: the same App `keel serve` builds, its turns submitted directly.
+async fn in_process() -> Run {
+    let dir = tempfile::tempdir().unwrap();
+    let provider: Arc<dyn Provider> = Arc::new(ScriptedProvider::offline());
+    let app = App::open_with_provider("keel bench", None, Some(dir.path()), Some(provider))
+        .await
+        .unwrap();
+    let mut sessions = Vec::new();
+    for i in 0..CLIENTS {
+        let id = app
+            .manager
+            .create_dialog("bench", "bench", Some(format!("d{i}")), None)
+            .await
+            .unwrap();
+        sessions.push(id);
+    }
+    let cpu_before = cpu_secs("self");
+    let started = Instant::now();
+    let tasks: Vec<_> = sessions
+        .into_iter()
+        .map(|id: SessionId| {
+            let manager = app.manager.clone();
+            tokio::spawn(async move {
+                let mut latencies = Vec::new();
+                let mut errors = 0;
+                for t in 0..TURNS {
+                    let at = Instant::now();
+                    match manager.submit_turn(id, &format!("turn {t}")).await {
+                        Ok(_) => latencies.push(at.elapsed()),
+                        Err(_) => errors += 1,
+                    }
+                }
+                (latencies, errors)
+            })
+        })
+        .collect();
+    let mut run = collect(started, tasks).await;
+    run.cpu = cpu_secs("self") - cpu_before;
+    run
+}
+
+async fn collect(
+    started: Instant,
+    tasks: Vec<tokio::task::JoinHandle<(Vec<Duration>, usize)>>,
+) -> Run {
+    let mut run = Run {
+        elapsed: Duration::ZERO,
+        latencies: Vec::new(),
+        errors: 0,
+        cpu: 0.0,
+    };
+    for task in tasks {
+        let (latencies, errors) = task.await.unwrap();
+        run.latencies.extend(latencies);
+        run.errors += errors;
+    }
+    run.elapsed = started.elapsed();
+    run
+}
+
+struct Served {
+    run: Run,
+    locked_lines: usize,
+    rss_kib: u64,
+    hwm_kib: u64,
+}
+
+/// `keel serve` (this package's release binary) in a fresh data directory.
+fn start_server(dir: &Path) -> (Child, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(["serve", "--bind", "127.0.0.1:0", "--data-dir"])
+        .arg(dir)
+        .env("KEEL_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_owned();
+    (child, addr)
+}
+
+/// CPU seconds (user + system) process `pid` ("self" for this one) used so far.
+fn cpu_secs(pid: &str) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces) start at the state.
+    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+fn memory_kib(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+async fn over_websocket() -> Served {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut child, addr) = start_server(dir.path());
+    let http = reqwest::Client::new();
+    let mut sessions = Vec::new();
+    for i in 0..CLIENTS {
+        let dialog: serde_json::Value = http
+            .post(format!("http://{addr}/api/dialogs"))
+            .json(&serde_json::json!({"channel": "bench", "chat_id": "bench", "title": format!("d{i}")}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        sessions.push(
+            dialog["id"]
+                .as_str()
+                .unwrap()
+                .parse::<uuid::Uuid>()
+                .unwrap(),
+        );
+    }
+    let mut sockets = Vec::new();
+    for _ in 0..CLIENTS {
+        let (ws, _) = tokio_tungstenite::connect_async(format!("ws://{addr}/api/ws"))
+            .await
+            .unwrap();
+        sockets.push(ws);
+    }
+    let server_pid = child.id().to_string();
+    let cpu_before = cpu_secs("self") + cpu_secs(&server_pid);
+    let started = Instant::now();
+    let tasks: Vec<_> = sessions
+        .into_iter()
+        .zip(sockets)
+        .map(|(session_id, mut ws)| {
+            tokio::spawn(async move {
+                let mut latencies = Vec::new();
+                let mut errors = 0;
+                for t in 0..TURNS {
+                    let at = Instant::now();
+                    let frame = ClientFrame::Send {
+                        id: None,
+                        session_id,
+                        text: format!("turn {t}"),
+                    };
+                    let text = serde_json::to_string(&frame).unwrap();
+                    if ws.send(WsMessage::text(text)).await.is_err() {
+                        errors += TURNS - t;
+                        break;
+                    }
+                    loop {
+                        let Some(Ok(WsMessage::Text(text))) = ws.next().await else {
+                            errors += 1;
+                            break;
+                        };
+                        FRAMES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        // Only the frames that end a turn are decoded: the
+                        // client should not be what the two cores spend on.
+                        if !text.contains(r#""type":"turn_"#) && !text.contains(r#""type":"error""#)
+                        {
+                            continue;
+                        }
+                        match serde_json::from_str::<ServerFrame>(&text) {
+                            Ok(ServerFrame::TurnCommitted { .. }) => {
+                                latencies.push(at.elapsed());
+                                break;
+                            }
+                            Ok(ServerFrame::TurnFailed { .. } | ServerFrame::Error { .. })
+                            | Err(_) => {
+                                errors += 1;
+                                break;
+                            }
+                            Ok(_) => {}
+                        }
+                    }
+                }
+                (latencies, errors)
+            })
+        })
+        .collect();
+    let server_before = cpu_secs(&server_pid);
+    let mut run = collect(started, tasks).await;
+    let server_cpu = cpu_secs(&server_pid) - server_before;
+    run.cpu = cpu_secs("self") + cpu_secs(&server_pid) - cpu_before;
+    println!(
+        "# server cpu_ms_per_turn={:.3} frames_per_turn={:.1}",
+        server_cpu * 1000.0 / run.latencies.len().max(1) as f64,
+        FRAMES.swap(0, std::sync::atomic::Ordering::Relaxed) as f64
+            / run.latencies.len().max(1) as f64
+    );
+    let (rss_kib, hwm_kib) = memory_kib(child.id());
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let mut log = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
+    child.wait().unwrap();
+    Served {
+        run,
+        locked_lines: log
+            .lines()
+            .filter(|l| l.contains("database is locked"))
+            .count(),
+        rss_kib,
+        hwm_kib,
+    }
+}

@@ -1,0 +1,236 @@
+//! `keel serve` as a user runs it: the address it prints, the refusal of
+//! an exposed address without a token, SIGTERM in the middle of a turn
+//! (nothing half-saved), SIGHUP reloads that keep the catalog in force when
+//! the definitions are broken.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Stdio};
+use std::sync::mpsc;
+
+use futures::StreamExt;
+use keel_store::{MessageFilter, Store, StoreOptions};
+
+use crate::{data_dir_with_agent, keel};
+
+/// A running `keel serve`: its address and its stderr, line by line.
+struct Served {
+    child: Child,
+    addr: String,
+    stderr: mpsc::Receiver<String>,
+}
+
+impl Served {
+    fn start(data: &Path) -> Served {
+        let mut child = keel()
+            .args(["serve", "--bind", "127.0.0.1:0", "--data-dir"])
+            .arg(data)
+            .env_remove("KEEL_TOKEN")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(
+            line.starts_with("keel serve: listening on http://127.0.0.1:"),
+            "{line}"
+        );
+        let addr = line
+            .split("http://")
+            .nth(1)
+            .and_then(|rest| rest.split('/').next())
+            .unwrap()
+            .to_owned();
+        let (tx, stderr) = mpsc::channel();
+        let err = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Served {
+            child,
+            addr,
+            stderr,
+        }
+    }
+
+    fn signal(&self, name: &str) {
+        let status = std::process::Command::new("kill")
+            .args([&format!("-{name}"), &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// Stderr lines up to the first that contains `needle`.
+    fn stderr_until(&self, needle: &str) -> Vec<String> {
+        let mut lines = Vec::new();
+        loop {
+            let line = self
+                .stderr
+                .recv_timeout(std::time::Duration::from_secs(60))
+                .unwrap_or_else(|_| panic!("no {needle:?} on stderr after {lines:?}"));
+            let done = line.contains(needle);
+            lines.push(line);
+            if done {
+                return lines;
+            }
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn an_exposed_address_without_a_token_is_refused_at_start() {
+    let data = tempfile::tempdir().unwrap();
+    let out = keel()
+        .args(["serve", "--bind", "0.0.0.0:0", "--data-dir"])
+        .arg(data.path())
+        .env_remove("KEEL_TOKEN")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    let refusal = stderr
+        .lines()
+        .last()
+        .unwrap()
+        .replace(&data.path().display().to_string(), "<data>");
+    insta::assert_snapshot!(refusal);
+}
+
+#[test]
+fn sigterm_in_the_middle_of_a_turn_saves_nothing_of_it() {
+    let data = tempfile::tempdir().unwrap();
+    // The answer's second word never comes in time: the turn is mid-stream
+    // when SIGTERM arrives, and no grace period lets it finish.
+    std::fs::write(
+        data.path().join("script.yaml"),
+        "- text: \"first second\"\n  chunk_delay_ms: 600000\n",
+    )
+    .unwrap();
+    std::fs::write(
+        data.path().join("keel.toml"),
+        "[providers.default]\nkind = \"scripted\"\nscript = \"script.yaml\"\n\n\
+         [server]\nshutdown_grace_secs = 0\n",
+    )
+    .unwrap();
+    let mut served = Served::start(data.path());
+    let session = runtime().block_on(async {
+        let http = reqwest::Client::new();
+        let dialog: serde_json::Value = http
+            .post(served.url("/api/dialogs"))
+            .json(&serde_json::json!({"title": "Busy"}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let id = dialog["id"].as_str().unwrap().to_owned();
+        let response = http
+            .post(served.url(&format!("/api/dialogs/{id}/messages")))
+            .header("accept", "text/event-stream")
+            .json(&serde_json::json!({"text": "start"}))
+            .send()
+            .await
+            .unwrap();
+        let mut stream = response.bytes_stream();
+        let mut seen = String::new();
+        while !seen.contains("event: text_delta") {
+            let chunk = stream.next().await.unwrap().unwrap();
+            seen.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        served.signal("TERM");
+        // The stream ends with the turn's failure, marked cancelled.
+        while let Some(chunk) = stream.next().await {
+            seen.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+        }
+        assert!(seen.contains("event: turn_failed"), "{seen}");
+        assert!(seen.contains("\"cancelled\":true"), "{seen}");
+        id
+    });
+    let lines = served.stderr_until("stopped");
+    assert!(
+        lines
+            .last()
+            .unwrap()
+            .contains("0 turn(s) finished, 1 cancelled"),
+        "{lines:?}"
+    );
+    assert!(served.child.wait().unwrap().success());
+
+    let store = Store::open(data.path().join("keel.db"), StoreOptions::default()).unwrap();
+    let id = session.parse().unwrap();
+    runtime().block_on(async {
+        let saved = store
+            .load_messages(id, MessageFilter::default())
+            .await
+            .unwrap();
+        assert!(saved.is_empty(), "{saved:?}");
+        assert!(store.list_checkpoints(id).await.unwrap().is_empty());
+    });
+}
+
+#[test]
+fn sighup_reloads_the_agents_and_keeps_the_catalog_when_they_are_broken() {
+    let data = tempfile::tempdir().unwrap();
+    data_dir_with_agent(data.path(), "scout", "Looks around.", false);
+    let mut served = Served::start(data.path());
+    let generation = |served: &Served| {
+        runtime().block_on(async {
+            let ready: serde_json::Value = reqwest::get(served.url("/api/ready"))
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            ready["catalog_generation"].as_u64().unwrap()
+        })
+    };
+    assert_eq!(generation(&served), 1);
+    let broken = data.path().join("agents/broken.md");
+    std::fs::write(&broken, "---\nid: broken\n---\n").unwrap();
+    served.signal("HUP");
+    let refused = served.stderr_until("reload refused");
+    assert!(
+        refused
+            .last()
+            .unwrap()
+            .contains("generation 1 stays in force"),
+        "{refused:?}"
+    );
+    assert!(served.stderr_until("broken.md").len() == 1);
+    assert_eq!(generation(&served), 1);
+
+    std::fs::remove_file(&broken).unwrap();
+    served.signal("HUP");
+    let reloaded = served.stderr_until("reloaded");
+    assert!(
+        reloaded
+            .last()
+            .unwrap()
+            .contains("generation 2, 1 agent(s)"),
+        "{reloaded:?}"
+    );
+    assert_eq!(generation(&served), 2);
+    served.signal("TERM");
+    served.stderr_until("stopped");
+    assert!(served.child.wait().unwrap().success());
+}
