@@ -275,14 +275,21 @@ def scenario_steer(r):
 
 
 def scenario_delegation(r):
-    """A delegation shows three runs; the background one turns completed without a reload."""
+    """A delegation shows three runs, live: a slow foreground one is cancelled
+    from the tree, and the background one turns completed without a reload."""
     page = r.page
     page.evaluate("window.__samePage = true")
     r.send("Plan the launch with the team")
+    researcher = page.locator("#run-tree li.run[data-agent=researcher]")
+    writer = page.locator("#run-tree li.run[data-agent=writer]")
+    expect(researcher).to_have_attribute("data-status", "running")
+    expect(writer).to_have_attribute("data-status", "completed")
+    expect(page.locator("#stop")).to_be_visible()
+    r.shot("runs-foreground")
+    researcher.get_by_role("button", name=re.compile("^Cancel")).click()
+    expect(researcher).to_have_attribute("data-status", "cancelled")
     runs = page.locator("#run-tree li.run")
     expect(runs).to_have_count(3)
-    expect(page.locator("#run-tree li.run[data-agent=researcher]")).to_have_attribute("data-status", "completed")
-    expect(page.locator("#run-tree li.run[data-agent=writer]")).to_have_attribute("data-status", "completed")
     archivist = page.locator("#run-tree li.run[data-agent=archivist]")
     expect(archivist).to_have_attribute("data-mode", "background")
     expect(archivist).to_have_attribute("data-status", re.compile("queued|running"))

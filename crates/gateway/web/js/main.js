@@ -516,6 +516,7 @@ function wire() {
   for (const b of document.querySelectorAll('[data-close]')) {
     b.addEventListener('click', () => b.closest('dialog').close());
   }
+  $('scrim').addEventListener('click', () => setPanel(''));
   $('toggle-dialogs').addEventListener('click', () => setPanel(document.body.dataset.panel === 'dialogs' ? '' : 'dialogs'));
   $('toggle-activity').addEventListener('click', () => setPanel(document.body.dataset.panel === 'activity' ? '' : 'activity'));
   window.addEventListener('hashchange', () => {
