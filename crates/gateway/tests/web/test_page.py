@@ -311,8 +311,18 @@ def scenario_delegation(r):
     r.shot("runs-completed")
 
 
+UNLABELLED_CONTROLS = """() => [...document.querySelectorAll('button, input, textarea, select, a[href], summary')]
+  .filter((el) => el.getClientRects().length > 0)
+  .filter((el) => {
+    const labels = [...(el.labels ?? [])].map((l) => l.textContent).join('');
+    const name = el.getAttribute('aria-label') || labels || el.textContent || el.getAttribute('title') || '';
+    return name.trim() === '';
+  })
+  .map((el) => el.outerHTML.slice(0, 120))"""
+
+
 def scenario_reload_restores(r):
-    """A reload shows the same dialog: title, history, runs, timeline."""
+    """A reload shows the same dialog: title, history, runs, timeline; every control has a name."""
     page = r.page
     before = page.locator("article.msg").count()
     page.reload()
@@ -322,6 +332,8 @@ def scenario_reload_restores(r):
     expect(page.locator("#run-tree li.run")).to_have_count(3)
     expect(page.locator("#run-tree li.run[data-agent=archivist]")).to_have_attribute("data-status", "completed")
     expect(page.locator("#timeline li.checkpoint.abandoned")).to_have_count(1)
+    unlabelled = page.evaluate(UNLABELLED_CONTROLS)
+    assert unlabelled == [], f"controls without an accessible name: {unlabelled}"
     r.shot("reloaded")
 
 
