@@ -331,6 +331,8 @@ fn schemathesis() -> Result<(), String> {
         .and_then(|rest| rest.split('/').next())
     {
         Some(addr) => run(Command::new("schemathesis").args([
+            "--config-file",
+            "xtask/schemathesis.toml",
             "run",
             &format!("http://{addr}/api/openapi.json"),
             "--header",

@@ -68,11 +68,15 @@ pub struct Limits {
 }
 
 impl Default for Limits {
-    /// 1 MiB bodies and frames, 1024 frames per dialog, 64 per connection.
+    /// Bodies and frames that fit the longest text even fully JSON-escaped
+    /// (about 1.2 MiB), 1024 frames per dialog, 64 per connection.
     fn default() -> Self {
+        // A character escaped as a surrogate pair (`\ud83d\ude00`) is 12
+        // bytes: a text at the limit must never be refused as too large.
+        let longest_text = api::MAX_TEXT_CHARS * 12 + 64 * 1024;
         Self {
-            max_body_bytes: 1024 * 1024,
-            max_frame_bytes: 1024 * 1024,
+            max_body_bytes: longest_text,
+            max_frame_bytes: longest_text,
             hub_capacity: 1024,
             connection_queue: 64,
         }
