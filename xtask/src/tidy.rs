@@ -60,16 +60,6 @@ pub const DATA_TABLES: &[(&str, &str, &str)] = &[(
 pub const UNUSED_API_PENDING: &[(&str, &str, &str)] = &[
     (
         "crates/store",
-        "dead_letter_events",
-        "the inbox delivery loop dead-letters expired events",
-    ),
-    (
-        "crates/store",
-        "inbox_schedule",
-        "the inbox delivery loop sleeps until the next due event",
-    ),
-    (
-        "crates/store",
         "set_delivery_context",
         "the inbox delivery loop records where a dialog's events go",
     ),

@@ -102,8 +102,9 @@ pub struct AgentLimits {
     /// Provider calls per run; default [`DEFAULT_MAX_ITERATIONS`] (16),
     /// accepted 1..=256.
     pub max_iterations: u32,
-    /// Run deadline in seconds; default [`DEFAULT_TIMEOUT_SECS`] (600),
-    /// accepted 1..=86400.
+    /// Run deadline in seconds, accepted 1..=86400. When the file sets none
+    /// the catalog uses its `default_timeout_secs` input (config
+    /// `default_run_timeout_secs`; [`DEFAULT_TIMEOUT_SECS`], 600, by default).
     pub timeout_secs: u64,
     /// Output tokens per provider call; default [`DEFAULT_MAX_OUTPUT_TOKENS`]
     /// (4096), accepted 1..=131072.

@@ -37,6 +37,10 @@ pub struct CatalogInputs {
     /// 1..=[`MAX_DELEGATION_DEPTH_CAP`]. It is what makes delegation cycles
     /// finite, so the catalog refuses to load without a valid one.
     pub max_delegation_depth: u32,
+    /// The run deadline of a definition that sets no `limits.timeout_secs`
+    /// (config `default_run_timeout_secs`), in seconds within
+    /// [`TIMEOUT_SECS_BOUND`](crate::TIMEOUT_SECS_BOUND).
+    pub default_timeout_secs: u64,
 }
 
 impl CatalogInputs {
@@ -52,6 +56,7 @@ impl CatalogInputs {
             skills: SkillSet::empty(),
             root_delegates: Vec::new(),
             max_delegation_depth: DEFAULT_MAX_DELEGATION_DEPTH,
+            default_timeout_secs: crate::DEFAULT_TIMEOUT_SECS,
         }
     }
 }
@@ -156,7 +161,12 @@ pub(crate) fn resolve(
     let delegatable = delegators.keys().map(|id| (*id).clone()).collect();
     let definitions = parsed
         .into_iter()
-        .map(|(def, _)| (def.id.clone(), Arc::new(def)))
+        .map(|(mut def, yaml)| {
+            if !sets_timeout(&yaml) {
+                def.limits.timeout_secs = inputs.default_timeout_secs;
+            }
+            (def.id.clone(), Arc::new(def))
+        })
         .collect();
     Ok(Resolved {
         definitions,
@@ -185,6 +195,15 @@ fn split_parsed(files: Vec<SourceFile>, diags: &mut Vec<Diagnostic>) -> (Vec<Par
         }
     }
     (parsed, claims)
+}
+
+/// Whether a definition's frontmatter sets `limits.timeout_secs` (else the
+/// configured default deadline applies).
+fn sets_timeout(yaml: &str) -> bool {
+    serde_yaml::from_str::<serde_yaml::Value>(yaml)
+        .ok()
+        .and_then(|v| v.get("limits")?.get("timeout_secs").cloned())
+        .is_some()
 }
 
 /// The id map: a second claim of an id (after folding) is reported on its
@@ -407,6 +426,18 @@ fn check_config_inputs(
                 .with_key(key),
             );
         }
+    }
+    let timeout = inputs.default_timeout_secs;
+    let bound = crate::TIMEOUT_SECS_BOUND;
+    if !(bound.min..=bound.max).contains(&timeout) {
+        diags.push(
+            Diagnostic::new(
+                None,
+                K::InvalidInput,
+                format!("{timeout} is outside {}..={}", bound.min, bound.max),
+            )
+            .with_key("default_run_timeout_secs"),
+        );
     }
     let depth = inputs.max_delegation_depth;
     if !(1..=MAX_DELEGATION_DEPTH_CAP).contains(&depth) {

@@ -25,6 +25,7 @@
 
 mod address;
 mod agent_loop;
+mod clock;
 mod coordinator;
 mod error;
 mod events;
@@ -54,8 +55,8 @@ pub use gate::{
 };
 pub use mailbox::{MailboxLimits, WakeSource, WakeupState};
 pub use manager::{
-    NewSessionSpec, RuntimeBundle, SessionManager, SessionManagerConfig, SteerOutcome, StopReport,
-    SummaryConfig, TurnReport, TurnTicket,
+    InboxPolicy, NewSessionSpec, RuntimeBundle, SessionManager, SessionManagerConfig, SteerOutcome,
+    StopReport, SummaryConfig, TurnReport, TurnTicket,
 };
 pub use session::{AgentProfile, AgentSession};
 pub use snapshot::{SessionSnapshot, SnapshotMessage};

@@ -22,7 +22,8 @@
 
 use std::collections::VecDeque;
 
-use keel_core::{EventId, Message, RunId, TurnId};
+use keel_core::{Message, RunId, TurnId};
+use keel_store::LeasedEvents;
 use parking_lot::Mutex;
 use tokio::sync::watch;
 
@@ -96,19 +97,12 @@ impl WakeupState {
     }
 }
 
-/// Inbox events held by the mailbox under one lease.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct HeldEvents {
-    pub(crate) lease_token: String,
-    pub(crate) event_ids: Vec<EventId>,
-}
-
 // The agent lane is fed by inbox steer admission.
 #[allow(dead_code)]
 struct AgentEntry {
     reservation: u64,
     seq: u64,
-    held: HeldEvents,
+    held: LeasedEvents,
     message: Message,
     wake: WakeSource,
     active: bool,
@@ -120,7 +114,7 @@ struct Inner {
     next: u64,
     user: VecDeque<(u64, Message)>,
     agent: Vec<AgentEntry>,
-    drained: Vec<HeldEvents>,
+    drained: Vec<LeasedEvents>,
 }
 
 /// What was still in a mailbox when it closed.
@@ -130,7 +124,7 @@ pub(crate) struct Leftovers {
     /// User steer messages the model never read (they become the next turn).
     pub(crate) user: Vec<Message>,
     /// Inbox events reserved or admitted but never read (release them).
-    pub(crate) agent: Vec<HeldEvents>,
+    pub(crate) agent: Vec<LeasedEvents>,
 }
 
 /// The mailbox of one running root turn; see the module docs.
@@ -199,10 +193,10 @@ impl TurnMailbox {
     #[allow(dead_code)] // fed by inbox steer admission
     pub(crate) fn reserve(
         &self,
-        held: HeldEvents,
+        held: LeasedEvents,
         message: Message,
         wake: WakeSource,
-    ) -> Result<u64, (Refused, HeldEvents)> {
+    ) -> Result<u64, (Refused, LeasedEvents)> {
         let mut inner = self.inner.lock();
         if inner.closed {
             return Err((Refused::Closed, held));
@@ -253,7 +247,7 @@ impl TurnMailbox {
     /// Takes back a reservation whose admission failed; the caller releases
     /// its events. `None` when the closer took it already.
     #[allow(dead_code)] // fed by inbox steer admission
-    pub(crate) fn withdraw(&self, reservation: u64) -> Option<HeldEvents> {
+    pub(crate) fn withdraw(&self, reservation: u64) -> Option<LeasedEvents> {
         let mut inner = self.inner.lock();
         let i = inner
             .agent
@@ -316,7 +310,7 @@ impl TurnMailbox {
 
     /// Inbox events the model read in this turn (consumed by its commit).
     #[allow(dead_code)] // fed by inbox steer admission
-    pub(crate) fn drained_events(&self) -> Vec<HeldEvents> {
+    pub(crate) fn drained_events(&self) -> Vec<LeasedEvents> {
         self.inner.lock().drained.clone()
     }
 
@@ -326,7 +320,7 @@ impl TurnMailbox {
     pub(crate) fn close(&self, include_drained: bool) -> Leftovers {
         let mut inner = self.inner.lock();
         inner.closed = true;
-        let mut agent: Vec<HeldEvents> = inner.agent.drain(..).map(|e| e.held).collect();
+        let mut agent: Vec<LeasedEvents> = inner.agent.drain(..).map(|e| e.held).collect();
         if include_drained {
             agent.append(&mut inner.drained);
         }
@@ -340,9 +334,10 @@ impl TurnMailbox {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use keel_core::EventId;
 
-    fn held(token: &str) -> HeldEvents {
-        HeldEvents {
+    fn held(token: &str) -> LeasedEvents {
+        LeasedEvents {
             lease_token: token.into(),
             event_ids: vec![EventId::new()],
         }

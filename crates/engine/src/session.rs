@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use keel_core::{CheckpointId, Message, Provider, SessionId, ToolRegistry};
 use keel_store::{
-    CheckpointSource, MessageFilter, NewCheckpoint, NewMessage, SessionHead, SessionRecord, Store,
-    TurnCommit,
+    CheckpointSource, ContinuationCommit, LeasedEvents, MessageFilter, NewCheckpoint, NewMessage,
+    NoticeCommit, SessionHead, SessionRecord, Store, TurnCommit,
 };
 
 use crate::agent_loop::TurnOutput;
@@ -38,6 +38,16 @@ impl std::fmt::Debug for AgentProfile {
             .field("tools", &self.tools)
             .finish_non_exhaustive()
     }
+}
+
+/// What a session commit does to the inbox in the same transaction.
+enum InboxEffect {
+    /// Nothing.
+    None,
+    /// Consumes the events the turn answered.
+    Consume(Vec<LeasedEvents>),
+    /// Marks dead letters told (the commit is their notice).
+    Tell(Vec<keel_core::EventId>),
 }
 
 /// A session loaded in memory.
@@ -145,6 +155,19 @@ impl AgentSession {
         state: SessionState,
         checkpoint: Option<CheckpointSource>,
     ) -> Result<(Vec<i64>, Option<CheckpointId>)> {
+        self.commit_with(store, messages, state, checkpoint, InboxEffect::None)
+            .await
+    }
+
+    /// [`Self::commit`], with what the same transaction does to the inbox.
+    async fn commit_with(
+        &mut self,
+        store: &Store,
+        messages: Vec<(String, Message)>,
+        state: SessionState,
+        checkpoint: Option<CheckpointSource>,
+        inbox: InboxEffect,
+    ) -> Result<(Vec<i64>, Option<CheckpointId>)> {
         let now = keel_core::time::now_ms();
         let visible_user_inputs = messages
             .iter()
@@ -155,28 +178,40 @@ impl AgentSession {
             turn_index: u64::from(state.turn_index),
             source,
         });
-        let committed = store
-            .commit_turn(TurnCommit {
-                session_id: self.record.id,
-                messages: messages
-                    .iter()
-                    .map(|(slot, message)| NewMessage {
-                        slot: slot.clone(),
-                        message: message.clone(),
-                    })
-                    .collect(),
-                state: state.to_blob()?,
-                checkpoint,
-                visible_user_inputs: u32::try_from(visible_user_inputs).unwrap_or(u32::MAX),
-                // Two writers can never silently interleave on one session:
-                // the commit is refused if the history moved since this load.
-                expected_head: Some(SessionHead {
-                    timeline: self.record.head_timeline_id.clone(),
-                    last_seq: self.last_seq,
-                }),
-                now_ms: now,
-            })
-            .await?;
+        let turn = TurnCommit {
+            session_id: self.record.id,
+            messages: messages
+                .iter()
+                .map(|(slot, message)| NewMessage {
+                    slot: slot.clone(),
+                    message: message.clone(),
+                })
+                .collect(),
+            state: state.to_blob()?,
+            checkpoint,
+            visible_user_inputs: u32::try_from(visible_user_inputs).unwrap_or(u32::MAX),
+            // Two writers can never silently interleave on one session:
+            // the commit is refused if the history moved since this load.
+            expected_head: Some(SessionHead {
+                timeline: self.record.head_timeline_id.clone(),
+                last_seq: self.last_seq,
+            }),
+            now_ms: now,
+        };
+        let committed = match inbox {
+            InboxEffect::None => store.commit_turn(turn).await?,
+            InboxEffect::Consume(consumed) => {
+                store
+                    .commit_continuation_turn(ContinuationCommit { turn, consumed })
+                    .await?
+                    .turn
+            }
+            InboxEffect::Tell(event_ids) => {
+                store
+                    .commit_dead_letter_notice(NoticeCommit { turn, event_ids })
+                    .await?
+            }
+        };
         for ((slot, message), seq) in messages.into_iter().zip(&committed.seqs) {
             self.history.push(HistoryMessage {
                 seq: *seq,
@@ -193,13 +228,37 @@ impl AgentSession {
         Ok((committed.seqs, committed.checkpoint.map(|c| c.id)))
     }
 
-    /// Applies a finished turn: the state after it and the commit.
+    /// Appends `notice` (a system message about undeliverable background
+    /// results) to the current slot and marks the dead-lettered `events` told,
+    /// in one transaction.
+    pub(crate) async fn commit_notice(
+        &mut self,
+        store: &Store,
+        notice: Message,
+        events: Vec<keel_core::EventId>,
+    ) -> Result<()> {
+        let slot = self.state.current_slot.clone();
+        let state = self.state.clone();
+        self.commit_with(
+            store,
+            vec![(slot, notice)],
+            state,
+            None,
+            InboxEffect::Tell(events),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Applies a finished turn: the state after it and the commit, which
+    /// also consumes the inbox events the turn answered (`consumed`).
     pub(crate) async fn commit_turn(
         &mut self,
         store: &Store,
         slot: &str,
         output: &TurnOutput,
         auto_checkpoint: bool,
+        consumed: Vec<LeasedEvents>,
     ) -> Result<Option<CheckpointId>> {
         let mut state = self.state.clone();
         state.turn_index = state.turn_index.saturating_add(1);
@@ -214,7 +273,14 @@ impl AgentSession {
             .iter()
             .map(|m| (slot.to_owned(), m.clone()))
             .collect();
-        let (_, checkpoint) = self.commit(store, messages, state, checkpoint).await?;
+        let inbox = if consumed.is_empty() {
+            InboxEffect::None
+        } else {
+            InboxEffect::Consume(consumed)
+        };
+        let (_, checkpoint) = self
+            .commit_with(store, messages, state, checkpoint, inbox)
+            .await?;
         Ok(checkpoint)
     }
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use keel_catalog::{CatalogHandle, CatalogInputs};
 use keel_core::tool::ScopeRule;
-use keel_core::{AgentId, Provider, ScriptedProvider, ToolRegistry};
+use keel_core::{AgentId, Provider, ScriptedProvider, SessionId, ToolRegistry};
 use keel_engine::AgentLoop;
 use keel_engine::AgentProfile;
 use keel_engine::ExecutionGate;
@@ -47,6 +47,9 @@ pub struct App {
     pub generation: u64,
     /// This process's exclusive hold on the database; released on drop.
     pub lock: RuntimeLock,
+    /// Sessions whose inbox had work when this process started; see
+    /// [`App::deliver_recovered`].
+    pub recovered: Vec<SessionId>,
 }
 
 /// Creates the data directory (and missing parents) readable by its owner
@@ -230,6 +233,7 @@ impl App {
             bundle = bundle.with_coordinator(c.clone());
         }
         let manager = SessionManager::new(store.clone(), bundle, config.session_manager_config());
+
         manager.spawn_evictor(config.cleanup_interval());
         Ok(Self {
             config: loaded,
@@ -240,7 +244,20 @@ impl App {
             notices,
             generation: activation.generation,
             lock,
+            recovered: activation.recovery.sessions_with_due_events,
         })
+    }
+}
+
+impl App {
+    /// Starts delivering what earlier processes left in the inbox: one
+    /// coalesced wake per session that had due events or untold dead
+    /// letters at start-up. Call it once clients are listening, so they see
+    /// those continuation turns from their start.
+    pub fn deliver_recovered(&self) {
+        for session in &self.recovered {
+            self.manager.wake_inbox(*session);
+        }
     }
 }
 

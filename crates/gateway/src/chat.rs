@@ -145,11 +145,22 @@ struct Chat {
 }
 
 /// Line state of the turn output being printed.
-#[derive(Default)]
 struct Printer {
+    /// The turn being printed.
+    turn: Option<TurnId>,
     /// "keel> " is printed before the first text of each model answer.
     needs_prefix: bool,
     at_line_start: bool,
+}
+
+impl Default for Printer {
+    fn default() -> Self {
+        Self {
+            turn: None,
+            needs_prefix: true,
+            at_line_start: true,
+        }
+    }
 }
 
 /// What a line typed while a turn runs does.
@@ -202,6 +213,8 @@ pub async fn run(
         out: std::io::stdout(),
     };
     let mut interrupts = interrupts()?;
+    // Listening now: results an earlier process left are delivered.
+    app.deliver_recovered();
     let record = chat.manager.record(chat.current).await?;
     chat.say(&format!(
         "keel chat — dialog {} \"{}\" ({} messages). /help lists commands.",
@@ -409,17 +422,18 @@ impl Chat {
             Err(keel_engine::SubscriptionError::Closed) => return None,
         };
         match event.as_ref() {
-            SessionEvent::TurnStarted { origin, .. } => {
-                self.printer = Printer {
-                    needs_prefix: true,
-                    at_line_start: true,
-                };
-                if *origin == TurnOrigin::AgentContinuation {
-                    self.line_break();
-                    self.say("[background results arrived]");
+            SessionEvent::TurnStarted { turn_id, origin } => self.start_turn(*turn_id, *origin),
+            SessionEvent::Turn {
+                turn_id,
+                origin,
+                event,
+            } => {
+                // Joined mid-turn (subscribed late, or after a lag).
+                if self.printer.turn != Some(*turn_id) {
+                    self.start_turn(*turn_id, *origin);
                 }
+                self.show_turn_event(event)
             }
-            SessionEvent::Turn { event, .. } => self.show_turn_event(event),
             SessionEvent::TurnCommitted { turn_id, .. } => {
                 self.line_break();
                 return Some(*turn_id);
@@ -444,6 +458,18 @@ impl Chat {
         }
         let _ = self.out.flush();
         None
+    }
+
+    fn start_turn(&mut self, turn: TurnId, origin: TurnOrigin) {
+        self.line_break();
+        self.printer = Printer {
+            turn: Some(turn),
+            needs_prefix: true,
+            at_line_start: true,
+        };
+        if origin == TurnOrigin::AgentContinuation {
+            self.say("[background results arrived]");
+        }
     }
 
     fn show_turn_event(&mut self, event: &TurnEvent) {

@@ -21,8 +21,8 @@ use std::time::Duration;
 use keel_catalog::{CatalogInputs, SkillSet};
 use keel_core::{AgentId, Provider, ToolRegistry};
 use keel_engine::{
-    BuiltinToolsConfig, CoordinatorConfig, GateLimits, LandlockPolicy, SessionManagerConfig,
-    ShellConfig, ShellConfinement, SummaryConfig, DEFAULT_SHELL_READ_PATHS,
+    BuiltinToolsConfig, CoordinatorConfig, GateLimits, InboxPolicy, LandlockPolicy,
+    SessionManagerConfig, ShellConfig, ShellConfinement, SummaryConfig, DEFAULT_SHELL_READ_PATHS,
 };
 use keel_providers::{ProviderKind, ProviderProfile};
 use keel_store::{StoreOptions, Synchronous};
@@ -302,9 +302,8 @@ impl Default for ToolsConfig {
     }
 }
 
-/// `[orchestration]`: quotas of sub-agent runs and the inbox. The inbox
-/// timing keys and `default_run_timeout_secs` are parsed and validated but
-/// not acted on yet (docs/CONFIG.md marks them).
+/// `[orchestration]`: quotas of sub-agent runs and how the inbox delivers
+/// their results.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct OrchestrationConfig {
@@ -631,6 +630,7 @@ impl Config {
         inputs.skills = skills;
         inputs.root_delegates = self.root_delegate_ids();
         inputs.max_delegation_depth = self.orchestration.max_tree_depth;
+        inputs.default_timeout_secs = self.orchestration.default_run_timeout_secs;
         inputs
     }
 
@@ -732,7 +732,21 @@ impl Config {
                 max_context_tokens: s.summary.max_context_tokens,
                 debounce_turns: s.summary.debounce_turns,
             }),
+            inbox: self.inbox_policy(),
             ..SessionManagerConfig::default()
+        }
+    }
+
+    /// How the inbox is delivered, from `[orchestration]` (lease, backoff
+    /// and batch sizes keep the engine's defaults).
+    pub fn inbox_policy(&self) -> InboxPolicy {
+        let o = &self.orchestration;
+        InboxPolicy {
+            max_user_turn_burst: o.max_user_turn_burst_before_inbox,
+            max_wait: Duration::from_secs(o.max_inbox_wait_secs),
+            max_delivery_attempts: o.max_inbox_delivery_attempts,
+            event_ttl: Duration::from_secs(o.inbox_event_ttl_hours.saturating_mul(3600)),
+            ..InboxPolicy::default()
         }
     }
 

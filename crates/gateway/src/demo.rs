@@ -10,6 +10,7 @@ use std::time::Instant;
 use keel_catalog::{AgentCatalog, CatalogInputs};
 use keel_core::{
     ChatRequest, Message, Role, ScriptedProvider, ScriptedResponse, ScriptedToolCall, StreamEvent,
+    TurnOrigin,
 };
 use keel_engine::AgentLoop;
 use keel_engine::AgentProfile;
@@ -65,6 +66,9 @@ fn script() -> Vec<ScriptedResponse> {
             ]}),
         )]),
         ScriptedResponse::text("Done: the researcher found three steps, the writer drafted the announcement, and the archivist files the decisions in the background."),
+        // 3b. the archivist's result arrives while the dialog is idle: a
+        // hidden continuation turn answers it
+        ScriptedResponse::text("The archivist is done: today's launch decisions are filed, with the schema frozen at v6."),
         // 4. a second dialog: three user messages, then the title request
         ScriptedResponse::text("Sure — what should the checklist cover?"),
         ScriptedResponse::text("Noted: schema, benchmarks, demo."),
@@ -360,18 +364,54 @@ async fn sub_agents(
         "Sub-agents: the root delegates a foreground batch of two and one background run",
     );
     line("agents (demo/agents/*.md): researcher, writer, archivist");
+    // Subscribed before the turn: the continuation that follows it is on
+    // this feed too.
+    let mut feed = manager.events().subscribe(first).await?;
     turn(manager, first, "Prepare the launch with your team.").await?;
     background_done.notified().await;
+    line("the background run is done; its result waits in the inbox, and the idle dialog answers it:");
+    continuation(&mut feed).await?;
     line("the run tree, read back from the database:");
     let runs = manager.store().list_runs(first, None, 20).await?.items;
     for l in run_tree(&runs) {
         line(&format!("  {l}"));
     }
-    let events = manager.store().list_inbox_events(first).await?;
-    line(&format!(
-        "inbox: {} completion event(s) from the background run, durable until a turn consumes them",
-        events.len()
-    ));
+    for e in manager.store().list_inbox_events(first).await? {
+        line(&format!(
+            "inbox: {} of run {} — {} after {} failed attempt(s)",
+            e.event_type.as_str(),
+            e.run_id.map(short).unwrap_or_default(),
+            e.status.as_str(),
+            e.attempt_count
+        ));
+    }
+    Ok(())
+}
+
+/// Prints the next continuation turn on `feed` (the hidden trigger is not
+/// shown; its answer streams like any turn).
+async fn continuation(feed: &mut SessionSubscription) -> Result<()> {
+    let turn = loop {
+        let event = feed
+            .recv()
+            .await
+            .map_err(|e| AppError::Demo(format!("waiting for the continuation: {e}")))?;
+        if let SessionEvent::TurnStarted {
+            turn_id,
+            origin: TurnOrigin::AgentContinuation,
+        } = event.as_ref()
+        {
+            break *turn_id;
+        }
+    };
+    println!("   [continuation turn: the agent reads the results in a hidden message]");
+    print!("   keel> ");
+    while let Some(event) = turn_event(feed, turn).await {
+        if let TurnEvent::Stream(StreamEvent::TextDelta { text }) = event {
+            print!("{text}");
+        }
+    }
+    println!();
     Ok(())
 }
 

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use keel_core::{CheckpointId, Message, SessionId};
 use keel_store::{
     AcceptRun, CheckpointSource, ClaimRequest, CompletionHandling, ContinuationCommit,
-    MessageFilter, NewCheckpoint, NewMessage, NewRun, NewSession, Store, StoreOptions, Synchronous,
-    TerminalOutcome, TurnCommit,
+    LeasedEvents, MessageFilter, NewCheckpoint, NewMessage, NewRun, NewSession, Store,
+    StoreOptions, Synchronous, TerminalOutcome, TurnCommit,
 };
 use rusqlite::{params, Connection};
 
@@ -558,8 +558,10 @@ async fn inbox(path: &Path, raw_txn_rate: f64) {
                     expected_head: None,
                     now_ms: 11,
                 },
-                lease_token: lease.token,
-                event_ids: ids,
+                consumed: vec![LeasedEvents {
+                    lease_token: lease.token,
+                    event_ids: ids,
+                }],
             })
             .await
             .expect("commit");

@@ -7,6 +7,7 @@ use keel_core::{text_enum, Delivery, EventId, GroupId, RunId, RunStatus, Session
 use rusqlite::{params, Connection, Row};
 
 use crate::counters::{adjust_counters, next_revision, Revisions};
+use crate::db::WriteCache;
 use crate::error::{Result, StoreError};
 use crate::messages::{commit_turn_tx, encode, EncodedMessage, TurnCommit, TurnCommitted};
 use crate::runs::get_run_tx;
@@ -176,6 +177,10 @@ pub struct ReleaseRequest {
     pub backoff_ms: i64,
     /// Dead-letter an event once its attempt count reaches this.
     pub max_attempts: u32,
+    /// Whether this counts as a failed delivery attempt. A turn that was
+    /// stopped, or one that ended before reading steered events, did not
+    /// fail to deliver them: their attempt count and backoff stay as they are.
+    pub count_attempt: bool,
     /// Why delivery failed.
     pub error: Option<String>,
 }
@@ -189,14 +194,33 @@ pub struct ReleaseReport {
     pub dead_lettered: u64,
 }
 
-/// A continuation turn: its messages/state and the leased events it consumes.
+/// Inbox events held under one lease token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeasedEvents {
+    /// The token the events hold.
+    pub lease_token: String,
+    /// The events.
+    pub event_ids: Vec<EventId>,
+}
+
+/// A turn that consumes inbox events: a continuation (its hidden trigger,
+/// assistant/tool messages, state, checkpoint) and the events it answered,
+/// or any turn into which steered events were read.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ContinuationCommit {
-    /// The turn (hidden trigger + assistant/tool messages + state + checkpoint).
+    /// The turn.
     pub turn: TurnCommit,
-    /// The lease token of the events.
-    pub lease_token: String,
-    /// The events the turn consumed.
+    /// The events the turn consumed, by lease (all of one root session).
+    pub consumed: Vec<LeasedEvents>,
+}
+
+/// A notice in a session's history about dead-lettered events, committed
+/// with the marks that say their user was told.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NoticeCommit {
+    /// The notice (messages and state, like a turn).
+    pub turn: TurnCommit,
+    /// The dead-lettered events it tells of.
     pub event_ids: Vec<EventId>,
 }
 
@@ -216,6 +240,8 @@ pub struct InboxSchedule {
     pub oldest_due_at_ms: Option<i64>,
     /// The earliest retry time of a pending event not yet due (ms).
     pub next_due_at_ms: Option<i64>,
+    /// Dead letters whose user was not told yet.
+    pub untold_dead_letters: u64,
 }
 
 /// Row of a new event (internal).
@@ -485,6 +511,16 @@ fn release_tx(conn: &Connection, req: &ReleaseRequest) -> Result<ReleaseReport> 
     )?;
     let revision = next_revision(conn, &root, req.now_ms)?;
     let mut report = ReleaseReport::default();
+    if !req.count_attempt {
+        for id in &req.event_ids {
+            report.released += conn.execute(
+                "UPDATE agent_inbox_events SET status = 'pending', lease_token = NULL, \
+                 lease_until = NULL, admitted_turn_id = NULL, revision = ?1 WHERE id = ?2",
+                params![revision, id.to_string()],
+            )? as u64;
+        }
+        return Ok(report);
+    }
     for id in &req.event_ids {
         let dead: bool = conn.query_row(
             "SELECT attempt_count + 1 >= ?1 FROM agent_inbox_events WHERE id = ?2",
@@ -571,9 +607,11 @@ pub(crate) fn dead_letter_session_tx(
     Ok(n)
 }
 
-/// Expired leased/admitted events back to pending with one more attempt.
+/// Leased/admitted events whose lease ends by `cutoff_ms` back to pending
+/// with one more attempt, due at `now_ms`.
 pub(crate) fn expire_leases_tx(
     conn: &Connection,
+    cutoff_ms: i64,
     now_ms: i64,
     revisions: &mut Revisions,
 ) -> Result<u64> {
@@ -582,7 +620,7 @@ pub(crate) fn expire_leases_tx(
             "SELECT DISTINCT root_session_id FROM agent_inbox_events \
              WHERE status IN ('leased', 'admitted') AND lease_until <= ?1",
         )?;
-        let rows = stmt.query_map([now_ms], |r| r.get::<_, String>(0))?;
+        let rows = stmt.query_map([cutoff_ms], |r| r.get::<_, String>(0))?;
         rows.map(|s| parse::<SessionId>("agent_inbox_events.root_session_id", &s?))
             .collect::<Result<Vec<_>>>()?
     };
@@ -593,48 +631,67 @@ pub(crate) fn expire_leases_tx(
             "UPDATE agent_inbox_events SET status = 'pending', lease_token = NULL, \
              lease_until = NULL, admitted_turn_id = NULL, attempt_count = attempt_count + 1, \
              next_attempt_at = ?1, last_error = 'lease expired', revision = ?2 \
-             WHERE root_session_id = ?3 AND status IN ('leased', 'admitted') AND lease_until <= ?1",
-            params![now_ms, revision, root.to_string()],
+             WHERE root_session_id = ?3 AND status IN ('leased', 'admitted') AND lease_until <= ?4",
+            params![now_ms, revision, root.to_string(), cutoff_ms],
         )? as u64;
     }
     Ok(n)
 }
 
-/// Root sessions with pending events due at `now_ms`.
+/// Root sessions whose inbox has work at `now_ms`: pending events that are
+/// due, or dead letters whose user was not told yet.
 pub(crate) fn sessions_with_due_events_tx(
     conn: &Connection,
     now_ms: i64,
 ) -> Result<Vec<SessionId>> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT DISTINCT root_session_id FROM agent_inbox_events WHERE status = 'pending' \
-         AND (next_attempt_at IS NULL OR next_attempt_at <= ?1) ORDER BY root_session_id",
-    )?;
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT DISTINCT root_session_id FROM agent_inbox_events WHERE (status = 'pending' \
+         AND (next_attempt_at IS NULL OR next_attempt_at <= ?1)) OR ({UNNOTIFIED}) \
+         ORDER BY root_session_id"
+    ))?;
     let rows = stmt.query_map([now_ms], |r| r.get::<_, String>(0))?;
     rows.map(|s| parse("agent_inbox_events.root_session_id", &s?))
         .collect()
 }
 
+/// Dead letters whose user was not told (and should be), as an SQL condition.
+const UNNOTIFIED: &str = "status = 'dead_letter' AND fallback_notified_at IS NULL \
+     AND fallback_suppressed_reason IS NULL";
+
 fn continuation_tx(
     conn: &Connection,
     c: &ContinuationCommit,
     messages: &[EncodedMessage],
+    cache: &mut WriteCache,
 ) -> Result<ContinuationCommitted> {
-    let root = leased_root(
-        conn,
-        &c.event_ids,
-        &c.lease_token,
-        &[EventStatus::Leased, EventStatus::Admitted],
-    )?;
-    let turn = commit_turn_tx(conn, &c.turn, messages, None)?;
+    let mut root = None;
+    for lease in &c.consumed {
+        let r = leased_root(
+            conn,
+            &lease.event_ids,
+            &lease.lease_token,
+            &[EventStatus::Leased, EventStatus::Admitted],
+        )?;
+        if root.is_some_and(|root| root != r) || r != c.turn.session_id {
+            return Err(StoreError::InvalidInput(
+                "a turn consumes only its own session's inbox events".into(),
+            ));
+        }
+        root = Some(r);
+    }
+    let root = root.ok_or_else(|| StoreError::InvalidInput("no events to consume".into()))?;
+    let turn = commit_turn_tx(conn, &c.turn, messages, Some(cache))?;
     let revision = next_revision(conn, &root, c.turn.now_ms)?;
     let mut consumed = 0u64;
-    for id in &c.event_ids {
-        consumed += conn.execute(
-            "UPDATE agent_inbox_events SET status = 'consumed', consumed_at = ?1, \
-             lease_token = NULL, lease_until = NULL, revision = ?2 \
-             WHERE id = ?3 AND lease_token = ?4 AND status IN ('leased', 'admitted')",
-            params![c.turn.now_ms, revision, id.to_string(), c.lease_token],
-        )? as u64;
+    for lease in &c.consumed {
+        for id in &lease.event_ids {
+            consumed += conn.execute(
+                "UPDATE agent_inbox_events SET status = 'consumed', consumed_at = ?1, \
+                 lease_token = NULL, lease_until = NULL, revision = ?2 \
+                 WHERE id = ?3 AND lease_token = ?4 AND status IN ('leased', 'admitted')",
+                params![c.turn.now_ms, revision, id.to_string(), lease.lease_token],
+            )? as u64;
+        }
     }
     adjust_counters(
         conn,
@@ -688,14 +745,65 @@ impl Store {
             .await
     }
 
-    /// Commits a continuation turn and consumes its leased events in one transaction; a lost lease commits nothing.
+    /// Commits a turn and consumes the inbox events it answered in one
+    /// transaction; a lost lease commits nothing.
     pub async fn commit_continuation_turn(
         &self,
         commit: ContinuationCommit,
     ) -> Result<ContinuationCommitted> {
         let encoded = encode(&commit.turn.messages)?;
         self.db
-            .write(move |c| continuation_tx(c, &commit, &encoded))
+            .write_cached(move |c, cache| continuation_tx(c, &commit, &encoded, cache))
+            .await
+    }
+
+    /// Dead-lettered events of a root session whose user was not told yet
+    /// (oldest first); events dead-lettered by an archive or delete are never told.
+    pub async fn unnotified_dead_letters(
+        &self,
+        root_session_id: SessionId,
+    ) -> Result<Vec<InboxEvent>> {
+        self.db
+            .read(move |c| {
+                query_events(
+                    c,
+                    &format!("WHERE root_session_id = ?1 AND {UNNOTIFIED} ORDER BY created_at, id"),
+                    [root_session_id.to_string()],
+                )
+            })
+            .await
+    }
+
+    /// Commits a notice about dead-lettered events into their session's
+    /// history and marks them told, in one transaction. Events already
+    /// marked make the whole commit fail (another notice told of them).
+    pub async fn commit_dead_letter_notice(&self, commit: NoticeCommit) -> Result<TurnCommitted> {
+        let encoded = encode(&commit.turn.messages)?;
+        self.db
+            .write_cached(move |c, cache| {
+                let turn = commit_turn_tx(c, &commit.turn, &encoded, Some(cache))?;
+                let revision = next_revision(c, &commit.turn.session_id, commit.turn.now_ms)?;
+                for id in &commit.event_ids {
+                    let n = c.execute(
+                        &format!(
+                            "UPDATE agent_inbox_events SET fallback_notified_at = ?1, revision = ?2 \
+                             WHERE id = ?3 AND root_session_id = ?4 AND {UNNOTIFIED}"
+                        ),
+                        params![
+                            commit.turn.now_ms,
+                            revision,
+                            id.to_string(),
+                            commit.turn.session_id.to_string()
+                        ],
+                    )?;
+                    if n != 1 {
+                        return Err(StoreError::Stale(format!(
+                            "inbox event {id} is not an untold dead letter of this session"
+                        )));
+                    }
+                }
+                Ok(turn)
+            })
             .await
     }
 
@@ -745,17 +853,23 @@ impl Store {
     ) -> Result<InboxSchedule> {
         self.db
             .read(move |c| {
-                let (oldest_due_at_ms, next_due_at_ms) = c.query_row(
-                    "SELECT min(created_at) FILTER (WHERE next_attempt_at IS NULL \
-                              OR next_attempt_at <= ?2), \
-                            min(next_attempt_at) FILTER (WHERE next_attempt_at > ?2) \
-                     FROM agent_inbox_events WHERE root_session_id = ?1 AND status = 'pending'",
+                let (oldest_due_at_ms, next_due_at_ms, untold) = c.query_row(
+                    &format!(
+                        "SELECT min(created_at) FILTER (WHERE status = 'pending' AND \
+                                  (next_attempt_at IS NULL OR next_attempt_at <= ?2)), \
+                                min(next_attempt_at) FILTER (WHERE status = 'pending' \
+                                  AND next_attempt_at > ?2), \
+                                count(*) FILTER (WHERE {UNNOTIFIED}) \
+                         FROM agent_inbox_events WHERE root_session_id = ?1 \
+                           AND status IN ('pending', 'dead_letter')"
+                    ),
                     params![root_session_id.to_string(), now_ms],
-                    |r| Ok((r.get(0)?, r.get(1)?)),
+                    |r| Ok((r.get(0)?, r.get(1)?, r.get::<_, i64>(2)?)),
                 )?;
                 Ok(InboxSchedule {
                     oldest_due_at_ms,
                     next_due_at_ms,
+                    untold_dead_letters: non_negative("dead letters", untold)?,
                 })
             })
             .await

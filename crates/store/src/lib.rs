@@ -95,8 +95,8 @@ pub use db::{CommitStats, StoreOptions, Synchronous};
 pub use error::{Result, StoreError};
 pub use inbox::{
     ClaimRequest, ContinuationCommit, ContinuationCommitted, EventStatus, EventType, InboxEvent,
-    InboxLease, InboxSchedule, NewSignal, ReleaseReport, ReleaseRequest, ScopeKind, SignalCommit,
-    MAX_SIGNAL_PAYLOAD_BYTES,
+    InboxLease, InboxSchedule, LeasedEvents, NewSignal, NoticeCommit, ReleaseReport,
+    ReleaseRequest, ScopeKind, SignalCommit, MAX_SIGNAL_PAYLOAD_BYTES,
 };
 pub use messages::{
     MessageFilter, MessagePage, NewMessage, SessionHead, StoredMessage, TurnCommit, TurnCommitted,

@@ -169,7 +169,9 @@ fn activate_tx(conn: &Connection, holder: &str, now_ms: i64) -> Result<Activatio
          ON CONFLICT (id) DO UPDATE SET generation = ?1, holder = ?2, activated_at = ?3",
         params![to_i64("generation", generation)?, holder, now_ms],
     )?;
-    let recovery = recover_tx(conn, generation, now_ms)?;
+    // The lock says no other process runs: every lease was held by a
+    // process that is gone, expired or not.
+    let recovery = recover_tx(conn, generation, now_ms, true)?;
     Ok(Activation {
         generation,
         previous_holder: previous.map(|(_, h)| h),
@@ -181,7 +183,8 @@ impl Store {
     /// Starts a new runtime generation on this database, in one
     /// transaction: the stored generation is bumped (past any generation a
     /// run was stamped with), `holder` recorded, and what older generations
-    /// left unfinished is recovered (see [`Store::recover_older_generations`]).
+    /// left unfinished is recovered (see [`Store::recover_older_generations`];
+    /// here every inbox lease returns to pending, expired or not).
     /// Every later write of this store (and its clones) is fenced to the new
     /// generation. Take a [`RuntimeLock`] first so no other process races it.
     pub async fn activate_runtime(&self, holder: String, now_ms: i64) -> Result<Activation> {

@@ -109,16 +109,31 @@ fn kill_9_with_a_background_run_in_flight_interrupts_it_with_its_completion_on_r
     let echo = dir.path().join("echo.yaml");
     std::fs::write(&echo, "when_exhausted: echo\n").unwrap();
     let mut child = chat(&data, &echo);
-    child.stdin.take().unwrap().write_all(b"/runs\n").unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success());
-    let out = String::from_utf8(out.stdout).unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    stdin.write_all(b"/runs\n").unwrap();
+    let mut out = Vec::new();
+    // Its reserved completion became an inbox event, and the start-up wake
+    // delivers it: a continuation answers while the chat is idle.
+    loop {
+        let line = lines.next().unwrap().unwrap();
+        let done = line.starts_with("keel> ")
+            && out
+                .iter()
+                .any(|l: &String| l == "[background results arrived]");
+        out.push(line);
+        if done {
+            break;
+        }
+    }
+    drop(stdin);
+    assert!(child.wait().unwrap().success());
+    let out = out.join("\n");
     assert!(
         out.lines()
             .any(|l| l.contains("slow  background  interrupted")),
         "the run of the dead process is interrupted:\n{out}"
     );
-    // Its reserved completion became a durable inbox event.
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();
@@ -131,14 +146,92 @@ fn kill_9_with_a_background_run_in_flight_interrupts_it_with_its_completion_on_r
             .unwrap();
         let events = store.list_inbox_events(dialog.id).await.unwrap();
         assert_eq!(events.len(), 1, "{events:?}");
+        assert_eq!(events[0].status, keel_store::EventStatus::Consumed);
         let counters = store.inbox_usage(dialog.id).await.unwrap();
         assert_eq!(
             (
                 counters.pending_event_count,
                 counters.reserved_completion_slots
             ),
-            (1, 0)
+            (0, 0)
         );
+    });
+}
+
+/// Killed after a continuation claimed its event and before it committed:
+/// the next start releases the lease and delivers the event exactly once.
+#[test]
+fn kill_9_between_claim_and_commit_delivers_the_result_exactly_once_after_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    crate::data_dir_with_agent(&data, "quick", "Answers at once.", true);
+    // One script serves the root and the run; answers 2 and 3 are the same
+    // so their order does not matter. The continuation (answer 4) hangs.
+    let script = dir.path().join("hang.yaml");
+    std::fs::write(
+        &script,
+        "- tool_calls: [{name: delegate, arguments: {mode: background, tasks: [{agent: quick, task: count}]}}]\n\
+         - text: ok\n\
+         - text: ok\n\
+         - {text: never, delay_ms: 3600000}\n",
+    )
+    .unwrap();
+    let mut child = chat(&data, &script);
+    let mut stdin = child.stdin.take().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    stdin.write_all(b"count for me\n").unwrap();
+    // Printed when the continuation turn starts: its event is leased.
+    loop {
+        if lines.next().unwrap().unwrap() == "[background results arrived]" {
+            break;
+        }
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    let echo = dir.path().join("echo.yaml");
+    std::fs::write(&echo, "when_exhausted: echo\n").unwrap();
+    let mut child = chat(&data, &echo);
+    let stdin2 = child.stdin.take().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut delivered = false;
+    loop {
+        let line = lines.next().unwrap().unwrap();
+        if line == "[background results arrived]" {
+            delivered = true;
+        } else if delivered && line.starts_with("keel> ") {
+            break;
+        }
+    }
+    drop(stdin2);
+    assert!(child.wait().unwrap().success());
+    drop(stdin);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let store = keel_store::Store::open(data.join("keel.db"), Default::default()).unwrap();
+        let dialog = store
+            .latest_active_dialog("cli", "erin")
+            .await
+            .unwrap()
+            .unwrap();
+        let events = store.list_inbox_events(dialog.id).await.unwrap();
+        assert_eq!(events.len(), 1, "{events:?}");
+        assert_eq!(
+            (events[0].status, events[0].attempt_count),
+            (keel_store::EventStatus::Consumed, 1),
+            "consumed once; the lease of the killed process counted as one attempt"
+        );
+        let history = store
+            .load_messages(dialog.id, keel_store::MessageFilter::default())
+            .await
+            .unwrap();
+        let triggers = history
+            .iter()
+            .filter(|m| m.message.text().starts_with("[Background results"))
+            .count();
+        assert_eq!(triggers, 1, "exactly one continuation was committed");
     });
 }
 

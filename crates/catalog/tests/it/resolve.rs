@@ -231,3 +231,24 @@ fn an_empty_catalog_is_valid_without_root_delegates() {
     assert_eq!(AgentCatalog::empty(5).generation(), 5);
     insta::assert_snapshot!("summary_empty", c.summary().to_string());
 }
+
+#[test]
+fn a_definition_without_a_timeout_gets_the_configured_default_deadline() {
+    let files = [
+        ("a.md", agent("a", "")),
+        ("b.md", agent("b", "limits: {timeout_secs: 30}\n")),
+    ];
+    let mut inputs = inputs(&[]);
+    inputs.default_timeout_secs = 900;
+    let c = AgentCatalog::from_texts(files.iter().map(|(n, t)| (*n, t.as_str())), &inputs, 1)
+        .unwrap_or_else(|d| panic!("{d}"));
+    assert_eq!(c.get_str("a").unwrap().limits.timeout_secs, 900);
+    assert_eq!(c.get_str("b").unwrap().limits.timeout_secs, 30);
+    inputs.default_timeout_secs = 0;
+    let err = AgentCatalog::from_texts(files.iter().map(|(n, t)| (*n, t.as_str())), &inputs, 1)
+        .unwrap_err();
+    insta::assert_snapshot!(err.to_string(), @r"
+    <config>: default_run_timeout_secs: 0 is outside 1..=86400
+    1 problem found; the agent catalog was not loaded
+    ");
+}

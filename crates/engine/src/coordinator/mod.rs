@@ -46,12 +46,14 @@ use tokio::task::JoinHandle;
 use crate::agent_loop::{AgentLoop, NoHooks, StepGate};
 use crate::events::SessionEvents;
 use crate::gate::ExecutionGate;
+use crate::manager::SessionManager;
 
 use crate::error::{EngineError, Result};
 pub(crate) use context::AgentExecutionContext;
 pub use context::CallerContext;
 pub use providers::{ProfileProviders, ProviderFactory};
 use supervisor::Supervisor;
+pub(crate) use tools::AGENT_TASK_TOOL;
 use tools::{AgentTaskTool, DelegateTool};
 pub use view::{
     project_response, AgentRunView, DelegateRequest, DelegateResponse, DelegateTask,
@@ -165,7 +167,8 @@ pub struct AgentCoordinator {
     session_tokens: Mutex<HashMap<SessionId, CancellationToken>>,
     shutdown: CancellationToken,
     observer: Mutex<Option<Arc<dyn RunObserver>>>,
-    events: OnceLock<Arc<SessionEvents>>,
+    /// The session manager's feeds and the manager (for inbox wakes).
+    manager: OnceLock<(Arc<SessionEvents>, Weak<SessionManager>)>,
     me: Weak<AgentCoordinator>,
 }
 
@@ -205,7 +208,7 @@ impl AgentCoordinator {
             session_tokens: Mutex::new(HashMap::new()),
             shutdown: CancellationToken::new(),
             observer: Mutex::new(None),
-            events: OnceLock::new(),
+            manager: OnceLock::new(),
             me: me.clone(),
         })
     }
@@ -264,6 +267,12 @@ impl AgentCoordinator {
     /// whole turn, not each delegate call.
     pub(crate) fn root_turn_budget(&self) -> Arc<context::TreeBudget> {
         Arc::new(context::TreeBudget::new(self.config.max_runs_per_tree))
+    }
+
+    /// `agent_task` limited to reading runs (get, list, get_result): what a
+    /// continuation turn may use.
+    pub(crate) fn read_only_task_tool(self: &Arc<Self>) -> Arc<dyn Tool> {
+        Arc::new(AgentTaskTool::read_only(Arc::downgrade(self)))
     }
 
     /// One run of the caller's tree; any other id is [`EngineError::RunNotFound`].
@@ -512,30 +521,42 @@ impl AgentCoordinator {
         self.supervisor.close();
     }
 
-    /// Connects the coordinator to the session manager's feeds, so committed
-    /// run and inbox changes reach subscribers.
-    pub(crate) fn attach(&self, events: Arc<SessionEvents>) {
-        if self.events.set(events).is_err() {
+    /// Connects the coordinator to the session manager: committed run and
+    /// inbox changes reach the session feeds, and a new completion wakes its
+    /// session's worker.
+    pub(crate) fn attach(&self, events: Arc<SessionEvents>, manager: Weak<SessionManager>) {
+        if self.manager.set((events, manager)).is_err() {
             tracing::warn!("the coordinator is already attached to a session manager");
         }
     }
 
     /// Publishes what changed in `root`'s runs and inbox to its subscribers.
     pub(crate) async fn changed(&self, root: SessionId) {
-        if let Some(events) = self.events.get() {
+        if let Some((events, _)) = self.manager.get() {
             events.project(root).await;
         }
     }
 
-    /// After a terminal commit: publish it.
+    /// Wakes the worker of `root` to deliver its inbox.
+    pub(crate) fn wake(&self, root: SessionId) {
+        if let Some(manager) = self.manager.get().and_then(|(_, m)| m.upgrade()) {
+            manager.wake_inbox(root);
+        }
+    }
+
+    /// After a terminal commit: publish it, and wake the session when it
+    /// left a completion to deliver.
     async fn terminal_committed(
         &self,
         root: SessionId,
         commit: &keel_store::TerminalCommit,
-        _handling: keel_store::CompletionHandling,
+        handling: keel_store::CompletionHandling,
     ) {
         if commit.won {
             self.changed(root).await;
+            if commit.event_id.is_some() && handling == keel_store::CompletionHandling::Deliver {
+                self.wake(root);
+            }
         }
     }
 

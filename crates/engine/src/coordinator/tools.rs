@@ -188,12 +188,25 @@ impl Tool for DelegateTool {
 /// `agent_task`: inspect or cancel runs of the caller's own tree.
 pub(crate) struct AgentTaskTool {
     coordinator: Weak<AgentCoordinator>,
+    /// Without `cancel` (a continuation turn's copy).
+    read_only: bool,
 }
 
 impl AgentTaskTool {
     /// The tool, bound to `coordinator`.
     pub(crate) fn new(coordinator: Weak<AgentCoordinator>) -> Self {
-        Self { coordinator }
+        Self {
+            coordinator,
+            read_only: false,
+        }
+    }
+
+    /// The tool without `cancel`: it only reads runs (continuation turns).
+    pub(crate) fn read_only(coordinator: Weak<AgentCoordinator>) -> Self {
+        Self {
+            coordinator,
+            read_only: true,
+        }
     }
 }
 
@@ -225,16 +238,26 @@ impl Tool for AgentTaskTool {
     }
 
     fn description(&self) -> &str {
+        if self.read_only {
+            return "Inspect the sub-agent runs you started (and their descendants). \
+                    action get (status of run_id), list (your runs, newest first), get_result \
+                    (the full result of run_id).";
+        }
         "Inspect or cancel the sub-agent runs you started (and their descendants). \
          action get (status of run_id), list (your runs, newest first), get_result (the full \
          result of run_id), cancel (stop run_id and its foreground descendants)."
     }
 
     fn parameters(&self) -> serde_json::Value {
+        let actions: &[&str] = if self.read_only {
+            &["get", "list", "get_result"]
+        } else {
+            &["get", "list", "get_result", "cancel"]
+        };
         serde_json::json!({
             "type": "object",
             "properties": {
-                "action": {"type": "string", "enum": ["get", "list", "get_result", "cancel"]},
+                "action": {"type": "string", "enum": actions},
                 "run_id": {"type": "string", "description": "the run (not needed for list)"}
             },
             "required": ["action"],
@@ -244,6 +267,10 @@ impl Tool for AgentTaskTool {
 
     fn delegation_policy(&self) -> DelegationPolicy {
         DelegationPolicy::RuntimeInjected
+    }
+
+    fn read_only(&self) -> bool {
+        self.read_only
     }
 
     async fn execute(
@@ -276,6 +303,11 @@ impl Tool for AgentTaskTool {
                     .await
                     .map_err(engine)?,
             )?,
+            TaskAction::Cancel if self.read_only => {
+                return Err(ToolError::Denied(
+                    "this turn answers background results and may only read runs".into(),
+                ))
+            }
             TaskAction::Cancel => pretty(
                 &coordinator
                     .cancel_run(&caller, run_id()?)

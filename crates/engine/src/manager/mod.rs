@@ -17,6 +17,7 @@
 //! turn).
 
 mod checkpoints;
+mod continuation;
 mod dialogs;
 mod housekeeping;
 mod lifecycle;
@@ -43,6 +44,7 @@ use crate::events::{SessionEvents, DEFAULT_EVENT_CAPACITY};
 use crate::mailbox::MailboxLimits;
 use crate::session::{AgentProfile, AgentSession};
 
+pub use continuation::InboxPolicy;
 pub use worker::{SteerOutcome, StopReport, TurnTicket};
 
 /// Channel of sessions that are not dialogs (e.g. sub-agent children).
@@ -140,6 +142,8 @@ pub struct SessionManagerConfig {
     pub mailbox: MailboxLimits,
     /// Events a session feed buffers for a slow subscriber.
     pub event_capacity: usize,
+    /// How background results are delivered to the root agent.
+    pub inbox: InboxPolicy,
 }
 
 impl Default for SessionManagerConfig {
@@ -152,6 +156,7 @@ impl Default for SessionManagerConfig {
             user_queue: 32,
             mailbox: MailboxLimits::default(),
             event_capacity: DEFAULT_EVENT_CAPACITY,
+            inbox: InboxPolicy::default(),
         }
     }
 }
@@ -212,16 +217,18 @@ impl SessionManager {
     /// A manager over `store` running agents from `bundle`.
     pub fn new(store: Store, bundle: RuntimeBundle, config: SessionManagerConfig) -> Arc<Self> {
         let events = SessionEvents::new(store.clone(), config.event_capacity);
-        if let Some(coordinator) = &bundle.coordinator {
-            coordinator.attach(Arc::clone(&events));
-        }
-        Arc::new(Self {
-            store,
-            bundle: Arc::new(bundle),
-            config,
-            sessions: Mutex::new(HashMap::new()),
-            workers: Mutex::new(HashMap::new()),
-            events,
+        Arc::new_cyclic(|me| {
+            if let Some(coordinator) = &bundle.coordinator {
+                coordinator.attach(Arc::clone(&events), me.clone());
+            }
+            Self {
+                store,
+                bundle: Arc::new(bundle),
+                config,
+                sessions: Mutex::new(HashMap::new()),
+                workers: Mutex::new(HashMap::new()),
+                events,
+            }
         })
     }
 

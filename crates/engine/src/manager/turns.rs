@@ -5,13 +5,17 @@
 
 use std::sync::Arc;
 
-use keel_core::{Extensions, Message, Role, SessionId, ToolExecutionContext, TurnId, TurnOrigin};
+use keel_core::{
+    Extensions, Message, Role, SessionId, ToolExecutionContext, ToolRegistry, TurnId, TurnOrigin,
+};
+use keel_store::LeasedEvents;
 use tokio::sync::OwnedMutexGuard;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::{SessionManager, TurnReport};
 use crate::agent_loop::{EventSink, TurnEvent, TurnOutput, TurnRequest};
+use crate::coordinator;
 use crate::error::{EngineError, Result};
 use crate::mailbox::TurnMailbox;
 use crate::session::AgentSession;
@@ -32,6 +36,9 @@ pub(crate) struct TurnStart {
     pub(crate) cancel: CancellationToken,
     /// Only tools that read (a continuation may not act on the world).
     pub(crate) read_only: bool,
+    /// Inbox events the turn answers (a continuation's lease): consumed by
+    /// its commit, in the same transaction.
+    pub(crate) answers: Option<LeasedEvents>,
 }
 
 impl SessionManager {
@@ -48,7 +55,7 @@ impl SessionManager {
         let history = guard.replay(&slot)?;
         let agent = guard.agent.clone();
         let tools = if start.read_only {
-            Arc::new(agent.tools.filtered(|t| t.read_only()))
+            Arc::new(self.read_only_tools(&agent.tools))
         } else {
             agent.tools.clone()
         };
@@ -87,7 +94,23 @@ impl SessionManager {
             task: Some(task),
             cancel: start.cancel,
             events: start.events,
+            mailbox: start.mailbox,
+            answers: start.answers,
         })
+    }
+
+    /// The tools of a continuation turn: those of `tools` that only read,
+    /// and (for an agent that delegates) `agent_task` limited to reading runs.
+    fn read_only_tools(&self, tools: &ToolRegistry) -> ToolRegistry {
+        let mut scoped = tools.filtered(|t| t.read_only());
+        if let Some(coordinator) = &self.bundle.coordinator {
+            if tools.contains(coordinator::AGENT_TASK_TOOL) {
+                if let Err(e) = scoped.register(coordinator.read_only_task_tool()) {
+                    tracing::warn!(error = %e, "continuation tools: agent_task not added");
+                }
+            }
+        }
+        scoped
     }
 }
 
@@ -102,6 +125,8 @@ pub(crate) struct PendingTurn {
     task: Option<JoinHandle<Result<TurnOutput>>>,
     cancel: CancellationToken,
     events: Option<EventSink>,
+    mailbox: Arc<TurnMailbox>,
+    answers: Option<LeasedEvents>,
 }
 
 impl PendingTurn {
@@ -131,8 +156,16 @@ impl PendingTurn {
             }
         }
         let auto = self.manager.config.auto_checkpoint;
+        // The events the model answered (a continuation's lease, and steered
+        // events it read) are consumed in the turn's own transaction.
+        let consumed: Vec<LeasedEvents> = self
+            .answers
+            .take()
+            .into_iter()
+            .chain(self.mailbox.drained_events())
+            .collect();
         let checkpoint = match guard
-            .commit_turn(&self.manager.store, &self.slot, &output, auto)
+            .commit_turn(&self.manager.store, &self.slot, &output, auto, consumed)
             .await
         {
             Ok(c) => c,

@@ -27,8 +27,11 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio_util::sync::CancellationToken;
 
+use keel_store::LeasedEvents;
+
 use super::turns::TurnStart;
 use super::{SessionManager, TurnReport};
+use crate::clock;
 use crate::error::{internal_message, EngineError, Result};
 use crate::events::SessionEvent;
 use crate::mailbox::{Refused, TurnMailbox, WakeSource};
@@ -110,7 +113,23 @@ struct ActiveTurn {
 pub(super) struct WorkerShared {
     wake: Notify,
     wake_pending: AtomicBool,
+    /// Set by `/stop`: no continuation starts until the next user turn or
+    /// the next inbox wake. Read and written under `active`'s lock.
+    paused: AtomicBool,
     active: Mutex<Option<ActiveTurn>>,
+    /// Held by the worker for each turn with what it claimed and releases;
+    /// `/stop` waits on it so it returns only once nothing is held.
+    busy: tokio::sync::Mutex<()>,
+}
+
+/// How a turn on the worker ended.
+pub(super) struct TurnEnd {
+    /// Its report, or why nothing of it was committed.
+    pub(super) result: Result<TurnReport>,
+    /// User steer the model never read.
+    pub(super) unread: Vec<Message>,
+    /// Dropping it tells `/stop` the turn and what it held are finished.
+    pub(super) done: watch::Sender<bool>,
 }
 
 /// A worker as the registry holds it.
@@ -126,8 +145,9 @@ pub(super) type Workers = Mutex<HashMap<SessionId, WorkerHandle>>;
 enum Step {
     /// Look for more work now.
     Again,
-    /// Nothing to do: wait for a user turn or a wake.
-    Wait,
+    /// Nothing to do now: wait for a user turn, a wake, or this time (Unix
+    /// ms) when an event backing off becomes due.
+    Wait(Option<i64>),
     /// The worker left the registry.
     Exit,
 }
@@ -139,6 +159,12 @@ struct WorkerState {
     carried: VecDeque<UserTask>,
     /// A user turn taken from the queue, not yet run.
     next_user: Option<UserTask>,
+    /// The inbox may have due events (a wake, a start, a retry time).
+    inbox_due: bool,
+    /// When the earliest event that backs off becomes due (Unix ms).
+    next_inbox_at: Option<i64>,
+    /// User turns run in a row while results waited.
+    user_burst: usize,
 }
 
 impl SessionManager {
@@ -203,10 +229,26 @@ impl SessionManager {
     /// recorded without starting a turn. Returns once all of it is done.
     pub async fn stop(self: &Arc<Self>, session: SessionId) -> Result<StopReport> {
         let mut report = StopReport::default();
-        if let Some(mut active) = self.active_turn(session) {
-            active.cancel.cancel();
-            let _ = active.done.wait_for(|done| *done).await;
-            report.turn = Some(active.turn_id);
+        let shared = self
+            .workers
+            .lock()
+            .get(&session)
+            .map(|h| Arc::clone(&h.shared));
+        if let Some(shared) = shared {
+            let running = {
+                let active = shared.active.lock();
+                // Under the lock a continuation about to register sees it
+                // and does not start; one that registered is cancelled here.
+                shared.paused.store(true, Ordering::Release);
+                active.clone()
+            };
+            if let Some(mut active) = running {
+                active.cancel.cancel();
+                let _ = active.done.wait_for(|done| *done).await;
+                report.turn = Some(active.turn_id);
+            }
+            // Whatever the worker claimed for the turn is released by now.
+            drop(shared.busy.lock().await);
         }
         if let Some(coordinator) = &self.bundle.coordinator {
             report.runs_cancelled = coordinator.stop_background_runs(session).await?;
@@ -225,6 +267,21 @@ impl SessionManager {
     /// How many sessions have a worker right now (sessions with work).
     pub fn active_workers(&self) -> usize {
         self.workers.lock().len()
+    }
+
+    /// Wakes `session`'s worker to look at its inbox (starting one if
+    /// needed); wakes coalesce, and a sleeping root turn learns that
+    /// background results wait.
+    pub fn wake_inbox(self: &Arc<Self>, session: SessionId) {
+        let mut workers = self.workers.lock();
+        let handle = self.worker_locked(&mut workers, session);
+        let shared = &handle.shared;
+        if let Some(active) = shared.active.lock().as_ref() {
+            active.mailbox.note_queued(WakeSource::AgentQueue);
+        }
+        shared.paused.store(false, Ordering::Release);
+        shared.wake_pending.store(true, Ordering::Release);
+        shared.wake.notify_one();
     }
 
     /// The id of the turn `session` is running, if any.
@@ -247,6 +304,8 @@ impl SessionManager {
             let handle = self.worker_locked(&mut workers, session);
             match handle.user_tx.try_send(task) {
                 Ok(()) => {
+                    // The user's next turn also resumes the inbox after /stop.
+                    handle.shared.paused.store(false, Ordering::Release);
                     if let Some(active) = handle.shared.active.lock().as_ref() {
                         active.mailbox.note_queued(WakeSource::UserQueue);
                     }
@@ -284,6 +343,10 @@ impl SessionManager {
                 user_rx,
                 carried: VecDeque::new(),
                 next_user: None,
+                // A new worker looks at the inbox once.
+                inbox_due: true,
+                next_inbox_at: None,
+                user_burst: 0,
             };
             tokio::spawn(worker_loop(
                 Arc::downgrade(self),
@@ -302,16 +365,60 @@ impl SessionManager {
         shared: &Arc<WorkerShared>,
         state: &mut WorkerState,
     ) -> Step {
-        shared.wake_pending.store(false, Ordering::Release);
+        if shared.wake_pending.swap(false, Ordering::AcqRel) {
+            state.inbox_due = true;
+        }
         if state.next_user.is_none() {
             state.next_user = state
                 .carried
                 .pop_front()
                 .or_else(|| state.user_rx.try_recv().ok());
         }
+        let paused = shared.paused.load(Ordering::Acquire);
+        if state.inbox_due && !paused {
+            let policy = &self.config.inbox;
+            let now = clock::now_ms();
+            match self.store.inbox_schedule(session, now).await {
+                Ok(schedule) => {
+                    if schedule.untold_dead_letters > 0 {
+                        self.tell_dead_letters(session).await;
+                    }
+                    state.next_inbox_at = schedule.next_due_at_ms;
+                    match schedule.oldest_due_at_ms {
+                        None => state.inbox_due = false,
+                        Some(oldest) => {
+                            let waited = u64::try_from(now.saturating_sub(oldest)).unwrap_or(0);
+                            let first = state.next_user.is_none()
+                                || state.user_burst >= policy.max_user_turn_burst
+                                || u128::from(waited) >= policy.max_wait.as_millis();
+                            if first {
+                                state.user_burst = 0;
+                                let _busy = shared.busy.lock().await;
+                                if !self.run_continuation(session, shared).await {
+                                    state.inbox_due = false;
+                                }
+                                return Step::Again;
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(session_id = %session, error = %e, "reading the inbox schedule failed; retried in a second");
+                    state.inbox_due = false;
+                    state.next_inbox_at = Some(now.saturating_add(1000));
+                }
+            }
+        }
         if let Some(task) = state.next_user.take() {
+            if state.inbox_due {
+                state.user_burst += 1;
+            }
+            let _busy = shared.busy.lock().await;
             self.run_user_turn(session, shared, state, task).await;
             return Step::Again;
+        }
+        if let Some(at) = state.next_inbox_at.filter(|_| !paused) {
+            return Step::Wait(Some(at));
         }
         let mut workers = self.workers.lock();
         if !state.user_rx.is_empty() || shared.wake_pending.load(Ordering::Acquire) {
@@ -324,7 +431,7 @@ impl SessionManager {
             workers.remove(&session);
             return Step::Exit;
         }
-        Step::Wait
+        Step::Wait(None)
     }
 
     async fn run_user_turn(
@@ -334,7 +441,7 @@ impl SessionManager {
         state: &mut WorkerState,
         task: UserTask,
     ) {
-        let (result, unread) = self
+        let end = self
             .run_turn(
                 session,
                 shared,
@@ -342,11 +449,13 @@ impl SessionManager {
                 TurnOrigin::User,
                 vec![task.input],
                 task.cancel,
+                None,
             )
             .await;
+        let result = end.result;
         if result.is_ok() {
             // Steer the model never read becomes the next turn, in order.
-            for input in unread {
+            for input in end.unread {
                 state.carried.push_back(UserTask {
                     turn_id: TurnId::new(),
                     input,
@@ -361,9 +470,11 @@ impl SessionManager {
     }
 
     /// Runs one turn on the worker: registers it for steer and stop,
-    /// streams its events to the session feed, commits it, and publishes the
-    /// outcome. Returns it with the user steer the model never read.
-    async fn run_turn(
+    /// streams its events to the session feed, commits it (consuming
+    /// `answers` with it), publishes the outcome, and releases inbox events
+    /// steered into it that it never read.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn run_turn(
         self: &Arc<Self>,
         session: SessionId,
         shared: &Arc<WorkerShared>,
@@ -371,15 +482,23 @@ impl SessionManager {
         origin: TurnOrigin,
         input: Vec<Message>,
         cancel: CancellationToken,
-    ) -> (Result<TurnReport>, Vec<Message>) {
+        answers: Option<LeasedEvents>,
+    ) -> TurnEnd {
         let mailbox = Arc::new(TurnMailbox::new(turn_id, self.config.mailbox));
         let (done_tx, done_rx) = watch::channel(false);
-        *shared.active.lock() = Some(ActiveTurn {
-            turn_id,
-            cancel: cancel.clone(),
-            mailbox: Arc::clone(&mailbox),
-            done: done_rx,
-        });
+        {
+            let mut active = shared.active.lock();
+            if origin != TurnOrigin::User && shared.paused.load(Ordering::Acquire) {
+                // Stopped before it started: answer nothing now.
+                cancel.cancel();
+            }
+            *active = Some(ActiveTurn {
+                turn_id,
+                cancel: cancel.clone(),
+                mailbox: Arc::clone(&mailbox),
+                done: done_rx,
+            });
+        }
         self.events
             .publish(session, SessionEvent::TurnStarted { turn_id, origin });
         let (tx, mut rx) = mpsc::unbounded_channel();
@@ -397,6 +516,7 @@ impl SessionManager {
                     mailbox: Arc::clone(&mailbox),
                     cancel,
                     read_only: origin != TurnOrigin::User,
+                    answers,
                 },
             )
             .await
@@ -429,6 +549,10 @@ impl SessionManager {
         }
         let leftovers = mailbox.close(result.is_err());
         *shared.active.lock() = None;
+        if !leftovers.agent.is_empty() {
+            // Steered events the turn did not consume go back to the queue.
+            self.release_unread(session, leftovers.agent).await;
+        }
         let outcome = match &result {
             Ok(report) => SessionEvent::TurnCommitted {
                 turn_id,
@@ -447,8 +571,34 @@ impl SessionManager {
             },
         };
         self.events.publish(session, outcome);
-        done_tx.send_replace(true);
-        (result, leftovers.user)
+        TurnEnd {
+            result,
+            unread: leftovers.user,
+            done: done_tx,
+        }
+    }
+
+    /// Returns inbox events a turn held but did not consume to pending
+    /// (no failed attempt: they were never answered) and wakes the worker.
+    async fn release_unread(self: &Arc<Self>, session: SessionId, held: Vec<LeasedEvents>) {
+        for lease in held {
+            let released = self
+                .store
+                .release_inbox_lease(keel_store::ReleaseRequest {
+                    event_ids: lease.event_ids,
+                    lease_token: lease.lease_token,
+                    now_ms: clock::now_ms(),
+                    backoff_ms: 0,
+                    max_attempts: self.config.inbox.max_delivery_attempts,
+                    count_attempt: false,
+                    error: None,
+                })
+                .await;
+            if let Err(e) = released {
+                tracing::warn!(session_id = %session, error = %e, "releasing unread steered events failed; they are recovered at the next start");
+            }
+        }
+        self.events.project(session).await;
     }
 }
 
@@ -470,7 +620,13 @@ async fn worker_loop(
         match step {
             Step::Again => {}
             Step::Exit => return,
-            Step::Wait => {
+            Step::Wait(due) => {
+                let retry = async {
+                    match due {
+                        Some(at) => tokio::time::sleep_until(clock::instant_at(at)).await,
+                        None => std::future::pending().await,
+                    }
+                };
                 tokio::select! {
                     biased;
                     task = state.user_rx.recv() => match task {
@@ -478,6 +634,10 @@ async fn worker_loop(
                         None => return,
                     },
                     () = shared.wake.notified() => {}
+                    () = retry => {
+                        state.inbox_due = true;
+                        state.next_inbox_at = None;
+                    }
                 }
             }
         }

@@ -6,5 +6,6 @@ mod agent_loop;
 mod common;
 mod coordinator;
 mod gate;
+mod inbox;
 mod sessions;
 mod worker;

@@ -17,22 +17,6 @@ use keel_providers::{
 
 use super::*;
 
-/// How the reference marks a key keel parses and validates but does not act
-/// on yet; `cargo xtask tidy` checks that nothing reads such a key and that
-/// every unmarked key has a reader.
-pub const NOT_SUPPORTED_YET: &str =
-    "**Not supported yet.** Parsed and validated; nothing acts on it yet. Meant as:";
-
-/// `doc` of a key that is not supported yet, behind [`NOT_SUPPORTED_YET`].
-fn not_supported_yet(doc: &str) -> String {
-    let mut chars = doc.chars();
-    let lowered: String = chars
-        .next()
-        .map(|c| c.to_lowercase().chain(chars).collect())
-        .unwrap_or_default();
-    format!("{NOT_SUPPORTED_YET} {lowered}")
-}
-
 /// One documented key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyDoc {
@@ -112,7 +96,6 @@ max_concurrent_provider_steps_per_session = 4
 max_concurrent_tool_steps = 16
 max_concurrent_tool_steps_per_session = 8
 max_pending_inbox_events_per_session = 64
-# Not supported yet (parsed and validated only): the next five keys.
 inbox_event_ttl_hours = 168
 max_inbox_delivery_attempts = 5
 max_user_turn_burst_before_inbox = 3
@@ -465,38 +448,38 @@ pub fn reference() -> Vec<KeyDoc> {
         ),
         (
             "inbox_event_ttl_hours",
-            not_supported_yet(&format!(
+            format!(
                 "Hours an undelivered inbox event is kept before it is dead-lettered, \
                  1..={MAX_INBOX_EVENT_TTL_HOURS}."
-            )),
+            ),
         ),
         (
             "max_inbox_delivery_attempts",
-            not_supported_yet(&format!(
+            format!(
                 "Failed deliveries of one inbox event before it is dead-lettered, \
                  1..={MAX_INBOX_DELIVERY_ATTEMPTS_CAP}."
-            )),
+            ),
         ),
         (
             "max_user_turn_burst_before_inbox",
-            not_supported_yet(&format!(
+            format!(
                 "User turns in a row before a pending inbox event gets its continuation \
                  turn, 1..={MAX_USER_TURN_BURST_CAP}."
-            )),
+            ),
         ),
         (
             "max_inbox_wait_secs",
-            not_supported_yet(&format!(
+            format!(
                 "Seconds a pending inbox event may wait before the next turn is a \
                  continuation, 1..={MAX_INBOX_WAIT_SECS_CAP}."
-            )),
+            ),
         ),
         (
             "default_run_timeout_secs",
-            not_supported_yet(&format!(
+            format!(
                 "Deadline of a run whose definition sets no `limits.timeout_secs`, \
                  1..={MAX_RUN_TIMEOUT_SECS}."
-            )),
+            ),
         ),
         (
             "max_children_per_call",

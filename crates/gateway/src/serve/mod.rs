@@ -247,6 +247,8 @@ impl Server {
         let serve = axum::serve(listener, routes::router(shared.clone()))
             .with_graceful_shutdown(stop_accepting.clone().cancelled_owned());
         let task = tokio::spawn(async move { serve.await });
+        // Serving now: results an earlier process left are delivered.
+        shared.app.deliver_recovered();
         Ok(Server {
             addr,
             shared,

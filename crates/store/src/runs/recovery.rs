@@ -14,10 +14,13 @@ use crate::error::Result;
 use crate::util::{parse, to_i64};
 use crate::Store;
 
+/// Recovery for `active_generation`; with `all_leases`, every lease is
+/// released (the process that held it is gone), else only expired ones.
 pub(crate) fn recover_tx(
     conn: &Connection,
     active_generation: u64,
     now_ms: i64,
+    all_leases: bool,
 ) -> Result<RecoveryReport> {
     let mut report = RecoveryReport::default();
     let generation = to_i64("active_generation", active_generation)?;
@@ -95,7 +98,8 @@ pub(crate) fn recover_tx(
         }
     }
     // 4: expired leases go back to pending.
-    report.leases_expired = crate::inbox::expire_leases_tx(conn, now_ms, &mut revisions)?;
+    let cutoff = if all_leases { i64::MAX } else { now_ms };
+    report.leases_expired = crate::inbox::expire_leases_tx(conn, cutoff, now_ms, &mut revisions)?;
     // 5: recompute every root session's counters.
     let mut stmt = conn.prepare(
         "SELECT root_session_id FROM agent_session_state \
@@ -128,7 +132,7 @@ impl Store {
         now_ms: i64,
     ) -> Result<RecoveryReport> {
         self.db
-            .write(move |c| recover_tx(c, active_generation, now_ms))
+            .write(move |c| recover_tx(c, active_generation, now_ms, false))
             .await
     }
 }

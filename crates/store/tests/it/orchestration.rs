@@ -8,8 +8,8 @@ use keel_core::{
 };
 use keel_store::{
     AcceptGroup, AcceptRun, ClaimRequest, CompletionHandling, ContinuationCommit, EventStatus,
-    EventType, GroupStatus, InboxUsage, NewGroup, NewMessage, NewRun, NewSignal, ReleaseRequest,
-    RunCursor, Store, StoreError, TerminalOutcome, TurnCommit,
+    EventType, GroupStatus, InboxUsage, LeasedEvents, NewGroup, NewMessage, NewRun, NewSignal,
+    NoticeCommit, ReleaseRequest, RunCursor, Store, StoreError, TerminalOutcome, TurnCommit,
 };
 use rusqlite::Connection;
 
@@ -501,8 +501,10 @@ async fn claim_then_continuation_consumes_events_with_the_turn() {
             expected_head: None,
             now_ms: 1100,
         },
-        lease_token: lease.token.clone(),
-        event_ids: ids[..2].to_vec(),
+        consumed: vec![LeasedEvents {
+            lease_token: lease.token.clone(),
+            event_ids: ids[..2].to_vec(),
+        }],
     };
     let done = store
         .commit_continuation_turn(commit.clone())
@@ -529,6 +531,7 @@ async fn release_backs_off_and_dead_letters_after_max_attempts() {
         now_ms: now,
         backoff_ms: 500,
         max_attempts: 2,
+        count_attempt: true,
         error: Some("provider down".into()),
     };
     let lease = store
@@ -760,4 +763,190 @@ async fn unknown_enum_text_on_disk_is_corruption() {
     }
     let err = store.get_run(run.id).await.unwrap_err();
     insta::assert_snapshot!(err, @r#"corrupt data: agent_runs.status: unknown run status "finished""#);
+}
+
+fn turn_of(root: SessionId, now_ms: i64) -> TurnCommit {
+    TurnCommit {
+        session_id: root,
+        messages: vec![NewMessage::new(
+            Message::user("[results]")
+                .hidden()
+                .with_origin(TurnOrigin::AgentContinuation),
+        )],
+        state: b"{}".to_vec(),
+        checkpoint: None,
+        visible_user_inputs: 0,
+        expected_head: None,
+        now_ms,
+    }
+}
+
+#[tokio::test]
+async fn one_turn_consumes_the_events_of_several_leases_of_its_own_session_only() {
+    let (_dir, store) = temp_store();
+    let (root, ids) = root_with_events(&store, 3).await;
+    let mut req = claim(root, 1000);
+    req.max_events = 2;
+    let a = store.claim_inbox_batch(req).await.unwrap().unwrap();
+    let b = store
+        .claim_inbox_batch(claim(root, 1000))
+        .await
+        .unwrap()
+        .unwrap();
+    let leases = vec![
+        LeasedEvents {
+            lease_token: a.token.clone(),
+            event_ids: ids[..2].to_vec(),
+        },
+        LeasedEvents {
+            lease_token: b.token.clone(),
+            event_ids: ids[2..].to_vec(),
+        },
+    ];
+    // The turn of another session may not consume them.
+    let other = store.create_session(new_session("other", 1)).await.unwrap();
+    let err = store
+        .commit_continuation_turn(ContinuationCommit {
+            turn: turn_of(other.id, 1100),
+            consumed: leases.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::InvalidInput(_)), "{err}");
+    assert_eq!(store.last_seq(other.id).await.unwrap(), 0);
+    let done = store
+        .commit_continuation_turn(ContinuationCommit {
+            turn: turn_of(root, 1100),
+            consumed: leases,
+        })
+        .await
+        .unwrap();
+    assert_eq!(done.consumed, 3);
+    assert_eq!(slots(&store, root).await, counters(0, 0));
+}
+
+#[tokio::test]
+async fn a_release_that_is_no_failed_delivery_keeps_attempts_and_backoff() {
+    let (_dir, store) = temp_store();
+    let (root, ids) = root_with_events(&store, 1).await;
+    let lease = store
+        .claim_inbox_batch(claim(root, 1000))
+        .await
+        .unwrap()
+        .unwrap();
+    let r = store
+        .release_inbox_lease(ReleaseRequest {
+            event_ids: ids.clone(),
+            lease_token: lease.token,
+            now_ms: 1001,
+            backoff_ms: 60_000,
+            max_attempts: 1,
+            count_attempt: false,
+            error: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!((r.released, r.dead_lettered), (1, 0));
+    let events = store.list_inbox_events(root).await.unwrap();
+    assert_eq!(
+        (events[0].status, events[0].attempt_count),
+        (EventStatus::Pending, 0)
+    );
+    let schedule = store.inbox_schedule(root, 1001).await.unwrap();
+    assert_eq!(schedule.oldest_due_at_ms, Some(events[0].created_at_ms));
+    assert!(store
+        .claim_inbox_batch(claim(root, 1001))
+        .await
+        .unwrap()
+        .is_some());
+}
+
+#[tokio::test]
+async fn a_dead_letter_is_told_once_by_a_notice_in_the_sessions_history() {
+    let (_dir, store) = temp_store();
+    let (root, ids) = root_with_events(&store, 2).await;
+    let lease = store
+        .claim_inbox_batch(claim(root, 1000))
+        .await
+        .unwrap()
+        .unwrap();
+    store
+        .release_inbox_lease(ReleaseRequest {
+            event_ids: vec![ids[0]],
+            lease_token: lease.token.clone(),
+            now_ms: 1001,
+            backoff_ms: 500,
+            max_attempts: 1,
+            count_attempt: true,
+            error: Some("model down".into()),
+        })
+        .await
+        .unwrap();
+    store
+        .release_inbox_lease(ReleaseRequest {
+            event_ids: vec![ids[1]],
+            lease_token: lease.token,
+            now_ms: 1001,
+            backoff_ms: 500,
+            max_attempts: 5,
+            count_attempt: true,
+            error: Some("model down".into()),
+        })
+        .await
+        .unwrap();
+    let schedule = store.inbox_schedule(root, 1001).await.unwrap();
+    assert_eq!(
+        (schedule.oldest_due_at_ms, schedule.next_due_at_ms),
+        (None, Some(1501)),
+        "the other event backs off"
+    );
+    assert_eq!(schedule.untold_dead_letters, 1);
+    let untold = store.unnotified_dead_letters(root).await.unwrap();
+    assert_eq!(untold.iter().map(|e| e.id).collect::<Vec<_>>(), [ids[0]]);
+    assert_eq!(untold[0].last_error.as_deref(), Some("model down"));
+    let notice = |now| NoticeCommit {
+        turn: TurnCommit {
+            session_id: root,
+            messages: vec![NewMessage::new(
+                Message::system("a result could not be delivered").with_origin(TurnOrigin::System),
+            )],
+            state: b"{}".to_vec(),
+            checkpoint: None,
+            visible_user_inputs: 0,
+            expected_head: None,
+            now_ms: now,
+        },
+        event_ids: vec![ids[0]],
+    };
+    store.commit_dead_letter_notice(notice(1002)).await.unwrap();
+    assert!(store
+        .unnotified_dead_letters(root)
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        store
+            .inbox_schedule(root, 1002)
+            .await
+            .unwrap()
+            .untold_dead_letters,
+        0
+    );
+    // Told once: a second notice of the same event commits nothing.
+    let err = store
+        .commit_dead_letter_notice(notice(1003))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Stale(_)), "{err}");
+    assert_eq!(store.last_seq(root).await.unwrap(), 1);
+    // Events dead-lettered because the session was deleted are never told.
+    store
+        .cancel_session(root, "session deleted".into(), 1004)
+        .await
+        .unwrap();
+    assert!(store
+        .unnotified_dead_letters(root)
+        .await
+        .unwrap()
+        .is_empty());
 }

@@ -133,3 +133,51 @@ async fn a_turn_commit_refuses_a_history_that_moved() {
         .unwrap();
     assert_eq!(store.last_seq(session.id).await.unwrap(), 4);
 }
+
+/// The lock says the earlier process is gone: its leases are released at
+/// activation even before they expire, so its events are delivered again.
+#[tokio::test]
+async fn activation_releases_the_leases_of_the_process_before_it() {
+    let (_dir, store) = temp_store();
+    let root = store.create_session(new_session("a", 1)).await.unwrap().id;
+    let run = new_run(root, ExecutionMode::Background);
+    store
+        .accept_run(AcceptRun {
+            run: run.clone(),
+            inbox_capacity: 10,
+            now_ms: 1,
+        })
+        .await
+        .unwrap();
+    store
+        .commit_terminal(
+            run.id,
+            run.execution_id.clone(),
+            keel_store::TerminalOutcome::Failed {
+                error: "x".into(),
+                usage: None,
+            },
+            keel_store::CompletionHandling::Deliver,
+            2,
+        )
+        .await
+        .unwrap();
+    let lease = store
+        .claim_inbox_batch(keel_store::ClaimRequest {
+            root_session_id: root,
+            now_ms: 3,
+            lease_ms: 3_600_000,
+            max_events: 8,
+            max_bytes: 1 << 20,
+            delivery: None,
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(lease.events.len(), 1);
+    let activation = store.activate_runtime("next".into(), 4).await.unwrap();
+    assert_eq!(activation.recovery.leases_expired, 1);
+    assert_eq!(activation.recovery.sessions_with_due_events, [root]);
+    let events = store.list_inbox_events(root).await.unwrap();
+    assert_eq!(events[0].status, keel_store::EventStatus::Pending);
+}

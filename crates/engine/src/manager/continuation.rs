@@ -1,0 +1,343 @@
+//! Continuation turns: how background results reach the root agent.
+//!
+//! When the session worker finds due inbox events it claims a batch under a
+//! lease and runs a turn whose input is a hidden trigger (origin
+//! `agent_continuation`, never shown to clients) describing the events:
+//! each completion's run, agent, status and bounded result, each signal.
+//! The root agent answers with read-only tools. The trigger, the answer,
+//! usage, checkpoint and the consumption of exactly the claimed events
+//! commit in one transaction — the trigger is never stored without its
+//! answer. A failed turn releases the lease with exponential backoff; after
+//! `max_delivery_attempts`, or once an event is older than its time to
+//! live, it is dead-lettered and the user gets a notice in the session's
+//! history naming the run.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use keel_core::{Message, SessionId, TurnId, TurnOrigin};
+use keel_store::{ClaimRequest, EventType, InboxEvent, LeasedEvents, ReleaseRequest};
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+use super::worker::WorkerShared;
+use super::SessionManager;
+use crate::clock;
+use crate::error::{internal_message, EngineError};
+use crate::events::SessionEvent;
+
+/// How a session's inbox is delivered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboxPolicy {
+    /// User turns in a row (while results wait) before a continuation
+    /// runs first.
+    pub max_user_turn_burst: usize,
+    /// How long a due result may wait behind user turns.
+    pub max_wait: Duration,
+    /// Failed deliveries of an event before it is dead-lettered.
+    pub max_delivery_attempts: u32,
+    /// How long an undelivered event is kept before it is dead-lettered.
+    pub event_ttl: Duration,
+    /// How long a claimed batch stays leased (a crash is recovered at the
+    /// next start whatever this is).
+    pub lease: Duration,
+    /// Wait before the first retry of a failed delivery; doubled per attempt.
+    pub retry_backoff: Duration,
+    /// Longest wait before a retry.
+    pub max_retry_backoff: Duration,
+    /// Most events one continuation answers.
+    pub batch_events: usize,
+    /// Most payload bytes one continuation claims (the first event always).
+    pub batch_bytes: usize,
+    /// Most bytes of one result shown in the trigger (the rest is read
+    /// with `agent_task get_result`).
+    pub result_bytes: usize,
+}
+
+impl Default for InboxPolicy {
+    /// Burst 3, wait 30 s, 5 attempts, kept 7 days, lease 10 min, backoff
+    /// 2 s doubling to 5 min, batches of 8 events or 32 KiB, results cut at 4 KiB.
+    fn default() -> Self {
+        Self {
+            max_user_turn_burst: 3,
+            max_wait: Duration::from_secs(30),
+            max_delivery_attempts: 5,
+            event_ttl: Duration::from_secs(7 * 24 * 3600),
+            lease: Duration::from_secs(600),
+            retry_backoff: Duration::from_secs(2),
+            max_retry_backoff: Duration::from_secs(300),
+            batch_events: 8,
+            batch_bytes: 32 * 1024,
+            result_bytes: 4 * 1024,
+        }
+    }
+}
+
+impl InboxPolicy {
+    /// The wait before retrying an event that failed `attempts` times.
+    pub(crate) fn backoff(&self, attempts: u32) -> Duration {
+        let factor = 1u32
+            .checked_shl(attempts.saturating_sub(1))
+            .unwrap_or(u32::MAX);
+        self.retry_backoff
+            .saturating_mul(factor)
+            .min(self.max_retry_backoff)
+    }
+}
+
+/// Longest trigger, in bytes.
+const MAX_TRIGGER_BYTES: usize = 64 * 1024;
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+impl SessionManager {
+    /// Claims a batch of the session's due events and answers it in a
+    /// continuation turn. Returns false when nothing was due.
+    pub(super) async fn run_continuation(
+        self: &Arc<Self>,
+        session: SessionId,
+        shared: &Arc<WorkerShared>,
+    ) -> bool {
+        let policy = &self.config.inbox;
+        let now = clock::now_ms();
+        let claimed = self
+            .store
+            .claim_inbox_batch(ClaimRequest {
+                root_session_id: session,
+                now_ms: now,
+                lease_ms: millis(policy.lease).max(1),
+                max_events: policy.batch_events.max(1),
+                max_bytes: policy.batch_bytes,
+                delivery: None,
+            })
+            .await;
+        let lease = match claimed {
+            Ok(Some(lease)) => lease,
+            Ok(None) => return false,
+            Err(e) => {
+                tracing::warn!(session_id = %session, error = %e, "claiming inbox events failed; retried at the next wake");
+                return false;
+            }
+        };
+        self.events.project(session).await;
+        let ttl = millis(policy.event_ttl);
+        let (expired, live): (Vec<InboxEvent>, Vec<InboxEvent>) = lease
+            .events
+            .into_iter()
+            .partition(|e| now.saturating_sub(e.created_at_ms) >= ttl);
+        if !expired.is_empty() {
+            let reason = format!(
+                "expired: undelivered for more than {} hours",
+                policy.event_ttl.as_secs() / 3600
+            );
+            let ids = expired.iter().map(|e| e.id).collect();
+            if let Err(e) = self.store.dead_letter_events(ids, reason, now).await {
+                tracing::warn!(session_id = %session, error = %e, "dead-lettering expired inbox events failed");
+            }
+            self.tell_dead_letters(session).await;
+        }
+        if live.is_empty() {
+            return true;
+        }
+        let answers = LeasedEvents {
+            lease_token: lease.token.clone(),
+            event_ids: live.iter().map(|e| e.id).collect(),
+        };
+        let trigger = Message::user(trigger_text(&live, policy.result_bytes))
+            .hidden()
+            .with_origin(TurnOrigin::AgentContinuation);
+        let end = self
+            .run_turn(
+                session,
+                shared,
+                TurnId::new(),
+                TurnOrigin::AgentContinuation,
+                vec![trigger],
+                CancellationToken::new(),
+                Some(answers.clone()),
+            )
+            .await;
+        if let Err(e) = &end.result {
+            // Stopped is no failed delivery: the events wait, untouched.
+            let failed = !e.is_cancelled();
+            let attempts = live.iter().map(|e| e.attempt_count).max().unwrap_or(0) + 1;
+            let error = if e.is_internal() {
+                internal_message(e)
+            } else {
+                e.to_string()
+            };
+            let released = self
+                .store
+                .release_inbox_lease(ReleaseRequest {
+                    event_ids: answers.event_ids,
+                    lease_token: answers.lease_token,
+                    now_ms: clock::now_ms(),
+                    backoff_ms: if failed {
+                        millis(policy.backoff(attempts))
+                    } else {
+                        0
+                    },
+                    max_attempts: policy.max_delivery_attempts,
+                    count_attempt: failed,
+                    error: failed.then_some(error),
+                })
+                .await;
+            match released {
+                Ok(report) if report.dead_lettered > 0 => self.tell_dead_letters(session).await,
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(session_id = %session, error = %e, "releasing a failed continuation's events failed; they are recovered at the next start")
+                }
+            }
+        }
+        self.events.project(session).await;
+        drop(end.done);
+        true
+    }
+
+    /// Tells the user, in the session's history, of background results that
+    /// could not be delivered (and marks them told in the same transaction).
+    pub(super) async fn tell_dead_letters(self: &Arc<Self>, session: SessionId) {
+        let events = match self.store.unnotified_dead_letters(session).await {
+            Ok(events) if events.is_empty() => return,
+            Ok(events) => events,
+            Err(e) => {
+                tracing::warn!(session_id = %session, error = %e, "reading dead letters failed; the notice is retried later");
+                return;
+            }
+        };
+        let text = notice_text(&events);
+        let ids = events.iter().map(|e| e.id).collect();
+        let notice = Message::system(text.clone()).with_origin(TurnOrigin::System);
+        let told = async {
+            let entry = self.session(session).await?;
+            let mut guard = entry.lock().await;
+            guard.commit_notice(&self.store, notice, ids).await
+        }
+        .await;
+        match told {
+            Ok(()) => {
+                self.events.publish(session, SessionEvent::Notice { text });
+                self.events.project(session).await;
+            }
+            Err(EngineError::SessionNotFound(_)) => {}
+            Err(e) => {
+                tracing::warn!(session_id = %session, error = %e, "the dead-letter notice was not saved; retried later")
+            }
+        }
+    }
+}
+
+/// One line about a run from a completion payload.
+fn describe_run(run: &Value, max_bytes: usize) -> String {
+    let field = |k: &str| run.get(k).and_then(Value::as_str).unwrap_or("?");
+    let outcome = match (
+        run.get("result").and_then(Value::as_str),
+        run.get("error").and_then(Value::as_str),
+    ) {
+        (Some(result), _) => keel_core::truncate_with_note(result.to_owned(), max_bytes),
+        (None, Some(error)) => keel_core::truncate_with_note(error.to_owned(), max_bytes),
+        (None, None) => "(no result)".to_owned(),
+    };
+    format!(
+        "run {} (agent {}) {}:\n{outcome}",
+        field("run_id"),
+        field("agent_id"),
+        field("status")
+    )
+}
+
+/// The hidden message that starts a continuation: what came back, bounded.
+pub(crate) fn trigger_text(events: &[InboxEvent], result_bytes: usize) -> String {
+    let mut out = String::from(
+        "[Background results. This message comes from keel, not from the user: the \
+         sub-agent work started earlier has news. Tell the user what came back and what it \
+         means for them. A result cut short can be read in full with agent_task get_result.]\n",
+    );
+    for (i, e) in events.iter().enumerate() {
+        let payload: Value = serde_json::from_str(&e.payload_json).unwrap_or(Value::Null);
+        out.push_str(&format!("\n{}. ", i + 1));
+        match e.event_type {
+            EventType::Completion => {
+                out.push_str("Completed ");
+                out.push_str(&describe_run(&payload, result_bytes));
+            }
+            EventType::GroupCompletion => {
+                let runs = payload.get("runs").and_then(Value::as_array);
+                out.push_str(&format!(
+                    "Group {} finished {} ({} runs):",
+                    payload
+                        .get("group_id")
+                        .and_then(Value::as_str)
+                        .unwrap_or("?"),
+                    payload.get("status").and_then(Value::as_str).unwrap_or("?"),
+                    runs.map_or(0, Vec::len)
+                ));
+                for run in runs.into_iter().flatten() {
+                    out.push_str("\n   - ");
+                    out.push_str(&describe_run(run, result_bytes));
+                }
+            }
+            EventType::Signal => {
+                let field = |k: &str| payload.get(k).and_then(Value::as_str).unwrap_or("?");
+                out.push_str(&format!(
+                    "Signal from run {} (agent {}, severity {}): {}",
+                    e.run_id
+                        .map(|r| r.to_string())
+                        .unwrap_or_else(|| "?".into()),
+                    field("agent_id"),
+                    e.severity.as_deref().unwrap_or("info"),
+                    field("summary")
+                ));
+                if let Some(details) = payload.get("details").filter(|d| !d.is_null()) {
+                    out.push_str(&format!(
+                        "\n   details: {}",
+                        keel_core::truncate_with_note(details.to_string(), result_bytes)
+                    ));
+                }
+            }
+        }
+        out.push('\n');
+    }
+    keel_core::truncate_with_note(out, MAX_TRIGGER_BYTES)
+}
+
+/// The user's notice about events that could not be delivered.
+pub(crate) fn notice_text(events: &[InboxEvent]) -> String {
+    let mut out = format!(
+        "keel could not deliver {} background result(s) to the assistant:",
+        events.len()
+    );
+    for e in events {
+        let payload: Value = serde_json::from_str(&e.payload_json).unwrap_or(Value::Null);
+        let what = match (e.run_id, e.group_id) {
+            (Some(run), _) => format!(
+                "run {run} (agent {})",
+                payload
+                    .get("agent_id")
+                    .and_then(Value::as_str)
+                    .unwrap_or("?")
+            ),
+            (None, Some(group)) => format!("group {group}"),
+            (None, None) => "an event".to_owned(),
+        };
+        let kind = match e.event_type {
+            EventType::Signal => "signal",
+            _ => "result",
+        };
+        let why = match e.last_error.as_deref() {
+            Some(err) if err.starts_with("expired") => err.to_owned(),
+            Some(err) => format!(
+                "gave up after {} failed attempts (last error: {})",
+                e.attempt_count,
+                keel_core::truncate_with_note(err.to_owned(), 300)
+            ),
+            None => "gave up".to_owned(),
+        };
+        out.push_str(&format!("\n- the {kind} of {what}: {why}"));
+    }
+    out.push_str("\nThe runs and their full results stay listed (/runs, agent_task).");
+    out
+}

@@ -1,0 +1,862 @@
+//! Background results reach the root agent: completions wake the session
+//! worker, a hidden continuation turn answers them and consumes exactly
+//! the events it claimed, failures back off and end in a dead letter the
+//! user is told about, fairness lets results overtake a burst of user turns,
+//! `/stop` leaves nothing leased, and a restart delivers what a crash left.
+//! Synchronized through the session feed, run observer events and provider
+//! holds, never a sleep.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use keel_catalog::{AgentCatalog, CatalogInputs};
+use keel_core::{
+    AgentId, CancellationToken, ChatRequest, ClientVisibility, Message, Provider, ProviderError,
+    ProviderStream, Role, RunId, ScriptedErrorKind, ScriptedProvider, ScriptedResponse, SessionId,
+    ToolRegistry, TurnOrigin,
+};
+use keel_engine::{
+    AgentCoordinator, AgentProfile, CoordinatorConfig, ExecutionGate, GateLimits, InboxPolicy,
+    ProfileProviders, RunEvent, RunObserver, RuntimeBundle, SessionEvent, SessionManager,
+    SessionManagerConfig, SessionSubscription,
+};
+use keel_store::{EventStatus, Store, StoreOptions};
+use parking_lot::Mutex;
+use serde_json::json;
+use tokio::sync::{mpsc, Notify};
+
+use crate::common::spec;
+
+/// Guards a wait on the other side: a hang fails the test instead of CI.
+const HANG: Duration = Duration::from_secs(30);
+
+/// A provider that answers from a script but holds chosen calls (by their
+/// 1-based index) until released, and records when each call arrived.
+struct Held {
+    inner: ScriptedProvider,
+    calls: AtomicUsize,
+    holds: Mutex<HashMap<usize, Arc<Notify>>>,
+    arrived: mpsc::UnboundedSender<usize>,
+    at: Mutex<Vec<tokio::time::Instant>>,
+}
+
+impl Held {
+    fn new(inner: ScriptedProvider) -> (Arc<Self>, mpsc::UnboundedReceiver<usize>) {
+        let (arrived, rx) = mpsc::unbounded_channel();
+        (
+            Arc::new(Self {
+                inner,
+                calls: AtomicUsize::new(0),
+                holds: Mutex::new(HashMap::new()),
+                arrived,
+                at: Mutex::new(Vec::new()),
+            }),
+            rx,
+        )
+    }
+
+    /// Holds call `n` until the returned notify is notified.
+    fn hold(&self, n: usize) -> Arc<Notify> {
+        Arc::clone(self.holds.lock().entry(n).or_default())
+    }
+}
+
+#[async_trait]
+impl Provider for Held {
+    fn name(&self) -> &str {
+        "held"
+    }
+    fn model(&self) -> &str {
+        "held-model"
+    }
+    async fn stream(
+        &self,
+        request: &ChatRequest,
+        cancel: CancellationToken,
+    ) -> Result<ProviderStream, ProviderError> {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        self.at.lock().push(tokio::time::Instant::now());
+        let _ = self.arrived.send(n);
+        let hold = self.holds.lock().get(&n).cloned();
+        if let Some(hold) = hold {
+            tokio::select! {
+                _ = cancel.cancelled() => return Err(ProviderError::Cancelled),
+                () = hold.notified() => {}
+            }
+        }
+        self.inner.stream(request, cancel).await
+    }
+}
+
+/// Reports `AGENT:committed` for every terminal commit.
+struct Commits(mpsc::UnboundedSender<(RunId, String)>);
+
+impl RunObserver for Commits {
+    fn on_run_event(&self, run: RunId, agent: &AgentId, event: RunEvent) {
+        if let RunEvent::Committed { won: true, .. } = event {
+            let _ = self.0.send((run, agent.to_string()));
+        }
+    }
+}
+
+fn echo_task(request: &ChatRequest) -> ScriptedResponse {
+    let task = request
+        .messages
+        .iter()
+        .find(|m| m.role == Role::User)
+        .map(|m| m.text())
+        .unwrap_or_default();
+    ScriptedResponse::text(format!("result of: {task}"))
+}
+
+struct Inbox {
+    _dir: tempfile::TempDir,
+    store: Store,
+    manager: Arc<SessionManager>,
+    root: Arc<Held>,
+    root_calls: mpsc::UnboundedReceiver<usize>,
+    sub: Arc<Held>,
+    commits: mpsc::UnboundedReceiver<(RunId, String)>,
+    session: SessionId,
+    feed: SessionSubscription,
+}
+
+struct Options {
+    policy: InboxPolicy,
+    config: CoordinatorConfig,
+    gate: GateLimits,
+    /// Give the root agent the built-in tools (sleep among them).
+    builtin: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            policy: InboxPolicy::default(),
+            config: CoordinatorConfig::default(),
+            gate: GateLimits::uniform(32),
+            builtin: false,
+        }
+    }
+}
+
+/// A root agent on `root` that may delegate to `bg` (answered by `sub`),
+/// and one dialog with its feed.
+async fn inbox(root: ScriptedProvider, options: Options) -> Inbox {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("keel.db"), StoreOptions::default()).unwrap();
+    let tools = Arc::new(ToolRegistry::new());
+    let mut inputs = CatalogInputs::new(["default"], Arc::clone(&tools));
+    inputs.root_delegates = vec![AgentId::parse("bg").unwrap()];
+    let catalog = AgentCatalog::from_texts(
+        [(
+            "bg.md",
+            "---\nid: bg\ndescription: Works in the background.\nllm_profile: default\n---\nYou are bg.\n",
+        )],
+        &inputs,
+        1,
+    )
+    .unwrap();
+    let (sub, _) = Held::new(ScriptedProvider::new([]).with_fallback(Arc::new(echo_task)));
+    let gate = Arc::new(ExecutionGate::new(options.gate));
+    let coordinator = AgentCoordinator::new(
+        store.clone(),
+        Arc::new(catalog),
+        Arc::new(ProfileProviders::new().with("default", sub.clone() as Arc<dyn Provider>)),
+        tools,
+        gate,
+        options.config,
+    );
+    let (tx, commits) = mpsc::unbounded_channel();
+    coordinator.set_observer(Arc::new(Commits(tx)));
+    let (held_root, root_calls) = Held::new(root);
+    let mut root_tools = if options.builtin {
+        keel_engine::builtin_registry(&keel_engine::BuiltinToolsConfig::new(dir.path())).unwrap()
+    } else {
+        ToolRegistry::new()
+    };
+    for tool in coordinator.root_tools() {
+        root_tools.register(tool).unwrap();
+    }
+    let profile = AgentProfile {
+        name: AgentId::root(),
+        system_prompt: "You are root.".into(),
+        provider: held_root.clone(),
+        tools: Arc::new(root_tools),
+        max_iterations: 8,
+        max_output_tokens: None,
+    };
+    let bundle = RuntimeBundle::new(profile).with_coordinator(coordinator);
+    let manager = SessionManager::new(
+        store.clone(),
+        bundle,
+        SessionManagerConfig {
+            inbox: options.policy,
+            ..SessionManagerConfig::default()
+        },
+    );
+    let session = manager.create(spec("d1")).await.unwrap();
+    let feed = manager.events().subscribe(session).await.unwrap();
+    Inbox {
+        _dir: dir,
+        store,
+        manager,
+        root: held_root,
+        root_calls,
+        sub,
+        commits,
+        session,
+        feed,
+    }
+}
+
+fn background(tasks: &[&str]) -> ScriptedResponse {
+    let tasks: Vec<_> = tasks
+        .iter()
+        .map(|t| json!({"agent": "bg", "task": t}))
+        .collect();
+    ScriptedResponse::tool_call(
+        "delegate",
+        json!({"mode": "background", "tasks": tasks, "completion_policy": "each"}),
+    )
+}
+
+impl Inbox {
+    /// Waits for `n` terminal run commits.
+    async fn committed(&mut self, n: usize) -> Vec<RunId> {
+        let mut runs = Vec::new();
+        for _ in 0..n {
+            let (run, _) = tokio::time::timeout(HANG, self.commits.recv())
+                .await
+                .expect("a run commit")
+                .unwrap();
+            runs.push(run);
+        }
+        runs
+    }
+
+    /// Waits for the next turn end on the feed: (origin, committed?).
+    async fn turn_end(&mut self) -> (TurnOrigin, bool) {
+        loop {
+            let event = match tokio::time::timeout(HANG, self.feed.recv())
+                .await
+                .expect("a turn end")
+            {
+                Ok(event) => event,
+                // Only the 200-run test produces more than the feed holds.
+                Err(keel_engine::SubscriptionError::Lagged { .. }) => continue,
+                Err(e) => panic!("{e}"),
+            };
+            match event.as_ref() {
+                SessionEvent::TurnCommitted { origin, .. } => return (*origin, true),
+                SessionEvent::TurnFailed { origin, .. } => return (*origin, false),
+                _ => {}
+            }
+        }
+    }
+
+    async fn events(&self) -> Vec<keel_store::InboxEvent> {
+        self.store.list_inbox_events(self.session).await.unwrap()
+    }
+
+    async fn history(&self) -> Vec<Arc<Message>> {
+        let s = self.manager.session(self.session).await.unwrap();
+        let g = s.lock().await;
+        g.history().iter().map(|m| m.message.clone()).collect()
+    }
+}
+
+#[tokio::test]
+async fn a_completion_while_idle_is_answered_by_a_hidden_continuation_that_consumes_it() {
+    let root = ScriptedProvider::new([
+        background(&["count the stars"]),
+        ScriptedResponse::text("started it"),
+        ScriptedResponse::text("The stars are counted."),
+    ]);
+    let mut h = inbox(root, Options::default()).await;
+    h.manager.submit_turn(h.session, "go").await.unwrap();
+    assert_eq!(h.turn_end().await, (TurnOrigin::User, true));
+    let runs = h.committed(1).await;
+    // The worker wakes by itself: a continuation answers while idle.
+    assert_eq!(h.turn_end().await, (TurnOrigin::AgentContinuation, true));
+    let events = h.events().await;
+    assert_eq!(events.len(), 1);
+    assert_eq!(events[0].status, EventStatus::Consumed);
+    let usage = h.store.inbox_usage(h.session).await.unwrap();
+    assert_eq!(
+        (usage.pending_event_count, usage.reserved_completion_slots),
+        (0, 0)
+    );
+    // The model saw the hidden trigger naming the run, its agent and result,
+    // and only read-only tools (agent_task without cancel, no delegate).
+    let request = h.root.inner.requests()[2].clone();
+    let trigger = request.messages.last().unwrap();
+    assert_eq!(trigger.visibility, ClientVisibility::Hidden);
+    assert_eq!(trigger.origin, TurnOrigin::AgentContinuation);
+    let text = trigger.text();
+    assert!(
+        text.contains(&format!(
+            "Completed run {} (agent bg) completed:\nresult of: count the stars",
+            runs[0]
+        )),
+        "{text}"
+    );
+    let tools: Vec<_> = request.tools.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(tools, ["agent_task"]);
+    let actions = &request.tools[0].parameters["properties"]["action"]["enum"];
+    assert_eq!(actions, &json!(["get", "list", "get_result"]));
+    // History: the trigger is hidden, the answer visible; message_count
+    // counts the user's one message only.
+    let history = h.history().await;
+    let last = history.last().unwrap();
+    assert_eq!(last.text(), "The stars are counted.");
+    assert_eq!(last.origin, TurnOrigin::AgentContinuation);
+    let visible: Vec<String> = h
+        .store
+        .load_messages(
+            h.session,
+            keel_store::MessageFilter {
+                visible_only: true,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|m| m.message.text())
+        .collect();
+    assert!(
+        !visible.iter().any(|t| t.starts_with("[Background results")),
+        "{visible:?}"
+    );
+    assert_eq!(visible.last().unwrap(), "The stars are counted.");
+    assert_eq!(h.manager.record(h.session).await.unwrap().message_count, 1);
+}
+
+#[tokio::test]
+async fn several_due_events_are_answered_by_one_continuation() {
+    let root = ScriptedProvider::new([
+        background(&["a", "b", "c"]),
+        ScriptedResponse::text("three started"),
+        ScriptedResponse::text("all three are back"),
+    ]);
+    let mut h = inbox(root, Options::default()).await;
+    // The user turn's final answer waits until all three runs committed, so
+    // their events are all due when the worker looks.
+    let answer = h.root.hold(2);
+    let ticket = h
+        .manager
+        .send(h.session, Message::user("go"))
+        .await
+        .unwrap();
+    h.committed(3).await;
+    answer.notify_one();
+    ticket.outcome().await.unwrap();
+    assert_eq!(h.turn_end().await, (TurnOrigin::User, true));
+    assert_eq!(h.turn_end().await, (TurnOrigin::AgentContinuation, true));
+    assert_eq!(h.root.inner.requests().len(), 3, "one continuation");
+    let trigger = h.root.inner.requests()[2].messages.last().unwrap().text();
+    for t in ["a", "b", "c"] {
+        assert!(trigger.contains(&format!("result of: {t}")), "{trigger}");
+    }
+    assert!(h
+        .events()
+        .await
+        .iter()
+        .all(|e| e.status == EventStatus::Consumed));
+}
+
+#[tokio::test]
+async fn a_failing_continuation_backs_off_then_is_dead_lettered_with_a_notice_naming_the_run() {
+    let fail = || ScriptedResponse::error(ScriptedErrorKind::Unavailable, "model down");
+    let root = ScriptedProvider::new([
+        background(&["x"]),
+        ScriptedResponse::text("started"),
+        fail(),
+        fail(),
+        fail(),
+    ]);
+    let options = Options {
+        policy: InboxPolicy {
+            max_delivery_attempts: 3,
+            retry_backoff: Duration::from_millis(20),
+            ..InboxPolicy::default()
+        },
+        ..Options::default()
+    };
+    let mut h = inbox(root, options).await;
+    h.manager.submit_turn(h.session, "go").await.unwrap();
+    assert_eq!(h.turn_end().await, (TurnOrigin::User, true));
+    let run = h.committed(1).await[0];
+    for _ in 0..3 {
+        assert_eq!(h.turn_end().await, (TurnOrigin::AgentContinuation, false));
+    }
+    let notice = loop {
+        let event = tokio::time::timeout(HANG, h.feed.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        if let SessionEvent::Notice { text } = event.as_ref() {
+            break text.clone();
+        }
+    };
+    insta::assert_snapshot!(notice.replace(&run.to_string(), "<run>"), @r"
+    keel could not deliver 1 background result(s) to the assistant:
+    - the result of run <run> (agent bg): gave up after 3 failed attempts (last error: provider unavailable: model down)
+    The runs and their full results stay listed (/runs, agent_task).
+    ");
+    // Retries waited at least 20 ms, then 40 ms (doubling).
+    let at = h.root.at.lock().clone();
+    assert!(
+        at[3] - at[2] >= Duration::from_millis(20),
+        "{:?}",
+        at[3] - at[2]
+    );
+    assert!(
+        at[4] - at[3] >= Duration::from_millis(40),
+        "{:?}",
+        at[4] - at[3]
+    );
+    let events = h.events().await;
+    assert_eq!(
+        (events[0].status, events[0].attempt_count),
+        (EventStatus::DeadLetter, 3)
+    );
+    let usage = h.store.inbox_usage(h.session).await.unwrap();
+    assert_eq!(usage.pending_event_count, 0);
+    // The notice is in the visible history, said by the system.
+    let history = h.history().await;
+    let last = history.last().unwrap();
+    assert_eq!(
+        (last.role, last.visibility, last.origin),
+        (Role::System, ClientVisibility::Visible, TurnOrigin::System)
+    );
+    assert_eq!(last.text(), notice);
+    assert!(
+        !history
+            .iter()
+            .any(|m| m.text().starts_with("[Background results")),
+        "no trigger is stored without an answer"
+    );
+}
+
+#[tokio::test]
+async fn results_overtake_a_burst_of_user_turns() {
+    let root = ScriptedProvider::new([background(&["slow"]), ScriptedResponse::text("started")])
+        .with_fallback(Arc::new(|r: &ChatRequest| {
+            let last = r.messages.last().map(|m| m.text()).unwrap_or_default();
+            if last.starts_with("[Background results") {
+                ScriptedResponse::text("C")
+            } else {
+                ScriptedResponse::text(format!("re: {last}"))
+            }
+        }));
+    let options = Options {
+        policy: InboxPolicy {
+            max_user_turn_burst: 3,
+            ..InboxPolicy::default()
+        },
+        ..Options::default()
+    };
+    let mut h = inbox(root, options).await;
+    // The background run answers only when released.
+    let run_answer = h.sub.hold(1);
+    h.manager.submit_turn(h.session, "start").await.unwrap();
+    assert_eq!(h.turn_end().await, (TurnOrigin::User, true));
+    // U1 is held at its model call while the run completes; U2..U5 queue.
+    let u1 = h.root.hold(3);
+    let mut tickets = Vec::new();
+    for i in 1..=5 {
+        tickets.push(
+            h.manager
+                .send(h.session, Message::user(format!("U{i}")))
+                .await
+                .unwrap(),
+        );
+    }
+    while h.root_calls.recv().await != Some(3) {}
+    run_answer.notify_one();
+    h.committed(1).await;
+    u1.notify_one();
+    let mut order = Vec::new();
+    for _ in 0..6 {
+        let (origin, ok) = h.turn_end().await;
+        assert!(ok);
+        order.push(origin);
+    }
+    use TurnOrigin::{AgentContinuation as C, User as U};
+    assert_eq!(
+        order,
+        [U, U, U, U, C, U],
+        "U1, three more user turns, then the results"
+    );
+    for t in tickets {
+        t.outcome().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn stop_during_a_continuation_leaves_nothing_leased_and_pauses_the_inbox() {
+    let root = ScriptedProvider::new([
+        background(&["x"]),
+        ScriptedResponse::text("started"),
+        // (the stopped continuation never reaches the script)
+        ScriptedResponse::text("answer to later"),
+        ScriptedResponse::text("results, at last"),
+    ]);
+    let mut h = inbox(root, Options::default()).await;
+    let continuation = h.root.hold(3);
+    h.manager.submit_turn(h.session, "go").await.unwrap();
+    h.committed(1).await;
+    while h.root_calls.recv().await != Some(3) {}
+    let report = h.manager.stop(h.session).await.unwrap();
+    assert!(report.turn.is_some());
+    // Nothing is leased or admitted; the event waits untouched (a stop is no
+    // failed delivery).
+    let events = h.events().await;
+    assert_eq!(
+        (
+            events[0].status,
+            events[0].attempt_count,
+            events[0].lease_token.clone()
+        ),
+        (EventStatus::Pending, 0, None)
+    );
+    drop(continuation);
+    // No continuation starts by itself after /stop; the next user turn runs
+    // first, then the results are delivered.
+    h.manager.submit_turn(h.session, "later").await.unwrap();
+    loop {
+        if h.turn_end().await == (TurnOrigin::AgentContinuation, true) {
+            break;
+        }
+    }
+    assert_eq!(h.root.calls.load(Ordering::SeqCst), 5);
+    assert_eq!(h.history().await.last().unwrap().text(), "results, at last");
+    assert_eq!(h.events().await[0].status, EventStatus::Consumed);
+}
+
+#[tokio::test]
+async fn stop_cancels_the_sessions_background_runs_without_a_continuation() {
+    let root = ScriptedProvider::new([background(&["x", "y"]), ScriptedResponse::text("started")]);
+    let mut h = inbox(root, Options::default()).await;
+    let _never = h.sub.hold(1);
+    let _never2 = h.sub.hold(2);
+    h.manager.submit_turn(h.session, "go").await.unwrap();
+    let report = h.manager.stop(h.session).await.unwrap();
+    assert_eq!(report.turn, None);
+    assert_eq!(report.runs_cancelled.len(), 2);
+    h.committed(2).await;
+    let runs = h.store.list_runs(h.session, None, 10).await.unwrap().items;
+    assert!(runs
+        .iter()
+        .all(|r| r.status == keel_core::RunStatus::Cancelled));
+    // Their completions are recorded as consumed: no continuation, nothing pending.
+    let events = h.events().await;
+    assert_eq!(events.len(), 2);
+    assert!(events
+        .iter()
+        .all(|e| e.status == EventStatus::Consumed && !e.requires_continuation));
+    let usage = h.store.inbox_usage(h.session).await.unwrap();
+    assert_eq!(
+        (usage.pending_event_count, usage.reserved_completion_slots),
+        (0, 0)
+    );
+    assert_eq!(h.root.inner.requests().len(), 2, "no continuation ran");
+}
+
+#[tokio::test]
+async fn two_hundred_background_runs_in_one_dialog_are_all_delivered() {
+    // 25 delegate calls of 8 background tasks in one model response.
+    let calls: Vec<_> = (0..25)
+        .map(|c| keel_core::ScriptedToolCall {
+            id: None,
+            name: "delegate".into(),
+            arguments: json!({
+                "mode": "background",
+                "completion_policy": "each",
+                "tasks": (0..8).map(|t| json!({"agent": "bg", "task": format!("t{c}-{t}")})).collect::<Vec<_>>(),
+            }),
+        })
+        .collect();
+    let root = ScriptedProvider::new([
+        ScriptedResponse {
+            tool_calls: calls,
+            ..Default::default()
+        },
+        ScriptedResponse::text("200 started"),
+    ])
+    .with_fallback(Arc::new(|_: &ChatRequest| ScriptedResponse::text("noted")));
+    let options = Options {
+        config: CoordinatorConfig {
+            max_runs_per_tree: 256,
+            max_pending_inbox_events_per_session: 256,
+            ..CoordinatorConfig::default()
+        },
+        gate: GateLimits::uniform(256),
+        ..Options::default()
+    };
+    let mut h = inbox(root, options).await;
+    h.manager.submit_turn(h.session, "go").await.unwrap();
+    h.committed(200).await;
+    loop {
+        h.turn_end().await;
+        let usage = h.store.inbox_usage(h.session).await.unwrap();
+        if usage.pending_event_count == 0 && usage.reserved_completion_slots == 0 {
+            break;
+        }
+    }
+    let events = h.events().await;
+    assert_eq!(events.len(), 200);
+    assert!(events.iter().all(|e| e.status == EventStatus::Consumed));
+    // Batches of at most 8: at least 25 continuations (one model call each,
+    // after the user turn's two).
+    let continuations = h.root.calls.load(Ordering::SeqCst) - 2;
+    assert!(continuations >= 25, "{continuations}");
+    assert!(h
+        .store
+        .unnotified_dead_letters(h.session)
+        .await
+        .unwrap()
+        .is_empty());
+}
+
+#[tokio::test]
+async fn a_restart_delivers_exactly_once_what_a_crash_left_leased() {
+    let root = ScriptedProvider::new([background(&["x"]), ScriptedResponse::text("started")]);
+    let mut h = inbox(root, Options::default()).await;
+    // The continuation's model call never answers: the process "crashes"
+    // with the event leased.
+    let _crash = h.root.hold(3);
+    h.manager.submit_turn(h.session, "go").await.unwrap();
+    h.committed(1).await;
+    while h.root_calls.recv().await != Some(3) {}
+    assert_eq!(h.events().await[0].status, EventStatus::Leased);
+    let dir = h._dir;
+    let session = h.session;
+    drop((h.manager, h.feed, h.store));
+    // A new process: activation releases the lease, the start-up wake delivers.
+    let store = Store::open(dir.path().join("keel.db"), StoreOptions::default()).unwrap();
+    let activation = store
+        .activate_runtime("restart".into(), keel_core::time::now_ms())
+        .await
+        .unwrap();
+    assert_eq!(activation.recovery.sessions_with_due_events, [session]);
+    let provider = ScriptedProvider::new([ScriptedResponse::text("delivered after the crash")]);
+    let manager =
+        crate::common::manager_on(store.clone(), &provider, SessionManagerConfig::default());
+    let mut feed = manager.events().subscribe(session).await.unwrap();
+    for s in &activation.recovery.sessions_with_due_events {
+        manager.wake_inbox(*s);
+    }
+    loop {
+        let event = tokio::time::timeout(HANG, feed.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        if let SessionEvent::TurnCommitted { origin, .. } = event.as_ref() {
+            assert_eq!(*origin, TurnOrigin::AgentContinuation);
+            break;
+        }
+    }
+    let events = store.list_inbox_events(session).await.unwrap();
+    assert_eq!(
+        (events[0].status, events[0].attempt_count),
+        (EventStatus::Consumed, 1)
+    );
+    assert_eq!(provider.requests().len(), 1, "delivered once");
+    let answers = store
+        .load_messages(session, keel_store::MessageFilter::default())
+        .await
+        .unwrap()
+        .iter()
+        .filter(|m| m.message.text() == "delivered after the crash")
+        .count();
+    assert_eq!(answers, 1);
+}
+
+#[tokio::test]
+async fn a_deleted_dialog_starts_no_continuation_and_keeps_no_reservation() {
+    let root = ScriptedProvider::new([background(&["x"]), ScriptedResponse::text("started")]);
+    let h = inbox(root, Options::default()).await;
+    let _held = h.sub.hold(1);
+    h.manager.submit_turn(h.session, "go").await.unwrap();
+    h.manager.delete_dialog(h.session).await.unwrap();
+    let usage = h.store.inbox_usage(h.session).await.unwrap();
+    assert_eq!(
+        (usage.pending_event_count, usage.reserved_completion_slots),
+        (0, 0)
+    );
+    assert!(h
+        .store
+        .unnotified_dead_letters(h.session)
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(h.root.inner.requests().len(), 2, "no continuation");
+}
+
+#[tokio::test]
+async fn a_result_waiting_longer_than_max_wait_goes_before_the_next_user_turn() {
+    let root = ScriptedProvider::new([background(&["slow"]), ScriptedResponse::text("started")])
+        .with_fallback(Arc::new(|_: &ChatRequest| ScriptedResponse::text("ok")));
+    let options = Options {
+        policy: InboxPolicy {
+            max_user_turn_burst: 100,
+            max_wait: Duration::ZERO,
+            ..InboxPolicy::default()
+        },
+        ..Options::default()
+    };
+    let mut h = inbox(root, options).await;
+    let run_answer = h.sub.hold(1);
+    h.manager.submit_turn(h.session, "start").await.unwrap();
+    assert_eq!(h.turn_end().await, (TurnOrigin::User, true));
+    let u1 = h.root.hold(3);
+    let first = h
+        .manager
+        .send(h.session, Message::user("U1"))
+        .await
+        .unwrap();
+    let second = h
+        .manager
+        .send(h.session, Message::user("U2"))
+        .await
+        .unwrap();
+    while h.root_calls.recv().await != Some(3) {}
+    run_answer.notify_one();
+    h.committed(1).await;
+    u1.notify_one();
+    let mut order = Vec::new();
+    for _ in 0..3 {
+        order.push(h.turn_end().await.0);
+    }
+    use TurnOrigin::{AgentContinuation as C, User as U};
+    assert_eq!(order, [U, C, U]);
+    first.outcome().await.unwrap();
+    second.outcome().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_root_sleep_wakes_when_background_results_arrive_and_says_only_how_many() {
+    let root = ScriptedProvider::new([
+        background(&["secret task"]),
+        ScriptedResponse::tool_call("sleep", json!({"ms": 3_600_000})),
+        ScriptedResponse::text("I will tell you once it is delivered"),
+        ScriptedResponse::text("here it is"),
+    ]);
+    let options = Options {
+        builtin: true,
+        ..Options::default()
+    };
+    let mut h = inbox(root, options).await;
+    let run_answer = h.sub.hold(1);
+    let ticket = h
+        .manager
+        .send(h.session, Message::user("go"))
+        .await
+        .unwrap();
+    // The root is asleep (its third model call comes only after the sleep).
+    loop {
+        let event = h.feed.recv().await.unwrap();
+        if let SessionEvent::Turn {
+            event: keel_engine::TurnEvent::ToolStarted { call },
+            ..
+        } = event.as_ref()
+        {
+            if call.name == "sleep" {
+                break;
+            }
+        }
+    }
+    run_answer.notify_one();
+    ticket.outcome().await.unwrap();
+    let woke = h.root.inner.requests()[2]
+        .messages
+        .iter()
+        .rev()
+        .find(|m| m.role == Role::Tool)
+        .unwrap()
+        .text();
+    assert!(
+        woke.ends_with(
+            "background results are waiting (1 event(s)); they are delivered after this turn"
+        ),
+        "{woke}"
+    );
+    assert!(
+        !woke.contains("secret"),
+        "queued results are counted, not shown"
+    );
+    loop {
+        if h.turn_end().await == (TurnOrigin::AgentContinuation, true) {
+            break;
+        }
+    }
+}
+
+#[tokio::test]
+async fn an_event_past_its_time_to_live_is_dead_lettered_and_the_user_told() {
+    let root = ScriptedProvider::new([background(&["x"]), ScriptedResponse::text("started")]);
+    let options = Options {
+        policy: InboxPolicy {
+            event_ttl: Duration::ZERO,
+            ..InboxPolicy::default()
+        },
+        ..Options::default()
+    };
+    let mut h = inbox(root, options).await;
+    h.manager.submit_turn(h.session, "go").await.unwrap();
+    let run = h.committed(1).await[0];
+    let notice = loop {
+        let event = tokio::time::timeout(HANG, h.feed.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        if let SessionEvent::Notice { text } = event.as_ref() {
+            break text.clone();
+        }
+    };
+    assert!(
+        notice.contains(&format!(
+            "the result of run {run} (agent bg): expired: undelivered for more than 0 hours"
+        )),
+        "{notice}"
+    );
+    assert_eq!(h.events().await[0].status, EventStatus::DeadLetter);
+    assert_eq!(h.root.inner.requests().len(), 2, "no continuation for it");
+}
+
+#[tokio::test]
+async fn one_root_turn_shares_one_run_budget_across_its_delegate_calls() {
+    let batch = |c: usize| keel_core::ScriptedToolCall {
+        id: None,
+        name: "delegate".into(),
+        arguments: json!({"tasks": (0..8).map(|t| json!({"agent": "bg", "task": format!("{c}-{t}")})).collect::<Vec<_>>()}),
+    };
+    let root = ScriptedProvider::new([
+        ScriptedResponse {
+            tool_calls: (0..3).map(batch).collect(),
+            ..Default::default()
+        },
+        ScriptedResponse::text("done"),
+    ]);
+    let h = inbox(root, Options::default()).await;
+    h.manager.submit_turn(h.session, "go").await.unwrap();
+    let results: Vec<String> = h.root.inner.requests()[1]
+        .messages
+        .iter()
+        .filter(|m| m.role == Role::Tool)
+        .map(|m| m.text())
+        .collect();
+    let refused: Vec<&String> = results
+        .iter()
+        .filter(|r| r.contains("this delegation tree may create at most 16 runs"))
+        .collect();
+    assert_eq!(refused.len(), 1, "{results:?}");
+    let runs = h.store.list_runs(h.session, None, 100).await.unwrap().items;
+    assert_eq!(runs.len(), 16);
+}
