@@ -14,7 +14,7 @@ use keel_engine::NoHooks;
 use keel_engine::{builtin_registry, grant_skills};
 use keel_engine::{AgentCoordinator, CoordinatorConfig, ProfileProviders, ProviderFactory};
 use keel_engine::{RuntimeBundle, SessionManager};
-use keel_store::{describe_process, RuntimeLock, Store};
+use keel_store::{describe_process, Activation, RuntimeLock, Store};
 
 use crate::config::{Config, ConfigError, LoadedConfig};
 use crate::error::{io_err, AppError, Result};
@@ -105,23 +105,7 @@ impl App {
         let config = &loaded.config;
         let data_dir = config.data_dir();
         create_data_dir(&data_dir)?;
-        let db = database_path(&data_dir);
-        // One process owns a data directory: a second one is refused here,
-        // before it migrates, recovers or writes anything.
-        let holder = describe_process(command);
-        let lock = RuntimeLock::acquire(&db, &holder)?;
-        let store = Store::open(&db, config.store_options())?;
-        let activation = store
-            .activate_runtime(holder, keel_core::time::now_ms())
-            .await?;
-        let recovery = &activation.recovery;
-        if !recovery.interrupted_runs.is_empty() || !recovery.counters_repaired.is_empty() {
-            tracing::warn!(
-                interrupted = recovery.interrupted_runs.len(),
-                repaired = recovery.counters_repaired.len(),
-                "recovered sub-agent runs of an earlier process"
-            );
-        }
+        let (lock, store, activation) = activate(command, config, &data_dir).await?;
         let mut providers = ProfileProviders::new();
         for name in config.profile_names() {
             let provider = match &scripted {
@@ -247,6 +231,33 @@ impl App {
             recovered: activation.recovery.sessions_with_due_events,
         })
     }
+}
+
+/// Takes the data directory for this process and starts its runtime: the
+/// exclusive lock (a second process is refused here, before it migrates,
+/// recovers or writes anything), the store, and the activation that bumps
+/// the generation and recovers what earlier processes left.
+async fn activate(
+    command: &str,
+    config: &Config,
+    data_dir: &Path,
+) -> Result<(RuntimeLock, Store, Activation)> {
+    let db = database_path(data_dir);
+    let holder = describe_process(command);
+    let lock = RuntimeLock::acquire(&db, &holder)?;
+    let store = Store::open(&db, config.store_options())?;
+    let activation = store
+        .activate_runtime(holder, keel_core::time::now_ms())
+        .await?;
+    let recovery = &activation.recovery;
+    if !recovery.interrupted_runs.is_empty() || !recovery.counters_repaired.is_empty() {
+        tracing::warn!(
+            interrupted = recovery.interrupted_runs.len(),
+            repaired = recovery.counters_repaired.len(),
+            "recovered sub-agent runs of an earlier process"
+        );
+    }
+    Ok((lock, store, activation))
 }
 
 impl App {

@@ -115,16 +115,15 @@ fn kill_9_with_a_background_run_in_flight_interrupts_it_with_its_completion_on_r
     let mut out = Vec::new();
     // Its reserved completion became an inbox event, and the start-up wake
     // delivers it: a continuation answers while the chat is idle.
-    loop {
-        let line = lines.next().unwrap().unwrap();
-        let done = line.starts_with("keel> ")
-            && out
-                .iter()
-                .any(|l: &String| l == "[background results arrived]");
-        out.push(line);
-        if done {
-            break;
-        }
+    // The /runs listing and the continuation print in either order.
+    let seen = |out: &[String], what: &str| out.iter().any(|l| l.contains(what));
+    while !(seen(&out, "slow  background  interrupted")
+        && out
+            .iter()
+            .skip_while(|l| *l != "[background results arrived]")
+            .any(|l| l.starts_with("keel> ")))
+    {
+        out.push(lines.next().unwrap().unwrap());
     }
     drop(stdin);
     assert!(child.wait().unwrap().success());
