@@ -4,7 +4,7 @@
 //! a shutdown wait for them — then cancel those still running, which
 //! commits nothing of them.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -40,6 +40,8 @@ pub struct TurnRunner {
     /// running or waiting for its dialog is cancelled.
     cancel_all: CancellationToken,
     running: Mutex<HashMap<TurnId, CancellationToken>>,
+    /// Dialogs whose continuation turns are forwarded to the hub.
+    followed: Mutex<HashSet<SessionId>>,
 }
 
 impl std::fmt::Debug for TurnRunner {
@@ -109,6 +111,106 @@ impl TurnRunner {
             tracker: TaskTracker::new(),
             cancel_all: CancellationToken::new(),
             running: Mutex::new(HashMap::new()),
+            followed: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// Forwards the turns of `session` that no client started — the
+    /// continuation turns that answer background results — to the hub while
+    /// anyone watches the dialog (one forwarder per dialog).
+    pub fn follow_continuations(self: &Arc<Self>, session: SessionId) {
+        if !self.followed.lock().insert(session) {
+            return;
+        }
+        let me = self.clone();
+        tokio::spawn(async move {
+            match me.manager.events().subscribe(session).await {
+                Ok(feed) => me.forward_continuations(session, feed).await,
+                Err(e) => {
+                    tracing::warn!(session_id = %session, error = %e, "cannot follow the dialog's continuation turns");
+                    me.followed.lock().remove(&session);
+                }
+            }
+        });
+    }
+
+    async fn forward_continuations(
+        &self,
+        session: SessionId,
+        mut feed: keel_engine::SessionSubscription,
+    ) {
+        let continuation = |origin: &keel_core::TurnOrigin| *origin != keel_core::TurnOrigin::User;
+        loop {
+            let event = match feed.recv().await {
+                Ok(event) => event,
+                Err(SubscriptionError::Lagged { .. }) => continue,
+                Err(SubscriptionError::Closed) => {
+                    self.followed.lock().remove(&session);
+                    return;
+                }
+            };
+            let session_id = session.as_uuid();
+            match event.as_ref() {
+                SessionEvent::TurnStarted { turn_id, origin } if continuation(origin) => {
+                    self.hub.publish(
+                        session,
+                        ServerFrame::TurnStarted {
+                            session_id,
+                            turn_id: turn_id.as_uuid(),
+                            turn_origin: (*origin).into(),
+                        },
+                    );
+                }
+                SessionEvent::Turn {
+                    turn_id,
+                    origin,
+                    event,
+                } if continuation(origin) => self.publish_event(session, *turn_id, event.clone()),
+                SessionEvent::TurnCommitted {
+                    turn_id,
+                    origin,
+                    checkpoint,
+                } if continuation(origin) => {
+                    self.hub.publish(
+                        session,
+                        ServerFrame::TurnCommitted {
+                            session_id,
+                            turn_id: turn_id.as_uuid(),
+                            turn_origin: (*origin).into(),
+                            checkpoint_id: checkpoint.map(|c| c.as_uuid()),
+                        },
+                    );
+                    self.publish_dialog(session).await;
+                    self.projections.refresh(session).await;
+                }
+                SessionEvent::TurnFailed {
+                    turn_id,
+                    origin,
+                    message,
+                    cancelled,
+                } if continuation(origin) => {
+                    self.hub.publish(
+                        session,
+                        ServerFrame::TurnFailed {
+                            session_id,
+                            turn_id: turn_id.as_uuid(),
+                            turn_origin: (*origin).into(),
+                            cancelled: *cancelled,
+                            message: message.clone(),
+                        },
+                    );
+                    self.projections.refresh(session).await;
+                }
+                _ => {}
+            }
+            // Checked and forgotten under the lock, so a client that
+            // subscribes meanwhile either is seen here or starts a new
+            // forwarder.
+            let mut followed = self.followed.lock();
+            if !self.hub.is_watched(session) {
+                followed.remove(&session);
+                return;
+            }
         }
     }
 

@@ -479,3 +479,70 @@ async fn steer_reaches_the_running_turn_and_says_when_none_runs() {
         .collect();
     assert_eq!(text, "done.partial done.", "{end:?}");
 }
+
+/// A background run that completes while the dialog is idle is answered by
+/// a continuation turn, and a client watching the dialog sees that turn —
+/// started by no client — with its continuation origin.
+#[tokio::test]
+async fn a_subscriber_sees_the_continuation_that_answers_a_background_result() {
+    let t = TestServer::start(Setup {
+        agents: true,
+        provider: scripted(vec![
+            ScriptedResponse {
+                tool_calls: vec![ScriptedToolCall {
+                    id: None,
+                    name: "delegate".into(),
+                    arguments: json!({"mode": "background",
+                        "tasks": [{"agent": "archivist", "task": "file it"}]}),
+                }],
+                ..ScriptedResponse::default()
+            },
+            // The root's answer and the archivist's result, in either order.
+            ScriptedResponse::text("filed"),
+            ScriptedResponse::text("filed"),
+            ScriptedResponse::text("the archivist filed it"),
+        ]),
+        ..Setup::default()
+    })
+    .await;
+    let id = uuid(&t.dialog("Background").await);
+    let mut ws = t.ws().await;
+    ws.send(&ClientFrame::Send {
+        id: None,
+        session_id: id,
+        text: "file it in the background".into(),
+    })
+    .await;
+    let frames = ws
+        .until(|f| {
+            matches!(f, ServerFrame::TurnCommitted { turn_origin, .. }
+                if format!("{turn_origin:?}") == "AgentContinuation")
+        })
+        .await;
+    let turns: Vec<String> = shape(&frames)
+        .into_iter()
+        .filter(|l| l.starts_with("turn_committed"))
+        .collect();
+    assert_eq!(
+        turns,
+        ["turn_committed User", "turn_committed AgentContinuation"]
+    );
+    let continuation = frames
+        .iter()
+        .rev()
+        .find_map(|f| f.turn_id())
+        .expect("the continuation has a turn id");
+    let started = frames.iter().any(|f| {
+        matches!(f, ServerFrame::TurnStarted { turn_id, turn_origin, .. }
+            if *turn_id == continuation && format!("{turn_origin:?}") == "AgentContinuation")
+    });
+    assert!(started, "{frames:?}");
+    // The completion was consumed: nothing is left to deliver.
+    let events = t
+        .store
+        .list_inbox_events(keel_core::SessionId::from(id))
+        .await
+        .unwrap();
+    assert_eq!(events.len(), 1);
+    assert_eq!(format!("{:?}", events[0].status), "Consumed", "{events:?}");
+}
