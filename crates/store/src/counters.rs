@@ -24,6 +24,22 @@ pub struct InboxUsage {
     pub reserved_completion_slots: u64,
 }
 
+/// How many of a root session's inbox events are in each delivery state,
+/// read in one transaction with its client revision.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InboxCounts {
+    /// Client revision the counts are as of.
+    pub revision: u64,
+    /// Waiting for a turn, or being delivered (pending, leased, admitted).
+    pub pending: u64,
+    /// Consumed by a turn.
+    pub delivered: u64,
+    /// Given up on.
+    pub dead_lettered: u64,
+    /// Withdrawn before delivery (a cancelled run's signals).
+    pub superseded: u64,
+}
+
 /// Inbox usage counters that recovery found wrong and repaired.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CounterRepair {
@@ -197,6 +213,34 @@ impl Store {
     ) -> Result<Option<CounterRepair>> {
         self.db
             .write(move |c| reconcile_tx(c, &root_session_id, now_ms, &mut Revisions::default()))
+            .await
+    }
+
+    /// How many of a root session's inbox events are in each delivery state
+    /// (zeros if it never had any).
+    pub async fn inbox_counts(&self, root_session_id: SessionId) -> Result<InboxCounts> {
+        self.db
+            .read(move |c| {
+                let revision = usage_tx(c, &root_session_id)?.revision;
+                let (pending, delivered, dead, superseded): (i64, i64, i64, i64) = c
+                    .prepare_cached(
+                        "SELECT count(*) FILTER (WHERE status IN ('pending', 'leased', 'admitted')), \
+                                count(*) FILTER (WHERE status = 'consumed'), \
+                                count(*) FILTER (WHERE status = 'dead_letter'), \
+                                count(*) FILTER (WHERE status = 'superseded') \
+                         FROM agent_inbox_events WHERE root_session_id = ?1",
+                    )?
+                    .query_row([root_session_id.to_string()], |r| {
+                        Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+                    })?;
+                Ok(InboxCounts {
+                    revision,
+                    pending: non_negative("pending events", pending)?,
+                    delivered: non_negative("consumed events", delivered)?,
+                    dead_lettered: non_negative("dead-lettered events", dead)?,
+                    superseded: non_negative("superseded events", superseded)?,
+                })
+            })
             .await
     }
 

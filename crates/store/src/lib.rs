@@ -90,7 +90,7 @@ use std::sync::Arc;
 pub use checkpoints::{
     CheckpointRecord, CheckpointSource, NewCheckpoint, PrunePolicy, PruneReport,
 };
-pub use counters::{CounterRepair, InboxUsage};
+pub use counters::{CounterRepair, InboxCounts, InboxUsage};
 pub use db::{CommitStats, StoreOptions, Synchronous};
 pub use error::{Result, StoreError};
 pub use inbox::{

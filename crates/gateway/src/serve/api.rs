@@ -721,6 +721,35 @@ pub struct AgentEventPage {
     pub revision: u64,
 }
 
+/// How many of a dialog's signals and completions are in each delivery
+/// state, as of `revision`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DialogInbox {
+    /// Waiting for a turn, or being delivered.
+    pub pending: u64,
+    /// Taken into a turn.
+    pub delivered: u64,
+    /// Given up on: never to be delivered.
+    pub dead_lettered: u64,
+    /// Withdrawn before delivery (the signals of a cancelled run).
+    pub superseded: u64,
+    /// The dialog's revision the counts are as of.
+    pub revision: u64,
+}
+
+impl From<keel_store::InboxCounts> for DialogInbox {
+    fn from(c: keel_store::InboxCounts) -> Self {
+        Self {
+            pending: c.pending,
+            delivered: c.delivered,
+            dead_lettered: c.dead_lettered,
+            superseded: c.superseded,
+            revision: c.revision,
+        }
+    }
+}
+
 /// The events of a run, oldest first.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]

@@ -307,8 +307,21 @@ def scenario_delegation(r):
     expect(archivist.locator(".run-tokens")).to_contain_text("tok")
     expect(page.locator("#counters")).to_contain_text("sub-agents")
     assert page.evaluate("window.__samePage") is True, "the page reloaded"
-    expect(page.locator("#inbox .inbox-stat")).to_have_count(3)
+    expect_inbox(page, waiting_or_taken=1)
+    expect(page.locator("#inbox .inbox-list li", has_text="completion of archivist")).to_have_count(1)
     r.shot("runs-completed")
+
+
+INBOX_COUNTS = """() => Object.fromEntries([...document.querySelectorAll('#inbox .inbox-stat')]
+  .map((el) => [el.dataset.key, Number(el.querySelector('.inbox-n').textContent)]))"""
+
+
+def expect_inbox(page, waiting_or_taken, dead_lettered=0):
+    """The inbox shows the server's counts: `waiting_or_taken` events pending
+    or delivered (a continuation turn may already have taken them)."""
+    page.wait_for_function(
+        f"""() => {{ const c = ({INBOX_COUNTS})();
+            return c.pending + c.delivered === {waiting_or_taken} && c.dead_lettered === {dead_lettered}; }}""")
 
 
 UNLABELLED_CONTROLS = """() => [...document.querySelectorAll('button, input, textarea, select, a[href], summary')]
@@ -332,6 +345,7 @@ def scenario_reload_restores(r):
     expect(page.locator("#run-tree li.run")).to_have_count(3)
     expect(page.locator("#run-tree li.run[data-agent=archivist]")).to_have_attribute("data-status", "completed")
     expect(page.locator("#timeline li.checkpoint.abandoned")).to_have_count(1)
+    expect_inbox(page, waiting_or_taken=1)
     unlabelled = page.evaluate(UNLABELLED_CONTROLS)
     assert unlabelled == [], f"controls without an accessible name: {unlabelled}"
     r.shot("reloaded")

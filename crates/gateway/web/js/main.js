@@ -147,7 +147,8 @@ async function select(id) {
   showDialog(dialog);
   localStorage.setItem(LAST_DIALOG, id);
   history.replaceState(null, '', `#d=${id}`);
-  await Promise.all([subscribe(), loadMessages(), loadCheckpoints(), loadUsage()]);
+  await Promise.all([subscribe(), loadMessages(), loadCheckpoints(), loadUsage(),
+    attempt('Reading the inbox', loadInbox)]);
   updateComposer();
   return true;
 }
@@ -281,6 +282,28 @@ async function loadEvents() {
   renderRuns();
 }
 
+const inboxReads = { running: false, again: false };
+
+/** Re-reads the dialog's inbox counts; calls while one runs make one more read after it. */
+async function loadInbox() {
+  if (inboxReads.running) {
+    inboxReads.again = true;
+    return;
+  }
+  inboxReads.running = true;
+  try {
+    do {
+      inboxReads.again = false;
+      const dialog = state.current;
+      if (!dialog) return;
+      const counts = await api('GET', `dialogs/${dialog.id}/inbox`);
+      if (state.current?.id === dialog.id && runs.inboxCounts(counts)) renderRuns();
+    } while (inboxReads.again);
+  } finally {
+    inboxReads.running = false;
+  }
+}
+
 async function cancelRun(run) {
   const ended = await attempt(`Cancelling ${run.agent}`, () => api('POST', `agent-runs/${run.id}/cancel`));
   if (ended && runs.run(ended)) renderRuns();
@@ -368,7 +391,7 @@ async function resync() {
   await attempt('Reloading', async () => {
     await loadDialogs();
     if (!state.current) return;
-    await Promise.all([loadMessages(), loadCheckpoints(), loadUsage(), loadRuns(), loadEvents(), refreshDialog()]);
+    await Promise.all([loadMessages(), loadCheckpoints(), loadUsage(), loadRuns(), loadEvents(), loadInbox(), refreshDialog()]);
   });
   updateComposer();
 }
@@ -411,7 +434,10 @@ function onFrame(f) {
       if (runs.run(f.run)) renderRuns();
       break;
     case 'agent_event_updated':
-      if (runs.event(f.event)) renderRuns();
+      if (runs.event(f.event)) {
+        renderRuns();
+        attempt('Reading the inbox', loadInbox);
+      }
       break;
     case 'resync':
       state.revision = 0;

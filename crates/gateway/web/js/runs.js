@@ -89,6 +89,7 @@ export class RunsView {
   reset() {
     this.runs.clear();
     this.events.clear();
+    this.counts = null;
     this.ctx.open.clear();
     this.render();
   }
@@ -105,6 +106,13 @@ export class RunsView {
     const old = this.events.get(event.id);
     if (old && old.revision > event.revision) return false;
     this.events.set(event.id, event);
+    return true;
+  }
+
+  /** Keeps the server's inbox counts unless newer ones are known. */
+  inboxCounts(counts) {
+    if (this.counts && this.counts.revision > counts.revision) return false;
+    this.counts = counts;
     return true;
   }
 
@@ -144,16 +152,12 @@ export class RunsView {
     this.signalsEmpty.hidden = signals.length > 0;
   }
 
+  /** The server's counts of the dialog's events by delivery state, and the latest events. */
   renderInbox() {
-    const counts = { pending: 0, delivered: 0, dead_letter: 0 };
+    const counts = this.counts;
     const events = [...this.events.values()].sort((a, b) => b.created_at.localeCompare(a.created_at));
-    for (const e of events) {
-      if (e.status === 'consumed') counts.delivered += 1;
-      else if (e.status === 'dead_letter') counts.dead_letter += 1;
-      else if (e.status !== 'superseded') counts.pending += 1;
-    }
-    const stat = (key, label) => h('div', { class: `inbox-stat ${key}${counts[key] ? ' nonzero' : ''}`, data: { key } },
-      h('span', { class: 'inbox-n', text: String(counts[key]) }), h('span', { text: label }));
+    const stat = (key, label) => h('div', { class: `inbox-stat ${key}${counts?.[key] ? ' nonzero' : ''}`, data: { key } },
+      h('span', { class: 'inbox-n', text: counts ? String(counts[key]) : '–' }), h('span', { text: label }));
     const rows = events.slice(0, 20).map((e) => {
       const run = e.run_id && this.runs.get(e.run_id);
       const what = e.type === 'signal' ? 'signal' : e.type === 'completion' ? 'completion' : 'batch completion';
@@ -162,7 +166,8 @@ export class RunsView {
         h('span', { text: `${what}${run ? ` of ${run.agent}` : ''}` }));
     });
     replace(this.inbox,
-      h('div', { class: 'inbox-stats' }, stat('pending', 'pending'), stat('delivered', 'delivered'), stat('dead_letter', 'dead-lettered')),
+      h('div', { class: 'inbox-stats' }, stat('pending', 'pending'), stat('delivered', 'delivered'), stat('dead_lettered', 'dead-lettered')),
+      counts?.superseded > 0 && h('p', { class: 'muted small', text: `${counts.superseded} withdrawn with a cancelled run` }),
       rows.length > 0 && h('ul', { class: 'inbox-list' }, rows));
   }
 

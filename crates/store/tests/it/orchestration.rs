@@ -8,8 +8,9 @@ use keel_core::{
 };
 use keel_store::{
     AcceptGroup, AcceptRun, ClaimRequest, CompletionHandling, ContinuationCommit, EventStatus,
-    EventType, GroupStatus, InboxUsage, LeasedEvents, NewGroup, NewMessage, NewRun, NewSignal,
-    NoticeCommit, ReleaseRequest, RunCursor, Store, StoreError, TerminalOutcome, TurnCommit,
+    EventType, GroupStatus, InboxCounts, InboxUsage, LeasedEvents, NewGroup, NewMessage, NewRun,
+    NewSignal, NoticeCommit, ReleaseRequest, RunCursor, Store, StoreError, TerminalOutcome,
+    TurnCommit,
 };
 use rusqlite::Connection;
 
@@ -465,6 +466,52 @@ async fn session_events_page_newest_first_and_new_ones_come_before_the_first_pag
         store.query_session_events(root, None, 0).await,
         Err(StoreError::InvalidInput(_))
     ));
+}
+
+#[tokio::test]
+async fn inbox_counts_group_events_by_delivery_state_of_one_dialog() {
+    let (dir, store) = temp_store();
+    let fresh = store.create_session(new_session("fresh", 1)).await.unwrap();
+    assert_eq!(
+        store.inbox_counts(fresh.id).await.unwrap(),
+        InboxCounts::default()
+    );
+    let (root, ids) = root_with_events(&store, 6).await;
+    let other = store.create_session(new_session("other", 1)).await.unwrap();
+    add_completions(&store, other.id, 0..2).await;
+    {
+        let conn = Connection::open(db_path(&dir)).unwrap();
+        for (id, status) in ids[1..].iter().zip([
+            "leased",
+            "admitted",
+            "consumed",
+            "dead_letter",
+            "superseded",
+        ]) {
+            // A lease goes with the in-flight states only.
+            let leased = matches!(status, "leased" | "admitted");
+            conn.execute(
+                "UPDATE agent_inbox_events SET status = ?1, \
+                 lease_token = iif(?3, 'lease', NULL), lease_until = iif(?3, 5000, NULL) \
+                 WHERE id = ?2",
+                rusqlite::params![status, id.to_string(), leased],
+            )
+            .unwrap();
+        }
+    }
+    let revision = store.inbox_usage(root).await.unwrap().revision;
+    assert!(revision > 0);
+    assert_eq!(
+        store.inbox_counts(root).await.unwrap(),
+        InboxCounts {
+            revision,
+            pending: 3,
+            delivered: 1,
+            dead_lettered: 1,
+            superseded: 1,
+        }
+    );
+    assert_eq!(store.inbox_counts(other.id).await.unwrap().pending, 2);
 }
 
 #[tokio::test]

@@ -47,6 +47,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/dialogs/{id}/steer", post(dialogs::steer))
         .route("/dialogs/{id}/usage", get(dialogs::usage))
         .route("/dialogs/{id}/agent-events", get(runs::dialog_events))
+        .route("/dialogs/{id}/inbox", get(runs::dialog_inbox))
         .route("/dialogs/{id}/checkpoints", get(dialogs::checkpoints))
         .route(
             "/dialogs/{id}/checkpoints/{checkpoint_id}/rollback",

@@ -1,5 +1,6 @@
 //! Sub-agent runs: listing with filters and cursors, one run with its whole
-//! result, its events, and cancelling it through the coordinator.
+//! result, its events, a dialog's events and inbox counts, and cancelling
+//! a run through the coordinator.
 
 use std::sync::Arc;
 
@@ -11,8 +12,8 @@ use keel_store::{EventCursor, RunCursor, RunQuery, RunRecord};
 
 use super::{decode_cursor, encode_cursor, page_limit, parse_id};
 use crate::serve::api::{
-    AgentEvent, AgentEventList, AgentEventPage, AgentRun, AgentRunPage, EventListQuery,
-    RunListQuery,
+    AgentEvent, AgentEventList, AgentEventPage, AgentRun, AgentRunPage, DialogInbox,
+    EventListQuery, RunListQuery,
 };
 use crate::serve::openapi::Errors;
 use crate::serve::problem::{ApiError, ApiPath, ApiQuery, ApiResult};
@@ -194,6 +195,19 @@ pub(crate) async fn dialog_events(
             .map(|c| encode_cursor(c.created_at_ms, c.id)),
         revision,
     }))
+}
+
+/// How many of the dialog's signals and completions are pending, delivered,
+/// dead-lettered or superseded.
+#[utoipa::path(get, path = "/api/dialogs/{id}/inbox", tag = "agent-runs",
+    params(("id" = uuid::Uuid, Path, description = "The dialog's id")),
+    responses((status = 200, description = "The dialog's inbox counts", body = DialogInbox), Errors))]
+pub(crate) async fn dialog_inbox(
+    State(shared): State<Arc<Shared>>,
+    ApiPath(id): ApiPath<String>,
+) -> ApiResult<Json<DialogInbox>> {
+    let record = shared.dialog(&id).await?;
+    Ok(Json(shared.app.store.inbox_counts(record.id).await?.into()))
 }
 
 /// Cancels a run that has not ended (with its foreground descendants) and

@@ -34,6 +34,12 @@ async fn a_dialog_lives_through_messages_checkpoints_rollback_and_fork() {
         .map(|m| m["role"].as_str().unwrap())
         .collect();
     assert_eq!(texts, ["user", "assistant", "user", "assistant"]);
+    // No sub-agent ever ran: the inbox is empty.
+    let inbox = t.json(&format!("/api/dialogs/{id}/inbox")).await;
+    assert_eq!(
+        inbox,
+        json!({"pending": 0, "delivered": 0, "dead_lettered": 0, "superseded": 0, "revision": 0})
+    );
     let first = checkpoints["items"][1]["id"].as_str().unwrap().to_owned();
     assert_eq!(checkpoints["items"][1]["turn_index"], 1);
     let r = t
@@ -83,6 +89,10 @@ async fn a_dialog_lives_through_messages_checkpoints_rollback_and_fork() {
         .unwrap();
     assert_eq!(r.status(), 204);
     assert_eq!(t.get(&format!("/api/dialogs/{id}")).await.status(), 404);
+    assert_eq!(
+        t.get(&format!("/api/dialogs/{id}/inbox")).await.status(),
+        404
+    );
     let listed = t.json("/api/dialogs").await;
     let ids: Vec<&str> = listed["items"]
         .as_array()

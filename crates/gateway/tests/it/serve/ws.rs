@@ -188,6 +188,19 @@ async fn agent_updates_carry_increasing_revisions_and_replay_on_reconnect() {
     assert_eq!(items[0]["session_id"], id.to_string());
     assert!(events["revision"].as_u64().unwrap() >= last);
     assert_eq!(events["next_cursor"], Value::Null);
+    // The inbox counts it, pending or (once a continuation took it) delivered.
+    let inbox = t.json(&format!("/api/dialogs/{id}/inbox")).await;
+    let waiting_or_taken =
+        inbox["pending"].as_u64().unwrap() + inbox["delivered"].as_u64().unwrap();
+    assert_eq!(waiting_or_taken, 1, "{inbox:#}");
+    assert_eq!(
+        (
+            inbox["dead_lettered"].as_u64(),
+            inbox["superseded"].as_u64()
+        ),
+        (Some(0), Some(0))
+    );
+    assert!(inbox["revision"].as_u64().unwrap() >= last);
 
     // A client that saw revision 1 reconnects: everything from 1 on is replayed.
     let mut again = t.ws().await;
