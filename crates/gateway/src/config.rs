@@ -386,6 +386,8 @@ pub struct ServerConfig {
     pub token_env: String,
     /// Seconds a shutdown lets running turns finish before cancelling them.
     pub shutdown_grace_secs: u64,
+    /// Origins whose pages may use the server besides its own.
+    pub allowed_origins: Vec<crate::serve::AllowedOrigin>,
 }
 
 impl Default for ServerConfig {
@@ -394,6 +396,7 @@ impl Default for ServerConfig {
             bind: DEFAULT_BIND,
             token_env: DEFAULT_TOKEN_ENV.to_owned(),
             shutdown_grace_secs: DEFAULT_SHUTDOWN_GRACE_SECS,
+            allowed_origins: Vec::new(),
         }
     }
 }

@@ -107,6 +107,7 @@ max_children_per_call = 8
 bind = "127.0.0.1:7420"
 token_env = "KEEL_TOKEN"
 shutdown_grace_secs = 30
+allowed_origins = []
 "#;
 
 /// Every key of `keel.toml`, in file order, with its default and meaning.
@@ -513,6 +514,16 @@ pub fn reference() -> Vec<KeyDoc> {
             "Seconds a shutdown (SIGTERM, Ctrl-C) lets running turns finish before cancelling \
              them (a cancelled turn saves nothing), 0..={MAX_SHUTDOWN_GRACE_SECS}."
         ),
+    );
+    code(
+        &mut rows,
+        "server.allowed_origins",
+        "Origins (`https://keel.example.com`: scheme, host, optional port) under which \
+         browsers reach the server besides its own address, e.g. through a reverse proxy: \
+         their pages may use the API and their hosts are accepted in `Host`. Without it \
+         only IP addresses and `localhost` are, and only pages the server itself served. \
+         No CORS headers are sent."
+            .to_owned(),
     );
     let defaults = flatten_keys(&Config::default());
     rows.0

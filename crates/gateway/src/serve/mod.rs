@@ -5,7 +5,8 @@
 //! - `api` and `frames` are the wire types (REST bodies; WebSocket and SSE
 //!   frames), converted from engine and store types by hand;
 //! - `routes` maps requests to the engine; `problem` turns every failure
-//!   into `application/problem+json`; `auth` checks the bearer token;
+//!   into `application/problem+json`; `origin` refuses requests meant
+//!   for another site (`Host`, `Origin`); `auth` checks the bearer token;
 //! - `turns` runs the turns clients start, apart from their connections;
 //!   `hub` fans a dialog's frames out to its subscribers with bounded
 //!   buffers; `projection` publishes sub-agent changes in revision order;
@@ -21,6 +22,7 @@ mod auth;
 pub mod frames;
 mod hub;
 mod openapi;
+mod origin;
 pub mod problem;
 mod projection;
 mod routes;
@@ -46,6 +48,7 @@ use crate::{io_err, AppError};
 
 pub use auth::Token;
 pub use openapi::openapi_json;
+pub use origin::AllowedOrigin;
 pub use turns::DrainReport;
 
 use api::ReloadReport;
@@ -90,6 +93,9 @@ pub struct ServeOptions {
     pub bind: SocketAddr,
     /// The bearer token every `/api` request must present; `None`: no auth.
     pub token: Option<Token>,
+    /// Origins whose pages may use the server besides its own (and whose
+    /// hosts it answers to).
+    pub allowed_origins: Vec<AllowedOrigin>,
     /// How long a shutdown waits for running turns before cancelling them.
     pub shutdown_grace: Duration,
     /// Size limits and buffers.
@@ -127,6 +133,7 @@ impl ServeOptions {
         Ok(Self {
             bind: addr,
             token,
+            allowed_origins: server.allowed_origins.clone(),
             shutdown_grace: Duration::from_secs(server.shutdown_grace_secs),
             limits: Limits::default(),
         })
@@ -137,6 +144,7 @@ impl ServeOptions {
 pub(crate) struct Shared {
     app: App,
     token: Option<Token>,
+    allowed_origins: Vec<AllowedOrigin>,
     limits: Limits,
     hub: Arc<Hub>,
     projections: Arc<Projections>,
@@ -236,6 +244,7 @@ impl Server {
         let shared = Arc::new(Shared {
             app,
             token: options.token,
+            allowed_origins: options.allowed_origins,
             limits: options.limits,
             hub,
             projections,

@@ -37,6 +37,10 @@ impl IntoResponses for Errors {
                 "Malformed request: bad JSON, a wrong type, an unknown field, a bad id or value",
             ),
             ("401", "No valid bearer token"),
+            (
+                "403",
+                "The Host or Origin header names another site (see server.allowed_origins)",
+            ),
             ("404", "No such dialog, checkpoint, run or route"),
             ("405", "Method not allowed"),
             ("409", "Conflicts with the current state"),

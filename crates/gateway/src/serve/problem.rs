@@ -43,6 +43,9 @@ pub enum ApiError {
     /// No valid bearer token was presented.
     #[error("a valid bearer token is required (Authorization: Bearer <token>)")]
     Unauthorized,
+    /// The request was not meant for this server: its `Host` or `Origin` names another site.
+    #[error("{0}")]
+    Forbidden(String),
     /// The named dialog, checkpoint, run or route does not exist.
     #[error("{0}")]
     NotFound(String),
@@ -95,6 +98,7 @@ impl ApiError {
         match self {
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
@@ -111,6 +115,7 @@ impl ApiError {
         match self {
             ApiError::BadRequest(_) => "bad_request",
             ApiError::Unauthorized => "unauthorized",
+            ApiError::Forbidden(_) => "forbidden",
             ApiError::NotFound(_) => "not_found",
             ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::Conflict(_) => "conflict",

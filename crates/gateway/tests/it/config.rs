@@ -225,6 +225,20 @@ fn shell_env_never_passes_keels_own_keys() {
 }
 
 #[test]
+fn allowed_origins_are_bare_http_origins() {
+    let text = "[server]\nallowed_origins = [\n  \"https://keel.example.com\",\n  \"https://keel.example.com/app\",\n]\n";
+    insta::assert_snapshot!(error(text), @r#"keel.toml:2:19: server.allowed_origins: "https://keel.example.com/app" is not an origin (only a host and a port may follow the scheme); write scheme://host[:port], as https://keel.example.com"#);
+    let ok = parse("[server]\nallowed_origins = [\"https://Keel.Example.com:8443\"]\n").unwrap();
+    let read: Vec<String> = ok
+        .server
+        .allowed_origins
+        .into_iter()
+        .map(String::from)
+        .collect();
+    assert_eq!(read, ["https://keel.example.com:8443"]);
+}
+
+#[test]
 fn missing_env_var_for_a_key_is_an_error() {
     let text = "[providers.main]\nkind = \"anthropic\"\nmodel = \"claude\"\n\n[providers.local]\nkind = \"openai\"\nmodel = \"llama3\"\nbase_url = \"http://127.0.0.1:11434/v1\"\napi_key_env = \"LOCAL_KEY\"\n";
     let err = Config::from_toml_str_with_env(text, "keel.toml", &env(NO_ENV))

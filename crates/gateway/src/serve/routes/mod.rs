@@ -25,7 +25,8 @@ use super::api::{DEFAULT_PAGE, MAX_PAGE, MAX_TEXT_CHARS};
 use super::problem::{ApiError, ApiResult};
 use super::Shared;
 
-/// Every route; `/api` behind the bearer token when one is configured.
+/// Every route, each answering only requests meant for this server (see
+/// `origin`); `/api` behind the bearer token when one is configured.
 pub(crate) fn router(shared: Arc<Shared>) -> Router {
     let api = Router::new()
         .route("/health", get(system::health))
@@ -75,6 +76,10 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(shared.limits.max_body_bytes))
+        .layer(axum::middleware::from_fn_with_state(
+            shared.clone(),
+            super::origin::require_own_origin,
+        ))
         .with_state(shared)
 }
 

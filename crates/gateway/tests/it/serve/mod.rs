@@ -2,6 +2,7 @@
 //! driven by real clients (reqwest, tokio-tungstenite).
 
 mod doc;
+mod origin;
 mod rest;
 mod shutdown;
 mod web;
@@ -17,7 +18,7 @@ use keel_core::provider::{ChatRequest, FinishReason, ProviderError, ProviderStre
 use keel_core::{CancellationToken, Provider, ScriptedProvider, ScriptedResponse};
 use keel_gateway::app::App;
 use keel_gateway::serve::frames::{ClientFrame, ServerFrame};
-use keel_gateway::serve::{Limits, ServeOptions, Server, Token};
+use keel_gateway::serve::{Limits, ServeOptions, Server};
 use serde_json::Value;
 use tokio::sync::Semaphore;
 use tokio_tungstenite::tungstenite::Message as WsMessage;
@@ -81,11 +82,15 @@ impl TestServer {
             App::open_with_provider("keel test", None, Some(dir.path()), Some(setup.provider))
                 .await
                 .unwrap();
+        // `[server]` of the config as `keel serve` reads it, on an ephemeral port.
+        let token = setup.token;
         let options = ServeOptions {
-            bind: "127.0.0.1:0".parse().unwrap(),
-            token: setup.token.and_then(Token::new),
             shutdown_grace: setup.grace,
             limits: setup.limits,
+            ..ServeOptions::from_config(&app.config, Some("127.0.0.1:0".parse().unwrap()), &|_| {
+                token.map(str::to_owned)
+            })
+            .unwrap()
         };
         let store = app.store.clone();
         let server = Server::start(app, options).await.unwrap();

@@ -1,0 +1,246 @@
+//! Which requests are meant for this server, token or not. A web page on
+//! another site can make the user's browser send requests here: a
+//! cross-site WebSocket or form post carries that site's `Origin`, and DNS
+//! rebinding (the site's name re-pointed at 127.0.0.1) carries its name in
+//! `Host`. So:
+//!
+//! - `Host` must be an IP address, `localhost`, or the host of a
+//!   `server.allowed_origins` entry. An IP address cannot be rebound: the
+//!   browser reached it directly, so the page's origin is this server's.
+//! - A request that carries `Origin` must come from the server's own
+//!   origin (the scheme and the `Host` it was sent to) or an allowed one;
+//!   `Origin: null` (sandboxed frames, `file:` pages) is refused. Clients
+//!   other than browsers send no `Origin` and pass.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::http::uri::Authority;
+use axum::http::{header, HeaderMap};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+
+use super::problem::ApiError;
+use super::Shared;
+
+/// An origin allowed to use the API besides the server's own, as
+/// `scheme://host[:port]` in lower case; its host is accepted in `Host`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct AllowedOrigin {
+    origin: String,
+    host: String,
+}
+
+impl AllowedOrigin {
+    /// Parses `text`, an `http` or `https` origin with no path; says what is wrong otherwise.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let bad = |why: &str| {
+            format!("{text:?} is not an origin ({why}); write scheme://host[:port], as https://keel.example.com")
+        };
+        let origin = text.to_ascii_lowercase();
+        let authority = origin
+            .strip_prefix("http://")
+            .or_else(|| origin.strip_prefix("https://"))
+            .ok_or_else(|| bad("the scheme must be http or https"))?;
+        if authority.is_empty() || authority.contains(['/', '?', '#', '@']) {
+            return Err(bad("only a host and a port may follow the scheme"));
+        }
+        let host = host_of(authority).ok_or_else(|| bad("the host is not valid"))?;
+        Ok(Self { origin, host })
+    }
+}
+
+impl TryFrom<String> for AllowedOrigin {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<Self, String> {
+        Self::parse(&text)
+    }
+}
+
+impl From<AllowedOrigin> for String {
+    fn from(origin: AllowedOrigin) -> String {
+        origin.origin
+    }
+}
+
+/// The host of a `Host` header value (`host[:port]`), lower-cased;
+/// IPv6 addresses keep their brackets.
+fn host_of(authority: &str) -> Option<String> {
+    let parsed: Authority = authority.parse().ok()?;
+    if parsed.as_str().contains('@') {
+        return None;
+    }
+    Some(parsed.host().to_ascii_lowercase())
+}
+
+/// Whether `host` (from [`host_of`]) names this server.
+fn host_allowed(host: &str, allowed: &[AllowedOrigin]) -> bool {
+    let bare = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    bare.parse::<IpAddr>().is_ok() || host == "localhost" || allowed.iter().any(|o| o.host == host)
+}
+
+/// Why a request with these headers is not meant for this server, if it is not.
+fn refusal(headers: &HeaderMap, allowed: &[AllowedOrigin]) -> Option<ApiError> {
+    let host = match headers.get(header::HOST).map(|v| v.to_str()) {
+        Some(Ok(value)) => value.trim().to_ascii_lowercase(),
+        _ => {
+            return Some(ApiError::Forbidden(
+                "the request has no readable Host header".to_owned(),
+            ))
+        }
+    };
+    match host_of(&host) {
+        Some(name) if host_allowed(&name, allowed) => {}
+        _ => {
+            return Some(ApiError::Forbidden(format!(
+                "Host {host:?} does not name this server: it answers to IP addresses, localhost \
+                 and the hosts of server.allowed_origins"
+            )))
+        }
+    }
+    let origin = headers.get(header::ORIGIN)?;
+    let text = origin.to_str().unwrap_or("").trim().to_ascii_lowercase();
+    let own = text
+        .strip_prefix("http://")
+        .or_else(|| text.strip_prefix("https://"))
+        .is_some_and(|authority| authority == host);
+    if own || allowed.iter().any(|o| o.origin == text) {
+        return None;
+    }
+    Some(ApiError::Forbidden(format!(
+        "requests from origin {text:?} are refused: only pages of this server (http://{host}) \
+         and of server.allowed_origins may use it"
+    )))
+}
+
+/// Middleware: answers 403 to a request whose `Host` or `Origin` shows it
+/// was not meant for this server (see the module docs).
+pub async fn require_own_origin(
+    State(shared): State<Arc<Shared>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    match refusal(request.headers(), &shared.allowed_origins) {
+        None => next.run(request).await,
+        Some(refused) => {
+            tracing::info!(reason = %refused, "request refused");
+            refused.into_response()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    fn headers(host: Option<&str>, origin: Option<&str>) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        if let Some(v) = host {
+            h.insert(header::HOST, HeaderValue::from_str(v).unwrap());
+        }
+        if let Some(v) = origin {
+            h.insert(header::ORIGIN, HeaderValue::from_str(v).unwrap());
+        }
+        h
+    }
+
+    fn verdict(host: Option<&str>, origin: Option<&str>, allowed: &[&str]) -> String {
+        let allowed: Vec<AllowedOrigin> = allowed
+            .iter()
+            .map(|a| AllowedOrigin::parse(a).unwrap())
+            .collect();
+        match refusal(&headers(host, origin), &allowed) {
+            None => "accepted".to_owned(),
+            Some(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn hosts_that_name_this_server_are_accepted_and_other_names_refused() {
+        let proxy = ["https://keel.example.com"];
+        let cases: &[(&str, &[&str])] = &[
+            ("127.0.0.1:7420", &[]),
+            ("127.0.0.2", &[]),
+            ("[::1]:7420", &[]),
+            ("192.168.1.5:7420", &[]),
+            ("LOCALHOST:7420", &[]),
+            ("keel.example.com", &proxy),
+            ("keel.example.com:8443", &proxy),
+            ("attacker.example:7420", &[]),
+            ("attacker.example:7420", &proxy),
+            ("localhost.attacker.example", &[]),
+            ("sub.localhost:7420", &[]),
+            ("user@127.0.0.1", &[]),
+            ("", &[]),
+        ];
+        let out: Vec<String> = cases
+            .iter()
+            .map(|(host, allowed)| {
+                format!("{host} {allowed:?}: {}", verdict(Some(host), None, allowed))
+            })
+            .chain([format!("no Host: {}", verdict(None, None, &[]))])
+            .collect();
+        insta::assert_snapshot!(out.join("\n"));
+    }
+
+    #[test]
+    fn only_the_servers_own_origin_and_allowed_ones_pass() {
+        let host = Some("127.0.0.1:7420");
+        let cases: &[(Option<&str>, &[&str])] = &[
+            (None, &[]),
+            (Some("http://127.0.0.1:7420"), &[]),
+            (Some("HTTP://127.0.0.1:7420"), &[]),
+            (
+                Some("https://keel.example.com"),
+                &["https://keel.example.com"],
+            ),
+            (Some("http://localhost:7420"), &[]),
+            (Some("http://127.0.0.1:7421"), &[]),
+            (Some("https://attacker.example"), &[]),
+            (
+                Some("http://keel.example.com"),
+                &["https://keel.example.com"],
+            ),
+            (Some("null"), &[]),
+        ];
+        let out: Vec<String> = cases
+            .iter()
+            .map(|(origin, allowed)| {
+                format!(
+                    "{origin:?} {allowed:?}: {}",
+                    verdict(host, *origin, allowed)
+                )
+            })
+            .collect();
+        insta::assert_snapshot!(out.join("\n"));
+    }
+
+    #[test]
+    fn allowed_origins_must_be_bare_http_origins() {
+        let out: Vec<String> = [
+            "https://Keel.Example.com",
+            "http://[::1]:8080",
+            "https://keel.example.com/",
+            "https://keel.example.com/app",
+            "ftp://keel.example.com",
+            "keel.example.com",
+            "https://",
+            "https://user@keel.example.com",
+            "https://keel example.com",
+        ]
+        .iter()
+        .map(|t| match AllowedOrigin::parse(t) {
+            Ok(o) => format!("{t}: ok {} (host {})", o.origin, o.host),
+            Err(e) => format!("{t}: {e}"),
+        })
+        .collect();
+        insta::assert_snapshot!(out.join("\n"));
+    }
+}
