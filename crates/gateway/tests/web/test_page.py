@@ -307,21 +307,49 @@ def scenario_delegation(r):
     expect(archivist.locator(".run-tokens")).to_contain_text("tok")
     expect(page.locator("#counters")).to_contain_text("sub-agents")
     assert page.evaluate("window.__samePage") is True, "the page reloaded"
-    expect_inbox(page, waiting_or_taken=1)
-    expect(page.locator("#inbox .inbox-list li", has_text="completion of archivist")).to_have_count(1)
+    # Its completion is delivered by a continuation turn that streams in
+    # live, and the inbox moves it from pending to delivered.
+    continuation = page.locator("article.msg.assistant[data-origin=agent_continuation]")
+    expect(continuation.locator(".turn-label")).to_have_text("Background results arrived")
+    expect(continuation).to_contain_text("The archivist has filed today's decisions.")
+    expect_inbox(page, pending=0, delivered=1)
+    expect(page.locator("#inbox .inbox-list li[data-status=consumed]", has_text="completion of archivist")).to_have_count(1)
     r.shot("runs-completed")
+
+
+def scenario_jump_to_latest(r):
+    """What arrives while the reader is further up does not move the view;
+    a button offers to jump to it, and from there the view follows again."""
+    page = r.page
+    messages = page.locator("#messages")
+    r.send("Sum up the day")
+    streaming = page.locator("article.msg.assistant.streaming")
+    expect(streaming.locator(".md")).to_contain_text("The day in short")
+    expect(page.locator("#jump")).to_be_hidden()
+    messages.evaluate("el => el.scrollTo(0, 0)")
+    expect(page.locator("#jump")).to_be_visible()
+    assert messages.evaluate("el => el.scrollTop") == 0, "an arriving delta moved the view"
+    r.shot("jump-offered")
+    page.locator("#jump").click()
+    expect(page.locator("#jump")).to_be_hidden()
+    expect(streaming).to_have_count(0)
+    expect(r.assistant()).to_contain_text("filed for tomorrow.")
+    expect(r.assistant()).to_be_in_viewport()
 
 
 INBOX_COUNTS = """() => Object.fromEntries([...document.querySelectorAll('#inbox .inbox-stat')]
   .map((el) => [el.dataset.key, Number(el.querySelector('.inbox-n').textContent)]))"""
 
 
-def expect_inbox(page, waiting_or_taken, dead_lettered=0):
-    """The inbox shows the server's counts: `waiting_or_taken` events pending
-    or delivered (a continuation turn may already have taken them)."""
-    page.wait_for_function(
-        f"""() => {{ const c = ({INBOX_COUNTS})();
-            return c.pending + c.delivered === {waiting_or_taken} && c.dead_lettered === {dead_lettered}; }}""")
+def expect_inbox(page, pending, delivered, dead_lettered=0):
+    """The inbox shows these counts (the server's, which the page re-reads)."""
+    want = {"pending": pending, "delivered": delivered, "dead_lettered": dead_lettered}
+    try:
+        page.wait_for_function(
+            f"""() => {{ const c = ({INBOX_COUNTS})(), w = {want!r};
+                return Object.keys(w).every((k) => c[k] === w[k]); }}""".replace("'", '"'))
+    except Exception:
+        raise AssertionError(f"inbox {page.evaluate(INBOX_COUNTS)}, expected {want}") from None
 
 
 UNLABELLED_CONTROLS = """() => [...document.querySelectorAll('button, input, textarea, select, a[href], summary')]
@@ -345,7 +373,8 @@ def scenario_reload_restores(r):
     expect(page.locator("#run-tree li.run")).to_have_count(3)
     expect(page.locator("#run-tree li.run[data-agent=archivist]")).to_have_attribute("data-status", "completed")
     expect(page.locator("#timeline li.checkpoint.abandoned")).to_have_count(1)
-    expect_inbox(page, waiting_or_taken=1)
+    expect_inbox(page, pending=0, delivered=1)
+    expect(page.locator("article.msg.assistant[data-origin=agent_continuation]")).to_have_count(1)
     unlabelled = page.evaluate(UNLABELLED_CONTROLS)
     assert unlabelled == [], f"controls without an accessible name: {unlabelled}"
     r.shot("reloaded")
@@ -443,6 +472,7 @@ SCENARIOS = [
     scenario_stop_with_escape,
     scenario_steer,
     scenario_delegation,
+    scenario_jump_to_latest,
     scenario_reload_restores,
     scenario_dialogs,
     scenario_narrow_screen,

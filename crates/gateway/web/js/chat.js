@@ -117,9 +117,14 @@ export function markUnanswered(el, why) {
 }
 
 export class Chat {
-  constructor(container, empty) {
+  constructor(container, empty, jump) {
     this.container = container;
     this.empty = empty;
+    this.jump = jump;
+    jump.addEventListener('click', () => this.scroll());
+    container.addEventListener('scroll', () => {
+      if (this.atBottom()) jump.hidden = true;
+    }, { passive: true });
     this.live = new Map();
     this.byTurn = new Map();
     this.failedTurns = new Map();
@@ -163,6 +168,12 @@ export class Chat {
     if (stick) this.scroll();
   }
 
+  /** Follows what arrived when the reader was at the end; else offers to jump there. */
+  grew(stick) {
+    if (stick) this.scroll();
+    else this.jump.hidden = false;
+  }
+
   /** Clears everything (another dialog is shown). */
   reset() {
     this.live.clear();
@@ -170,6 +181,7 @@ export class Chat {
     this.failedTurns.clear();
     replace(this.container, this.empty);
     this.empty.hidden = false;
+    this.jump.hidden = true;
   }
 
   /** Shows a message the user just sent; returns its element. */
@@ -177,6 +189,8 @@ export class Chat {
     const el = userBubble(text, { time: new Date().toISOString(), steer });
     el.classList.add('sending');
     this.add(el);
+    // What the user sends is where they look next.
+    this.scroll();
     return el;
   }
 
@@ -199,7 +213,7 @@ export class Chat {
     this.empty.hidden = true;
     this.empty.remove();
     this.container.append(el);
-    if (stick) this.scroll();
+    this.grew(stick);
   }
 
   /** Applies a turn frame of the shown dialog. */
@@ -246,7 +260,7 @@ export class Chat {
       default:
         return;
     }
-    if (stick) this.scroll();
+    this.grew(stick);
   }
 
   atBottom() {
@@ -255,6 +269,7 @@ export class Chat {
   }
 
   scroll() {
+    this.jump.hidden = true;
     requestAnimationFrame(() => {
       this.container.scrollTop = this.container.scrollHeight;
     });

@@ -26,7 +26,7 @@ const state = {
 };
 
 const input = $('input');
-const chat = new Chat($('messages'), $('empty'));
+const chat = new Chat($('messages'), $('empty'), $('jump'));
 const runs = new RunsView({
   tree: $('run-tree'),
   count: $('runs-count'),
