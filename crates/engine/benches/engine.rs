@@ -584,9 +584,8 @@ async fn turn_overhead(
                         session_id: raw,
                         messages: pair
                             .iter()
-                            .map(|h| NewMessage {
-                                slot: h.slot.clone(),
-                                message: keel_core::Message::clone(&h.message),
+                            .map(|h| {
+                                NewMessage::in_slot(&h.slot, keel_core::Message::clone(&h.message))
                             })
                             .collect(),
                         state: state.to_blob().unwrap(),
@@ -596,6 +595,7 @@ async fn turn_overhead(
                             source: CheckpointSource::Turn,
                         }),
                         visible_user_inputs: 1,
+                        answers: Vec::new(),
                         expected_head: None,
                         now_ms: keel_core::time::now_ms(),
                     }

@@ -61,7 +61,7 @@ pub enum SessionEvent {
         /// Its automatic checkpoint, if one was taken.
         checkpoint: Option<CheckpointId>,
     },
-    /// A turn ended without committing anything.
+    /// A turn ended without committing an answer.
     TurnFailed {
         /// The turn.
         turn_id: TurnId,
@@ -71,6 +71,10 @@ pub enum SessionEvent {
         message: String,
         /// Whether it was cancelled (`/stop`) rather than failed.
         cancelled: bool,
+        /// Whether the turn's input was committed before it failed: it stays
+        /// in the history, marked unanswered (a user turn that got as far as
+        /// calling the model).
+        input_kept: bool,
     },
     /// A notice for the user that no turn produced (e.g. a background result
     /// that could not be delivered). It is also in the session's history.

@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use keel_core::{CheckpointId, Message, Provider, SessionId, ToolRegistry};
 use keel_store::{
-    CheckpointSource, ContinuationCommit, LeasedEvents, MessageFilter, NewCheckpoint, NewMessage,
-    NoticeCommit, SessionHead, SessionRecord, Store, TurnCommit,
+    CheckpointSource, ContinuationCommit, InputState, LeasedEvents, MessageFilter, NewCheckpoint,
+    NewMessage, NoticeCommit, OpenTurn, SessionHead, SessionRecord, Store, TurnCommit,
 };
 
 use crate::agent_loop::TurnOutput;
@@ -77,6 +77,7 @@ impl AgentSession {
                 slot: m.slot,
                 message: Arc::new(m.message),
                 created_at_ms: m.created_at_ms,
+                input_state: m.input_state,
             })
             .collect();
         let last_seq = store.last_seq(record.id).await?;
@@ -135,6 +136,79 @@ impl AgentSession {
             .collect())
     }
 
+    /// Visible user messages of the current slot whose turn never answered
+    /// them (failed, cancelled or interrupted), oldest first.
+    pub fn unanswered(&self) -> Result<Vec<&HistoryMessage>> {
+        Ok(self
+            .visible_messages()?
+            .into_iter()
+            .filter(|m| m.input_state == Some(InputState::Unanswered))
+            .collect())
+    }
+
+    /// Sets the input state of the history messages at `seqs` (in memory).
+    pub(crate) fn set_input_state(&mut self, seqs: &[i64], state: InputState) {
+        for m in self.history.iter_mut().rev() {
+            if seqs.contains(&m.seq) {
+                m.input_state = Some(state);
+            }
+        }
+    }
+
+    /// Commits a turn's input on its own, before the model is called: it is
+    /// durable and visible from now on, `open` until the turn ends. An input
+    /// an earlier turn left open is unanswered from now on. Returns the seqs.
+    pub(crate) async fn open_turn(
+        &mut self,
+        store: &Store,
+        slot: &str,
+        input: &[Message],
+    ) -> Result<Vec<i64>> {
+        let now = keel_core::time::now_ms();
+        let seqs = store
+            .open_turn(OpenTurn {
+                session_id: self.record.id,
+                messages: input
+                    .iter()
+                    .map(|m| NewMessage::in_slot(slot, m.clone()))
+                    .collect(),
+                expected_head: Some(SessionHead {
+                    timeline: self.record.head_timeline_id.clone(),
+                    last_seq: self.last_seq,
+                }),
+                now_ms: now,
+            })
+            .await?;
+        for m in &mut self.history {
+            if m.input_state == Some(InputState::Open) {
+                m.input_state = Some(InputState::Unanswered);
+            }
+        }
+        for (message, seq) in input.iter().zip(&seqs) {
+            self.history.push(HistoryMessage {
+                seq: *seq,
+                slot: slot.to_owned(),
+                message: Arc::new(message.clone()),
+                created_at_ms: now,
+                input_state: Some(InputState::Open),
+            });
+            self.last_seq = self.last_seq.max(*seq);
+        }
+        let visible = input.iter().filter(|m| m.is_visible_user_input()).count();
+        self.record.message_count += visible as u64;
+        self.record.last_active_at_ms = now;
+        Ok(seqs)
+    }
+
+    /// Marks the open inputs at `seqs` unanswered: their turn ended without
+    /// an answer. Memory changes even when the store fails (the next turn's
+    /// input commit closes them there).
+    pub(crate) async fn mark_unanswered(&mut self, store: &Store, seqs: &[i64]) -> Result<()> {
+        self.set_input_state(seqs, InputState::Unanswered);
+        store.mark_unanswered(self.record.id, seqs.to_vec()).await?;
+        Ok(())
+    }
+
     /// Checks that a turn may run in the current slot.
     pub(crate) fn writable_slot(&self) -> Result<String> {
         let slot = self.state.current_slot.clone();
@@ -145,17 +219,18 @@ impl AgentSession {
     }
 
     /// Commits `messages` (each with its slot) with `state` (and a
-    /// checkpoint when `checkpoint` is set) in one store transaction, then
-    /// applies it in memory. On error nothing changes. Returns the seqs and
-    /// the checkpoint.
+    /// checkpoint when `checkpoint` is set) in one store transaction, marking
+    /// the open inputs `answers` answered, then applies it in memory. On
+    /// error nothing changes. Returns the seqs and the checkpoint.
     pub(crate) async fn commit(
         &mut self,
         store: &Store,
         messages: Vec<(String, Message)>,
         state: SessionState,
         checkpoint: Option<CheckpointSource>,
+        answers: &[i64],
     ) -> Result<(Vec<i64>, Option<CheckpointId>)> {
-        self.commit_with(store, messages, state, checkpoint, InboxEffect::None)
+        self.commit_with(store, messages, state, checkpoint, answers, InboxEffect::None)
             .await
     }
 
@@ -166,6 +241,7 @@ impl AgentSession {
         messages: Vec<(String, Message)>,
         state: SessionState,
         checkpoint: Option<CheckpointSource>,
+        answers: &[i64],
         inbox: InboxEffect,
     ) -> Result<(Vec<i64>, Option<CheckpointId>)> {
         let now = keel_core::time::now_ms();
@@ -182,14 +258,12 @@ impl AgentSession {
             session_id: self.record.id,
             messages: messages
                 .iter()
-                .map(|(slot, message)| NewMessage {
-                    slot: slot.clone(),
-                    message: message.clone(),
-                })
+                .map(|(slot, message)| NewMessage::in_slot(slot, message.clone()))
                 .collect(),
             state: state.to_blob()?,
             checkpoint,
             visible_user_inputs: u32::try_from(visible_user_inputs).unwrap_or(u32::MAX),
+            answers: answers.to_vec(),
             // Two writers can never silently interleave on one session:
             // the commit is refused if the history moved since this load.
             expected_head: Some(SessionHead {
@@ -218,9 +292,11 @@ impl AgentSession {
                 slot,
                 message: Arc::new(message),
                 created_at_ms: now,
+                input_state: None,
             });
             self.last_seq = self.last_seq.max(*seq);
         }
+        self.set_input_state(answers, InputState::Answered);
         self.state = state;
         self.record.state_hash = Some(committed.state_hash);
         self.record.message_count += visible_user_inputs as u64;
@@ -244,19 +320,24 @@ impl AgentSession {
             vec![(slot, notice)],
             state,
             None,
+            &[],
             InboxEffect::Tell(events),
         )
         .await?;
         Ok(())
     }
 
-    /// Applies a finished turn: the state after it and the commit, which
-    /// also consumes the inbox events the turn answered (`consumed`).
+    /// Applies a finished turn: the state after it and the commit of its
+    /// messages but the first `committed_inputs` (its input, committed
+    /// before the model was called at the seqs `answers`), which also
+    /// consumes the inbox events the turn answered (`consumed`).
     pub(crate) async fn commit_turn(
         &mut self,
         store: &Store,
         slot: &str,
         output: &TurnOutput,
+        committed_inputs: usize,
+        answers: &[i64],
         auto_checkpoint: bool,
         consumed: Vec<LeasedEvents>,
     ) -> Result<Option<CheckpointId>> {
@@ -271,6 +352,7 @@ impl AgentSession {
         let messages = output
             .messages
             .iter()
+            .skip(committed_inputs)
             .map(|m| (slot.to_owned(), m.clone()))
             .collect();
         let inbox = if consumed.is_empty() {
@@ -279,7 +361,7 @@ impl AgentSession {
             InboxEffect::Consume(consumed)
         };
         let (_, checkpoint) = self
-            .commit_with(store, messages, state, checkpoint, inbox)
+            .commit_with(store, messages, state, checkpoint, answers, inbox)
             .await?;
         Ok(checkpoint)
     }

@@ -177,6 +177,8 @@ pub struct HistoryMessage {
     pub message: Arc<Message>,
     /// When it was committed (Unix ms).
     pub created_at_ms: i64,
+    /// For a turn input committed before its answer: whether it was answered.
+    pub input_state: Option<keel_store::InputState>,
 }
 
 impl SessionState {
@@ -427,6 +429,7 @@ mod tests {
             slot: slot.into(),
             message: Arc::new(Message::user(text)),
             created_at_ms: seq,
+            input_state: None,
         }
     }
 
@@ -532,6 +535,7 @@ mod tests {
             slot: "f".into(),
             message: Arc::new(Message::tool_result("c1", "t", "result")),
             created_at_ms: 3,
+            input_state: None,
         });
         h.push(msg(4, "f", "d"));
         let replay = s.replay("f", &h).unwrap();
@@ -668,6 +672,7 @@ mod model_tests {
                 slot: slot.to_owned(),
                 message: Arc::new(Message::user(text)),
                 created_at_ms: seq,
+                input_state: None,
             });
         }
 

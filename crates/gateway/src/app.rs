@@ -249,7 +249,18 @@ async fn activate(
     let activation = store
         .activate_runtime(holder, keel_core::time::now_ms())
         .await?;
-    let recovery = &activation.recovery;
+    log_recovery(&activation.recovery);
+    Ok((lock, store, activation))
+}
+
+/// Says what the activation recovered from an earlier process, if anything.
+fn log_recovery(recovery: &keel_store::RecoveryReport) {
+    if recovery.unanswered_inputs > 0 {
+        tracing::warn!(
+            inputs = recovery.unanswered_inputs,
+            "turns of an earlier process ended without an answer; their inputs are kept, marked unanswered"
+        );
+    }
     if !recovery.interrupted_runs.is_empty() || !recovery.counters_repaired.is_empty() {
         tracing::warn!(
             interrupted = recovery.interrupted_runs.len(),
@@ -257,7 +268,6 @@ async fn activate(
             "recovered sub-agent runs of an earlier process"
         );
     }
-    Ok((lock, store, activation))
 }
 
 impl App {

@@ -220,6 +220,7 @@ pub async fn run(
         "keel chat — dialog {} \"{}\" ({} messages). /help lists commands.",
         record.dialog_id, record.title, record.message_count
     ));
+    chat.show_unanswered().await?;
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     loop {
         if chat.interactive {
@@ -350,11 +351,8 @@ impl Chat {
                 }
             }
         }
-        if let Err(e) = ticket.outcome().await {
-            if e.is_cancelled() {
-                self.say("(stopped; nothing from this turn was saved)");
-            }
-        }
+        // How it ended was printed from the feed (`TurnFailed`).
+        let _ = ticket.outcome().await;
         Ok(eof)
     }
 
@@ -442,11 +440,21 @@ impl Chat {
                 turn_id,
                 message,
                 cancelled,
+                input_kept,
                 ..
             } => {
                 self.line_break();
-                if !cancelled {
-                    self.say(&format!("error: {message}"));
+                match (cancelled, input_kept) {
+                    (true, true) => self.say("(stopped; your message is kept, marked unanswered)"),
+                    (true, false) => self.say("(stopped; nothing from this turn was saved)"),
+                    (false, kept) => {
+                        self.say(&format!("error: {message}"));
+                        if *kept {
+                            self.say(
+                                "(your message is kept, marked unanswered; the next turn sees it)",
+                            );
+                        }
+                    }
                 }
                 return Some(*turn_id);
             }
@@ -516,6 +524,23 @@ impl Chat {
         Ok(())
     }
 
+    /// Lists the current dialog's messages that no turn answered (a turn
+    /// that failed, was stopped or was cut off by a crash).
+    async fn show_unanswered(&mut self) -> Result<()> {
+        let session = self.manager.session(self.current).await?;
+        let texts: Vec<String> = session
+            .lock()
+            .await
+            .unanswered()?
+            .iter()
+            .map(|m| one_line(&m.message.text(), 100))
+            .collect();
+        for text in texts {
+            self.say(&format!("[unanswered] {text}"));
+        }
+        Ok(())
+    }
+
     async fn command(&mut self, cmd: Slash) -> Result<()> {
         let m = self.manager.clone();
         match cmd {
@@ -552,6 +577,7 @@ impl Chat {
                             address.dialog_id(),
                             r.title
                         ));
+                        self.show_unanswered().await?;
                     }
                     None => self.say(&format!("error: no dialog {dialog} (see /sessions)")),
                 }
@@ -589,6 +615,10 @@ impl Chat {
                 let r = g.record();
                 let st = g.state();
                 let checkpoints = m.list_checkpoints(self.current).await?.len();
+                let messages = match g.unanswered()?.len() {
+                    0 => r.message_count.to_string(),
+                    n => format!("{} ({n} unanswered)", r.message_count),
+                };
                 let info = format!(
                     "dialog {} \"{}\"\nagent {} ({} / {})\nmessages {} · turns {} · slot {} · checkpoints {}\ntokens {} in / {} out over {} model calls",
                     r.dialog_id,
@@ -596,7 +626,7 @@ impl Chat {
                     g.agent().name,
                     g.agent().provider.name(),
                     g.agent().provider.model(),
-                    r.message_count,
+                    messages,
                     st.turn_index,
                     st.current_slot,
                     checkpoints,

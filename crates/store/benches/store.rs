@@ -283,6 +283,7 @@ fn turn(s: SessionId, n: u64, checkpoint: bool) -> TurnCommit {
             source: CheckpointSource::Turn,
         }),
         visible_user_inputs: 1,
+        answers: Vec::new(),
         expected_head: None,
         now_ms: 1000 + n as i64,
     }
@@ -555,6 +556,7 @@ async fn inbox(path: &Path, raw_txn_rate: f64) {
                     state: turns.to_string().into_bytes(),
                     checkpoint: None,
                     visible_user_inputs: 0,
+                    answers: Vec::new(),
                     expected_head: None,
                     now_ms: 11,
                 },

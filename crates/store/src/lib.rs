@@ -1,4 +1,4 @@
-//! SQLite storage of keel: schema v7, forward-only migrations, group commit,
+//! SQLite storage of keel: schema v8, forward-only migrations, group commit,
 //! domain APIs. The only crate that knows SQL.
 //!
 //! [`Store`] is a cheap, cloneable handle over one write connection and a
@@ -58,6 +58,7 @@
 //!             source: CheckpointSource::Turn,
 //!         }),
 //!         visible_user_inputs: 1,
+//!         answers: Vec::new(),
 //!         expected_head: None,
 //!         now_ms: keel_core::time::now_ms(),
 //!     })
@@ -99,8 +100,8 @@ pub use inbox::{
     ReleaseRequest, ScopeKind, SignalCommit, MAX_SIGNAL_PAYLOAD_BYTES,
 };
 pub use messages::{
-    MessageFilter, MessagePage, NewMessage, SessionHead, StoredMessage, TurnCommit, TurnCommitted,
-    DEFAULT_SLOT,
+    InputState, MessageFilter, MessagePage, NewMessage, OpenTurn, SessionHead, StoredMessage,
+    TurnCommit, TurnCommitted, DEFAULT_SLOT,
 };
 pub use migrations::SCHEMA_VERSION;
 pub use projection::{AgentChanges, EventCursor, RunQuery};

@@ -1,7 +1,15 @@
 //! Messages: append-only rows keyed by (timeline, seq), loads that walk a
-//! timeline's ancestors, and the one-transaction turn commit.
+//! timeline's ancestors, durable turn inputs, and the one-transaction turn
+//! commit.
+//!
+//! A user turn commits its input first ([`Store::open_turn`]: the rows are
+//! `open`), then its outputs with state and checkpoint ([`Store::commit_turn`],
+//! which marks the input `answered`). A failed turn marks it `unanswered`
+//! ([`Store::mark_unanswered`]); inputs an older process left open are marked
+//! so when a new runtime activates ([`Store::activate_runtime`]). `input_state` is the only
+//! column of a message row that ever changes, and only once.
 
-use keel_core::{CheckpointId, Message, SessionId};
+use keel_core::{text_enum, CheckpointId, Message, SessionId};
 use rusqlite::{params, Connection};
 
 use crate::checkpoints::{insert_checkpoint_tx, put_state_tx, CheckpointRecord, NewCheckpoint};
@@ -13,6 +21,18 @@ use crate::Store;
 /// The slot name of the default context slot.
 pub const DEFAULT_SLOT: &str = "default";
 
+text_enum!(
+    /// Where a durably committed turn input stands.
+    InputState, "input state" {
+        /// Its turn is running (or its process died; recovery closes it).
+        Open = "open",
+        /// Its turn committed an answer.
+        Answered = "answered",
+        /// Its turn failed, was cancelled or crashed: nothing answered it.
+        Unanswered = "unanswered",
+    }
+);
+
 /// A message to append to a slot of a session.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewMessage {
@@ -20,14 +40,22 @@ pub struct NewMessage {
     pub slot: String,
     /// The message; its visibility and origin are stored as columns too.
     pub message: Message,
+    /// Set for a turn input committed before its answer (`None` otherwise).
+    pub input_state: Option<InputState>,
 }
 
 impl NewMessage {
     /// A message for the default slot.
     pub fn new(message: Message) -> Self {
+        Self::in_slot(DEFAULT_SLOT, message)
+    }
+
+    /// A message for `slot`.
+    pub fn in_slot(slot: &str, message: Message) -> Self {
         Self {
-            slot: DEFAULT_SLOT.to_owned(),
+            slot: slot.to_owned(),
             message,
+            input_state: None,
         }
     }
 }
@@ -43,6 +71,8 @@ pub struct StoredMessage {
     pub message: Message,
     /// When it was appended (ms).
     pub created_at_ms: i64,
+    /// For a turn input committed before its answer: whether it was answered.
+    pub input_state: Option<InputState>,
 }
 
 /// Which messages a load returns.
@@ -82,8 +112,23 @@ pub struct TurnCommit {
     pub checkpoint: Option<NewCheckpoint>,
     /// Visible user inputs in this turn (added to `message_count`).
     pub visible_user_inputs: u32,
+    /// Seqs (on the head timeline) of the open inputs this turn answers.
+    pub answers: Vec<i64>,
     /// Where the history ended when the turn started; if it has moved since
     /// (another writer appended or moved the head), nothing is committed.
+    pub expected_head: Option<SessionHead>,
+    /// Commit time (ms).
+    pub now_ms: i64,
+}
+
+/// A turn's input, committed before the model is called.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpenTurn {
+    /// The session.
+    pub session_id: SessionId,
+    /// The input messages; they are stored `open`.
+    pub messages: Vec<NewMessage>,
+    /// Where the history ended when the turn started (see [`TurnCommit::expected_head`]).
     pub expected_head: Option<SessionHead>,
     /// Commit time (ms).
     pub now_ms: i64,
@@ -139,6 +184,7 @@ pub(crate) struct EncodedMessage {
     tool_name: Option<String>,
     visibility: &'static str,
     origin: &'static str,
+    input_state: Option<&'static str>,
 }
 
 /// Validates and serializes messages before they reach the writer.
@@ -159,6 +205,7 @@ pub(crate) fn encode(messages: &[NewMessage]) -> Result<Vec<EncodedMessage>> {
                 tool_name: m.message.tool_name.clone(),
                 visibility: m.message.visibility.as_str(),
                 origin: m.message.origin.as_str(),
+                input_state: m.input_state.map(InputState::as_str),
             })
         })
         .collect()
@@ -187,8 +234,8 @@ pub(crate) fn append_tx(
     let mut seq = last;
     let mut stmt = conn.prepare_cached(
         "INSERT INTO messages (timeline_id, seq, session_id, slot, role, content, tool_call_id, \
-         tool_name, created_at, client_visibility, turn_origin) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+         tool_name, created_at, client_visibility, turn_origin, input_state) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
     )?;
     let session_id = session.to_string();
     let mut seqs = Vec::with_capacity(messages.len());
@@ -206,6 +253,7 @@ pub(crate) fn append_tx(
             now_ms,
             m.visibility,
             m.origin,
+            m.input_state,
         ])?;
         seqs.push(seq);
     }
@@ -230,7 +278,7 @@ fn chain(conn: &Connection, timeline: &str, upto: i64) -> Result<Vec<(String, i6
 /// ancestor, root first. The ranges are disjoint and increasing (a child's
 /// seqs start after its fork point), so the concatenation is in seq order.
 /// One timeline's messages in a seq range, optionally visible-only or one slot.
-const LOAD_RANGE_SQL: &str = "SELECT seq, slot, content, created_at FROM messages \
+const LOAD_RANGE_SQL: &str = "SELECT seq, slot, content, created_at, input_state FROM messages \
      WHERE timeline_id = ?1 AND seq >= ?2 AND seq <= ?3 \
        AND (NOT ?4 OR client_visibility = 'visible') AND (?5 IS NULL OR slot = ?5) \
      ORDER BY seq";
@@ -259,13 +307,15 @@ pub(crate) fn load_chain(
 }
 
 /// One timeline's messages in a seq range, newest first (for pages read backwards).
-const LOAD_RANGE_DESC_SQL: &str = "SELECT seq, slot, content, created_at FROM messages \
+const LOAD_RANGE_DESC_SQL: &str =
+    "SELECT seq, slot, content, created_at, input_state FROM messages \
      WHERE timeline_id = ?1 AND seq >= ?2 AND seq <= ?3 \
        AND (NOT ?4 OR client_visibility = 'visible') \
      ORDER BY seq DESC LIMIT ?5";
 
 /// One timeline's messages in a seq range, oldest first, at most `?5`.
-const LOAD_RANGE_ASC_SQL: &str = "SELECT seq, slot, content, created_at FROM messages \
+const LOAD_RANGE_ASC_SQL: &str =
+    "SELECT seq, slot, content, created_at, input_state FROM messages \
      WHERE timeline_id = ?1 AND seq >= ?2 AND seq <= ?3 \
        AND (NOT ?4 OR client_visibility = 'visible') \
      ORDER BY seq LIMIT ?5";
@@ -280,6 +330,7 @@ fn stored_from_row(r: &rusqlite::Row<'_>) -> Result<StoredMessage> {
         slot: r.get(1)?,
         message,
         created_at_ms: r.get(3)?,
+        input_state: crate::util::parse_opt("messages.input_state", r.get(4)?)?,
     })
 }
 
@@ -317,6 +368,24 @@ fn load_page(conn: &Connection, timeline: &str, page: &MessagePage) -> Result<Ve
     Ok(out)
 }
 
+/// Refuses a write when the session's history no longer ends where the
+/// writer last saw it (another writer appended or moved the head).
+fn check_head(session: &SessionId, expected: &SessionHead, head: &str, last: i64) -> Result<()> {
+    if expected.timeline.as_str() == head && expected.last_seq == last {
+        return Ok(());
+    }
+    Err(StoreError::Conflict(format!(
+        "session {session} changed since the turn started (its history ended at seq {} and now \
+         ends at seq {last}{}); the turn was not saved",
+        expected.last_seq,
+        if expected.timeline.as_str() == head {
+            ""
+        } else {
+            " on another branch"
+        }
+    )))
+}
+
 /// The whole turn commit: messages, state, checkpoint, counters. With the
 /// writer's `cache`, the last seq comes from it when it knows the session's
 /// head, and the new head state is staged in it.
@@ -338,22 +407,11 @@ pub(crate) fn commit_turn_tx(
         None => last_seq(conn, head)?,
     };
     if let Some(expected) = &turn.expected_head {
-        if expected.timeline.as_str() != head || expected.last_seq != last {
-            return Err(StoreError::Conflict(format!(
-                "session {} changed since the turn started (its history ended at seq {} and now \
-                 ends at seq {last}{}); the turn was not saved",
-                session.id,
-                expected.last_seq,
-                if expected.timeline.as_str() == head {
-                    ""
-                } else {
-                    " on another branch"
-                }
-            )));
-        }
+        check_head(&session.id, expected, head, last)?;
     }
     let seqs = append_tx(conn, &session.id, head, last, messages, turn.now_ms)?;
     let last = seqs.last().copied().unwrap_or(last);
+    answer_inputs_tx(conn, head, &turn.answers)?;
     let state_hash = put_state_tx(conn, &session, &turn.state)?;
     let checkpoint = match &turn.checkpoint {
         Some(cp) => {
@@ -388,7 +446,114 @@ pub(crate) fn commit_turn_tx(
     })
 }
 
+/// Marks the inputs `seqs` of `timeline` answered. Each must be open: an
+/// input already declared unanswered is never answered after the fact.
+fn answer_inputs_tx(conn: &Connection, timeline: &str, seqs: &[i64]) -> Result<()> {
+    let mut stmt = conn.prepare_cached(
+        "UPDATE messages SET input_state = 'answered' \
+         WHERE timeline_id = ?1 AND seq = ?2 AND input_state = 'open'",
+    )?;
+    for seq in seqs {
+        if stmt.execute(params![timeline, seq])? != 1 {
+            return Err(StoreError::Stale(format!(
+                "the turn input at seq {seq} is not open any more"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Marks every input of `session` still open unanswered; returns how many.
+fn close_open_inputs_tx(conn: &Connection, session: &SessionId) -> Result<usize> {
+    Ok(conn
+        .prepare_cached(
+            "UPDATE messages SET input_state = 'unanswered' \
+             WHERE session_id = ?1 AND input_state = 'open'",
+        )?
+        .execute([session.to_string()])?)
+}
+
+/// Marks every open input of every session unanswered (no turn runs yet).
+pub(crate) const CLOSE_INTERRUPTED_SQL: &str =
+    "UPDATE messages INDEXED BY idx_messages_open_inputs \
+     SET input_state = 'unanswered' WHERE input_state = 'open' AND session_id >= ''";
+
+fn open_turn_tx(
+    conn: &Connection,
+    cache: &mut WriteCache,
+    turn: &OpenTurn,
+    messages: &[EncodedMessage],
+    visible_user_inputs: u32,
+) -> Result<Vec<i64>> {
+    let session = &turn.session_id;
+    let head = head_state(conn, cache, session)?;
+    if let Some(expected) = &turn.expected_head {
+        check_head(session, expected, &head.timeline, head.last_seq)?;
+    }
+    // Inputs a dropped or crashed turn left open were never answered.
+    close_open_inputs_tx(conn, session)?;
+    let seqs = append_tx(
+        conn,
+        session,
+        &head.timeline,
+        head.last_seq,
+        messages,
+        turn.now_ms,
+    )?;
+    bump_activity(conn, session, turn.now_ms, visible_user_inputs)?;
+    let last_seq = seqs.last().copied().unwrap_or(head.last_seq);
+    cache.stage(
+        *session,
+        HeadState {
+            timeline: head.timeline,
+            last_seq,
+        },
+    );
+    Ok(seqs)
+}
+
 impl Store {
+    /// Commits a turn's input on its own, before the model is called (and
+    /// only if the history still ends at `expected_head`): the
+    /// messages are appended `open` (an input some earlier turn of the
+    /// session left open is marked unanswered first) and the session's
+    /// activity and `message_count` are bumped. Returns their seqs.
+    pub async fn open_turn(&self, turn: OpenTurn) -> Result<Vec<i64>> {
+        let mut messages = turn.messages.clone();
+        for m in &mut messages {
+            m.input_state = Some(InputState::Open);
+        }
+        let encoded = encode(&messages)?;
+        let visible = messages
+            .iter()
+            .filter(|m| m.message.is_visible_user_input())
+            .count();
+        let visible = u32::try_from(visible).unwrap_or(u32::MAX);
+        self.db
+            .write_cached(move |c, cache| open_turn_tx(c, cache, &turn, &encoded, visible))
+            .await
+    }
+
+    /// Marks the open inputs `seqs` (of the session's head) unanswered: their
+    /// turn failed or was cancelled. Inputs no longer open are left as they
+    /// are. Returns how many changed.
+    pub async fn mark_unanswered(&self, session_id: SessionId, seqs: Vec<i64>) -> Result<usize> {
+        self.db
+            .write(move |c| {
+                let timeline = head_timeline(c, &session_id)?;
+                let mut stmt = c.prepare_cached(
+                    "UPDATE messages SET input_state = 'unanswered' \
+                     WHERE timeline_id = ?1 AND seq = ?2 AND input_state = 'open'",
+                )?;
+                let mut changed = 0;
+                for seq in &seqs {
+                    changed += stmt.execute(params![timeline, seq])?;
+                }
+                Ok(changed)
+            })
+            .await
+    }
+
     /// Appends one message to the session's head timeline; returns its seq (see [`Store::append_messages`]).
     pub async fn append_message(
         &self,
@@ -527,7 +692,8 @@ mod tests {
     use super::*;
 
     /// Every load, visible-only included, is a range search of the primary
-    /// key: no other index on `messages` is needed (each would cost appends a page).
+    /// key. The only other index holds open turn inputs alone (a partial
+    /// index), so appends of other messages never pay for it.
     #[test]
     fn loads_search_the_primary_key() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -546,13 +712,31 @@ mod tests {
             plan,
             ["SEARCH messages USING INDEX sqlite_autoindex_messages_1 (timeline_id=? AND seq>? AND seq<?)"]
         );
-        let indexes: i64 = conn
-            .query_row(
-                "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND tbl_name = 'messages'",
-                [],
-                |r| r.get(0),
+        let indexes: Vec<String> = conn
+            .prepare(
+                "SELECT coalesce(sql, name) FROM sqlite_master \
+                 WHERE type = 'index' AND tbl_name = 'messages' ORDER BY name",
             )
-            .expect("count");
-        assert_eq!(indexes, 1, "only the primary key indexes messages");
+            .expect("indexes")
+            .query_map([], |r| r.get(0))
+            .expect("rows")
+            .collect::<rusqlite::Result<_>>()
+            .expect("rows");
+        assert_eq!(
+            indexes,
+            [
+                "CREATE INDEX idx_messages_open_inputs ON messages(session_id) WHERE input_state = 'open'",
+                "sqlite_autoindex_messages_1",
+            ]
+        );
+        // Recovery reads the open inputs through that index, not the table.
+        let plan: String = conn
+            .query_row(
+                &format!("EXPLAIN QUERY PLAN {CLOSE_INTERRUPTED_SQL}"),
+                [],
+                |r| r.get(3),
+            )
+            .expect("plan");
+        assert!(plan.contains("idx_messages_open_inputs"), "{plan}");
     }
 }

@@ -7,7 +7,7 @@ use rusqlite::{Connection, TransactionBehavior};
 use crate::error::{Result, StoreError};
 
 /// The schema version this build reads and writes.
-pub const SCHEMA_VERSION: u32 = 7;
+pub const SCHEMA_VERSION: u32 = 8;
 
 /// The steps, in order: `MIGRATIONS[k - 1]` takes a database from version `k - 1` to `k`.
 pub const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
@@ -18,6 +18,7 @@ pub const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
     include_str!("migrations/0005_agent_runs_groups.sql"),
     include_str!("migrations/0006_inbox_session_state.sql"),
     include_str!("migrations/0007_runtime_generation.sql"),
+    include_str!("migrations/0008_turn_inputs.sql"),
 ];
 
 /// `PRAGMA user_version` of `conn`'s database.

@@ -171,7 +171,12 @@ fn activate_tx(conn: &Connection, holder: &str, now_ms: i64) -> Result<Activatio
     )?;
     // The lock says no other process runs: every lease was held by a
     // process that is gone, expired or not.
-    let recovery = recover_tx(conn, generation, now_ms, true)?;
+    let mut recovery = recover_tx(conn, generation, now_ms, true)?;
+    // Turn inputs an older process committed but never answered. Only here,
+    // where no turn of this process runs yet, may every open input be closed.
+    recovery.unanswered_inputs = conn
+        .prepare_cached(crate::messages::CLOSE_INTERRUPTED_SQL)?
+        .execute([])? as u64;
     Ok(Activation {
         generation,
         previous_holder: previous.map(|(_, h)| h),

@@ -430,3 +430,19 @@ responses:
     );
     assert!(!data.join("agents/evil.md").exists());
 }
+
+/// A turn that fails keeps the user's message, marked unanswered: the chat
+/// says so, the next turn answers with it in view, `/info` counts it and
+/// switching back to the dialog lists it.
+#[test]
+fn a_failed_turn_keeps_the_message_marked_unanswered() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = script(
+        dir.path(),
+        "responses:\n  - error: {kind: auth, message: bad key}\n  - text: Now I see both questions.\n",
+    );
+    let input = "first question\nsecond question\n/info\n/switch default\n";
+    let (out, err, ok) = keel(&dir.path().join("data"), &s, "dora", input);
+    assert!(ok, "stderr: {err}");
+    insta::assert_snapshot!(redact(&out));
+}

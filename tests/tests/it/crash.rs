@@ -19,33 +19,43 @@ fn chat(data: &Path, script: &Path) -> std::process::Child {
         .unwrap()
 }
 
+/// `kill -9` while the model answers: the committed turn and the user's
+/// words of the unfinished one survive (the latter marked unanswered and
+/// replayed by the next turn); nothing of the unfinished answer, and no
+/// checkpoint of it.
 #[test]
-fn kill_9_mid_turn_keeps_committed_turns_and_drops_the_unfinished_one() {
+fn kill_9_during_a_model_call_keeps_the_users_message_and_no_half_turn() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let slow = dir.path().join("slow.yaml");
     std::fs::write(
         &slow,
-        "- text: first answer\n- {text: never arrives, delay_ms: 3600000}\n",
+        "- text: first answer\n- {text: never arrives, chunk_delay_ms: 3600000}\n",
     )
     .unwrap();
     let mut child = chat(&data, &slow);
     let mut stdin = child.stdin.take().unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
     stdin
         .write_all(b"first question\nsecond question\n")
         .unwrap();
     // "keel> first answer" is printed after its turn committed; "> second
-    // question" right before the second turn starts.
+    // question" right before the second turn starts, and its first word
+    // once the model answers (so the question was committed before).
     let mut seen_first = false;
     loop {
-        let line = lines.next().unwrap().unwrap();
-        seen_first |= line == "keel> first answer";
-        if line == "> second question" {
+        let mut line = String::new();
+        assert_ne!(out.read_line(&mut line).unwrap(), 0, "EOF");
+        seen_first |= line == "keel> first answer\n";
+        if line == "> second question\n" {
             break;
         }
     }
     assert!(seen_first);
+    let mut seen = Vec::new();
+    while !String::from_utf8_lossy(&seen).contains("keel> never ") {
+        assert_ne!(out.read_until(b' ', &mut seen).unwrap(), 0, "EOF");
+    }
     child.kill().unwrap(); // SIGKILL: no destructor, no flush, no goodbye
     child.wait().unwrap();
 
@@ -62,10 +72,15 @@ fn kill_9_mid_turn_keeps_committed_turns_and_drops_the_unfinished_one() {
     assert!(out.status.success());
     let out = String::from_utf8(out.stdout).unwrap();
     assert!(
-        out.contains("(1 messages)"),
-        "one committed user message:\n{out}"
+        out.contains("(2 messages)."),
+        "both user messages survived:\n{out}"
     );
-    assert!(out.contains("messages 1 · turns 1"), "{out}");
+    assert!(
+        out.contains("[unanswered] second question"),
+        "the interrupted one is shown unanswered:\n{out}"
+    );
+    assert!(out.contains("messages 2 (1 unanswered) · turns 1"), "{out}");
+    assert!(!out.contains("never arrives"), "no half answer:\n{out}");
     assert!(
         out.contains("\"third question\""),
         "the session works after the crash:\n{out}"

@@ -74,7 +74,10 @@ impl SessionManager {
                 if let Some(config) = state.slots.get_mut(&slot) {
                     config.summary = Some(summary);
                 }
-                match session.commit(&self.store, Vec::new(), state, None).await {
+                match session
+                    .commit(&self.store, Vec::new(), state, None, &[])
+                    .await
+                {
                     Ok(_) => true,
                     Err(e) => {
                         tracing::warn!(session_id = %session.id(), error = %e, "saving the summary failed");

@@ -19,7 +19,9 @@ impl SessionManager {
         let mut state = guard.state.clone();
         let (out, messages, slot) = edit(&guard, &mut state)?;
         let messages = messages.into_iter().map(|m| (slot.clone(), m)).collect();
-        guard.commit(&self.store, messages, state, None).await?;
+        guard
+            .commit(&self.store, messages, state, None, &[])
+            .await?;
         Ok(out)
     }
 

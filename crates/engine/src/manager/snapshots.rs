@@ -39,10 +39,12 @@ impl SessionManager {
         let mut guard = session.lock().await;
         let keep = guard.state.clone();
         let (seqs, _) = guard
-            .commit(&self.store, snapshot.ordered_messages(), keep, None)
+            .commit(&self.store, snapshot.ordered_messages(), keep, None, &[])
             .await?;
         let state = snapshot.remapped_state(&seqs)?;
-        guard.commit(&self.store, Vec::new(), state, None).await?;
+        guard
+            .commit(&self.store, Vec::new(), state, None, &[])
+            .await?;
         Ok(id)
     }
 }

@@ -2,6 +2,13 @@
 //! the loop under the session's lock, [`PendingTurn::finalize`] commits its
 //! messages, state and checkpoint in one store transaction. Only the session
 //! worker (`worker.rs`) calls them: every turn of a session goes through it.
+//!
+//! A user turn's input commits first, in its own transaction, before the
+//! model is called: from then on it is durable and visible, `open`. The
+//! final commit marks it answered. A turn that fails, is cancelled or is
+//! dropped commits none of its outputs and leaves its input in the history,
+//! unanswered, where the next turn sees it. A checkpoint is taken only by a
+//! turn's final commit, so none ever points into a half turn.
 
 use std::sync::Arc;
 
@@ -19,6 +26,7 @@ use crate::coordinator;
 use crate::error::{EngineError, Result};
 use crate::mailbox::TurnMailbox;
 use crate::session::AgentSession;
+use keel_store::InputState;
 
 /// How a turn starts.
 pub(crate) struct TurnStart {
@@ -50,9 +58,21 @@ impl SessionManager {
         start: TurnStart,
     ) -> Result<PendingTurn> {
         let session = self.session(id).await?;
-        let guard = session.lock_owned().await;
+        let mut guard = session.lock_owned().await;
         let slot = guard.writable_slot()?;
         let history = guard.replay(&slot)?;
+        // The user's words are durable before the model sees them; other
+        // turns (continuations) commit their trigger with their answer.
+        let opened = if start.origin == TurnOrigin::User && !start.input.is_empty() {
+            guard.open_turn(&self.store, &slot, &start.input).await?
+        } else {
+            Vec::new()
+        };
+        let committed_inputs = if opened.is_empty() {
+            0
+        } else {
+            start.input.len()
+        };
         let agent = guard.agent.clone();
         let tools = if start.read_only {
             Arc::new(self.read_only_tools(&agent.tools))
@@ -91,6 +111,8 @@ impl SessionManager {
             slot,
             turn_id: start.turn_id,
             origin: start.origin,
+            opened,
+            committed_inputs,
             task: Some(task),
             cancel: start.cancel,
             events: start.events,
@@ -115,13 +137,18 @@ impl SessionManager {
 }
 
 /// A turn whose events are streaming; commit it with [`Self::finalize`].
-/// Dropping it cancels the turn and commits nothing.
+/// Dropping it cancels the turn: none of its output is committed, and its
+/// input (committed already) stays, unanswered.
 pub(crate) struct PendingTurn {
     manager: Arc<SessionManager>,
     guard: Option<OwnedMutexGuard<AgentSession>>,
     slot: String,
     turn_id: TurnId,
     origin: TurnOrigin,
+    /// Seqs of the input committed before the model was called.
+    opened: Vec<i64>,
+    /// How many leading messages of the loop's output that input is.
+    committed_inputs: usize,
     task: Option<JoinHandle<Result<TurnOutput>>>,
     cancel: CancellationToken,
     events: Option<EventSink>,
@@ -130,9 +157,16 @@ pub(crate) struct PendingTurn {
 }
 
 impl PendingTurn {
-    /// Waits for the loop, commits the turn (messages, state, checkpoint) in
+    /// Whether the turn's input is committed already (it stays, unanswered,
+    /// if the turn ends without an answer).
+    pub(crate) fn input_committed(&self) -> bool {
+        !self.opened.is_empty()
+    }
+
+    /// Waits for the loop, commits the turn (outputs, state, checkpoint) in
     /// one transaction, then titles/summarizes. A storage failure after the
     /// store's retries is reported as a system notice event and returned.
+    /// When the turn or its commit fails, its input stays, unanswered.
     pub(crate) async fn finalize(mut self) -> Result<TurnReport> {
         let task = self.task.take();
         let result = match task {
@@ -143,9 +177,16 @@ impl PendingTurn {
         };
         let mut guard = self.guard.take().ok_or(EngineError::Cancelled)?;
         let id = guard.id();
-        let mut output = result?;
+        let mut output = match result {
+            Ok(output) => output,
+            Err(e) => {
+                self.leave_unanswered(&mut guard).await;
+                return Err(e);
+            }
+        };
         if self.cancel.is_cancelled() {
             // Stopped after the loop's last await: nothing is committed.
+            self.leave_unanswered(&mut guard).await;
             return Err(EngineError::Cancelled);
         }
         if self.origin != TurnOrigin::User {
@@ -165,17 +206,28 @@ impl PendingTurn {
             .chain(self.mailbox.drained_events())
             .collect();
         let checkpoint = match guard
-            .commit_turn(&self.manager.store, &self.slot, &output, auto, consumed)
+            .commit_turn(
+                &self.manager.store,
+                &self.slot,
+                &output,
+                self.committed_inputs,
+                &self.opened,
+                auto,
+                consumed,
+            )
             .await
         {
             Ok(c) => c,
             Err(e) => {
                 if let Some(sink) = &self.events {
                     let _ = sink.send(TurnEvent::SystemNotice {
-                        text: format!("This turn could not be saved and was discarded: {e}"),
+                        text: format!(
+                            "This turn's answer could not be saved and was discarded: {e}"
+                        ),
                     });
                 }
                 tracing::error!(session_id = %id, error = %e, "turn commit failed");
+                self.leave_unanswered(&mut guard).await;
                 return Err(e);
             }
         };
@@ -188,11 +240,46 @@ impl PendingTurn {
     }
 }
 
+impl PendingTurn {
+    /// The turn ends without an answer: its committed input stays in the
+    /// history, marked unanswered. A failure to mark it in the store is
+    /// logged: the session's next turn marks it.
+    async fn leave_unanswered(&self, session: &mut AgentSession) {
+        if self.opened.is_empty() {
+            return;
+        }
+        if let Err(e) = session
+            .mark_unanswered(&self.manager.store, &self.opened)
+            .await
+        {
+            tracing::warn!(session_id = %session.id(), error = %e, "could not mark the turn's input unanswered; the next turn will");
+        }
+    }
+}
+
 impl Drop for PendingTurn {
     fn drop(&mut self) {
         if let Some(task) = self.task.take() {
             self.cancel.cancel();
             task.abort();
+        }
+        let Some(mut guard) = self.guard.take() else {
+            return;
+        };
+        if self.opened.is_empty() {
+            return;
+        }
+        // A dropped turn cannot await: memory says unanswered now, the store
+        // is told in the background (and the session's next turn closes the
+        // input there anyway).
+        guard.set_input_state(&self.opened, InputState::Unanswered);
+        let (store, id, seqs) = (self.manager.store.clone(), guard.id(), self.opened.clone());
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                if let Err(e) = store.mark_unanswered(id, seqs).await {
+                    tracing::warn!(session_id = %id, error = %e, "could not mark a dropped turn's input unanswered; the next turn will");
+                }
+            });
         }
     }
 }

@@ -52,7 +52,8 @@ impl TurnTicket {
     }
 
     /// A token that cancels this turn alone — before it starts (it never
-    /// runs) or while it runs (nothing of it is committed). Unlike
+    /// runs) or while it runs (nothing of its answer is committed; its
+    /// input, committed when it started, stays unanswered). Unlike
     /// [`SessionManager::stop`], background runs are left alone.
     pub fn cancellation(&self) -> CancellationToken {
         self.cancel.clone()
@@ -81,7 +82,7 @@ pub enum SteerOutcome {
 /// What [`SessionManager::stop`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StopReport {
-    /// The turn that was stopped (nothing of it is committed), if one ran.
+    /// The turn that was stopped (nothing of its answer is committed), if one ran.
     pub turn: Option<TurnId>,
     /// Inbox events the turn held that are pending again.
     pub events_released: u64,
@@ -224,7 +225,7 @@ impl SessionManager {
         }
     }
 
-    /// Stops the running turn of `session` (nothing of it is committed)
+    /// Stops the running turn of `session` (nothing of its answer is committed)
     /// and cancels the session's background runs, whose results are
     /// recorded without starting a turn. Returns once all of it is done.
     pub async fn stop(self: &Arc<Self>, session: SessionId) -> Result<StopReport> {
@@ -521,9 +522,11 @@ impl SessionManager {
             )
             .await
         };
+        let mut input_kept = false;
         let result = match started {
             Err(e) => Err(e),
             Ok(pending) => {
+                input_kept = pending.input_committed();
                 let finalize = pending.finalize();
                 tokio::pin!(finalize);
                 loop {
@@ -568,6 +571,7 @@ impl SessionManager {
                     e.to_string()
                 },
                 cancelled: e.is_cancelled(),
+                input_kept,
             },
         };
         self.events.publish(session, outcome);

@@ -375,9 +375,11 @@ async fn cancellation_mid_stream_commits_nothing_and_the_session_stays_usable() 
     let err = ticket.outcome().await.unwrap_err();
     assert!(err.is_cancelled(), "{err}");
     assert!(h.manager.list_checkpoints(id).await.unwrap().is_empty());
-    assert!(visible_texts(&h.manager, id).await.is_empty());
+    // Nothing of the answer; the question stays, unanswered.
+    assert_eq!(visible_texts(&h.manager, id).await, ["q"]);
+    assert_eq!(unanswered(&h.manager, id).await, ["q"]);
     h.manager.submit_turn(id, "again").await.unwrap();
-    assert_eq!(visible_texts(&h.manager, id).await, ["again", "fine"]);
+    assert_eq!(visible_texts(&h.manager, id).await, ["q", "again", "fine"]);
 }
 
 #[tokio::test(start_paused = true)]
@@ -397,7 +399,11 @@ async fn stopping_a_turn_before_its_answer_leaves_no_half_checkpoint() {
     assert!(ticket.outcome().await.unwrap_err().is_cancelled());
     assert!(h.manager.list_checkpoints(id).await.unwrap().is_empty());
     h.manager.submit_turn(id, "q2").await.unwrap();
-    assert_eq!(visible_texts(&h.manager, id).await, ["q2", "ok"]);
+    assert_eq!(visible_texts(&h.manager, id).await, ["q", "q2", "ok"]);
+    // The only checkpoint is the second turn's, after its whole turn.
+    let cps = h.manager.list_checkpoints(id).await.unwrap();
+    assert_eq!(cps.len(), 1);
+    assert_eq!(cps[0].seq, 3);
 }
 
 #[tokio::test]
@@ -408,7 +414,12 @@ async fn max_iterations_fails_the_turn_without_committing() {
     let id = h.manager.create(spec("d1")).await.unwrap();
     let err = h.manager.submit_turn(id, "loop").await.unwrap_err();
     assert!(matches!(err, EngineError::MaxIterations { limit: 8 }));
-    assert!(visible_texts(&h.manager, id).await.is_empty());
+    assert_eq!(
+        visible_texts(&h.manager, id).await,
+        ["loop"],
+        "no tool call or result"
+    );
+    assert_eq!(unanswered(&h.manager, id).await, ["loop"]);
 }
 
 #[tokio::test(start_paused = true)]
@@ -541,7 +552,11 @@ async fn dialogs_list_recent_first_and_soft_delete() {
     ));
 }
 
-#[tokio::test]
+/// The answer cannot be saved (another process holds the write lock while
+/// the model answers): a notice, a typed error, nothing of the answer in
+/// memory or on disk — and the question, committed before the model was
+/// called, stays (unanswered) for the next turn.
+#[tokio::test(start_paused = true)]
 async fn a_storage_failure_is_a_notice_and_a_typed_error_and_nothing_changes() {
     let dir = tempfile::tempdir().unwrap();
     let options = keel_store::StoreOptions {
@@ -551,14 +566,24 @@ async fn a_storage_failure_is_a_notice_and_a_typed_error_and_nothing_changes() {
     };
     let store = keel_store::Store::open(dir.path().join("keel.db"), options).unwrap();
     let provider = keel_core::ScriptedProvider::new(Vec::<ScriptedResponse>::new());
-    replies(&provider, &["lost", "kept"]);
+    let mut slow = ScriptedResponse::text("lost words");
+    slow.chunk_delay_ms = 60_000;
+    provider.push([slow, ScriptedResponse::text("kept")]);
     let manager = manager_on(store, &provider, SessionManagerConfig::default());
     let id = manager.create(spec("d1")).await.unwrap();
-    // Another process holds the write lock for the whole turn.
-    let blocker = rusqlite::Connection::open(dir.path().join("keel.db")).unwrap();
-    blocker.execute_batch("BEGIN EXCLUSIVE").unwrap();
     let mut feed = manager.events().subscribe(id).await.unwrap();
     let ticket = manager.send(id, Message::user("q")).await.unwrap();
+    // The question is committed; the answer is streaming. Now another
+    // process takes the write lock until after the turn.
+    turn_event(&mut feed, |e| {
+        matches!(
+            e,
+            TurnEvent::Stream(keel_core::StreamEvent::TextDelta { .. })
+        )
+    })
+    .await;
+    let blocker = rusqlite::Connection::open(dir.path().join("keel.db")).unwrap();
+    blocker.execute_batch("BEGIN EXCLUSIVE").unwrap();
     let err = ticket.outcome().await.unwrap_err();
     assert!(matches!(err, EngineError::Store(_)), "{err}");
     let mut notices = Vec::new();
@@ -569,24 +594,117 @@ async fn a_storage_failure_is_a_notice_and_a_typed_error_and_nothing_changes() {
                 event: TurnEvent::SystemNotice { text },
                 ..
             } => notices.push(text.clone()),
-            keel_engine::SessionEvent::TurnFailed { message, .. } => {
-                failure = Some(message.clone())
-            }
+            keel_engine::SessionEvent::TurnFailed {
+                message,
+                input_kept,
+                ..
+            } => failure = Some((message.clone(), *input_kept)),
             _ => {}
         }
     }
     // The client reads an error id, never SQLite's words.
-    let failure = failure.unwrap();
+    let (failure, input_kept) = failure.unwrap();
     assert!(failure.starts_with("internal error (id "), "{failure}");
+    assert!(input_kept);
     assert_eq!(notices.len(), 1, "{notices:?}");
-    assert!(notices[0].starts_with("This turn could not be saved"));
+    assert!(notices[0].starts_with("This turn's answer could not be saved"));
     blocker.execute_batch("ROLLBACK").unwrap();
-    assert!(
-        visible_texts(&manager, id).await.is_empty(),
-        "nothing half-applied in memory"
+    assert_eq!(
+        visible_texts(&manager, id).await,
+        ["q"],
+        "nothing of the answer half-applied in memory"
     );
+    assert_eq!(unanswered(&manager, id).await, ["q"]);
     manager.submit_turn(id, "q2").await.unwrap();
-    assert_eq!(visible_texts(&manager, id).await, ["q2", "kept"]);
+    assert_eq!(visible_texts(&manager, id).await, ["q", "q2", "kept"]);
+    // On disk too: marking it unanswered failed under the lock, and the
+    // next turn's input commit closed it.
+    let states: Vec<_> = manager
+        .store()
+        .load_messages(id, Default::default())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.input_state)
+        .collect();
+    use keel_store::InputState::{Answered, Unanswered};
+    assert_eq!(states, [Some(Unanswered), Some(Answered), None]);
+}
+
+/// The user's words are durable and visible as soon as the turn starts,
+/// marked open while the model works, answered with the turn's commit.
+#[tokio::test]
+async fn the_input_commits_before_the_model_is_called() {
+    let dir = tempfile::tempdir().unwrap();
+    let provider = HeldProvider::new(keel_core::ScriptedProvider::new([ScriptedResponse::text(
+        "late answer",
+    )]));
+    let manager = manager_with(
+        open_store(dir.path()),
+        provider.clone(),
+        SessionManagerConfig::default(),
+    );
+    let id = manager.create(spec("d1")).await.unwrap();
+    let ticket = manager
+        .send(id, Message::user("remember me"))
+        .await
+        .unwrap();
+    provider.wait_started().await;
+    let stored = manager
+        .store()
+        .load_messages(id, Default::default())
+        .await
+        .unwrap();
+    assert_eq!(stored.len(), 1);
+    assert_eq!(stored[0].message.text(), "remember me");
+    assert_eq!(stored[0].input_state, Some(keel_store::InputState::Open));
+    let record = manager.store().get_session(id).await.unwrap().unwrap();
+    assert_eq!(record.message_count, 1);
+    assert!(manager.list_checkpoints(id).await.unwrap().is_empty());
+    provider.release.add_permits(1);
+    ticket.outcome().await.unwrap();
+    let stored = manager
+        .store()
+        .load_messages(id, Default::default())
+        .await
+        .unwrap();
+    let states: Vec<_> = stored.iter().map(|m| m.input_state).collect();
+    assert_eq!(states, [Some(keel_store::InputState::Answered), None]);
+    let cps = manager.list_checkpoints(id).await.unwrap();
+    assert_eq!((cps.len(), cps[0].seq), (1, 2));
+}
+
+/// A failed turn's question stays in the history; the next turn replays it
+/// (the model sees both questions), and it stays marked unanswered after a
+/// reload from disk.
+#[tokio::test]
+async fn the_next_turn_sees_an_unanswered_input() {
+    let h = harness(SessionManagerConfig::default());
+    h.provider.push([
+        ScriptedResponse::error(keel_core::ScriptedErrorKind::Auth, "bad key"),
+        ScriptedResponse::text("both answered"),
+    ]);
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    h.manager.submit_turn(id, "first").await.unwrap_err();
+    h.manager.submit_turn(id, "second").await.unwrap();
+    let seen: Vec<String> = h.provider.requests()[1]
+        .messages
+        .iter()
+        .map(|m| m.text())
+        .collect();
+    assert_eq!(seen, ["You are root.", "first", "second"]);
+    assert_eq!(unanswered(&h.manager, id).await, ["first"]);
+    // A fresh manager reads the marker from disk.
+    let fresh = manager_on(
+        open_store(h.dir.path()),
+        &h.provider,
+        SessionManagerConfig::default(),
+    );
+    assert_eq!(unanswered(&fresh, id).await, ["first"]);
+    assert_eq!(
+        visible_texts(&fresh, id).await,
+        ["first", "second", "both answered"]
+    );
 }
 
 #[tokio::test]
@@ -607,9 +725,12 @@ async fn a_dropped_provider_stream_is_a_typed_error_and_no_partial_assistant_mes
         matches!(&err, EngineError::Provider(keel_core::ProviderError::StreamInterrupted(m)) if m == "connection reset"),
         "{err}"
     );
-    assert!(visible_texts(&h.manager, id).await.is_empty());
+    assert_eq!(visible_texts(&h.manager, id).await, ["q"]);
     h.manager.submit_turn(id, "q").await.unwrap();
-    assert_eq!(visible_texts(&h.manager, id).await, ["q", "whole answer"]);
+    assert_eq!(
+        visible_texts(&h.manager, id).await,
+        ["q", "q", "whole answer"]
+    );
 }
 
 #[tokio::test]
@@ -634,10 +755,13 @@ async fn cancellation_during_a_tool_batch_commits_nothing() {
     turn_event(&mut feed, |e| matches!(e, TurnEvent::ToolStarted { .. })).await;
     manager.stop(id).await.unwrap();
     assert!(ticket.outcome().await.unwrap_err().is_cancelled());
-    assert!(visible_texts(&manager, id).await.is_empty());
+    assert_eq!(visible_texts(&manager, id).await, ["wait"]);
     assert!(manager.list_checkpoints(id).await.unwrap().is_empty());
     manager.submit_turn(id, "again").await.unwrap();
-    assert_eq!(visible_texts(&manager, id).await, ["again", "after"]);
+    assert_eq!(
+        visible_texts(&manager, id).await,
+        ["wait", "again", "after"]
+    );
 }
 
 #[tokio::test]

@@ -15,7 +15,8 @@
 //!
 //! Shutdown: stop accepting connections, refuse new turns, let running
 //! turns finish for the grace period, cancel the rest (a cancelled turn
-//! commits nothing), then close WebSockets with "going away".
+//! commits nothing of its answer; the user's message stays, unanswered),
+//! then close WebSockets with "going away".
 
 pub mod api;
 mod auth;

@@ -2,7 +2,7 @@
 //! connection that started them (a client that disconnects does not cancel
 //! its turn), publishes their events to the dialog's subscribers, and lets
 //! a shutdown wait for them — then cancel those still running, which
-//! commits nothing of them.
+//! commits nothing of their answers (a user's message stays, unanswered).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -93,11 +93,11 @@ fn event_frame(session: SessionId, turn: TurnId, event: TurnEvent) -> Option<Ser
 /// The message a client reads about a turn that ended unsaved.
 fn failure_message(e: &EngineError) -> String {
     if e.is_cancelled() {
-        "the turn was stopped; nothing of it was saved".to_owned()
+        "the turn was stopped; its answer was not saved".to_owned()
     } else if e.is_internal() {
         ApiError::internal(e).to_string()
     } else {
-        format!("the turn failed and was not saved: {e}")
+        format!("the turn failed and its answer was not saved: {e}")
     }
 }
 

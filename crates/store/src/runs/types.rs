@@ -317,6 +317,9 @@ pub struct RecoveryReport {
     pub counters_repaired: Vec<CounterRepair>,
     /// Root sessions that now have due pending events (wake each once).
     pub sessions_with_due_events: Vec<SessionId>,
+    /// Turn inputs an older process left open, now marked unanswered (set
+    /// by [`Store::activate_runtime`](crate::Store::activate_runtime) only).
+    pub unanswered_inputs: u64,
 }
 
 /// Where a run listing continues: the (created_at, id) of the last item seen.

@@ -3,8 +3,8 @@
 
 use keel_core::{CheckpointId, Message, SessionId, TurnOrigin};
 use keel_store::{
-    CheckpointSource, MessageFilter, NewCheckpoint, NewMessage, PrunePolicy, Store, StoreError,
-    TurnCommit,
+    CheckpointSource, InputState, MessageFilter, NewCheckpoint, NewMessage, OpenTurn, PrunePolicy,
+    Store, StoreError, TurnCommit,
 };
 use rusqlite::Connection;
 
@@ -21,6 +21,7 @@ fn turn(session: SessionId, n: u64, state: &str, checkpoint: bool) -> TurnCommit
             source: CheckpointSource::Turn,
         }),
         visible_user_inputs: 1,
+        answers: Vec::new(),
         expected_head: None,
         now_ms: 1000 + i64::try_from(n).unwrap(),
     }
@@ -89,10 +90,7 @@ async fn replay_sees_hidden_messages_clients_do_not() {
         user("hi"),
         NewMessage::new(trigger),
         NewMessage::new(Message::assistant("done").with_origin(TurnOrigin::AgentContinuation)),
-        NewMessage {
-            slot: "research".into(),
-            message: Message::assistant("slot note"),
-        },
+        NewMessage::in_slot("research", Message::assistant("slot note")),
     ];
     store.append_messages(s.id, msgs, 5).await.unwrap();
     let replay = store
@@ -367,4 +365,171 @@ async fn corrupt_message_json_is_a_corruption_error() {
         .await
         .unwrap_err();
     assert!(matches!(err, StoreError::Corruption(_)), "{err}");
+}
+
+async fn states(store: &Store, session: SessionId) -> Vec<(String, Option<InputState>)> {
+    store
+        .load_messages(session, MessageFilter::default())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| (m.message.text(), m.input_state))
+        .collect()
+}
+
+fn open(session: SessionId, text: &str) -> OpenTurn {
+    OpenTurn {
+        session_id: session,
+        messages: vec![user(text)],
+        expected_head: None,
+        now_ms: 2000,
+    }
+}
+
+fn answer(session: SessionId, seqs: Vec<i64>, text: &str) -> TurnCommit {
+    TurnCommit {
+        session_id: session,
+        messages: vec![assistant(text)],
+        state: b"{}".to_vec(),
+        checkpoint: Some(NewCheckpoint {
+            id: CheckpointId::new(),
+            turn_index: 1,
+            source: CheckpointSource::Turn,
+        }),
+        visible_user_inputs: 0,
+        answers: seqs,
+        expected_head: None,
+        now_ms: 2001,
+    }
+}
+
+/// A turn's input commits on its own (visible, counted, `open`), and the
+/// turn's commit appends after it and marks it answered.
+#[tokio::test]
+async fn a_turn_input_commits_first_and_its_answer_closes_it() {
+    let (_dir, store) = temp_store();
+    let s = store.create_session(new_session("d", 1)).await.unwrap();
+    let seqs = store.open_turn(open(s.id, "hi")).await.unwrap();
+    assert_eq!(seqs, [1]);
+    assert_eq!(
+        states(&store, s.id).await,
+        [("hi".into(), Some(InputState::Open))]
+    );
+    let record = store.get_session(s.id).await.unwrap().unwrap();
+    assert_eq!((record.message_count, record.last_active_at_ms), (1, 2000));
+    let committed = store
+        .commit_turn(answer(s.id, seqs, "hello"))
+        .await
+        .unwrap();
+    assert_eq!(committed.seqs, [2]);
+    assert_eq!(
+        committed.checkpoint.unwrap().seq,
+        2,
+        "the checkpoint sees the whole turn"
+    );
+    assert_eq!(
+        states(&store, s.id).await,
+        [
+            ("hi".into(), Some(InputState::Answered)),
+            ("hello".into(), None)
+        ]
+    );
+    let record = store.get_session(s.id).await.unwrap().unwrap();
+    assert_eq!(record.message_count, 1, "the input is counted once");
+}
+
+/// A failed turn's input is marked unanswered; one the turn left open (a
+/// dropped turn) is closed by the session's next input; an input that is
+/// not open can never be answered after the fact, and that commit changes
+/// nothing.
+#[tokio::test]
+async fn unanswered_inputs_stay_and_are_never_answered_later() {
+    let (_dir, store) = temp_store();
+    let s = store.create_session(new_session("d", 1)).await.unwrap();
+    let first = store.open_turn(open(s.id, "one")).await.unwrap();
+    assert_eq!(store.mark_unanswered(s.id, first.clone()).await.unwrap(), 1);
+    assert_eq!(
+        store.mark_unanswered(s.id, first.clone()).await.unwrap(),
+        0,
+        "already closed"
+    );
+    store.open_turn(open(s.id, "two")).await.unwrap();
+    let third = store.open_turn(open(s.id, "three")).await.unwrap();
+    assert_eq!(
+        states(&store, s.id).await,
+        [
+            ("one".into(), Some(InputState::Unanswered)),
+            ("two".into(), Some(InputState::Unanswered)),
+            ("three".into(), Some(InputState::Open)),
+        ]
+    );
+    let err = store
+        .commit_turn(answer(s.id, first, "late"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Stale(_)), "{err}");
+    assert_eq!(
+        texts(&store, s.id).await,
+        ["one", "two", "three"],
+        "nothing appended"
+    );
+    assert!(store.list_checkpoints(s.id).await.unwrap().is_empty());
+    store.commit_turn(answer(s.id, third, "ok")).await.unwrap();
+    let record = store.get_session(s.id).await.unwrap().unwrap();
+    assert_eq!(record.message_count, 3);
+}
+
+/// An input commit checks the head like a turn commit: a history that moved
+/// since the writer read it refuses the input.
+#[tokio::test]
+async fn an_input_commit_checks_the_head_it_started_from() {
+    let (_dir, store) = temp_store();
+    let s = store.create_session(new_session("d", 1)).await.unwrap();
+    store
+        .append_message(s.id, user("elsewhere"), 5)
+        .await
+        .unwrap();
+    let mut stale = open(s.id, "late");
+    stale.expected_head = Some(keel_store::SessionHead {
+        timeline: s.head_timeline_id.clone(),
+        last_seq: 0,
+    });
+    let err = store.open_turn(stale).await.unwrap_err();
+    assert!(matches!(err, StoreError::Conflict(_)), "{err}");
+    assert_eq!(texts(&store, s.id).await, ["elsewhere"]);
+}
+
+/// Rows are shared by timelines: an input closed after a rollback branch
+/// was taken keeps one state everywhere, and the branch that never saw it
+/// does not show it.
+#[tokio::test]
+async fn rollback_never_shows_a_half_turn() {
+    let (_dir, store) = temp_store();
+    let s = store.create_session(new_session("d", 1)).await.unwrap();
+    let seqs = store.open_turn(open(s.id, "q1")).await.unwrap();
+    let cp = store
+        .commit_turn(answer(s.id, seqs, "a1"))
+        .await
+        .unwrap()
+        .checkpoint
+        .unwrap();
+    let failed = store.open_turn(open(s.id, "q2")).await.unwrap();
+    store.mark_unanswered(s.id, failed).await.unwrap();
+    store
+        .rollback(s.id, cp.id, CheckpointId::new(), 3000)
+        .await
+        .unwrap();
+    assert_eq!(
+        states(&store, s.id).await,
+        [
+            ("q1".into(), Some(InputState::Answered)),
+            ("a1".into(), None)
+        ]
+    );
+    // The abandoned branch keeps its unanswered input.
+    let old = store
+        .load_messages_at_checkpoint(cp.id, MessageFilter::default())
+        .await
+        .unwrap();
+    assert_eq!(old.len(), 2, "the checkpoint ends with its turn");
 }

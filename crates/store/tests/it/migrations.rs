@@ -151,6 +151,14 @@ async fn fixtures_of_every_older_version_upgrade_with_rows_intact() {
             .map(|m| m.message.text())
             .collect();
         assert_eq!(texts, ["hello", "again"], "v{version}");
+        let loaded = store
+            .load_messages(session, MessageFilter::default())
+            .await
+            .unwrap();
+        assert!(
+            loaded.iter().all(|m| m.input_state.is_none()),
+            "old inputs committed with their answer: no marker (v{version})"
+        );
         let visible = store
             .load_messages(
                 session,
@@ -223,7 +231,7 @@ fn a_newer_database_is_refused_and_left_untouched() {
     let dir = tempfile::tempdir().unwrap();
     {
         let conn = Connection::open(db_path(&dir)).unwrap();
-        conn.execute_batch("CREATE TABLE future (x); PRAGMA user_version = 8;")
+        conn.execute_batch("CREATE TABLE future (x); PRAGMA user_version = 9;")
             .unwrap();
     }
     let bytes_before = std::fs::read(db_path(&dir)).unwrap();
@@ -231,11 +239,11 @@ fn a_newer_database_is_refused_and_left_untouched() {
     assert_eq!(
         err,
         StoreError::NewerSchema {
-            found: 8,
-            supported: 7
+            found: 9,
+            supported: 8
         }
     );
-    insta::assert_snapshot!(err, @"database schema version 8 is newer than this build supports (7); refusing to open it");
+    insta::assert_snapshot!(err, @"database schema version 9 is newer than this build supports (8); refusing to open it");
     assert_eq!(std::fs::read(db_path(&dir)).unwrap(), bytes_before);
     assert!(!dir.path().join("keel.db-wal").exists());
 }
@@ -332,6 +340,7 @@ fn every_check_constraint_rejects_a_bad_row() {
             ("created_at", "1"),
             ("client_visibility", "'hidden'"),
             ("turn_origin", "'agent_continuation'"),
+            ("input_state", "'open'"),
         ],
         &[
             ("seq", "0"),
@@ -339,6 +348,7 @@ fn every_check_constraint_rejects_a_bad_row() {
             ("role", "'robot'"),
             ("client_visibility", "'secret'"),
             ("turn_origin", "'cron'"),
+            ("input_state", "'maybe'"),
         ],
     );
     check_table(

@@ -545,6 +545,7 @@ async fn claim_then_continuation_consumes_events_with_the_turn() {
             state: b"{}".to_vec(),
             checkpoint: None,
             visible_user_inputs: 0,
+            answers: Vec::new(),
             expected_head: None,
             now_ms: 1100,
         },

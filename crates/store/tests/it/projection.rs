@@ -20,6 +20,7 @@ fn turn(session: SessionId, n: u64) -> TurnCommit {
             source: CheckpointSource::Turn,
         }),
         visible_user_inputs: 1,
+        answers: Vec::new(),
         expected_head: None,
         now_ms: 1000,
     }

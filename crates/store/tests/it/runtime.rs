@@ -100,6 +100,7 @@ fn turn(session: keel_core::SessionId, head: Option<SessionHead>) -> TurnCommit 
         state: b"{}".to_vec(),
         checkpoint: None,
         visible_user_inputs: 1,
+        answers: Vec::new(),
         expected_head: head,
         now_ms: 5,
     }
@@ -180,4 +181,41 @@ async fn activation_releases_the_leases_of_the_process_before_it() {
     assert_eq!(activation.recovery.sessions_with_due_events, [root]);
     let events = store.list_inbox_events(root).await.unwrap();
     assert_eq!(events[0].status, keel_store::EventStatus::Pending);
+}
+
+/// A process killed while its turns waited for the model left their inputs
+/// `open`; the next process's activation marks every one unanswered, in its
+/// recovery transaction, before any turn of its own can start.
+#[tokio::test]
+async fn activation_closes_the_inputs_a_dead_process_left_open() {
+    let (dir, store) = temp_store();
+    store.activate_runtime("dead".into(), 1).await.unwrap();
+    let mut sessions = Vec::new();
+    for dialog in ["a", "b"] {
+        let s = store.create_session(new_session(dialog, 1)).await.unwrap();
+        store
+            .open_turn(keel_store::OpenTurn {
+                session_id: s.id,
+                messages: vec![user("typed before the crash")],
+                expected_head: None,
+                now_ms: 2,
+            })
+            .await
+            .unwrap();
+        sessions.push(s.id);
+    }
+    drop(store);
+    let store = Store::open(db_path(&dir), fast_options()).unwrap();
+    let activation = store.activate_runtime("next".into(), 3).await.unwrap();
+    assert_eq!(activation.recovery.unanswered_inputs, 2);
+    for id in sessions {
+        let messages = store.load_messages(id, Default::default()).await.unwrap();
+        assert_eq!(messages.len(), 1, "the user's words survived");
+        assert_eq!(
+            messages[0].input_state,
+            Some(keel_store::InputState::Unanswered)
+        );
+    }
+    let again = store.activate_runtime("after".into(), 4).await.unwrap();
+    assert_eq!(again.recovery.unanswered_inputs, 0);
 }

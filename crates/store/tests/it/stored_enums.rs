@@ -11,7 +11,8 @@ use keel_core::{
 };
 use keel_store::{
     AcceptGroup, CheckpointSource, CompletionHandling, EventStatus, EventType, GroupStatus,
-    NewCheckpoint, NewGroup, ScopeKind, Store, StoreError, TerminalOutcome, TurnCommit,
+    InputState, NewCheckpoint, NewGroup, OpenTurn, ScopeKind, Store, StoreError, TerminalOutcome,
+    TurnCommit,
 };
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
@@ -63,6 +64,7 @@ fn known_texts() -> Vec<String> {
         .chain(all(ScopeKind::ALL))
         .chain(all(EventType::ALL))
         .chain(all(EventStatus::ALL))
+        .chain(all(InputState::ALL))
         .collect()
 }
 
@@ -99,6 +101,7 @@ proptest! {
         check_enum(ScopeKind::ALL, ScopeKind::as_str, "event scope", &text)?;
         check_enum(EventType::ALL, EventType::as_str, "event type", &text)?;
         check_enum(EventStatus::ALL, EventStatus::as_str, "event status", &text)?;
+        check_enum(InputState::ALL, InputState::as_str, "input state", &text)?;
     }
 }
 
@@ -131,6 +134,7 @@ fn enum_columns() -> Vec<(&'static str, &'static str, Vec<String>)> {
         ("agent_inbox_events", "event_type", texts(EventType::ALL)),
         ("agent_inbox_events", "status", texts(EventStatus::ALL)),
         ("agent_inbox_events", "delivery", texts(Delivery::ALL)),
+        ("messages", "input_state", texts(InputState::ALL)),
     ]
 }
 
@@ -202,8 +206,19 @@ async fn rows_of_every_kind(store: &Store) -> Rows {
                 source: CheckpointSource::Turn,
             }),
             visible_user_inputs: 1,
+            answers: Vec::new(),
             expected_head: None,
             now_ms: 40,
+        })
+        .await
+        .unwrap();
+    // A turn input (its column is the only enum of `messages` read back).
+    store
+        .open_turn(OpenTurn {
+            session_id: session.id,
+            messages: vec![user("more")],
+            expected_head: None,
+            now_ms: 50,
         })
         .await
         .unwrap();
@@ -222,6 +237,10 @@ async fn read_table(store: &Store, table: &str, rows: &Rows) -> Result<(), Store
         "agent_run_groups" => store.get_group(rows.group).await.map(drop),
         "checkpoints" => store.list_checkpoints(rows.session).await.map(drop),
         "agent_inbox_events" => store.list_inbox_events(rows.root).await.map(drop),
+        "messages" => store
+            .load_messages(rows.session, Default::default())
+            .await
+            .map(drop),
         other => unreachable!("no reader for {other}"),
     }
 }

@@ -163,6 +163,7 @@ async fn apply(store: &Store, model: &mut Model, op: Op, now_ms: i64) -> Result<
                         source: CheckpointSource::Turn,
                     }),
                     visible_user_inputs: 1,
+                    answers: Vec::new(),
                     expected_head: None,
                     now_ms,
                 })

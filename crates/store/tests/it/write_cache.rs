@@ -29,6 +29,7 @@ fn turn(session_id: SessionId, text: &str, checkpoint: Option<CheckpointId>) -> 
         state: text.as_bytes().to_vec(),
         checkpoint: checkpoint.map(manual),
         visible_user_inputs: 1,
+        answers: Vec::new(),
         expected_head: None,
         now_ms: 5,
     }

@@ -73,6 +73,7 @@ async fn group_commit_batches_waiting_requests_and_isolates_failures() {
         state: b"s2".to_vec(),
         checkpoint: Some(manual(taken)),
         visible_user_inputs: 1,
+        answers: Vec::new(),
         expected_head: None,
         now_ms: 7,
     };

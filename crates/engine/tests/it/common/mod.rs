@@ -76,6 +76,17 @@ pub async fn visible_texts(manager: &SessionManager, id: keel_core::SessionId) -
         .collect()
 }
 
+/// Texts of the visible user messages of the current slot no turn answered.
+pub async fn unanswered(manager: &SessionManager, id: keel_core::SessionId) -> Vec<String> {
+    let s = manager.session(id).await.unwrap();
+    let g = s.lock().await;
+    g.unanswered()
+        .unwrap()
+        .iter()
+        .map(|m| m.message.text())
+        .collect()
+}
+
 pub fn replies(p: &ScriptedProvider, texts: &[&str]) {
     p.push(texts.iter().map(|t| ScriptedResponse::text(*t)));
 }
@@ -93,4 +104,64 @@ pub async fn turn_event(
             }
         }
     }
+}
+
+/// A provider that answers like `inner` but holds every call until the test
+/// releases it: the test knows a call is in flight without any timer.
+pub struct HeldProvider {
+    pub inner: ScriptedProvider,
+    pub started: tokio::sync::Semaphore,
+    pub release: tokio::sync::Semaphore,
+}
+
+impl HeldProvider {
+    pub fn new(inner: ScriptedProvider) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            started: tokio::sync::Semaphore::new(0),
+            release: tokio::sync::Semaphore::new(0),
+        })
+    }
+
+    /// Waits until a call is in flight.
+    pub async fn wait_started(&self) {
+        self.started.acquire().await.unwrap().forget();
+    }
+}
+
+#[async_trait::async_trait]
+impl keel_core::Provider for HeldProvider {
+    fn name(&self) -> &str {
+        "held"
+    }
+    fn model(&self) -> &str {
+        "held-model"
+    }
+    async fn stream(
+        &self,
+        request: &keel_core::ChatRequest,
+        cancel: tokio_util::sync::CancellationToken,
+    ) -> Result<keel_core::ProviderStream, keel_core::ProviderError> {
+        self.started.add_permits(1);
+        tokio::select! {
+            _ = cancel.cancelled() => return Err(keel_core::ProviderError::Cancelled),
+            p = self.release.acquire() => p.unwrap().forget(),
+        }
+        self.inner.stream(request, cancel).await
+    }
+}
+
+/// A manager whose root agent runs `provider`.
+pub fn manager_with(
+    store: Store,
+    provider: Arc<dyn keel_core::Provider>,
+    config: SessionManagerConfig,
+) -> Arc<SessionManager> {
+    let mut root = profile(
+        "root",
+        &ScriptedProvider::new(Vec::<ScriptedResponse>::new()),
+        ToolRegistry::new(),
+    );
+    root.provider = provider;
+    SessionManager::new(store, RuntimeBundle::new(root), config)
 }

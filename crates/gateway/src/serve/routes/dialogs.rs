@@ -216,8 +216,9 @@ pub(crate) async fn send(
     Ok((StatusCode::ACCEPTED, Json(accepted)).into_response())
 }
 
-/// Cancels the dialog's running turn (nothing of it is saved) and its
-/// running background runs (their results start no turn).
+/// Cancels the dialog's running turn (nothing of its answer is saved; the
+/// user's message stays, unanswered) and its running background runs
+/// (their results start no turn).
 #[utoipa::path(post, path = "/api/dialogs/{id}/stop", tag = "dialogs",
     params(("id" = uuid::Uuid, Path, description = "The dialog's id")),
     responses((status = 200, description = "Whether a turn was running", body = StopReport), Errors))]

@@ -51,7 +51,7 @@ async fn expect_going_away(ws: &mut Ws) {
 }
 
 #[tokio::test]
-async fn past_the_grace_period_a_running_turn_is_cancelled_and_nothing_of_it_is_saved() {
+async fn past_the_grace_period_a_running_turn_is_cancelled_and_nothing_of_its_answer_is_saved() {
     let (mut t, _gate, id, mut ws) = turn_in_flight(Duration::ZERO).await;
     let report = t.shutdown().await;
     assert_eq!((report.finished, report.cancelled), (0, 1));
@@ -66,7 +66,14 @@ async fn past_the_grace_period_a_running_turn_is_cancelled_and_nothing_of_it_is_
         .load_messages(id, MessageFilter::default())
         .await
         .unwrap();
-    assert!(saved.is_empty(), "{saved:?}");
+    // The user's message was committed before the model was called: it
+    // stays, unanswered; nothing of the answer and no checkpoint.
+    assert_eq!(saved.len(), 1, "{saved:?}");
+    assert_eq!(saved[0].message.text(), "work");
+    assert_eq!(
+        saved[0].input_state,
+        Some(keel_store::InputState::Unanswered)
+    );
     assert!(t.store.list_checkpoints(id).await.unwrap().is_empty());
     assert_eq!(
         t.store
@@ -75,7 +82,7 @@ async fn past_the_grace_period_a_running_turn_is_cancelled_and_nothing_of_it_is_
             .unwrap()
             .unwrap()
             .message_count,
-        0
+        1
     );
 }
 
