@@ -116,7 +116,7 @@ fn an_exposed_address_without_a_token_is_refused_at_start() {
 }
 
 #[test]
-fn sigterm_in_the_middle_of_a_turn_saves_nothing_of_it() {
+fn sigterm_in_the_middle_of_a_turn_keeps_the_message_and_saves_nothing_of_the_answer() {
     let data = tempfile::tempdir().unwrap();
     // The answer's second word never comes in time: the turn is mid-stream
     // when SIGTERM arrives, and no grace period lets it finish.
@@ -164,6 +164,7 @@ fn sigterm_in_the_middle_of_a_turn_saves_nothing_of_it() {
         }
         assert!(seen.contains("event: turn_failed"), "{seen}");
         assert!(seen.contains("\"cancelled\":true"), "{seen}");
+        assert!(seen.contains("\"input_kept\":true"), "{seen}");
         id
     });
     let lines = served.stderr_until("stopped");
@@ -183,7 +184,16 @@ fn sigterm_in_the_middle_of_a_turn_saves_nothing_of_it() {
             .load_messages(id, MessageFilter::default())
             .await
             .unwrap();
-        assert!(saved.is_empty(), "{saved:?}");
+        // The user's message was stored before the model was called: it
+        // stays, unanswered; nothing of the answer, no checkpoint.
+        let kept: Vec<_> = saved
+            .iter()
+            .map(|m| (m.message.text(), m.input_state))
+            .collect();
+        assert_eq!(
+            kept,
+            [("start".to_owned(), Some(keel_store::InputState::Unanswered))]
+        );
         assert!(store.list_checkpoints(id).await.unwrap().is_empty());
     });
 }

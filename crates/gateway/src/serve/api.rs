@@ -6,7 +6,9 @@
 use std::time::{Duration, UNIX_EPOCH};
 
 use keel_core::{ContentPart, Role};
-use keel_store::{CheckpointRecord, InboxEvent, RunRecord, SessionRecord, StoredMessage};
+use keel_store::{
+    CheckpointRecord, InboxEvent, InputState, RunRecord, SessionRecord, StoredMessage,
+};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
@@ -332,6 +334,9 @@ pub struct ChatMessage {
     pub tool_name: Option<String>,
     /// What started the turn the message belongs to.
     pub turn_origin: TurnOrigin,
+    /// A user message whose turn ended without an answer (it failed, was
+    /// stopped or was cut off by a crash); the next turn sees it.
+    pub unanswered: bool,
     /// When it was stored.
     pub created_at: Timestamp,
 }
@@ -365,6 +370,7 @@ impl From<&StoredMessage> for ChatMessage {
             tool_call_id: m.message.tool_call_id.clone(),
             tool_name: m.message.tool_name.clone(),
             turn_origin: m.message.origin.into(),
+            unanswered: m.input_state == Some(InputState::Unanswered),
             created_at: Timestamp(m.created_at_ms),
         }
     }

@@ -227,6 +227,9 @@ pub enum ServerFrame {
         turn_origin: TurnOrigin,
         /// Whether it was stopped (by `stop` or a shutdown) rather than failing.
         cancelled: bool,
+        /// Whether the user's message stays in the history, marked unanswered
+        /// (it was stored before the model was called).
+        input_kept: bool,
         /// Why, for a person.
         message: String,
     },

@@ -188,6 +188,7 @@ impl TurnRunner {
                     origin,
                     message,
                     cancelled,
+                    input_kept,
                 } if continuation(origin) => {
                     self.hub.publish(
                         session,
@@ -196,6 +197,7 @@ impl TurnRunner {
                             turn_id: turn_id.as_uuid(),
                             turn_origin: (*origin).into(),
                             cancelled: *cancelled,
+                            input_kept: *input_kept,
                             message: message.clone(),
                         },
                     );
@@ -274,6 +276,8 @@ impl TurnRunner {
         let turn = ticket.turn_id();
         let turn_token = ticket.cancellation();
         let mut cancel_sent = false;
+        // Whether a failed turn left the user's message stored, unanswered.
+        let mut input_kept = false;
         self.running.lock().insert(turn, turn_token.clone());
         let origin = TurnOrigin::User;
         let _ = started.send(Ok(turn));
@@ -295,10 +299,11 @@ impl TurnRunner {
                         SessionEvent::Turn { turn_id, event, .. } if *turn_id == turn => {
                             self.publish_event(session, turn, event.clone());
                         }
-                        SessionEvent::TurnCommitted { turn_id, .. }
-                        | SessionEvent::TurnFailed { turn_id, .. }
+                        SessionEvent::TurnCommitted { turn_id, .. } if *turn_id == turn => break,
+                        SessionEvent::TurnFailed { turn_id, input_kept: kept, .. }
                             if *turn_id == turn =>
                         {
+                            input_kept = *kept;
                             break;
                         }
                         _ => {}
@@ -327,12 +332,14 @@ impl TurnRunner {
                 turn_id: turn.as_uuid(),
                 turn_origin: origin,
                 cancelled: e.is_cancelled(),
+                input_kept,
                 message: failure_message(e),
             },
         };
-        let committed = result.is_ok();
+        // A kept message changed the dialog's count even without an answer.
+        let changed = result.is_ok() || input_kept;
         self.hub.publish(session, end);
-        if committed {
+        if changed {
             self.publish_dialog(session).await;
         }
         // Only a turn that called tools can have started or cancelled runs.

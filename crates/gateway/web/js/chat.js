@@ -245,7 +245,11 @@ export class Chat {
         this.live.delete(f.turn_id);
         break;
       case 'turn_failed': {
-        const why = f.cancelled ? 'Stopped — nothing of this turn was saved.' : f.message;
+        // A kept message stays in the history, unanswered; the next turn sees it.
+        const stopped = f.input_kept
+          ? 'Stopped — your message is kept, unanswered.'
+          : 'Stopped — nothing of this turn was saved.';
+        const why = f.cancelled ? stopped : f.message;
         if (view) {
           view.streaming(false);
           view.note(why, f.cancelled ? 'stopped' : 'failed');

@@ -499,11 +499,11 @@ async fn an_input_commit_checks_the_head_it_started_from() {
     assert_eq!(texts(&store, s.id).await, ["elsewhere"]);
 }
 
-/// Rows are shared by timelines: an input closed after a rollback branch
-/// was taken keeps one state everywhere, and the branch that never saw it
-/// does not show it.
+/// Rows are shared by timelines: a checkpoint ends with an answered turn,
+/// a rollback to it drops the unanswered input after it from the current
+/// branch, and a fork from it opens and closes inputs on its own.
 #[tokio::test]
-async fn rollback_never_shows_a_half_turn() {
+async fn rollback_and_fork_never_show_a_half_turn() {
     let (_dir, store) = temp_store();
     let s = store.create_session(new_session("d", 1)).await.unwrap();
     let seqs = store.open_turn(open(s.id, "q1")).await.unwrap();
@@ -532,4 +532,21 @@ async fn rollback_never_shows_a_half_turn() {
         .await
         .unwrap();
     assert_eq!(old.len(), 2, "the checkpoint ends with its turn");
+    // A fork at the checkpoint starts from the answered turn, and its own
+    // inputs open and close on its own timeline.
+    let (fork, _) = store
+        .fork(cp.id, new_session("fork", 4000), CheckpointId::new())
+        .await
+        .unwrap();
+    let seqs = store.open_turn(open(fork.id, "q3")).await.unwrap();
+    store.mark_unanswered(fork.id, seqs).await.unwrap();
+    assert_eq!(
+        states(&store, fork.id).await,
+        [
+            ("q1".into(), Some(InputState::Answered)),
+            ("a1".into(), None),
+            ("q3".into(), Some(InputState::Unanswered)),
+        ]
+    );
+    assert_eq!(states(&store, s.id).await.len(), 2, "the source is untouched");
 }

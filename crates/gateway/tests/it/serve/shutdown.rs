@@ -57,7 +57,11 @@ async fn past_the_grace_period_a_running_turn_is_cancelled_and_nothing_of_its_an
     assert_eq!((report.finished, report.cancelled), (0, 1));
     let frames = ws.until(ServerFrame::ends_turn).await;
     match frames.last() {
-        Some(ServerFrame::TurnFailed { cancelled, .. }) => assert!(cancelled),
+        Some(ServerFrame::TurnFailed {
+            cancelled,
+            input_kept,
+            ..
+        }) => assert!(*cancelled && *input_kept),
         other => panic!("expected turn_failed, got {other:?}"),
     }
     expect_going_away(&mut ws).await;

@@ -559,3 +559,68 @@ async fn a_subscriber_sees_the_continuation_that_answers_a_background_result() {
     assert_eq!(events.len(), 1);
     assert_eq!(format!("{:?}", events[0].status), "Consumed", "{events:?}");
 }
+
+/// A stopped turn keeps the user's message: its `turn_failed` says so and
+/// the listing marks the message unanswered; the next turn answers a new
+/// message and leaves the old mark.
+#[tokio::test]
+async fn a_stopped_turn_keeps_the_message_listed_as_unanswered() {
+    let gate = Arc::new(Semaphore::new(0));
+    let t = TestServer::start(Setup {
+        provider: Arc::new(GatedProvider { gate: gate.clone() }),
+        ..Setup::default()
+    })
+    .await;
+    let id = uuid(&t.dialog("Stopped").await);
+    let mut ws = t.ws().await;
+    ws.send(&ClientFrame::Send {
+        id: None,
+        session_id: id,
+        text: "work".into(),
+    })
+    .await;
+    ws.until(|f| matches!(f, ServerFrame::TextDelta { .. }))
+        .await;
+    let r = t.post(&format!("/api/dialogs/{id}/stop"), json!({})).await;
+    assert_eq!(r.status(), 200);
+    let end = ws.until(ServerFrame::ends_turn).await;
+    match end.last() {
+        Some(ServerFrame::TurnFailed {
+            cancelled,
+            input_kept,
+            ..
+        }) => assert!(*cancelled && *input_kept, "{end:?}"),
+        other => panic!("expected turn_failed, got {other:?}"),
+    }
+    let listed = |messages: Value| -> Vec<(String, String, bool)> {
+        messages["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                (
+                    m["role"].as_str().unwrap().to_owned(),
+                    m["text"].as_str().unwrap().to_owned(),
+                    m["unanswered"].as_bool().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let messages = t.json(&format!("/api/dialogs/{id}/messages")).await;
+    assert_eq!(
+        listed(messages),
+        [("user".to_owned(), "work".to_owned(), true)]
+    );
+    gate.add_permits(1);
+    let events = t.send_streamed(&id.to_string(), "again").await;
+    assert!(events.ends_with("turn_committed"), "{events}");
+    let messages = listed(t.json(&format!("/api/dialogs/{id}/messages")).await);
+    let marks: Vec<(&str, bool)> = messages
+        .iter()
+        .map(|(role, _, unanswered)| (role.as_str(), *unanswered))
+        .collect();
+    assert_eq!(
+        marks,
+        [("user", true), ("user", false), ("assistant", false)]
+    );
+}
