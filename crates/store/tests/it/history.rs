@@ -548,5 +548,9 @@ async fn rollback_and_fork_never_show_a_half_turn() {
             ("q3".into(), Some(InputState::Unanswered)),
         ]
     );
-    assert_eq!(states(&store, s.id).await.len(), 2, "the source is untouched");
+    assert_eq!(
+        states(&store, s.id).await.len(),
+        2,
+        "the source is untouched"
+    );
 }
