@@ -230,8 +230,15 @@ impl AgentSession {
         checkpoint: Option<CheckpointSource>,
         answers: &[i64],
     ) -> Result<(Vec<i64>, Option<CheckpointId>)> {
-        self.commit_with(store, messages, state, checkpoint, answers, InboxEffect::None)
-            .await
+        self.commit_with(
+            store,
+            messages,
+            state,
+            checkpoint,
+            answers,
+            InboxEffect::None,
+        )
+        .await
     }
 
     /// [`Self::commit`], with what the same transaction does to the inbox.
