@@ -50,6 +50,21 @@ enum InboxEffect {
     Tell(Vec<keel_core::EventId>),
 }
 
+/// What a finished turn commits.
+pub(crate) struct FinishedTurn<'a> {
+    /// The slot it ran in.
+    pub(crate) slot: &'a str,
+    /// What the loop produced, its input first.
+    pub(crate) output: &'a TurnOutput,
+    /// How many leading messages of `output` are its input, committed
+    /// before the model was called.
+    pub(crate) committed_inputs: usize,
+    /// The seqs of that input, marked answered by the commit.
+    pub(crate) answers: &'a [i64],
+    /// The inbox events it answered, consumed by the commit.
+    pub(crate) consumed: Vec<LeasedEvents>,
+}
+
 /// A session loaded in memory.
 #[derive(Debug)]
 pub struct AgentSession {
@@ -335,19 +350,21 @@ impl AgentSession {
     }
 
     /// Applies a finished turn: the state after it and the commit of its
-    /// messages but the first `committed_inputs` (its input, committed
-    /// before the model was called at the seqs `answers`), which also
-    /// consumes the inbox events the turn answered (`consumed`).
+    /// messages, which also answers its committed input and consumes the
+    /// inbox events it answered.
     pub(crate) async fn commit_turn(
         &mut self,
         store: &Store,
-        slot: &str,
-        output: &TurnOutput,
-        committed_inputs: usize,
-        answers: &[i64],
+        turn: FinishedTurn<'_>,
         auto_checkpoint: bool,
-        consumed: Vec<LeasedEvents>,
     ) -> Result<Option<CheckpointId>> {
+        let FinishedTurn {
+            slot,
+            output,
+            committed_inputs,
+            answers,
+            consumed,
+        } = turn;
         let mut state = self.state.clone();
         state.turn_index = state.turn_index.saturating_add(1);
         state.cost.merge(&keel_core::CostTracker {

@@ -25,7 +25,7 @@ use crate::agent_loop::{EventSink, TurnEvent, TurnOutput, TurnRequest};
 use crate::coordinator;
 use crate::error::{EngineError, Result};
 use crate::mailbox::TurnMailbox;
-use crate::session::AgentSession;
+use crate::session::{AgentSession, FinishedTurn};
 use keel_store::InputState;
 
 /// How a turn starts.
@@ -208,12 +208,14 @@ impl PendingTurn {
         let checkpoint = match guard
             .commit_turn(
                 &self.manager.store,
-                &self.slot,
-                &output,
-                self.committed_inputs,
-                &self.opened,
+                FinishedTurn {
+                    slot: &self.slot,
+                    output: &output,
+                    committed_inputs: self.committed_inputs,
+                    answers: &self.opened,
+                    consumed,
+                },
                 auto,
-                consumed,
             )
             .await
         {
