@@ -824,6 +824,7 @@ fn turn_of(root: SessionId, now_ms: i64) -> TurnCommit {
         state: b"{}".to_vec(),
         checkpoint: None,
         visible_user_inputs: 0,
+        answers: Vec::new(),
         expected_head: None,
         now_ms,
     }
@@ -961,6 +962,7 @@ async fn a_dead_letter_is_told_once_by_a_notice_in_the_sessions_history() {
             state: b"{}".to_vec(),
             checkpoint: None,
             visible_user_inputs: 0,
+            answers: Vec::new(),
             expected_head: None,
             now_ms: now,
         },
