@@ -167,7 +167,14 @@ async fn agent_updates_carry_increasing_revisions_and_replay_on_reconnect() {
                 revisions.push(revision);
                 completion_event |= format!("{:?}", event.event_type) == "Completion";
             }
-            f if f.ends_turn() => turns_ended += 1,
+            // The continuation that answers the background completion is
+            // a turn too; only the two user turns are counted.
+            ServerFrame::TurnCommitted { turn_origin, .. }
+            | ServerFrame::TurnFailed { turn_origin, .. }
+                if format!("{turn_origin:?}") == "User" =>
+            {
+                turns_ended += 1
+            }
             _ => {}
         }
     }
