@@ -175,6 +175,11 @@ fn sigterm_in_the_middle_of_a_turn_keeps_the_message_and_saves_nothing_of_the_an
             .contains("0 turn(s) finished, 1 cancelled"),
         "{lines:?}"
     );
+    // server.shutdown_grace_secs = 0 was read: no wait for the turn.
+    assert!(
+        lines.iter().any(|l| l.contains("running turns get 0 s")),
+        "{lines:?}"
+    );
     assert!(served.child.wait().unwrap().success());
 
     let store = Store::open(data.path().join("keel.db"), StoreOptions::default()).unwrap();

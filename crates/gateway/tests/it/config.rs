@@ -6,9 +6,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use keel_gateway::config::{
-    flatten_keys, reference, render_generated_docs, Config, ConfigError, SyncMode, EXAMPLE_TOML,
-    OFFLINE_NOTICE,
+    flatten_keys, reference, render_generated_docs, Config, ConfigError, LoadedConfig, SyncMode,
+    EXAMPLE_TOML, OFFLINE_NOTICE,
 };
+use keel_gateway::serve::ServeOptions;
 use keel_providers::ProviderKind;
 
 /// An environment with only `vars` set.
@@ -236,6 +237,46 @@ fn allowed_origins_are_bare_http_origins() {
         .map(String::from)
         .collect();
     assert_eq!(read, ["https://keel.example.com:8443"]);
+}
+
+#[test]
+fn serve_reads_every_server_key_and_its_flag_wins() {
+    let loaded = |text: &str| LoadedConfig {
+        config: parse(text).unwrap(),
+        source: None,
+    };
+    let c = loaded(
+        "[server]\nbind = \"127.0.0.1:7500\"\ntoken_env = \"MY_TOKEN\"\nshutdown_grace_secs = 7\n\
+         allowed_origins = [\"https://keel.example.com\"]\n",
+    );
+    let tokens = env(&[("MY_TOKEN", "t0k"), ("KEEL_TOKEN", "other")]);
+    let o = ServeOptions::from_config(&c, None, &tokens).unwrap();
+    assert_eq!(o.bind.to_string(), "127.0.0.1:7500");
+    assert!(o.token.as_ref().unwrap().matches("t0k"));
+    assert_eq!(o.shutdown_grace, Duration::from_secs(7));
+    assert_eq!(o.allowed_origins, c.config.server.allowed_origins);
+    assert_eq!(o.allowed_origins.len(), 1);
+    let flag = ServeOptions::from_config(&c, Some("127.0.0.1:0".parse().unwrap()), &env(NO_ENV));
+    let flag = flag.unwrap();
+    assert_eq!(flag.bind.to_string(), "127.0.0.1:0");
+    assert!(flag.token.is_none());
+
+    // An exposed address needs a token, whichever way it was chosen.
+    let exposed = loaded("[server]\nbind = \"0.0.0.0:7420\"\n");
+    let refusals: Vec<String> = [None, Some("[::]:7420".parse().unwrap())]
+        .into_iter()
+        .map(|bind| {
+            ServeOptions::from_config(&exposed, bind, &env(NO_ENV))
+                .unwrap_err()
+                .to_string()
+        })
+        .collect();
+    insta::assert_snapshot!(refusals.join("\n"), @"
+    keel.toml (defaults): server.bind: 0.0.0.0:7420 is not a loopback address and no token is set: anyone who can reach it could use the API. Set the environment variable KEEL_TOKEN (server.token_env) to a secret, or bind 127.0.0.1
+    keel.toml (defaults): --bind: [::]:7420 is not a loopback address and no token is set: anyone who can reach it could use the API. Set the environment variable KEEL_TOKEN (server.token_env) to a secret, or bind 127.0.0.1
+    ");
+    let with_token = ServeOptions::from_config(&exposed, None, &env(&[("KEEL_TOKEN", "t")]));
+    assert_eq!(with_token.unwrap().bind.to_string(), "0.0.0.0:7420");
 }
 
 #[test]
