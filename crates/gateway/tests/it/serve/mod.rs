@@ -5,6 +5,7 @@ mod doc;
 mod origin;
 mod rest;
 mod shutdown;
+mod stop;
 mod web;
 mod ws;
 
