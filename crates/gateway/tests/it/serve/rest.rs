@@ -407,3 +407,35 @@ async fn a_reload_with_broken_definitions_keeps_the_catalog_in_force() {
     );
     assert_eq!(t.json("/api/ready").await["catalog_generation"], 2);
 }
+
+#[tokio::test]
+async fn dialogs_are_listed_by_channel_and_chat() {
+    let t = TestServer::start(Setup::default()).await;
+    let default_chat = t.dialog("Mine").await;
+    let mut created = Vec::new();
+    for body in [
+        json!({"title": "Team plans", "chat_id": "team"}),
+        json!({"title": "Elsewhere", "channel": "slack", "chat_id": "team"}),
+    ] {
+        let r = t.post("/api/dialogs", body.clone()).await;
+        assert_eq!(r.status(), 201, "{body}");
+        let dialog: Value = r.json().await.unwrap();
+        assert_eq!(dialog["chat_id"], "team");
+        created.push(dialog["id"].as_str().unwrap().to_owned());
+    }
+    let ids = async |query: &str| -> Vec<String> {
+        t.json(&format!("/api/dialogs{query}")).await["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(ids("").await, [default_chat]);
+    assert_eq!(ids("?chat_id=team").await, [created[0].clone()]);
+    assert_eq!(
+        ids("?channel=slack&chat_id=team").await,
+        [created[1].clone()]
+    );
+    assert!(ids("?chat_id=nobody").await.is_empty());
+}

@@ -1,5 +1,5 @@
 //! Ending work: `stop` ends a dialog's running turn (over REST and the
-//! WebSocket) and saves nothing of it; a sub-agent run is listed, read
+//! WebSocket) and saves nothing of its answer; a sub-agent run is listed, read
 //! and cancelled through `/api/agent-runs`.
 
 use std::sync::Arc;
@@ -43,7 +43,7 @@ fn cancelled(frames: &[ServerFrame]) -> bool {
 }
 
 #[tokio::test]
-async fn stop_ends_the_running_turn_over_rest_and_the_websocket_and_saves_nothing() {
+async fn stop_ends_the_running_turn_over_rest_and_the_websocket_and_saves_none_of_it() {
     // The gate never opens: only a stop ends a turn.
     let t = TestServer::start(Setup {
         provider: Arc::new(GatedProvider {
@@ -106,7 +106,13 @@ async fn stop_ends_the_running_turn_over_rest_and_the_websocket_and_saves_nothin
         .load_messages(id.into(), MessageFilter::default())
         .await
         .unwrap();
-    assert!(saved.is_empty(), "{saved:?}");
+    // Nothing of either answer is saved; the user's two messages stay,
+    // marked unanswered.
+    let kept: Vec<String> = saved
+        .iter()
+        .map(|m| format!("{:?} {:?}", m.message.role, m.input_state))
+        .collect();
+    assert_eq!(kept, ["User Some(Unanswered)", "User Some(Unanswered)"]);
     let r = t
         .post(
             "/api/dialogs/01a22c8d-cb40-7766-a28d-a872408af176/stop",
