@@ -236,7 +236,7 @@ def scenario_rollback(r):
 
 
 def scenario_stop_with_escape(r):
-    """Esc stops a running turn; nothing of it is saved and the message is marked unanswered."""
+    """Esc stops a running turn; nothing of its answer is saved, the message is kept and marked unanswered."""
     page = r.page
     r.send("Tell me slowly")
     expect(page.locator("#stop")).to_be_visible()
@@ -247,6 +247,7 @@ def scenario_stop_with_escape(r):
     expect(page.locator("#stop")).to_be_hidden()
     expect(page.locator("article.msg.user").last).to_have_class(re.compile("unanswered"))
     expect(page.locator("article.msg.user").last).to_contain_text("unanswered")
+    expect(page.locator("article.msg.assistant").last).to_contain_text("your message is kept, unanswered")
     r.shot("stopped")
 
 
@@ -378,6 +379,12 @@ def scenario_reload_restores(r):
     expect(page.locator("#run-tree li.run")).to_have_count(3)
     expect(page.locator("#run-tree li.run[data-agent=archivist]")).to_have_attribute("data-status", "completed")
     expect(page.locator("#timeline li.checkpoint.abandoned")).to_have_count(1)
+    # The stopped turn's message was kept by the server, marked unanswered,
+    # and nothing of its answer was.
+    kept = page.locator("article.msg.user", has_text="Tell me slowly")
+    expect(kept).to_have_class(re.compile("unanswered"))
+    expect(kept.locator(".tag", has_text="unanswered")).to_be_visible()
+    expect(page.locator("#messages")).not_to_contain_text("This answer takes its time")
     expect_inbox(page, pending=0, delivered=page.locator("#inbox .inbox-list li").count())
     expect(page.locator("article.msg.assistant[data-origin=agent_continuation] .turn-label").first).to_be_visible()
     unlabelled = page.evaluate(UNLABELLED_CONTROLS)
