@@ -1,5 +1,5 @@
 //! `keel serve` as a user runs it: the address it prints, the refusal of
-//! an exposed address without a token, SIGTERM in the middle of a turn
+//! an exposed address without a token, a token that never reaches the log, SIGTERM in the middle of a turn
 //! (nothing half-saved), SIGHUP reloads that keep the catalog in force when
 //! the definitions are broken.
 
@@ -22,10 +22,16 @@ struct Served {
 
 impl Served {
     fn start(data: &Path) -> Served {
+        Self::start_with(data, &[])
+    }
+
+    /// Starts it with `env` set (and `KEEL_TOKEN` only if `env` sets it).
+    fn start_with(data: &Path, env: &[(&str, &str)]) -> Served {
         let mut child = keel()
             .args(["serve", "--bind", "127.0.0.1:0", "--data-dir"])
             .arg(data)
             .env_remove("KEEL_TOKEN")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -113,6 +119,60 @@ fn an_exposed_address_without_a_token_is_refused_at_start() {
         .unwrap()
         .replace(&data.path().display().to_string(), "<data>");
     insta::assert_snapshot!(refusal);
+}
+
+#[test]
+fn the_token_is_required_and_never_reaches_the_log() {
+    const SECRET: &str = "s3cret-token-7420";
+    let data = tempfile::tempdir().unwrap();
+    let served = Served::start_with(
+        data.path(),
+        &[("KEEL_TOKEN", SECRET), ("KEEL_LOG", "trace")],
+    );
+    runtime().block_on(async {
+        let http = reqwest::Client::new();
+        let dialogs = served.url("/api/dialogs");
+        let status = |rb: reqwest::RequestBuilder| async move { rb.send().await.unwrap().status() };
+        assert_eq!(status(http.get(&dialogs)).await, 401);
+        assert_eq!(
+            status(http.get(&dialogs).bearer_auth(format!("{SECRET}x"))).await,
+            401
+        );
+        assert_eq!(status(http.get(&dialogs).bearer_auth(SECRET)).await, 200);
+        let created = http
+            .post(&dialogs)
+            .bearer_auth(SECRET)
+            .json(&serde_json::json!({"title": "Logged"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(created.status(), 201);
+        // The WebSocket's query parameter too.
+        let ws = http
+            .get(served.url(&format!("/api/ws?access_token={SECRET}")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(ws.status(), 400, "a plain GET is no WebSocket upgrade");
+        // A refused request is logged, so the log is on.
+        let refused = http
+            .post(&dialogs)
+            .bearer_auth(SECRET)
+            .header("origin", "https://attacker.example")
+            .json(&serde_json::json!({}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(refused.status(), 403);
+    });
+    served.signal("TERM");
+    let lines = served.stderr_until("stopped");
+    assert!(
+        lines.iter().any(|l| l.contains("request refused")),
+        "{lines:?}"
+    );
+    let leaked: Vec<&String> = lines.iter().filter(|l| l.contains(SECRET)).collect();
+    assert!(leaked.is_empty(), "{leaked:?}");
 }
 
 #[test]
