@@ -415,6 +415,27 @@ def scenario_dialogs(r):
     r.shot("dialogs")
 
 
+def scenario_fork(r):
+    """Fork starts a new dialog at a checkpoint, with the history up to it."""
+    page = r.page
+    page.locator("#timeline").get_by_role("button", name=re.compile(r"^Fork a new dialog from Turn 1 \(")).click()
+    expect(page.locator(".dialog-link")).to_have_count(2)
+    expect(page.locator("#dialog-title")).not_to_have_text("Launch planning")
+    expect(page.locator("article.msg")).to_have_count(2)
+    texts = [t.split("\n")[0] for t in page.locator("article.msg").all_inner_texts()]
+    assert texts == [
+        "Hello",
+        "Hello! I am keel's scripted model. This answer streams in word by word, so you can watch it arrive.",
+    ], texts
+    expect(page.locator("#timeline li.checkpoint.head")).to_contain_text("Forked at turn 1")
+    expect(page.locator("#run-tree li.run")).to_have_count(0)
+    r.shot("forked")
+    page.locator(".dialog-actions").get_by_role("button", name="Delete").click()
+    page.locator("#confirm-ok").click()
+    expect(page.locator(".dialog-link")).to_have_count(1)
+    expect(page.locator("#dialog-title")).to_have_text("Launch planning")
+
+
 def scenario_narrow_screen(r):
     """At 375 px wide nothing overflows and the panels open from buttons."""
     page = r.page
@@ -487,6 +508,7 @@ SCENARIOS = [
     scenario_delegation,
     scenario_reload_restores,
     scenario_dialogs,
+    scenario_fork,
     scenario_narrow_screen,
     scenario_reconnect,
     scenario_token_prompt,
