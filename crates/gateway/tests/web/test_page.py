@@ -428,6 +428,8 @@ def scenario_fork(r):
         "Hello! I am keel's scripted model. This answer streams in word by word, so you can watch it arrive.",
     ], texts
     expect(page.locator("#timeline li.checkpoint.head")).to_contain_text("Forked at turn 1")
+    # Its parent is in the other dialog: no edge leads down to it.
+    expect(page.locator("#timeline .graph path.edge")).to_have_count(0)
     expect(page.locator("#run-tree li.run")).to_have_count(0)
     r.shot("forked")
     page.locator(".dialog-actions").get_by_role("button", name="Delete").click()

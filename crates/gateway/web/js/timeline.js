@@ -14,6 +14,9 @@ const ROW = 44;
  * the lanes entering from above and leaving below.
  */
 export function layout(items) {
+  // A fork's first checkpoint has its parent in the dialog it came from:
+  // no lane waits for a parent that is not listed.
+  const listed = new Set(items.map((c) => c.id));
   let lanes = [];
   return items.map((c) => {
     const before = lanes.slice();
@@ -23,7 +26,7 @@ export function layout(items) {
       if (lane === -1) lane = lanes.length;
     }
     lanes = lanes.map((l) => (l && l.expect === c.id ? null : l));
-    lanes[lane] = c.parent_id ? { expect: c.parent_id, current: c.on_current_branch } : null;
+    lanes[lane] = listed.has(c.parent_id) ? { expect: c.parent_id, current: c.on_current_branch } : null;
     while (lanes.length && !lanes[lanes.length - 1]) lanes.pop();
     return { c, lane, before, after: lanes.slice() };
   });
