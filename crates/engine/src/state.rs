@@ -206,6 +206,12 @@ impl SessionState {
         }
     }
 
+    /// Whether a stored state blob restores (the store's invariant check
+    /// calls this for every checkpoint); `Err` says why not.
+    pub fn check_blob(bytes: &[u8]) -> std::result::Result<(), String> {
+        Self::from_blob(bytes).map(drop).map_err(|e| e.to_string())
+    }
+
     /// Decodes a blob; missing fields take their defaults.
     pub(crate) fn from_blob(bytes: &[u8]) -> Result<Self> {
         let state: SessionState =

@@ -58,6 +58,18 @@ pub enum Command {
         #[arg(long, value_name = "ADDR")]
         bind: Option<std::net::SocketAddr>,
     },
+    /// Check a data directory's database: exit 0 when every invariant
+    /// holds, 1 with findings (each says what it means and whether
+    /// --repair fixes it).
+    Doctor {
+        /// Data directory and configuration.
+        #[command(flatten)]
+        data: DataArgs,
+        /// Run the safe reconciliations (migration, the recovery every
+        /// start runs), then check again. Needs the data directory unused.
+        #[arg(long)]
+        repair: bool,
+    },
     /// Agent definitions.
     Agents {
         /// What to do with them.
@@ -94,6 +106,15 @@ pub fn main() -> ExitCode {
     }
     let cli = Cli::parse();
     init_tracing();
+    #[cfg(feature = "failpoints")]
+    match keel_store::failpoints::configure_from_env() {
+        Ok(names) if !names.is_empty() => tracing::warn!(?names, "failpoints set"),
+        Ok(_) => {}
+        Err(e) => {
+            eprintln!("keel: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -115,6 +136,9 @@ pub fn main() -> ExitCode {
                 script,
             } => crate::chat::run(data, chat, agent, script).await,
             Command::Serve { data, bind } => crate::serve::run(data, bind).await,
+            Command::Doctor { data, repair } => {
+                crate::doctor::run(data.config.as_deref(), data.data_dir.as_deref(), repair).await
+            }
             Command::Agents {
                 command:
                     AgentsCommand::Check {

@@ -15,6 +15,7 @@ pub mod chat;
 pub mod cli;
 pub mod config;
 pub mod demo;
+pub mod doctor;
 mod error;
 pub mod serve;
 pub mod terminal;

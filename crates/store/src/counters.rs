@@ -149,6 +149,25 @@ pub(crate) fn usage_tx(conn: &Connection, root: &SessionId) -> Result<InboxUsage
     })
 }
 
+/// A root session's (pending events, reserved completion slots) counted from the rows.
+pub(crate) fn recount_tx(conn: &Connection, root: &str) -> Result<(i64, i64)> {
+    let pending: i64 = conn
+        .prepare_cached(
+            "SELECT count(*) FROM agent_inbox_events WHERE root_session_id = ?1 \
+             AND status IN ('pending', 'leased', 'admitted')",
+        )?
+        .query_row([root], |r| r.get(0))?;
+    let reserved: i64 = conn
+        .prepare_cached(&format!(
+            "SELECT (SELECT count(*) FROM agent_runs WHERE root_session_id = ?1 \
+               AND completion_slot_reserved = 1 AND status IN {NONTERMINAL_RUN}) + \
+             (SELECT count(*) FROM agent_run_groups WHERE root_session_id = ?1 \
+               AND completion_slot_reserved = 1 AND status IN ('queued', 'running'))"
+        ))?
+        .query_row([root], |r| r.get(0))?;
+    Ok((pending, reserved))
+}
+
 /// Recomputes a root session's counters from the rows; repairs and reports a difference.
 pub(crate) fn reconcile_tx(
     conn: &Connection,
@@ -158,22 +177,7 @@ pub(crate) fn reconcile_tx(
 ) -> Result<Option<CounterRepair>> {
     let before = usage_tx(conn, root)?;
     let key = root.to_string();
-    let pending: i64 = conn.query_row(
-        "SELECT count(*) FROM agent_inbox_events WHERE root_session_id = ?1 \
-         AND status IN ('pending', 'leased', 'admitted')",
-        [&key],
-        |r| r.get(0),
-    )?;
-    let reserved: i64 = conn.query_row(
-        &format!(
-            "SELECT (SELECT count(*) FROM agent_runs WHERE root_session_id = ?1 \
-               AND completion_slot_reserved = 1 AND status IN {NONTERMINAL_RUN}) + \
-             (SELECT count(*) FROM agent_run_groups WHERE root_session_id = ?1 \
-               AND completion_slot_reserved = 1 AND status IN ('queued', 'running'))"
-        ),
-        [&key],
-        |r| r.get(0),
-    )?;
+    let (pending, reserved) = recount_tx(conn, &key)?;
     let after = InboxUsage {
         revision: before.revision,
         pending_event_count: non_negative("pending events", pending)?,

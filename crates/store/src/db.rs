@@ -336,12 +336,14 @@ impl Writer {
         if !self.checkpoint_due.swap(false, Ordering::AcqRel) {
             return;
         }
+        failpoint!("store::wal_checkpoint::before");
         let outcome = self
             .conn
             .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| {
                 Ok((r.get::<_, i64>(1)?, r.get::<_, i64>(2)?))
             });
         counters.checkpoints.fetch_add(1, Ordering::Relaxed);
+        failpoint!("store::wal_checkpoint::after");
         match outcome {
             Ok((wal_pages, copied)) => tracing::debug!(wal_pages, copied, "WAL checkpoint"),
             // Not fatal: the WAL grows until the next commit past the threshold asks again.
@@ -881,7 +883,10 @@ fn run_batch(
         run_jobs(conn, batch, cache, join)
     });
     let result = match result {
-        Ok(true) => exec(conn, "COMMIT").map(|()| cache.committed()),
+        Ok(true) => {
+            failpoint!("store::writer::before_commit");
+            exec(conn, "COMMIT").map(|()| cache.committed())
+        }
         // A lone request failed on its own: nothing else to keep (and nothing staged).
         Ok(false) => exec(conn, "ROLLBACK").map(|()| cache.begin_attempt()),
         Err(e) => Err(e),

@@ -707,12 +707,23 @@ fn continuation_tx(
 impl Store {
     /// Inserts a signal of a running run: execution-id checked, deduplicated by key, capacity-checked.
     pub async fn insert_signal(&self, signal: NewSignal) -> Result<SignalCommit> {
-        self.db.write(move |c| insert_signal_tx(c, &signal)).await
+        let commit = self
+            .db
+            .write(move |c| {
+                let commit = insert_signal_tx(c, &signal)?;
+                failpoint!("store::insert_signal::before_commit");
+                Ok(commit)
+            })
+            .await?;
+        failpoint!("store::insert_signal::after_commit");
+        Ok(commit)
     }
 
     /// Leases the oldest due pending events of a root session (bounded by count and bytes); None if nothing is due.
     pub async fn claim_inbox_batch(&self, request: ClaimRequest) -> Result<Option<InboxLease>> {
-        self.db.write(move |c| claim_tx(c, &request)).await
+        let lease = self.db.write(move |c| claim_tx(c, &request)).await?;
+        failpoint!("store::claim_inbox::after_commit");
+        Ok(lease)
     }
 
     /// leased → admitted into `turn_id` (steer), if `lease_token` still holds them. Returns how many.
@@ -723,14 +734,30 @@ impl Store {
         turn_id: TurnId,
         now_ms: i64,
     ) -> Result<u64> {
-        self.db
-            .write(move |c| admit_tx(c, &event_ids, &lease_token, &turn_id, now_ms))
-            .await
+        let admitted = self
+            .db
+            .write(move |c| {
+                let n = admit_tx(c, &event_ids, &lease_token, &turn_id, now_ms)?;
+                failpoint!("store::admit_inbox::before_commit");
+                Ok(n)
+            })
+            .await?;
+        failpoint!("store::admit_inbox::after_commit");
+        Ok(admitted)
     }
 
     /// Returns leased/admitted events to pending with backoff, or dead-letters those out of attempts.
     pub async fn release_inbox_lease(&self, request: ReleaseRequest) -> Result<ReleaseReport> {
-        self.db.write(move |c| release_tx(c, &request)).await
+        let report = self
+            .db
+            .write(move |c| {
+                let report = release_tx(c, &request)?;
+                failpoint!("store::release_lease::before_commit");
+                Ok(report)
+            })
+            .await?;
+        failpoint!("store::release_lease::after_commit");
+        Ok(report)
     }
 
     /// Dead-letters open events (pending/leased/admitted); returns how many moved.
@@ -752,9 +779,16 @@ impl Store {
         commit: ContinuationCommit,
     ) -> Result<ContinuationCommitted> {
         let encoded = encode(&commit.turn.messages)?;
-        self.db
-            .write_cached(move |c, cache| continuation_tx(c, &commit, &encoded, cache))
-            .await
+        let committed = self
+            .db
+            .write_cached(move |c, cache| {
+                let committed = continuation_tx(c, &commit, &encoded, cache)?;
+                failpoint!("store::commit_continuation::before_commit");
+                Ok(committed)
+            })
+            .await?;
+        failpoint!("store::commit_continuation::after_commit");
+        Ok(committed)
     }
 
     /// Dead-lettered events of a root session whose user was not told yet

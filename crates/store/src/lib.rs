@@ -72,10 +72,22 @@
 //! ```
 #![warn(missing_docs)]
 
+/// Marks failpoint `$name` (listed in [`failpoints::FAILPOINTS`]); compiles
+/// to nothing without the `failpoints` feature.
+macro_rules! failpoint {
+    ($name:literal) => {
+        #[cfg(feature = "failpoints")]
+        $crate::failpoints::hit($name);
+    };
+}
+
+mod check;
 mod checkpoints;
 mod counters;
 mod db;
 mod error;
+#[cfg(feature = "failpoints")]
+pub mod failpoints;
 mod inbox;
 mod messages;
 mod migrations;
@@ -88,6 +100,9 @@ mod util;
 use std::path::Path;
 use std::sync::Arc;
 
+pub use check::{
+    check_database, CheckOptions, CheckedCounts, Finding, Invariant, InvariantReport, StateDecoder,
+};
 pub use checkpoints::{
     CheckpointRecord, CheckpointSource, NewCheckpoint, PrunePolicy, PruneReport,
 };

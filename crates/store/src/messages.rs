@@ -605,9 +605,16 @@ impl Store {
     /// Commits a turn (messages + state + optional checkpoint + counters) in one transaction.
     pub async fn commit_turn(&self, turn: TurnCommit) -> Result<TurnCommitted> {
         let encoded = encode(&turn.messages)?;
-        self.db
-            .write_cached(move |c, cache| commit_turn_tx(c, &turn, &encoded, Some(cache)))
-            .await
+        let committed = self
+            .db
+            .write_cached(move |c, cache| {
+                let committed = commit_turn_tx(c, &turn, &encoded, Some(cache))?;
+                failpoint!("store::commit_turn::before_commit");
+                Ok(committed)
+            })
+            .await?;
+        failpoint!("store::commit_turn::after_commit");
+        Ok(committed)
     }
 
     /// The session's current history (its head timeline and ancestors), filtered, in seq order.

@@ -57,6 +57,7 @@ pub fn migrate_with(conn: &mut Connection, steps: &[&str]) -> Result<u32> {
             version,
             message: e.to_string(),
         })?;
+        failpoint!("store::migration::after_commit");
         tracing::info!(version, "applied schema migration");
     }
     Ok(start)
@@ -79,6 +80,7 @@ fn apply(conn: &mut Connection, version: u32, sql: &str) -> Result<()> {
             "{broken} foreign key violations after migration {version}"
         )));
     }
+    failpoint!("store::migration::before_commit");
     tx.commit()?;
     Ok(())
 }

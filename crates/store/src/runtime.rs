@@ -195,7 +195,11 @@ impl Store {
     pub async fn activate_runtime(&self, holder: String, now_ms: i64) -> Result<Activation> {
         let activation = self
             .db
-            .write(move |c| activate_tx(c, &holder, now_ms))
+            .write(move |c| {
+                let activation = activate_tx(c, &holder, now_ms)?;
+                failpoint!("store::activate::before_commit");
+                Ok(activation)
+            })
             .await?;
         self.db.set_fence(activation.generation);
         Ok(activation)

@@ -9,6 +9,10 @@ mod chat;
 #[cfg(unix)]
 mod crash;
 #[cfg(unix)]
+mod doctor;
+#[cfg(unix)]
+mod failpoints;
+#[cfg(unix)]
 mod serve;
 
 /// A command running the `keel` binary.

@@ -579,11 +579,17 @@ impl Store {
         handling: CompletionHandling,
         now_ms: i64,
     ) -> Result<TerminalCommit> {
-        self.db
+        let commit = self
+            .db
             .write(move |c| {
-                commit_terminal_tx(c, &run_id, &execution_id, &outcome, handling, now_ms)
+                let commit =
+                    commit_terminal_tx(c, &run_id, &execution_id, &outcome, handling, now_ms)?;
+                failpoint!("store::commit_terminal::before_commit");
+                Ok(commit)
             })
-            .await
+            .await?;
+        failpoint!("store::commit_terminal::after_commit");
+        Ok(commit)
     }
 
     /// Cancels every non-terminal run of a root session, releases reservations, dead-letters pending events.

@@ -1,0 +1,149 @@
+//! `keel doctor`: checks a data directory's database against every
+//! invariant the commit paths keep, prints each finding with what it means
+//! and whether `--repair` fixes it, and with `--repair` runs the safe
+//! reconciliations (migration and the recovery every start runs).
+//!
+//! It never writes without `--repair`, and repairs only while it holds the
+//! data directory's runtime lock; a running keel's database is checked as a
+//! read-only snapshot, its live runs counted as live.
+
+use std::fmt::Write as _;
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use keel_store::{
+    check_database, describe_process, CheckOptions, Invariant, InvariantReport, RuntimeLock, Store,
+    StoreError,
+};
+
+use crate::app::database_path;
+use crate::config::Config;
+use crate::error::{AppError, Result};
+
+/// Runs `keel doctor`; exit 0 when clean, 1 with findings.
+pub async fn run(
+    config_file: Option<&Path>,
+    data_dir: Option<&Path>,
+    repair: bool,
+) -> Result<ExitCode> {
+    let loaded = Config::load(config_file, data_dir)?;
+    let db = database_path(&loaded.config.data_dir());
+    if !db.is_file() {
+        return Err(AppError::InvalidInput(format!(
+            "no keel database at {}",
+            db.display()
+        )));
+    }
+    let lock = match RuntimeLock::acquire(&db, &describe_process("keel doctor")) {
+        Ok(lock) => Some(lock),
+        Err(StoreError::InUse { holder, .. }) if !repair => {
+            println!(
+                "{} is in use by {holder}: checking a read-only snapshot",
+                db.display()
+            );
+            None
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let options = CheckOptions {
+        owner_alive: lock.is_none(),
+        state_decoder: Some(Arc::new(keel_engine::SessionState::check_blob)),
+    };
+    let report = check(&db, &options).await?;
+    print!("{}", render(&db, &report));
+    if !repair || report.findings.iter().all(|f| !f.repairable) {
+        return Ok(exit_code(&report));
+    }
+    println!("repairing: migrating and recovering as a start would");
+    let store = Store::open(&db, Default::default())?;
+    let activation = store
+        .activate_runtime(
+            describe_process("keel doctor --repair"),
+            keel_core::time::now_ms(),
+        )
+        .await?;
+    let recovery = &activation.recovery;
+    println!(
+        "repaired: {} runs interrupted, {} completions recorded, {} leases expired, {} counters recomputed",
+        recovery.interrupted_runs.len(),
+        recovery.completion_events,
+        recovery.leases_expired,
+        recovery.counters_repaired.len()
+    );
+    drop(store);
+    let after = check(&db, &options).await?;
+    print!("{}", render(&db, &after));
+    drop(lock);
+    Ok(exit_code(&after))
+}
+
+/// Checks on a blocking thread (the whole database is read).
+async fn check(db: &Path, options: &CheckOptions) -> Result<InvariantReport> {
+    let (db, options) = (db.to_path_buf(), options.clone());
+    tokio::task::spawn_blocking(move || check_database(&db, &options))
+        .await
+        .map_err(|e| AppError::InvalidInput(format!("the check stopped: {e}")))?
+        .map_err(|e| match e {
+            e @ StoreError::NewerSchema { .. } => AppError::Store(e),
+            e => AppError::InvalidInput(format!("cannot check the database: {e}")),
+        })
+}
+
+fn exit_code(report: &InvariantReport) -> ExitCode {
+    if report.is_clean() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+/// The report as the user reads it: one line per invariant, each finding
+/// with what it means and whether `--repair` fixes it.
+pub fn render(db: &Path, report: &InvariantReport) -> String {
+    let c = report.checked;
+    let mut out = format!(
+        "checked {}: {} sessions, {} messages, {} checkpoints, {} runs, {} inbox events\n",
+        db.display(),
+        c.sessions,
+        c.messages,
+        c.checkpoints,
+        c.runs,
+        c.events
+    );
+    for invariant in Invariant::ALL {
+        let findings: Vec<_> = report
+            .findings
+            .iter()
+            .filter(|f| f.invariant == invariant)
+            .collect();
+        if findings.is_empty() {
+            let _ = writeln!(out, "ok       {}", invariant.name());
+            continue;
+        }
+        for f in findings {
+            let _ = writeln!(out, "FINDING  {}: {}", invariant.name(), f.detail);
+            let _ = writeln!(out, "         means: {}", invariant.meaning());
+            let _ = writeln!(
+                out,
+                "         repair: {}",
+                if f.repairable {
+                    "`keel doctor --repair` fixes this (the recovery every start runs)"
+                } else {
+                    "not automatic: keep a copy of the data directory and restore from a backup or report it"
+                }
+            );
+        }
+    }
+    let n = report.findings.len();
+    let fixable = report.findings.iter().filter(|f| f.repairable).count();
+    if n == 0 {
+        out.push_str("clean: every invariant holds\n");
+    } else {
+        let _ = writeln!(
+            out,
+            "{n} finding(s), {fixable} fixed by `keel doctor --repair`"
+        );
+    }
+    out
+}

@@ -1,0 +1,278 @@
+//! The invariant checker: clean on what the commit paths write, and each
+//! invariant reported (with whether the safe repair fixes it) when a row is
+//! broken behind the store's back.
+
+use keel_core::{CheckpointId, ExecutionMode, Message, ToolCall};
+use keel_store::{
+    check_database, CheckOptions, CheckpointSource, CompletionHandling, Invariant, NewCheckpoint,
+    NewMessage, Store, TerminalOutcome, TurnCommit,
+};
+use rusqlite::Connection;
+
+use crate::common::*;
+
+fn turn(session: keel_core::SessionId, messages: Vec<Message>, turn_index: u64) -> TurnCommit {
+    TurnCommit {
+        session_id: session,
+        messages: messages.into_iter().map(NewMessage::new).collect(),
+        state: format!("{{\"turn\":{turn_index}}}").into_bytes(),
+        checkpoint: Some(NewCheckpoint {
+            id: CheckpointId::new(),
+            turn_index,
+            source: CheckpointSource::Turn,
+        }),
+        visible_user_inputs: 1,
+        expected_head: None,
+        now_ms: 10,
+    }
+}
+
+fn tool_turn(call: &str) -> Vec<Message> {
+    vec![
+        Message::user("look it up"),
+        Message::assistant_with_tools(
+            "",
+            vec![ToolCall {
+                id: call.into(),
+                name: "read_file".into(),
+                arguments: serde_json::json!({"path": "a"}),
+            }],
+        ),
+        Message::tool_result(call, "read_file", "contents"),
+        Message::assistant("done"),
+    ]
+}
+
+/// A database with what every commit path writes: turns with tool calls
+/// and checkpoints, a rollback, a background run that completed, one that
+/// was interrupted by recovery, and a foreground one.
+async fn busy_store() -> (tempfile::TempDir, Store, keel_core::SessionId) {
+    let (dir, store) = temp_store();
+    let session = store.create_session(new_session("d", 1)).await.unwrap();
+    let first = store
+        .commit_turn(turn(session.id, tool_turn("call-1"), 1))
+        .await
+        .unwrap();
+    store
+        .commit_turn(turn(session.id, tool_turn("call-1"), 2))
+        .await
+        .unwrap();
+    store
+        .rollback(
+            session.id,
+            first.checkpoint.unwrap().id,
+            CheckpointId::new(),
+            20,
+        )
+        .await
+        .unwrap();
+    store
+        .commit_turn(turn(session.id, tool_turn("call-2"), 2))
+        .await
+        .unwrap();
+    store.activate_runtime("first".into(), 30).await.unwrap();
+    let done = new_run(session.id, ExecutionMode::Background);
+    store
+        .accept_run(keel_store::AcceptRun {
+            run: done.clone(),
+            inbox_capacity: 8,
+            now_ms: 30,
+        })
+        .await
+        .unwrap();
+    store
+        .commit_terminal(
+            done.id,
+            done.execution_id.clone(),
+            TerminalOutcome::Failed {
+                error: "no".into(),
+                usage: None,
+            },
+            CompletionHandling::Deliver,
+            40,
+        )
+        .await
+        .unwrap();
+    for mode in [ExecutionMode::Background, ExecutionMode::Foreground] {
+        store
+            .accept_run(keel_store::AcceptRun {
+                run: new_run(session.id, mode),
+                inbox_capacity: 8,
+                now_ms: 30,
+            })
+            .await
+            .unwrap();
+    }
+    (dir, store, session.id)
+}
+
+fn raw(dir: &tempfile::TempDir) -> Connection {
+    Connection::open(db_path(dir)).unwrap()
+}
+
+/// Findings as (invariant, repairable) pairs, plus their text with ids masked.
+fn summary(report: &keel_store::InvariantReport) -> Vec<(Invariant, bool)> {
+    report
+        .findings
+        .iter()
+        .map(|f| (f.invariant, f.repairable))
+        .collect()
+}
+
+#[tokio::test]
+async fn what_the_commit_paths_write_is_clean_and_abandoned_runs_are_recovery_work() {
+    let (dir, store, _) = busy_store().await;
+    // The process that accepted the two open runs still owns them.
+    let live = CheckOptions {
+        owner_alive: true,
+        ..CheckOptions::default()
+    };
+    let report = store.check_invariants(live.clone()).await.unwrap();
+    assert!(report.is_clean(), "{report:#?}");
+    assert_eq!(
+        (
+            report.checked.sessions,
+            report.checked.checkpoints,
+            report.checked.runs,
+            report.checked.events
+        ),
+        (1, 4, 3, 1)
+    );
+    // Once it is gone, its open runs are abandoned until recovery runs.
+    let report = check_database(&db_path(&dir), &CheckOptions::default()).unwrap();
+    assert_eq!(
+        summary(&report),
+        [(Invariant::Runs, true), (Invariant::Runs, true)]
+    );
+    assert!(
+        report.findings[0].detail.contains("whose process stopped"),
+        "{report:#?}"
+    );
+    // Recovery (the next start) interrupts them; the background one with its completion.
+    store.activate_runtime("second".into(), 50).await.unwrap();
+    let report = check_database(&db_path(&dir), &CheckOptions::default()).unwrap();
+    assert!(report.is_clean(), "{report:#?}");
+    assert_eq!(report.checked.events, 2);
+}
+
+#[tokio::test]
+async fn each_broken_invariant_is_reported_with_its_repair() {
+    let (dir, store, session) = busy_store().await;
+    store.activate_runtime("second".into(), 50).await.unwrap();
+    let conn = raw(&dir);
+    // Counters drift from the rows (repairable).
+    conn.execute(
+        "UPDATE agent_session_state SET pending_event_count = pending_event_count + 3",
+        [],
+    )
+    .unwrap();
+    // A tool call with no result at the end of the history: a half turn.
+    store
+        .append_messages(
+            session,
+            vec![NewMessage::new(Message::assistant_with_tools(
+                "",
+                vec![ToolCall {
+                    id: "call-9".into(),
+                    name: "read_file".into(),
+                    arguments: serde_json::json!({}),
+                }],
+            ))],
+            60,
+        )
+        .await
+        .unwrap();
+    // A state blob whose bytes no longer match their hash.
+    conn.execute(
+        "UPDATE state_blobs SET bytes = X'00' WHERE hash = \
+         (SELECT state_hash FROM checkpoints ORDER BY rowid LIMIT 1)",
+        [],
+    )
+    .unwrap();
+    // A completion superseded (only signals may be).
+    conn.execute(
+        "UPDATE agent_inbox_events SET status = 'superseded', superseded_at = 70 \
+         WHERE event_type = 'completion' AND rowid = (SELECT min(rowid) FROM agent_inbox_events)",
+        [],
+    )
+    .unwrap();
+    // An interrupted background run whose completion vanished.
+    conn.execute_batch(
+        "PRAGMA foreign_keys = OFF; \
+         DELETE FROM agent_inbox_events WHERE rowid = (SELECT max(rowid) FROM agent_inbox_events);",
+    )
+    .unwrap();
+    drop(conn);
+    let report = check_database(&db_path(&dir), &CheckOptions::default()).unwrap();
+    let details: Vec<String> = report
+        .findings
+        .iter()
+        .map(|f| {
+            format!(
+                "{} ({}): {}",
+                f.invariant.name(),
+                if f.repairable { "repairable" } else { "manual" },
+                mask_ids(&f.detail)
+            )
+        })
+        .collect();
+    insta::assert_yaml_snapshot!(details);
+
+    // The safe repair (what a start runs) fixes the counters and nothing else.
+    store.activate_runtime("third".into(), 80).await.unwrap();
+    let after = check_database(&db_path(&dir), &CheckOptions::default()).unwrap();
+    assert!(after.findings.iter().all(|f| !f.repairable), "{after:#?}");
+    assert_eq!(after.findings.len(), report.findings.len() - 1);
+}
+
+#[tokio::test]
+async fn a_decoder_that_rejects_a_state_is_a_checkpoint_finding() {
+    let (dir, _store, _) = busy_store().await;
+    let options = CheckOptions {
+        owner_alive: true,
+        state_decoder: Some(std::sync::Arc::new(|bytes: &[u8]| {
+            if bytes.starts_with(b"{\"turn\":2") {
+                Err("turn 2 is not a state".into())
+            } else {
+                Ok(())
+            }
+        })),
+    };
+    let report = check_database(&db_path(&dir), &options).unwrap();
+    // Two checkpoints at turn 2 (one per branch) and the head of the session.
+    assert_eq!(
+        summary(&report),
+        [(Invariant::Checkpoints, false); 3],
+        "{report:#?}"
+    );
+}
+
+#[test]
+fn a_missing_database_is_not_created_by_the_check() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = db_path(&dir);
+    let err = check_database(&path, &CheckOptions::default()).unwrap_err();
+    assert!(err.to_string().contains("not found"), "{err}");
+    assert!(!path.exists());
+}
+
+/// Replaces UUIDs (36 characters with dashes) with `<id>`.
+fn mask_ids(text: &str) -> String {
+    let mut out = String::new();
+    let mut rest = text;
+    while let Some((i, _)) = rest.char_indices().find(|(i, _)| is_uuid(&rest[*i..])) {
+        out.push_str(&rest[..i]);
+        out.push_str("<id>");
+        rest = &rest[i + 36..];
+    }
+    out.push_str(rest);
+    out
+}
+
+fn is_uuid(s: &str) -> bool {
+    s.len() >= 36
+        && s.as_bytes()[..36].iter().enumerate().all(|(i, b)| match i {
+            8 | 13 | 18 | 23 => *b == b'-',
+            _ => b.is_ascii_hexdigit(),
+        })
+}
