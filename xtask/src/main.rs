@@ -94,12 +94,44 @@ pub(crate) fn cargo_metadata() -> Result<serde_json::Value, String> {
     serde_json::from_slice(&out.stdout).map_err(|e| format!("cargo metadata output: {e}"))
 }
 
+/// The `keel` that `cargo build --release` builds (the gateway alone, its
+/// features resolved without keel-e2e's) links no failpoint: neither the
+/// `fail` crate nor keel-store's `failpoints` feature is in its graph.
+fn release_has_no_failpoints() -> Result<(), String> {
+    let out = Command::new(cargo())
+        .args(["tree", "-p", "keel-gateway", "-e", "normal", "--locked"])
+        .args(["--prefix", "none", "-f", "{p} [{f}]"])
+        .current_dir(root())
+        .output()
+        .map_err(|e| format!("cannot run cargo tree: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "cargo tree failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let tree = String::from_utf8_lossy(&out.stdout);
+    let offending: Vec<&str> = tree
+        .lines()
+        .filter(|l| l.starts_with("fail v") || l.contains("failpoints"))
+        .collect();
+    if offending.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "the release keel would link failpoints: {}",
+            offending.join("; ")
+        ))
+    }
+}
+
 fn deps_cmd() -> Result<(), String> {
+    release_has_no_failpoints()?;
     let graph = deps::graph_from_metadata(&cargo_metadata()?)?;
     let violations = deps::check(&graph);
     if violations.is_empty() {
         let members = graph.values().filter(|p| p.workspace).count();
-        println!("deps: {members} workspace crates, layering ok");
+        println!("deps: {members} workspace crates, layering ok, no failpoints in the release keel");
         return Ok(());
     }
     for v in &violations {

@@ -58,9 +58,10 @@ pub enum Command {
         #[arg(long, value_name = "ADDR")]
         bind: Option<std::net::SocketAddr>,
     },
-    /// Check a data directory's database: exit 0 when every invariant
-    /// holds, 1 with findings (each says what it means and whether
-    /// --repair fixes it).
+    /// Check a data directory's database (exit 1 when an invariant fails)
+    ///
+    /// Exit 0 when every invariant holds, 1 with findings: each says what
+    /// it means and whether --repair fixes it.
     Doctor {
         /// Data directory and configuration.
         #[command(flatten)]
