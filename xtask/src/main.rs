@@ -131,7 +131,9 @@ fn deps_cmd() -> Result<(), String> {
     let violations = deps::check(&graph);
     if violations.is_empty() {
         let members = graph.values().filter(|p| p.workspace).count();
-        println!("deps: {members} workspace crates, layering ok, no failpoints in the release keel");
+        println!(
+            "deps: {members} workspace crates, layering ok, no failpoints in the release keel"
+        );
         return Ok(());
     }
     for v in &violations {

@@ -17,7 +17,7 @@ use keel_engine::{RuntimeBundle, SessionManager};
 use keel_store::{describe_process, Activation, RuntimeLock, Store};
 
 use crate::config::{Config, ConfigError, LoadedConfig};
-use crate::error::{io_err, AppError, Result};
+use crate::error::{database_err, io_err, AppError, Result};
 
 /// The profile the root agent runs on.
 const DEFAULT_PROFILE: &str = "default";
@@ -245,10 +245,11 @@ async fn activate(
     let db = database_path(data_dir);
     let holder = describe_process(command);
     let lock = RuntimeLock::acquire(&db, &holder)?;
-    let store = Store::open(&db, config.store_options())?;
+    let store = Store::open(&db, config.store_options()).map_err(database_err(&db))?;
     let activation = store
         .activate_runtime(holder, keel_core::time::now_ms())
-        .await?;
+        .await
+        .map_err(database_err(&db))?;
     log_recovery(&activation.recovery);
     Ok((lock, store, activation))
 }

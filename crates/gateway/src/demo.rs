@@ -272,7 +272,8 @@ pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode> {
     let provider = ScriptedProvider::new(script()).with_model("keel-demo");
     // Held for the whole tour (both runtimes below live in this process).
     let _lock = RuntimeLock::acquire(&db, &describe_process("keel demo"))?;
-    let store = Store::open(&db, StoreOptions::default())?;
+    let store =
+        Store::open(&db, StoreOptions::default()).map_err(crate::error::database_err(&db))?;
     let Runtime {
         manager,
         coordinator,
@@ -305,7 +306,8 @@ pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode> {
     drop(manager);
     coordinator.shutdown();
     drop(coordinator);
-    let store = Store::open(&db, StoreOptions::default())?;
+    let store =
+        Store::open(&db, StoreOptions::default()).map_err(crate::error::database_err(&db))?;
     let Runtime { manager, .. } =
         build(store, &provider, &dirs.workspace, &dirs.agents_dir).await?;
     let s = manager.load(first).await?;

@@ -19,7 +19,7 @@ use keel_store::{
 
 use crate::app::database_path;
 use crate::config::Config;
-use crate::error::{AppError, Result};
+use crate::error::{database_err, AppError, Result};
 
 /// Runs `keel doctor`; exit 0 when clean, 1 with findings.
 pub async fn run(
@@ -56,7 +56,7 @@ pub async fn run(
         return Ok(exit_code(&report));
     }
     println!("repairing: migrating and recovering as a start would");
-    let store = Store::open(&db, Default::default())?;
+    let store = Store::open(&db, Default::default()).map_err(database_err(&db))?;
     let activation = store
         .activate_runtime(
             describe_process("keel doctor --repair"),
@@ -80,14 +80,11 @@ pub async fn run(
 
 /// Checks on a blocking thread (the whole database is read).
 async fn check(db: &Path, options: &CheckOptions) -> Result<InvariantReport> {
-    let (db, options) = (db.to_path_buf(), options.clone());
-    tokio::task::spawn_blocking(move || check_database(&db, &options))
+    let (path, options) = (db.to_path_buf(), options.clone());
+    tokio::task::spawn_blocking(move || check_database(&path, &options))
         .await
         .map_err(|e| AppError::InvalidInput(format!("the check stopped: {e}")))?
-        .map_err(|e| match e {
-            e @ StoreError::NewerSchema { .. } => AppError::Store(e),
-            e => AppError::InvalidInput(format!("cannot check the database: {e}")),
-        })
+        .map_err(database_err(db))
 }
 
 fn exit_code(report: &InvariantReport) -> ExitCode {

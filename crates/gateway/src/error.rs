@@ -23,6 +23,16 @@ pub enum AppError {
     /// store says so (a lock held elsewhere, a full disk freed).
     #[error("storage: {0}")]
     Store(#[from] keel_store::StoreError),
+    /// The database file cannot be opened as keel's (not a keel database,
+    /// damaged, from a newer keel, in use); the message names the file.
+    /// Retryable when the store says so (a lock held elsewhere).
+    #[error("{}: {source}", path.display())]
+    Database {
+        /// The database file.
+        path: std::path::PathBuf,
+        /// Why it cannot be opened.
+        source: keel_store::StoreError,
+    },
     /// An engine operation failed (sessions, sub-agent runs, built-in
     /// tools). Retryable when the engine says so (a provider's rate limit,
     /// a full quota).
@@ -59,7 +69,7 @@ impl AppError {
     /// variant's doc).
     pub fn is_retryable(&self) -> bool {
         match self {
-            AppError::Store(e) => e.is_retryable(),
+            AppError::Store(e) | AppError::Database { source: e, .. } => e.is_retryable(),
             AppError::Engine(e) => e.is_retryable(),
             AppError::Io { source, .. } => matches!(
                 source.kind(),
@@ -73,6 +83,16 @@ impl AppError {
             | AppError::InvalidInput(_)
             | AppError::Demo(_) => false,
         }
+    }
+}
+
+/// Maps a failure to open the database at `path` to an error naming the file.
+pub fn database_err(
+    path: &std::path::Path,
+) -> impl FnOnce(keel_store::StoreError) -> AppError + '_ {
+    move |source| AppError::Database {
+        path: path.to_path_buf(),
+        source,
     }
 }
 

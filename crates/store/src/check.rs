@@ -13,7 +13,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use keel_core::{Message, Role};
-use rusqlite::{Connection, OpenFlags, OptionalExtension};
+use rusqlite::{Connection, OptionalExtension};
 
 use crate::counters::recount_tx;
 use crate::error::{Result, StoreError};
@@ -99,7 +99,8 @@ impl Invariant {
     pub fn meaning(self) -> &'static str {
         match self {
             Invariant::Integrity => {
-                "SQLite found the file itself damaged: some rows may be unreadable or wrong"
+                "SQLite found the file damaged, or a row breaking its table's constraints \
+                 (a value keel does not know): some rows may be unreadable or wrong"
             }
             Invariant::ForeignKeys => "a row refers to a row that does not exist",
             Invariant::Schema => {
@@ -185,22 +186,29 @@ impl InvariantReport {
 
 /// Opens `path` read-only (never creating or migrating it) and checks it.
 pub fn check_database(path: &Path, options: &CheckOptions) -> Result<InvariantReport> {
-    if !path.is_file() {
+    // Refuses what is not keel's; rows breaking their constraints are
+    // findings of the integrity check below, not a refusal.
+    if crate::identify::identify(path, false)? == crate::identify::Found::Missing {
         return Err(StoreError::NotFound(format!("database {}", path.display())));
     }
-    let conn = Connection::open_with_flags(
-        path,
-        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-    )?;
-    conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    let conn = crate::identify::inspector(path)?;
     let tx = conn.unchecked_transaction()?;
     check_tx(&tx, options)
 }
 
 impl Store {
-    /// Checks every invariant in one read snapshot (see [`check_database`]).
+    /// Checks every invariant in one read snapshot (see [`check_database`]),
+    /// on a reader thread.
     pub async fn check_invariants(&self, options: CheckOptions) -> Result<InvariantReport> {
-        self.db.read(move |c| check_tx(c, &options)).await
+        let path = self.path().to_path_buf();
+        // Its own connection: the pool's read-only ones skip CHECK constraints.
+        self.db
+            .read(move |_| {
+                let conn = crate::identify::inspector(&path)?;
+                let tx = conn.unchecked_transaction()?;
+                check_tx(&tx, &options)
+            })
+            .await
     }
 }
 

@@ -107,6 +107,11 @@ pub(crate) fn open_writer(path: &Path, opts: &StoreOptions) -> Result<Connection
     // Checkpoints never run inside a commit (see [`Writer::checkpoint_if_due`]).
     conn.pragma_update(None, "wal_autocheckpoint", 0)?;
     migrations::migrate(&mut conn)?;
+    // Databases created before keel stamped its id get it now.
+    let id: i32 = conn.query_row("PRAGMA application_id", [], |r| r.get(0))?;
+    if id != crate::identify::APPLICATION_ID {
+        conn.pragma_update(None, "application_id", crate::identify::APPLICATION_ID)?;
+    }
     Ok(conn)
 }
 
@@ -601,6 +606,10 @@ pub(crate) struct Db {
 impl Db {
     /// Opens (creating and migrating if needed) the database at `path`.
     pub(crate) fn open(path: &Path, opts: StoreOptions) -> Result<Self> {
+        // Nothing is written to a file that is not keel's (not even its mode).
+        if crate::identify::identify(path, true)? == crate::identify::Found::Missing {
+            crate::identify::create(path)?;
+        }
         restrict_to_owner(path)?;
         let mut conn = open_writer(path, &opts)?;
         let checkpoint_due = watch_wal(&mut conn, opts.wal_autocheckpoint_pages)?;
@@ -780,22 +789,16 @@ impl Drop for Db {
     }
 }
 
-/// Creates the database file readable by its owner only (0600), or tightens
-/// an existing one and its WAL and shared-memory files; SQLite creates the
-/// WAL and shared-memory files with the database file's mode.
+/// Tightens the database file (created 0600), its WAL and shared-memory
+/// files to their owner; SQLite creates the WAL and shared-memory files
+/// with the database file's mode.
 #[cfg(unix)]
 fn restrict_to_owner(path: &Path) -> Result<()> {
-    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    use std::os::unix::fs::PermissionsExt;
     let io = |what: &Path, e: std::io::Error| StoreError::Io {
         attempts: 1,
         message: format!("cannot restrict {} to its owner: {e}", what.display()),
     };
-    std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .mode(0o600)
-        .open(path)
-        .map_err(|e| io(path, e))?;
     for suffix in ["", "-wal", "-shm"] {
         let mut file = path.as_os_str().to_owned();
         file.push(suffix);

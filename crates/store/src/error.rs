@@ -42,7 +42,16 @@ pub enum StoreError {
         /// SQLite's message.
         message: String,
     },
-    /// A disk I/O error (or full disk) persisted through every retry. Retryable later.
+    /// The disk holding the database is full: the write was rolled back,
+    /// nothing is corrupted, reads keep working. Retryable once space is freed.
+    #[error("disk full: the database cannot grow ({message}); free space on its disk, then retry")]
+    DiskFull {
+        /// How many times the operation ran.
+        attempts: u32,
+        /// SQLite's message.
+        message: String,
+    },
+    /// A disk I/O error persisted through every retry. Retryable later.
     #[error("disk I/O error after {attempts} attempts: {message}")]
     Io {
         /// How many times the operation ran.
@@ -61,6 +70,10 @@ pub enum StoreError {
         /// [`crate::SCHEMA_VERSION`] of this build.
         supported: u32,
     },
+    /// The file is not a keel database (empty, not SQLite, another
+    /// application's); it was left untouched. Not retryable.
+    #[error("not a keel database: {0}")]
+    NotKeel(String),
     /// Migration to `version` failed and was rolled back; the database keeps its previous version. Not retryable.
     #[error("migration to schema version {version} failed (rolled back): {message}")]
     Migration {
@@ -110,13 +123,19 @@ impl StoreError {
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
-            StoreError::Busy { .. } | StoreError::Io { .. } | StoreError::InboxFull { .. }
+            StoreError::Busy { .. }
+                | StoreError::Io { .. }
+                | StoreError::DiskFull { .. }
+                | StoreError::InboxFull { .. }
         )
     }
 
-    /// Whether the store itself retries this failure (BUSY/LOCKED/IO).
+    /// Whether the store itself retries this failure (BUSY/LOCKED/IO/FULL).
     pub(crate) fn is_transient(&self) -> bool {
-        matches!(self, StoreError::Busy { .. } | StoreError::Io { .. })
+        matches!(
+            self,
+            StoreError::Busy { .. } | StoreError::Io { .. } | StoreError::DiskFull { .. }
+        )
     }
 
     /// The same transient error, stamped with how many attempts were made.
@@ -127,6 +146,10 @@ impl StoreError {
                 message,
             },
             StoreError::Io { message, .. } => StoreError::Io {
+                attempts: n,
+                message,
+            },
+            StoreError::DiskFull { message, .. } => StoreError::DiskFull {
                 attempts: n,
                 message,
             },
@@ -150,7 +173,11 @@ impl From<rusqlite::Error> for StoreError {
                         attempts: 1,
                         message,
                     },
-                    ErrorCode::SystemIoFailure | ErrorCode::DiskFull => StoreError::Io {
+                    ErrorCode::DiskFull => StoreError::DiskFull {
+                        attempts: 1,
+                        message,
+                    },
+                    ErrorCode::SystemIoFailure => StoreError::Io {
                         attempts: 1,
                         message,
                     },

@@ -88,6 +88,7 @@ mod db;
 mod error;
 #[cfg(feature = "failpoints")]
 pub mod failpoints;
+mod identify;
 mod inbox;
 mod messages;
 mod migrations;
@@ -206,7 +207,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("keel.db");
         // An older keel left the file world-readable: opening tightens it.
-        std::fs::write(&path, b"").expect("create");
+        drop(Store::open(&path, StoreOptions::default()).expect("create"));
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
         for fresh in [false, true] {
             let path = if fresh {

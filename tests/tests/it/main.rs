@@ -8,10 +8,14 @@
 mod chat;
 #[cfg(unix)]
 mod crash;
+#[cfg(target_os = "linux")]
+mod disk_full;
 #[cfg(unix)]
 mod doctor;
 #[cfg(unix)]
 mod failpoints;
+#[cfg(unix)]
+mod foreign;
 #[cfg(unix)]
 mod serve;
 

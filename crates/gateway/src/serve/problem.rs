@@ -197,6 +197,13 @@ impl From<StoreError> for ApiError {
         match e {
             StoreError::NotFound(what) => ApiError::NotFound(format!("{what} not found")),
             StoreError::InvalidInput(what) => ApiError::BadRequest(what),
+            StoreError::DiskFull { .. } => {
+                tracing::error!(error = %e, "the disk is full; writes fail until space is freed");
+                ApiError::Unavailable(
+                    "the server's disk is full: nothing was saved; retry once space is freed"
+                        .to_owned(),
+                )
+            }
             StoreError::Busy { .. } | StoreError::Io { .. } => {
                 tracing::warn!(error = %e, "storage unavailable; the client is asked to retry");
                 ApiError::Unavailable("storage is busy; retry shortly".to_owned())

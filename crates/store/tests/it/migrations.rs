@@ -231,8 +231,11 @@ fn a_newer_database_is_refused_and_left_untouched() {
     let dir = tempfile::tempdir().unwrap();
     {
         let conn = Connection::open(db_path(&dir)).unwrap();
-        conn.execute_batch("CREATE TABLE future (x); PRAGMA user_version = 9;")
-            .unwrap();
+        // A newer keel's database: keel's application id ("keel"), a later version.
+        conn.execute_batch(
+            "CREATE TABLE future (x); PRAGMA user_version = 9; PRAGMA application_id = 1801807212;",
+        )
+        .unwrap();
     }
     let bytes_before = std::fs::read(db_path(&dir)).unwrap();
     let err = Store::open(db_path(&dir), fast_options()).unwrap_err();
