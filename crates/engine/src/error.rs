@@ -229,15 +229,17 @@ impl EngineError {
 
     /// Whether this is a failure of keel itself (storage, corrupt state, a
     /// panicked task) rather than a refusal or a mistake of the caller: its
-    /// detail belongs in the log, not in front of a model or a client.
+    /// detail belongs in the log, not in front of a model or a client. A
+    /// full disk is not: the user must know, and its message names no detail.
     pub fn is_internal(&self) -> bool {
-        matches!(
-            self,
+        match self {
+            EngineError::Store(StoreError::DiskFull { .. }) => false,
             EngineError::TurnPanicked(_)
-                | EngineError::CorruptState(_)
-                | EngineError::StateEncoding(_)
-                | EngineError::Store(_)
-        )
+            | EngineError::CorruptState(_)
+            | EngineError::StateEncoding(_)
+            | EngineError::Store(_) => true,
+            _ => false,
+        }
     }
 
     /// What the model reads when a tool call fails with this error: policy
@@ -313,6 +315,11 @@ mod tests {
         assert!(store_busy.is_retryable() && store_busy.is_internal());
         let sqlite = EngineError::Store(StoreError::Sqlite("no such table: x".into()));
         assert!(!sqlite.is_retryable() && sqlite.is_internal());
+        let full = EngineError::Store(StoreError::DiskFull {
+            attempts: 1,
+            message: "database or disk is full".into(),
+        });
+        assert!(!full.is_internal());
         let quota = EngineError::RunQuotaExceeded {
             scope: GateScope::Global,
             limit: 1,

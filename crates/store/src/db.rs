@@ -1221,9 +1221,11 @@ mod tests {
             file_len(&path) > before,
             "pages were copied into the main file"
         );
-        // 400 commits of ~1 page each went through a WAL restarted every 8 pages or so.
+        // 400 commits of ~1 page each went through a WAL restarted every 8
+        // pages or so: it stays within a few thresholds (a new database is
+        // migrated aside, so its WAL starts empty).
         assert!(
-            file_len(&wal) <= at_open + 16 * 4096,
+            file_len(&wal) <= at_open + 32 * 4096,
             "the WAL grew to {} bytes ({at_open} after the migrations)",
             file_len(&wal)
         );

@@ -38,6 +38,14 @@ pub const FAILPOINTS: &[(&str, &str)] = &[
         "activation recovered older generations, before COMMIT",
     ),
     (
+        "store::open_turn::before_commit",
+        "a user turn's input is written (open), before COMMIT",
+    ),
+    (
+        "store::open_turn::after_commit",
+        "a user turn's input committed, before the model is called",
+    ),
+    (
         "store::commit_turn::before_commit",
         "a turn's messages, state and checkpoint are written, before COMMIT",
     ),

@@ -529,9 +529,16 @@ impl Store {
             .filter(|m| m.message.is_visible_user_input())
             .count();
         let visible = u32::try_from(visible).unwrap_or(u32::MAX);
-        self.db
-            .write_cached(move |c, cache| open_turn_tx(c, cache, &turn, &encoded, visible))
-            .await
+        let seqs = self
+            .db
+            .write_cached(move |c, cache| {
+                let seqs = open_turn_tx(c, cache, &turn, &encoded, visible)?;
+                failpoint!("store::open_turn::before_commit");
+                Ok(seqs)
+            })
+            .await?;
+        failpoint!("store::open_turn::after_commit");
+        Ok(seqs)
     }
 
     /// Marks the open inputs `seqs` (of the session's head) unanswered: their

@@ -16,8 +16,8 @@ use keel_core::{
 };
 use keel_store::{
     AcceptRun, CheckpointSource, ClaimRequest, CompletionHandling, ContinuationCommit,
-    LeasedEvents, NewCheckpoint, NewMessage, NewRun, NewSession, NewSignal, ReleaseRequest, Store,
-    StoreOptions, TerminalOutcome, TurnCommit,
+    LeasedEvents, NewCheckpoint, NewMessage, NewRun, NewSession, NewSignal, OpenTurn,
+    ReleaseRequest, Store, StoreOptions, TerminalOutcome, TurnCommit,
 };
 
 fn main() {
@@ -50,6 +50,7 @@ fn turn(session: SessionId, messages: Vec<Message>, turn_index: u64) -> TurnComm
             source: CheckpointSource::Turn,
         }),
         visible_user_inputs: 1,
+        answers: Vec::new(),
         expected_head: None,
         now_ms: now(),
     }
@@ -93,20 +94,30 @@ async fn drive(data: &std::path::Path) {
         name: "read_file".into(),
         arguments: serde_json::json!({"path": "notes.txt"}),
     };
-    store
-        .commit_turn(turn(
-            session,
-            vec![
-                Message::user("user message 1"),
-                Message::assistant_with_tools("", vec![call.clone()]),
-                Message::tool_result("call-1", "read_file", "notes"),
-                Message::assistant("answer 1"),
-            ],
-            1,
-        ))
+    // A user turn: its input commits first, then the answer.
+    let answers = store
+        .open_turn(OpenTurn {
+            session_id: session,
+            messages: vec![NewMessage::new(Message::user("user message 1"))],
+            expected_head: None,
+            now_ms: now(),
+        })
         .await
         .unwrap();
     ack("turn user message 1");
+    let mut first = turn(
+        session,
+        vec![
+            Message::assistant_with_tools("", vec![call.clone()]),
+            Message::tool_result("call-1", "read_file", "notes"),
+            Message::assistant("answer 1"),
+        ],
+        1,
+    );
+    first.visible_user_inputs = 0;
+    first.answers = answers;
+    store.commit_turn(first).await.unwrap();
+    ack("turn answer 1");
 
     let run = RunId::new();
     let execution = format!("exec-{run}");

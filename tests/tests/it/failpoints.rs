@@ -8,7 +8,7 @@
 //! signals, claims, steer admission, release and continuation included.
 
 use std::collections::BTreeSet;
-use std::io::Write;
+use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
@@ -127,7 +127,7 @@ fn driver_actions(point: &str) -> &'static str {
         "store::migration::before_commit" => "3*off->return",
         "store::migration::after_commit" => "2*off->return",
         // A batch after the run and signal were committed.
-        "store::writer::before_commit" => "8*off->return",
+        "store::writer::before_commit" => "9*off->return",
         // The second WAL checkpoint, with turns committed before it.
         "store::wal_checkpoint::before" | "store::wal_checkpoint::after" => "1*off->return",
         // The turn after the continuation.
@@ -258,6 +258,16 @@ const CHAT_CASES: &[ChatCase] = &[
         delegates: false,
     },
     ChatCase {
+        point: "store::open_turn::before_commit",
+        actions: "1*off->return",
+        delegates: false,
+    },
+    ChatCase {
+        point: "store::open_turn::after_commit",
+        actions: "1*off->return",
+        delegates: false,
+    },
+    ChatCase {
         point: "store::commit_turn::before_commit",
         actions: "1*off->return",
         delegates: false,
@@ -369,8 +379,12 @@ fn keel_chat_dies_at_its_failpoints_and_the_next_start_recovers_clean() {
                     case.point
                 );
             }
-            if case.point == "store::commit_turn::after_commit" {
-                // Committed, never acknowledged: still durable.
+            if matches!(
+                case.point,
+                "store::open_turn::after_commit" | "store::commit_turn::after_commit"
+            ) {
+                // Committed (the input, or the whole turn), never
+                // acknowledged: still durable.
                 assert!(texts.contains(&"second question".to_owned()), "{texts:?}");
             }
             if case.delegates {
@@ -412,4 +426,103 @@ fn an_unknown_failpoint_name_is_refused() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("which is no failpoint"), "{stderr}");
+}
+
+/// The continuation's points, reached by `keel chat` answering a
+/// background result while idle: killed after the claim or before the
+/// commit, the next start delivers the result once; killed after the
+/// commit (the answer durable, never shown), it is never delivered again.
+#[test]
+fn keel_chat_dies_in_a_continuation_and_the_result_is_answered_exactly_once() {
+    for point in [
+        "store::claim_inbox::after_commit",
+        "store::commit_continuation::before_commit",
+        "store::commit_continuation::after_commit",
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        crate::data_dir_with_agent(&data, "quick", "Answers at once.", true);
+        // One script serves the root and the run: answers 2 and 3 are the
+        // same so their order does not matter; answer 4 is the continuation's.
+        let script = dir.path().join("script.yaml");
+        std::fs::write(
+            &script,
+            "- tool_calls: [{name: delegate, arguments: {mode: background, tasks: [{agent: quick, task: count}]}}]\n\
+             - text: ok\n\
+             - text: ok\n\
+             - text: the count is in\n",
+        )
+        .unwrap();
+        let mut child = chat(&data, &script, Some(&format!("{point}=return")))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Stdin stays open: the chat is idle, not ending, when the result arrives.
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(b"count for me\n").unwrap();
+        let out = child.wait_with_output().unwrap();
+        drop(stdin);
+        assert_killed(&out, point);
+
+        let echo = dir.path().join("echo.yaml");
+        std::fs::write(&echo, "when_exhausted: echo\n").unwrap();
+        let mut child = chat(&data, &echo, None)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let committed = point.ends_with("after_commit") && point.contains("continuation");
+        if committed {
+            stdin.write_all(b"after the crash\n").unwrap();
+        }
+        // Redelivered: the continuation's answer; committed: the echo.
+        let mut seen = Vec::new();
+        let mut delivered = false;
+        loop {
+            let line = lines.next().unwrap().unwrap();
+            delivered |= line == "[background results arrived]";
+            let done =
+                line.starts_with("keel> ") && (delivered || line.contains("after the crash"));
+            seen.push(line);
+            if done {
+                break;
+            }
+        }
+        drop(stdin);
+        assert!(child.wait().unwrap().success(), "{point}: {seen:?}");
+        assert_eq!(delivered, !committed, "{point}: {seen:?}");
+        assert_doctor_clean(&data);
+
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let store = Store::open(data.join("keel.db"), Default::default()).unwrap();
+            let dialog = store
+                .latest_active_dialog("cli", "fran")
+                .await
+                .unwrap()
+                .unwrap();
+            let events = store.list_inbox_events(dialog.id).await.unwrap();
+            assert_eq!(events.len(), 1, "{point}: {events:?}");
+            assert_eq!(
+                events[0].status,
+                keel_store::EventStatus::Consumed,
+                "{point}"
+            );
+            let triggers = store
+                .load_messages(dialog.id, MessageFilter::default())
+                .await
+                .unwrap()
+                .iter()
+                .filter(|m| m.message.text().starts_with("[Background results"))
+                .count();
+            assert_eq!(triggers, 1, "{point}: exactly one continuation committed");
+        });
+    }
 }

@@ -22,6 +22,7 @@ fn turn(session: keel_core::SessionId, messages: Vec<Message>, turn_index: u64) 
             source: CheckpointSource::Turn,
         }),
         visible_user_inputs: 1,
+        answers: Vec::new(),
         expected_head: None,
         now_ms: 10,
     }
