@@ -65,7 +65,9 @@ pub async fn run(
         .await?;
     let recovery = &activation.recovery;
     println!(
-        "repaired: {} runs interrupted, {} completions recorded, {} leases expired, {} counters recomputed",
+        "repaired: {} inputs marked unanswered, {} runs interrupted, {} completions recorded, \
+         {} leases expired, {} counters recomputed",
+        recovery.unanswered_inputs,
         recovery.interrupted_runs.len(),
         recovery.completion_events,
         recovery.leases_expired,

@@ -55,7 +55,8 @@ pub enum Invariant {
     /// The schema is at the version this build writes.
     Schema,
     /// Histories hold only committed turns: contiguous seqs, readable
-    /// messages, every tool call answered before the history's end.
+    /// messages, every tool call answered before the history's end, and no
+    /// user's input open without a live turn answering it.
     History,
     /// Every listed checkpoint (and every session head) restores.
     Checkpoints,
@@ -232,8 +233,9 @@ pub(crate) fn check_tx(conn: &Connection, options: &CheckOptions) -> Result<Inva
         return Ok(report);
     }
     // A damaged row stops one check, not the others: its error is a finding.
-    let checks: [(Invariant, CheckFn); 4] = [
+    let checks: [(Invariant, CheckFn); 5] = [
         (Invariant::History, histories),
+        (Invariant::History, open_inputs),
         (Invariant::Counters, counters),
         (Invariant::Runs, runs),
         (Invariant::Completions, completions),
@@ -249,6 +251,36 @@ pub(crate) fn check_tx(conn: &Connection, options: &CheckOptions) -> Result<Inva
 }
 
 type CheckFn = fn(&Connection, &CheckOptions, &mut InvariantReport) -> Result<()>;
+
+/// A user's input is committed `open` before the model is called; only a
+/// live turn holds one open. One left by a stopped process is marked
+/// unanswered by the next start's recovery.
+fn open_inputs(
+    conn: &Connection,
+    options: &CheckOptions,
+    report: &mut InvariantReport,
+) -> Result<()> {
+    if options.owner_alive {
+        return Ok(());
+    }
+    let mut stmt = conn.prepare(
+        "SELECT timeline_id, seq FROM messages WHERE input_state = 'open' ORDER BY timeline_id, seq",
+    )?;
+    let open = stmt
+        .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    for (timeline, seq) in open {
+        report.push(
+            Invariant::History,
+            true,
+            format!(
+                "timeline {timeline} seq {seq}: a user's message is still open, but no process \
+                 is answering it; the next start marks it unanswered"
+            ),
+        );
+    }
+    Ok(())
+}
 
 fn integrity(conn: &Connection, report: &mut InvariantReport) -> Result<()> {
     let mut stmt = conn.prepare("PRAGMA integrity_check(100)")?;

@@ -17,9 +17,13 @@ fn doctor(data: &Path, repair: bool) -> Output {
     cmd.output().unwrap()
 }
 
-/// The output with the data directory and ids masked.
+/// The output with the data directory and ids masked, and the state of
+/// the run killed just after its acceptance (it may not have started).
 fn shown(out: &Output, data: &Path) -> String {
-    let text = String::from_utf8_lossy(&out.stdout).replace(&data.display().to_string(), "<data>");
+    let text = String::from_utf8_lossy(&out.stdout)
+        .replace(&data.display().to_string(), "<data>")
+        .replace("is queued:", "is queued or running:")
+        .replace("is running:", "is queued or running:");
     mask_uuids(&text)
 }
 
