@@ -1,7 +1,8 @@
 //! `keel serve` as a user runs it: the address it prints, the refusal of
-//! an exposed address without a token, a token that never reaches the log, SIGTERM in the middle of a turn
-//! (nothing half-saved), SIGHUP reloads that keep the catalog in force when
-//! the definitions are broken.
+//! an exposed address without a token, a token that never reaches the log,
+//! SIGTERM in the middle of a turn (nothing of its answer saved), SIGHUP
+//! reloads that keep the catalog in force when the definitions are broken,
+//! and SIGINT stopping it.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -305,7 +306,8 @@ fn sighup_reloads_the_agents_and_keeps_the_catalog_when_they_are_broken() {
         "{reloaded:?}"
     );
     assert_eq!(generation(&served), 2);
-    served.signal("TERM");
+    // Ctrl-C (SIGINT) stops it as SIGTERM does.
+    served.signal("INT");
     served.stderr_until("stopped");
     assert!(served.child.wait().unwrap().success());
 }
