@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use super::api::{AgentEvent, AgentRun, Dialog, TurnOrigin};
+use super::api::{AgentEvent, AgentRun, Dialog, TokenUsage, TurnOrigin};
 
 /// Longest client-chosen request `id`, in bytes.
 pub const MAX_REQUEST_ID_BYTES: usize = 64;
@@ -197,6 +197,17 @@ pub enum ServerFrame {
         /// Whether it failed.
         is_error: bool,
     },
+    /// A model call of the turn ended (tool calls, if it asked for any,
+    /// run next, then the next model call).
+    ModelCallFinished {
+        /// The dialog.
+        session_id: Uuid,
+        /// The turn.
+        turn_id: Uuid,
+        /// Why the model stopped: `stop`, `tool_calls`, `length`,
+        /// `content_filter`, or the provider's own word.
+        finish_reason: String,
+    },
     /// A notice about the turn that is not part of the history.
     Notice {
         /// The dialog.
@@ -216,6 +227,8 @@ pub enum ServerFrame {
         turn_origin: TurnOrigin,
         /// Its automatic checkpoint.
         checkpoint_id: Option<Uuid>,
+        /// Tokens of the turn's model calls (its sub-agents' are on their runs).
+        usage: TokenUsage,
     },
     /// The turn ended without being saved.
     TurnFailed {
@@ -298,6 +311,7 @@ impl ServerFrame {
             ServerFrame::TextDelta { .. } => "text_delta",
             ServerFrame::ToolStarted { .. } => "tool_started",
             ServerFrame::ToolFinished { .. } => "tool_finished",
+            ServerFrame::ModelCallFinished { .. } => "model_call_finished",
             ServerFrame::Notice { .. } => "notice",
             ServerFrame::TurnCommitted { .. } => "turn_committed",
             ServerFrame::TurnFailed { .. } => "turn_failed",
@@ -316,6 +330,7 @@ impl ServerFrame {
             | ServerFrame::TextDelta { turn_id, .. }
             | ServerFrame::ToolStarted { turn_id, .. }
             | ServerFrame::ToolFinished { turn_id, .. }
+            | ServerFrame::ModelCallFinished { turn_id, .. }
             | ServerFrame::Notice { turn_id, .. }
             | ServerFrame::TurnCommitted { turn_id, .. }
             | ServerFrame::TurnFailed { turn_id, .. } => Some(*turn_id),

@@ -8,14 +8,14 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_core::{Message, SessionId, StreamEvent, TurnId};
+use keel_core::{FinishReason, Message, SessionId, StreamEvent, TurnId};
 use keel_engine::{EngineError, SessionEvent, SessionManager, SubscriptionError, TurnEvent};
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::api::{Dialog, TurnOrigin, PREVIEW_BYTES};
+use super::api::{Dialog, TokenUsage, TurnOrigin, PREVIEW_BYTES};
 use super::frames::ServerFrame;
 use super::hub::Hub;
 use super::problem::{ApiError, ApiResult};
@@ -62,6 +62,11 @@ fn event_frame(session: SessionId, turn: TurnId, event: TurnEvent) -> Option<Ser
             turn_id,
             text,
         },
+        TurnEvent::Stream(StreamEvent::Finish { reason }) => ServerFrame::ModelCallFinished {
+            session_id,
+            turn_id,
+            finish_reason: finish_reason_text(&reason),
+        },
         TurnEvent::Stream(_) => return None,
         TurnEvent::ToolStarted { call } => ServerFrame::ToolStarted {
             session_id,
@@ -88,6 +93,17 @@ fn event_frame(session: SessionId, turn: TurnId, event: TurnEvent) -> Option<Ser
             text,
         },
     })
+}
+
+/// The wire word for why a model stopped.
+fn finish_reason_text(reason: &FinishReason) -> String {
+    match reason {
+        FinishReason::Stop => "stop".to_owned(),
+        FinishReason::ToolCalls => "tool_calls".to_owned(),
+        FinishReason::Length => "length".to_owned(),
+        FinishReason::ContentFilter => "content_filter".to_owned(),
+        FinishReason::Other(other) => other.clone(),
+    }
 }
 
 /// The message a client reads about a turn that ended unsaved.
@@ -326,6 +342,10 @@ impl TurnRunner {
                 turn_id: turn.as_uuid(),
                 turn_origin: origin,
                 checkpoint_id: report.checkpoint.map(|c| c.as_uuid()),
+                usage: TokenUsage {
+                    prompt_tokens: report.output.usage.prompt_tokens,
+                    completion_tokens: report.output.usage.completion_tokens,
+                },
             },
             Err(e) => ServerFrame::TurnFailed {
                 session_id: session.as_uuid(),

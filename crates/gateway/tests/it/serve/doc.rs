@@ -88,6 +88,7 @@ fn every_frame_in_protocol_md_is_a_frame_and_every_frame_has_an_example() {
             "agent_runs",
             "dialog_updated",
             "error",
+            "model_call_finished",
             "notice",
             "resync",
             "steered",

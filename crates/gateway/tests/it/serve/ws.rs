@@ -84,7 +84,12 @@ async fn two_clients_on_one_dialog_see_the_same_turn() {
     assert_eq!(shape(&seen_a), shape(&seen_b));
     assert_eq!(
         shape(&seen_b),
-        ["turn_started", "text one two three", "turn_committed User"]
+        [
+            "turn_started",
+            "text one two three",
+            "model_call_finished",
+            "turn_committed User"
+        ]
     );
 }
 
