@@ -13,7 +13,7 @@
 //! `lifecycle` (create, load, evict, destroy), `worker` (the session
 //! worker: send, steer, stop), `turns` (run and commit a turn), `slots` (context slots and session memory), `dialogs`,
 //! `checkpoints` (list, create, roll back, fork, prune), `snapshots`
-//! (export and import) and `housekeeping` (titles and summaries after a
+//! (export and import, and history a client brings) and `housekeeping` (titles and summaries after a
 //! turn).
 
 mod checkpoints;

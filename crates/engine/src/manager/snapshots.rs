@@ -1,7 +1,8 @@
 //! Snapshots: a whole session exported as portable data and imported as a
-//! new session.
+//! new session; and messages a client brings imported into a session.
 
-use keel_core::{AgentId, SessionId};
+use keel_core::{AgentId, ClientVisibility, Message, Role, SessionId};
+use keel_store::CheckpointSource;
 
 use super::{NewSessionSpec, SessionManager};
 use crate::address::DialogAddress;
@@ -46,5 +47,42 @@ impl SessionManager {
             .commit(&self.store, Vec::new(), state, None, &[])
             .await?;
         Ok(id)
+    }
+}
+
+impl SessionManager {
+    /// Appends history a client brings — text keel did not produce, such as
+    /// an edited answer or a conversation begun elsewhere — to the session's
+    /// current slot in one commit with a checkpoint after it; no model is
+    /// called and the turn index does not move. Only visible user and
+    /// assistant text is accepted: tool calls and results belong to turns
+    /// keel ran. On error nothing is written.
+    pub async fn import_messages(&self, id: SessionId, messages: Vec<Message>) -> Result<()> {
+        if messages.is_empty() {
+            return Err(EngineError::InvalidInput(
+                "there are no messages to import".to_owned(),
+            ));
+        }
+        if let Some(bad) = messages.iter().find(|m| {
+            !matches!(m.role, Role::User | Role::Assistant)
+                || !m.tool_calls.is_empty()
+                || m.tool_call_id.is_some()
+                || m.visibility != ClientVisibility::Visible
+        }) {
+            return Err(EngineError::InvalidInput(format!(
+                "only visible user and assistant text can be imported, not a {} message{}",
+                bad.role.as_str(),
+                if bad.tool_calls.is_empty() { "" } else { " with tool calls" }
+            )));
+        }
+        let session = self.session(id).await?;
+        let mut guard = session.lock().await;
+        let slot = guard.writable_slot()?;
+        let state = guard.state.clone();
+        let messages = messages.into_iter().map(|m| (slot.clone(), m)).collect();
+        guard
+            .commit(&self.store, messages, state, Some(CheckpointSource::Manual))
+            .await?;
+        Ok(())
     }
 }

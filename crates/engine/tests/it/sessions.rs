@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use crate::common::*;
-use keel_core::{Message, ScriptedResponse};
+use keel_core::{Message, Role, ScriptedResponse};
 use keel_engine::SessionManagerConfig;
 use keel_engine::{EngineError, TurnEvent};
 use keel_engine::{MergeStrategy, SlotMode};
@@ -231,6 +231,63 @@ async fn snapshot_export_import_round_trip() {
     assert_eq!(a.state().cost, b.state().cost);
     assert_eq!(a.turn_index(), b.turn_index());
     assert_eq!(b.record().title, "Dialog d1");
+}
+
+#[tokio::test]
+async fn imported_messages_join_the_history_with_a_checkpoint_and_no_model_call() {
+    let h = harness(SessionManagerConfig::default());
+    replies(&h.provider, &["after import"]);
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    h.manager
+        .import_messages(id, vec![Message::user("u1"), Message::assistant("a1")])
+        .await
+        .unwrap();
+    assert!(h.provider.requests().is_empty());
+    let cps = h.manager.list_checkpoints(id).await.unwrap();
+    assert_eq!(cps.len(), 1);
+    assert_eq!(cps[0].source, CheckpointSource::Manual);
+    assert_eq!(cps[0].turn_index, 0);
+    h.manager.submit_turn(id, "u2").await.unwrap();
+    // The model saw the imported history.
+    let seen: Vec<String> = h.provider.requests()[0]
+        .messages
+        .iter()
+        .filter(|m| m.role != Role::System)
+        .map(|m| m.text())
+        .collect();
+    assert_eq!(seen, ["u1", "a1", "u2"]);
+    assert_eq!(
+        visible_texts(&h.manager, id).await,
+        ["u1", "a1", "u2", "after import"]
+    );
+    let record = h.manager.record(id).await.unwrap();
+    assert_eq!(record.message_count, 2);
+}
+
+#[tokio::test]
+async fn only_visible_user_and_assistant_text_is_imported_and_a_refusal_writes_nothing() {
+    let h = harness(SessionManagerConfig::default());
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    let refused = [
+        vec![],
+        vec![Message::user("ok"), Message::system("rules")],
+        vec![Message::tool_result("call_1", "read_file", "text")],
+        vec![Message::user("trigger").hidden()],
+        vec![Message::assistant_with_tools(
+            "",
+            vec![keel_core::ToolCall {
+                id: "call_1".into(),
+                name: "read_file".into(),
+                arguments: serde_json::json!({}),
+            }],
+        )],
+    ];
+    for messages in refused {
+        let e = h.manager.import_messages(id, messages).await.unwrap_err();
+        assert!(matches!(e, EngineError::InvalidInput(_)), "{e}");
+    }
+    assert!(visible_texts(&h.manager, id).await.is_empty());
+    assert!(h.manager.list_checkpoints(id).await.unwrap().is_empty());
 }
 
 #[tokio::test]
