@@ -241,6 +241,12 @@ impl SessionManager {
     pub fn events(&self) -> &Arc<SessionEvents> {
         &self.events
     }
+
+    /// Whether sessions can run `agent` (the root agent, or one added to
+    /// the bundle).
+    pub fn runs_agent(&self, agent: &AgentId) -> bool {
+        self.bundle.agents.contains_key(agent)
+    }
 }
 
 fn clean_title(title: &str) -> Result<String> {

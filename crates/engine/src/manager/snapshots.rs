@@ -72,7 +72,11 @@ impl SessionManager {
             return Err(EngineError::InvalidInput(format!(
                 "only visible user and assistant text can be imported, not a {} message{}",
                 bad.role.as_str(),
-                if bad.tool_calls.is_empty() { "" } else { " with tool calls" }
+                if bad.tool_calls.is_empty() {
+                    ""
+                } else {
+                    " with tool calls"
+                }
             )));
         }
         let session = self.session(id).await?;

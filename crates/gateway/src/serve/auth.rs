@@ -73,6 +73,14 @@ fn presented(request: &Request) -> Option<String> {
     })
 }
 
+/// Whether `request` may pass: no token is configured, or it presents it.
+pub(crate) fn authorized(shared: &Shared, request: &Request) -> bool {
+    match &shared.token {
+        None => true,
+        Some(token) => presented(request).is_some_and(|p| token.matches(&p)),
+    }
+}
+
 /// Middleware: lets a request through when no token is configured or it
 /// presents the token; otherwise answers 401.
 pub async fn require_token(
@@ -80,12 +88,10 @@ pub async fn require_token(
     request: Request,
     next: Next,
 ) -> Response {
-    match &shared.token {
-        None => next.run(request).await,
-        Some(token) => match presented(&request) {
-            Some(p) if token.matches(&p) => next.run(request).await,
-            _ => ApiError::Unauthorized.into_response(),
-        },
+    if authorized(&shared, &request) {
+        next.run(request).await
+    } else {
+        ApiError::Unauthorized.into_response()
     }
 }
 

@@ -11,6 +11,8 @@
 //!   `hub` fans a dialog's frames out to its subscribers with bounded
 //!   buffers; `projection` publishes sub-agent changes in revision order;
 //! - `ws` and `sse` are the two streaming transports;
+//! - `interop` speaks the ecosystem's protocols (OpenAI chat completions
+//!   under `/v1`, AG-UI under `/ag-ui`) over the same turns;
 //! - `web` serves the web page at `/`, its files compiled into the binary.
 //!
 //! Shutdown: stop accepting connections, refuse new turns, let running
@@ -22,6 +24,7 @@ pub mod api;
 mod auth;
 pub mod frames;
 mod hub;
+pub mod interop;
 mod openapi;
 mod origin;
 pub mod problem;
@@ -150,6 +153,8 @@ pub(crate) struct Shared {
     hub: Arc<Hub>,
     projections: Arc<Projections>,
     turns: Arc<TurnRunner>,
+    /// Conversations of the OpenAI and AG-UI endpoints.
+    conversations: interop::Conversations,
     /// Cancelled once running turns are drained: WebSockets close, streams end.
     closing: CancellationToken,
     /// WebSocket connections, which a shutdown waits for.
@@ -250,6 +255,7 @@ impl Server {
             hub,
             projections,
             turns,
+            conversations: interop::Conversations::new(),
             closing: CancellationToken::new(),
             sockets: TaskTracker::new(),
         });

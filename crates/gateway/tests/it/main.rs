@@ -9,5 +9,6 @@ mod agents_check;
 mod cli;
 mod config;
 mod demo;
+mod interop;
 mod serve;
 mod shell_sandbox;
