@@ -31,7 +31,7 @@ use tokio::sync::broadcast::{self, error::RecvError};
 use tokio::sync::{Mutex as AsyncMutex, OwnedMutexGuard};
 use uuid::Uuid;
 
-use super::api::MAX_TEXT_BYTES;
+use super::api::MAX_TEXT_CHARS;
 use super::frames::ServerFrame;
 use super::hub::SharedFrame;
 use super::problem::{ApiError, ApiResult};
@@ -472,7 +472,8 @@ pub(crate) fn chat_id(what: &str, key: &str) -> ApiResult<String> {
         })
 }
 
-/// Checks the size of every text a request carries.
+/// Checks the size of every text a request carries: at most
+/// [`MAX_MESSAGES`] messages of at most [`MAX_TEXT_CHARS`] characters.
 pub(crate) fn checked_texts<'a>(texts: impl IntoIterator<Item = &'a str>) -> ApiResult<()> {
     for (i, text) in texts.into_iter().enumerate() {
         if i >= MAX_MESSAGES {
@@ -480,10 +481,10 @@ pub(crate) fn checked_texts<'a>(texts: impl IntoIterator<Item = &'a str>) -> Api
                 "a conversation of more than {MAX_MESSAGES} messages is not accepted"
             )));
         }
-        if text.len() > MAX_TEXT_BYTES {
-            return Err(ApiError::PayloadTooLarge(format!(
-                "a message of {} bytes; at most {MAX_TEXT_BYTES} are accepted",
-                text.len()
+        let chars = text.chars().count();
+        if chars > MAX_TEXT_CHARS {
+            return Err(ApiError::BadRequest(format!(
+                "a message has {chars} characters; at most {MAX_TEXT_CHARS} are accepted"
             )));
         }
     }
