@@ -2,6 +2,7 @@
 //! dependencies. `ci` is exactly what CI runs.
 
 mod deps;
+mod live;
 mod tidy;
 
 use std::path::{Path, PathBuf};
@@ -11,13 +12,15 @@ use std::time::Instant;
 const USAGE: &str = "usage: cargo xtask <command>
 
 commands:
-  ci                         fmt, clippy, deps, tests, docs, the browser test (cargo-deny and schemathesis when installed)
+  ci                         fmt, clippy, deps, tests, docs, the browser test, the OpenAI/AG-UI
+                             Python clients (cargo-deny and schemathesis when installed)
   web                        the web page's browser test (headless Chromium, Playwright)
   deps                       check the crate layering
   tidy                       file and function sizes, dead public API, unread config keys
   bench [store|catalog|engine|serve|...]
                              run benchmarks (all when no name is given)
-  fuzz <target> [--seconds N]  run a cargo-fuzz target (catalog)";
+  fuzz <target> [--seconds N]  run a cargo-fuzz target (catalog)
+  interop                    the official OpenAI and AG-UI Python clients against a live keel serve";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -28,6 +31,7 @@ fn main() -> ExitCode {
         Some("tidy") => tidy_cmd(),
         Some("bench") => bench(&args[1..]),
         Some("fuzz") => fuzz(&args[1..]),
+        Some("interop") => interop_prerequisites().and_then(|()| interop_clients()),
         Some("-h" | "--help" | "help") => {
             println!("{USAGE}");
             Ok(())
@@ -238,6 +242,7 @@ fn ci() -> Result<(), String> {
     } else {
         println!("ci: {SKIP_BROWSER_TEST}=1: the browser test is left out");
     }
+    interop_prerequisites()?;
     let nextest = succeeds(cargo_cmd(&["nextest", "--version"]).current_dir(root()));
     let deny = succeeds(cargo_cmd(&["deny", "--version"]).current_dir(root()));
     type Step = (&'static str, Box<dyn Fn() -> Result<(), String>>);
@@ -307,6 +312,7 @@ fn ci() -> Result<(), String> {
     if browser {
         steps.push(("web (browser test)", Box::new(web_test)));
     }
+    steps.push(("interop clients", Box::new(interop_clients)));
     if deny {
         steps.push((
             "deny",
@@ -342,56 +348,44 @@ fn ci() -> Result<(), String> {
 /// a fresh data directory) from the OpenAPI document it serves: every
 /// check, a fixed seed; any server error or schema violation fails.
 fn schemathesis() -> Result<(), String> {
-    use std::io::{BufRead, BufReader};
-    let keel = build_keel()?;
-    let data = std::env::temp_dir().join(format!("keel-schemathesis-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&data);
-    let token = format!("ci-{}", std::process::id());
-    let mut server = Command::new(keel)
-        .args(["serve", "--bind", "127.0.0.1:0", "--data-dir"])
-        .arg(&data)
-        .env("KEEL_TOKEN", &token)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("cannot start keel serve: {e}"))?;
-    let stdout = server.stdout.take().ok_or("keel serve has no stdout")?;
-    let mut first = String::new();
-    BufReader::new(stdout)
-        .read_line(&mut first)
-        .map_err(|e| format!("cannot read keel serve's address: {e}"))?;
-    let result = match first
-        .split("http://")
-        .nth(1)
-        .and_then(|rest| rest.split('/').next())
-    {
-        Some(addr) => run(Command::new("schemathesis").args([
+    live::with_live_server("schemathesis", None, |server| {
+        run(Command::new("schemathesis").args([
             "--config-file",
             "xtask/schemathesis.toml",
             "run",
-            &format!("http://{addr}/api/openapi.json"),
+            &format!("{}/api/openapi.json", server.url),
             "--header",
-            &format!("Authorization: Bearer {token}"),
+            &format!("Authorization: Bearer {}", server.token),
             "--checks",
             "all",
             "--max-examples",
             "50",
             "--seed",
             "1",
-        ])),
-        None => Err(format!("keel serve printed no address: {first:?}")),
-    };
-    // SIGTERM: the server shuts down gracefully and exits 0.
-    let stopped = Command::new("kill")
-        .args(["-TERM", &server.id().to_string()])
-        .status()
-        .map_err(|e| format!("cannot signal keel serve: {e}"))
-        .and_then(|_| server.wait().map_err(|e| format!("keel serve: {e}")));
-    let _ = std::fs::remove_dir_all(&data);
-    result?;
-    match stopped? {
-        status if status.success() => Ok(()),
-        status => Err(format!("keel serve exited with {status} after SIGTERM")),
+        ]))
+    })
+}
+
+/// Fails unless the official OpenAI and AG-UI Python clients are importable.
+fn interop_prerequisites() -> Result<(), String> {
+    if succeeds(Command::new("python3").args(["-c", "import openai, ag_ui.core"])) {
+        return Ok(());
     }
+    Err("the interop check needs the openai and ag-ui-protocol Python packages; .ci/run \
+         installs them"
+        .to_owned())
+}
+
+/// Runs the official OpenAI and AG-UI Python clients (tests/interop)
+/// against a live `keel serve` on tests/interop/fixture.
+fn interop_clients() -> Result<(), String> {
+    let dir = root().join("tests").join("interop");
+    live::with_live_server("interop", Some(&dir.join("fixture")), |server| {
+        run(Command::new("python3")
+            .arg(dir.join("clients.py"))
+            .env("KEEL_URL", &server.url)
+            .env("KEEL_TOKEN", &server.token))
+    })
 }
 
 /// Every `crates/<dir>/benches/<name>.rs`, as (name, package `keel-<dir>`), sorted by name.
