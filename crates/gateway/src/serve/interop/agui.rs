@@ -611,29 +611,34 @@ fn read_input(body: &[u8]) -> Result<Input, AgUiError> {
 
 // ── threads ──────────────────────────────────────────────────────────────
 
-/// The dialog each thread's last run went to (a fork moves a thread to a
-/// new dialog), watched by the thread streams.
+/// The dialog each followed thread's last run went to (a fork moves a
+/// thread to a new dialog), watched by its thread streams. Only threads
+/// someone follows are kept.
 #[derive(Debug, Default)]
 pub(crate) struct Threads {
     dialogs: Mutex<HashMap<String, watch::Sender<Option<SessionId>>>>,
 }
 
 impl Threads {
-    fn sender(&self, thread: &str) -> watch::Sender<Option<SessionId>> {
-        self.dialogs
-            .lock()
+    /// The watch of `thread`, made if nobody follows it yet.
+    fn follow(&self, thread: &str) -> watch::Sender<Option<SessionId>> {
+        let mut dialogs = self.dialogs.lock();
+        dialogs.retain(|_, d| d.receiver_count() > 0);
+        dialogs
             .entry(thread.to_owned())
             .or_insert_with(|| watch::channel(None).0)
             .clone()
     }
 
-    /// Records that `thread` now lives in `dialog`.
+    /// Records that `thread` now lives in `dialog`, for its followers.
     fn moved(&self, thread: &str, dialog: SessionId) {
-        self.sender(thread).send_if_modified(|d| {
-            let changed = *d != Some(dialog);
-            *d = Some(dialog);
-            changed
-        });
+        if let Some(followers) = self.dialogs.lock().get(thread) {
+            followers.send_if_modified(|d| {
+                let changed = *d != Some(dialog);
+                *d = Some(dialog);
+                changed
+            });
+        }
     }
 }
 
@@ -819,24 +824,31 @@ async fn follow(
     Path(thread_id): Path<String>,
 ) -> Result<Response, AgUiError> {
     chat_id("the thread id", &thread_id).map_err(AgUiError::from)?;
-    let sender = shared.conversations.threads().sender(&thread_id);
+    let sender = shared.conversations.threads().follow(&thread_id);
+    let mut dialog_rx = sender.subscribe();
     let known = sender.borrow().is_some();
     if !known {
-        if let Some(latest) = shared
+        let latest = shared
             .app
             .manager
             .latest_dialog(CHANNEL, &thread_id)
             .await
-            .map_err(ApiError::from)?
-        {
-            shared.conversations.threads().moved(&thread_id, latest.id);
+            .map_err(ApiError::from)?;
+        if let Some(latest) = latest {
+            // A run that moved the thread meanwhile wins.
+            sender.send_if_modified(|d| {
+                let unset = d.is_none();
+                if unset {
+                    *d = Some(latest.id);
+                }
+                unset
+            });
         }
     }
     let current = *sender.borrow();
     if let Some(dialog) = current {
         shared.projections.watch(dialog).await?;
     }
-    let mut dialog_rx = sender.subscribe();
     let closing = shared.closing.clone();
     let (tx, rx) = tokio::sync::mpsc::channel::<AgUiEvent>(64);
     tokio::spawn(async move {
