@@ -40,6 +40,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -260,6 +261,13 @@ impl Server {
             sockets: TaskTracker::new(),
         });
         let stop_accepting = CancellationToken::new();
+        // Streamed answers are many small writes: without TCP_NODELAY each
+        // one waits for the client's delayed ACK (40 ms on Linux).
+        let listener = listener.tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::warn!(error = %e, "cannot set TCP_NODELAY on a connection");
+            }
+        });
         let serve = axum::serve(listener, routes::router(shared.clone()))
             .with_graceful_shutdown(stop_accepting.clone().cancelled_owned());
         let task = tokio::spawn(async move { serve.await });
