@@ -26,8 +26,13 @@ impl LiveServer {
         let data = std::env::temp_dir().join(format!("keel-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&data);
         if let Some(fixture) = fixture {
-            copy_dir(fixture, &data)
-                .map_err(|e| format!("cannot copy {} to {}: {e}", fixture.display(), data.display()))?;
+            copy_dir(fixture, &data).map_err(|e| {
+                format!(
+                    "cannot copy {} to {}: {e}",
+                    fixture.display(),
+                    data.display()
+                )
+            })?;
         }
         let token = format!("ci-{}", std::process::id());
         let mut child = Command::new(keel)
@@ -58,7 +63,9 @@ impl LiveServer {
             }),
             (read, _) => {
                 let _ = server.stop();
-                Err(format!("keel serve printed no address: {first:?} ({read:?})"))
+                Err(format!(
+                    "keel serve printed no address: {first:?} ({read:?})"
+                ))
             }
         }
     }

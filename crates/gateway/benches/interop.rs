@@ -50,14 +50,15 @@ impl Provider for InstantProvider {
         _request: &ChatRequest,
         _cancel: CancellationToken,
     ) -> Result<ProviderStream, ProviderError> {
-        let mut events: Vec<Result<StreamEvent, ProviderError>> = ["A ", "short ", "answer ", "here."]
-            .iter()
-            .map(|t| {
-                Ok(StreamEvent::TextDelta {
-                    text: (*t).to_owned(),
+        let mut events: Vec<Result<StreamEvent, ProviderError>> =
+            ["A ", "short ", "answer ", "here."]
+                .iter()
+                .map(|t| {
+                    Ok(StreamEvent::TextDelta {
+                        text: (*t).to_owned(),
+                    })
                 })
-            })
-            .collect();
+                .collect();
         events.push(Ok(StreamEvent::Usage {
             usage: Usage::new(40, 4),
         }));
@@ -119,9 +120,14 @@ async fn main() {
         "[session]\nauto_title_after_n_messages = 0\n",
     )
     .unwrap();
-    let app = App::open_with_provider(None, Some(dir.path()), Some(Arc::new(InstantProvider)))
-        .await
-        .unwrap();
+    let app = App::open_with_provider(
+        "keel bench",
+        None,
+        Some(dir.path()),
+        Some(Arc::new(InstantProvider)),
+    )
+    .await
+    .unwrap();
     let server = Server::start(
         app,
         ServeOptions {
@@ -156,12 +162,14 @@ async fn main() {
             .json(&json!({"text": text}));
         let (native_ttft, _) = timed(native_send, |name, _| name == "text_delta").await;
         history.push(json!({"role": "user", "content": text}));
-        let completion = http.post(format!("{base}/v1/chat/completions")).json(&json!({
-            "model": "keel:root",
-            "messages": history,
-            "stream": true,
-            "user": "bench",
-        }));
+        let completion = http
+            .post(format!("{base}/v1/chat/completions"))
+            .json(&json!({
+                "model": "keel:root",
+                "messages": history,
+                "stream": true,
+                "user": "bench",
+            }));
         let (openai_ttft, data) = timed(completion, |_, payload| {
             serde_json::from_str::<Value>(payload).is_ok_and(|c| {
                 c["choices"][0]["delta"]["content"]
@@ -173,7 +181,11 @@ async fn main() {
         let answer: String = data
             .iter()
             .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(str::to_owned))
+            .filter_map(|c| {
+                c["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .map(str::to_owned)
+            })
             .collect();
         assert!(
             data.last().is_some_and(|d| d == "[DONE]"),
