@@ -371,9 +371,11 @@ fn interop_prerequisites() -> Result<(), String> {
     if succeeds(Command::new("python3").args(["-c", "import openai, ag_ui.core"])) {
         return Ok(());
     }
-    Err("the interop check needs the openai and ag-ui-protocol Python packages; .ci/run \
+    Err(
+        "the interop check needs the openai and ag-ui-protocol Python packages; .ci/run \
          installs them"
-        .to_owned())
+            .to_owned(),
+    )
 }
 
 /// Runs the official OpenAI and AG-UI Python clients (tests/interop)
