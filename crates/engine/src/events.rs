@@ -19,7 +19,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use keel_core::{CheckpointId, SessionId, TurnId, TurnOrigin};
+use keel_core::{CheckpointId, SessionId, TurnId, TurnOrigin, Usage};
 use keel_store::{InboxEvent, RunRecord, Store};
 use parking_lot::Mutex;
 use tokio::sync::{broadcast, Mutex as AsyncMutex};
@@ -60,6 +60,8 @@ pub enum SessionEvent {
         origin: TurnOrigin,
         /// Its automatic checkpoint, if one was taken.
         checkpoint: Option<CheckpointId>,
+        /// The tokens its model calls used.
+        usage: Usage,
     },
     /// A turn ended without committing an answer.
     TurnFailed {

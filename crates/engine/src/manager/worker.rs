@@ -561,6 +561,7 @@ impl SessionManager {
                 turn_id,
                 origin,
                 checkpoint: report.checkpoint,
+                usage: report.output.usage,
             },
             Err(e) => SessionEvent::TurnFailed {
                 turn_id,

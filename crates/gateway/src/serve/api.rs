@@ -515,6 +515,15 @@ pub struct TokenUsage {
     pub completion_tokens: u64,
 }
 
+impl From<keel_core::Usage> for TokenUsage {
+    fn from(u: keel_core::Usage) -> Self {
+        Self {
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+        }
+    }
+}
+
 /// A sub-agent run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -586,10 +595,7 @@ impl AgentRun {
             result_preview: r.result.as_ref().map(preview),
             result: r.result.clone().filter(|_| full_result),
             error: r.error.clone(),
-            usage: r.usage.map(|u| TokenUsage {
-                prompt_tokens: u.prompt_tokens,
-                completion_tokens: u.completion_tokens,
-            }),
+            usage: r.usage.map(TokenUsage::from),
             tool_calls: r.tool_calls_count,
             iterations: r.iterations,
             model: format!("{}/{}", r.spec.provider_profile, r.spec.model_id),

@@ -15,7 +15,7 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::api::{Dialog, TokenUsage, TurnOrigin, PREVIEW_BYTES};
+use super::api::{Dialog, TurnOrigin, PREVIEW_BYTES};
 use super::frames::ServerFrame;
 use super::hub::Hub;
 use super::problem::{ApiError, ApiResult};
@@ -186,6 +186,7 @@ impl TurnRunner {
                     turn_id,
                     origin,
                     checkpoint,
+                    usage,
                 } if continuation(origin) => {
                     self.hub.publish(
                         session,
@@ -194,6 +195,7 @@ impl TurnRunner {
                             turn_id: turn_id.as_uuid(),
                             turn_origin: (*origin).into(),
                             checkpoint_id: checkpoint.map(|c| c.as_uuid()),
+                            usage: (*usage).into(),
                         },
                     );
                     self.publish_dialog(session).await;
@@ -342,10 +344,7 @@ impl TurnRunner {
                 turn_id: turn.as_uuid(),
                 turn_origin: origin,
                 checkpoint_id: report.checkpoint.map(|c| c.as_uuid()),
-                usage: TokenUsage {
-                    prompt_tokens: report.output.usage.prompt_tokens,
-                    completion_tokens: report.output.usage.completion_tokens,
-                },
+                usage: report.output.usage.into(),
             },
             Err(e) => ServerFrame::TurnFailed {
                 session_id: session.as_uuid(),
