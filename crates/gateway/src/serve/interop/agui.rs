@@ -36,7 +36,6 @@ use super::transcript::{Said, Speaker};
 use super::{chat_id, checked_texts, Conversation, Conversations, Fed, Scope};
 use crate::serve::api::{AgentRun, TokenUsage as KeelUsage, TurnOrigin};
 use crate::serve::frames::ServerFrame;
-use crate::serve::hub::SharedFrame;
 use crate::serve::problem::ApiError;
 use crate::serve::Shared;
 
@@ -845,17 +844,28 @@ async fn follow(
             });
         }
     }
-    let current = *sender.borrow();
-    if let Some(dialog) = current {
-        shared.projections.watch(dialog).await?;
-    }
+    // Subscribed before answering, so a turn that starts once the client
+    // has the response is seen.
+    let subscribe = {
+        let shared = shared.clone();
+        move |dialog: SessionId| {
+            let frames = shared.hub.subscribe(dialog);
+            // Continuation turns reach the hub only while it is watched.
+            shared.turns.follow_continuations(dialog);
+            (ThreadFollower::new(&thread_id, dialog), frames)
+        }
+    };
+    let dialog = *dialog_rx.borrow_and_update();
+    let mut current = match dialog {
+        Some(dialog) => {
+            shared.projections.watch(dialog).await?;
+            Some(subscribe(dialog))
+        }
+        None => None,
+    };
     let closing = shared.closing.clone();
     let (tx, rx) = tokio::sync::mpsc::channel::<AgUiEvent>(64);
     tokio::spawn(async move {
-        let mut current: Option<(
-            ThreadFollower,
-            tokio::sync::broadcast::Receiver<SharedFrame>,
-        )> = None;
         loop {
             let wanted = *dialog_rx.borrow_and_update();
             let switch = match (&current, wanted) {
@@ -864,10 +874,7 @@ async fn follow(
                 _ => false,
             };
             if let (true, Some(dialog)) = (switch, wanted) {
-                current = Some((
-                    ThreadFollower::new(&thread_id, dialog),
-                    shared.hub.subscribe(dialog),
-                ));
+                current = Some(subscribe(dialog));
             }
             let events = tokio::select! {
                 () = closing.cancelled() => return,

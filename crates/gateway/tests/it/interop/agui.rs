@@ -507,3 +507,90 @@ fn a_thread_stream_makes_each_continuation_turn_a_run_of_its_own() {
         "agent_continuation"
     );
 }
+
+/// A client following a thread while a background delegation completes
+/// sees the continuation turn that answers it as a run of its own, after
+/// the run that delegated, and only that turn (its own runs it already has).
+#[tokio::test]
+async fn a_continuation_answering_a_background_result_is_its_own_run_on_the_thread() {
+    use futures::StreamExt;
+    let t = TestServer::start(Setup {
+        agents: true,
+        provider: scripted(vec![
+            ScriptedResponse::text("Hello."),
+            ScriptedResponse {
+                tool_calls: vec![ScriptedToolCall {
+                    id: None,
+                    name: "delegate".into(),
+                    arguments: json!({"mode": "background",
+                        "tasks": [{"agent": "archivist", "task": "file it"}]}),
+                }],
+                ..ScriptedResponse::default()
+            },
+            // The root's answer and the archivist's result, in either order.
+            ScriptedResponse::text("filed"),
+            ScriptedResponse::text("filed"),
+            ScriptedResponse::text("The archivist filed it."),
+        ]),
+        ..Setup::default()
+    })
+    .await;
+    let first = json!([{"id": "u1", "role": "user", "content": "hi"}]);
+    let (_, events) = run(&t, "/ag-ui", input("bg", "r1", first)).await;
+    let dialog = events[0]["metadata"]["keel"]["dialogId"].clone();
+    let followed = t.get("/ag-ui/threads/bg").await;
+    assert_eq!(followed.status(), 200);
+    let mut body = followed.bytes_stream();
+    let second = json!([
+        {"id": "u1", "role": "user", "content": "hi"},
+        {"id": "a1", "role": "assistant", "content": "Hello."},
+        {"id": "u2", "role": "user", "content": "file it in the background"}
+    ]);
+    let (_, delegated) = run(&t, "/ag-ui", input("bg", "r2", second)).await;
+    assert_eq!(delegated[0]["metadata"]["keel"]["dialogId"], dialog);
+    let mut text = String::new();
+    let mut seen: Vec<Value> = Vec::new();
+    while !seen.iter().any(|e| e["type"] == "RUN_FINISHED") {
+        // A guard against a hang, not a wait: the run arrives or the test fails.
+        let chunk = tokio::time::timeout(std::time::Duration::from_secs(10), body.next())
+            .await
+            .unwrap_or_else(|_| panic!("no continuation run on the thread stream: {seen:?}"))
+            .expect("the thread stream ended")
+            .unwrap();
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+        let complete = text.rfind("\n\n").map_or(0, |i| i + 2);
+        seen.extend(
+            sse_data(&text[..complete])
+                .iter()
+                .map(|d| serde_json::from_str::<Value>(d).unwrap()),
+        );
+        text.drain(..complete);
+    }
+    check_agui_order(&seen);
+    let start = &seen[0];
+    assert_eq!(start["threadId"], "bg");
+    assert_eq!(start["metadata"]["keel"]["dialogId"], dialog);
+    assert_eq!(
+        start["metadata"]["keel"]["turnOrigin"],
+        "agent_continuation"
+    );
+    assert_ne!(start["runId"], "r2");
+    let shape = shape(&seen);
+    assert!(
+        shape.contains(&"ACTIVITY_SNAPSHOT archivist completed".to_owned()),
+        "{shape:#?}"
+    );
+    let said: String = seen
+        .iter()
+        .filter(|e| e["type"] == "TEXT_MESSAGE_CONTENT")
+        .map(|e| e["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(said, "The archivist filed it.");
+    let finished = seen.last().unwrap();
+    assert_eq!(finished["runId"], start["runId"]);
+    // The continuation's own model call, counted by the turn that made it.
+    assert!(
+        finished["usage"][0]["totalTokens"].as_u64().unwrap() > 0,
+        "{finished}"
+    );
+}
