@@ -219,16 +219,6 @@ pub enum AgUiEvent {
     },
 }
 
-impl AgUiEvent {
-    /// Whether this event ends its run.
-    pub fn ends_run(&self) -> bool {
-        matches!(
-            self,
-            AgUiEvent::RunFinished { .. } | AgUiEvent::RunError { .. }
-        )
-    }
-}
-
 fn run_error(code: &str, message: impl Into<String>) -> AgUiEvent {
     AgUiEvent::RunError {
         message: message.into(),
