@@ -133,6 +133,7 @@ async fn main() {
         ServeOptions {
             bind: "127.0.0.1:0".parse().unwrap(),
             token: None,
+            allowed_origins: Vec::new(),
             shutdown_grace: Duration::from_secs(5),
             limits: Limits::default(),
         },

@@ -86,7 +86,7 @@ fn host_allowed(host: &str, allowed: &[AllowedOrigin]) -> bool {
 }
 
 /// Why a request with these headers is not meant for this server, if it is not.
-fn refusal(headers: &HeaderMap, allowed: &[AllowedOrigin]) -> Option<ApiError> {
+pub(crate) fn refusal(headers: &HeaderMap, allowed: &[AllowedOrigin]) -> Option<ApiError> {
     let host = match headers.get(header::HOST).map(|v| v.to_str()) {
         Some(Ok(value)) => value.trim().to_ascii_lowercase(),
         _ => {

@@ -132,6 +132,7 @@ impl From<ApiError> for OpenAiError {
         let (kind, code) = match &e {
             ApiError::Unauthorized => return Self::unauthorized(),
             ApiError::NotFound(_) => ("invalid_request_error", "not_found"),
+            ApiError::Forbidden(_) => ("invalid_request_error", "forbidden"),
             ApiError::Internal { .. } => ("server_error", "internal_error"),
             ApiError::Unavailable(_) => ("server_error", "unavailable"),
             ApiError::PayloadTooLarge(_) => ("invalid_request_error", "payload_too_large"),
@@ -886,6 +887,11 @@ async fn completions(
 }
 
 async fn require_key(State(shared): State<Arc<Shared>>, request: Request, next: Next) -> Response {
+    if let Some(refused) = crate::serve::origin::refusal(request.headers(), &shared.allowed_origins)
+    {
+        tracing::info!(reason = %refused, "request refused");
+        return OpenAiError::from(refused).into_response();
+    }
     if crate::serve::auth::authorized(&shared, &request) {
         next.run(request).await
     } else {

@@ -73,15 +73,17 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/", get(super::web::index))
         .route("/assets/{build}/{*path}", get(super::web::asset))
         .nest("/api", api)
-        .nest("/v1", super::interop::openai::router(shared.clone()))
-        .nest("/ag-ui", super::interop::agui::router(shared.clone()))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(DefaultBodyLimit::max(shared.limits.max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(
             shared.clone(),
             super::origin::require_own_origin,
         ))
+        // These check Host and Origin themselves, to refuse in their
+        // protocol's own error shape.
+        .nest("/v1", super::interop::openai::router(shared.clone()))
+        .nest("/ag-ui", super::interop::agui::router(shared.clone()))
+        .layer(DefaultBodyLimit::max(shared.limits.max_body_bytes))
         .with_state(shared)
 }
 

@@ -312,10 +312,21 @@ async fn bad_input_is_a_run_error_body_and_changes_nothing() {
             good.to_string(),
             vec![("authorization", "Bearer nope")],
         ),
+        (
+            "another site's page",
+            good.to_string(),
+            vec![("origin", "https://attacker.example")],
+        ),
+        (
+            "another site's host name",
+            good.to_string(),
+            vec![("host", "attacker.example")],
+        ),
     ];
     let mut seen = Vec::new();
     for (name, body, headers) in cases {
         let (status, _, text) = post_raw(&t, "/ag-ui", body, &headers).await;
+        let text = text.replace(&t.base, "http://[server]");
         let body: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("{name}: {text}"));
         assert_eq!(body["type"], "RUN_ERROR", "{name}");
         seen.push(json!({"case": name, "status": status, "body": body}));

@@ -582,10 +582,21 @@ async fn bad_requests_are_openai_errors_and_change_nothing() {
             ok.to_string(),
             vec![("authorization", "Bearer wrong")],
         ),
+        (
+            "another site's page",
+            ok.to_string(),
+            vec![("origin", "https://attacker.example")],
+        ),
+        (
+            "another site's host name",
+            ok.to_string(),
+            vec![("host", "attacker.example")],
+        ),
     ];
     let mut seen = Vec::new();
     for (name, body, headers) in cases {
         let (status, dialog, text) = post_raw(&t, "/v1/chat/completions", body, &headers).await;
+        let text = text.replace(&t.base, "http://[server]");
         assert!(dialog.is_none());
         let body: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("{name}: {text}"));
         seen.push(json!({"case": name, "status": status, "body": body}));
