@@ -6,8 +6,8 @@
 //! becomes a keel dialog: [`transcript`] decides whether the history is a
 //! dialog's (the new input goes there), shares a prefix with one up to a
 //! checkpoint (a fork, with the client's differing messages imported), or
-//! is new; [`Conversations::place`] carries the decision out; and
-//! [`Conversations::start_turn`] runs the input through the same turn
+//! is new; `Conversations::place` carries the decision out; and
+//! `Conversations::start_turn` runs the input through the same turn
 //! runner as the native API, handing back the turn's frames for the
 //! protocol to encode. Tools and sub-agents run inside keel; clients see
 //! the answer.
