@@ -85,7 +85,13 @@ impl SessionManager {
         let state = guard.state.clone();
         let messages = messages.into_iter().map(|m| (slot.clone(), m)).collect();
         guard
-            .commit(&self.store, messages, state, Some(CheckpointSource::Manual))
+            .commit(
+                &self.store,
+                messages,
+                state,
+                Some(CheckpointSource::Manual),
+                &[],
+            )
             .await?;
         Ok(())
     }

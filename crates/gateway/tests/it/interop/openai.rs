@@ -472,7 +472,7 @@ async fn models_are_the_agents_keel_can_run() {
 }
 
 #[tokio::test]
-async fn a_turn_that_fails_is_a_server_error_and_saves_nothing() {
+async fn a_turn_that_fails_is_a_server_error_and_keeps_only_the_input() {
     let failing = || ScriptedResponse::error(ScriptedErrorKind::BadRequest, "the model refused");
     let t = TestServer::start(Setup {
         provider: scripted(vec![failing(), failing()]),
@@ -485,14 +485,20 @@ async fn a_turn_that_fails_is_a_server_error_and_saves_nothing() {
     assert_eq!(body["error"]["type"], "server_error");
     assert_eq!(body["error"]["code"], "turn_failed");
     assert!(dialog.is_none());
+    let [first]: [String; 1] = dialogs(&t, "openai", "default").await.try_into().unwrap();
+    // The user's message is kept, unanswered; nothing of the answer is.
+    let kept = t
+        .json(&format!("/api/dialogs/{first}/messages?limit=10"))
+        .await;
+    assert_eq!(kept["items"].as_array().unwrap().len(), 1, "{kept}");
+    assert_eq!(kept["items"][0]["unanswered"], true, "{kept}");
+    // Resending the same history never appends a second copy to that dialog.
     let streamed = json!({"model": "keel:root", "messages": [user("hi")], "stream": true});
     let (status, _, text) = post_raw(&t, "/v1/chat/completions", streamed.to_string(), &[]).await;
     assert_eq!(status, 200);
     let last: Value = serde_json::from_str(sse_data(&text).last().unwrap()).unwrap();
     assert_eq!(last["error"]["code"], "turn_failed", "{text}");
-    for d in dialogs(&t, "openai", "default").await {
-        assert!(messages(&t, &d).await.is_empty());
-    }
+    assert_eq!(messages(&t, &first).await, ["user: hi"]);
 }
 
 #[tokio::test]
