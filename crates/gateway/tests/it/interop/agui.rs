@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use super::{check_agui_order, dialogs, messages, post_raw, redacted, sse_data, BadCase};
-use crate::serve::{scripted, Setup, TestServer};
+use crate::serve::{background_filing, scripted, Setup, TestServer};
 
 /// Runs `input` on `path`; returns the status and the events (or the error body).
 async fn run(t: &TestServer, path: &str, input: Value) -> (u16, Vec<Value>) {
@@ -529,22 +529,12 @@ async fn a_continuation_answering_a_background_result_is_its_own_run_on_the_thre
     use futures::StreamExt;
     let t = TestServer::start(Setup {
         agents: true,
-        provider: scripted(vec![
-            ScriptedResponse::text("Hello."),
-            ScriptedResponse {
-                tool_calls: vec![ScriptedToolCall {
-                    id: None,
-                    name: "delegate".into(),
-                    arguments: json!({"mode": "background",
-                        "tasks": [{"agent": "archivist", "task": "file it"}]}),
-                }],
-                ..ScriptedResponse::default()
-            },
-            // The root's answer and the archivist's result, in either order.
-            ScriptedResponse::text("filed"),
-            ScriptedResponse::text("filed"),
-            ScriptedResponse::text("The archivist filed it."),
-        ]),
+        provider: scripted(
+            [ScriptedResponse::text("Hello.")]
+                .into_iter()
+                .chain(background_filing("The archivist filed it."))
+                .collect(),
+        ),
         ..Setup::default()
     })
     .await;

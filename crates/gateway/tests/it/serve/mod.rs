@@ -287,3 +287,24 @@ pub fn scripted(responses: Vec<ScriptedResponse>) -> Arc<dyn Provider> {
     p.push(responses);
     Arc::new(p)
 }
+
+/// A root turn that delegates "file it" to the archivist in the background
+/// and answers "filed", then the continuation turn that answers the
+/// archivist's result with `continuation`.
+pub fn background_filing(continuation: &str) -> Vec<ScriptedResponse> {
+    vec![
+        ScriptedResponse {
+            tool_calls: vec![keel_core::ScriptedToolCall {
+                id: None,
+                name: "delegate".into(),
+                arguments: serde_json::json!({"mode": "background",
+                    "tasks": [{"agent": "archivist", "task": "file it"}]}),
+            }],
+            ..ScriptedResponse::default()
+        },
+        // The root's answer and the archivist's result, in either order.
+        ScriptedResponse::text("filed"),
+        ScriptedResponse::text("filed"),
+        ScriptedResponse::text(continuation),
+    ]
+}

@@ -14,7 +14,7 @@ use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::Message as WsMessage;
 use uuid::Uuid;
 
-use super::{scripted, GatedProvider, Setup, TestServer};
+use super::{background_filing, scripted, GatedProvider, Setup, TestServer};
 
 fn uuid(id: &str) -> Uuid {
     id.parse().unwrap()
@@ -512,21 +512,7 @@ async fn steer_reaches_the_running_turn_and_says_when_none_runs() {
 async fn a_subscriber_sees_the_continuation_that_answers_a_background_result() {
     let t = TestServer::start(Setup {
         agents: true,
-        provider: scripted(vec![
-            ScriptedResponse {
-                tool_calls: vec![ScriptedToolCall {
-                    id: None,
-                    name: "delegate".into(),
-                    arguments: json!({"mode": "background",
-                        "tasks": [{"agent": "archivist", "task": "file it"}]}),
-                }],
-                ..ScriptedResponse::default()
-            },
-            // The root's answer and the archivist's result, in either order.
-            ScriptedResponse::text("filed"),
-            ScriptedResponse::text("filed"),
-            ScriptedResponse::text("the archivist filed it"),
-        ]),
+        provider: scripted(background_filing("the archivist filed it")),
         ..Setup::default()
     })
     .await;
