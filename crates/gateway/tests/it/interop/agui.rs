@@ -578,11 +578,8 @@ async fn a_continuation_answering_a_background_result_is_its_own_run_on_the_thre
         "agent_continuation"
     );
     assert_ne!(start["runId"], "r2");
-    let shape = shape(&seen);
-    assert!(
-        shape.contains(&"ACTIVITY_SNAPSHOT archivist completed".to_owned()),
-        "{shape:#?}"
-    );
+    // Whether the archivist's run updates come in this run or in the
+    // delegating one depends on when they were published; not asserted.
     let said: String = seen
         .iter()
         .filter(|e| e["type"] == "TEXT_MESSAGE_CONTENT")
