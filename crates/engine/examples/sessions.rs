@@ -26,6 +26,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         tools: Arc::new(ToolRegistry::new()),
         max_iterations: 4,
         max_output_tokens: None,
+        context_window_tokens: keel_engine::DEFAULT_CONTEXT_WINDOW_TOKENS,
     };
     let manager = SessionManager::new(
         store,

@@ -6,6 +6,7 @@
 //! turn's new messages and usage, and the caller commits them in one store
 //! transaction. So a cancelled or failed turn leaves nothing half-committed.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -64,6 +65,14 @@ pub trait TurnHooks: Send + Sync {
 /// Hooks that do nothing.
 pub struct NoHooks;
 impl TurnHooks for NoHooks {}
+
+/// What a running turn did so far that a rerun would repeat; the loop
+/// reads it from the turn's extensions, when there.
+#[derive(Debug, Default)]
+pub(crate) struct TurnProgress {
+    /// A tool call started.
+    pub(crate) acted: AtomicBool,
+}
 
 /// A permit held while one provider or tool step runs (dropping it releases).
 pub type StepPermit = Box<dyn std::any::Any + Send>;
@@ -152,6 +161,11 @@ impl AgentLoop {
     /// A loop with `hooks`, taking step permits from `gate`.
     pub fn new(hooks: Arc<dyn TurnHooks>, gate: Arc<dyn StepGate>) -> Self {
         Self { hooks, gate }
+    }
+
+    /// The gate every provider and tool step of this loop goes through.
+    pub(crate) fn gate(&self) -> &Arc<dyn StepGate> {
+        &self.gate
     }
 
     /// Runs one turn to its end.
@@ -266,6 +280,9 @@ impl AgentLoop {
         emit: &impl Fn(TurnEvent),
     ) -> ToolOutput {
         self.hooks.before_tool(call);
+        if let Some(progress) = ctx.extensions.get::<Arc<TurnProgress>>() {
+            progress.acted.store(true, Ordering::Release);
+        }
         emit(TurnEvent::ToolStarted { call: call.clone() });
         let output = match tools.get(&call.name) {
             None => ToolOutput {

@@ -26,6 +26,7 @@
 mod address;
 mod agent_loop;
 mod clock;
+mod context;
 mod coordinator;
 mod error;
 mod events;
@@ -42,6 +43,7 @@ pub use agent_loop::{
     AgentLoop, EventSink, NoHooks, OpenGate, StepGate, StepPermit, TurnEvent, TurnHooks,
     TurnOutput, TurnRequest,
 };
+pub use context::{estimate_request_tokens, DEFAULT_CONTEXT_WINDOW_TOKENS};
 pub use coordinator::{
     project_response, AgentCoordinator, AgentRunView, CallerContext, CatalogSource,
     CoordinatorConfig, DelegateRequest, DelegateResponse, DelegateTask, ForegroundResult,
@@ -64,7 +66,7 @@ pub use state::{
     HistoryMessage, MemoryEntry, MergeStrategy, Segment, SessionState, SlotConfig, SlotMode,
 };
 pub use tools::{
-    builtin_registry, check_sandbox_support, grant_skills, run_sandbox_launcher,
-    BuiltinToolsConfig, LandlockPolicy, ShellConfig, ShellConfinement, DEFAULT_SHELL_READ_PATHS,
-    SANDBOX_LAUNCHER_ARG,
+    builtin_registry, check_sandbox_support, grant_skills, register_memory_tools,
+    run_sandbox_launcher, BuiltinToolsConfig, LandlockPolicy, ShellConfig, ShellConfinement,
+    DEFAULT_SHELL_READ_PATHS, SANDBOX_LAUNCHER_ARG,
 };

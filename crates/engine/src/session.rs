@@ -1,6 +1,7 @@
 //! [`AgentSession`]: one session's in-memory state (its record, checkpointed
 //! state and history) and the commit of a turn into the store.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use keel_core::{CheckpointId, Message, Provider, SessionId, ToolRegistry};
@@ -11,7 +12,7 @@ use keel_store::{
 
 use crate::agent_loop::TurnOutput;
 use crate::error::{EngineError, Result};
-use crate::state::{HistoryMessage, SessionState, SlotMode};
+use crate::state::{HistoryMessage, MemoryEntry, SessionState, SlotMode};
 
 /// What a session runs with: an agent's prompt, model and tools.
 pub struct AgentProfile {
@@ -27,6 +28,9 @@ pub struct AgentProfile {
     pub max_iterations: u32,
     /// Output token cap per provider call.
     pub max_output_tokens: Option<u32>,
+    /// The model's context window: requests are kept under it less
+    /// `max_output_tokens` by compacting older history.
+    pub context_window_tokens: usize,
 }
 
 impl std::fmt::Debug for AgentProfile {
@@ -63,6 +67,8 @@ pub(crate) struct FinishedTurn<'a> {
     pub(crate) answers: &'a [i64],
     /// The inbox events it answered, consumed by the commit.
     pub(crate) consumed: Vec<LeasedEvents>,
+    /// The session memory its tools left, if they changed it.
+    pub(crate) memory: Option<BTreeMap<String, MemoryEntry>>,
 }
 
 /// A session loaded in memory.
@@ -349,7 +355,8 @@ impl AgentSession {
         Ok(())
     }
 
-    /// Applies a finished turn: the state after it and the commit of its
+    /// Applies a finished turn: the state after it (with the session memory
+    /// its tools left, if they changed it) and the commit of its
     /// messages, which also answers its committed input and consumes the
     /// inbox events it answered.
     pub(crate) async fn commit_turn(
@@ -364,8 +371,12 @@ impl AgentSession {
             committed_inputs,
             answers,
             consumed,
+            memory,
         } = turn;
         let mut state = self.state.clone();
+        if let Some(memory) = memory {
+            state.memory = memory;
+        }
         state.turn_index = state.turn_index.saturating_add(1);
         state.cost.merge(&keel_core::CostTracker {
             prompt_tokens: output.usage.prompt_tokens,

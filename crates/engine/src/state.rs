@@ -66,9 +66,14 @@ pub struct SlotConfig {
     /// The runs of messages the slot sees, oldest first; the last one is its
     /// own.
     pub segments: Vec<Segment>,
-    /// A summary replacing older history in `Focused` mode.
+    /// A summary replacing older history: in `Focused` mode the messages
+    /// before the window, in the other modes those up to `summary_upto`.
     #[serde(default)]
     pub summary: Option<String>,
+    /// The last seq the summary covers (the compaction point): messages of
+    /// the view after it replay as they are.
+    #[serde(default)]
+    pub summary_upto: Option<i64>,
 }
 
 impl SlotConfig {
@@ -81,6 +86,7 @@ impl SlotConfig {
                 upto_seq: None,
             }],
             summary: None,
+            summary_upto: None,
         }
     }
 
@@ -356,9 +362,7 @@ impl SessionState {
         let start = match config.mode {
             SlotMode::Focused { window } => {
                 if let Some(summary) = &config.summary {
-                    out.push(Arc::new(Message::system(format!(
-                        "Summary of the earlier conversation:\n{summary}"
-                    ))));
+                    out.push(summary_message(summary));
                 }
                 let mut start = view.len().saturating_sub(window);
                 // Never begin with tool results whose call was cut off.
@@ -367,7 +371,17 @@ impl SessionState {
                 }
                 start
             }
-            SlotMode::Full | SlotMode::Readonly => 0,
+            SlotMode::Full | SlotMode::Readonly => match (&config.summary, config.summary_upto) {
+                (Some(summary), Some(upto)) => {
+                    out.push(summary_message(summary));
+                    let mut start = view.partition_point(|m| m.seq <= upto);
+                    while start < view.len() && view[start].message.role == Role::Tool {
+                        start += 1;
+                    }
+                    start
+                }
+                _ => 0,
+            },
         };
         // Cloning an Arc: the history is shared, never copied.
         out.extend(view[start..].iter().map(|m| Arc::clone(&m.message)));
@@ -382,22 +396,7 @@ impl SessionState {
         metadata: serde_json::Value,
         now_ms: i64,
     ) -> Result<()> {
-        if key.is_empty() || key.len() > 128 {
-            return Err(EngineError::InvalidInput(
-                "memory keys are 1 to 128 bytes".into(),
-            ));
-        }
-        if value.len() > MAX_MEMORY_VALUE_BYTES {
-            return Err(EngineError::InvalidInput(format!(
-                "memory value of {} bytes is over the {MAX_MEMORY_VALUE_BYTES}-byte limit",
-                value.len()
-            )));
-        }
-        if !self.memory.contains_key(key) && self.memory.len() >= MAX_MEMORY_ENTRIES {
-            return Err(EngineError::InvalidInput(format!(
-                "session memory is full ({MAX_MEMORY_ENTRIES} entries)"
-            )));
-        }
+        check_memory_entry(&self.memory, key, &value)?;
         self.memory.insert(
             key.to_owned(),
             MemoryEntry {
@@ -408,6 +407,39 @@ impl SessionState {
         );
         Ok(())
     }
+}
+
+/// Checks that `key` may be set to `value` in `memory`: keys of 1 to 128
+/// bytes, values of at most 16 KiB, at most 256 entries.
+pub(crate) fn check_memory_entry(
+    memory: &BTreeMap<String, MemoryEntry>,
+    key: &str,
+    value: &str,
+) -> Result<()> {
+    if key.is_empty() || key.len() > 128 {
+        return Err(EngineError::InvalidInput(
+            "memory keys are 1 to 128 bytes".into(),
+        ));
+    }
+    if value.len() > MAX_MEMORY_VALUE_BYTES {
+        return Err(EngineError::InvalidInput(format!(
+            "memory value of {} bytes is over the {MAX_MEMORY_VALUE_BYTES}-byte limit",
+            value.len()
+        )));
+    }
+    if !memory.contains_key(key) && memory.len() >= MAX_MEMORY_ENTRIES {
+        return Err(EngineError::InvalidInput(format!(
+            "session memory is full ({MAX_MEMORY_ENTRIES} entries)"
+        )));
+    }
+    Ok(())
+}
+
+/// The message that stands for the summarized part of a slot's history.
+fn summary_message(summary: &str) -> Arc<Message> {
+    Arc::new(Message::system(format!(
+        "Summary of the earlier conversation:\n{summary}"
+    )))
 }
 
 fn validate_slot_name(name: &str) -> Result<()> {

@@ -165,6 +165,7 @@ impl App {
                     tools: Arc::new(tools),
                     max_iterations: def.limits.max_iterations,
                     max_output_tokens: Some(def.limits.max_output_tokens),
+                    context_window_tokens: config.context_window(&def.llm_profile),
                 });
             }
         }
@@ -198,6 +199,7 @@ impl App {
             }
         };
         // The root agent is the user's own: it may load every skill.
+        keel_engine::register_memory_tools(&mut root_tools)?;
         let all_skills: Vec<String> = skills.names().map(str::to_owned).collect();
         grant_skills(&skills, &all_skills, &mut root_tools, &mut system_prompt)?;
         let root = AgentProfile {
@@ -207,6 +209,7 @@ impl App {
             tools: Arc::new(root_tools),
             max_iterations: 16,
             max_output_tokens: Some(config.root_max_output_tokens),
+            context_window_tokens: config.context_window(DEFAULT_PROFILE),
         };
         let mut bundle =
             RuntimeBundle::new(root).with_loop(AgentLoop::new(Arc::new(NoHooks), gate));

@@ -38,6 +38,7 @@ pub const HELP: &str = "\
 /rename <title>     rename the current dialog
 /delete             delete the current dialog
 /compact            summarize the current context
+/memory             list the dialog's memory (what the model remembered)
 /info               show the current dialog
 /stop               stop the running turn
 /checkpoints        list checkpoints, newest first
@@ -62,6 +63,8 @@ pub enum Slash {
     Delete,
     /// `/compact`.
     Compact,
+    /// `/memory`.
+    Memory,
     /// `/info`.
     Info,
     /// `/stop`.
@@ -109,6 +112,7 @@ pub fn parse_slash(line: &str) -> Result<Slash, String> {
             .ok_or_else(|| "/rename needs a title".to_owned()),
         "/delete" => no_arg(Slash::Delete),
         "/compact" => no_arg(Slash::Compact),
+        "/memory" => no_arg(Slash::Memory),
         "/info" => no_arg(Slash::Info),
         "/stop" => no_arg(Slash::Stop),
         "/checkpoints" => no_arg(Slash::Checkpoints),
@@ -263,6 +267,8 @@ pub async fn run(
             break;
         }
     }
+    // A title or summary still being generated is dropped, not waited for.
+    chat.manager.shutdown();
     Ok(ExitCode::SUCCESS)
 }
 
@@ -524,6 +530,26 @@ impl Chat {
         Ok(())
     }
 
+    /// Lists the current dialog's memory entries, one line each.
+    async fn show_memory(&mut self) -> Result<()> {
+        let session = self.manager.session(self.current).await?;
+        let lines: Vec<String> = session
+            .lock()
+            .await
+            .state()
+            .memory
+            .iter()
+            .map(|(key, entry)| format!("{key}: {}", one_line(&entry.value, 100)))
+            .collect();
+        if lines.is_empty() {
+            self.say("memory is empty");
+        }
+        for line in lines {
+            self.say(&line);
+        }
+        Ok(())
+    }
+
     /// Lists the current dialog's messages that no turn answered (a turn
     /// that failed, was stopped or was cut off by a crash).
     async fn show_unanswered(&mut self) -> Result<()> {
@@ -602,13 +628,14 @@ impl Chat {
                 let r = m.record(self.current).await?;
                 self.say(&format!("now in {} \"{}\"", r.dialog_id, r.title));
             }
-            Slash::Compact => {
-                if m.compact(self.current).await? {
-                    self.say("context summarized");
-                } else {
-                    self.say("could not summarize the context (see the log)");
-                }
-            }
+            Slash::Memory => self.show_memory().await?,
+            Slash::Compact => match m.compact(self.current).await {
+                Ok(true) => self.say(
+                    "context summarized: the model sees the summary and the messages after it",
+                ),
+                Ok(false) => self.say("nothing new to summarize"),
+                Err(e) => self.say(&format!("could not summarize the context: {e}")),
+            },
             Slash::Info => {
                 let session = m.session(self.current).await?;
                 let g = session.lock().await;

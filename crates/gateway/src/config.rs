@@ -54,10 +54,6 @@ pub const MAX_SESSION_TTL_HOURS: u64 = 720;
 pub const MAX_CLEANUP_INTERVAL_MINUTES: u64 = 1440;
 /// Largest `session.auto_title_after_n_messages`.
 pub const MAX_AUTO_TITLE_AFTER_N_MESSAGES: u64 = 1000;
-/// Smallest `session.summary.max_context_tokens`.
-pub const MIN_SUMMARY_CONTEXT_TOKENS: usize = 1_000;
-/// Largest `session.summary.max_context_tokens`.
-pub const MAX_SUMMARY_CONTEXT_TOKENS: usize = 2_000_000;
 /// Largest `session.summary.debounce_turns`.
 pub const MAX_SUMMARY_DEBOUNCE_TURNS: u32 = 1000;
 
@@ -205,13 +201,12 @@ impl Default for SessionConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SummarySettings {
-    /// Summarize long contexts automatically.
+    /// Summarize long contexts after a turn, before a request would need it.
     pub enabled: bool,
-    /// Summarize when the context exceeds this share of `max_context_tokens`.
+    /// Summarize when the context exceeds this share of the profile's
+    /// budget (`context_window_tokens` less the output cap).
     pub trigger_ratio: f32,
-    /// The context budget, in estimated tokens.
-    pub max_context_tokens: usize,
-    /// Turns between two summaries of a session.
+    /// Turns between two automatic summaries of a session.
     pub debounce_turns: u32,
 }
 
@@ -219,9 +214,8 @@ impl Default for SummarySettings {
     fn default() -> Self {
         let engine = SummaryConfig::default();
         Self {
-            enabled: false,
+            enabled: true,
             trigger_ratio: engine.trigger_ratio,
-            max_context_tokens: engine.max_context_tokens,
             debounce_turns: engine.debounce_turns,
         }
     }
@@ -699,6 +693,16 @@ impl Config {
         keel_providers::build_provider_with_env(resolved, profile, env).map_err(ConfigError::from)
     }
 
+    /// The context window of profile `name` in tokens (its
+    /// `context_window_tokens`, else its model's known window).
+    pub fn context_window(&self, name: &str) -> usize {
+        let tokens = match self.resolve_profile(name) {
+            Some((_, profile)) => profile.context_window(),
+            None => keel_engine::DEFAULT_CONTEXT_WINDOW_TOKENS as u64,
+        };
+        usize::try_from(tokens).unwrap_or(usize::MAX)
+    }
+
     /// [`build_provider_with_env`](Self::build_provider_with_env) with the process environment.
     pub fn build_provider(&self, name: &str) -> Result<Arc<dyn Provider>, ConfigError> {
         self.build_provider_with_env(name, &real_env)
@@ -732,7 +736,6 @@ impl Config {
             auto_title_after: s.auto_title_after_n_messages,
             summary: s.summary.enabled.then_some(SummaryConfig {
                 trigger_ratio: s.summary.trigger_ratio,
-                max_context_tokens: s.summary.max_context_tokens,
                 debounce_turns: s.summary.debounce_turns,
             }),
             inbox: self.inbox_policy(),

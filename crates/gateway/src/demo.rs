@@ -247,6 +247,7 @@ async fn build(
         tools: Arc::new(tools),
         max_iterations: 8,
         max_output_tokens: None,
+        context_window_tokens: keel_engine::DEFAULT_CONTEXT_WINDOW_TOKENS,
     };
     let config = SessionManagerConfig {
         auto_title_after: 3,
@@ -303,6 +304,7 @@ pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode> {
         let g = s.lock().await;
         (g.state().clone(), g.history().to_vec())
     };
+    manager.shutdown();
     drop(manager);
     coordinator.shutdown();
     drop(coordinator);
@@ -433,6 +435,8 @@ async fn dialogs(manager: &Arc<SessionManager>, chat: &str) -> Result<()> {
     ] {
         turn(manager, second, text).await?;
     }
+    // The title is generated off the turn path, after the third turn.
+    manager.housekeeping_settled(second).await;
     line(&format!(
         "title is now \"{}\"",
         manager.record(second).await?.title

@@ -114,6 +114,7 @@ wait a moment and read /etc/hostname
 hello second
 /rename Better plans
 /compact
+/compact
 /checkpoints
 /switch default
 /sessions
@@ -443,6 +444,41 @@ fn a_failed_turn_keeps_the_message_marked_unanswered() {
     );
     let input = "first question\nsecond question\n/info\n/switch default\n";
     let (out, err, ok) = keel(&dir.path().join("data"), &s, "dora", input);
+    assert!(ok, "stderr: {err}");
+    insta::assert_snapshot!(redact(&out));
+}
+
+/// The model's memory tools commit with their turn and `/memory` lists what
+/// is kept; `/compact` summarizes the context now, says when nothing new is
+/// left to summarize, and the next turn is answered from the summary.
+#[test]
+fn memory_and_compact_in_a_transcript() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = script(
+        dir.path(),
+        r#"
+responses:
+  - tool_calls: [{name: remember, arguments: {key: deadline, value: "Launch on Friday"}}]
+  - text: "Noted."
+  - tool_calls: [{name: remember, arguments: {key: owner, value: "Dora runs the launch"}}]
+  - tool_calls: [{name: forget, arguments: {key: deadline}}]
+  - text: "Updated."
+  - text: "The user set up the launch: Dora owns it."
+  - text: "Dora, as agreed."
+"#,
+    );
+    let input = "\
+/memory
+remember the deadline
+/memory
+Dora owns it; forget the date
+/memory
+/compact
+/compact
+who owns the launch?
+/info
+";
+    let (out, err, ok) = keel(&dir.path().join("data"), &s, "erin", input);
     assert!(ok, "stderr: {err}");
     insta::assert_snapshot!(redact(&out));
 }

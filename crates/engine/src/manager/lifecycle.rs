@@ -150,10 +150,11 @@ impl SessionManager {
         Ok(alive.then_some(parent))
     }
 
-    /// Cancels the session's turn and its sub-agent runs (their pending
+    /// Cancels the session's turn, its housekeeping and its sub-agent runs (their pending
     /// inbox events are dead-lettered) and drops it from memory.
     pub(super) async fn retire(&self, id: SessionId, reason: &str) -> Result<()> {
         self.cancel_turn(id);
+        self.housekeeping.cancel(id);
         if let Some(coordinator) = &self.bundle.coordinator {
             coordinator.cancel_session(id, reason).await?;
         }

@@ -13,8 +13,8 @@
 //! `lifecycle` (create, load, evict, destroy), `worker` (the session
 //! worker: send, steer, stop), `turns` (run and commit a turn), `slots` (context slots and session memory), `dialogs`,
 //! `checkpoints` (list, create, roll back, fork, prune), `snapshots`
-//! (export and import, and history a client brings) and `housekeeping` (titles and summaries after a
-//! turn).
+//! (export and import, and history a client brings) and `housekeeping`
+//! (titles and summaries after a turn, in a task of their own).
 
 mod checkpoints;
 mod continuation;
@@ -103,14 +103,15 @@ impl RuntimeBundle {
     }
 }
 
-/// When to summarize a slot's context automatically.
+/// When to summarize a slot's context after a turn, before it is needed.
+/// (A request that would not fit the agent's context budget is compacted
+/// before it is sent, whatever this says.)
 #[derive(Debug, Clone, PartialEq)]
 pub struct SummaryConfig {
-    /// Summarize when the replayed context exceeds this share of the budget.
+    /// Summarize when the context exceeds this share of the agent's budget
+    /// (its context window less its output cap).
     pub trigger_ratio: f32,
-    /// The context budget, in estimated tokens.
-    pub max_context_tokens: usize,
-    /// Turns between two summaries of a session.
+    /// Turns between two automatic summaries of a session.
     pub debounce_turns: u32,
 }
 
@@ -118,7 +119,6 @@ impl Default for SummaryConfig {
     fn default() -> Self {
         Self {
             trigger_ratio: 0.75,
-            max_context_tokens: 32_000,
             debounce_turns: 3,
         }
     }
@@ -134,7 +134,7 @@ pub struct SessionManagerConfig {
     /// Generate a title once this many visible user messages exist while the
     /// title is still the default (0 disables; default 10).
     pub auto_title_after: u64,
-    /// Automatic summaries, off when `None`.
+    /// Summaries after a turn, off when `None` (default on).
     pub summary: Option<SummaryConfig>,
     /// User turns one session may have queued behind its running turn.
     pub user_queue: usize,
@@ -152,7 +152,7 @@ impl Default for SessionManagerConfig {
             auto_checkpoint: true,
             idle_ttl: Duration::from_secs(24 * 3600),
             auto_title_after: 10,
-            summary: None,
+            summary: Some(SummaryConfig::default()),
             user_queue: 32,
             mailbox: MailboxLimits::default(),
             event_capacity: DEFAULT_EVENT_CAPACITY,
@@ -211,6 +211,7 @@ pub struct SessionManager {
     sessions: Mutex<HashMap<SessionId, Entry>>,
     workers: worker::Workers,
     events: Arc<SessionEvents>,
+    housekeeping: housekeeping::Housekeeping,
 }
 
 impl SessionManager {
@@ -228,6 +229,7 @@ impl SessionManager {
                 sessions: Mutex::new(HashMap::new()),
                 workers: Mutex::new(HashMap::new()),
                 events,
+                housekeeping: housekeeping::Housekeeping::default(),
             }
         })
     }

@@ -9,11 +9,18 @@
 //! dropped commits none of its outputs and leaves its input in the history,
 //! unanswered, where the next turn sees it. A checkpoint is taken only by a
 //! turn's final commit, so none ever points into a half turn.
+//!
+//! Before the loop starts, the context is fitted into the agent's budget:
+//! when the request would be larger, older history is summarized first
+//! (see `housekeeping`). A provider that still refuses it as too long, before
+//! the turn called a tool, gets one rerun after a compaction.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use keel_core::{
-    Extensions, Message, Role, SessionId, ToolExecutionContext, ToolRegistry, TurnId, TurnOrigin,
+    Extensions, Message, ProviderError, Role, SessionId, ToolExecutionContext, ToolRegistry,
+    TurnId, TurnOrigin,
 };
 use keel_store::LeasedEvents;
 use tokio::sync::OwnedMutexGuard;
@@ -21,11 +28,12 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::{SessionManager, TurnReport};
-use crate::agent_loop::{EventSink, TurnEvent, TurnOutput, TurnRequest};
+use crate::agent_loop::{EventSink, TurnEvent, TurnOutput, TurnProgress, TurnRequest};
 use crate::coordinator;
 use crate::error::{EngineError, Result};
 use crate::mailbox::TurnMailbox;
 use crate::session::{AgentSession, FinishedTurn};
+use crate::tools::memory::{has_memory_tools, TurnMemory};
 use keel_store::InputState;
 
 /// How a turn starts.
@@ -60,7 +68,6 @@ impl SessionManager {
         let session = self.session(id).await?;
         let mut guard = session.lock_owned().await;
         let slot = guard.writable_slot()?;
-        let history = guard.replay(&slot)?;
         // The user's words are durable before the model sees them; other
         // turns (continuations) commit their trigger with their answer.
         let opened = if start.origin == TurnOrigin::User && !start.input.is_empty() {
@@ -73,39 +80,11 @@ impl SessionManager {
         } else {
             start.input.len()
         };
-        let agent = guard.agent.clone();
-        let tools = if start.read_only {
-            Arc::new(self.read_only_tools(&agent.tools))
-        } else {
-            agent.tools.clone()
-        };
-        let mut extensions = Extensions::default();
-        extensions.insert(Arc::clone(&start.mailbox));
-        if let Some(coordinator) = &self.bundle.coordinator {
-            // One run budget for every delegation of this root turn.
-            extensions.insert(coordinator.root_turn_budget());
-        }
-        let request = TurnRequest {
-            provider: agent.provider.clone(),
-            tools,
-            system_prompt: Some(agent.system_prompt.clone()),
-            history,
-            input: start.input,
-            max_iterations: agent.max_iterations,
-            max_output_tokens: agent.max_output_tokens,
-            context: ToolExecutionContext {
-                session_id: Some(id),
-                turn_id: Some(start.turn_id),
-                run_id: None,
-                origin: start.origin,
-                cancellation: start.cancel.clone(),
-                extensions,
-            },
-        };
-        let agent_loop = self.bundle.agent_loop.clone();
-        let sink = start.events.clone();
-        let task = tokio::spawn(async move { agent_loop.run(request, sink.as_ref()).await });
-        Ok(PendingTurn {
+        // A turn of an agent with the memory tools works on a copy of the
+        // session's memory, committed with its answer.
+        let memory = has_memory_tools(&guard.agent.tools)
+            .then(|| Arc::new(TurnMemory::new(guard.state.memory.clone())));
+        let mut pending = PendingTurn {
             manager: self.clone(),
             guard: Some(guard),
             slot,
@@ -113,12 +92,15 @@ impl SessionManager {
             origin: start.origin,
             opened,
             committed_inputs,
-            task: Some(task),
-            cancel: start.cancel,
-            events: start.events,
-            mailbox: start.mailbox,
-            answers: start.answers,
-        })
+            task: None,
+            cancel: start.cancel.clone(),
+            events: start.events.clone(),
+            progress: Arc::new(TurnProgress::default()),
+            memory,
+            start,
+        };
+        pending.launch(false).await?;
+        Ok(pending)
     }
 
     /// The tools of a continuation turn: those of `tools` that only read,
@@ -152,11 +134,101 @@ pub(crate) struct PendingTurn {
     task: Option<JoinHandle<Result<TurnOutput>>>,
     cancel: CancellationToken,
     events: Option<EventSink>,
-    mailbox: Arc<TurnMailbox>,
-    answers: Option<LeasedEvents>,
+    /// Set by the loop; a turn that acted is never rerun.
+    progress: Arc<TurnProgress>,
+    /// The session memory the turn's tools work on.
+    memory: Option<Arc<TurnMemory>>,
+    /// How it started (a rerun starts the same way).
+    start: TurnStart,
 }
 
 impl PendingTurn {
+    /// Fits the context into the agent's budget (compacting it first when
+    /// it would not fit, or always when `force`), then spawns the loop.
+    async fn launch(&mut self, force: bool) -> Result<()> {
+        let manager = Arc::clone(&self.manager);
+        let guard = self.guard.as_mut().ok_or(EngineError::Cancelled)?;
+        let exclude_from = self.opened.first().copied();
+        let extra = if self.committed_inputs == 0 {
+            self.start.input.iter().map(Message::estimated_tokens).sum()
+        } else {
+            0
+        };
+        manager
+            .fit_context(guard, extra, exclude_from, force, &self.cancel)
+            .await;
+        let mut history = guard.replay(&self.slot)?;
+        // The committed input is the end of the replay; the loop adds it.
+        let keep = history.len().saturating_sub(self.committed_inputs);
+        history.truncate(keep);
+        let agent = guard.agent.clone();
+        let start = &self.start;
+        let tools = if start.read_only {
+            Arc::new(manager.read_only_tools(&agent.tools))
+        } else {
+            agent.tools.clone()
+        };
+        let mut extensions = Extensions::default();
+        extensions.insert(Arc::clone(&start.mailbox));
+        extensions.insert(Arc::clone(&self.progress));
+        if let Some(memory) = &self.memory {
+            extensions.insert(Arc::clone(memory));
+        }
+        if let Some(coordinator) = &manager.bundle.coordinator {
+            // One run budget for every delegation of this root turn.
+            extensions.insert(coordinator.root_turn_budget());
+        }
+        let request = TurnRequest {
+            provider: agent.provider.clone(),
+            tools,
+            system_prompt: Some(agent.system_prompt.clone()),
+            history,
+            input: start.input.clone(),
+            max_iterations: agent.max_iterations,
+            max_output_tokens: agent.max_output_tokens,
+            context: ToolExecutionContext {
+                session_id: Some(guard.id()),
+                turn_id: Some(start.turn_id),
+                run_id: None,
+                origin: start.origin,
+                cancellation: start.cancel.clone(),
+                extensions,
+            },
+        };
+        let agent_loop = manager.bundle.agent_loop.clone();
+        let sink = start.events.clone();
+        self.task = Some(tokio::spawn(async move {
+            agent_loop.run(request, sink.as_ref()).await
+        }));
+        Ok(())
+    }
+
+    /// Waits for the loop. A provider that refuses the request as too long
+    /// before the turn acted gets one rerun, after a compaction.
+    async fn outcome(&mut self) -> Result<TurnOutput> {
+        let mut rerun = false;
+        loop {
+            let result = match self.task.take() {
+                Some(t) => t
+                    .await
+                    .unwrap_or_else(|e| Err(EngineError::TurnPanicked(e.to_string()))),
+                None => Err(EngineError::Cancelled),
+            };
+            let overflow = matches!(
+                &result,
+                Err(EngineError::Provider(ProviderError::ContextLengthExceeded(
+                    _
+                )))
+            );
+            if !overflow || rerun || self.progress.acted.load(Ordering::Acquire) {
+                return result;
+            }
+            rerun = true;
+            tracing::info!(turn_id = %self.turn_id, "the provider found the context too long; compacting and retrying once");
+            self.launch(true).await?;
+        }
+    }
+
     /// Whether the turn's input is committed already (it stays, unanswered,
     /// if the turn ends without an answer).
     pub(crate) fn input_committed(&self) -> bool {
@@ -164,17 +236,11 @@ impl PendingTurn {
     }
 
     /// Waits for the loop, commits the turn (outputs, state, checkpoint) in
-    /// one transaction, then titles/summarizes. A storage failure after the
+    /// one transaction, then starts titling/summarizing in the background. A storage failure after the
     /// store's retries is reported as a system notice event and returned.
     /// When the turn or its commit fails, its input stays, unanswered.
     pub(crate) async fn finalize(mut self) -> Result<TurnReport> {
-        let task = self.task.take();
-        let result = match task {
-            Some(t) => t
-                .await
-                .unwrap_or_else(|e| Err(EngineError::TurnPanicked(e.to_string()))),
-            None => Err(EngineError::Cancelled),
-        };
+        let result = self.outcome().await;
         let mut guard = self.guard.take().ok_or(EngineError::Cancelled)?;
         let id = guard.id();
         let mut output = match result {
@@ -200,10 +266,11 @@ impl PendingTurn {
         // The events the model answered (a continuation's lease, and steered
         // events it read) are consumed in the turn's own transaction.
         let consumed: Vec<LeasedEvents> = self
+            .start
             .answers
             .take()
             .into_iter()
-            .chain(self.mailbox.drained_events())
+            .chain(self.start.mailbox.drained_events())
             .collect();
         let checkpoint = match guard
             .commit_turn(
@@ -214,6 +281,7 @@ impl PendingTurn {
                     committed_inputs: self.committed_inputs,
                     answers: &self.opened,
                     consumed,
+                    memory: self.memory.as_ref().and_then(|m| m.changes()),
                 },
                 auto,
             )
@@ -233,7 +301,7 @@ impl PendingTurn {
                 return Err(e);
             }
         };
-        self.manager.after_commit(&mut guard).await;
+        self.manager.after_commit(&guard);
         Ok(TurnReport {
             turn_id: self.turn_id,
             output,

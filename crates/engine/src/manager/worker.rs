@@ -225,11 +225,12 @@ impl SessionManager {
         }
     }
 
-    /// Stops the running turn of `session` (nothing of its answer is committed)
-    /// and cancels the session's background runs, whose results are
+    /// Stops the running turn of `session` (nothing of its answer is committed),
+    /// its title or summary generation, and cancels the session's background runs, whose results are
     /// recorded without starting a turn. Returns once all of it is done.
     pub async fn stop(self: &Arc<Self>, session: SessionId) -> Result<StopReport> {
         let mut report = StopReport::default();
+        self.housekeeping.cancel(session);
         let shared = self
             .workers
             .lock()

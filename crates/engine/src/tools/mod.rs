@@ -7,6 +7,7 @@
 //! configuration; shell commands run under Landlock ([`sandbox`]).
 
 mod fs;
+pub(crate) mod memory;
 mod sandbox;
 mod shell;
 mod skills;
@@ -30,6 +31,7 @@ pub use shell::{ShellConfig, ShellConfinement};
 use time::{CurrentTimeTool, SleepTool};
 use workspace::Workspace;
 
+pub use memory::register_memory_tools;
 pub use skills::grant_skills;
 
 /// Most bytes any built-in tool returns to the model.

@@ -188,6 +188,7 @@ async fn inbox(root: ScriptedProvider, options: Options) -> Inbox {
         tools: Arc::new(root_tools),
         max_iterations: 8,
         max_output_tokens: None,
+        context_window_tokens: keel_engine::DEFAULT_CONTEXT_WINDOW_TOKENS,
     };
     let bundle = RuntimeBundle::new(profile).with_coordinator(coordinator);
     let manager = SessionManager::new(

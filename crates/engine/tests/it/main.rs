@@ -4,8 +4,11 @@
 
 mod agent_loop;
 mod common;
+mod compaction;
 mod coordinator;
 mod gate;
+mod housekeeping;
 mod inbox;
+mod memory;
 mod sessions;
 mod worker;

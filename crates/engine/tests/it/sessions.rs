@@ -533,6 +533,7 @@ async fn title_is_generated_once_after_n_visible_user_messages() {
             .submit_turn(id, &format!("message {i}"))
             .await
             .unwrap();
+        h.manager.housekeeping_settled(id).await;
         let title = h.manager.record(id).await.unwrap().title;
         if i < 3 {
             assert_eq!(title, "Dialog d1");
@@ -566,10 +567,12 @@ async fn a_failing_title_is_not_fatal_and_renamed_dialogs_keep_their_title() {
         ScriptedResponse::error(keel_core::ScriptedErrorKind::Server, "down"),
     ]);
     h.manager.submit_turn(id, "hello").await.unwrap();
+    h.manager.housekeeping_settled(id).await;
     assert_eq!(h.manager.record(id).await.unwrap().title, "Dialog d1");
     h.manager.rename_dialog(id, "  Mine  ").await.unwrap();
     replies(&h.provider, &["r2"]);
     h.manager.submit_turn(id, "again").await.unwrap();
+    h.manager.housekeeping_settled(id).await;
     assert_eq!(h.manager.record(id).await.unwrap().title, "Mine");
     assert_eq!(h.provider.remaining(), 0, "no title request after a rename");
 }
@@ -819,52 +822,6 @@ async fn cancellation_during_a_tool_batch_commits_nothing() {
         visible_texts(&manager, id).await,
         ["wait", "again", "after"]
     );
-}
-
-#[tokio::test]
-async fn auto_summary_runs_past_the_ratio_is_debounced_and_never_fails_the_turn() {
-    let summary = keel_engine::SummaryConfig {
-        trigger_ratio: 0.5,
-        max_context_tokens: 10,
-        debounce_turns: 2,
-    };
-    let h = harness(SessionManagerConfig {
-        summary: Some(summary),
-        ..Default::default()
-    });
-    let id = h.manager.create(spec("d1")).await.unwrap();
-    h.provider.push([
-        ScriptedResponse::text("answer one"),
-        ScriptedResponse::error(keel_core::ScriptedErrorKind::Server, "summary model down"),
-        ScriptedResponse::text("answer two"),
-        ScriptedResponse::text("The user asked twice."),
-        ScriptedResponse::text("answer three"),
-        ScriptedResponse::text("answer four"),
-        ScriptedResponse::text("Four questions so far."),
-    ]);
-    // Turn 1 is over the ratio; its summary fails: logged, the turn stands.
-    h.manager.submit_turn(id, "question one").await.unwrap();
-    assert_eq!(
-        visible_texts(&h.manager, id).await,
-        ["question one", "answer one"]
-    );
-    // Turn 2: summarized.
-    h.manager.submit_turn(id, "question two").await.unwrap();
-    let state = h.manager.get(id).unwrap().lock().await.state().clone();
-    assert_eq!(
-        state.slots["default"].summary.as_deref(),
-        Some("The user asked twice.")
-    );
-    assert_eq!(state.last_summary_turn, Some(2));
-    // Turn 3: debounced (1 turn since the last summary); turn 4 summarizes again.
-    h.manager.submit_turn(id, "question three").await.unwrap();
-    h.manager.submit_turn(id, "question four").await.unwrap();
-    let state = h.manager.get(id).unwrap().lock().await.state().clone();
-    assert_eq!(
-        state.slots["default"].summary.as_deref(),
-        Some("Four questions so far.")
-    );
-    assert_eq!(h.provider.remaining(), 0);
 }
 
 #[tokio::test]

@@ -67,9 +67,8 @@ auto_title_after_n_messages = 10
 auto_checkpoint = true
 
 [session.summary]
-enabled = false
+enabled = true
 trigger_ratio = 0.75
-max_context_tokens = 32000
 debounce_turns = 3
 
 [storage]
@@ -311,25 +310,24 @@ pub fn reference() -> Vec<KeyDoc> {
     code(
         &mut rows,
         "session.summary.enabled",
-        "Summarize long contexts automatically.".into(),
+        "Summarize long contexts after a turn, in the background, before a request \
+         needs it (a request that would not fit the context window is compacted \
+         before it is sent either way)."
+            .into(),
     );
     code(
         &mut rows,
         "session.summary.trigger_ratio",
-        "Summarize when the context exceeds this share of `max_context_tokens`, in (0, 1].".into(),
-    );
-    code(
-        &mut rows,
-        "session.summary.max_context_tokens",
-        format!(
-            "Context budget in estimated tokens, \
-             {MIN_SUMMARY_CONTEXT_TOKENS}..={MAX_SUMMARY_CONTEXT_TOKENS}."
-        ),
+        "Summarize when the context exceeds this share of the budget (the profile's \
+         `context_window_tokens` less the output cap), in (0, 1]."
+            .into(),
     );
     code(
         &mut rows,
         "session.summary.debounce_turns",
-        format!("Turns between two summaries of a session, 1..={MAX_SUMMARY_DEBOUNCE_TURNS}."),
+        format!(
+            "Turns between two automatic summaries of a session, 1..={MAX_SUMMARY_DEBOUNCE_TURNS}."
+        ),
     );
 
     code(

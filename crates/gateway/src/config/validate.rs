@@ -194,17 +194,11 @@ fn session(s: &SessionConfig, out: &mut Problems) {
         out.push(
             "session.summary.trigger_ratio",
             format!(
-                "{} is outside (0, 1]; it is a share of max_context_tokens",
+                "{} is outside (0, 1]; it is a share of the context budget",
                 summary.trigger_ratio
             ),
         );
     }
-    out.range(
-        "session.summary.max_context_tokens",
-        summary.max_context_tokens,
-        MIN_SUMMARY_CONTEXT_TOKENS,
-        MAX_SUMMARY_CONTEXT_TOKENS,
-    );
     out.range(
         "session.summary.debounce_turns",
         summary.debounce_turns,

@@ -312,6 +312,7 @@ impl Server {
             Ok(Err(e)) => tracing::warn!(error = %e, "the server ended with an error"),
             Err(e) => tracing::warn!(error = %e, "the server task failed"),
         }
+        self.shared.app.manager.shutdown();
         if let Some(coordinator) = &self.shared.app.coordinator {
             coordinator.shutdown();
         }

@@ -361,6 +361,16 @@ impl TurnRunner {
         if changed {
             self.publish_dialog(session).await;
         }
+        if result.is_ok() {
+            // A title generated after the turn reaches the dialog's
+            // subscribers once it is committed (the turn does not wait).
+            let this = Arc::clone(&self);
+            tokio::spawn(async move {
+                if this.manager.housekeeping_settled(session).await {
+                    this.publish_dialog(session).await;
+                }
+            });
+        }
         // Only a turn that called tools can have started or cancelled runs.
         if result.as_ref().map_or(true, |r| r.output.tool_calls > 0) {
             self.projections.refresh(session).await;

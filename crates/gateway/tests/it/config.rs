@@ -430,7 +430,7 @@ fn conversions_carry_the_settings() {
     let c = parse(
         "workspace_root = \"/srv/w\"\n\
          [session]\nttl_hours = 2\ncleanup_interval_minutes = 5\nauto_title_after_n_messages = 0\nauto_checkpoint = false\n\
-         [session.summary]\nenabled = true\nmax_context_tokens = 8000\n\
+         [session.summary]\nenabled = true\ntrigger_ratio = 0.5\n\
          [storage]\nsynchronous = \"full\"\nretry_delays_ms = [5]\nbusy_timeout_ms = 10\n\
          [tools]\nenable_write = true\nenable_shell = true\nshell_timeout_secs = 9\n\
          shell_env = [\"CARGO_HOME\"]\nshell_read_paths = [\"/usr\"]\nshell_network = true\n",
@@ -450,10 +450,7 @@ fn conversions_carry_the_settings() {
     assert_eq!(manager.auto_title_after, 0);
     assert!(!manager.auto_checkpoint);
     let summary = manager.summary.unwrap();
-    assert_eq!(
-        (summary.max_context_tokens, summary.debounce_turns),
-        (8000, 3)
-    );
+    assert_eq!((summary.trigger_ratio, summary.debounce_turns), (0.5, 3));
     assert_eq!(c.cleanup_interval(), Duration::from_secs(300));
     let (tools, notice) = c.builtin_tools(vec![PathBuf::from("/srv/data")]);
     assert_eq!(tools.workspace_root, PathBuf::from("/srv/w"));
@@ -470,7 +467,7 @@ fn conversions_carry_the_settings() {
         // A kernel without Landlock: refused, and said so.
         other => assert!(notice.is_some(), "{other:?}"),
     }
-    assert!(Config::default().session_manager_config().summary.is_none());
+    assert!(Config::default().session_manager_config().summary.is_some());
     let o = parse(
         "[orchestration]\nmax_tree_depth = 5\nmax_runs_per_tree = 7\nmax_concurrent_runs = 6\n\
          max_concurrent_runs_per_session = 2\nmax_concurrent_provider_steps = 5\n\
