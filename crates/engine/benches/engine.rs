@@ -102,7 +102,7 @@ fn question(n: u32) -> String {
 }
 
 /// A manager over `store` whose root agent runs `provider`, auto-checkpoint
-/// on, auto-title and summaries off.
+/// on, auto-title, summaries and compaction off.
 fn manager(store: Store, provider: Arc<dyn Provider>) -> Arc<SessionManager> {
     let root = AgentProfile {
         name: AgentId::parse("root").unwrap(),
@@ -111,6 +111,8 @@ fn manager(store: Store, provider: Arc<dyn Provider>) -> Arc<SessionManager> {
         tools: Arc::new(ToolRegistry::new()),
         max_iterations: 4,
         max_output_tokens: None,
+        // No compaction: these figures are about the whole history.
+        context_window_tokens: usize::MAX,
     };
     SessionManager::new(
         store,
@@ -791,6 +793,7 @@ async fn delegation_overhead(dir: &Path) {
         tools: Arc::new(tools),
         max_iterations: 4,
         max_output_tokens: None,
+        context_window_tokens: keel_engine::DEFAULT_CONTEXT_WINDOW_TOKENS,
     };
     let bundle = RuntimeBundle::new(root)
         .with_loop(keel_engine::AgentLoop::new(
@@ -830,6 +833,122 @@ async fn delegation_overhead(dir: &Path) {
     );
 }
 
+/// Turns of the compaction benchmark.
+const COMPACTION_TURNS: usize = 500;
+/// The context window of the compaction benchmark's agent.
+const COMPACTION_WINDOW: usize = 4_000;
+/// Its output cap per call (the budget is the window less this).
+const COMPACTION_OUTPUT: u32 = 500;
+
+/// Answers turns with [`REPLY`] and summary requests with a short summary,
+/// each after a simulated model latency of 1 µs per request token; records
+/// the estimated tokens of every turn request and the time summaries take.
+struct CompactionModel {
+    turn_tokens: parking_lot::Mutex<Vec<usize>>,
+    summary_time: parking_lot::Mutex<Duration>,
+    summaries: std::sync::atomic::AtomicUsize,
+}
+
+#[async_trait]
+impl Provider for CompactionModel {
+    fn name(&self) -> &str {
+        "compaction"
+    }
+
+    fn model(&self) -> &str {
+        "compaction"
+    }
+
+    async fn stream(
+        &self,
+        request: &ChatRequest,
+        _cancel: CancellationToken,
+    ) -> Result<ProviderStream, ProviderError> {
+        let started = Instant::now();
+        let tokens = keel_engine::estimate_request_tokens(request);
+        std::thread::sleep(Duration::from_micros(tokens as u64));
+        let summary = request.messages[0]
+            .text()
+            .starts_with("Summarize the conversation");
+        let text = if summary {
+            self.summaries
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            *self.summary_time.lock() += started.elapsed();
+            "The user asks numbered questions about the same topic and gets considered answers \
+             of a few sentences each, ending with suggestions for next steps."
+                .to_owned()
+        } else {
+            self.turn_tokens.lock().push(tokens);
+            REPLY.to_owned()
+        };
+        let events = vec![
+            Ok(StreamEvent::TextDelta { text }),
+            Ok(StreamEvent::Finish {
+                reason: FinishReason::Stop,
+            }),
+        ];
+        Ok(Box::pin(futures::stream::iter(events)))
+    }
+}
+
+/// 500 turns through a 4,000-token window with compaction on (summaries
+/// after turns, and before a request that would not fit): the estimated
+/// request tokens late vs early, and the share of the run spent in summary
+/// calls.
+async fn compaction(dir: &Path) {
+    let store = Store::open(dir.join("compaction.db"), StoreOptions::default()).unwrap();
+    let model = Arc::new(CompactionModel {
+        turn_tokens: parking_lot::Mutex::new(Vec::new()),
+        summary_time: parking_lot::Mutex::new(Duration::ZERO),
+        summaries: std::sync::atomic::AtomicUsize::new(0),
+    });
+    let root = AgentProfile {
+        name: AgentId::parse("root").unwrap(),
+        system_prompt: "You are a helpful assistant.".into(),
+        provider: model.clone(),
+        tools: Arc::new(ToolRegistry::new()),
+        max_iterations: 4,
+        max_output_tokens: Some(COMPACTION_OUTPUT),
+        context_window_tokens: COMPACTION_WINDOW,
+    };
+    let m = SessionManager::new(
+        store,
+        RuntimeBundle::new(root),
+        SessionManagerConfig {
+            auto_title_after: 0,
+            ..SessionManagerConfig::default()
+        },
+    );
+    let id = m.create(spec("compaction", "long")).await.unwrap();
+    let started = Instant::now();
+    for n in 0..COMPACTION_TURNS {
+        m.submit_turn(id, &question(n as u32)).await.unwrap();
+    }
+    m.housekeeping_settled(id).await;
+    let total = started.elapsed();
+    let tokens = model.turn_tokens.lock().clone();
+    assert_eq!(tokens.len(), COMPACTION_TURNS);
+    let mean = |r: std::ops::Range<usize>| {
+        let n = r.len() as f64;
+        tokens[r].iter().sum::<usize>() as f64 / n
+    };
+    let (at20, at500) = (tokens[19] as f64, tokens[COMPACTION_TURNS - 1] as f64);
+    let (early, late) = (mean(10..30), mean(COMPACTION_TURNS - 20..COMPACTION_TURNS));
+    let budget = COMPACTION_WINDOW - COMPACTION_OUTPUT as usize;
+    let summary_time = *model.summary_time.lock();
+    println!(
+        "BENCH compaction turns={COMPACTION_TURNS} budget_tokens={budget} request_tokens_at_20={at20:.0} \
+         request_tokens_at_500={at500:.0} ratio={:.2} mean_tokens_turns_11_30={early:.0} \
+         mean_tokens_turns_481_500={late:.0} mean_ratio={:.2} max_request_tokens={} summaries={} \
+         compacting_share={:.3} target_ratio<=1.5",
+        at500 / at20,
+        late / early,
+        tokens.iter().max().unwrap(),
+        model.summaries.load(std::sync::atomic::Ordering::Relaxed),
+        summary_time.as_secs_f64() / total.as_secs_f64(),
+    );
+}
+
 fn main() {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -840,6 +959,11 @@ fn main() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
+    // `cargo bench -p keel-engine --bench engine -- compaction` runs that figure alone.
+    if std::env::args().skip(1).any(|a| a == "compaction") {
+        rt.block_on(compaction(dir.path()));
+        return;
+    }
     println!("# keel-engine benchmark. Ratios compare figures measured in this same run.");
     println!("# checkpoint_bytes: one manual SessionManager::checkpoint of one session at turn 10 vs turn 1000;");
     println!("#   wal_growth = growth of <db>-wal (autocheckpoint off, so the WAL only grows; whole 4 KiB pages + 24 B frame headers);");
@@ -853,6 +977,8 @@ fn main() {
     println!("# turn_overhead: turns/s of submit_turn (zero-latency provider, auto-checkpoint on) vs Store::commit_turn of the same rows.");
     println!("# idle_session_memory: RSS growth per loaded one-turn session in a fresh child process (approximate).");
     println!("# delegation_overhead: a root turn that delegates one trivial task in the foreground vs a root turn answered directly.");
+    println!("# compaction: estimated request tokens at turn 500 vs turn 20 of a dialog through a 4,000-token window with compaction on");
+    println!("#   (model latency simulated at 1 us per request token); compacting_share = time in summary calls / time of the 500 turns.");
     rt.block_on(async {
         long_session(dir.path()).await;
         turn_overhead(
@@ -873,5 +999,6 @@ fn main() {
         .print("scripted_offline", SCRIPTED_TURNS, "");
         idle_memory(dir.path()).await;
         delegation_overhead(dir.path()).await;
+        compaction(dir.path()).await;
     });
 }
