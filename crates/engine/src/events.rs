@@ -84,6 +84,12 @@ pub enum SessionEvent {
         /// The text.
         text: String,
     },
+    /// A generated title of the dialog was committed (after a turn, off
+    /// its path).
+    Retitled {
+        /// The new title.
+        title: String,
+    },
     /// A sub-agent run of the session changed (as committed).
     RunUpdated {
         /// The session's revision of this change.

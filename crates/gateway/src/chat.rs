@@ -468,7 +468,10 @@ impl Chat {
                 self.line_break();
                 self.say(&format!("[notice] {text}"));
             }
-            SessionEvent::RunUpdated { .. } | SessionEvent::InboxEventUpdated { .. } => {}
+            // A title shows in /info and /sessions; it is not announced.
+            SessionEvent::RunUpdated { .. }
+            | SessionEvent::InboxEventUpdated { .. }
+            | SessionEvent::Retitled { .. } => {}
         }
         let _ = self.out.flush();
         None

@@ -307,6 +307,14 @@ impl SessionManager {
             }
         };
         let result = self.commit_title(id, &title, cancel).await;
+        if matches!(result, Ok(true)) {
+            self.events.publish(
+                id,
+                crate::events::SessionEvent::Retitled {
+                    title: title.clone(),
+                },
+            );
+        }
         match result {
             Ok(true) => tracing::info!(session_id = %id, %title, "dialog titled"),
             Ok(false) => {}

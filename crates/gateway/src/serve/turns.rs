@@ -132,8 +132,9 @@ impl TurnRunner {
     }
 
     /// Forwards the turns of `session` that no client started — the
-    /// continuation turns that answer background results — to the hub while
-    /// anyone watches the dialog (one forwarder per dialog).
+    /// continuation turns that answer background results — and its
+    /// generated titles to the hub while anyone watches the dialog (one
+    /// forwarder per dialog).
     pub fn follow_continuations(self: &Arc<Self>, session: SessionId) {
         if !self.followed.lock().insert(session) {
             return;
@@ -167,6 +168,8 @@ impl TurnRunner {
             };
             let session_id = session.as_uuid();
             match event.as_ref() {
+                // A title generated after a turn, off its path.
+                SessionEvent::Retitled { .. } => self.publish_dialog(session).await,
                 SessionEvent::TurnStarted { turn_id, origin } if continuation(origin) => {
                     self.hub.publish(
                         session,
@@ -360,16 +363,6 @@ impl TurnRunner {
         self.hub.publish(session, end);
         if changed {
             self.publish_dialog(session).await;
-        }
-        if result.is_ok() {
-            // A title generated after the turn reaches the dialog's
-            // subscribers once it is committed (the turn does not wait).
-            let this = Arc::clone(&self);
-            tokio::spawn(async move {
-                if this.manager.housekeeping_settled(session).await {
-                    this.publish_dialog(session).await;
-                }
-            });
         }
         // Only a turn that called tools can have started or cancelled runs.
         if result.as_ref().map_or(true, |r| r.output.tool_calls > 0) {
