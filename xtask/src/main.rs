@@ -20,7 +20,10 @@ commands:
   bench [store|catalog|engine|serve|...]
                              run benchmarks (all when no name is given)
   fuzz <target> [--seconds N]  run a cargo-fuzz target (catalog)
-  interop                    the official OpenAI and AG-UI Python clients against a live keel serve";
+  interop                    the official OpenAI and AG-UI Python clients against a live keel serve
+  soak [--kills N] [--seconds S] [--release] [--seed X]
+                             keel serve under WebSocket load, SIGKILLed N times (at
+                             most S s of load each), keel doctor after every restart";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -32,6 +35,7 @@ fn main() -> ExitCode {
         Some("bench") => bench(&args[1..]),
         Some("fuzz") => fuzz(&args[1..]),
         Some("interop") => interop_prerequisites().and_then(|()| interop_clients()),
+        Some("soak") => soak(&args[1..]),
         Some("-h" | "--help" | "help") => {
             println!("{USAGE}");
             Ok(())
@@ -297,6 +301,18 @@ fn ci() -> Result<(), String> {
             Box::new(|| run(&mut cargo_cmd(&["test", "--workspace", "--locked"]))),
         ));
     }
+    // A short soak: 20 kills of a loaded `keel serve`, a checker after each.
+    steps.push((
+        "soak",
+        Box::new(|| {
+            soak(&[
+                "--kills".into(),
+                "20".into(),
+                "--seconds".into(),
+                "2".into(),
+            ])
+        }),
+    ));
     steps.push((
         "doc",
         Box::new(|| {
@@ -412,6 +428,33 @@ fn benches() -> Result<Vec<(String, String)>, String> {
     }
     found.sort();
     Ok(found)
+}
+
+/// Builds the soak driver and the `keel` it kills, then runs the driver
+/// (`tests/src/bin/soak.rs`). The `keel` is keel-e2e's copy of the binary:
+/// the failpoints are compiled in but none is armed, and the tests' build
+/// has already compiled it.
+fn soak(args: &[String]) -> Result<(), String> {
+    let release = args.iter().any(|a| a == "--release");
+    let mut forwarded: Vec<String> = args.iter().filter(|a| *a != "--release").cloned().collect();
+    let mut build = cargo_cmd(&["build", "--locked", "-p", "keel-e2e", "--bin", "keel-e2e"]);
+    build.args(["--bin", "keel-soak"]);
+    if release {
+        build.arg("--release");
+    }
+    run(&mut build)?;
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target"))
+        .join(if release { "release" } else { "debug" });
+    forwarded.splice(
+        0..0,
+        [
+            "--keel".to_owned(),
+            target.join("keel-e2e").display().to_string(),
+        ],
+    );
+    run(Command::new(target.join("keel-soak")).args(&forwarded))
 }
 
 fn bench(args: &[String]) -> Result<(), String> {
