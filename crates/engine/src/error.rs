@@ -178,6 +178,10 @@ pub enum EngineError {
     /// was cancelled and no id is valid. Retryable after a restart.
     #[error("the runtime is shutting down; the delegated run was not started")]
     SpawnRejected,
+    /// A signal contract limit refused the signal (severity, size, depth,
+    /// count, rate) or its run ended. Not retryable as is.
+    #[error("signal refused: {0}")]
+    SignalRefused(String),
     /// No run with this id in the caller's tree (also for runs that exist elsewhere). Not retryable.
     #[error("run {0} not found")]
     RunNotFound(String),
@@ -263,6 +267,7 @@ impl EngineError {
             | EngineError::BackgroundNotAllowed
             | EngineError::UnknownProfile { .. }
             | EngineError::ToolScope { .. }
+            | EngineError::SignalRefused(_)
             | EngineError::SlotReadonly(_)
             | EngineError::SlotRule(_) => ToolError::Denied(self.to_string()),
             _ => ToolError::Failed(self.to_string()),

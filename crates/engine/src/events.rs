@@ -25,6 +25,7 @@ use parking_lot::Mutex;
 use tokio::sync::{broadcast, Mutex as AsyncMutex};
 
 use crate::agent_loop::TurnEvent;
+use crate::coordinator::SignalView;
 use crate::error::Result;
 
 /// Most runs (and most events) one projection read returns.
@@ -90,6 +91,10 @@ pub enum SessionEvent {
         /// The new title.
         title: String,
     },
+    /// A background run emitted a signal (committed; sent once, when it
+    /// was accepted). Its later delivery states arrive as
+    /// [`SessionEvent::InboxEventUpdated`].
+    Signal(Box<SignalView>),
     /// A sub-agent run of the session changed (as committed).
     RunUpdated {
         /// The session's revision of this change.

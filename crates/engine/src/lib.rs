@@ -47,7 +47,7 @@ pub use context::{estimate_request_tokens, DEFAULT_CONTEXT_WINDOW_TOKENS};
 pub use coordinator::{
     project_response, AgentCoordinator, AgentRunView, CallerContext, CatalogSource,
     CoordinatorConfig, DelegateRequest, DelegateResponse, DelegateTask, ForegroundResult,
-    ProfileProviders, ProviderFactory, RunEvent, RunObserver, RunResult,
+    ProfileProviders, ProviderFactory, RunEvent, RunObserver, RunResult, SignalView,
 };
 pub use error::{EngineError, Result};
 pub use events::{SessionEvent, SessionEvents, SessionSubscription, SubscriptionError};

@@ -97,8 +97,6 @@ impl WakeupState {
     }
 }
 
-// The agent lane is fed by inbox steer admission.
-#[allow(dead_code)]
 struct AgentEntry {
     reservation: u64,
     seq: u64,
@@ -119,7 +117,6 @@ struct Inner {
 
 /// What was still in a mailbox when it closed.
 #[derive(Debug, Default)]
-#[allow(dead_code)]
 pub(crate) struct Leftovers {
     /// User steer messages the model never read (they become the next turn).
     pub(crate) user: Vec<Message>,
@@ -190,7 +187,6 @@ impl TurnMailbox {
 
     /// Reserves a place for inbox events claimed under a lease (phase 2 of
     /// admission); the loop cannot see them until [`Self::activate`].
-    #[allow(dead_code)] // fed by inbox steer admission
     pub(crate) fn reserve(
         &self,
         held: LeasedEvents,
@@ -221,7 +217,6 @@ impl TurnMailbox {
     /// Makes a reservation drainable once its events are admitted in the
     /// store (phase 4). False when the reservation is gone (the turn closed
     /// and its closer released the events).
-    #[allow(dead_code)] // fed by inbox steer admission
     pub(crate) fn activate(&self, reservation: u64) -> bool {
         let wake = {
             let mut inner = self.inner.lock();
@@ -246,7 +241,6 @@ impl TurnMailbox {
 
     /// Takes back a reservation whose admission failed; the caller releases
     /// its events. `None` when the closer took it already.
-    #[allow(dead_code)] // fed by inbox steer admission
     pub(crate) fn withdraw(&self, reservation: u64) -> Option<LeasedEvents> {
         let mut inner = self.inner.lock();
         let i = inner
@@ -309,7 +303,6 @@ impl TurnMailbox {
     }
 
     /// Inbox events the model read in this turn (consumed by its commit).
-    #[allow(dead_code)] // fed by inbox steer admission
     pub(crate) fn drained_events(&self) -> Vec<LeasedEvents> {
         self.inner.lock().drained.clone()
     }

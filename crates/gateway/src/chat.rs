@@ -18,7 +18,7 @@ use keel_core::RunId;
 use keel_core::{CheckpointId, Message, SessionId, StreamEvent, TurnId, TurnOrigin};
 use keel_engine::DialogAddress;
 use keel_engine::TurnEvent;
-use keel_engine::{SessionEvent, SessionManager, SessionSubscription, SteerOutcome};
+use keel_engine::{SessionEvent, SessionManager, SessionSubscription, SignalView, SteerOutcome};
 use keel_store::{CheckpointRecord, RunRecord};
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, BufReader, Lines};
 use tokio::sync::mpsc;
@@ -40,11 +40,11 @@ pub const HELP: &str = "\
 /compact            summarize the current context
 /memory             list the dialog's memory (what the model remembered)
 /info               show the current dialog
-/stop               stop the running turn
+/stop               stop the running turn and this dialog's background runs
 /checkpoints        list checkpoints, newest first
 /rollback <ckpt>    go back to a checkpoint (a new branch starts there)
 /fork <ckpt>        copy a checkpoint into a new dialog and switch to it
-/runs               sub-agent runs of this dialog, as a tree
+/runs               sub-agent runs of this dialog, as a tree, and their signals
 /help               this list
 /exit               leave (Ctrl-D works too)";
 
@@ -468,6 +468,11 @@ impl Chat {
                 self.line_break();
                 self.say(&format!("[notice] {text}"));
             }
+            SessionEvent::Signal(signal) => {
+                self.line_break();
+                self.say(&signal_line(signal));
+                self.printer.needs_prefix = true;
+            }
             // A title shows in /info and /sessions; it is not announced.
             SessionEvent::RunUpdated { .. }
             | SessionEvent::InboxEventUpdated { .. }
@@ -706,6 +711,13 @@ impl Chat {
                 for line in run_tree(&page.items) {
                     self.say(&line);
                 }
+                let signals = m.signals(self.current, 20).await?;
+                if !signals.is_empty() {
+                    self.say("signals (newest first):");
+                }
+                for s in &signals {
+                    self.say(&format!("  {} ({})", signal_line(s), s.status));
+                }
             }
             Slash::Help => self.say(HELP),
             Slash::Exit => {}
@@ -795,6 +807,17 @@ pub fn run_tree(runs: &[RunRecord]) -> Vec<String> {
     let mut out = Vec::new();
     walk(runs, None, 0, &mut out);
     out
+}
+
+/// One line about a sub-agent's signal.
+fn signal_line(s: &SignalView) -> String {
+    format!(
+        "[signal {}] {} (run {}): {}",
+        s.severity,
+        s.agent_id,
+        s.run_id.map(short).unwrap_or_else(|| "?".into()),
+        one_line(&s.summary, 200)
+    )
 }
 
 fn checkpoint_line(c: &CheckpointRecord) -> String {

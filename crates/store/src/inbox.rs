@@ -106,6 +106,23 @@ pub struct InboxEvent {
     pub dead_lettered_at_ms: Option<i64>,
 }
 
+/// The per-run limits of a signal contract that [`Store::insert_signal`]
+/// checks in its transaction (so parallel emits of one run cannot pass
+/// them together).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SignalLimits {
+    /// Signals one run may emit in total.
+    pub max_signals: u32,
+    /// Signals allowed back to back; the allowance refills one signal per
+    /// `min_interval_ms`.
+    pub burst: u32,
+    /// Milliseconds to refill one signal of the burst allowance.
+    pub min_interval_ms: u64,
+    /// A signal repeating a dedupe key within this many milliseconds of
+    /// the key's last accepted signal returns that signal (0: never).
+    pub dedupe_window_ms: u64,
+}
+
 /// A signal from a running background run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NewSignal {
@@ -113,8 +130,8 @@ pub struct NewSignal {
     pub run_id: RunId,
     /// Its execution (must still own the run).
     pub execution_id: String,
-    /// Dedupe key: a second signal with the same key returns the first one's id.
-    pub event_key: String,
+    /// Dedupe key, if the agent gave one (see [`SignalLimits::dedupe_window_ms`]).
+    pub dedupe_key: Option<String>,
     /// Queue or steer.
     pub delivery: Delivery,
     /// Severity.
@@ -123,17 +140,36 @@ pub struct NewSignal {
     pub payload_json: String,
     /// Inbox capacity of the root session.
     pub inbox_capacity: u32,
+    /// The contract's count, rate and dedupe limits.
+    pub limits: SignalLimits,
     /// Now (ms).
     pub now_ms: i64,
 }
 
-/// Result of [`Store::insert_signal`].
+/// Result of [`Store::insert_signal`]: written, deduplicated, or refused by
+/// a limit (nothing written).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SignalCommit {
-    /// The event (the earlier one when deduplicated).
-    pub event_id: EventId,
-    /// True when the key matched an earlier signal; nothing was written.
-    pub deduplicated: bool,
+pub enum SignalCommit {
+    /// A new pending event.
+    Accepted {
+        /// The event.
+        event_id: EventId,
+    },
+    /// The dedupe key matched a signal within the window; nothing was written.
+    Deduplicated {
+        /// The earlier signal.
+        event_id: EventId,
+    },
+    /// The run already emitted `max_signals` signals.
+    TooMany {
+        /// The limit.
+        max_signals: u32,
+    },
+    /// The burst allowance is spent; a signal fits again after this wait.
+    TooSoon {
+        /// Milliseconds until the next signal is allowed.
+        retry_after_ms: u64,
+    },
 }
 
 /// Claim due pending events of one root session under a fresh lease.
@@ -346,6 +382,37 @@ pub(crate) fn query_events(
     Ok(out)
 }
 
+/// Separates an event key's dedupe key from the id that keeps it unique.
+const KEY_SEPARATOR: char = '#';
+
+/// Milliseconds until a run that emitted at `times` (oldest first) may emit
+/// again at `now_ms`: a bucket of `burst` signals refilled one per
+/// `interval_ms`.
+fn signal_wait_ms(times: &[i64], burst: u32, interval_ms: u64, now_ms: i64) -> u64 {
+    if interval_ms == 0 {
+        return 0;
+    }
+    let burst = f64::from(burst.max(1));
+    let per_ms = 1.0 / interval_ms as f64;
+    let mut tokens = burst;
+    let mut last: Option<i64> = None;
+    for &t in times {
+        if let Some(l) = last {
+            tokens = (tokens + (t - l).max(0) as f64 * per_ms).min(burst);
+        }
+        tokens -= 1.0;
+        last = Some(t);
+    }
+    if let Some(l) = last {
+        tokens = (tokens + (now_ms - l).max(0) as f64 * per_ms).min(burst);
+    }
+    if tokens >= 1.0 {
+        0
+    } else {
+        ((1.0 - tokens) * interval_ms as f64).ceil() as u64
+    }
+}
+
 fn insert_signal_tx(conn: &Connection, s: &NewSignal) -> Result<SignalCommit> {
     if s.payload_json.len() > MAX_SIGNAL_PAYLOAD_BYTES {
         return Err(StoreError::InvalidInput(format!(
@@ -364,21 +431,45 @@ fn insert_signal_tx(conn: &Connection, s: &NewSignal) -> Result<SignalCommit> {
         )));
     }
     let run_key = s.run_id.to_string();
-    let existing = query_events(
+    // Every signal the run emitted, oldest first (at most max_signals rows).
+    let emitted = query_events(
         conn,
-        "WHERE scope_kind = 'run' AND scope_id = ?1 AND event_type = 'signal' AND event_key = ?2",
-        params![run_key, s.event_key],
+        "WHERE scope_kind = 'run' AND scope_id = ?1 AND event_type = 'signal' \
+         ORDER BY created_at, id",
+        params![run_key],
     )?;
-    if let Some(e) = existing.into_iter().next() {
-        return Ok(SignalCommit {
-            event_id: e.id,
-            deduplicated: true,
+    if let Some(key) = &s.dedupe_key {
+        let window = i64::try_from(s.limits.dedupe_window_ms).unwrap_or(i64::MAX);
+        let same_key = emitted.iter().rev().find(|e| {
+            e.event_key
+                .rsplit_once(KEY_SEPARATOR)
+                .is_some_and(|(k, _)| k == key)
+        });
+        if let Some(e) = same_key.filter(|e| s.now_ms.saturating_sub(e.created_at_ms) < window) {
+            return Ok(SignalCommit::Deduplicated { event_id: e.id });
+        }
+    }
+    if emitted.len() >= s.limits.max_signals as usize {
+        return Ok(SignalCommit::TooMany {
+            max_signals: s.limits.max_signals,
+        });
+    }
+    let times: Vec<i64> = emitted.iter().map(|e| e.created_at_ms).collect();
+    let wait = signal_wait_ms(&times, s.limits.burst, s.limits.min_interval_ms, s.now_ms);
+    if wait > 0 {
+        return Ok(SignalCommit::TooSoon {
+            retry_after_ms: wait,
         });
     }
     let root = &run.spec.root_session_id;
     // Capacity counts reserved completions, so signals can never crowd them out.
     adjust_counters(conn, root, 1, 0, Some(s.inbox_capacity), s.now_ms)?;
     let revision = next_revision(conn, root, s.now_ms)?;
+    let event_key = format!(
+        "{}{KEY_SEPARATOR}{}",
+        s.dedupe_key.as_deref().unwrap_or(""),
+        fresh_id()
+    );
     let event_id = insert_event_tx(
         conn,
         &NewEventRow {
@@ -386,7 +477,7 @@ fn insert_signal_tx(conn: &Connection, s: &NewSignal) -> Result<SignalCommit> {
             scope: ScopeKind::Run,
             scope_id: &run_key,
             event_type: EventType::Signal,
-            event_key: &s.event_key,
+            event_key: &event_key,
             delivery: s.delivery,
             requires_continuation: true,
             severity: s.severity.as_deref(),
@@ -396,10 +487,39 @@ fn insert_signal_tx(conn: &Connection, s: &NewSignal) -> Result<SignalCommit> {
             now_ms: s.now_ms,
         },
     )?;
-    Ok(SignalCommit {
-        event_id,
-        deduplicated: false,
-    })
+    Ok(SignalCommit::Accepted { event_id })
+}
+
+/// Pending signals of a cancelled run become superseded (a signal already
+/// held by a turn is left to that turn). Returns how many.
+pub(crate) fn supersede_run_signals_tx(
+    conn: &Connection,
+    run_id: &RunId,
+    now_ms: i64,
+    revisions: &mut Revisions,
+) -> Result<u64> {
+    let Some(run) = get_run_tx(conn, run_id)? else {
+        return Ok(0);
+    };
+    let root = run.spec.root_session_id;
+    let open: i64 = conn.query_row(
+        "SELECT count(*) FROM agent_inbox_events WHERE scope_kind = 'run' AND scope_id = ?1 \
+           AND event_type = 'signal' AND status = 'pending'",
+        [run_id.to_string()],
+        |r| r.get(0),
+    )?;
+    if open == 0 {
+        return Ok(0);
+    }
+    let revision = revisions.of(conn, &root, now_ms)?;
+    let n = conn.execute(
+        "UPDATE agent_inbox_events SET status = 'superseded', superseded_at = ?1, revision = ?2 \
+         WHERE scope_kind = 'run' AND scope_id = ?3 AND event_type = 'signal' \
+           AND status = 'pending'",
+        params![now_ms, revision, run_id.to_string()],
+    )? as u64;
+    adjust_counters(conn, &root, -i64::try_from(n).unwrap_or(0), 0, None, now_ms)?;
+    Ok(n)
 }
 
 fn claim_tx(conn: &Connection, req: &ClaimRequest) -> Result<Option<InboxLease>> {
@@ -841,25 +961,29 @@ impl Store {
             .await
     }
 
-    /// Marks a run's unconsumed signals superseded (explicit cancel of the run);
-    /// completions are facts and are never superseded. Returns how many moved.
+    /// Supersedes the pending signals of `run_id` (as a cancelled run's
+    /// terminal commit does); returns how many.
     pub async fn supersede_run_signals(&self, run_id: RunId, now_ms: i64) -> Result<u64> {
         self.db
-            .write(move |c| {
-                let Some(run) = get_run_tx(c, &run_id)? else {
-                    return Err(StoreError::NotFound(format!("run {run_id}")));
-                };
-                let root = run.spec.root_session_id;
-                let revision = next_revision(c, &root, now_ms)?;
-                let n = c.execute(
-                    "UPDATE agent_inbox_events SET status = 'superseded', superseded_at = ?1, \
-                     lease_token = NULL, lease_until = NULL, revision = ?2 \
-                     WHERE scope_kind = 'run' AND scope_id = ?3 AND event_type = 'signal' \
-                       AND status IN ('pending', 'leased', 'admitted')",
-                    params![now_ms, revision, run_id.to_string()],
-                )? as u64;
-                adjust_counters(c, &root, -i64::try_from(n).unwrap_or(0), 0, None, now_ms)?;
-                Ok(n)
+            .write(move |c| supersede_run_signals_tx(c, &run_id, now_ms, &mut Revisions::default()))
+            .await
+    }
+
+    /// The signals of a root session's runs, newest first, at most `limit`.
+    pub async fn list_signals(
+        &self,
+        root_session_id: SessionId,
+        limit: usize,
+    ) -> Result<Vec<InboxEvent>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.db
+            .read(move |c| {
+                query_events(
+                    c,
+                    "WHERE root_session_id = ?1 AND event_type = 'signal' \
+                     ORDER BY created_at DESC, id DESC LIMIT ?2",
+                    params![root_session_id.to_string(), limit],
+                )
             })
             .await
     }

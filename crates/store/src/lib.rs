@@ -113,7 +113,7 @@ pub use error::{Result, StoreError};
 pub use inbox::{
     ClaimRequest, ContinuationCommit, ContinuationCommitted, EventStatus, EventType, InboxEvent,
     InboxLease, InboxSchedule, LeasedEvents, NewSignal, NoticeCommit, ReleaseReport,
-    ReleaseRequest, ScopeKind, SignalCommit, MAX_SIGNAL_PAYLOAD_BYTES,
+    ReleaseRequest, ScopeKind, SignalCommit, SignalLimits, MAX_SIGNAL_PAYLOAD_BYTES,
 };
 pub use messages::{
     InputState, MessageFilter, MessagePage, NewMessage, OpenTurn, SessionHead, StoredMessage,

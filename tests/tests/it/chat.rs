@@ -482,3 +482,99 @@ who owns the launch?
     assert!(ok, "stderr: {err}");
     insta::assert_snapshot!(redact(&out));
 }
+
+/// A background run's signal is printed by `keel chat` as it arrives, and
+/// `/runs` lists it with its delivery status.
+#[cfg(unix)]
+#[test]
+fn a_signal_from_a_background_run_is_printed_and_listed() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    // The root and the watcher each have their own scripted model.
+    std::fs::create_dir_all(data.join("agents")).unwrap();
+    let files = [
+        (
+            "keel.toml",
+            "agents_dir = \"agents\"\nroot_delegates = [\"watcher\"]\ndefault_profile = \"root\"\n\
+             [providers.root]\nkind = \"scripted\"\nscript = \"root.yaml\"\n\
+             [providers.watch]\nkind = \"scripted\"\nscript = \"watcher.yaml\"\n",
+        ),
+        (
+            "agents/watcher.md",
+            "---\nid: watcher\ndescription: Watches the disk.\nllm_profile: watch\n\
+             signal:\n  delivery: queue\n---\nYou are watcher.\n",
+        ),
+        (
+            "root.yaml",
+            "responses:\n  - tool_calls: [{name: delegate, arguments: {mode: background, \
+             tasks: [{agent: watcher, task: watch}]}}]\n  - text: watching\nwhen_exhausted: echo\n",
+        ),
+        (
+            "watcher.yaml",
+            "responses:\n  - tool_calls: [{name: emit_signal, arguments: \
+             {severity: warning, summary: disk almost full}}]\n  - text: watched\n",
+        ),
+    ];
+    for (name, text) in files {
+        std::fs::write(data.join(name), text).unwrap();
+    }
+    let mut child = crate::keel()
+        .args(["chat", "--chat", "sam", "--data-dir"])
+        .arg(&data)
+        .env("KEEL_LOG", "error")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    // Lines arrive on a channel, so a missing one fails the test after a
+    // while instead of hanging it.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            if tx.send(line.unwrap()).is_err() {
+                break;
+            }
+        }
+    });
+    let mut out: Vec<String> = Vec::new();
+    let until = |out: &mut Vec<String>, done: &dyn Fn(&[String]) -> bool| {
+        while !done(out) {
+            match rx.recv_timeout(std::time::Duration::from_secs(30)) {
+                Ok(line) => out.push(line),
+                Err(e) => panic!("{e}: the chat printed only:\n{}", out.join("\n")),
+            }
+        }
+    };
+    let seen = |out: &[String], what: &str| out.iter().any(|l| l.contains(what));
+    stdin.write_all(b"watch the disk\n").unwrap();
+    until(&mut out, &|o| {
+        seen(o, "[signal warning] watcher (run ") && seen(o, "[background results arrived]")
+    });
+    let line = out.iter().find(|l| l.contains("[signal warning]")).unwrap();
+    assert!(line.ends_with("): disk almost full"), "{line}");
+    // /runs lists it too, with its delivery status.
+    stdin.write_all(b"/runs\n").unwrap();
+    until(&mut out, &|o| {
+        o.iter()
+            .skip_while(|l| !l.contains("signals (newest first):"))
+            .nth(1)
+            .is_some()
+    });
+    let listed = out
+        .iter()
+        .skip_while(|l| !l.contains("signals (newest first):"))
+        .nth(1)
+        .unwrap()
+        .clone();
+    drop(stdin);
+    assert!(child.wait().unwrap().success());
+    assert!(
+        listed.contains("[signal warning] watcher (run ") && listed.contains("disk almost full"),
+        "{listed}\n{}",
+        out.join("\n")
+    );
+}

@@ -16,6 +16,7 @@ use keel_store::{CompletionHandling, RunRecord, TerminalOutcome};
 use tokio::sync::watch;
 
 use super::context::AgentExecutionContext;
+use super::signals::EmitSignalTool;
 use super::tools::{AgentTaskTool, DelegateTool};
 use super::{ActiveRun, AgentCoordinator, RunEvent};
 use crate::agent_loop::{TurnOutput, TurnRequest};
@@ -252,7 +253,9 @@ impl AgentCoordinator {
             Ok(false) => return Err(Stop::Superseded),
             Err(e) => return Err(Stop::Agent(e.into())),
         }
-        let (tools, system_prompt) = self.run_tools(definition).map_err(Stop::Setup)?;
+        let (tools, system_prompt) = self
+            .run_tools(definition, context.mode)
+            .map_err(Stop::Setup)?;
         self.notify(context, RunEvent::Started);
         let mut extensions = Extensions::default();
         extensions.insert(Arc::clone(context));
@@ -287,9 +290,14 @@ impl AgentCoordinator {
     /// shared registry (fail-closed: only `Delegatable`), plus `delegate` and
     /// `agent_task` when the agent has delegates (depth and budget are
     /// enforced per call, so the model sees a typed refusal rather than a
-    /// missing tool), plus `get_skill` and the list of its skills when its
-    /// definition names some.
-    fn run_tools(&self, definition: &AgentDefinition) -> Result<(ToolRegistry, String), String> {
+    /// missing tool), plus `emit_signal` for a background run whose
+    /// definition has a signal contract, plus `get_skill` and the list of
+    /// its skills when its definition names some.
+    fn run_tools(
+        &self,
+        definition: &AgentDefinition,
+        mode: ExecutionMode,
+    ) -> Result<(ToolRegistry, String), String> {
         let mut registry = self
             .tools
             .scoped(
@@ -305,6 +313,14 @@ impl AgentCoordinator {
                 .map_err(|e| format!("tool set refused: {e}"))?;
             registry
                 .register(Arc::new(AgentTaskTool::new(self.me.clone())))
+                .map_err(|e| format!("tool set refused: {e}"))?;
+        }
+        if let (Some(contract), ExecutionMode::Background) = (&definition.signal, mode) {
+            registry
+                .register(Arc::new(EmitSignalTool::new(
+                    self.me.clone(),
+                    contract.clone(),
+                )))
                 .map_err(|e| format!("tool set refused: {e}"))?;
         }
         let mut prompt = definition.body.clone();

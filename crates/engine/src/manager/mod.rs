@@ -21,6 +21,7 @@ mod continuation;
 mod dialogs;
 mod housekeeping;
 mod lifecycle;
+mod signals;
 mod slots;
 mod snapshots;
 mod turns;

@@ -101,10 +101,10 @@ struct UserTask {
 
 /// The running turn, as steer and stop see it.
 #[derive(Clone)]
-struct ActiveTurn {
-    turn_id: TurnId,
+pub(super) struct ActiveTurn {
+    pub(super) turn_id: TurnId,
     cancel: CancellationToken,
-    mailbox: Arc<TurnMailbox>,
+    pub(super) mailbox: Arc<TurnMailbox>,
     /// Becomes true once the turn ended and everything it held is released.
     done: watch::Receiver<bool>,
 }
@@ -225,38 +225,57 @@ impl SessionManager {
         }
     }
 
-    /// Stops the running turn of `session` (nothing of its answer is committed),
-    /// its title or summary generation, and cancels the session's background runs, whose results are
-    /// recorded without starting a turn. Returns once all of it is done.
+    /// `/stop`: closes the running turn of `session` to new input and
+    /// cancels it with its foreground runs (nothing of its answer is committed),
+    /// cancels its title or summary generation,
+    /// gives back the inbox events it held (leased or admitted: pending
+    /// again, no failed attempt), cancels the session's background runs
+    /// (their completions are recorded consumed, their pending signals
+    /// superseded, so no continuation starts for them), and pauses the
+    /// inbox until the next user turn or a new result. Returns once all of
+    /// it is done: nothing of the session is leased or admitted then.
     pub async fn stop(self: &Arc<Self>, session: SessionId) -> Result<StopReport> {
-        let mut report = StopReport::default();
         self.housekeeping.cancel(session);
+        let mut report = StopReport {
+            turn: self.halt(session).await,
+            ..StopReport::default()
+        };
+        if let Some(coordinator) = &self.bundle.coordinator {
+            report.runs_cancelled = coordinator.stop_background_runs(session).await?;
+            // A signal of a run being cancelled may have woken the inbox
+            // meanwhile: stop whatever that started, too.
+            if let Some(turn) = self.halt(session).await {
+                report.turn.get_or_insert(turn);
+            }
+        }
+        tracing::info!(session_id = %session, turn = ?report.turn, runs = report.runs_cancelled.len(), "stopped");
+        Ok(report)
+    }
+
+    /// Pauses the inbox of `session`, cancels its running turn and waits
+    /// until that turn ended and released what it held. Returns the turn.
+    async fn halt(&self, session: SessionId) -> Option<TurnId> {
         let shared = self
             .workers
             .lock()
             .get(&session)
-            .map(|h| Arc::clone(&h.shared));
-        if let Some(shared) = shared {
-            let running = {
-                let active = shared.active.lock();
-                // Under the lock a continuation about to register sees it
-                // and does not start; one that registered is cancelled here.
-                shared.paused.store(true, Ordering::Release);
-                active.clone()
-            };
-            if let Some(mut active) = running {
-                active.cancel.cancel();
-                let _ = active.done.wait_for(|done| *done).await;
-                report.turn = Some(active.turn_id);
-            }
-            // Whatever the worker claimed for the turn is released by now.
-            drop(shared.busy.lock().await);
+            .map(|h| Arc::clone(&h.shared))?;
+        let running = {
+            let active = shared.active.lock();
+            // Under the lock a continuation about to register sees it
+            // and does not start; one that registered is cancelled here.
+            shared.paused.store(true, Ordering::Release);
+            active.clone()
+        };
+        let mut stopped = None;
+        if let Some(mut active) = running {
+            active.cancel.cancel();
+            let _ = active.done.wait_for(|done| *done).await;
+            stopped = Some(active.turn_id);
         }
-        if let Some(coordinator) = &self.bundle.coordinator {
-            report.runs_cancelled = coordinator.stop_background_runs(session).await?;
-        }
-        tracing::info!(session_id = %session, turn = ?report.turn, runs = report.runs_cancelled.len(), "stopped");
-        Ok(report)
+        // Whatever the worker claimed for the turn is released by now.
+        drop(shared.busy.lock().await);
+        stopped
     }
 
     /// Cancels the running turn of `session` without waiting for it.
@@ -291,7 +310,7 @@ impl SessionManager {
         self.active_turn(session).map(|a| a.turn_id)
     }
 
-    fn active_turn(&self, session: SessionId) -> Option<ActiveTurn> {
+    pub(super) fn active_turn(&self, session: SessionId) -> Option<ActiveTurn> {
         let workers = self.workers.lock();
         let handle = workers.get(&session)?;
         let active = handle.shared.active.lock().clone();
@@ -586,7 +605,11 @@ impl SessionManager {
 
     /// Returns inbox events a turn held but did not consume to pending
     /// (no failed attempt: they were never answered) and wakes the worker.
-    async fn release_unread(self: &Arc<Self>, session: SessionId, held: Vec<LeasedEvents>) {
+    pub(super) async fn release_unread(
+        self: &Arc<Self>,
+        session: SessionId,
+        held: Vec<LeasedEvents>,
+    ) {
         for lease in held {
             let released = self
                 .store

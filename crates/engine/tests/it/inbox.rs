@@ -130,6 +130,10 @@ struct Options {
     gate: GateLimits,
     /// Give the root agent the built-in tools (sleep among them).
     builtin: bool,
+    /// Extra frontmatter of the `bg` agent (e.g. a signal contract).
+    bg_frontmatter: &'static str,
+    /// What `bg` answers before falling back to echoing its task.
+    sub_script: Vec<ScriptedResponse>,
 }
 
 impl Default for Options {
@@ -139,6 +143,8 @@ impl Default for Options {
             config: CoordinatorConfig::default(),
             gate: GateLimits::uniform(32),
             builtin: false,
+            bg_frontmatter: "",
+            sub_script: Vec::new(),
         }
     }
 }
@@ -151,16 +157,13 @@ async fn inbox(root: ScriptedProvider, options: Options) -> Inbox {
     let tools = Arc::new(ToolRegistry::new());
     let mut inputs = CatalogInputs::new(["default"], Arc::clone(&tools));
     inputs.root_delegates = vec![AgentId::parse("bg").unwrap()];
-    let catalog = AgentCatalog::from_texts(
-        [(
-            "bg.md",
-            "---\nid: bg\ndescription: Works in the background.\nllm_profile: default\n---\nYou are bg.\n",
-        )],
-        &inputs,
-        1,
-    )
-    .unwrap();
-    let (sub, _) = Held::new(ScriptedProvider::new([]).with_fallback(Arc::new(echo_task)));
+    let bg = format!(
+        "---\nid: bg\ndescription: Works in the background.\nllm_profile: default\n{}---\nYou are bg.\n",
+        options.bg_frontmatter
+    );
+    let catalog = AgentCatalog::from_texts([("bg.md", bg.as_str())], &inputs, 1).unwrap();
+    let (sub, _) =
+        Held::new(ScriptedProvider::new(options.sub_script).with_fallback(Arc::new(echo_task)));
     let gate = Arc::new(ExecutionGate::new(options.gate));
     let coordinator = AgentCoordinator::new(
         store.clone(),
@@ -860,4 +863,255 @@ async fn one_root_turn_shares_one_run_budget_across_its_delegate_calls() {
     assert_eq!(refused.len(), 1, "{results:?}");
     let runs = h.store.list_runs(h.session, None, 100).await.unwrap().items;
     assert_eq!(runs.len(), 16);
+}
+
+/// A background run's `steer` signal is admitted into the running root
+/// turn and read by its very next model call; the turn's commit consumes
+/// it, and the dialog's signal list shows it delivered.
+#[tokio::test]
+async fn a_steer_signal_reaches_the_next_model_call_of_the_running_turn() {
+    let root = ScriptedProvider::new([
+        background(&["watch the disk"]),
+        ScriptedResponse::tool_call("agent_task", json!({"action": "list"})),
+        ScriptedResponse::text("noted: the disk is almost full"),
+        ScriptedResponse::text("the watcher finished"),
+    ]);
+    let mut h = inbox(
+        root,
+        Options {
+            bg_frontmatter: "signal:\n  delivery: steer\n  severities: [warning]\n",
+            sub_script: vec![
+                ScriptedResponse::tool_call(
+                    "emit_signal",
+                    json!({"severity": "warning", "summary": "disk almost full"}),
+                ),
+                ScriptedResponse::text("watched"),
+            ],
+            ..Options::default()
+        },
+    )
+    .await;
+    // The root's second call and the sub-agent's first both wait, so the
+    // signal arrives while the root turn is inside a model call.
+    let root_call_2 = h.root.hold(2);
+    let sub_call_1 = h.sub.hold(1);
+    let ticket = h
+        .manager
+        .send(h.session, Message::user("watch it"))
+        .await
+        .unwrap();
+    for expected in [1, 2] {
+        let n = tokio::time::timeout(HANG, h.root_calls.recv())
+            .await
+            .unwrap();
+        assert_eq!(n, Some(expected));
+    }
+    sub_call_1.notify_one();
+    // The signal is on the feed, then admitted into the running turn.
+    let mut seen_signal = None;
+    loop {
+        let event = tokio::time::timeout(HANG, h.feed.recv())
+            .await
+            .expect("the signal is admitted")
+            .unwrap();
+        match event.as_ref() {
+            SessionEvent::Signal(s) => seen_signal = Some(s.clone()),
+            SessionEvent::InboxEventUpdated { event, .. }
+                if event.status == EventStatus::Admitted =>
+            {
+                assert_eq!(event.admitted_turn_id, Some(ticket.turn_id()));
+                break;
+            }
+            _ => {}
+        }
+    }
+    let signal = seen_signal.expect("the feed shows the signal before its admission");
+    assert_eq!(
+        (
+            signal.agent_id.as_str(),
+            signal.severity.as_str(),
+            signal.summary.as_str()
+        ),
+        ("bg", "warning", "disk almost full")
+    );
+    root_call_2.notify_one();
+    ticket.outcome().await.unwrap();
+    let requests = h.root.inner.requests();
+    let steered = |i: usize| {
+        requests[i]
+            .messages
+            .iter()
+            .any(|m| m.text().contains("disk almost full"))
+    };
+    assert!(!steered(1), "the call in flight did not see it");
+    assert!(steered(2), "the very next call read it");
+    let carrier = requests[2]
+        .messages
+        .iter()
+        .find(|m| m.text().contains("disk almost full"))
+        .unwrap();
+    assert_eq!(carrier.visibility, ClientVisibility::Hidden);
+    // The sub-agent had the tool; its contract allows warnings only.
+    let sub_tools = &h.sub.inner.requests()[0].tools;
+    let emit = sub_tools.iter().find(|t| t.name == "emit_signal").unwrap();
+    assert_eq!(
+        emit.parameters["properties"]["severity"]["enum"],
+        json!(["warning"])
+    );
+    // The completion is answered by a continuation; the signal was consumed
+    // by the user turn, not answered again.
+    h.committed(1).await;
+    loop {
+        if h.turn_end().await == (TurnOrigin::AgentContinuation, true) {
+            break;
+        }
+    }
+    let signals = h.manager.signals(h.session, 10).await.unwrap();
+    assert_eq!(signals.len(), 1);
+    assert_eq!(signals[0].status, EventStatus::Consumed);
+    assert!(h
+        .events()
+        .await
+        .iter()
+        .all(|e| e.status == EventStatus::Consumed));
+    let continuation = h.root.inner.requests()[3].clone();
+    let trigger = continuation.messages.last().unwrap().text();
+    assert!(!trigger.contains("disk almost full"), "{trigger}");
+}
+
+/// A `queue` signal emitted while the dialog is idle is answered by a
+/// continuation, like a completion; the root agent never gets the tool.
+#[tokio::test]
+async fn a_queue_signal_is_answered_by_a_continuation() {
+    let root = ScriptedProvider::new([
+        background(&["index the notes"]),
+        ScriptedResponse::text("started"),
+        ScriptedResponse::text("noted"),
+        ScriptedResponse::text("noted"),
+    ]);
+    let mut h = inbox(
+        root,
+        Options {
+            bg_frontmatter: "signal:\n  delivery: queue\n",
+            sub_script: vec![
+                ScriptedResponse::tool_call(
+                    "emit_signal",
+                    json!({"severity": "info", "summary": "half of the notes indexed",
+                           "details": {"done": 50}}),
+                ),
+                ScriptedResponse::text("indexed"),
+            ],
+            ..Options::default()
+        },
+    )
+    .await;
+    h.manager.submit_turn(h.session, "index").await.unwrap();
+    assert_eq!(h.turn_end().await, (TurnOrigin::User, true));
+    let root_tools: Vec<String> = h.root.inner.requests()[0]
+        .tools
+        .iter()
+        .map(|t| t.name.clone())
+        .collect();
+    assert!(
+        !root_tools.iter().any(|t| t == "emit_signal"),
+        "{root_tools:?}"
+    );
+    h.committed(1).await;
+    // The signal and the completion: one or two continuations, each committed.
+    let mut answered = String::new();
+    while !(answered.contains("half of the notes indexed") && answered.contains("Completed run")) {
+        assert_eq!(h.turn_end().await, (TurnOrigin::AgentContinuation, true));
+        for r in h.root.inner.requests().iter().skip(2) {
+            answered.push_str(&r.messages.last().unwrap().text());
+        }
+    }
+    assert!(answered.contains("severity info"), "{answered}");
+    assert!(answered.contains(r#"details: {"done":50}"#), "{answered}");
+    assert!(h
+        .events()
+        .await
+        .iter()
+        .all(|e| e.status == EventStatus::Consumed));
+}
+
+/// `/stop` while a steer signal is admitted into the running turn: the turn
+/// is cancelled, the signal is neither leased nor admitted afterwards
+/// (superseded with its cancelled run), the run's completion needs no
+/// continuation, and none runs.
+#[tokio::test]
+async fn stop_releases_an_admitted_signal_and_cancels_its_run() {
+    let root = ScriptedProvider::new([
+        background(&["watch the disk"]),
+        ScriptedResponse::text("never read"),
+    ]);
+    let mut h = inbox(
+        root,
+        Options {
+            bg_frontmatter: "signal:\n  delivery: steer\n",
+            sub_script: vec![ScriptedResponse::tool_call(
+                "emit_signal",
+                json!({"severity": "error", "summary": "disk full"}),
+            )],
+            ..Options::default()
+        },
+    )
+    .await;
+    let _root_call_2 = h.root.hold(2);
+    // The run's second call never answers: it runs until cancelled.
+    let _sub_call_2 = h.sub.hold(2);
+    let ticket = h
+        .manager
+        .send(h.session, Message::user("watch it"))
+        .await
+        .unwrap();
+    loop {
+        let event = tokio::time::timeout(HANG, h.feed.recv())
+            .await
+            .expect("the signal is admitted")
+            .unwrap();
+        if let SessionEvent::InboxEventUpdated { event, .. } = event.as_ref() {
+            if event.status == EventStatus::Admitted {
+                break;
+            }
+        }
+    }
+    let report = h.manager.stop(h.session).await.unwrap();
+    assert_eq!(report.turn, Some(ticket.turn_id()));
+    assert_eq!(report.runs_cancelled.len(), 1);
+    assert!(ticket.outcome().await.unwrap_err().is_cancelled());
+    let events = h.events().await;
+    assert_eq!(events.len(), 2, "{events:?}");
+    for e in &events {
+        assert!(
+            !matches!(e.status, EventStatus::Leased | EventStatus::Admitted)
+                && e.lease_token.is_none(),
+            "{e:?}"
+        );
+    }
+    let signal = events
+        .iter()
+        .find(|e| e.event_type == keel_store::EventType::Signal)
+        .unwrap();
+    assert_eq!(signal.status, EventStatus::Superseded);
+    assert_eq!(signal.attempt_count, 0, "a stop is no failed delivery");
+    let completion = events
+        .iter()
+        .find(|e| e.event_type == keel_store::EventType::Completion)
+        .unwrap();
+    assert_eq!(
+        (completion.status, completion.requires_continuation),
+        (EventStatus::Consumed, false)
+    );
+    let runs = h.store.list_runs(h.session, None, 10).await.unwrap().items;
+    assert_eq!(runs[0].status, keel_core::RunStatus::Cancelled);
+    let usage = h.store.inbox_usage(h.session).await.unwrap();
+    assert_eq!(
+        (usage.pending_event_count, usage.reserved_completion_slots),
+        (0, 0)
+    );
+    assert_eq!(
+        h.root.calls.load(Ordering::SeqCst),
+        2,
+        "no continuation ran"
+    );
 }

@@ -461,14 +461,13 @@ fn commit_terminal_tx(
             finished_group: None,
         });
     }
-    terminal_tx(
-        conn,
-        &run,
-        outcome,
-        handling,
-        now_ms,
-        &mut Revisions::default(),
-    )
+    let mut revisions = Revisions::default();
+    let commit = terminal_tx(conn, &run, outcome, handling, now_ms, &mut revisions)?;
+    if matches!(outcome, TerminalOutcome::Cancelled { .. }) {
+        // A cancelled run's pending signals are no longer news.
+        crate::inbox::supersede_run_signals_tx(conn, run_id, now_ms, &mut revisions)?;
+    }
+    Ok(commit)
 }
 
 fn cancel_session_tx(

@@ -9,8 +9,8 @@ use keel_core::{
 use keel_store::{
     AcceptGroup, AcceptRun, ClaimRequest, CompletionHandling, ContinuationCommit, EventStatus,
     EventType, GroupStatus, InboxCounts, InboxUsage, LeasedEvents, NewGroup, NewMessage, NewRun,
-    NewSignal, NoticeCommit, ReleaseRequest, RunCursor, Store, StoreError, TerminalOutcome,
-    TurnCommit,
+    NewSignal, NoticeCommit, ReleaseRequest, RunCursor, SignalCommit, SignalLimits, Store,
+    StoreError, TerminalOutcome, TurnCommit,
 };
 use rusqlite::Connection;
 
@@ -357,6 +357,13 @@ async fn group_all_yields_one_group_completion_after_the_last_run() {
     assert_eq!(slots(&store, root).await, counters(1, 0));
 }
 
+const LIMITS: SignalLimits = SignalLimits {
+    max_signals: 3,
+    burst: 2,
+    min_interval_ms: 1000,
+    dedupe_window_ms: 60_000,
+};
+
 #[tokio::test]
 async fn signals_are_deduplicated_capacity_checked_and_need_a_live_execution() {
     let (_dir, store) = temp_store();
@@ -366,11 +373,12 @@ async fn signals_are_deduplicated_capacity_checked_and_need_a_live_execution() {
     let signal = |key: &str| NewSignal {
         run_id: run.id,
         execution_id: run.execution_id.clone(),
-        event_key: key.into(),
+        dedupe_key: Some(key.into()),
         delivery: Delivery::Queue,
         severity: Some("info".into()),
         payload_json: r#"{"summary":"halfway"}"#.into(),
         inbox_capacity: 2,
+        limits: LIMITS,
         now_ms: 200,
     };
     // Queued runs cannot signal yet.
@@ -382,11 +390,15 @@ async fn signals_are_deduplicated_capacity_checked_and_need_a_live_execution() {
         .mark_run_running(run.id, run.execution_id.clone(), 110)
         .await
         .unwrap();
-    let first = store.insert_signal(signal("s1")).await.unwrap();
-    assert!(!first.deduplicated);
-    let dup = store.insert_signal(signal("s1")).await.unwrap();
-    assert!(dup.deduplicated);
-    assert_eq!(dup.event_id, first.event_id);
+    let SignalCommit::Accepted { event_id: first } =
+        store.insert_signal(signal("s1")).await.unwrap()
+    else {
+        panic!("the first signal is accepted");
+    };
+    assert_eq!(
+        store.insert_signal(signal("s1")).await.unwrap(),
+        SignalCommit::Deduplicated { event_id: first }
+    );
     // Capacity 2 = 1 reserved completion + 1 signal: the next signal does not fit.
     assert!(matches!(
         store.insert_signal(signal("s2")).await,
@@ -402,6 +414,102 @@ async fn signals_are_deduplicated_capacity_checked_and_need_a_live_execution() {
         store.insert_signal(foreign).await,
         Err(StoreError::Stale(_))
     ));
+}
+
+/// Dedupe is a cooldown window, the burst refills one signal per interval,
+/// the count per run is a hard cap, and a cancelled run's pending signals
+/// are superseded by its terminal commit.
+#[tokio::test]
+async fn signal_limits_are_a_window_a_refilling_burst_and_a_cap() {
+    let (_dir, store) = temp_store();
+    let root = SessionId::new();
+    let run = new_run(root, ExecutionMode::Background);
+    store.accept_run(accept(run.clone(), 64)).await.unwrap();
+    store
+        .mark_run_running(run.id, run.execution_id.clone(), 110)
+        .await
+        .unwrap();
+    let at = |key: Option<&str>, now_ms: i64| NewSignal {
+        run_id: run.id,
+        execution_id: run.execution_id.clone(),
+        dedupe_key: key.map(Into::into),
+        delivery: Delivery::Steer,
+        severity: Some("warning".into()),
+        payload_json: r#"{"summary":"disk almost full"}"#.into(),
+        inbox_capacity: 64,
+        limits: LIMITS,
+        now_ms,
+    };
+    let accepted = |c: SignalCommit| match c {
+        SignalCommit::Accepted { event_id } => event_id,
+        other => panic!("expected acceptance, got {other:?}"),
+    };
+    let a = accepted(store.insert_signal(at(Some("disk"), 1_000)).await.unwrap());
+    // Within the window the key returns the first signal; it costs nothing.
+    assert_eq!(
+        store.insert_signal(at(Some("disk"), 30_000)).await.unwrap(),
+        SignalCommit::Deduplicated { event_id: a }
+    );
+    // Past the window the same key is news again.
+    let b = accepted(store.insert_signal(at(Some("disk"), 61_000)).await.unwrap());
+    assert_ne!(a, b);
+    // b spent the refilled allowance with a: burst 2 back to back, so one
+    // more at once is too soon, by the refill time of one signal.
+    let mut soon = at(None, 61_000);
+    soon.limits.max_signals = 10;
+    soon.limits.burst = 1;
+    assert_eq!(
+        store.insert_signal(soon).await.unwrap(),
+        SignalCommit::TooSoon {
+            retry_after_ms: 1000
+        }
+    );
+    accepted(store.insert_signal(at(None, 61_000)).await.unwrap());
+    // Three signals emitted: the cap of 3 refuses a fourth, however late.
+    assert_eq!(
+        store.insert_signal(at(None, 500_000)).await.unwrap(),
+        SignalCommit::TooMany { max_signals: 3 }
+    );
+    assert_eq!(slots(&store, root).await, counters(3, 1));
+    // One of them is held by a turn; the cancelled run's terminal commit
+    // supersedes only the pending ones.
+    let lease = store.claim_inbox_batch(ClaimRequest {
+        max_events: 1,
+        ..claim(root, 600_000)
+    });
+    let lease = lease.await.unwrap().unwrap();
+    store
+        .commit_terminal(
+            run.id,
+            run.execution_id.clone(),
+            TerminalOutcome::Cancelled {
+                reason: "stop".into(),
+            },
+            CompletionHandling::Quiet,
+            700_000,
+        )
+        .await
+        .unwrap();
+    let statuses: Vec<(EventId, EventStatus)> = store
+        .list_signals(root, 10)
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| (e.id, e.status))
+        .collect();
+    assert_eq!(statuses.len(), 3, "newest first: {statuses:?}");
+    let leased = lease.events[0].id;
+    for (id, status) in statuses {
+        let expected = if id == leased {
+            EventStatus::Leased
+        } else {
+            EventStatus::Superseded
+        };
+        assert_eq!(status, expected, "{id}");
+    }
+    // The held signal still counts until its turn ends; the quiet
+    // completion released the reservation.
+    assert_eq!(slots(&store, root).await, counters(1, 0));
 }
 
 async fn root_with_events(store: &Store, n: usize) -> (SessionId, Vec<EventId>) {
