@@ -17,7 +17,7 @@ use keel_core::{
 use keel_store::{
     AcceptRun, CheckpointSource, ClaimRequest, CompletionHandling, ContinuationCommit,
     LeasedEvents, NewCheckpoint, NewMessage, NewRun, NewSession, NewSignal, OpenTurn,
-    ReleaseRequest, Store, StoreOptions, TerminalOutcome, TurnCommit,
+    ReleaseRequest, SignalCommit, SignalLimits, Store, StoreOptions, TerminalOutcome, TurnCommit,
 };
 
 fn main() {
@@ -164,16 +164,25 @@ async fn drive(data: &std::path::Path) {
         .insert_signal(NewSignal {
             run_id: run,
             execution_id: execution.clone(),
-            event_key: "progress-1".into(),
+            dedupe_key: Some("progress-1".into()),
             delivery: Delivery::Steer,
             severity: Some("info".into()),
             payload_json: r#"{"progress":50}"#.into(),
             inbox_capacity: 8,
+            limits: SignalLimits {
+                max_signals: 16,
+                burst: 3,
+                min_interval_ms: 1000,
+                dedupe_window_ms: 60_000,
+            },
             now_ms: now(),
         })
         .await
         .unwrap();
-    println!("ack signal {}", signal.event_id);
+    let SignalCommit::Accepted { event_id } = signal else {
+        panic!("the first signal is accepted: {signal:?}");
+    };
+    println!("ack signal {event_id}");
 
     // Steer admission: claim, admit into a turn, then give it back.
     let claim = |delivery| ClaimRequest {
