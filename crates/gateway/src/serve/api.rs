@@ -670,9 +670,10 @@ pub struct AgentEvent {
     pub event_type: AgentEventType,
     /// Severity of a signal.
     pub severity: Option<String>,
-    /// Its content (JSON): a run completion's `{run_id, agent_id, status,
-    /// result, error}`, a group completion's `{group_id, status, runs:
-    /// [{run_id, agent_id, status, result, error}]}`.
+    /// Its content (JSON): a signal's `{agent_id, summary, details?}`, a run
+    /// completion's `{run_id, agent_id, status, result, error}`, a group
+    /// completion's `{group_id, status, runs: [{run_id, agent_id, status,
+    /// result, error}]}`.
     #[schema(value_type = Object)]
     pub payload: serde_json::Value,
     /// Delivery status.

@@ -318,6 +318,13 @@ def scenario_delegation(r):
     expect(continuation.last).to_contain_text(re.compile("archivist (reports back|has filed today.s decisions)"))
     expect(page.locator("article.msg.assistant.streaming")).to_have_count(0)
     r.shot("runs-completed")
+    # The archivist's signal is a card: severity, summary and the run.
+    card = page.locator("#signals li.signal")
+    expect(card).to_have_count(1)
+    expect(card).to_have_attribute("data-severity", "warning")
+    expect(card.locator(".signal-summary")).to_have_text("Two launch decisions contradict each other")
+    expect(card.locator(".signal-run")).to_contain_text("archivist")
+    r.shot("signal-card")
 
 
 def scenario_jump_to_latest(r):
@@ -387,6 +394,7 @@ def scenario_reload_restores(r):
     expect(page.locator("#messages")).not_to_contain_text("This answer takes its time")
     expect_inbox(page, pending=0, delivered=page.locator("#inbox .inbox-list li").count())
     expect(page.locator("article.msg.assistant[data-origin=agent_continuation] .turn-label").first).to_be_visible()
+    expect(page.locator("#signals li.signal[data-status=consumed]")).to_have_count(1)
     unlabelled = page.evaluate(UNLABELLED_CONTROLS)
     assert unlabelled == [], f"controls without an accessible name: {unlabelled}"
     r.shot("reloaded")
