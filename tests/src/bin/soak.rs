@@ -7,19 +7,25 @@
 //! acknowledged so far (its turn's `turn_committed` arrived) is stored
 //! exactly once and no user message twice, then load it — clients sending
 //! messages that delegate foreground and background runs (whose results
-//! come back as continuation turns), and steering running turns — for a
-//! random time up to S seconds, and kill it. No signals are sent: no agent
-//! can emit one from the binary yet.
+//! come back as continuation turns; the background agents emit signals,
+//! one delivered as `queue`, one as `steer`), and steering running turns —
+//! for a random time up to S seconds, and kill it.
 //!
 //! A user message counts as acknowledged when its turn's `turn_committed`
-//! frame arrived: `turn_accepted` only says the turn was queued.
+//! frame arrived: `turn_accepted` only says the turn was queued. A signal
+//! counts as acknowledged when its `agent_event_updated` frame arrived (it
+//! is published after the signal's commit). After every restart, in one
+//! read snapshot: every acknowledged signal is stored, and every stored
+//! signal is in the root agent's history exactly once if it is consumed
+//! and not at all otherwise (a delivery not marked consumed would be
+//! delivered again).
 //!
 //! It prints one summary line per 10 kills and a final report; exit 1 when
 //! anything was lost, duplicated, or found by the checker. `cargo xtask
 //! soak` builds and runs it.
 #![allow(clippy::unwrap_used)] // a test driver: any failure is the run's failure
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -103,10 +109,26 @@ fn script() -> String {
              - {{text: \"helper checked {i}\", chunk_delay_ms: 5}}\n\
              - {{text: \"helper checked {i}b\", chunk_delay_ms: 5}}\n\
              - {{text: \"both checks of {i} are done\", chunk_delay_ms: 5}}\n\
-             - tool_calls: [{{name: delegate, arguments: {{mode: background, tasks: [{{agent: helper, task: \"file report {i}\"}}]}}}}]\n\
-             - {{text: \"report {i} is being filed in the background\", chunk_delay_ms: 5}}\n\
-             - {{text: \"filed report {i}\", delay_ms: 50}}\n"
+             - tool_calls: [{{name: delegate, arguments: {{mode: background, tasks: [{{agent: watcher, task: \"watch report {i}\"}}, {{agent: lookout, task: \"look out for {i}\"}}]}}}}]\n\
+             - {{text: \"report {i} is being watched in the background while this answer streams on\", chunk_delay_ms: 20}}\n"
         ));
+    }
+    out
+}
+
+/// The script of a background agent (its own model): a signal, the same
+/// signal again under its dedupe key (deduplicated when one run gets both),
+/// then its result. Runs interleave on the one script, so a run may send
+/// several signals, each with its own key.
+fn signal_script(agent: &str, severity: &str) -> String {
+    let mut out = String::from("when_exhausted: echo\nresponses:\n");
+    for i in 0..400 {
+        let call = format!(
+            "- tool_calls: [{{name: emit_signal, arguments: {{severity: {severity}, summary: \"{agent} note {i}\", dedupe_key: \"{agent}-{i}\"}}}}]\n"
+        );
+        out.push_str(&call);
+        out.push_str(&call);
+        out.push_str(&format!("- {{text: \"{agent} done {i}\", delay_ms: 30}}\n"));
     }
     out
 }
@@ -115,15 +137,36 @@ fn prepare(data: &Path) {
     std::fs::create_dir_all(data.join("agents")).unwrap();
     std::fs::write(
         data.join("keel.toml"),
-        "agents_dir = \"agents\"\nroot_delegates = [\"helper\"]\n\n\
-         [providers.default]\nkind = \"scripted\"\nscript = \"soak.yaml\"\n",
+        "agents_dir = \"agents\"\nroot_delegates = [\"helper\", \"watcher\", \"lookout\"]\n\n\
+         [providers.default]\nkind = \"scripted\"\nscript = \"soak.yaml\"\n\
+         [providers.watcher]\nkind = \"scripted\"\nscript = \"watcher.yaml\"\n\
+         [providers.lookout]\nkind = \"scripted\"\nscript = \"lookout.yaml\"\n",
     )
     .unwrap();
     std::fs::write(
         data.join("agents/helper.md"),
-        "---\nid: helper\ndescription: Checks and files things.\nllm_profile: default\n---\nYou help.\n",
+        "---\nid: helper\ndescription: Checks things.\nllm_profile: default\n---\nYou help.\n",
     )
     .unwrap();
+    for (agent, delivery, severity) in [
+        ("watcher", "queue", "info"),
+        ("lookout", "steer", "warning"),
+    ] {
+        std::fs::write(
+            data.join(format!("agents/{agent}.md")),
+            format!(
+                "---\nid: {agent}\ndescription: Watches a report in the background.\n\
+                 llm_profile: {agent}\nlimits:\n  max_iterations: 4\n\
+                 signal:\n  delivery: {delivery}\n---\nYou watch.\n"
+            ),
+        )
+        .unwrap();
+        std::fs::write(
+            data.join(format!("{agent}.yaml")),
+            signal_script(agent, severity),
+        )
+        .unwrap();
+    }
     std::fs::write(data.join("soak.yaml"), script()).unwrap();
 }
 
@@ -138,6 +181,8 @@ const RUNTIME_FAILPOINTS: &[&str] = &[
     "store::commit_turn::after_commit",
     "store::commit_terminal::before_commit",
     "store::commit_terminal::after_commit",
+    "store::insert_signal::before_commit",
+    "store::insert_signal::after_commit",
     "store::claim_inbox::after_commit",
     "store::admit_inbox::before_commit",
     "store::admit_inbox::after_commit",
@@ -236,10 +281,111 @@ fn stored_user_texts(db: &Path) -> HashMap<String, usize> {
     counts
 }
 
+/// What one read snapshot of the database says about signals.
+#[derive(Default)]
+struct SignalAudit {
+    /// Signals stored, by delivery.
+    queue: usize,
+    steer: usize,
+    /// Signals consumed (delivered in a committed turn).
+    consumed: usize,
+    /// Of those, delivered into a running turn (a steer admission).
+    into_running: usize,
+    /// Acknowledged signals not stored.
+    lost: usize,
+    /// Signals in the root agent's history more than once.
+    doubled: usize,
+    /// Consumed signals not in the history, or signals in the history that
+    /// are not consumed (they would be delivered again).
+    unmarked: usize,
+}
+
+/// Audits the signals in one read snapshot against `acknowledged` (event
+/// ids whose frames arrived): each is stored, and each stored signal is in
+/// a user message of its root's history ("N. Signal from run R (…): S")
+/// once if consumed, never otherwise.
+fn audit_signals(db: &Path, acknowledged: &HashSet<String>) -> SignalAudit {
+    let conn =
+        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .unwrap();
+    conn.busy_timeout(Duration::from_secs(10)).unwrap();
+    conn.execute_batch("BEGIN").unwrap();
+    let mut in_history: HashMap<(String, String), usize> = HashMap::new();
+    let mut into_running = 0;
+    let mut stmt = conn
+        .prepare("SELECT content FROM messages WHERE role = 'user' AND content LIKE '%Signal from run %'")
+        .unwrap();
+    for content in stmt.query_map([], |r| r.get::<_, String>(0)).unwrap() {
+        let message: keel_core::Message = serde_json::from_str(&content.unwrap()).unwrap();
+        let text = message.text();
+        let running = text.starts_with("[Sub-agent news while you work.");
+        for line in text.lines() {
+            let Some((_, rest)) = line.split_once(". Signal from run ") else {
+                continue;
+            };
+            let run = rest.split(' ').next().unwrap_or("").to_owned();
+            let summary = rest.split_once("): ").map_or("", |(_, s)| s).to_owned();
+            *in_history.entry((run, summary)).or_insert(0) += 1;
+            into_running += usize::from(running);
+        }
+    }
+    let mut audit = SignalAudit {
+        into_running,
+        ..SignalAudit::default()
+    };
+    let mut stored = HashSet::new();
+    let mut stmt = conn
+        .prepare("SELECT id, run_id, delivery, status, payload_json FROM agent_inbox_events WHERE event_type = 'signal'")
+        .unwrap();
+    let rows = stmt
+        .query_map([], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, String>(2)?,
+                r.get::<_, String>(3)?,
+                r.get::<_, String>(4)?,
+            ))
+        })
+        .unwrap();
+    for row in rows {
+        let (id, run, delivery, status, payload) = row.unwrap();
+        let payload: serde_json::Value = serde_json::from_str(&payload).unwrap();
+        let summary = payload["summary"].as_str().unwrap_or("").to_owned();
+        let n = in_history
+            .get(&(run.clone(), summary.clone()))
+            .copied()
+            .unwrap_or(0);
+        let consumed = status == "consumed";
+        match delivery.as_str() {
+            "steer" => audit.steer += 1,
+            _ => audit.queue += 1,
+        }
+        audit.consumed += usize::from(consumed);
+        if n > 1 {
+            audit.doubled += 1;
+        }
+        if (consumed && n == 0) || (!consumed && n > 0) {
+            eprintln!("keel-soak: signal {id} of run {run} ({summary:?}) is {status} and in the history {n} times");
+            audit.unmarked += 1;
+        }
+        stored.insert(id);
+    }
+    audit.lost = acknowledged
+        .iter()
+        .filter(|id| !stored.contains(*id))
+        .count();
+    drop(stmt);
+    conn.execute_batch("COMMIT").unwrap();
+    audit
+}
+
 /// What the clients saw, across lives.
 #[derive(Default)]
 struct Ledger {
     acknowledged: Vec<String>,
+    /// Ids of the signals whose `agent_event_updated` frame arrived.
+    signals: HashSet<String>,
     sent: u64,
     steered: u64,
     failed: u64,
@@ -286,6 +432,11 @@ async fn client(addr: String, dialog: String, name: String, ledger: Arc<Mutex<Le
                         return;
                     }
                     ledger.lock().steered += 1;
+                }
+                "agent_event_updated" if v["event"]["type"] == "signal" => {
+                    if let Some(id) = v["event"]["id"].as_str() {
+                        ledger.lock().signals.insert(id.to_owned());
+                    }
                 }
                 "turn_committed" if same_turn => {
                     ledger.lock().acknowledged.push(text.clone());
@@ -353,6 +504,7 @@ fn main() -> std::process::ExitCode {
     let ledger = Arc::new(Mutex::new(Ledger::default()));
     let (mut recovery, mut empty_open) = (Vec::new(), Vec::new());
     let (mut findings, mut lost, mut duplicated) = (0usize, 0usize, 0usize);
+    let (mut signal_lost, mut signal_doubled, mut signal_unmarked) = (0usize, 0usize, 0usize);
     let mut dialogs: Vec<String> = Vec::new();
     let mut failpoint_deaths = 0u32;
     let started = Instant::now();
@@ -386,6 +538,16 @@ fn main() -> std::process::ExitCode {
             }
             lost = lost.max(now_lost);
             duplicated = duplicated.max(now_doubled);
+            let audit = audit_signals(&db, &ledger.lock().signals.clone());
+            if audit.lost + audit.doubled + audit.unmarked > 0 {
+                eprintln!(
+                    "keel-soak: after kill {life}: {} acknowledged signals lost, {} delivered twice, {} delivered but not consumed or consumed but not delivered",
+                    audit.lost, audit.doubled, audit.unmarked
+                );
+            }
+            signal_lost = signal_lost.max(audit.lost);
+            signal_doubled = signal_doubled.max(audit.doubled);
+            signal_unmarked = signal_unmarked.max(audit.unmarked);
         }
         if life == args.kills {
             // The last life ends gracefully: SIGTERM, exit 0.
@@ -432,12 +594,13 @@ fn main() -> std::process::ExitCode {
         if (life + 1) % 10 == 0 {
             let l = ledger.lock();
             println!(
-                "keel-soak: {} kills, {} sent, {} acknowledged, {} lost, {} duplicated, {} findings ({:.0} s)",
+                "keel-soak: {} kills, {} sent, {} acknowledged, {} signals acknowledged, {} lost, {} duplicated, {} findings ({:.0} s)",
                 life + 1,
                 l.sent,
                 l.acknowledged.len(),
-                lost,
-                duplicated,
+                l.signals.len(),
+                lost + signal_lost,
+                duplicated + signal_doubled + signal_unmarked,
                 findings,
                 started.elapsed().as_secs_f64()
             );
@@ -456,6 +619,10 @@ fn main() -> std::process::ExitCode {
                 )
             })
             .unwrap_or((0, 0));
+    let signals = audit_signals(&db, &l.signals);
+    signal_lost = signal_lost.max(signals.lost);
+    signal_doubled = signal_doubled.max(signals.doubled);
+    signal_unmarked = signal_unmarked.max(signals.unmarked);
     println!("keel-soak report (seed {}):", args.seed);
     println!(
         "  kills                  {} ({failpoint_deaths} of them at an armed failpoint)",
@@ -469,8 +636,20 @@ fn main() -> std::process::ExitCode {
         "  sub-agent runs         {} ({} background)",
         runs.0, runs.1
     );
-    println!("  lost                   {lost}");
-    println!("  duplicated             {duplicated}");
+    println!(
+        "  signals                {} stored ({} queue, {} steer), {} acknowledged, {} delivered ({} into a running turn)",
+        signals.queue + signals.steer,
+        signals.queue,
+        signals.steer,
+        l.signals.len(),
+        signals.consumed,
+        signals.into_running
+    );
+    println!("  lost                   {lost} messages, {signal_lost} signals");
+    println!("  duplicated             {duplicated} messages, {signal_doubled} signals");
+    println!(
+        "  signal status wrong    {signal_unmarked} (delivered, not consumed, or the reverse)"
+    );
     println!("  checker findings       {findings}");
     println!(
         "  recovery after a kill  p50 {:.0} ms, p99 {:.0} ms ({} restarts)",
@@ -492,7 +671,15 @@ fn main() -> std::process::ExitCode {
         "  took                   {:.0} s",
         started.elapsed().as_secs_f64()
     );
-    if lost + duplicated + findings > 0 || (args.kills > 0 && l.acknowledged.is_empty()) {
+    let bad = lost + duplicated + findings + signal_lost + signal_doubled + signal_unmarked;
+    // A soak that acknowledged no turn, or delivered no signal of either
+    // delivery, tested nothing.
+    let idle = args.kills > 0
+        && (l.acknowledged.is_empty()
+            || signals.consumed == 0
+            || signals.queue == 0
+            || signals.steer == 0);
+    if bad > 0 || idle {
         return std::process::ExitCode::FAILURE;
     }
     std::process::ExitCode::SUCCESS
