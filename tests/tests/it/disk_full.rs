@@ -166,10 +166,15 @@ fn a_full_disk_fails_the_turn_with_a_typed_notice_reads_go_on_and_writes_resume(
     drop(chat.stdin);
     assert!(chat.child.wait().unwrap().success());
 
-    // Nothing corrupted, nothing acknowledged lost or doubled.
+    assert_clean_and_once(&data, &["before the disk filled", "after space was freed"]);
+}
+
+/// Nothing corrupted (`keel doctor` exits 0) and each of `acked` is stored
+/// once among the user messages of chat `ivy`'s dialog.
+fn assert_clean_and_once(data: &Path, acked: &[&str]) {
     let doctor = crate::keel()
         .args(["doctor", "--data-dir"])
-        .arg(&data)
+        .arg(data)
         .env("KEEL_LOG", "off")
         .output()
         .unwrap();
@@ -193,8 +198,95 @@ fn a_full_disk_fails_the_turn_with_a_typed_notice_reads_go_on_and_writes_resume(
             .filter(|m| m.message.role == keel_core::Role::User)
             .map(|m| m.message.text())
             .collect();
-        for acked in ["before the disk filled", "after space was freed"] {
-            assert_eq!(users.iter().filter(|u| *u == acked).count(), 1, "{users:?}");
+        for acked in acked {
+            assert_eq!(users.iter().filter(|u| u == acked).count(), 1, "{users:?}");
         }
     });
+}
+
+/// Frees `bytes` at the end of the filler, so that a small commit fits and
+/// a big one does not.
+fn free_some(filler: &Path, bytes: u64) {
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(filler)
+        .unwrap();
+    let len = f.metadata().unwrap().len();
+    f.set_len(len.saturating_sub(bytes)).unwrap();
+}
+
+#[test]
+fn a_full_disk_at_the_turn_commit_discards_the_answer_with_a_typed_error_and_keeps_the_input() {
+    let Some(disk) = SmallDisk::mount("4m") else {
+        return;
+    };
+    let data = disk.path().join("data");
+    let script = disk.path().join("big.yaml");
+    // The second answer is bigger than any room the WAL has left.
+    std::fs::write(
+        &script,
+        format!(
+            "responses:\n- text: answered before\n- text: {}\n- text: answered after\n",
+            "y".repeat(300_000)
+        ),
+    )
+    .unwrap();
+    let mut chat = Chat::start(&data, &script);
+    let answered = |l: &str| l.starts_with("keel>");
+    let before = chat.send("before the disk filled", answered);
+    assert!(
+        before.last().unwrap().contains("answered before"),
+        "{before:?}"
+    );
+
+    let filler = fill(disk.path());
+    // Room for the small input's commit (made before the model is called),
+    // none for the answer's.
+    free_some(&filler, 256 * 1024);
+    let failed = chat.send("a short question with a long answer", |l| {
+        l.starts_with("(your message is kept")
+    });
+    // The input was committed and the model answered: it is the turn's
+    // commit that failed, not the input's.
+    assert!(
+        failed.iter().any(|l| l.starts_with("keel> yyyy")),
+        "{failed:?}"
+    );
+    let told: Vec<&str> = failed
+        .iter()
+        .map(String::as_str)
+        .filter(|l| !l.starts_with("keel>") && !l.starts_with("> "))
+        .collect();
+    insta::assert_snapshot!(told.join("\n"), @r"
+    [notice] This turn's answer could not be saved and was discarded: storage: disk full: the database cannot grow (database or disk is full); free space on its disk, then retry
+    error: storage: disk full: the database cannot grow (database or disk is full); free space on its disk, then retry
+    (your message is kept, marked unanswered; the next turn sees it)
+    ");
+
+    // Reads go on: the input is in the history, marked unanswered.
+    let info = chat.command("/info", 3);
+    insta::assert_snapshot!(info.join("\n"), @r#"
+    > /info
+    dialog default "Dialog default"
+    agent root (scripted / scripted)
+    messages 2 (1 unanswered) · turns 1 · slot default · checkpoints 1
+    "#);
+
+    std::fs::remove_file(&filler).unwrap();
+    let after = chat.send("after space was freed", answered);
+    assert!(
+        after.last().unwrap().contains("answered after"),
+        "writing resumed: {after:?}"
+    );
+    drop(chat.stdin);
+    assert!(chat.child.wait().unwrap().success());
+
+    assert_clean_and_once(
+        &data,
+        &[
+            "before the disk filled",
+            "a short question with a long answer",
+            "after space was freed",
+        ],
+    );
 }
