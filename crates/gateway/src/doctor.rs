@@ -55,7 +55,9 @@ pub async fn run(
     if !repair || report.findings.iter().all(|f| !f.repairable) {
         return Ok(exit_code(&report));
     }
-    println!("repairing: migrating and recovering as a start would");
+    println!(
+        "repairing: migrating and recovering as a start would, then recounting message counts"
+    );
     let store = Store::open(&db, Default::default()).map_err(database_err(&db))?;
     let activation = store
         .activate_runtime(
@@ -64,14 +66,16 @@ pub async fn run(
         )
         .await?;
     let recovery = &activation.recovery;
+    let recounted = store.recount_message_counts().await?;
     println!(
         "repaired: {} inputs marked unanswered, {} runs interrupted, {} completions recorded, \
-         {} leases expired, {} counters recomputed",
+         {} leases expired, {} counters recomputed, {} message counts recounted",
         recovery.unanswered_inputs,
         recovery.interrupted_runs.len(),
         recovery.completion_events,
         recovery.leases_expired,
-        recovery.counters_repaired.len()
+        recovery.counters_repaired.len(),
+        recounted
     );
     drop(store);
     let after = check(&db, &options).await?;
@@ -126,7 +130,9 @@ pub fn render(db: &Path, report: &InvariantReport) -> String {
             let _ = writeln!(
                 out,
                 "         repair: {}",
-                if f.repairable {
+                if f.repairable && invariant == Invariant::MessageCounts {
+                    "`keel doctor --repair` fixes this (it recounts them)"
+                } else if f.repairable {
                     "`keel doctor --repair` fixes this (the recovery every start runs)"
                 } else {
                     "not automatic: keep a copy of the data directory and restore from a backup or report it"

@@ -17,6 +17,7 @@ use rusqlite::{Connection, OptionalExtension};
 
 use crate::counters::recount_tx;
 use crate::error::{Result, StoreError};
+use crate::messages::visible_inputs;
 use crate::migrations::{self, SCHEMA_VERSION};
 use crate::runs::NONTERMINAL_RUN;
 use crate::util::{parse, sha256_hex};
@@ -62,6 +63,9 @@ pub enum Invariant {
     Checkpoints,
     /// Inbox counters equal the values recomputed from the rows.
     Counters,
+    /// Every dialog's message count equals the visible user messages of
+    /// its current history.
+    MessageCounts,
     /// Every accepted run is terminal, live in the current generation, or
     /// interrupted with its completion.
     Runs,
@@ -71,13 +75,14 @@ pub enum Invariant {
 
 impl Invariant {
     /// Every invariant, in the order a report lists them.
-    pub const ALL: [Invariant; 8] = [
+    pub const ALL: [Invariant; 9] = [
         Invariant::Integrity,
         Invariant::ForeignKeys,
         Invariant::Schema,
         Invariant::History,
         Invariant::Checkpoints,
         Invariant::Counters,
+        Invariant::MessageCounts,
         Invariant::Runs,
         Invariant::Completions,
     ];
@@ -91,6 +96,7 @@ impl Invariant {
             Invariant::History => "history",
             Invariant::Checkpoints => "checkpoints",
             Invariant::Counters => "inbox counters",
+            Invariant::MessageCounts => "message counts",
             Invariant::Runs => "runs",
             Invariant::Completions => "completions",
         }
@@ -117,6 +123,11 @@ impl Invariant {
                 "an inbox's capacity counters drifted from its events and runs; \
                  new work may be refused or over-admitted"
             }
+            Invariant::MessageCounts => {
+                "a dialog's message count (what dialog lists show; it also decides when a \
+                 dialog gets its automatic title) differs from the user messages its history \
+                 holds; the history itself is intact"
+            }
             Invariant::Runs => {
                 "a sub-agent run was left unfinished by a process that stopped, \
                  or ended without the completion its caller waits for"
@@ -131,9 +142,10 @@ impl Invariant {
 pub struct Finding {
     /// The invariant it breaks.
     pub invariant: Invariant,
-    /// Whether `keel doctor --repair` fixes it: a migration or the
-    /// recovery every start runs (counters, abandoned runs). Nothing else
-    /// is safe to change without a person.
+    /// Whether `keel doctor --repair` fixes it: a migration, the recovery
+    /// every start runs (counters, abandoned runs), or a recount of the
+    /// message counts ([`Store::recount_message_counts`]). Nothing else is
+    /// safe to change without a person.
     pub repairable: bool,
     /// What is wrong, naming the rows.
     pub detail: String,
@@ -169,10 +181,13 @@ impl InvariantReport {
         self.findings.is_empty()
     }
 
-    /// A finding; the safe repair (migration, recovery) fixes the schema
-    /// and counters, nothing else.
+    /// A finding; the safe repairs (migration, recovery, recount) fix the
+    /// schema and counters, nothing else.
     fn add(&mut self, invariant: Invariant, detail: impl Into<String>) {
-        let repairable = matches!(invariant, Invariant::Schema | Invariant::Counters);
+        let repairable = matches!(
+            invariant,
+            Invariant::Schema | Invariant::Counters | Invariant::MessageCounts
+        );
         self.push(invariant, repairable, detail);
     }
 
@@ -233,10 +248,11 @@ pub(crate) fn check_tx(conn: &Connection, options: &CheckOptions) -> Result<Inva
         return Ok(report);
     }
     // A damaged row stops one check, not the others: its error is a finding.
-    let checks: [(Invariant, CheckFn); 5] = [
+    let checks: [(Invariant, CheckFn); 6] = [
         (Invariant::History, histories),
         (Invariant::History, open_inputs),
         (Invariant::Counters, counters),
+        (Invariant::MessageCounts, message_counts),
         (Invariant::Runs, runs),
         (Invariant::Completions, completions),
     ];
@@ -649,6 +665,66 @@ fn counters(conn: &Connection, _: &CheckOptions, report: &mut InvariantReport) -
         }
     }
     Ok(())
+}
+
+/// Each live dialog's stored message count against its history's visible
+/// user messages, recounted.
+fn message_counts(conn: &Connection, _: &CheckOptions, report: &mut InvariantReport) -> Result<()> {
+    for (session, stored, want) in drifted_message_counts(conn)? {
+        report.add(
+            Invariant::MessageCounts,
+            format!(
+                "session {session}: message count {stored} stored, {want} visible user messages \
+                 in its history"
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// Sessions whose stored message count differs from their history's:
+/// (session, stored, recounted).
+fn drifted_message_counts(conn: &Connection) -> Result<Vec<(String, i64, i64)>> {
+    let mut stmt = conn.prepare(
+        "SELECT id, head_timeline_id, message_count FROM sessions \
+         WHERE deleted_at IS NULL AND head_timeline_id IS NOT NULL ORDER BY id",
+    )?;
+    let sessions = stmt
+        .query_map([], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, i64>(2)?,
+            ))
+        })?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    let mut drifted = Vec::new();
+    for (session, head, stored) in sessions {
+        let want = visible_inputs(conn, &head, i64::MAX)?;
+        if stored != want {
+            drifted.push((session, stored, want));
+        }
+    }
+    Ok(drifted)
+}
+
+impl Store {
+    /// Sets every live dialog's message count to the visible user messages
+    /// of its current history (builds before forks and rollbacks carried
+    /// the count left some wrong); returns how many changed.
+    pub async fn recount_message_counts(&self) -> Result<usize> {
+        self.db
+            .write(|c| {
+                let drifted = drifted_message_counts(c)?;
+                let mut stmt =
+                    c.prepare_cached("UPDATE sessions SET message_count = ?1 WHERE id = ?2")?;
+                for (session, _, want) in &drifted {
+                    stmt.execute(rusqlite::params![want, session])?;
+                }
+                Ok(drifted.len())
+            })
+            .await
+    }
 }
 
 fn runs(conn: &Connection, options: &CheckOptions, report: &mut InvariantReport) -> Result<()> {

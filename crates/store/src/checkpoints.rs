@@ -7,7 +7,7 @@ use keel_core::{text_enum, CheckpointId, SessionId};
 use rusqlite::{params, Connection, OptionalExtension, Row};
 
 use crate::error::{Result, StoreError};
-use crate::messages::last_seq;
+use crate::messages::{last_seq, visible_inputs};
 use crate::sessions::{insert_session_tx, require_session, NewSession, SessionRecord, TimelineId};
 use crate::util::{fresh_id, non_negative, parse, parse_opt, sha256_hex, to_i64};
 use crate::Store;
@@ -249,14 +249,17 @@ fn rollback_tx(
         )));
     }
     let timeline = branch_timeline(conn, session_id, &target, now_ms)?;
+    // The history is the checkpoint's again, and so is its count of inputs.
+    let message_count = visible_inputs(conn, target.timeline_id.as_str(), target.seq)?;
     conn.execute(
         "UPDATE sessions SET head_timeline_id = ?1, state_hash = ?2, \
-         last_active_at = max(last_active_at, ?3) WHERE id = ?4",
+         last_active_at = max(last_active_at, ?3), message_count = ?5 WHERE id = ?4",
         params![
             timeline.as_str(),
             target.state_hash,
             now_ms,
-            session_id.to_string()
+            session_id.to_string(),
+            message_count
         ],
     )?;
     let cp = NewCheckpoint {

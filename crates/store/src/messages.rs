@@ -274,6 +274,21 @@ fn chain(conn: &Connection, timeline: &str, upto: i64) -> Result<Vec<(String, i6
     Ok(rows.collect::<rusqlite::Result<Vec<_>>>()?)
 }
 
+/// Visible user inputs in the history visible from `timeline` up to
+/// `upto`: what `sessions.message_count` holds for a session whose history
+/// that is (every commit adds its turn's visible user inputs).
+pub(crate) fn visible_inputs(conn: &Connection, timeline: &str, upto: i64) -> Result<i64> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT count(*) FROM messages WHERE timeline_id = ?1 AND seq <= ?2 \
+           AND role = 'user' AND client_visibility = 'visible'",
+    )?;
+    let mut total = 0;
+    for (tid, cut) in chain(conn, timeline, upto)? {
+        total += stmt.query_row(params![tid, cut], |r| r.get::<_, i64>(0))?;
+    }
+    Ok(total)
+}
+
 /// Messages visible from `timeline` up to `upto`: one indexed range scan per
 /// ancestor, root first. The ranges are disjoint and increasing (a child's
 /// seqs start after its fork point), so the concatenation is in seq order.

@@ -203,11 +203,16 @@ pub(crate) fn insert_session_tx(
         )));
     }
     let timeline = fresh_id();
+    // A fork starts with the history it shares, and counts its inputs.
+    let message_count = match fork_of {
+        Some((parent, seq)) => crate::messages::visible_inputs(conn, parent, seq)?,
+        None => 0,
+    };
     conn.execute(
         "INSERT INTO sessions (id, channel, chat_id, dialog_id, title, agent_id, parent_id, \
          created_at, last_active_at, message_count, delivery_context, \
          delivery_context_updated_at, state_hash) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?8, 0, ?9, ?10, ?11)",
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?8, ?12, ?9, ?10, ?11)",
         params![
             s.id.to_string(),
             s.channel,
@@ -220,6 +225,7 @@ pub(crate) fn insert_session_tx(
             s.delivery_context,
             s.delivery_context.as_ref().map(|_| s.now_ms),
             state_hash,
+            message_count,
         ],
     )?;
     conn.execute(

@@ -227,6 +227,28 @@ async fn each_broken_invariant_is_reported_with_its_repair() {
 }
 
 #[tokio::test]
+async fn a_message_count_that_drifted_is_found_and_the_recount_fixes_it() {
+    let (dir, store, session) = busy_store().await;
+    store.activate_runtime("second".into(), 50).await.unwrap();
+    assert_eq!(store.recount_message_counts().await.unwrap(), 0);
+    // What builds that did not carry the count through a fork left.
+    raw(&dir)
+        .execute("UPDATE sessions SET message_count = 0", [])
+        .unwrap();
+    let report = check_database(&db_path(&dir), &CheckOptions::default()).unwrap();
+    assert_eq!(summary(&report), [(Invariant::MessageCounts, true)]);
+    assert_eq!(
+        mask_ids(&report.findings[0].detail),
+        "session <id>: message count 0 stored, 2 visible user messages in its history"
+    );
+    assert_eq!(store.recount_message_counts().await.unwrap(), 1);
+    let record = store.get_session(session).await.unwrap().unwrap();
+    assert_eq!(record.message_count, 2);
+    let report = check_database(&db_path(&dir), &CheckOptions::default()).unwrap();
+    assert!(report.is_clean(), "{report:#?}");
+}
+
+#[tokio::test]
 async fn a_decoder_that_rejects_a_state_is_a_checkpoint_finding() {
     let (dir, _store, _) = busy_store().await;
     let options = CheckOptions {

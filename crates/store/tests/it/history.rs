@@ -226,6 +226,74 @@ async fn rollback_and_fork_are_copy_on_write_and_keep_old_branches() {
 }
 
 #[tokio::test]
+async fn a_fork_and_a_rollback_count_the_inputs_of_the_history_they_show() {
+    let (_dir, store) = temp_store();
+    let s = store.create_session(new_session("d", 1)).await.unwrap();
+    let mut cps = Vec::new();
+    for n in 1..=3 {
+        let c = store
+            .commit_turn(turn(s.id, n, &format!("state{n}"), true))
+            .await
+            .unwrap();
+        cps.push(c.checkpoint.unwrap());
+    }
+    // A turn answering a hidden trigger: no visible input.
+    let mut hidden = turn(s.id, 4, "state4", true);
+    hidden.messages[0] = NewMessage::new(Message::user("trigger").hidden());
+    hidden.visible_user_inputs = 0;
+    let c = store.commit_turn(hidden).await.unwrap();
+    cps.push(c.checkpoint.unwrap());
+    let count = |id| {
+        let store = store.clone();
+        async move { store.get_session(id).await.unwrap().unwrap().message_count }
+    };
+    assert_eq!(count(s.id).await, 3);
+
+    // A fork shows turns 1-2 (and counts them), or all four turns.
+    let (fork, _) = store
+        .fork(cps[1].id, new_session("fork", 3000), CheckpointId::new())
+        .await
+        .unwrap();
+    assert_eq!(fork.message_count, 2);
+    assert_eq!(count(fork.id).await, 2);
+    let (whole, _) = store
+        .fork(cps[3].id, new_session("whole", 3001), CheckpointId::new())
+        .await
+        .unwrap();
+    assert_eq!(whole.message_count, 3, "the hidden trigger is not counted");
+    // Its own turns add to what it started with.
+    store
+        .commit_turn(turn(fork.id, 5, "f", true))
+        .await
+        .unwrap();
+    assert_eq!(count(fork.id).await, 3);
+    // A fork of the fork counts across both timelines.
+    let fork_cp = store.latest_checkpoint(fork.id).await.unwrap().unwrap();
+    let (again, _) = store
+        .fork(fork_cp.id, new_session("again", 3002), CheckpointId::new())
+        .await
+        .unwrap();
+    assert_eq!(again.message_count, 3);
+
+    // A rollback counts what the history holds again.
+    store
+        .rollback(s.id, cps[0].id, CheckpointId::new(), 4000)
+        .await
+        .unwrap();
+    assert_eq!(count(s.id).await, 1);
+    store
+        .commit_turn(turn(s.id, 9, "state9", false))
+        .await
+        .unwrap();
+    assert_eq!(count(s.id).await, 2);
+    let report = store
+        .check_invariants(keel_store::CheckOptions::default())
+        .await
+        .unwrap();
+    assert!(report.is_clean(), "{report:#?}");
+}
+
+#[tokio::test]
 async fn unchanged_state_writes_no_blob() {
     let (dir, store) = temp_store();
     let s = store.create_session(new_session("d", 1)).await.unwrap();

@@ -72,6 +72,19 @@ async fn a_dialog_lives_through_messages_checkpoints_rollback_and_fork() {
     let fork_id = fork["id"].as_str().unwrap();
     let fork_messages = t.json(&format!("/api/dialogs/{fork_id}/messages")).await;
     assert_eq!(fork_messages["items"].as_array().unwrap().len(), 2);
+    // Both count the one user message they show, and the database agrees.
+    assert_eq!(fork["message_count"], 1);
+    let rolled_back = t.json(&format!("/api/dialogs/{id}")).await;
+    assert_eq!(rolled_back["message_count"], 1);
+    let report = t
+        .store
+        .check_invariants(keel_store::CheckOptions {
+            owner_alive: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(report.is_clean(), "{report:#?}");
     // Rename, then delete: the dialog is gone from listings and lookups.
     let r = t
         .http
