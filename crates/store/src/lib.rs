@@ -116,8 +116,8 @@ pub use inbox::{
     ReleaseRequest, ScopeKind, SignalCommit, SignalLimits, MAX_SIGNAL_PAYLOAD_BYTES,
 };
 pub use messages::{
-    InputState, MessageFilter, MessagePage, NewMessage, OpenTurn, SessionHead, StoredMessage,
-    TurnCommit, TurnCommitted, DEFAULT_SLOT,
+    HistoryDelta, InputState, MessageFilter, MessagePage, NewMessage, OpenTurn, SessionHead,
+    StoredMessage, TurnCommit, TurnCommitted, DEFAULT_SLOT,
 };
 pub use migrations::SCHEMA_VERSION;
 pub use projection::{AgentChanges, EventCursor, RunQuery};

@@ -143,6 +143,18 @@ pub struct SessionHead {
     pub last_seq: i64,
 }
 
+/// What [`Store::history_after`] read.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HistoryDelta {
+    /// Where the session's history ends now.
+    pub head: SessionHead,
+    /// Whether `messages` is the whole history rather than what follows
+    /// the head the caller knew.
+    pub whole: bool,
+    /// The messages, filtered, in seq order.
+    pub messages: Vec<StoredMessage>,
+}
+
 /// What a turn commit assigned.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TurnCommitted {
@@ -687,6 +699,41 @@ impl Store {
                     .into_iter()
                     .map(|(t, upto)| (TimelineId(t), upto))
                     .collect())
+            })
+            .await
+    }
+
+    /// The session's current history after `known`, a head the caller
+    /// read before: only the messages past it when the history still
+    /// continues it, else the whole history (`whole`). A history only
+    /// grows on its head timeline (a rollback moves the head to a new
+    /// one), so what ended at `known` is still the same prefix.
+    pub async fn history_after(
+        &self,
+        session_id: SessionId,
+        known: Option<SessionHead>,
+        filter: MessageFilter,
+    ) -> Result<HistoryDelta> {
+        self.db
+            .read(move |c| {
+                let session = require_session(c, &session_id)?;
+                let timeline = session.head_timeline_id;
+                let last = last_seq(c, timeline.as_str())?;
+                let after = known
+                    .as_ref()
+                    .filter(|k| k.timeline == timeline && k.last_seq <= last);
+                let filter = MessageFilter {
+                    from_seq: after.map(|k| k.last_seq + 1).max(filter.from_seq),
+                    ..filter.clone()
+                };
+                Ok(HistoryDelta {
+                    messages: load_chain(c, timeline.as_str(), last, &filter)?,
+                    whole: after.is_none(),
+                    head: SessionHead {
+                        timeline,
+                        last_seq: last,
+                    },
+                })
             })
             .await
     }

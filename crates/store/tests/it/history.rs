@@ -294,6 +294,38 @@ async fn a_fork_and_a_rollback_count_the_inputs_of_the_history_they_show() {
 }
 
 #[tokio::test]
+async fn history_after_a_known_head_reads_only_what_follows_it_on_that_timeline() {
+    let (_dir, store) = temp_store();
+    let s = store.create_session(new_session("d", 1)).await.unwrap();
+    let first = store.commit_turn(turn(s.id, 1, "s1", true)).await.unwrap();
+    let all = |known| store.history_after(s.id, known, MessageFilter::default());
+    let whole = all(None).await.unwrap();
+    assert!(whole.whole);
+    assert_eq!((whole.messages.len(), whole.head.last_seq), (2, 2));
+    store.commit_turn(turn(s.id, 2, "s2", false)).await.unwrap();
+    let delta = all(Some(whole.head.clone())).await.unwrap();
+    assert!(!delta.whole);
+    let seqs: Vec<i64> = delta.messages.iter().map(|m| m.seq).collect();
+    assert_eq!((seqs, delta.head.last_seq), (vec![3, 4], 4));
+    // After a rollback and a turn the history is as long as before, but
+    // not the one the old head ended: it is read whole.
+    store
+        .rollback(
+            s.id,
+            first.checkpoint.unwrap().id,
+            CheckpointId::new(),
+            2000,
+        )
+        .await
+        .unwrap();
+    store.commit_turn(turn(s.id, 3, "s3", false)).await.unwrap();
+    let again = all(Some(delta.head)).await.unwrap();
+    assert!(again.whole);
+    let texts: Vec<String> = again.messages.iter().map(|m| m.message.text()).collect();
+    assert_eq!(texts, ["q1", "a1", "q3", "a3"]);
+}
+
+#[tokio::test]
 async fn unchanged_state_writes_no_blob() {
     let (dir, store) = temp_store();
     let s = store.create_session(new_session("d", 1)).await.unwrap();

@@ -16,6 +16,12 @@
 //! dialog's lock from its placement until its turn ended, so two requests
 //! resending the same history never both append to it (the second finds
 //! the first's turn in the dialog and forks).
+//!
+//! Matching must not cost a read of the whole history per request (a
+//! client resends it every time): `Histories` keeps each dialog's
+//! matchable history with the head it was read at, and a request reads
+//! only the messages added since ([`keel_store::Store::history_after`]).
+//! A dialog's checkpoints are read only when no candidate continues.
 
 pub mod agui;
 pub mod openai;
@@ -25,7 +31,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Weak};
 
 use keel_core::{AgentId, CheckpointId, Message, Role, SessionId, TurnOrigin};
-use keel_store::{MessageFilter, SessionRecord};
+use keel_store::{MessageFilter, SessionHead, SessionRecord, StoredMessage};
 use parking_lot::Mutex;
 use tokio::sync::broadcast::{self, error::RecvError};
 use tokio::sync::{Mutex as AsyncMutex, OwnedMutexGuard};
@@ -47,6 +53,10 @@ pub const MAX_CANDIDATES: usize = 64;
 pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 /// Most messages a request's history may hold.
 pub const MAX_MESSAGES: usize = 10_000;
+/// Most bytes of message text the matching cache keeps (past it, the least
+/// recently matched dialogs are dropped and read again in full when next
+/// matched).
+pub const HISTORY_CACHE_BYTES: usize = 64 * 1024 * 1024;
 
 /// Which dialogs a resent history is matched against.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -186,7 +196,73 @@ pub(crate) struct Conversations {
     /// When the server started (Unix ms): the `created` of every model.
     pub(crate) started_at_ms: i64,
     locks: Mutex<HashMap<SessionId, Weak<AsyncMutex<()>>>>,
+    histories: Mutex<Histories>,
     threads: agui::Threads,
+}
+
+/// Dialog histories as last matched, each with the head it was read at.
+/// An entry is taken out while a request extends it and put back after.
+#[derive(Debug, Default)]
+struct Histories {
+    entries: HashMap<SessionId, Cached>,
+    bytes: usize,
+    clock: u64,
+}
+
+#[derive(Debug)]
+struct Cached {
+    head: SessionHead,
+    history: Vec<Kept>,
+    bytes: usize,
+    used: u64,
+}
+
+impl Histories {
+    /// Takes `dialog`'s history out, if it is kept.
+    fn take(&mut self, dialog: SessionId) -> Option<(SessionHead, Vec<Kept>)> {
+        let cached = self.entries.remove(&dialog)?;
+        self.bytes -= cached.bytes;
+        Some((cached.head, cached.history))
+    }
+
+    /// Keeps `dialog`'s history as read at `head`, dropping the least
+    /// recently kept ones past [`HISTORY_CACHE_BYTES`].
+    fn put(&mut self, dialog: SessionId, head: SessionHead, history: Vec<Kept>) {
+        if let Some(old) = self.entries.remove(&dialog) {
+            self.bytes -= old.bytes;
+        }
+        let bytes = history
+            .iter()
+            .map(|k| k.text.len() + std::mem::size_of::<Kept>())
+            .sum::<usize>();
+        if bytes > HISTORY_CACHE_BYTES {
+            return;
+        }
+        while self.bytes + bytes > HISTORY_CACHE_BYTES {
+            let Some(oldest) = self
+                .entries
+                .iter()
+                .min_by_key(|(_, c)| c.used)
+                .map(|(d, _)| *d)
+            else {
+                break;
+            };
+            if let Some(dropped) = self.entries.remove(&oldest) {
+                self.bytes -= dropped.bytes;
+            }
+        }
+        self.clock += 1;
+        self.bytes += bytes;
+        self.entries.insert(
+            dialog,
+            Cached {
+                head,
+                history,
+                bytes,
+                used: self.clock,
+            },
+        );
+    }
 }
 
 /// How often a placement is retried when the dialog changed under it.
@@ -198,6 +274,7 @@ impl Conversations {
         Self {
             started_at_ms: keel_core::time::now_ms(),
             locks: Mutex::default(),
+            histories: Mutex::default(),
             threads: agui::Threads::default(),
         }
     }
@@ -239,18 +316,44 @@ impl Conversations {
             });
         }
         for _ in 0..PLACE_ATTEMPTS {
-            let (home, candidates) = candidates(shared, conversation).await?;
-            match transcript::place(&conversation.history, &candidates) {
+            let (home, dialogs) = self.candidates(shared, conversation).await?;
+            // The likeliest dialog (the most recently active) is locked
+            // before it is read, when no request holds it: if the history
+            // continues it, nothing changes it before this request's turn.
+            let held = dialogs.first().and_then(|&dialog| {
+                let guard = self.lock_of(dialog).try_lock_owned().ok()?;
+                Some((dialog, guard))
+            });
+            let mut candidates = self.read(shared, dialogs).await?;
+            let mut placement = transcript::place(&conversation.history, &candidates.read);
+            if !matches!(placement, Placement::Continue { .. }) {
+                // No dialog continues: where could one fork?
+                for candidate in &mut candidates.read {
+                    candidate.checkpoints = fork_points(shared, candidate.dialog).await?;
+                }
+                placement = transcript::place(&conversation.history, &candidates.read);
+            }
+            self.keep(candidates);
+            match placement {
                 Placement::Continue { dialog } => {
-                    let lock = self.lock_of(dialog);
-                    let guard = lock.lock_owned().await;
+                    if let Some((_, guard)) = held.filter(|(locked, _)| *locked == dialog) {
+                        return Ok(Placed {
+                            dialog,
+                            forked_from: None,
+                            guard,
+                        });
+                    }
+                    // Never wait for one dialog while holding another.
+                    let guard = self.lock_of(dialog).lock_owned().await;
                     // Another request's turn may have run while this one
                     // waited: the history must still be the dialog's.
-                    let now = candidate(shared, dialog).await?;
-                    if matches!(
-                        transcript::place(&conversation.history, &[now]),
+                    let now = self.read(shared, vec![dialog]).await?;
+                    let continues = matches!(
+                        transcript::place(&conversation.history, &now.read),
                         Placement::Continue { .. }
-                    ) {
+                    );
+                    self.keep(now);
+                    if continues {
                         return Ok(Placed {
                             dialog,
                             forked_from: None,
@@ -263,10 +366,12 @@ impl Conversations {
                     checkpoint,
                     tail,
                 } => {
+                    drop(held);
                     let fork = shared.app.manager.fork(checkpoint, None).await?;
                     return self.fill(shared, fork, Some(dialog), tail).await;
                 }
                 Placement::Start { history } => {
+                    drop(held);
                     let manager = &shared.app.manager;
                     let made = manager
                         .create_dialog(&home.0, &home.1, None, conversation.agent.clone())
@@ -278,6 +383,80 @@ impl Conversations {
         Err(ApiError::Conflict(
             "the dialog kept changing while this request was placed; retry".to_owned(),
         ))
+    }
+
+    /// The chat new dialogs of `conversation` go to, and the dialogs its
+    /// history is matched against, the most recently active first.
+    async fn candidates(
+        &self,
+        shared: &Shared,
+        conversation: &Conversation,
+    ) -> ApiResult<((String, String), Vec<SessionId>)> {
+        match &conversation.scope {
+            Scope::Dialog(id) => {
+                let record = shared.dialog_by_id(*id).await?;
+                check_agent(&record, conversation.agent.as_ref())?;
+                let home = (record.channel.clone(), record.chat_id.clone());
+                Ok((home, vec![*id]))
+            }
+            Scope::Chat { channel, chat_id } => {
+                let home = ((*channel).to_owned(), chat_id.clone());
+                if conversation.history.is_empty() {
+                    return Ok((home, Vec::new()));
+                }
+                let page = shared
+                    .app
+                    .manager
+                    .list_dialogs(channel, chat_id, MAX_CANDIDATES, None)
+                    .await?;
+                let mut records: Vec<SessionRecord> = page
+                    .items
+                    .into_iter()
+                    .filter(|r| runs(r, conversation.agent.as_ref()))
+                    .collect();
+                records.sort_by_key(|r| std::cmp::Reverse(r.last_active_at_ms));
+                Ok((home, records.iter().map(|r| r.id).collect()))
+            }
+        }
+    }
+
+    /// The visible histories of `dialogs`, in order: what was kept of each,
+    /// extended by what was added since (or read whole).
+    async fn read(&self, shared: &Shared, dialogs: Vec<SessionId>) -> ApiResult<Read> {
+        let mut read = Read::default();
+        for dialog in dialogs {
+            let known = self.histories.lock().take(dialog);
+            let (head, history) = known.unzip();
+            let delta = shared
+                .app
+                .store
+                .history_after(
+                    dialog,
+                    head,
+                    MessageFilter {
+                        visible_only: true,
+                        ..MessageFilter::default()
+                    },
+                )
+                .await?;
+            let mut history = history.filter(|_| !delta.whole).unwrap_or_default();
+            history.extend(delta.messages.iter().filter_map(kept));
+            read.heads.push(delta.head);
+            read.read.push(Candidate {
+                dialog,
+                history,
+                checkpoints: Vec::new(),
+            });
+        }
+        Ok(read)
+    }
+
+    /// Puts what `read` read back for the next request.
+    fn keep(&self, read: Read) {
+        let mut histories = self.histories.lock();
+        for (head, candidate) in read.heads.into_iter().zip(read.read) {
+            histories.put(candidate.dialog, head, candidate.history);
+        }
     }
 
     /// Imports `history` into the new dialog `dialog` and locks it.
@@ -368,77 +547,35 @@ fn check_agent(record: &SessionRecord, agent: Option<&AgentId>) -> ApiResult<()>
     )))
 }
 
-/// The chat new dialogs of `conversation` go to, and the dialogs its
-/// history is matched against, the most recently active first.
-async fn candidates(
-    shared: &Shared,
-    conversation: &Conversation,
-) -> ApiResult<((String, String), Vec<Candidate<SessionId, CheckpointId>>)> {
-    match &conversation.scope {
-        Scope::Dialog(id) => {
-            let record = shared.dialog_by_id(*id).await?;
-            check_agent(&record, conversation.agent.as_ref())?;
-            let home = (record.channel.clone(), record.chat_id.clone());
-            Ok((home, vec![candidate(shared, *id).await?]))
-        }
-        Scope::Chat { channel, chat_id } => {
-            let home = ((*channel).to_owned(), chat_id.clone());
-            if conversation.history.is_empty() {
-                return Ok((home, Vec::new()));
-            }
-            let page = shared
-                .app
-                .manager
-                .list_dialogs(channel, chat_id, MAX_CANDIDATES, None)
-                .await?;
-            let mut records: Vec<SessionRecord> = page
-                .items
-                .into_iter()
-                .filter(|r| runs(r, conversation.agent.as_ref()))
-                .collect();
-            records.sort_by_key(|r| std::cmp::Reverse(r.last_active_at_ms));
-            let mut out = Vec::with_capacity(records.len());
-            for record in records {
-                out.push(candidate(shared, record.id).await?);
-            }
-            Ok((home, out))
-        }
-    }
+/// Dialog histories read for matching, with the head each was read at.
+#[derive(Debug, Default)]
+struct Read {
+    heads: Vec<SessionHead>,
+    read: Vec<Candidate<SessionId, CheckpointId>>,
 }
 
-/// A dialog's visible history and the checkpoints of its current branch.
-async fn candidate(
+/// A stored message as matching sees it (`None`: not part of what a client holds).
+fn kept(m: &StoredMessage) -> Option<Kept> {
+    let speaker = match m.message.role {
+        Role::User => Speaker::User,
+        Role::Assistant => Speaker::Assistant,
+        Role::System | Role::Tool => return None,
+    };
+    Some(Kept {
+        seq: m.seq,
+        speaker,
+        text: m.message.text(),
+        continuation: m.message.origin == TurnOrigin::AgentContinuation,
+    })
+}
+
+/// The checkpoints of a dialog's current branch.
+async fn fork_points(
     shared: &Shared,
     dialog: SessionId,
-) -> ApiResult<Candidate<SessionId, CheckpointId>> {
-    let store = &shared.app.store;
-    let messages = store
-        .load_messages(
-            dialog,
-            MessageFilter {
-                visible_only: true,
-                ..MessageFilter::default()
-            },
-        )
-        .await?;
-    let history = messages
-        .iter()
-        .filter_map(|m| {
-            let speaker = match m.message.role {
-                Role::User => Speaker::User,
-                Role::Assistant => Speaker::Assistant,
-                Role::System | Role::Tool => return None,
-            };
-            Some(Kept {
-                seq: m.seq,
-                speaker,
-                text: m.message.text(),
-                continuation: m.message.origin == TurnOrigin::AgentContinuation,
-            })
-        })
-        .collect();
-    let ranges = store.history_ranges(dialog).await?;
-    let checkpoints = shared
+) -> ApiResult<Vec<ForkPoint<CheckpointId>>> {
+    let ranges = shared.app.store.history_ranges(dialog).await?;
+    Ok(shared
         .app
         .manager
         .list_checkpoints(dialog)
@@ -453,12 +590,7 @@ async fn candidate(
             checkpoint: c.id,
             seq: c.seq,
         })
-        .collect();
-    Ok(Candidate {
-        dialog,
-        history,
-        checkpoints,
-    })
+        .collect())
 }
 
 /// A chat id made of a client's key (an OpenAI `user`, an AG-UI thread id).

@@ -362,6 +362,54 @@ async fn an_edited_history_forks_from_the_last_matching_checkpoint() {
 }
 
 #[tokio::test]
+async fn a_dialog_is_matched_as_it_is_now_after_a_rollback_or_a_turn_elsewhere() {
+    let t = TestServer::start(Setup::default()).await;
+    let mut history = Vec::new();
+    for input in ["one", "two", "three"] {
+        turn(&t, &mut history, input).await;
+    }
+    let original = dialogs(&t, "openai", "alice").await.remove(0);
+    // Rolled back to its first turn through keel's own API, then a turn
+    // there: as long as before, but another history.
+    let checkpoints = t
+        .json(&format!("/api/dialogs/{original}/checkpoints"))
+        .await;
+    let first = checkpoints["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["turn_index"] == 1)
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let r = t
+        .post(
+            &format!("/api/dialogs/{original}/checkpoints/{first}/rollback"),
+            json!({}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    let events = t.send_streamed(&original, "elsewhere").await;
+    assert!(events.ends_with("turn_committed"), "{events}");
+    let (_, keel) = turn(&t, &mut history, "four").await;
+    assert_eq!(keel["forked_from"].as_str(), Some(original.as_str()));
+    let fork = keel["dialog_id"].as_str().unwrap().to_owned();
+    let kept = messages(&t, &fork).await;
+    assert_eq!(kept.len(), 8, "{kept:#?}");
+    assert_eq!(kept[2], "user: two", "the fork is at the first turn");
+    // The fork continues; then a turn sent to it through keel's own API,
+    // which the client's copy lacks: its next request forks again.
+    let (_, keel) = turn(&t, &mut history, "five").await;
+    assert_eq!(keel["dialog_id"].as_str(), Some(fork.as_str()));
+    let events = t.send_streamed(&fork, "aside").await;
+    assert!(events.ends_with("turn_committed"), "{events}");
+    let (_, keel) = turn(&t, &mut history, "six").await;
+    assert_eq!(keel["forked_from"].as_str(), Some(fork.as_str()));
+    assert_eq!(messages(&t, &fork).await.len(), 12, "untouched");
+}
+
+#[tokio::test]
 async fn two_requests_resending_one_history_never_both_append() {
     let t = TestServer::start(Setup::default()).await;
     let mut history = Vec::new();
