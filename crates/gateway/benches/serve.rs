@@ -7,9 +7,6 @@
 //! server's resident memory at the end.
 #![allow(clippy::unwrap_used)]
 
-use std::io::{BufRead, BufReader, Read};
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,6 +15,9 @@ use keel_core::{Provider, ScriptedProvider, SessionId};
 use keel_gateway::app::App;
 use keel_gateway::serve::frames::{ClientFrame, ServerFrame};
 use tokio_tungstenite::tungstenite::Message as WsMessage;
+
+mod support;
+use support::{start_server, stop_server};
 
 /// WebSocket frames the clients received.
 static FRAMES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -166,29 +166,6 @@ struct Served {
     hwm_kib: u64,
 }
 
-/// `keel serve` (this package's release binary) in a fresh data directory.
-fn start_server(dir: &Path) -> (Child, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
-        .args(["serve", "--bind", "127.0.0.1:0", "--data-dir"])
-        .arg(dir)
-        .env("KEEL_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .split("http://")
-        .nth(1)
-        .and_then(|rest| rest.split('/').next())
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_owned();
-    (child, addr)
-}
-
 /// CPU seconds (user + system) process `pid` ("self" for this one) used so far.
 fn cpu_secs(pid: &str) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -220,7 +197,7 @@ fn memory_kib(pid: u32) -> (u64, u64) {
 
 async fn over_websocket() -> Served {
     let dir = tempfile::tempdir().unwrap();
-    let (mut child, addr) = start_server(dir.path());
+    let (child, addr) = start_server(dir.path());
     let http = reqwest::Client::new();
     let mut sessions = Vec::new();
     for i in 0..CLIENTS {
@@ -311,18 +288,7 @@ async fn over_websocket() -> Served {
             / run.latencies.len().max(1) as f64
     );
     let (rss_kib, hwm_kib) = memory_kib(child.id());
-    Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    let mut log = String::new();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut log)
-        .unwrap();
-    child.wait().unwrap();
+    let log = stop_server(child, dir.path());
     Served {
         run,
         locked_lines: log
