@@ -242,14 +242,18 @@ async fn drive(data: &std::path::Path) {
     let ids: Vec<_> = lease.events.iter().map(|e| e.id).collect();
     store
         .commit_continuation_turn(ContinuationCommit {
-            turn: turn(
-                session,
-                vec![
-                    Message::user("[background results]").hidden(),
-                    Message::assistant("continuation answer"),
-                ],
-                2,
-            ),
+            turn: TurnCommit {
+                // Its trigger is hidden: no user input to count.
+                visible_user_inputs: 0,
+                ..turn(
+                    session,
+                    vec![
+                        Message::user("[background results]").hidden(),
+                        Message::assistant("continuation answer"),
+                    ],
+                    2,
+                )
+            },
             consumed: vec![LeasedEvents {
                 lease_token: lease.token,
                 event_ids: ids,
