@@ -1,6 +1,8 @@
 //! `keel demo`: an offline, deterministic tour of the engine — streaming,
-//! tool calls, dialogs with an automatic title, checkpoint → rollback →
-//! fork, and a restart that recovers everything from SQLite.
+//! tool calls, sub-agents (background results answered by continuation
+//! turns, a signal that steers a running turn), dialogs with an automatic
+//! title, checkpoint → rollback → fork, and a restart that recovers
+//! everything from SQLite.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -9,8 +11,8 @@ use std::time::Instant;
 
 use keel_catalog::{AgentCatalog, CatalogInputs};
 use keel_core::{
-    ChatRequest, Message, Role, ScriptedProvider, ScriptedResponse, ScriptedToolCall, StreamEvent,
-    TurnOrigin,
+    ChatRequest, Message, Provider, Role, ScriptedProvider, ScriptedResponse, ScriptedToolCall,
+    StreamEvent, TurnOrigin,
 };
 use keel_engine::AgentLoop;
 use keel_engine::AgentProfile;
@@ -69,6 +71,18 @@ fn script() -> Vec<ScriptedResponse> {
         // 3b. the archivist's result arrives while the dialog is idle: a
         // hidden continuation turn answers it
         ScriptedResponse::text("The archivist is done: today's launch decisions are filed, with the schema frozen at v6."),
+        // 3c. a background monitor's signal steers the running turn: the
+        // root waits in sleep, the signal wakes it, the next call reads it
+        calls(vec![(
+            "delegate",
+            json!({"mode": "background", "tasks": [
+                {"agent": "monitor", "task": "Watch the benchmark run."}
+            ]}),
+        )]),
+        calls(vec![("sleep", json!({"ms": 60000}))]),
+        ScriptedResponse::text("The monitor warns that the benchmark machine's disk is almost full: I will free space before we record numbers."),
+        // 3d. the monitor's own result, answered by a continuation
+        ScriptedResponse::text("The monitor finished: the benchmark run is watched, with one disk warning."),
         // 4. a second dialog: three user messages, then the title request
         ScriptedResponse::text("Sure — what should the checklist cover?"),
         ScriptedResponse::text("Noted: schema, benchmarks, demo."),
@@ -91,6 +105,7 @@ const AGENTS: &[(&str, &str)] = &[
     ),
     ("writer.md", include_str!("../demo/agents/writer.md")),
     ("archivist.md", include_str!("../demo/agents/archivist.md")),
+    ("monitor.md", include_str!("../demo/agents/monitor.md")),
 ];
 
 /// The sub-agents' offline model: its answer depends only on the request
@@ -111,6 +126,15 @@ fn sub_agent_model(request: &ChatRequest) -> ScriptedResponse {
         } else {
             ScriptedResponse::tool_call("read_file", json!({"path": "notes.md"}))
         }
+    } else if system.contains("You watch a long job") {
+        if has_tool_result {
+            ScriptedResponse::text("Benchmark run watched; one disk warning sent.")
+        } else {
+            ScriptedResponse::tool_call(
+                "emit_signal",
+                json!({"severity": "warning", "summary": "the benchmark machine's disk is 95% full"}),
+            )
+        }
     } else if system.contains("writer") {
         ScriptedResponse::text(
             "keel ships its offline demo first: schema frozen, numbers recorded, no API key needed.",
@@ -122,12 +146,59 @@ fn sub_agent_model(request: &ChatRequest) -> ScriptedResponse {
     }
 }
 
-/// Signals when the archivist's background run has committed its end.
+/// The sub-agents' provider: [`sub_agent_model`], except that the monitor's
+/// calls wait for the root's `sleep` — its first until the sleep started,
+/// its second until the sleep ended — so its signal always arrives while
+/// the root sleeps, and its result only after the signal woke it.
+struct SubAgents {
+    model: ScriptedProvider,
+    sleep_started: Arc<Notify>,
+    sleep_ended: Arc<Notify>,
+}
+
+#[async_trait::async_trait]
+impl Provider for SubAgents {
+    fn name(&self) -> &str {
+        self.model.name()
+    }
+
+    fn model(&self) -> &str {
+        self.model.model()
+    }
+
+    async fn stream(
+        &self,
+        request: &ChatRequest,
+        cancel: keel_core::CancellationToken,
+    ) -> std::result::Result<keel_core::ProviderStream, keel_core::ProviderError> {
+        let system = request
+            .messages
+            .first()
+            .map(|m| m.text())
+            .unwrap_or_default();
+        if system.contains("You watch a long job") {
+            let wait = if request.messages.iter().any(|m| m.role == Role::Tool) {
+                &self.sleep_ended
+            } else {
+                &self.sleep_started
+            };
+            tokio::select! {
+                () = wait.notified() => {}
+                () = cancel.cancelled() => return Err(keel_core::ProviderError::Cancelled),
+            }
+        }
+        self.model.stream(request, cancel).await
+    }
+}
+
+/// Signals when a background run (the archivist's, the monitor's) has committed its end.
 struct BackgroundDone(Arc<Notify>);
 
 impl RunObserver for BackgroundDone {
     fn on_run_event(&self, _run: keel_core::RunId, agent: &keel_core::AgentId, event: RunEvent) {
-        if agent.as_str() == "archivist" && matches!(event, RunEvent::Committed { .. }) {
+        if matches!(agent.as_str(), "archivist" | "monitor")
+            && matches!(event, RunEvent::Committed { .. })
+        {
             // notify_one stores a permit, so a wake before the wait is kept.
             self.0.notify_one();
         }
@@ -143,12 +214,23 @@ fn line(text: &str) {
 }
 
 async fn turn(manager: &Arc<SessionManager>, id: keel_core::SessionId, text: &str) -> Result<()> {
+    turn_with(manager, id, text, |_| {}).await
+}
+
+/// [`turn`], calling `hook` with each event of the turn as it is printed.
+async fn turn_with(
+    manager: &Arc<SessionManager>,
+    id: keel_core::SessionId,
+    text: &str,
+    mut hook: impl FnMut(&TurnEvent),
+) -> Result<()> {
     println!("   you> {text}");
     let mut feed = manager.events().subscribe(id).await?;
     let ticket = manager.send(id, Message::user(text)).await?;
     let mut streaming = false;
     let mut chunks = 0;
     while let Some(event) = turn_event(&mut feed, ticket.turn_id()).await {
+        hook(&event);
         match event {
             TurnEvent::Stream(StreamEvent::TextDelta { text }) => {
                 if !streaming {
@@ -200,6 +282,9 @@ async fn turn_event(feed: &mut SessionSubscription, turn: keel_core::TurnId) -> 
 struct Runtime {
     manager: Arc<SessionManager>,
     coordinator: Arc<AgentCoordinator>,
+    /// Notified when the root's `sleep` starts and ends (see [`SubAgents`]).
+    sleep_started: Arc<Notify>,
+    sleep_ended: Arc<Notify>,
 }
 
 async fn build(
@@ -210,14 +295,19 @@ async fn build(
 ) -> Result<Runtime> {
     let builtin = Arc::new(builtin_registry(&BuiltinToolsConfig::new(workspace))?);
     let mut inputs = CatalogInputs::new(["default"], builtin.clone());
-    inputs.root_delegates = ["researcher", "writer", "archivist"]
+    inputs.root_delegates = ["researcher", "writer", "archivist", "monitor"]
         .iter()
         .filter_map(|a| keel_core::AgentId::parse(a).ok())
         .collect();
     let catalog = AgentCatalog::load(agents_dir, &inputs, 1).map_err(AppError::Catalog)?;
-    let sub_agents = ScriptedProvider::new(Vec::new())
-        .with_model("keel-demo-sub")
-        .with_fallback(Arc::new(sub_agent_model));
+    let (sleep_started, sleep_ended) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let sub_agents = SubAgents {
+        model: ScriptedProvider::new(Vec::new())
+            .with_model("keel-demo-sub")
+            .with_fallback(Arc::new(sub_agent_model)),
+        sleep_started: sleep_started.clone(),
+        sleep_ended: sleep_ended.clone(),
+    };
     let gate = Arc::new(ExecutionGate::new(GateLimits::default()));
     // Activation recovers what an earlier runtime left unfinished.
     let activation = store
@@ -259,6 +349,8 @@ async fn build(
     Ok(Runtime {
         manager: SessionManager::new(store, bundle, config),
         coordinator,
+        sleep_started,
+        sleep_ended,
     })
 }
 
@@ -275,10 +367,8 @@ pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode> {
     let _lock = RuntimeLock::acquire(&db, &describe_process("keel demo"))?;
     let store =
         Store::open(&db, StoreOptions::default()).map_err(crate::error::database_err(&db))?;
-    let Runtime {
-        manager,
-        coordinator,
-    } = build(store, &provider, &dirs.workspace, &dirs.agents_dir).await?;
+    let runtime = build(store, &provider, &dirs.workspace, &dirs.agents_dir).await?;
+    let (manager, coordinator) = (runtime.manager.clone(), runtime.coordinator.clone());
     let background_done = Arc::new(Notify::new());
     coordinator.set_observer(Arc::new(BackgroundDone(background_done.clone())));
     let chat = format!("demo-{}", short(keel_core::SessionId::new()));
@@ -294,6 +384,8 @@ pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode> {
 
     streaming_and_tools(&manager, first).await?;
     sub_agents(&manager, first, &background_done).await?;
+    signals(&runtime, first, &background_done).await?;
+    drop(runtime);
     dialogs(&manager, &chat).await?;
     let mark = checkpoints(&manager, first).await?;
     fork(&manager, first, mark.turn_index + 2).await?;
@@ -365,17 +457,62 @@ async fn sub_agents(
 ) -> Result<()> {
     step(
         3,
-        "Sub-agents: the root delegates a foreground batch of two and one background run",
+        "Sub-agents: a foreground batch of two, background runs answered while idle, a signal that steers a turn",
     );
-    line("agents (demo/agents/*.md): researcher, writer, archivist");
+    line("agents (demo/agents/*.md): researcher, writer, archivist, monitor");
     // Subscribed before the turn: the continuation that follows it is on
     // this feed too.
     let mut feed = manager.events().subscribe(first).await?;
     turn(manager, first, "Prepare the launch with your team.").await?;
     background_done.notified().await;
     line("the background run is done; its result waits in the inbox, and the idle dialog answers it:");
+    continuation(&mut feed).await
+}
+
+/// Step 3, continued: a background monitor's signal steers the running
+/// turn, its result is answered by a continuation, and the signals and the
+/// inbox are read back from the database.
+async fn signals(
+    runtime: &Runtime,
+    first: keel_core::SessionId,
+    background_done: &Notify,
+) -> Result<()> {
+    let manager = &runtime.manager;
+    line("signals: a background monitor (demo/agents/monitor.md, signal delivery steer) warns while the root waits in sleep:");
+    let mut feed = manager.events().subscribe(first).await?;
+    turn_with(
+        manager,
+        first,
+        "Start the benchmark and have it watched.",
+        |event| match event {
+            TurnEvent::ToolStarted { call } if call.name == "sleep" => {
+                runtime.sleep_started.notify_one()
+            }
+            TurnEvent::ToolFinished { name, .. } if name == "sleep" => {
+                runtime.sleep_ended.notify_one()
+            }
+            _ => {}
+        },
+    )
+    .await?;
+    line(
+        "the signal woke the sleep and was read by the very next model call, inside the same turn.",
+    );
+    background_done.notified().await;
+    line("the monitor is done; the idle dialog answers its result:");
     continuation(&mut feed).await?;
-    line("the run tree, read back from the database:");
+    for s in manager.signals(first, 10).await? {
+        line(&format!(
+            "signal of run {} ({}, {}): \"{}\" — {} via {}",
+            s.run_id.map(short).unwrap_or_default(),
+            s.agent_id,
+            s.severity,
+            s.summary,
+            s.status.as_str(),
+            s.delivery.as_str()
+        ));
+    }
+    line("the run tree and the inbox, read back from the database:");
     let runs = manager.store().list_runs(first, None, 20).await?.items;
     for l in run_tree(&runs) {
         line(&format!("  {l}"));

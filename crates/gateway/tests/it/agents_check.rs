@@ -22,8 +22,8 @@ fn the_shipped_demo_agents_pass_against_the_default_configuration() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("demo/agents");
     let (out, code) = check(&dir, &[]);
     assert_eq!(code, 0, "{out}");
-    assert!(out.starts_with("3 agents OK"), "{out}");
-    for id in ["archivist", "researcher", "writer"] {
+    assert!(out.starts_with("4 agents OK"), "{out}");
+    for id in ["archivist", "monitor", "researcher", "writer"] {
         assert!(out.contains(id), "{out}");
     }
 }
