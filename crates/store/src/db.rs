@@ -82,8 +82,19 @@ fn configure(conn: &Connection, opts: &StoreOptions) -> Result<()> {
     conn.pragma_update(None, "synchronous", opts.synchronous.pragma())?;
     // Savepoint journals and temporary b-trees stay in memory, never in a temp file.
     conn.pragma_update(None, "temp_store", "MEMORY")?;
+    // One plan per statement whatever its parameters: otherwise every new
+    // value bound to a `LIMIT ?` re-parses and re-plans the cached statement.
+    conn.set_db_config(
+        rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG,
+        true,
+    )?;
+    // Room for every statement the store prepares, so none is re-parsed.
+    conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE_CAPACITY);
     Ok(())
 }
+
+/// Cached prepared statements per connection (the store has fewer distinct ones).
+const STATEMENT_CACHE_CAPACITY: usize = 256;
 
 /// Opens the write connection: refuses a newer schema before writing
 /// anything, then switches to WAL and migrates.
