@@ -29,6 +29,8 @@ use keel_store::{
 };
 use rusqlite::{params, Connection, OpenFlags};
 
+mod inbox;
+
 /// Turns of the long session (figures 1–3).
 const LONG_TURNS: u32 = 1000;
 /// Turns of the short session and of the first checkpoint measurement.
@@ -964,6 +966,14 @@ fn main() {
         rt.block_on(compaction(dir.path()));
         return;
     }
+    // `-- inbox` runs the two inbox figures alone.
+    if std::env::args().skip(1).any(|a| a == "inbox") {
+        rt.block_on(async {
+            inbox::continuation_latency(dir.path()).await;
+            inbox::delivery_rate(dir.path()).await;
+        });
+        return;
+    }
     println!("# keel-engine benchmark. Ratios compare figures measured in this same run.");
     println!("# checkpoint_bytes: one manual SessionManager::checkpoint of one session at turn 10 vs turn 1000;");
     println!("#   wal_growth = growth of <db>-wal (autocheckpoint off, so the WAL only grows; whole 4 KiB pages + 24 B frame headers);");
@@ -979,6 +989,10 @@ fn main() {
     println!("# delegation_overhead: a root turn that delegates one trivial task in the foreground vs a root turn answered directly.");
     println!("# compaction: estimated request tokens at turn 500 vs turn 20 of a dialog through a 4,000-token window with compaction on");
     println!("#   (model latency simulated at 1 us per request token); compacting_share = time in summary calls / time of the 500 turns.");
+    println!("# continuation_latency: a background run's end (its RunUpdated on the feed, after the terminal commit) to the first");
+    println!("#   streamed text of the continuation answering it while idle, vs a user turn's send() to its first streamed text.");
+    println!("# inbox_delivery: completions consumed per second end to end, 8 dialogs x 16 background runs started at once,");
+    println!("#   vs the store's own claim (8 at a time) -> continuation commit of as many events; median of 5 rounds each.");
     rt.block_on(async {
         long_session(dir.path()).await;
         turn_overhead(
@@ -1000,5 +1014,7 @@ fn main() {
         idle_memory(dir.path()).await;
         delegation_overhead(dir.path()).await;
         compaction(dir.path()).await;
+        inbox::continuation_latency(dir.path()).await;
+        inbox::delivery_rate(dir.path()).await;
     });
 }
