@@ -492,6 +492,7 @@ async fn models_are_the_agents_keel_can_run() {
       "data": [
         "keel:root",
         "keel:archivist",
+        "keel:monitor",
         "keel:researcher",
         "keel:writer"
       ],
@@ -499,7 +500,7 @@ async fn models_are_the_agents_keel_can_run() {
     }
     "#);
     let one = t.json("/v1/models/keel:writer").await;
-    assert_eq!(one, list["data"][3]);
+    assert_eq!(one, list["data"][4]);
     insta::assert_json_snapshot!(redacted(&one), @r#"
     {
       "created": "[created]",

@@ -416,7 +416,7 @@ async fn a_reload_with_broken_definitions_keeps_the_catalog_in_force() {
     assert_eq!(report["generation"], 2);
     assert_eq!(
         report["agents"],
-        json!(["archivist", "researcher", "writer"])
+        json!(["archivist", "monitor", "researcher", "writer"])
     );
     assert_eq!(t.json("/api/ready").await["catalog_generation"], 2);
 }
