@@ -9,13 +9,18 @@
 //! so when a new runtime activates ([`Store::activate_runtime`]). `input_state` is the only
 //! column of a message row that ever changes, and only once.
 
+use std::collections::HashMap;
+
 use keel_core::{text_enum, CheckpointId, Message, SessionId};
 use rusqlite::{params, Connection};
 
 use crate::checkpoints::{insert_checkpoint_tx, put_state_tx, CheckpointRecord, NewCheckpoint};
 use crate::db::{HeadState, WriteCache};
 use crate::error::{Result, StoreError};
-use crate::sessions::{bump_activity, require_session, TimelineId};
+use crate::sessions::{
+    bump_activity, check_limit, list_dialogs_tx, require_session, DialogQuery, SessionRecord,
+    TimelineId,
+};
 use crate::Store;
 
 /// The slot name of the default context slot.
@@ -299,6 +304,29 @@ pub(crate) fn visible_inputs(conn: &Connection, timeline: &str, upto: i64) -> Re
         total += stmt.query_row(params![tid, cut], |r| r.get::<_, i64>(0))?;
     }
     Ok(total)
+}
+
+/// The history visible from `timeline` after `known` (see [`Store::history_after`]).
+fn history_after_tx(
+    c: &Connection,
+    timeline: TimelineId,
+    known: Option<&SessionHead>,
+    filter: &MessageFilter,
+) -> Result<HistoryDelta> {
+    let last = last_seq(c, timeline.as_str())?;
+    let after = known.filter(|k| k.timeline == timeline && k.last_seq <= last);
+    let filter = MessageFilter {
+        from_seq: after.map(|k| k.last_seq + 1).max(filter.from_seq),
+        ..filter.clone()
+    };
+    Ok(HistoryDelta {
+        messages: load_chain(c, timeline.as_str(), last, &filter)?,
+        whole: after.is_none(),
+        head: SessionHead {
+            timeline,
+            last_seq: last,
+        },
+    })
 }
 
 /// Messages visible from `timeline` up to `upto`: one indexed range scan per
@@ -717,23 +745,37 @@ impl Store {
         self.db
             .read(move |c| {
                 let session = require_session(c, &session_id)?;
-                let timeline = session.head_timeline_id;
-                let last = last_seq(c, timeline.as_str())?;
-                let after = known
-                    .as_ref()
-                    .filter(|k| k.timeline == timeline && k.last_seq <= last);
-                let filter = MessageFilter {
-                    from_seq: after.map(|k| k.last_seq + 1).max(filter.from_seq),
-                    ..filter.clone()
-                };
-                Ok(HistoryDelta {
-                    messages: load_chain(c, timeline.as_str(), last, &filter)?,
-                    whole: after.is_none(),
-                    head: SessionHead {
-                        timeline,
-                        last_seq: last,
-                    },
-                })
+                history_after_tx(c, session.head_timeline_id, known.as_ref(), &filter)
+            })
+            .await
+    }
+
+    /// A chat's dialogs as [`Store::list_dialogs`] lists them (one page),
+    /// those `wanted` keeps each with its history after the head `known`
+    /// holds for it (see [`Store::history_after`]), in one read.
+    pub async fn dialogs_with_history_after<F>(
+        &self,
+        query: DialogQuery,
+        wanted: F,
+        known: HashMap<SessionId, SessionHead>,
+        filter: MessageFilter,
+    ) -> Result<Vec<(SessionRecord, HistoryDelta)>>
+    where
+        F: Fn(&SessionRecord) -> bool + Send + 'static,
+    {
+        check_limit(&query)?;
+        self.db
+            .read(move |c| {
+                let mut out = Vec::new();
+                for record in list_dialogs_tx(c, &query)?.items {
+                    if !wanted(&record) {
+                        continue;
+                    }
+                    let timeline = record.head_timeline_id.clone();
+                    let delta = history_after_tx(c, timeline, known.get(&record.id), &filter)?;
+                    out.push((record, delta));
+                }
+                Ok(out)
             })
             .await
     }

@@ -175,6 +175,60 @@ fn validate(s: &NewSession) -> Result<()> {
     Ok(())
 }
 
+/// Refuses a page size outside 1..=1000.
+pub(crate) fn check_limit(query: &DialogQuery) -> Result<()> {
+    if query.limit == 0 || query.limit > 1000 {
+        return Err(StoreError::InvalidInput(format!(
+            "limit {} is outside 1..=1000",
+            query.limit
+        )));
+    }
+    Ok(())
+}
+
+/// One page of a chat's dialogs (see [`Store::list_dialogs`]).
+pub(crate) fn list_dialogs_tx(
+    c: &Connection,
+    query: &DialogQuery,
+) -> Result<Page<SessionRecord, DialogCursor>> {
+    let (cursor_at, cursor_id) = match &query.cursor {
+        Some(cur) => (cur.created_at_ms, cur.id.to_string()),
+        None => (i64::MAX, String::new()),
+    };
+    let first_page = query.cursor.is_none();
+    let sql = format!(
+        "SELECT {SESSION_COLUMNS} FROM sessions \
+         WHERE channel = ?1 AND chat_id = ?2 \
+           AND (?3 OR deleted_at IS NULL) \
+           AND (?4 OR (created_at, id) < (?5, ?6)) \
+         ORDER BY created_at DESC, id DESC LIMIT ?7"
+    );
+    let limit = i64::try_from(query.limit + 1).unwrap_or(i64::MAX);
+    let mut items = query_sessions(
+        c,
+        &sql,
+        params![
+            query.channel,
+            query.chat_id,
+            query.include_deleted,
+            first_page,
+            cursor_at,
+            cursor_id,
+            limit
+        ],
+    )?;
+    let next_cursor = if items.len() > query.limit {
+        items.truncate(query.limit);
+        items.last().map(|s| DialogCursor {
+            created_at_ms: s.created_at_ms,
+            id: s.id,
+        })
+    } else {
+        None
+    };
+    Ok(Page { items, next_cursor })
+}
+
 /// Inserts a session row and its timeline (root, or forked from `fork_of`).
 pub(crate) fn insert_session_tx(
     conn: &Connection,
@@ -346,52 +400,8 @@ impl Store {
         &self,
         query: DialogQuery,
     ) -> Result<Page<SessionRecord, DialogCursor>> {
-        if query.limit == 0 || query.limit > 1000 {
-            return Err(StoreError::InvalidInput(format!(
-                "limit {} is outside 1..=1000",
-                query.limit
-            )));
-        }
-        self.db
-            .read(move |c| {
-                let (cursor_at, cursor_id) = match &query.cursor {
-                    Some(cur) => (cur.created_at_ms, cur.id.to_string()),
-                    None => (i64::MAX, String::new()),
-                };
-                let first_page = query.cursor.is_none();
-                let sql = format!(
-                    "SELECT {SESSION_COLUMNS} FROM sessions \
-                     WHERE channel = ?1 AND chat_id = ?2 \
-                       AND (?3 OR deleted_at IS NULL) \
-                       AND (?4 OR (created_at, id) < (?5, ?6)) \
-                     ORDER BY created_at DESC, id DESC LIMIT ?7"
-                );
-                let limit = i64::try_from(query.limit + 1).unwrap_or(i64::MAX);
-                let mut items = query_sessions(
-                    c,
-                    &sql,
-                    params![
-                        query.channel,
-                        query.chat_id,
-                        query.include_deleted,
-                        first_page,
-                        cursor_at,
-                        cursor_id,
-                        limit
-                    ],
-                )?;
-                let next_cursor = if items.len() > query.limit {
-                    items.truncate(query.limit);
-                    items.last().map(|s| DialogCursor {
-                        created_at_ms: s.created_at_ms,
-                        id: s.id,
-                    })
-                } else {
-                    None
-                };
-                Ok(Page { items, next_cursor })
-            })
-            .await
+        check_limit(&query)?;
+        self.db.read(move |c| list_dialogs_tx(c, &query)).await
     }
 
     /// The most recently active, not deleted dialog of a chat ("continue the last dialog").

@@ -326,6 +326,67 @@ async fn history_after_a_known_head_reads_only_what_follows_it_on_that_timeline(
 }
 
 #[tokio::test]
+async fn a_chats_dialogs_are_read_with_what_each_gained_since_a_known_head() {
+    let (_dir, store) = temp_store();
+    let a = store.create_session(new_session("a", 1)).await.unwrap();
+    let b = store.create_session(new_session("b", 2)).await.unwrap();
+    let c = store.create_session(new_session("c", 3)).await.unwrap();
+    for s in [a.id, b.id, c.id] {
+        store.commit_turn(turn(s, 1, "s1", false)).await.unwrap();
+    }
+    let known = store
+        .history_after(a.id, None, MessageFilter::default())
+        .await
+        .unwrap()
+        .head;
+    store.commit_turn(turn(a.id, 2, "s2", false)).await.unwrap();
+    store.soft_delete_session(c.id, 10).await.unwrap();
+    let read = store
+        .dialogs_with_history_after(
+            query_of_chat(),
+            |_| true,
+            std::collections::HashMap::from([(a.id, known)]),
+            MessageFilter::default(),
+        )
+        .await
+        .unwrap();
+    let seen: Vec<_> = read
+        .iter()
+        .map(|(r, d)| {
+            (
+                r.dialog_id.as_str(),
+                d.whole,
+                d.messages.len(),
+                d.head.last_seq,
+            )
+        })
+        .collect();
+    // Newest first; the deleted one left out; a from its known head on.
+    assert_eq!(seen, [("b", true, 2, 2), ("a", false, 2, 4)]);
+    let only_a = store
+        .dialogs_with_history_after(
+            query_of_chat(),
+            |r| r.dialog_id == "a",
+            std::collections::HashMap::new(),
+            MessageFilter::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(only_a.len(), 1);
+    assert!(only_a[0].1.whole);
+}
+
+fn query_of_chat() -> keel_store::DialogQuery {
+    keel_store::DialogQuery {
+        channel: "cli_chat".into(),
+        chat_id: "chat-1".into(),
+        include_deleted: false,
+        limit: 10,
+        cursor: None,
+    }
+}
+
+#[tokio::test]
 async fn unchanged_state_writes_no_blob() {
     let (dir, store) = temp_store();
     let s = store.create_session(new_session("d", 1)).await.unwrap();

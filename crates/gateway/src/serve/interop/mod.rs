@@ -19,19 +19,26 @@
 //!
 //! Matching must not cost a read of the whole history per request (a
 //! client resends it every time): `Histories` keeps each dialog's
-//! matchable history with the head it was read at, and a request reads
-//! only the messages added since ([`keel_store::Store::history_after`]).
-//! A dialog's checkpoints are read only when no candidate continues.
+//! matchable history with the head it was read at, and a request reads a
+//! chat's dialogs and only the messages each gained since in one store
+//! read ([`keel_store::Store::dialogs_with_history_after`]). A dialog's
+//! checkpoints are read only when no candidate continues. When the dialog
+//! a history continues is free and no dialog's lock was released since
+//! that read, no other request's turn can have changed it, and it is not
+//! read again.
 
 pub mod agui;
 pub mod openai;
 pub mod transcript;
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
 use keel_core::{AgentId, CheckpointId, Message, Role, SessionId, TurnOrigin};
-use keel_store::{MessageFilter, SessionHead, SessionRecord, StoredMessage};
+use keel_store::{
+    DialogQuery, HistoryDelta, MessageFilter, SessionHead, SessionRecord, StoredMessage,
+};
 use parking_lot::Mutex;
 use tokio::sync::broadcast::{self, error::RecvError};
 use tokio::sync::{Mutex as AsyncMutex, OwnedMutexGuard};
@@ -92,7 +99,22 @@ pub(crate) struct Placed {
     pub dialog: SessionId,
     /// The dialog it was forked from, when the history was edited.
     pub forked_from: Option<SessionId>,
-    guard: OwnedMutexGuard<()>,
+    guard: DialogGuard,
+}
+
+/// A dialog's lock, held from a request's placement until its turn ended.
+/// Releasing it counts in `Conversations::released`.
+#[derive(Debug)]
+struct DialogGuard {
+    _guard: OwnedMutexGuard<()>,
+    released: Arc<AtomicU64>,
+}
+
+impl Drop for DialogGuard {
+    fn drop(&mut self) {
+        // Counted before the lock is free (fields drop after this).
+        self.released.fetch_add(1, Ordering::SeqCst);
+    }
 }
 
 /// The frames of one running turn, in order, for a protocol to encode.
@@ -196,15 +218,21 @@ pub(crate) struct Conversations {
     /// When the server started (Unix ms): the `created` of every model.
     pub(crate) started_at_ms: i64,
     locks: Mutex<HashMap<SessionId, Weak<AsyncMutex<()>>>>,
+    /// How many dialog locks were released so far.
+    released: Arc<AtomicU64>,
     histories: Mutex<Histories>,
     threads: agui::Threads,
 }
 
-/// Dialog histories as last matched, each with the head it was read at.
-/// An entry is taken out while a request extends it and put back after.
+/// A chat: (channel, chat id).
+type Chat = (String, String);
+
+/// Dialog histories as last matched, each with the head it was read at,
+/// by chat. An entry is taken out while a request extends it and put back
+/// after.
 #[derive(Debug, Default)]
 struct Histories {
-    entries: HashMap<SessionId, Cached>,
+    chats: HashMap<Chat, HashMap<SessionId, Cached>>,
     bytes: usize,
     clock: u64,
 }
@@ -218,19 +246,28 @@ struct Cached {
 }
 
 impl Histories {
+    /// The heads of the histories kept for `chat`'s dialogs.
+    fn heads(&self, chat: &Chat) -> HashMap<SessionId, SessionHead> {
+        self.chats.get(chat).map_or_else(HashMap::new, |dialogs| {
+            dialogs.iter().map(|(d, c)| (*d, c.head.clone())).collect()
+        })
+    }
+
     /// Takes `dialog`'s history out, if it is kept.
-    fn take(&mut self, dialog: SessionId) -> Option<(SessionHead, Vec<Kept>)> {
-        let cached = self.entries.remove(&dialog)?;
+    fn take(&mut self, chat: &Chat, dialog: SessionId) -> Option<(SessionHead, Vec<Kept>)> {
+        let dialogs = self.chats.get_mut(chat)?;
+        let cached = dialogs.remove(&dialog)?;
+        if dialogs.is_empty() {
+            self.chats.remove(chat);
+        }
         self.bytes -= cached.bytes;
         Some((cached.head, cached.history))
     }
 
     /// Keeps `dialog`'s history as read at `head`, dropping the least
     /// recently kept ones past [`HISTORY_CACHE_BYTES`].
-    fn put(&mut self, dialog: SessionId, head: SessionHead, history: Vec<Kept>) {
-        if let Some(old) = self.entries.remove(&dialog) {
-            self.bytes -= old.bytes;
-        }
+    fn put(&mut self, chat: &Chat, dialog: SessionId, head: SessionHead, history: Vec<Kept>) {
+        self.take(chat, dialog);
         let bytes = history
             .iter()
             .map(|k| k.text.len() + std::mem::size_of::<Kept>())
@@ -239,21 +276,20 @@ impl Histories {
             return;
         }
         while self.bytes + bytes > HISTORY_CACHE_BYTES {
-            let Some(oldest) = self
-                .entries
+            let oldest = self
+                .chats
                 .iter()
-                .min_by_key(|(_, c)| c.used)
-                .map(|(d, _)| *d)
-            else {
+                .flat_map(|(chat, dialogs)| dialogs.iter().map(move |(d, c)| (c.used, chat, *d)))
+                .min_by_key(|(used, _, _)| *used)
+                .map(|(_, chat, d)| (chat.clone(), d));
+            let Some((chat, oldest)) = oldest else {
                 break;
             };
-            if let Some(dropped) = self.entries.remove(&oldest) {
-                self.bytes -= dropped.bytes;
-            }
+            self.take(&chat, oldest);
         }
         self.clock += 1;
         self.bytes += bytes;
-        self.entries.insert(
+        self.chats.entry(chat.clone()).or_default().insert(
             dialog,
             Cached {
                 head,
@@ -274,6 +310,7 @@ impl Conversations {
         Self {
             started_at_ms: keel_core::time::now_ms(),
             locks: Mutex::default(),
+            released: Arc::default(),
             histories: Mutex::default(),
             threads: agui::Threads::default(),
         }
@@ -295,6 +332,22 @@ impl Conversations {
         lock
     }
 
+    /// Waits for `dialog`'s lock.
+    async fn lock(&self, dialog: SessionId) -> DialogGuard {
+        DialogGuard {
+            _guard: self.lock_of(dialog).lock_owned().await,
+            released: self.released.clone(),
+        }
+    }
+
+    /// `dialog`'s lock, if no request holds it.
+    fn try_lock(&self, dialog: SessionId) -> Option<DialogGuard> {
+        Some(DialogGuard {
+            _guard: self.lock_of(dialog).try_lock_owned().ok()?,
+            released: self.released.clone(),
+        })
+    }
+
     /// Finds or makes the dialog `conversation`'s input goes to (see the
     /// module docs) and locks it. Nothing is written before every check
     /// passed; a fork or a new dialog is written before this returns.
@@ -312,19 +365,12 @@ impl Conversations {
             return Ok(Placed {
                 dialog: *dialog,
                 forked_from: None,
-                guard: self.lock_of(*dialog).lock_owned().await,
+                guard: self.lock(*dialog).await,
             });
         }
         for _ in 0..PLACE_ATTEMPTS {
-            let (home, dialogs) = self.candidates(shared, conversation).await?;
-            // The likeliest dialog (the most recently active) is locked
-            // before it is read, when no request holds it: if the history
-            // continues it, nothing changes it before this request's turn.
-            let held = dialogs.first().and_then(|&dialog| {
-                let guard = self.lock_of(dialog).try_lock_owned().ok()?;
-                Some((dialog, guard))
-            });
-            let mut candidates = self.read(shared, dialogs).await?;
+            let released = self.released.load(Ordering::SeqCst);
+            let (home, mut candidates) = self.candidates(shared, conversation).await?;
             let mut placement = transcript::place(&conversation.history, &candidates.read);
             if !matches!(placement, Placement::Continue { .. }) {
                 // No dialog continues: where could one fork?
@@ -333,26 +379,30 @@ impl Conversations {
                 }
                 placement = transcript::place(&conversation.history, &candidates.read);
             }
-            self.keep(candidates);
+            self.keep(&home, candidates);
             match placement {
                 Placement::Continue { dialog } => {
-                    if let Some((_, guard)) = held.filter(|(locked, _)| *locked == dialog) {
-                        return Ok(Placed {
-                            dialog,
-                            forked_from: None,
-                            guard,
-                        });
-                    }
-                    // Never wait for one dialog while holding another.
-                    let guard = self.lock_of(dialog).lock_owned().await;
-                    // Another request's turn may have run while this one
-                    // waited: the history must still be the dialog's.
-                    let now = self.read(shared, vec![dialog]).await?;
+                    // Free, and no dialog's lock released since the read:
+                    // no other request's turn changed it after it was read.
+                    let guard = match self.try_lock(dialog) {
+                        Some(guard) if self.released.load(Ordering::SeqCst) == released => {
+                            return Ok(Placed {
+                                dialog,
+                                forked_from: None,
+                                guard,
+                            });
+                        }
+                        Some(guard) => guard,
+                        None => self.lock(dialog).await,
+                    };
+                    // Another request's turn may have run meanwhile: the
+                    // history must still be the dialog's.
+                    let now = self.read(shared, &home, dialog).await?;
                     let continues = matches!(
                         transcript::place(&conversation.history, &now.read),
                         Placement::Continue { .. }
                     );
-                    self.keep(now);
+                    self.keep(&home, now);
                     if continues {
                         return Ok(Placed {
                             dialog,
@@ -366,12 +416,10 @@ impl Conversations {
                     checkpoint,
                     tail,
                 } => {
-                    drop(held);
                     let fork = shared.app.manager.fork(checkpoint, None).await?;
                     return self.fill(shared, fork, Some(dialog), tail).await;
                 }
                 Placement::Start { history } => {
-                    drop(held);
                     let manager = &shared.app.manager;
                     let made = manager
                         .create_dialog(&home.0, &home.1, None, conversation.agent.clone())
@@ -386,76 +434,99 @@ impl Conversations {
     }
 
     /// The chat new dialogs of `conversation` go to, and the dialogs its
-    /// history is matched against, the most recently active first.
+    /// history is matched against (their visible histories), the most
+    /// recently active first: the chat's dialogs and what each gained
+    /// since it was last matched are read at once.
     async fn candidates(
         &self,
         shared: &Shared,
         conversation: &Conversation,
-    ) -> ApiResult<((String, String), Vec<SessionId>)> {
-        match &conversation.scope {
+    ) -> ApiResult<(Chat, Read)> {
+        let (channel, chat_id) = match &conversation.scope {
             Scope::Dialog(id) => {
                 let record = shared.dialog_by_id(*id).await?;
                 check_agent(&record, conversation.agent.as_ref())?;
                 let home = (record.channel.clone(), record.chat_id.clone());
-                Ok((home, vec![*id]))
+                let read = self.read(shared, &home, *id).await?;
+                return Ok((home, read));
             }
-            Scope::Chat { channel, chat_id } => {
-                let home = ((*channel).to_owned(), chat_id.clone());
-                if conversation.history.is_empty() {
-                    return Ok((home, Vec::new()));
-                }
-                let page = shared
-                    .app
-                    .manager
-                    .list_dialogs(channel, chat_id, MAX_CANDIDATES, None)
-                    .await?;
-                let mut records: Vec<SessionRecord> = page
-                    .items
-                    .into_iter()
-                    .filter(|r| runs(r, conversation.agent.as_ref()))
-                    .collect();
-                records.sort_by_key(|r| std::cmp::Reverse(r.last_active_at_ms));
-                Ok((home, records.iter().map(|r| r.id).collect()))
-            }
+            Scope::Chat { channel, chat_id } => ((*channel).to_owned(), chat_id.clone()),
+        };
+        let home = (channel, chat_id);
+        if conversation.history.is_empty() {
+            return Ok((home, Read::default()));
         }
-    }
-
-    /// The visible histories of `dialogs`, in order: what was kept of each,
-    /// extended by what was added since (or read whole).
-    async fn read(&self, shared: &Shared, dialogs: Vec<SessionId>) -> ApiResult<Read> {
+        let known = self.histories.lock().heads(&home);
+        let agent = conversation.agent.clone();
+        let mut listed = shared
+            .app
+            .store
+            .dialogs_with_history_after(
+                DialogQuery {
+                    channel: home.0.clone(),
+                    chat_id: home.1.clone(),
+                    include_deleted: false,
+                    limit: MAX_CANDIDATES,
+                    cursor: None,
+                },
+                move |r| runs(r, agent.as_ref()),
+                known.clone(),
+                visible(),
+            )
+            .await?;
+        listed.sort_by_key(|(r, _)| std::cmp::Reverse(r.last_active_at_ms));
         let mut read = Read::default();
-        for dialog in dialogs {
-            let known = self.histories.lock().take(dialog);
-            let (head, history) = known.unzip();
-            let delta = shared
-                .app
-                .store
-                .history_after(
-                    dialog,
-                    head,
-                    MessageFilter {
-                        visible_only: true,
-                        ..MessageFilter::default()
-                    },
-                )
-                .await?;
-            let mut history = history.filter(|_| !delta.whole).unwrap_or_default();
-            history.extend(delta.messages.iter().filter_map(kept));
+        for (record, delta) in listed {
+            let kept = self.histories.lock().take(&home, record.id);
+            let history = match kept {
+                // What was kept may have moved on meanwhile (another
+                // request): the delta then does not apply; read it whole.
+                Some((head, history)) if !delta.whole && known.get(&record.id) == Some(&head) => {
+                    extended(history, &delta)
+                }
+                _ if delta.whole => extended(Vec::new(), &delta),
+                _ => {
+                    let mut one = self.read(shared, &home, record.id).await?;
+                    read.heads.append(&mut one.heads);
+                    read.read.append(&mut one.read);
+                    continue;
+                }
+            };
             read.heads.push(delta.head);
             read.read.push(Candidate {
-                dialog,
+                dialog: record.id,
                 history,
                 checkpoints: Vec::new(),
             });
         }
-        Ok(read)
+        Ok((home, read))
     }
 
-    /// Puts what `read` read back for the next request.
-    fn keep(&self, read: Read) {
+    /// The visible history of `dialog` (of `chat`): what was kept of it,
+    /// extended by what was added since (or read whole).
+    async fn read(&self, shared: &Shared, chat: &Chat, dialog: SessionId) -> ApiResult<Read> {
+        let (head, history) = self.histories.lock().take(chat, dialog).unzip();
+        let delta = shared
+            .app
+            .store
+            .history_after(dialog, head, visible())
+            .await?;
+        let history = history.filter(|_| !delta.whole).unwrap_or_default();
+        Ok(Read {
+            read: vec![Candidate {
+                dialog,
+                history: extended(history, &delta),
+                checkpoints: Vec::new(),
+            }],
+            heads: vec![delta.head],
+        })
+    }
+
+    /// Puts what `read` read of `chat`'s dialogs back for the next request.
+    fn keep(&self, chat: &Chat, read: Read) {
         let mut histories = self.histories.lock();
         for (head, candidate) in read.heads.into_iter().zip(read.read) {
-            histories.put(candidate.dialog, head, candidate.history);
+            histories.put(chat, candidate.dialog, head, candidate.history);
         }
     }
 
@@ -467,7 +538,7 @@ impl Conversations {
         forked_from: Option<SessionId>,
         history: Vec<Said>,
     ) -> ApiResult<Placed> {
-        let guard = self.lock_of(dialog).lock_owned().await;
+        let guard = self.lock(dialog).await;
         if !history.is_empty() {
             let messages = history
                 .into_iter()
@@ -552,6 +623,20 @@ fn check_agent(record: &SessionRecord, agent: Option<&AgentId>) -> ApiResult<()>
 struct Read {
     heads: Vec<SessionHead>,
     read: Vec<Candidate<SessionId, CheckpointId>>,
+}
+
+/// What matching reads of a dialog: the messages clients see.
+fn visible() -> MessageFilter {
+    MessageFilter {
+        visible_only: true,
+        ..MessageFilter::default()
+    }
+}
+
+/// `history` followed by what `delta` read.
+fn extended(mut history: Vec<Kept>, delta: &HistoryDelta) -> Vec<Kept> {
+    history.extend(delta.messages.iter().filter_map(kept));
+    history
 }
 
 /// A stored message as matching sees it (`None`: not part of what a client holds).
