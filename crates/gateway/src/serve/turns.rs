@@ -171,6 +171,9 @@ impl TurnRunner {
                 // A title generated after a turn, off its path.
                 SessionEvent::Retitled { .. } => self.publish_dialog(session).await,
                 SessionEvent::TurnStarted { turn_id, origin } if continuation(origin) => {
+                    // The runs whose results it answers ended before it was
+                    // woken: their final status is published first.
+                    self.projections.refresh(session).await;
                     self.hub.publish(
                         session,
                         ServerFrame::TurnStarted {

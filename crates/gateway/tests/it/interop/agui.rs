@@ -578,8 +578,18 @@ async fn a_continuation_answering_a_background_result_is_its_own_run_on_the_thre
         "agent_continuation"
     );
     assert_ne!(start["runId"], "r2");
-    // Whether the archivist's run updates come in this run or in the
-    // delegating one depends on when they were published; not asserted.
+    // The archivist's end is published before the continuation that
+    // answers it starts, so the run shows it before any of its text.
+    let shapes = shape(&seen);
+    let ended = shapes
+        .iter()
+        .position(|s| s == "ACTIVITY_SNAPSHOT archivist completed")
+        .unwrap_or_else(|| panic!("the archivist's end is not in the run: {shapes:#?}"));
+    let first_text = shapes
+        .iter()
+        .position(|s| s.starts_with("TEXT_MESSAGE_CONTENT"))
+        .unwrap();
+    assert!(ended < first_text, "{shapes:#?}");
     let said: String = seen
         .iter()
         .filter(|e| e["type"] == "TEXT_MESSAGE_CONTENT")
