@@ -340,11 +340,14 @@ pub async fn run(data: DataArgs, bind: Option<SocketAddr>) -> Result<ExitCode, A
     };
     let grace = options.shutdown_grace;
     let server = Server::start(app, options).await?;
+    // The handlers go in before the line that says we are up: a SIGHUP or
+    // SIGTERM sent right after it must reload or stop, not kill by default.
+    let stop = signals::Signals::listen()?;
     println!(
         "keel serve: listening on http://{}/ ({auth}; API under /api, contract at /api/openapi.json)",
         server.addr()
     );
-    signals::serve_until_stopped(&server).await?;
+    stop.serve_until_stopped(&server).await?;
     eprintln!(
         "keel serve: shutting down; running turns get {} s to finish",
         grace.as_secs()
@@ -362,43 +365,70 @@ mod signals {
 
     use super::*;
 
-    /// Waits for SIGTERM or SIGINT, reloading the catalog on each SIGHUP.
+    /// The signal handlers of `keel serve`, installed before it announces itself.
     #[cfg(unix)]
-    pub(super) async fn serve_until_stopped(server: &Server) -> Result<(), AppError> {
-        use tokio::signal::unix::{signal, SignalKind};
-        let listen = |kind: SignalKind, what: &str| {
-            signal(kind).map_err(io_err(format!("cannot listen for {what}")))
-        };
-        let mut term = listen(SignalKind::terminate(), "SIGTERM")?;
-        let mut int = listen(SignalKind::interrupt(), "SIGINT")?;
-        let mut hup = listen(SignalKind::hangup(), "SIGHUP")?;
-        loop {
-            tokio::select! {
-                _ = term.recv() => return Ok(()),
-                _ = int.recv() => return Ok(()),
-                _ = hup.recv() => match server.reload().await {
-                    Ok(r) => eprintln!(
-                        "keel serve: agent catalog reloaded (generation {}, {} agent(s))",
-                        r.generation,
-                        r.agents.len()
-                    ),
-                    Err(ApiError::Unprocessable { detail, errors }) => {
-                        eprintln!("keel serve: reload refused: {detail}");
-                        for e in errors {
-                            eprintln!("  {e}");
+    pub(super) struct Signals {
+        term: tokio::signal::unix::Signal,
+        int: tokio::signal::unix::Signal,
+        hup: tokio::signal::unix::Signal,
+    }
+
+    #[cfg(unix)]
+    impl Signals {
+        /// Installs the handlers for SIGTERM, SIGINT and SIGHUP.
+        pub(super) fn listen() -> Result<Self, AppError> {
+            use tokio::signal::unix::{signal, SignalKind};
+            let listen = |kind: SignalKind, what: &str| {
+                signal(kind).map_err(io_err(format!("cannot listen for {what}")))
+            };
+            Ok(Self {
+                term: listen(SignalKind::terminate(), "SIGTERM")?,
+                int: listen(SignalKind::interrupt(), "SIGINT")?,
+                hup: listen(SignalKind::hangup(), "SIGHUP")?,
+            })
+        }
+
+        /// Waits for SIGTERM or SIGINT, reloading the catalog on each SIGHUP.
+        pub(super) async fn serve_until_stopped(mut self, server: &Server) -> Result<(), AppError> {
+            loop {
+                tokio::select! {
+                    _ = self.term.recv() => return Ok(()),
+                    _ = self.int.recv() => return Ok(()),
+                    _ = self.hup.recv() => match server.reload().await {
+                        Ok(r) => eprintln!(
+                            "keel serve: agent catalog reloaded (generation {}, {} agent(s))",
+                            r.generation,
+                            r.agents.len()
+                        ),
+                        Err(ApiError::Unprocessable { detail, errors }) => {
+                            eprintln!("keel serve: reload refused: {detail}");
+                            for e in errors {
+                                eprintln!("  {e}");
+                            }
                         }
-                    }
-                    Err(e) => eprintln!("keel serve: reload refused: {e}"),
-                },
+                        Err(e) => eprintln!("keel serve: reload refused: {e}"),
+                    },
+                }
             }
         }
     }
 
-    /// Waits for Ctrl-C.
+    /// Ctrl-C, the one stop signal outside unix.
     #[cfg(not(unix))]
-    pub(super) async fn serve_until_stopped(_server: &Server) -> Result<(), AppError> {
-        tokio::signal::ctrl_c()
-            .await
-            .map_err(io_err("cannot listen for Ctrl-C"))
+    pub(super) struct Signals;
+
+    #[cfg(not(unix))]
+    impl Signals {
+        /// Nothing to install ahead: Ctrl-C is listened for while serving.
+        pub(super) fn listen() -> Result<Self, AppError> {
+            Ok(Self)
+        }
+
+        /// Waits for Ctrl-C.
+        pub(super) async fn serve_until_stopped(self, _server: &Server) -> Result<(), AppError> {
+            tokio::signal::ctrl_c()
+                .await
+                .map_err(io_err("cannot listen for Ctrl-C"))
+        }
     }
 }
