@@ -993,6 +993,8 @@ fn main() {
     println!("#   streamed text of the continuation answering it while idle, vs a user turn's send() to its first streamed text.");
     println!("# inbox_delivery: completions consumed per second end to end, 8 dialogs x 16 background runs started at once,");
     println!("#   vs the store's own claim (8 at a time) -> continuation commit of as many events; median of 5 rounds each.");
+    println!("# inbox_delivery_only: the engine delivering the same 8 x 16 completions already committed terminal in the inbox");
+    println!("#   (wake each dialog -> continuations committed, 0 pending, 0 dead-lettered), vs the same store rate.");
     rt.block_on(async {
         long_session(dir.path()).await;
         turn_overhead(

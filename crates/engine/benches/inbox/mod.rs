@@ -373,6 +373,41 @@ fn bench_run(root: SessionId) -> NewRun {
     }
 }
 
+/// Commits [`RUNS_PER_DIALOG`] background runs of each of `sessions`
+/// terminal at `now_ms`, so their completions wait in the inbox, due at
+/// once (the engine dead-letters events older than its TTL by the wall
+/// clock, so its figure passes the wall clock).
+async fn fill_inbox(store: &Store, sessions: &[SessionId], now_ms: i64) {
+    for s in sessions {
+        for _ in 0..RUNS_PER_DIALOG {
+            let run = bench_run(*s);
+            store
+                .accept_run(AcceptRun {
+                    run: run.clone(),
+                    inbox_capacity: 1000,
+                    now_ms,
+                })
+                .await
+                .unwrap();
+            store
+                .commit_terminal(
+                    run.id,
+                    run.execution_id,
+                    TerminalOutcome::Completed {
+                        result: "done".into(),
+                        usage: keel_core::Usage::default(),
+                        tool_calls: 0,
+                        iterations: 1,
+                    },
+                    CompletionHandling::Deliver,
+                    now_ms,
+                )
+                .await
+                .unwrap();
+        }
+    }
+}
+
 /// The store alone: [`DIALOGS`] × [`RUNS_PER_DIALOG`] completions already
 /// in the inbox, claimed 8 at a time and consumed by a continuation commit
 /// of two messages; returns events per second.
@@ -393,34 +428,9 @@ async fn store_claim_consume(store: &Store) -> f64 {
             })
             .await
             .unwrap();
-        for _ in 0..RUNS_PER_DIALOG {
-            let run = bench_run(s.id);
-            store
-                .accept_run(AcceptRun {
-                    run: run.clone(),
-                    inbox_capacity: 1000,
-                    now_ms: 1,
-                })
-                .await
-                .unwrap();
-            store
-                .commit_terminal(
-                    run.id,
-                    run.execution_id,
-                    TerminalOutcome::Completed {
-                        result: "done".into(),
-                        usage: keel_core::Usage::default(),
-                        tool_calls: 0,
-                        iterations: 1,
-                    },
-                    CompletionHandling::Deliver,
-                    2,
-                )
-                .await
-                .unwrap();
-        }
         sessions.push(s.id);
     }
+    fill_inbox(store, &sessions, 2).await;
     let started = Instant::now();
     let mut consumed = 0u64;
     for (turn, id) in sessions.iter().enumerate() {
@@ -465,6 +475,70 @@ async fn store_claim_consume(store: &Store) -> f64 {
     consumed as f64 / started.elapsed().as_secs_f64()
 }
 
+/// The engine delivering completions already in the inbox, the same
+/// [`DIALOGS`] × [`RUNS_PER_DIALOG`] as [`store_claim_consume`]: from
+/// waking every dialog (as start-up does for sessions with due events)
+/// until none has an event pending, the continuation turns committed;
+/// returns events per second and the continuations per dialog.
+async fn engine_delivery(m: &Arc<SessionManager>, round: usize) -> (f64, f64) {
+    let mut ids = Vec::new();
+    for d in 0..DIALOGS {
+        ids.push(
+            m.create(super::spec("deliver", &format!("q{round}d{d}")))
+                .await
+                .unwrap(),
+        );
+    }
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    fill_inbox(m.store(), &ids, now_ms).await;
+    let mut feeds = Vec::new();
+    for id in &ids {
+        feeds.push(m.events().subscribe(*id).await.unwrap());
+    }
+    let started = Instant::now();
+    for id in &ids {
+        m.wake_inbox(*id);
+    }
+    let waits = ids.iter().zip(feeds).map(|(id, mut feed)| {
+        let store = m.store().clone();
+        let id = *id;
+        async move {
+            let mut continuations = 0;
+            while store.inbox_counts(id).await.unwrap().pending > 0 {
+                // Look again after the next committed turn (or a lag).
+                loop {
+                    match feed.recv().await.as_deref() {
+                        Ok(SessionEvent::TurnCommitted { .. }) | Err(_) => break,
+                        Ok(SessionEvent::TurnStarted {
+                            origin: TurnOrigin::AgentContinuation,
+                            ..
+                        }) => continuations += 1,
+                        Ok(_) => {}
+                    }
+                }
+            }
+            continuations
+        }
+    });
+    let continuations: usize = futures::future::join_all(waits).await.into_iter().sum();
+    let elapsed = started.elapsed().as_secs_f64();
+    for id in &ids {
+        let counts = m.store().inbox_counts(*id).await.unwrap();
+        assert_eq!(
+            (counts.pending, counts.delivered, counts.dead_lettered),
+            (0, RUNS_PER_DIALOG as u64, 0),
+            "every completion consumed by a continuation"
+        );
+    }
+    (
+        (DIALOGS * RUNS_PER_DIALOG) as f64 / elapsed,
+        continuations as f64 / DIALOGS as f64,
+    )
+}
+
 /// Completions delivered per second end to end (run → terminal commit →
 /// wake → claim → continuation turn → commit) against the store's own
 /// claim → consume rate of as many events.
@@ -482,6 +556,7 @@ pub async fn delivery_rate(dir: &std::path::Path) {
     let total = (DIALOGS * RUNS_PER_DIALOG) as f64;
     let (mut rates, mut store_rates, mut runs_share, mut continuations, mut writes) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut delivery_only, mut delivery_continuations) = (Vec::new(), Vec::new());
     for round in 0..ROUNDS {
         let r = delivery_round(&m, round).await;
         rates.push(total / r.total);
@@ -489,6 +564,9 @@ pub async fn delivery_rate(dir: &std::path::Path) {
         continuations.push(r.continuations as f64 / DIALOGS as f64);
         writes.push(r.writes as f64 / total);
         store_rates.push(store_claim_consume(&store).await);
+        let (rate, continuations) = engine_delivery(&m, round).await;
+        delivery_only.push(rate);
+        delivery_continuations.push(continuations);
     }
     let median = |xs: &mut Vec<f64>| {
         xs.sort_by(f64::total_cmp);
@@ -503,5 +581,13 @@ pub async fn delivery_rate(dir: &std::path::Path) {
         median(&mut runs_share),
         median(&mut continuations),
         median(&mut writes),
+    );
+    let only = median(&mut delivery_only);
+    println!(
+        "BENCH inbox_delivery_only dialogs={DIALOGS} events_per_dialog={RUNS_PER_DIALOG} rounds={ROUNDS} \
+         delivered_per_s={only:.0} store_claim_consume_per_s={raw:.0} ratio={:.2} \
+         continuations_per_dialog={:.1} target_ratio>=0.3",
+        super::ratio(only, raw),
+        median(&mut delivery_continuations),
     );
 }
