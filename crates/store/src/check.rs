@@ -279,12 +279,12 @@ fn open_inputs(
     if options.owner_alive {
         return Ok(());
     }
-    let mut stmt = conn.prepare(
-        "SELECT timeline_id, seq FROM messages WHERE input_state = 'open' ORDER BY timeline_id, seq",
+    let open = query_rows(
+        conn,
+        "SELECT timeline_id, seq FROM messages WHERE input_state = 'open' \
+         ORDER BY timeline_id, seq",
+        |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)),
     )?;
-    let open = stmt
-        .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
     for (timeline, seq) in open {
         report.push(
             Invariant::History,
@@ -299,23 +299,19 @@ fn open_inputs(
 }
 
 fn integrity(conn: &Connection, report: &mut InvariantReport) -> Result<()> {
-    let mut stmt = conn.prepare("PRAGMA integrity_check(100)")?;
-    let lines = stmt
-        .query_map([], |r| r.get::<_, String>(0))?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
+    let lines = query_rows(conn, "PRAGMA integrity_check(100)", |r| {
+        r.get::<_, String>(0)
+    })?;
     for line in lines.into_iter().filter(|l| l != "ok") {
         report.add(Invariant::Integrity, line);
     }
-    let mut stmt = conn.prepare("PRAGMA foreign_key_check")?;
-    let broken = stmt
-        .query_map([], |r| {
-            Ok((
-                r.get::<_, String>(0)?,
-                r.get::<_, Option<i64>>(1)?,
-                r.get::<_, String>(2)?,
-            ))
-        })?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
+    let broken = query_rows(conn, "PRAGMA foreign_key_check", |r| {
+        Ok((
+            r.get::<_, String>(0)?,
+            r.get::<_, Option<i64>>(1)?,
+            r.get::<_, String>(2)?,
+        ))
+    })?;
     for (table, rowid, parent) in broken {
         let row = rowid.map_or_else(|| "a row".to_owned(), |r| format!("row {r}"));
         report.add(
@@ -383,18 +379,18 @@ fn histories(
             .query_row([hash], |r| r.get(0))
             .optional()?)
     };
-    let mut stmt = conn.prepare(
-        "SELECT id, head_timeline_id, state_hash FROM sessions WHERE deleted_at IS NULL ORDER BY id",
-    )?;
-    let heads = stmt
-        .query_map([], |r| {
+    let heads = query_rows(
+        conn,
+        "SELECT id, head_timeline_id, state_hash FROM sessions WHERE deleted_at IS NULL \
+         ORDER BY id",
+        |r| {
             Ok((
                 r.get::<_, String>(0)?,
                 r.get::<_, Option<String>>(1)?,
                 r.get::<_, Option<String>>(2)?,
             ))
-        })?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
+        },
+    )?;
     for (session, head, state_hash) in heads {
         let Some(head) = head else {
             report.add(
@@ -436,11 +432,10 @@ fn histories(
             }
         }
     }
-    let mut stmt = conn.prepare(
+    let checkpoints = query_rows(
+        conn,
         "SELECT id, session_id, timeline_id, seq, state_hash FROM checkpoints ORDER BY id",
-    )?;
-    let checkpoints = stmt
-        .query_map([], |r| {
+        |r| {
             Ok((
                 r.get::<_, String>(0)?,
                 r.get::<_, String>(1)?,
@@ -448,8 +443,8 @@ fn histories(
                 r.get::<_, i64>(3)?,
                 r.get::<_, String>(4)?,
             ))
-        })?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
+        },
+    )?;
     for (id, session, timeline, seq, hash) in checkpoints {
         let at = format!("checkpoint {id} (session {session}, seq {seq})");
         match timelines.get(&timeline) {
@@ -505,16 +500,17 @@ fn walk_timelines(
     conn: &Connection,
     report: &mut InvariantReport,
 ) -> Result<HashMap<String, TimelineWalk>> {
-    let mut stmt = conn.prepare("SELECT id, parent_timeline_id, fork_seq FROM timelines")?;
-    let rows = stmt
-        .query_map([], |r| {
+    let rows = query_rows(
+        conn,
+        "SELECT id, parent_timeline_id, fork_seq FROM timelines",
+        |r| {
             Ok((
                 r.get::<_, String>(0)?,
                 r.get::<_, Option<String>>(1)?,
                 r.get::<_, Option<i64>>(2)?,
             ))
-        })?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
+        },
+    )?;
     let mut pending: Vec<(String, Option<(String, i64)>)> = rows
         .into_iter()
         .map(|(id, parent, fork)| (id, parent.zip(fork)))
@@ -618,19 +614,18 @@ fn walk_timelines(
 }
 
 fn counters(conn: &Connection, _: &CheckOptions, report: &mut InvariantReport) -> Result<()> {
-    let mut stmt = conn.prepare(
+    let stored = query_rows(
+        conn,
         "SELECT root_session_id, pending_event_count, reserved_completion_slots \
          FROM agent_session_state ORDER BY root_session_id",
-    )?;
-    let stored = stmt
-        .query_map([], |r| {
+        |r| {
             Ok((
                 r.get::<_, String>(0)?,
                 r.get::<_, i64>(1)?,
                 r.get::<_, i64>(2)?,
             ))
-        })?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
+        },
+    )?;
     let mut seen = HashSet::new();
     for (root, pending, reserved) in stored {
         let (want_pending, want_reserved) = recount_tx(conn, &root)?;
@@ -646,12 +641,12 @@ fn counters(conn: &Connection, _: &CheckOptions, report: &mut InvariantReport) -
         seen.insert(root);
     }
     // A session with open events or reservations but no counter row at all.
-    let mut stmt = conn.prepare(
-        "SELECT root_session_id FROM agent_runs UNION SELECT root_session_id FROM agent_inbox_events",
+    let roots = query_rows(
+        conn,
+        "SELECT root_session_id FROM agent_runs \
+         UNION SELECT root_session_id FROM agent_inbox_events",
+        |r| r.get::<_, String>(0),
     )?;
-    let roots = stmt
-        .query_map([], |r| r.get::<_, String>(0))?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
     for root in roots.into_iter().filter(|r| !seen.contains(r)) {
         let (pending, reserved) = recount_tx(conn, &root)?;
         if pending != 0 || reserved != 0 {
@@ -685,19 +680,18 @@ fn message_counts(conn: &Connection, _: &CheckOptions, report: &mut InvariantRep
 /// Sessions whose stored message count differs from their history's:
 /// (session, stored, recounted).
 fn drifted_message_counts(conn: &Connection) -> Result<Vec<(String, i64, i64)>> {
-    let mut stmt = conn.prepare(
+    let sessions = query_rows(
+        conn,
         "SELECT id, head_timeline_id, message_count FROM sessions \
          WHERE deleted_at IS NULL AND head_timeline_id IS NOT NULL ORDER BY id",
-    )?;
-    let sessions = stmt
-        .query_map([], |r| {
+        |r| {
             Ok((
                 r.get::<_, String>(0)?,
                 r.get::<_, String>(1)?,
                 r.get::<_, i64>(2)?,
             ))
-        })?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
+        },
+    )?;
     let mut drifted = Vec::new();
     for (session, head, stored) in sessions {
         let want = visible_inputs(conn, &head, i64::MAX)?;
@@ -736,19 +730,20 @@ fn runs(conn: &Connection, options: &CheckOptions, report: &mut InvariantReport)
         )
         .optional()?
         .unwrap_or(0);
-    let mut stmt = conn.prepare(&format!(
-        "SELECT id, status, runtime_generation FROM agent_runs \
+    let open = query_rows(
+        conn,
+        &format!(
+            "SELECT id, status, runtime_generation FROM agent_runs \
          WHERE status IN {NONTERMINAL_RUN} ORDER BY id"
-    ))?;
-    let open = stmt
-        .query_map([], |r| {
+        ),
+        |r| {
             Ok((
                 r.get::<_, String>(0)?,
                 r.get::<_, String>(1)?,
                 r.get::<_, i64>(2)?,
             ))
-        })?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
+        },
+    )?;
     for (run, status, run_generation) in open {
         let live = run_generation == generation && options.owner_alive;
         if live {
@@ -773,7 +768,8 @@ fn runs(conn: &Connection, options: &CheckOptions, report: &mut InvariantReport)
     }
     // An interrupted background run owes its caller a completion: its own
     // (no group, or a group whose policy is `each`) or its group's.
-    let mut stmt = conn.prepare(
+    let missing = query_rows(
+        conn,
         "SELECT r.id, g.id FROM agent_runs r LEFT JOIN agent_run_groups g ON g.id = r.group_id \
          WHERE r.status = 'interrupted' AND r.mode = 'background' \
            AND (g.id IS NULL OR g.completion_policy = 'each') \
@@ -784,15 +780,13 @@ fn runs(conn: &Connection, options: &CheckOptions, report: &mut InvariantReport)
          WHERE g.mode = 'background' AND g.completion_policy = 'all' AND g.status = 'interrupted' \
            AND NOT EXISTS (SELECT 1 FROM agent_inbox_events e WHERE e.scope_kind = 'group' \
                            AND e.scope_id = g.id AND e.event_type = 'group_completion')",
-    )?;
-    let missing = stmt
-        .query_map([], |r| {
+        |r| {
             Ok((
                 r.get::<_, Option<String>>(0)?,
                 r.get::<_, Option<String>>(1)?,
             ))
-        })?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
+        },
+    )?;
     for (run, group) in missing {
         let what = match (run, group) {
             (Some(run), _) => format!("background run {run}"),
@@ -808,17 +802,18 @@ fn runs(conn: &Connection, options: &CheckOptions, report: &mut InvariantReport)
 }
 
 fn completions(conn: &Connection, _: &CheckOptions, report: &mut InvariantReport) -> Result<()> {
-    let mut stmt = conn.prepare(&format!(
-        "SELECT e.id, e.scope_kind, e.scope_id, e.status, \
+    let rows = query_rows(
+        conn,
+        &format!(
+            "SELECT e.id, e.scope_kind, e.scope_id, e.status, \
                 (e.status = 'consumed' AND e.consumed_at IS NULL) \
                   OR (e.status = 'dead_letter' AND e.dead_lettered_at IS NULL), \
                 r.status IN {NONTERMINAL_RUN} \
          FROM agent_inbox_events e LEFT JOIN agent_runs r \
            ON e.scope_kind = 'run' AND r.id = e.scope_id \
          WHERE e.event_type IN ('completion', 'group_completion') ORDER BY e.id"
-    ))?;
-    let rows = stmt
-        .query_map([], |r| {
+        ),
+        |r| {
             Ok((
                 r.get::<_, String>(0)?,
                 r.get::<_, String>(1)?,
@@ -827,8 +822,8 @@ fn completions(conn: &Connection, _: &CheckOptions, report: &mut InvariantReport
                 r.get::<_, bool>(4)?,
                 r.get::<_, Option<bool>>(5)?,
             ))
-        })?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
+        },
+    )?;
     for (id, scope, scope_id, status, unstamped, run_open) in rows {
         let at = format!("completion {id} of {scope} {scope_id}");
         if status == "superseded" {
@@ -850,20 +845,19 @@ fn completions(conn: &Connection, _: &CheckOptions, report: &mut InvariantReport
             );
         }
     }
-    let mut stmt = conn.prepare(
+    let doubled = query_rows(
+        conn,
         "SELECT scope_kind, scope_id, count(*) FROM agent_inbox_events \
          WHERE event_type IN ('completion', 'group_completion') \
          GROUP BY scope_kind, scope_id HAVING count(*) > 1",
-    )?;
-    let doubled = stmt
-        .query_map([], |r| {
+        |r| {
             Ok((
                 r.get::<_, String>(0)?,
                 r.get::<_, String>(1)?,
                 r.get::<_, i64>(2)?,
             ))
-        })?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
+        },
+    )?;
     for (scope, id, n) in doubled {
         report.add(
             Invariant::Completions,
@@ -871,4 +865,17 @@ fn completions(conn: &Connection, _: &CheckOptions, report: &mut InvariantReport
         );
     }
     Ok(())
+}
+
+/// Every row of `sql` (which takes no parameters), mapped by `row`.
+fn query_rows<T>(
+    conn: &Connection,
+    sql: &str,
+    row: impl FnMut(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+) -> Result<Vec<T>> {
+    let mut stmt = conn.prepare(sql)?;
+    let rows = stmt
+        .query_map([], row)?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    Ok(rows)
 }
