@@ -74,8 +74,8 @@ impl Modify for BearerAuth {
 #[openapi(
     info(
         title = "keel",
-        description = "keel's HTTP API. Every route needs `Authorization: Bearer <token>` when \
-            the server has a token. Errors are application/problem+json. The WebSocket at \
+        description = "keel's HTTP API. Every route but the probes /api/health and /api/ready \
+            needs `Authorization: Bearer <token>` when the server has a token. Errors are application/problem+json. The WebSocket at \
             /api/ws speaks the ClientFrame and ServerFrame schemas (see docs/PROTOCOL.md)."
     ),
     paths(

@@ -26,11 +26,10 @@ use super::problem::{ApiError, ApiResult};
 use super::Shared;
 
 /// Every route, each answering only requests meant for this server (see
-/// `origin`); `/api` behind the bearer token when one is configured.
+/// `origin`); `/api` behind the bearer token when one is configured, but
+/// for the probes `/api/health` and `/api/ready`.
 pub(crate) fn router(shared: Arc<Shared>) -> Router {
     let api = Router::new()
-        .route("/health", get(system::health))
-        .route("/ready", get(system::ready))
         .route("/openapi.json", get(system::openapi))
         .route("/admin/reload", post(system::reload))
         .route("/dialogs", get(dialogs::list).post(dialogs::create))
@@ -68,7 +67,12 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .layer(axum::middleware::from_fn_with_state(
             shared.clone(),
             super::auth::require_token,
-        ));
+        ))
+        // Added after the token layer, so outside it: load balancers and
+        // orchestrators probe these without credentials, and they reveal
+        // nothing but liveness and readiness.
+        .route("/health", get(system::health))
+        .route("/ready", get(system::ready));
     Router::new()
         .route("/", get(super::web::index))
         .route("/assets/{build}/{*path}", get(super::web::asset))

@@ -13,8 +13,8 @@ use crate::serve::openapi::Errors;
 use crate::serve::problem::{ApiError, ApiResult};
 use crate::serve::Shared;
 
-/// The server is up.
-#[utoipa::path(get, path = "/api/health", tag = "system",
+/// The server is up (public, as probes need: no token).
+#[utoipa::path(get, path = "/api/health", tag = "system", security(()),
     responses((status = 200, description = "Up", body = Health), Errors))]
 pub(crate) async fn health() -> Json<Health> {
     Json(Health {
@@ -23,8 +23,8 @@ pub(crate) async fn health() -> Json<Health> {
     })
 }
 
-/// The server accepts turns (503 while it shuts down).
-#[utoipa::path(get, path = "/api/ready", tag = "system",
+/// The server accepts turns (503 while it shuts down; public, as probes need: no token).
+#[utoipa::path(get, path = "/api/ready", tag = "system", security(()),
     responses((status = 200, description = "Ready", body = Ready), Errors))]
 pub(crate) async fn ready(State(shared): State<Arc<Shared>>) -> ApiResult<Json<Ready>> {
     if shared.turns.is_draining() {

@@ -117,14 +117,24 @@ async fn a_dialog_lives_through_messages_checkpoints_rollback_and_fork() {
 }
 
 #[tokio::test]
-async fn with_a_token_every_route_needs_it_and_without_one_none_does() {
+async fn with_a_token_every_route_but_the_probes_needs_it_and_without_one_none_does() {
     let t = TestServer::start(Setup {
         token: Some("s3cret"),
         ..Setup::default()
     })
     .await;
+    // Load balancers and orchestrators probe without credentials.
+    for path in ["/api/health", "/api/ready"] {
+        let r = t
+            .http
+            .get(format!("{}{path}", t.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+    }
     for (header, path) in [
-        (None, "/api/health"),
+        (None, "/api/agent-runs"),
         (Some("Bearer wrong"), "/api/dialogs"),
         (Some("Basic czNjcmV0"), "/api/openapi.json"),
         (None, "/api/no-such-route"),
