@@ -108,6 +108,16 @@ pub const DEFAULT_TOKEN_ENV: &str = "KEEL_TOKEN";
 pub const DEFAULT_SHUTDOWN_GRACE_SECS: u64 = 30;
 /// Largest `server.shutdown_grace_secs` (1 h).
 pub const MAX_SHUTDOWN_GRACE_SECS: u64 = 3600;
+/// Default `server.header_timeout_secs`.
+pub const DEFAULT_HEADER_TIMEOUT_SECS: u64 = 10;
+/// Default `server.body_timeout_secs`.
+pub const DEFAULT_BODY_TIMEOUT_SECS: u64 = 60;
+/// Default `server.idle_timeout_secs`.
+pub const DEFAULT_IDLE_TIMEOUT_SECS: u64 = 60;
+/// Largest `server.header_timeout_secs`, `body_timeout_secs` and `idle_timeout_secs` (1 h).
+pub const MAX_CLIENT_TIMEOUT_SECS: u64 = 3600;
+/// Largest `server.max_connections`.
+pub const MAX_CONNECTIONS_CAP: usize = 1_000_000;
 
 /// The whole of `keel.toml`. Every key is optional; see [`reference()`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -382,6 +392,15 @@ pub struct ServerConfig {
     pub shutdown_grace_secs: u64,
     /// Origins whose pages may use the server besides its own.
     pub allowed_origins: Vec<crate::serve::AllowedOrigin>,
+    /// Connections open at once; unset: derived from the open-file limit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_connections: Option<usize>,
+    /// Seconds a client has to send a request head.
+    pub header_timeout_secs: u64,
+    /// Seconds a client has to send a request body, from its head.
+    pub body_timeout_secs: u64,
+    /// Seconds a connection may stay open with no request in flight.
+    pub idle_timeout_secs: u64,
 }
 
 impl Default for ServerConfig {
@@ -391,6 +410,10 @@ impl Default for ServerConfig {
             token_env: DEFAULT_TOKEN_ENV.to_owned(),
             shutdown_grace_secs: DEFAULT_SHUTDOWN_GRACE_SECS,
             allowed_origins: Vec::new(),
+            max_connections: None,
+            header_timeout_secs: DEFAULT_HEADER_TIMEOUT_SECS,
+            body_timeout_secs: DEFAULT_BODY_TIMEOUT_SECS,
+            idle_timeout_secs: DEFAULT_IDLE_TIMEOUT_SECS,
         }
     }
 }

@@ -107,6 +107,11 @@ bind = "127.0.0.1:7420"
 token_env = "KEEL_TOKEN"
 shutdown_grace_secs = 30
 allowed_origins = []
+# Unset by default: derived from the open-file limit (768 at 1024).
+max_connections = 768
+header_timeout_secs = 10
+body_timeout_secs = 60
+idle_timeout_secs = 60
 "#;
 
 /// Every key of `keel.toml`, in file order, with its default and meaning.
@@ -522,6 +527,43 @@ pub fn reference() -> Vec<KeyDoc> {
          only IP addresses and `localhost` are, and only pages the server itself served. \
          No CORS headers are sent."
             .to_owned(),
+    );
+    text(
+        &mut rows,
+        "server.max_connections",
+        "unset: derived from the open-file limit",
+        format!(
+            "Connections open at once, 1..={MAX_CONNECTIONS_CAP}. `keel serve` raises its soft \
+             open-file limit to the hard one at start-up; unset, the bound is that limit less an \
+             eighth and 128 files for the database, providers and tools (768 at a limit of 1024), \
+             at most 16384. When every connection is taken, the oldest with no request in flight \
+             is closed for the new one; when all are busy, the new one is closed at once."
+        ),
+    );
+    code(
+        &mut rows,
+        "server.header_timeout_secs",
+        format!(
+            "Seconds a client has to send a request head before its connection is closed, \
+             1..={MAX_CLIENT_TIMEOUT_SECS}; it also bounds how long an HTTP/1 keep-alive \
+             connection waits for its next request."
+        ),
+    );
+    code(
+        &mut rows,
+        "server.body_timeout_secs",
+        format!(
+            "Seconds a client has to send a request body, from the end of its head \
+             (answered 400 when late), 1..={MAX_CLIENT_TIMEOUT_SECS}."
+        ),
+    );
+    code(
+        &mut rows,
+        "server.idle_timeout_secs",
+        format!(
+            "Seconds a connection (HTTP/1 or HTTP/2) may stay open with no request in flight, \
+             1..={MAX_CLIENT_TIMEOUT_SECS}. A WebSocket or a streamed answer is in flight."
+        ),
     );
     let defaults = flatten_keys(&Config::default());
     rows.0

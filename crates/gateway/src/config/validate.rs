@@ -365,4 +365,14 @@ fn server(s: &ServerConfig, out: &mut Problems) {
         0,
         MAX_SHUTDOWN_GRACE_SECS,
     );
+    if let Some(max) = s.max_connections {
+        out.capacity("server.max_connections", max, MAX_CONNECTIONS_CAP);
+    }
+    for (key, secs) in [
+        ("server.header_timeout_secs", s.header_timeout_secs),
+        ("server.body_timeout_secs", s.body_timeout_secs),
+        ("server.idle_timeout_secs", s.idle_timeout_secs),
+    ] {
+        out.range(key, secs, 1, MAX_CLIENT_TIMEOUT_SECS);
+    }
 }

@@ -1,8 +1,10 @@
 //! Bearer-token authentication of `/api`: when a token is configured,
 //! every request must present it (`Authorization: Bearer <token>`; a
 //! browser's WebSocket, which cannot set headers, may pass
-//! `?access_token=<token>` to `/api/ws`). Tokens are compared in constant
-//! time through their SHA-256 digests, and never logged.
+//! `?access_token=<token>` to `/api/ws`, form-urlencoded as the web page's
+//! `URLSearchParams` writes it). The probes `/api/health` and `/api/ready`
+//! are outside this layer. Tokens are compared in constant time through
+//! their SHA-256 digests, and never logged.
 
 use std::sync::Arc;
 
@@ -48,7 +50,8 @@ impl Token {
 }
 
 /// The token a request presents: the `Authorization: Bearer` header, or
-/// for the WebSocket route the `access_token` query parameter.
+/// for the WebSocket route the `access_token` query parameter, decoded
+/// (`%2B` is `+`, `+` a space): tokens of `openssl rand -base64` hold `+/=`.
 fn presented(request: &Request) -> Option<String> {
     if let Some(value) = request.headers().get(header::AUTHORIZATION) {
         let value = value.to_str().ok()?;
@@ -66,10 +69,9 @@ fn presented(request: &Request) -> Option<String> {
         return None;
     }
     uri.query().and_then(|q| {
-        q.split('&')
-            .filter_map(|pair| pair.split_once('='))
-            .find(|(k, _)| *k == "access_token")
-            .map(|(_, v)| v.to_owned())
+        form_urlencoded::parse(q.as_bytes())
+            .find(|(k, _)| k == "access_token")
+            .map(|(_, v)| v.into_owned())
     })
 }
 

@@ -22,6 +22,7 @@
 
 pub mod api;
 mod auth;
+mod connections;
 pub mod frames;
 mod hub;
 pub mod interop;
@@ -40,7 +41,6 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -52,6 +52,7 @@ use crate::config::{ConfigError, LoadedConfig};
 use crate::{io_err, AppError};
 
 pub use auth::Token;
+pub use connections::ConnectionLimits;
 pub use openapi::openapi_json;
 pub use origin::AllowedOrigin;
 pub use turns::DrainReport;
@@ -105,6 +106,8 @@ pub struct ServeOptions {
     pub shutdown_grace: Duration,
     /// Size limits and buffers.
     pub limits: Limits,
+    /// Bounds on connections and on how long a request may take to arrive.
+    pub connections: ConnectionLimits,
 }
 
 impl ServeOptions {
@@ -141,6 +144,14 @@ impl ServeOptions {
             allowed_origins: server.allowed_origins.clone(),
             shutdown_grace: Duration::from_secs(server.shutdown_grace_secs),
             limits: Limits::default(),
+            connections: ConnectionLimits {
+                max_connections: server
+                    .max_connections
+                    .unwrap_or_else(|| fd_limit::connections_within(fd_limit::current())),
+                header_timeout: Duration::from_secs(server.header_timeout_secs),
+                body_timeout: Duration::from_secs(server.body_timeout_secs),
+                idle_timeout: Duration::from_secs(server.idle_timeout_secs),
+            },
         })
     }
 }
@@ -223,7 +234,7 @@ pub struct Server {
     shared: Arc<Shared>,
     grace: Duration,
     stop_accepting: CancellationToken,
-    task: JoinHandle<std::io::Result<()>>,
+    task: JoinHandle<()>,
 }
 
 impl Server {
@@ -261,16 +272,12 @@ impl Server {
             sockets: TaskTracker::new(),
         });
         let stop_accepting = CancellationToken::new();
-        // Streamed answers are many small writes: without TCP_NODELAY each
-        // one waits for the client's delayed ACK (40 ms on Linux).
-        let listener = listener.tap_io(|tcp| {
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::warn!(error = %e, "cannot set TCP_NODELAY on a connection");
-            }
-        });
-        let serve = axum::serve(listener, routes::router(shared.clone()))
-            .with_graceful_shutdown(stop_accepting.clone().cancelled_owned());
-        let task = tokio::spawn(async move { serve.await });
+        let task = tokio::spawn(connections::serve(
+            listener,
+            routes::router(shared.clone()),
+            options.connections,
+            stop_accepting.clone(),
+        ));
         // Serving now: results an earlier process left are delivered.
         shared.app.deliver_recovered();
         Ok(Server {
@@ -307,10 +314,8 @@ impl Server {
         self.shared.closing.cancel();
         self.shared.sockets.close();
         self.shared.sockets.wait().await;
-        match self.task.await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::warn!(error = %e, "the server ended with an error"),
-            Err(e) => tracing::warn!(error = %e, "the server task failed"),
+        if let Err(e) = self.task.await {
+            tracing::warn!(error = %e, "the server task failed");
         }
         self.shared.app.manager.shutdown();
         if let Some(coordinator) = &self.shared.app.coordinator {
@@ -322,6 +327,8 @@ impl Server {
 
 /// `keel serve`: serves until SIGTERM or Ctrl-C; SIGHUP reloads the agent catalog.
 pub async fn run(data: DataArgs, bind: Option<SocketAddr>) -> Result<ExitCode, AppError> {
+    // Before the options: the default connection bound derives from it.
+    fd_limit::raise();
     let app = App::open(
         "keel serve",
         data.config.as_deref(),
@@ -358,6 +365,72 @@ pub async fn run(data: DataArgs, bind: Option<SocketAddr>) -> Result<ExitCode, A
         report.finished, report.cancelled
     );
     Ok(ExitCode::SUCCESS)
+}
+
+mod fd_limit {
+    //! The open-file limit, which bounds the connections `keel serve` can hold.
+
+    /// Files kept for everything but connections: the database and its WAL,
+    /// provider and MCP connections, tool processes, log files.
+    const RESERVED: u64 = 128;
+    /// Most connections derived from the limit, however high it is.
+    const MAX_DERIVED: u64 = 16_384;
+
+    /// The connection bound that leaves room below an open-file limit of
+    /// `limit` (an eighth of it and [`RESERVED`] files), at least 16.
+    pub(super) fn connections_within(limit: u64) -> usize {
+        let bound = limit
+            .saturating_sub(RESERVED + limit / 8)
+            .clamp(16, MAX_DERIVED);
+        usize::try_from(bound).unwrap_or(16)
+    }
+
+    /// The soft open-file limit (1024, the common default, where it cannot be read).
+    #[cfg(unix)]
+    pub(super) fn current() -> u64 {
+        rustix::process::getrlimit(rustix::process::Resource::Nofile)
+            .current
+            .unwrap_or(u64::MAX)
+    }
+
+    /// The soft open-file limit (1024, the common default, where it cannot be read).
+    #[cfg(not(unix))]
+    pub(super) fn current() -> u64 {
+        1024
+    }
+
+    /// Raises the soft open-file limit to the hard one, as servers do: the
+    /// soft default (often 1024) is far below what the system allows.
+    #[cfg(unix)]
+    pub(super) fn raise() {
+        use rustix::process::{getrlimit, setrlimit, Resource};
+        let mut limit = getrlimit(Resource::Nofile);
+        if limit.current == limit.maximum {
+            return;
+        }
+        let from = limit.current;
+        limit.current = limit.maximum;
+        // macOS refuses an unlimited soft limit: the bound then derives from the old one.
+        if let Err(e) = setrlimit(Resource::Nofile, limit) {
+            tracing::warn!(error = %e, from = ?from, "cannot raise the open-file limit");
+        }
+    }
+
+    /// Nothing to raise outside unix.
+    #[cfg(not(unix))]
+    pub(super) fn raise() {}
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn the_derived_bound_leaves_room_below_the_limit() {
+            assert_eq!(super::connections_within(1024), 768);
+            assert_eq!(super::connections_within(256), 96);
+            assert_eq!(super::connections_within(100), 16);
+            assert_eq!(super::connections_within(1 << 20), 16_384);
+            assert_eq!(super::connections_within(u64::MAX), 16_384);
+        }
+    }
 }
 
 mod signals {

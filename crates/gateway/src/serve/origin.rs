@@ -4,9 +4,11 @@
 //! rebinding (the site's name re-pointed at 127.0.0.1) carries its name in
 //! `Host`. So:
 //!
-//! - `Host` must be an IP address, `localhost`, or the host of a
+//! - `Host` (or HTTP/2's `:authority`) must be an IP address, `localhost`, or the host of a
 //!   `server.allowed_origins` entry. An IP address cannot be rebound: the
 //!   browser reached it directly, so the page's origin is this server's.
+//!   Two `Host` headers, or one that disagrees with an absolute-form
+//!   target, are a bad request (RFC 9112 §3.2).
 //! - A request that carries `Origin` must come from the server's own
 //!   origin (the scheme and the `Host` it was sent to) or an allowed one;
 //!   `Origin: null` (sandboxed frames, `file:` pages) is refused. Clients
@@ -85,13 +87,47 @@ fn host_allowed(host: &str, allowed: &[AllowedOrigin]) -> bool {
     bare.parse::<IpAddr>().is_ok() || host == "localhost" || allowed.iter().any(|o| o.host == host)
 }
 
-/// Why a request with these headers is not meant for this server, if it is not.
-pub(crate) fn refusal(headers: &HeaderMap, allowed: &[AllowedOrigin]) -> Option<ApiError> {
-    let host = match headers.get(header::HOST).map(|v| v.to_str()) {
-        Some(Ok(value)) => value.trim().to_ascii_lowercase(),
-        _ => {
+/// Why `request` is not meant for this server, if it is not.
+pub(crate) fn refusal(request: &Request, allowed: &[AllowedOrigin]) -> Option<ApiError> {
+    // Inside a nested router the URI has lost its prefix, not its authority;
+    // the original is read all the same, as the client sent it.
+    let uri = request
+        .extensions()
+        .get::<axum::extract::OriginalUri>()
+        .map_or(request.uri(), |o| &o.0);
+    check(uri.authority(), request.headers(), allowed)
+}
+
+/// [`refusal`] of a request whose target names `target` (HTTP/2's
+/// `:authority`, or an absolute-form target) and carries `headers`.
+fn check(
+    target: Option<&Authority>,
+    headers: &HeaderMap,
+    allowed: &[AllowedOrigin],
+) -> Option<ApiError> {
+    let mut hosts = headers.get_all(header::HOST).iter().map(|v| v.to_str());
+    let (first, second) = (hosts.next(), hosts.next());
+    // RFC 9112 §3.2: more than one Host, or a Host that disagrees with the
+    // target, is a bad request; serving either would let a proxy and this
+    // server disagree about which site a request is for.
+    if second.is_some() {
+        return Some(ApiError::BadRequest(
+            "the request has more than one Host header".to_owned(),
+        ));
+    }
+    let host = match (first, target) {
+        (Some(Ok(value)), Some(target)) if !value.trim().eq_ignore_ascii_case(target.as_str()) => {
+            return Some(ApiError::BadRequest(format!(
+                "the request target names {:?} but its Host header {value:?}",
+                target.as_str()
+            )))
+        }
+        (Some(Ok(value)), _) => value.trim().to_ascii_lowercase(),
+        (None, Some(target)) => target.as_str().to_ascii_lowercase(),
+        (Some(Err(_)), _) | (None, None) => {
             return Some(ApiError::Forbidden(
-                "the request has no readable Host header".to_owned(),
+                "the request has no readable Host header (nor an authority in its target)"
+                    .to_owned(),
             ))
         }
     };
@@ -126,7 +162,7 @@ pub async fn require_own_origin(
     request: Request,
     next: Next,
 ) -> Response {
-    match refusal(request.headers(), &shared.allowed_origins) {
+    match refusal(&request, &shared.allowed_origins) {
         None => next.run(request).await,
         Some(refused) => {
             tracing::info!(reason = %refused, "request refused");
@@ -156,7 +192,7 @@ mod tests {
             .iter()
             .map(|a| AllowedOrigin::parse(a).unwrap())
             .collect();
-        match refusal(&headers(host, origin), &allowed) {
+        match check(None, &headers(host, origin), &allowed) {
             None => "accepted".to_owned(),
             Some(e) => e.to_string(),
         }

@@ -40,15 +40,35 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 mod close {
     /// The server is shutting down.
     pub(super) const GOING_AWAY: u16 = 1001;
+    /// A violation of RFC 6455: an unmasked client frame, an oversized or
+    /// fragmented control frame, a reserved bit or opcode.
+    pub(super) const PROTOCOL: u16 = 1002;
     /// A binary frame: not part of the protocol.
     pub(super) const UNSUPPORTED: u16 = 1003;
+    /// A text frame that is not UTF-8.
+    pub(super) const INVALID_PAYLOAD: u16 = 1007;
     /// A frame over the size limit.
     pub(super) const TOO_BIG: u16 = 1009;
+}
+
+/// The close code RFC 6455 gives the read error `e`, if the connection can
+/// still carry a close frame (not after an I/O error).
+fn close_code(e: axum::Error) -> Option<(u16, String)> {
+    use tungstenite::Error as E;
+    let e = e.into_inner().downcast::<E>().ok()?;
+    let code = match *e {
+        E::Utf8(_) => close::INVALID_PAYLOAD,
+        E::Capacity(_) => close::TOO_BIG,
+        E::Protocol(_) | E::AttackAttempt => close::PROTOCOL,
+        _ => return None,
+    };
+    Some((code, e.to_string()))
 }
 
 /// `GET /api/ws`: upgrades to the WebSocket protocol.
 pub(crate) async fn upgrade(
     State(shared): State<Arc<Shared>>,
+    busy: Option<axum::Extension<super::connections::Busy>>,
     ws: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Response {
     let ws = match ws {
@@ -67,7 +87,11 @@ pub(crate) async fn upgrade(
         .on_upgrade(move |socket| {
             let tracker = shared.sockets.clone();
             let (connection, queue) = Connection::new(shared);
-            tracker.track_future(connection.serve(socket, queue))
+            tracker.track_future(async move {
+                // The socket keeps its connection's slot until it closes.
+                let _busy = busy;
+                connection.serve(socket, queue).await;
+            })
         })
 }
 
@@ -92,6 +116,15 @@ fn text(frame: &ServerFrame) -> Message {
     Message::Text(Utf8Bytes::from(
         serde_json::to_string(frame).unwrap_or_default(),
     ))
+}
+
+/// `text` cut to what a close frame carries (123 bytes), at a character boundary.
+fn close_reason(text: &str) -> String {
+    let mut end = text.len().min(123);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text[..end].to_owned()
 }
 
 fn close_message(code: u16, reason: &str) -> Message {
@@ -149,9 +182,10 @@ impl Connection {
                     Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
                     Some(Ok(Message::Close(_))) | None => break None,
                     Some(Err(e)) => {
-                        let reason = format!("frame refused: {e}");
-                        let reason: String = reason.chars().take(120).collect();
-                        break Some(close_message(close::TOO_BIG, &reason));
+                        tracing::debug!(error = %e, "WebSocket read failed");
+                        break close_code(e).map(|(code, why)| {
+                            close_message(code, &close_reason(&format!("frame refused: {why}")))
+                        });
                     }
                 },
             }

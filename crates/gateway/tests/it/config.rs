@@ -117,16 +117,16 @@ fn a_full_example_file_parses() {
     assert_eq!(c.providers.len(), 2);
     assert_eq!(c.providers["main"].kind, ProviderKind::OpenAi);
     assert_eq!(c.providers["offline"].kind, ProviderKind::Scripted);
-    // Every section of the example shows the defaults.
+    // Every section of the example shows the defaults, but for the
+    // connection bound, derived from the open-file limit when unset.
     let d = Config::default();
+    assert_eq!(c.server.max_connections, Some(768));
+    let server = keel_gateway::config::ServerConfig {
+        max_connections: None,
+        ..c.server.clone()
+    };
     assert_eq!(
-        (
-            &c.session,
-            &c.storage,
-            &c.tools,
-            &c.orchestration,
-            &c.server
-        ),
+        (&c.session, &c.storage, &c.tools, &c.orchestration, &server),
         (
             &d.session,
             &d.storage,

@@ -901,8 +901,7 @@ async fn follow(
 }
 
 async fn require_key(State(shared): State<Arc<Shared>>, request: Request, next: Next) -> Response {
-    if let Some(refused) = crate::serve::origin::refusal(request.headers(), &shared.allowed_origins)
-    {
+    if let Some(refused) = crate::serve::origin::refusal(&request, &shared.allowed_origins) {
         tracing::info!(reason = %refused, "request refused");
         return AgUiError::from(refused).into_response();
     }

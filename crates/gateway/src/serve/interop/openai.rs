@@ -887,8 +887,7 @@ async fn completions(
 }
 
 async fn require_key(State(shared): State<Arc<Shared>>, request: Request, next: Next) -> Response {
-    if let Some(refused) = crate::serve::origin::refusal(request.headers(), &shared.allowed_origins)
-    {
+    if let Some(refused) = crate::serve::origin::refusal(&request, &shared.allowed_origins) {
         tracing::info!(reason = %refused, "request refused");
         return OpenAiError::from(refused).into_response();
     }

@@ -2,6 +2,7 @@
 //! driven by real clients (reqwest, tokio-tungstenite).
 
 mod doc;
+mod hostile;
 mod origin;
 mod rest;
 mod shutdown;
