@@ -18,6 +18,8 @@ mod failpoints;
 mod foreign;
 #[cfg(unix)]
 mod serve;
+#[cfg(target_os = "linux")]
+mod slowloris;
 
 /// A command running the `keel` binary.
 ///

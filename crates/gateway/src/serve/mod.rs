@@ -2,6 +2,8 @@
 //! chat`. docs/PROTOCOL.md is the client's guide; `/api/openapi.json` the
 //! generated contract.
 //!
+//! - `connections` accepts and serves connections (HTTP/1.1 and h2c) under
+//!   a connection bound and header, body and idle timeouts;
 //! - `api` and `frames` are the wire types (REST bodies; WebSocket and SSE
 //!   frames), converted from engine and store types by hand;
 //! - `routes` maps requests to the engine; `problem` turns every failure

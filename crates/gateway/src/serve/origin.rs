@@ -4,11 +4,12 @@
 //! rebinding (the site's name re-pointed at 127.0.0.1) carries its name in
 //! `Host`. So:
 //!
-//! - `Host` (or HTTP/2's `:authority`) must be an IP address, `localhost`, or the host of a
-//!   `server.allowed_origins` entry. An IP address cannot be rebound: the
-//!   browser reached it directly, so the page's origin is this server's.
-//!   Two `Host` headers, or one that disagrees with an absolute-form
-//!   target, are a bad request (RFC 9112 §3.2).
+//! - `Host` (or HTTP/2's `:authority`) must be an IP address, `localhost`,
+//!   or the host of a `server.allowed_origins` entry. An IP address cannot
+//!   be rebound: the browser reached it directly, so the page's origin is
+//!   this server's. Two `Host` headers, or one that disagrees with an
+//!   absolute-form target, are a bad request: a proxy and this server must
+//!   not disagree about which site a request is for.
 //! - A request that carries `Origin` must come from the server's own
 //!   origin (the scheme and the `Host` it was sent to) or an allowed one;
 //!   `Origin: null` (sandboxed frames, `file:` pages) is refused. Clients
@@ -107,9 +108,9 @@ fn check(
 ) -> Option<ApiError> {
     let mut hosts = headers.get_all(header::HOST).iter().map(|v| v.to_str());
     let (first, second) = (hosts.next(), hosts.next());
-    // RFC 9112 §3.2: more than one Host, or a Host that disagrees with the
-    // target, is a bad request; serving either would let a proxy and this
-    // server disagree about which site a request is for.
+    // More than one Host, or a Host that disagrees with the target, is a
+    // bad request: serving either would let a proxy and this server
+    // disagree about which site a request is for.
     if second.is_some() {
         return Some(ApiError::BadRequest(
             "the request has more than one Host header".to_owned(),
