@@ -129,8 +129,9 @@ impl Invariant {
                  holds; the history itself is intact"
             }
             Invariant::Runs => {
-                "a sub-agent run was left unfinished by a process that stopped, \
-                 or ended without the completion its caller waits for"
+                "a sub-agent run was left unfinished by a process that stopped, is in a \
+                 state this keel does not know, or ended without the completion its caller \
+                 waits for"
             }
             Invariant::Completions => "a sub-agent's completion could be lost or delivered twice",
         }

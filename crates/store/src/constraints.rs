@@ -183,7 +183,10 @@ fn check_expressions(sql: &str) -> Vec<String> {
                     depth -= 1;
                     if depth == 0 {
                         // The original text, literals and all.
-                        found.push(slice_like(sql, &blank, open + 1, i).trim().to_owned());
+                        let text = slice_like(sql, &blank, open + 1, i);
+                        // One line, however the schema wraps it.
+                        let lines: Vec<&str> = text.lines().map(str::trim).collect();
+                        found.push(lines.join(" ").trim().to_owned());
                         from = i + 1;
                         break;
                     }

@@ -102,10 +102,9 @@ pub(crate) fn open_writer(path: &Path, opts: &StoreOptions) -> Result<Connection
     let mut conn = Connection::open(path)?;
     // SQLite opens a file it may not write read-only, without a word.
     if conn.is_readonly(rusqlite::MAIN_DB)? {
-        return Err(StoreError::ReadOnly(format!(
-            "keel cannot write {} here (a read-only file, directory or mount)",
-            path.display()
-        )));
+        return Err(StoreError::ReadOnly(
+            "SQLite can open it only for reading (a read-only file, directory or mount)".into(),
+        ));
     }
     // Read the version before any pragma that writes (journal_mode writes the header).
     let found = migrations::user_version(&conn)?;
@@ -817,9 +816,16 @@ impl Drop for Db {
 #[cfg(unix)]
 fn restrict_to_owner(path: &Path) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
-    let io = |what: &Path, e: std::io::Error| StoreError::Io {
-        attempts: 1,
-        message: format!("cannot restrict {} to its owner: {e}", what.display()),
+    let io = |what: &Path, e: std::io::Error| {
+        let message = format!("cannot restrict {} to its owner: {e}", what.display());
+        if e.kind() == std::io::ErrorKind::ReadOnlyFilesystem {
+            StoreError::ReadOnly(message)
+        } else {
+            StoreError::Io {
+                attempts: 1,
+                message,
+            }
+        }
     };
     for suffix in ["", "-wal", "-shm"] {
         let file = crate::identify::sibling(path, suffix);
