@@ -453,6 +453,61 @@ impl LoadedConfig {
 static OFFLINE_PROFILE: LazyLock<ProviderProfile> =
     LazyLock::new(|| ProviderProfile::new(ProviderKind::Scripted, ""));
 
+/// `path` when it names a regular file (through any symbolic links),
+/// `None` when nothing is there, else [`ConfigError::NotAFile`].
+fn config_file(path: &Path) -> Result<Option<PathBuf>, ConfigError> {
+    let not_a_file = |what: String| ConfigError::NotAFile {
+        path: path.to_path_buf(),
+        what,
+    };
+    let link = match std::fs::symlink_metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(ConfigError::Io {
+                path: path.to_path_buf(),
+                source,
+            })
+        }
+    };
+    let meta = match std::fs::metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if link.file_type().is_symlink() && e.kind() == std::io::ErrorKind::NotFound => {
+            let target = std::fs::read_link(path)
+                .map_or_else(|_| "?".to_owned(), |t| t.display().to_string());
+            return Err(not_a_file(format!(
+                "a symbolic link to {target}, which does not exist"
+            )));
+        }
+        Err(source) => {
+            return Err(ConfigError::Io {
+                path: path.to_path_buf(),
+                source,
+            })
+        }
+    };
+    let kind = meta.file_type();
+    if kind.is_file() {
+        return Ok(Some(path.to_path_buf()));
+    }
+    #[cfg(unix)]
+    use std::os::unix::fs::FileTypeExt;
+    #[cfg(unix)]
+    let fifo = kind.is_fifo();
+    #[cfg(not(unix))]
+    let fifo = false;
+    Err(not_a_file(
+        if kind.is_dir() {
+            "a directory"
+        } else if fifo {
+            "a FIFO (named pipe)"
+        } else {
+            "a special file"
+        }
+        .to_owned(),
+    ))
+}
+
 fn real_env(var: &str) -> Option<String> {
     std::env::var(var).ok()
 }
@@ -460,7 +515,9 @@ fn real_env(var: &str) -> Option<String> {
 impl Config {
     /// Loads `explicit` (`--config FILE`, which must exist), else
     /// `<data-dir>/keel.toml` if it exists, else the defaults; then validates
-    /// against the process environment.
+    /// against the process environment. Something at either path that is
+    /// not a readable file (a directory, a FIFO, a dangling symbolic link)
+    /// is an error naming it, never taken for "no file".
     pub fn load(
         explicit: Option<&Path>,
         data_dir_override: Option<&Path>,
@@ -489,13 +546,15 @@ impl Config {
             .or_else(|| env_data_dir.clone())
             .unwrap_or_else(|| PathBuf::from(DEFAULT_DATA_DIR));
         let source = match explicit {
-            Some(path) if path.is_file() => Some(path.to_path_buf()),
-            Some(path) => {
-                return Err(ConfigError::NotFound {
-                    path: path.to_path_buf(),
-                })
-            }
-            None => Some(lookup_dir.join(CONFIG_FILE_NAME)).filter(|p| p.is_file()),
+            Some(path) => match config_file(path)? {
+                Some(path) => Some(path),
+                None => {
+                    return Err(ConfigError::NotFound {
+                        path: path.to_path_buf(),
+                    })
+                }
+            },
+            None => config_file(&lookup_dir.join(CONFIG_FILE_NAME))?,
         };
         let Some(path) = source else {
             let config = Config {

@@ -5,7 +5,8 @@
 //!
 //! It never writes without `--repair`, and repairs only while it holds the
 //! data directory's runtime lock; a running keel's database is checked as a
-//! read-only snapshot, its live runs counted as live.
+//! read-only snapshot, its live runs counted as live, and so is a database
+//! where nothing may be written (a read-only mount or file).
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -29,25 +30,40 @@ pub async fn run(
 ) -> Result<ExitCode> {
     let loaded = Config::load(config_file, data_dir)?;
     let db = database_path(&loaded.config.data_dir());
-    if !db.is_file() {
+    if !db.exists() {
         return Err(AppError::InvalidInput(format!(
             "no keel database at {}",
             db.display()
         )));
     }
-    let lock = match RuntimeLock::acquire(&db, &describe_process("keel doctor")) {
-        Ok(lock) => Some(lock),
+    let (lock, owner_alive) = match RuntimeLock::acquire(&db, &describe_process("keel doctor")) {
+        Ok(lock) => (Some(lock), false),
         Err(StoreError::InUse { holder, .. }) if !repair => {
             println!(
                 "{} is in use by {holder}: checking a read-only snapshot",
                 db.display()
             );
-            None
+            (None, true)
+        }
+        // Nothing can run on a database where nothing may be written.
+        Err(StoreError::ReadOnly(why)) if !repair => {
+            println!(
+                "{} is read-only here ({why}): checking it read-only",
+                db.display()
+            );
+            (None, false)
+        }
+        Err(StoreError::ReadOnly(why)) => {
+            return Err(AppError::InvalidInput(format!(
+                "--repair must write {}, which is read-only here: {why}; \
+                 run keel doctor without --repair to check it",
+                db.display()
+            )))
         }
         Err(e) => return Err(e.into()),
     };
     let options = CheckOptions {
-        owner_alive: lock.is_none(),
+        owner_alive,
         state_decoder: Some(Arc::new(keel_engine::SessionState::check_blob)),
     };
     let report = check(&db, &options).await?;
@@ -58,7 +74,13 @@ pub async fn run(
     println!(
         "repairing: migrating and recovering as a start would, then recounting message counts"
     );
-    let store = Store::open(&db, Default::default()).map_err(database_err(&db))?;
+    let store = Store::open(&db, Default::default()).map_err(|e| match e {
+        StoreError::ReadOnly(why) => AppError::InvalidInput(format!(
+            "--repair must write {}, which is read-only here: {why}",
+            db.display()
+        )),
+        e => database_err(&db)(e),
+    })?;
     let activation = store
         .activate_runtime(
             describe_process("keel doctor --repair"),

@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::sync::Arc;
 
-use keel_core::{Message, Role};
+use keel_core::{Message, Role, RunStatus};
 use rusqlite::{Connection, OptionalExtension};
 
 use crate::counters::recount_tx;
@@ -129,8 +129,9 @@ impl Invariant {
                  holds; the history itself is intact"
             }
             Invariant::Runs => {
-                "a sub-agent run was left unfinished by a process that stopped, \
-                 or ended without the completion its caller waits for"
+                "a sub-agent run was left unfinished by a process that stopped, is in a \
+                 state this keel does not know, or ended without the completion its caller \
+                 waits for"
             }
             Invariant::Completions => "a sub-agent's completion could be lost or delivered twice",
         }
@@ -216,15 +217,7 @@ impl Store {
     /// Checks every invariant in one read snapshot (see [`check_database`]),
     /// on a reader thread.
     pub async fn check_invariants(&self, options: CheckOptions) -> Result<InvariantReport> {
-        let path = self.path().to_path_buf();
-        // Its own connection: the pool's read-only ones skip CHECK constraints.
-        self.db
-            .read(move |_| {
-                let conn = crate::identify::inspector(&path)?;
-                let tx = conn.unchecked_transaction()?;
-                check_tx(&tx, &options)
-            })
-            .await
+        self.db.read(move |conn| check_tx(conn, &options)).await
     }
 }
 
@@ -302,8 +295,24 @@ fn integrity(conn: &Connection, report: &mut InvariantReport) -> Result<()> {
     let lines = query_rows(conn, "PRAGMA integrity_check(100)", |r| {
         r.get::<_, String>(0)
     })?;
-    for line in lines.into_iter().filter(|l| l != "ok") {
+    // A read-only connection checks no CHECK constraint; a writable one
+    // names only the table. Each breaking row is named instead.
+    for line in lines
+        .into_iter()
+        .filter(|l| l != "ok" && !l.starts_with("CHECK constraint failed"))
+    {
         report.add(Invariant::Integrity, line);
+    }
+    let tables = query_rows(
+        conn,
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' \
+         ORDER BY name",
+        |r| r.get::<_, String>(0),
+    )?;
+    for table in tables {
+        for violation in crate::constraints::violations(conn, &table)? {
+            report.add(Invariant::Integrity, violation.to_string());
+        }
     }
     let broken = query_rows(conn, "PRAGMA foreign_key_check", |r| {
         Ok((
@@ -744,6 +753,28 @@ fn runs(conn: &Connection, options: &CheckOptions, report: &mut InvariantReport)
             ))
         },
     )?;
+    let known: Vec<String> = RunStatus::ALL
+        .iter()
+        .map(|s| format!("'{}'", s.as_str()))
+        .collect();
+    let unknown = query_rows(
+        conn,
+        &format!(
+            "SELECT id, status FROM agent_runs WHERE status NOT IN ({}) ORDER BY id",
+            known.join(", ")
+        ),
+        |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)),
+    )?;
+    for (run, status) in unknown {
+        report.push(
+            Invariant::Runs,
+            false,
+            format!(
+                "run {run} has status '{status}', which this keel does not know: \
+                 no process will finish, recover or list it"
+            ),
+        );
+    }
     for (run, status, run_generation) in open {
         let live = run_generation == generation && options.owner_alive;
         if live {

@@ -100,6 +100,12 @@ const STATEMENT_CACHE_CAPACITY: usize = 256;
 /// anything, then switches to WAL and migrates.
 pub(crate) fn open_writer(path: &Path, opts: &StoreOptions) -> Result<Connection> {
     let mut conn = Connection::open(path)?;
+    // SQLite opens a file it may not write read-only, without a word.
+    if conn.is_readonly(rusqlite::MAIN_DB)? {
+        return Err(StoreError::ReadOnly(
+            "SQLite can open it only for reading (a read-only file, directory or mount)".into(),
+        ));
+    }
     // Read the version before any pragma that writes (journal_mode writes the header).
     let found = migrations::user_version(&conn)?;
     if found > migrations::SCHEMA_VERSION {
@@ -615,8 +621,12 @@ pub(crate) struct Db {
 }
 
 impl Db {
-    /// Opens (creating and migrating if needed) the database at `path`.
+    /// Opens (creating and migrating if needed) the database at `path`,
+    /// following symbolic links: the database, its WAL and shared-memory
+    /// files are created beside the file the links lead to, private to
+    /// the owner.
     pub(crate) fn open(path: &Path, opts: StoreOptions) -> Result<Self> {
+        let path = &crate::identify::resolve(path)?;
         // Nothing is written to a file that is not keel's (not even its mode).
         if crate::identify::identify(path, true)? == crate::identify::Found::Missing {
             crate::identify::create(path)?;
@@ -806,14 +816,19 @@ impl Drop for Db {
 #[cfg(unix)]
 fn restrict_to_owner(path: &Path) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
-    let io = |what: &Path, e: std::io::Error| StoreError::Io {
-        attempts: 1,
-        message: format!("cannot restrict {} to its owner: {e}", what.display()),
+    let io = |what: &Path, e: std::io::Error| {
+        let message = format!("cannot restrict {} to its owner: {e}", what.display());
+        if e.kind() == std::io::ErrorKind::ReadOnlyFilesystem {
+            StoreError::ReadOnly(message)
+        } else {
+            StoreError::Io {
+                attempts: 1,
+                message,
+            }
+        }
     };
     for suffix in ["", "-wal", "-shm"] {
-        let mut file = path.as_os_str().to_owned();
-        file.push(suffix);
-        let file = PathBuf::from(file);
+        let file = crate::identify::sibling(path, suffix);
         let Ok(meta) = std::fs::metadata(&file) else {
             continue;
         };

@@ -74,6 +74,11 @@ pub enum StoreError {
     /// application's); it was left untouched. Not retryable.
     #[error("not a keel database: {0}")]
     NotKeel(String),
+    /// The database, or the files keel keeps beside it, cannot be written
+    /// (or, for a WAL with commits, read) where they are: a read-only mount,
+    /// a file or directory the user may not write. Not retryable.
+    #[error("read-only: {0}")]
+    ReadOnly(String),
     /// Migration to `version` failed and was rolled back; the database keeps its previous version. Not retryable.
     #[error("migration to schema version {version} failed (rolled back): {message}")]
     Migration {

@@ -52,26 +52,96 @@ fn not_keel(why: impl Into<String>) -> StoreError {
     StoreError::NotKeel(why.into())
 }
 
+/// The file a database path names, with every symbolic link followed —
+/// also to a file not created yet — and its directory made absolute, so
+/// that two paths to one database give one answer (one lock, one place for
+/// the WAL SQLite keeps beside the real file).
+pub(crate) fn resolve(path: &Path) -> Result<PathBuf> {
+    let io = |what: &Path, e: std::io::Error| StoreError::Io {
+        attempts: 1,
+        message: format!("cannot resolve {}: {e}", what.display()),
+    };
+    let mut current = path.to_path_buf();
+    // The kernel's own limit on links followed in one lookup.
+    for _ in 0..40 {
+        match std::fs::symlink_metadata(&current) {
+            Ok(meta) if meta.file_type().is_symlink() => {
+                let target = std::fs::read_link(&current).map_err(|e| io(&current, e))?;
+                current = match current.parent() {
+                    Some(dir) => dir.join(target),
+                    None => target,
+                };
+            }
+            Ok(_) => return absolute_dir(&current).map_err(|e| io(&current, e)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return absolute_dir(&current).map_err(|e| io(&current, e))
+            }
+            Err(e) => return Err(io(&current, e)),
+        }
+    }
+    Err(io(
+        path,
+        std::io::Error::other("too many levels of symbolic links"),
+    ))
+}
+
+/// `path` with its directory canonicalized (the file itself may not exist).
+fn absolute_dir(path: &Path) -> std::io::Result<PathBuf> {
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path.file_name().ok_or_else(|| {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, "the path names no file")
+    })?;
+    Ok(std::fs::canonicalize(dir)?.join(name))
+}
+
+/// What kind of file `meta` is, when it is not a regular file.
+fn odd_kind(meta: &std::fs::Metadata) -> Option<&'static str> {
+    #[cfg(unix)]
+    use std::os::unix::fs::FileTypeExt;
+    let kind = meta.file_type();
+    if kind.is_file() {
+        return None;
+    }
+    if kind.is_dir() {
+        return Some("a directory");
+    }
+    #[cfg(unix)]
+    {
+        if kind.is_fifo() {
+            return Some("a FIFO (named pipe)");
+        }
+        if kind.is_socket() {
+            return Some("a socket");
+        }
+        if kind.is_block_device() || kind.is_char_device() {
+            return Some("a device");
+        }
+    }
+    Some("a special file")
+}
+
 /// Looks at `path` without writing to it; with `check_rows`, also checks
 /// the state tables' rows (see [`STATE_TABLES`]).
 pub(crate) fn identify(path: &Path, check_rows: bool) -> Result<Found> {
-    let mut file = match std::fs::File::open(path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Found::Missing),
-        Err(e) => {
-            return Err(StoreError::Io {
-                attempts: 1,
-                message: format!("cannot read {}: {e}", path.display()),
-            })
-        }
-    };
-    let meta = file.metadata().map_err(|e| StoreError::Io {
+    let io = |what: &str, e: std::io::Error| StoreError::Io {
         attempts: 1,
-        message: format!("cannot stat {}: {e}", path.display()),
-    })?;
-    if !meta.is_file() {
-        return Err(not_keel("it is not a regular file"));
+        message: format!("cannot {what} {}: {e}", path.display()),
+    };
+    // Looked at before it is opened: opening a FIFO for reading waits for a writer forever.
+    let meta = match std::fs::metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Found::Missing),
+        Err(e) => return Err(io("stat", e)),
+    };
+    if let Some(kind) = odd_kind(&meta) {
+        return Err(not_keel(format!(
+            "it is {kind}, not a regular file; move it away to start a new database"
+        )));
     }
+    let mut file = std::fs::File::open(path).map_err(|e| io("read", e))?;
     if meta.len() == 0 {
         return Err(not_keel(
             "the file is empty (0 bytes), which keel never leaves behind: \
@@ -86,11 +156,7 @@ pub(crate) fn identify(path: &Path, check_rows: bool) -> Result<Found> {
              it may be damaged or another program's file",
         ));
     }
-    let conn = Connection::open_with_flags(
-        path,
-        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-    )?;
-    conn.busy_timeout(Duration::from_secs(5))?;
+    let conn = inspector(path)?;
     let application_id: i32 = conn.query_row("PRAGMA application_id", [], |r| r.get(0))?;
     let version = migrations::user_version(&conn)?;
     let tables: Vec<String> = conn
@@ -138,33 +204,83 @@ pub(crate) fn identify(path: &Path, check_rows: bool) -> Result<Found> {
     Ok(Found::Keel { version })
 }
 
-/// A connection to a keel database that reads everything and writes
-/// nothing, not even a checkpoint when it closes. Not read-only as SQLite
-/// means it: a read-only connection skips CHECK constraints in its
-/// integrity checks.
+/// A read-only connection to a database that works where nothing may be
+/// written (a read-only mount, a directory or file the user cannot write)
+/// and never writes, not even a checkpoint when it closes.
+///
+/// In WAL mode SQLite reads through the `-shm` file beside the database and
+/// creates it when missing; where it cannot, the open fails. Then, if no
+/// WAL file holds commits (keel's last connection checkpoints and removes
+/// it), everything is in the main file and it is read as `immutable`, which
+/// needs no `-shm`; a WAL with commits cannot be read without one, which is
+/// [`StoreError::ReadOnly`].
 pub(crate) fn inspector(path: &Path) -> Result<Connection> {
-    let conn = Connection::open_with_flags(
-        path,
-        OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-    )?;
-    conn.set_db_config(
-        rusqlite::config::DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE,
-        true,
-    )?;
-    conn.pragma_update(None, "query_only", "ON")?;
+    let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let conn = Connection::open_with_flags(path, flags)?;
     conn.busy_timeout(Duration::from_secs(5))?;
+    // The first read opens the WAL and its index, if any.
+    match conn.query_row("SELECT count(*) FROM sqlite_master", [], |_| Ok(())) {
+        Ok(()) => return Ok(conn),
+        Err(rusqlite::Error::SqliteFailure(f, _)) if f.code == rusqlite::ErrorCode::CannotOpen => {}
+        Err(e) => return Err(e.into()),
+    }
+    drop(conn);
+    let wal = sibling(path, "-wal");
+    if std::fs::metadata(&wal).is_ok_and(|m| m.len() > 0) {
+        return Err(StoreError::ReadOnly(format!(
+            "its WAL {} holds commits that SQLite can read only through {}, which it cannot \
+             create here; copy the data directory somewhere writable and check the copy",
+            wal.display(),
+            sibling(path, "-shm").display()
+        )));
+    }
+    let conn = Connection::open_with_flags(
+        file_uri(path, "immutable=1"),
+        flags | OpenFlags::SQLITE_OPEN_URI,
+    )?;
+    conn.query_row("SELECT count(*) FROM sqlite_master", [], |_| Ok(()))?;
     Ok(conn)
+}
+
+/// `<path><suffix>`: the database's WAL, shared-memory or lock file.
+pub(crate) fn sibling(path: &Path, suffix: &str) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(suffix);
+    PathBuf::from(name)
+}
+
+/// An SQLite `file:` URI for `path` with `query`; every byte a URI path
+/// may not hold as it is (`?`, `#`, `%`, controls, non-ASCII) percent-encoded.
+fn file_uri(path: &Path, query: &str) -> String {
+    use std::fmt::Write as _;
+    let mut uri = String::from("file:");
+    for &b in path.as_os_str().as_encoded_bytes() {
+        if b.is_ascii_graphic() && !matches!(b, b'?' | b'#' | b'%') {
+            uri.push(char::from(b));
+        } else {
+            let _ = write!(uri, "%{b:02X}");
+        }
+    }
+    uri.push('?');
+    uri.push_str(query);
+    uri
 }
 
 /// Every state table's rows hold its CHECK and NOT NULL constraints (an
 /// unknown enum value is a row a newer or foreign program wrote).
 fn check_state_tables(conn: &Connection) -> Result<()> {
     for table in STATE_TABLES {
-        let problems: Vec<String> = conn
+        let mut problems: Vec<String> = conn
             .prepare(&format!("PRAGMA quick_check({table})"))?
             .query_map([], |r| r.get(0))?
+            .filter(|p| !matches!(p.as_deref(), Ok("ok")))
             .collect::<rusqlite::Result<_>>()?;
-        if problems.iter().any(|p| p != "ok") {
+        problems.extend(
+            crate::constraints::violations(conn, table)?
+                .iter()
+                .map(ToString::to_string),
+        );
+        if !problems.is_empty() {
             return Err(StoreError::Corruption(format!(
                 "table {table} holds a row keel cannot read (an unknown enum value or a broken \
                  constraint, written by a newer or another program): {}",

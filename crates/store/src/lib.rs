@@ -83,6 +83,7 @@ macro_rules! failpoint {
 
 mod check;
 mod checkpoints;
+mod constraints;
 mod counters;
 mod db;
 mod error;
@@ -198,23 +199,39 @@ mod tests {
     }
 
     /// Transcripts and tool output are private: nobody but the owner may read
-    /// the database, its WAL or its shared-memory file, whatever the umask.
+    /// the database, its WAL or its shared-memory file, whatever the umask
+    /// and whether the path is the file or a symbolic link to it.
     #[cfg(unix)]
     #[tokio::test]
     async fn the_database_and_its_wal_are_private_to_the_owner() {
-        use std::os::unix::fs::PermissionsExt;
+        use std::os::unix::fs::{symlink, PermissionsExt};
         let mode = |p: &Path| std::fs::metadata(p).expect("stat").permissions().mode() & 0o777;
         let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("keel.db");
-        // An older keel left the file world-readable: opening tightens it.
-        drop(Store::open(&path, StoreOptions::default()).expect("create"));
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
-        for fresh in [false, true] {
-            let path = if fresh {
-                dir.path().join("new.db")
-            } else {
-                path.clone()
-            };
+        let elsewhere = tempfile::tempdir().expect("tempdir");
+        let old = dir.path().join("keel.db");
+        // An older keel left the files world-readable: opening tightens them.
+        drop(Store::open(&old, StoreOptions::default()).expect("create"));
+        let old_linked = elsewhere.path().join("old-linked.db");
+        drop(Store::open(&old_linked, StoreOptions::default()).expect("create"));
+        for file in [&old, &old_linked] {
+            std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        }
+        let link = |name: &str, target: &Path| {
+            let path = dir.path().join(name);
+            symlink(target, &path).expect("symlink");
+            path
+        };
+        // (path opened, the file it names)
+        let cases = [
+            (old.clone(), old.clone()),
+            (dir.path().join("new.db"), dir.path().join("new.db")),
+            (
+                link("to-new.db", &elsewhere.path().join("new-linked.db")),
+                elsewhere.path().join("new-linked.db"),
+            ),
+            (link("to-old.db", &old_linked), old_linked.clone()),
+        ];
+        for (path, file) in cases {
             let store = Store::open(&path, StoreOptions::default()).expect("open");
             store
                 .create_session(NewSession {
@@ -231,8 +248,14 @@ mod tests {
                 .await
                 .expect("write");
             for suffix in ["", "-wal", "-shm"] {
-                let file = std::path::PathBuf::from(format!("{}{suffix}", path.display()));
-                assert_eq!(mode(&file), 0o600, "{}", file.display());
+                let file = std::path::PathBuf::from(format!("{}{suffix}", file.display()));
+                assert_eq!(
+                    mode(&file),
+                    0o600,
+                    "{} via {}",
+                    file.display(),
+                    path.display()
+                );
             }
         }
     }

@@ -1,8 +1,9 @@
 //! One process owns a database at a time. [`RuntimeLock`] is an exclusive
-//! lock on a file next to the database, naming its holder, so a second
-//! process is refused before it touches anything; [`Store::activate_runtime`]
-//! then bumps the stored runtime generation and recovers what older
-//! generations left unfinished, in one transaction. From then on every write
+//! lock on a file next to the database (the real file, past any symbolic
+//! link), naming its holder, so a second process is refused before it
+//! touches anything; [`Store::activate_runtime`] then bumps the stored
+//! runtime generation and recovers what older generations left unfinished,
+//! in one transaction. From then on every write
 //! of that store checks the generation: if a newer process activated (say the
 //! lock file was deleted under a running process), the older one's writes are
 //! refused instead of silently interleaving with the newer one's.
@@ -29,21 +30,34 @@ pub struct RuntimeLock {
 
 impl RuntimeLock {
     /// Locks `<database>.lock` and records `holder` (who, for the error a
-    /// second process gets) in it. Fails with [`StoreError::InUse`] naming
-    /// the current holder when another process has it.
+    /// second process gets) in it. The lock sits beside the file every
+    /// symbolic link in `database` leads to, so two paths to one database
+    /// take one lock. Fails with [`StoreError::InUse`] naming the current
+    /// holder when another process has it, and with [`StoreError::ReadOnly`]
+    /// when the lock file cannot be written there.
     pub fn acquire(database: &Path, holder: &str) -> Result<Self> {
-        let path = lock_path(database);
+        let resolved = crate::identify::resolve(database)?;
+        let path = crate::identify::sibling(&resolved, ".lock");
         let io = |e: std::io::Error| StoreError::Io {
             attempts: 1,
             message: format!("lock file {}: {e}", path.display()),
         };
-        let mut file = OpenOptions::new()
+        let opened = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
-            .open(&path)
-            .map_err(io)?;
+            .open(&path);
+        let mut file = match opened {
+            Ok(file) => file,
+            Err(e) if is_read_only(&e) => {
+                return Err(StoreError::ReadOnly(format!(
+                    "cannot write the lock file {} ({e}); keel must write beside its database",
+                    path.display()
+                )))
+            }
+            Err(e) => return Err(io(e)),
+        };
         match try_lock(&file) {
             Ok(true) => {}
             Ok(false) => {
@@ -52,8 +66,13 @@ impl RuntimeLock {
                 // file means it has not yet.
                 let _ = file.read_to_string(&mut text);
                 let holder = text.trim();
+                let shown = if resolved == database {
+                    database.display().to_string()
+                } else {
+                    format!("{} (the file {})", database.display(), resolved.display())
+                };
                 return Err(StoreError::InUse {
-                    path: database.display().to_string(),
+                    path: shown,
                     holder: if holder.is_empty() {
                         "holder unknown".to_owned()
                     } else {
@@ -95,11 +114,10 @@ fn try_lock(_file: &File) -> std::io::Result<bool> {
     Ok(true)
 }
 
-/// The lock file of a database.
-fn lock_path(database: &Path) -> PathBuf {
-    let mut name = database.as_os_str().to_owned();
-    name.push(".lock");
-    PathBuf::from(name)
+/// Whether opening a file failed because nothing may be written there.
+fn is_read_only(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::PermissionDenied
+        || e.kind() == std::io::ErrorKind::ReadOnlyFilesystem
 }
 
 /// Who this process is, for lock files and the stored holder:

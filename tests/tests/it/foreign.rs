@@ -49,6 +49,18 @@ fn keel_db_with_unknown_status(dir: &Path, data: &Path) {
     );
 }
 
+/// The ids of the runs in a keel database (none in anything else).
+fn run_ids(db: &Path) -> Vec<String> {
+    let read = || -> rusqlite::Result<Vec<String>> {
+        let conn =
+            rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)?;
+        let mut stmt = conn.prepare("SELECT id FROM agent_runs")?;
+        let ids = stmt.query_map([], |r| r.get(0))?.collect();
+        ids
+    };
+    read().unwrap_or_default()
+}
+
 fn chat(data: &Path, script: &Path, stdin: &str) -> std::process::Output {
     let mut child = crate::keel()
         .args(["chat", "--chat", "hal", "--data-dir"])
@@ -137,13 +149,21 @@ fn a_file_that_is_not_a_usable_keel_database_is_refused_and_left_untouched() {
             before,
             "{name}: doctor changed it"
         );
-        let chat_line = err.trim().replace(&path, "<data>/keel.db");
+        // Run ids are random; the messages name them.
+        let redact = |text: &str| {
+            run_ids(&db)
+                .iter()
+                .fold(text.replace(&path, "<data>/keel.db"), |t, id| {
+                    t.replace(id.as_str(), "<run>")
+                })
+        };
+        let chat_line = redact(err.trim());
         let doctor_text = format!(
             "{}{}",
             String::from_utf8_lossy(&doctor.stdout),
             doctor_err.trim()
-        )
-        .replace(&path, "<data>/keel.db");
+        );
+        let doctor_text = redact(&doctor_text);
         seen.push(format!(
             "{name}:\n  chat:   {chat_line}\n  doctor: {doctor_text}"
         ));

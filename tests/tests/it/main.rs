@@ -9,6 +9,8 @@ mod chat;
 #[cfg(unix)]
 mod crash;
 #[cfg(target_os = "linux")]
+mod data_dir;
+#[cfg(target_os = "linux")]
 mod disk_full;
 #[cfg(unix)]
 mod doctor;

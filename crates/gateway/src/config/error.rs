@@ -56,6 +56,14 @@ pub enum ConfigError {
         /// The path given.
         path: PathBuf,
     },
+    /// Something is at the config file's path, but not a file keel can read.
+    #[error("{}: not a config file keel can read: it is {what}", path.display())]
+    NotAFile {
+        /// The path.
+        path: PathBuf,
+        /// What is there instead.
+        what: String,
+    },
     /// The file exists but could not be read.
     #[error("{}: cannot read config file: {source}", path.display())]
     Io {

@@ -409,6 +409,43 @@ fn missing_config_file_is_an_error_naming_it() {
     );
 }
 
+/// A keel.toml that is a directory, a FIFO or a dangling symbolic link is
+/// an error naming it, whether looked up in the data directory or given
+/// with --config: never "no file, defaults used" (nor, for a FIFO, a wait
+/// for a writer that never comes).
+#[cfg(unix)]
+#[test]
+fn a_config_path_that_is_not_a_file_is_an_error_naming_it() {
+    let mut shown = Vec::new();
+    for kind in ["directory", "fifo", "dangling symlink"] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keel.toml");
+        match kind {
+            "directory" => std::fs::create_dir(&path).unwrap(),
+            "fifo" => assert!(std::process::Command::new("mkfifo")
+                .arg(&path)
+                .status()
+                .unwrap()
+                .success()),
+            _ => std::os::unix::fs::symlink(dir.path().join("gone.toml"), &path).unwrap(),
+        }
+        for explicit in [None, Some(path.as_path())] {
+            let err = Config::load_with_env(explicit, Some(dir.path()), &env(NO_ENV)).unwrap_err();
+            assert!(matches!(err, ConfigError::NotAFile { .. }), "{kind}: {err}");
+            let text = err.to_string();
+            assert!(text.starts_with(&path.display().to_string()), "{text}");
+            if explicit.is_none() {
+                shown.push(text.replace(&dir.path().display().to_string(), "[DIR]"));
+            }
+        }
+    }
+    insta::assert_snapshot!(shown.join("\n"), @r"
+    [DIR]/keel.toml: not a config file keel can read: it is a directory
+    [DIR]/keel.toml: not a config file keel can read: it is a FIFO (named pipe)
+    [DIR]/keel.toml: not a config file keel can read: it is a symbolic link to [DIR]/gone.toml, which does not exist
+    ");
+}
+
 #[test]
 fn errors_from_a_loaded_file_name_its_path() {
     let dir = tempfile::tempdir().unwrap();
