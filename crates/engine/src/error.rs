@@ -90,7 +90,7 @@ pub enum EngineError {
     /// The session's agent is no longer in the agent catalog (a reload
     /// removed it); the session can still be read or switched to another
     /// agent. Not retryable until a reload restores the agent.
-    #[error("agent {0:?} of this dialog is no longer defined (the agent catalog was reloaded without it); switch the dialog to another agent or start a new dialog")]
+    #[error("agent {0:?} of this dialog is no longer defined (a reload of the agent catalog removed it); start a new dialog with another agent, or restore the definition and reload")]
     AgentRemoved(String),
     /// The tool context names neither a root turn (session + turn) nor a run. Not retryable.
     #[error("this context cannot delegate: it is neither a root turn (session and turn) nor an agent run")]

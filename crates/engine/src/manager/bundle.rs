@@ -27,6 +27,7 @@ pub struct AgentSet {
 pub type AgentSetBuilder = dyn Fn(&AgentCatalog) -> Result<AgentSet> + Send + Sync;
 
 /// The agents of one generation, by name.
+#[derive(Clone)]
 struct Agents {
     /// The catalog generation they were built from (`None`: fixed).
     generation: Option<u64>,
@@ -119,9 +120,7 @@ impl RuntimeBundle {
     /// catalog's bundle takes its agents from the catalog only).
     pub fn with_agent(self, profile: AgentProfile) -> Self {
         if let AgentSource::Fixed = self.source {
-            let mut built = self.built.lock();
-            let agents = Arc::get_mut(&mut built).expect("a bundle being built is not shared");
-            agents
+            Arc::make_mut(&mut self.built.lock())
                 .by_name
                 .insert(profile.name.clone(), Arc::new(profile));
         }
