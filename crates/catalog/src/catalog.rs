@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use keel_core::AgentId;
 
 use crate::definition::AgentDefinition;
-use crate::diagnostic::Diagnostics;
+use crate::diagnostic::{Diagnostic, Diagnostics};
 use crate::loader::{read_root, SourceFile};
 use crate::parse::parse_full;
 use crate::resolve::{resolve, CatalogInputs};
@@ -37,6 +37,8 @@ struct CatalogInner {
     max_delegation_depth: u32,
     generation: u64,
     root: Option<PathBuf>,
+    /// What the load found that does not fail it.
+    warnings: Vec<Diagnostic>,
 }
 
 impl AgentCatalog {
@@ -76,6 +78,7 @@ impl AgentCatalog {
                 max_delegation_depth: crate::resolve::DEFAULT_MAX_DELEGATION_DEPTH,
                 generation,
                 root: None,
+                warnings: Vec::new(),
             }),
         }
     }
@@ -96,8 +99,14 @@ impl AgentCatalog {
                 max_delegation_depth: inputs.max_delegation_depth,
                 generation,
                 root,
+                warnings: resolved.warnings,
             }),
         })
+    }
+
+    /// Problems the load found that did not fail it (warnings), by file.
+    pub fn warnings(&self) -> &[Diagnostic] {
+        &self.inner.warnings
     }
 
     /// The definition of `id`.
@@ -378,6 +387,7 @@ impl CatalogHandle {
     /// Loads generation 1 from `root`.
     pub fn load(root: &Path, inputs: &CatalogInputs) -> Result<Self, Diagnostics> {
         let catalog = AgentCatalog::load(root, inputs, 1)?;
+        log_warnings(&catalog);
         Ok(Self::new(root, catalog))
     }
 
@@ -414,9 +424,17 @@ impl CatalogHandle {
             .unwrap_or_else(PoisonError::into_inner);
         let next = self.current().generation() + 1;
         let catalog = AgentCatalog::load(&self.root, inputs, next)?;
+        log_warnings(&catalog);
         *self.current.write().unwrap_or_else(PoisonError::into_inner) = catalog;
         tracing::info!(generation = next, "agent catalog reloaded");
         Ok(next)
+    }
+}
+
+/// Logs each warning of a catalog about to be put in force.
+fn log_warnings(catalog: &AgentCatalog) {
+    for w in catalog.warnings() {
+        tracing::warn!(generation = catalog.generation(), "agent definitions: {w}");
     }
 }
 

@@ -81,6 +81,15 @@ pub enum DiagnosticKind {
     RuntimeInjectedTool,
     /// A skill that does not exist.
     UnknownSkill,
+    /// A warning: the body begins with a second frontmatter-like block.
+    SecondFrontmatter,
+}
+
+impl DiagnosticKind {
+    /// Whether it is a warning: reported, but the load still succeeds.
+    pub fn is_warning(self) -> bool {
+        matches!(self, DiagnosticKind::SecondFrontmatter)
+    }
 }
 
 /// One problem found while loading the catalog.

@@ -51,6 +51,9 @@
 //! - **Skills** ([`SkillSet`]) come from their own root with the same file
 //!   rules (frontmatter `name`, `description`; the body is the skill); an
 //!   agent's `skills:` entries must name existing skills.
+//! - **Warnings** never fail a load; they stay with the catalog
+//!   ([`AgentCatalog::warnings`]). One today: a role prompt that begins
+//!   with a second frontmatter-like block (`---`, keys, `---`).
 //!
 //! Architecture invariant: keel-catalog depends only on keel-core and never
 //! touches the filesystem outside the definitions and skills roots.
@@ -64,6 +67,7 @@ mod locate;
 mod parse;
 mod resolve;
 mod skills;
+mod warnings;
 
 use std::path::Path;
 

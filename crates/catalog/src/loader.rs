@@ -53,6 +53,7 @@ pub(crate) fn read_root(root: &Path) -> Result<(PathBuf, Vec<SourceFile>), Vec<D
                     outcome: Err(vec![d]),
                     yaml: String::new(),
                     salvaged_id: None,
+                    warnings: Vec::new(),
                 },
             },
             file,

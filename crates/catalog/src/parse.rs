@@ -97,6 +97,8 @@ pub(crate) struct Parsed {
     /// The id of a file that failed to parse, when its `id` key was valid;
     /// lets other files delegate to it without a second, misleading error.
     pub salvaged_id: Option<AgentId>,
+    /// Problems that do not fail the load.
+    pub warnings: Vec<Diagnostic>,
 }
 
 pub(crate) fn parse_bytes_full(file: &Path, bytes: &[u8]) -> Parsed {
@@ -106,6 +108,7 @@ pub(crate) fn parse_bytes_full(file: &Path, bytes: &[u8]) -> Parsed {
             outcome: parse_definition_bytes(file, bytes),
             yaml: String::new(),
             salvaged_id: None,
+            warnings: Vec::new(),
         },
     }
 }
@@ -125,15 +128,20 @@ pub(crate) fn parse_full(file: &Path, text: &str) -> Parsed {
                 outcome: Err(rejected.diags),
                 yaml: rejected.yaml.to_owned(),
                 salvaged_id,
+                warnings: Vec::new(),
             };
         }
     };
+    let warnings = crate::warnings::second_frontmatter(file, checked.raw_body, checked.body_line)
+        .into_iter()
+        .collect();
     let outcome = typed::<Frontmatter>(file, checked.value)
         .map(|fm| AgentDefinition::from_frontmatter(fm, checked.body, file.to_path_buf()));
     Parsed {
         outcome,
         yaml: checked.yaml.to_owned(),
         salvaged_id: None,
+        warnings,
     }
 }
 
@@ -210,6 +218,9 @@ struct Checked<'a> {
     value: Value,
     body: String,
     yaml: &'a str,
+    /// The body as written, and its first line's number in the file.
+    raw_body: &'a str,
+    body_line: usize,
 }
 
 /// A document with problems: every one of them, its YAML text, and the
@@ -266,6 +277,8 @@ fn check_document<'a>(
         value,
         body,
         yaml: parts.yaml,
+        raw_body: parts.body,
+        body_line: parts.body_line,
     })
 }
 
@@ -292,7 +305,7 @@ fn lines_with_offsets(text: &str) -> impl Iterator<Item = (usize, &str)> {
     })
 }
 
-fn is_delimiter(line: &str) -> bool {
+pub(crate) fn is_delimiter(line: &str) -> bool {
     line.trim_end() == "---"
 }
 

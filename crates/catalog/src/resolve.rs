@@ -65,6 +65,8 @@ impl CatalogInputs {
 pub(crate) struct Resolved {
     pub definitions: BTreeMap<AgentId, Arc<AgentDefinition>>,
     pub delegatable: BTreeSet<AgentId>,
+    /// Problems that did not fail the load, by file.
+    pub warnings: Vec<Diagnostic>,
 }
 
 /// The key two ids collide on: case folded, `_` and `-` equal (so
@@ -131,6 +133,10 @@ pub(crate) fn resolve(
     inputs: &CatalogInputs,
 ) -> Result<Resolved, Vec<Diagnostic>> {
     let mut diags = Vec::new();
+    let warnings: Vec<Diagnostic> = files
+        .iter()
+        .flat_map(|f| f.parsed.warnings.iter().cloned())
+        .collect();
     let (parsed, claims) = split_parsed(files, &mut diags);
     let known: BTreeSet<AgentId> = claims.iter().map(|(id, _, _)| id.clone()).collect();
     check_unique_ids(&claims, &mut diags);
@@ -171,6 +177,7 @@ pub(crate) fn resolve(
     Ok(Resolved {
         definitions,
         delegatable,
+        warnings,
     })
 }
 

@@ -87,6 +87,11 @@ pub enum EngineError {
     /// No agent profile or definition has this name. Not retryable.
     #[error("unknown agent {0:?}")]
     UnknownAgent(String),
+    /// The session's agent is no longer in the agent catalog (a reload
+    /// removed it); the session can still be read or switched to another
+    /// agent. Not retryable until a reload restores the agent.
+    #[error("agent {0:?} of this dialog is no longer defined (a reload of the agent catalog removed it); start a new dialog with another agent, or restore the definition and reload")]
+    AgentRemoved(String),
     /// The tool context names neither a root turn (session + turn) nor a run. Not retryable.
     #[error("this context cannot delegate: it is neither a root turn (session and turn) nor an agent run")]
     MissingCallerIdentity,
@@ -257,7 +262,8 @@ impl EngineError {
             EngineError::Cancelled => ToolError::Cancelled,
             EngineError::InvalidDelegation(_)
             | EngineError::InvalidInput(_)
-            | EngineError::UnknownAgent(_) => ToolError::InvalidArguments(self.to_string()),
+            | EngineError::UnknownAgent(_)
+            | EngineError::AgentRemoved(_) => ToolError::InvalidArguments(self.to_string()),
             EngineError::MissingCallerIdentity
             | EngineError::UnauthorizedEdge { .. }
             | EngineError::DepthExceeded { .. }

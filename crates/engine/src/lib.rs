@@ -57,8 +57,8 @@ pub use gate::{
 };
 pub use mailbox::{MailboxLimits, WakeSource, WakeupState};
 pub use manager::{
-    InboxPolicy, NewSessionSpec, RuntimeBundle, SessionManager, SessionManagerConfig, SteerOutcome,
-    StopReport, SummaryConfig, TurnReport, TurnTicket,
+    AgentSet, AgentSetBuilder, InboxPolicy, NewSessionSpec, RuntimeBundle, SessionManager,
+    SessionManagerConfig, SteerOutcome, StopReport, SummaryConfig, TurnReport, TurnTicket,
 };
 pub use session::{AgentProfile, AgentSession};
 pub use snapshot::{SessionSnapshot, SnapshotMessage};

@@ -75,6 +75,9 @@ pub fn check(dir: &Path, config_file: Option<&Path>, skills: Option<&Path>) -> R
     match AgentCatalog::load(dir, &inputs, 1) {
         Ok(catalog) => {
             println!("{}", catalog.summary());
+            for w in catalog.warnings() {
+                println!("warning: {w}");
+            }
             Ok(ExitCode::SUCCESS)
         }
         Err(diagnostics) => {

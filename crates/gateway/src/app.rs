@@ -4,23 +4,22 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use keel_catalog::{CatalogHandle, CatalogInputs};
-use keel_core::tool::ScopeRule;
-use keel_core::{AgentId, Provider, ScriptedProvider, SessionId, ToolRegistry};
+use keel_catalog::{AgentCatalog, CatalogHandle, CatalogInputs};
+use keel_core::{Provider, ScriptedProvider, SessionId, ToolRegistry};
+use keel_engine::builtin_registry;
 use keel_engine::AgentLoop;
-use keel_engine::AgentProfile;
 use keel_engine::ExecutionGate;
 use keel_engine::NoHooks;
-use keel_engine::{builtin_registry, grant_skills};
 use keel_engine::{AgentCoordinator, CoordinatorConfig, ProfileProviders, ProviderFactory};
 use keel_engine::{RuntimeBundle, SessionManager};
 use keel_store::{describe_process, Activation, RuntimeLock, Store};
 
 use crate::config::{Config, ConfigError, LoadedConfig};
 use crate::error::{database_err, io_err, AppError, Result};
+use crate::profiles::ProfileBuilder;
 
 /// The profile the root agent runs on.
-const DEFAULT_PROFILE: &str = "default";
+pub(crate) const DEFAULT_PROFILE: &str = "default";
 
 /// The root agent's role prompt when none is configured.
 pub const ROOT_PROMPT: &str = "You are keel's root agent, a careful and concise assistant. \
@@ -137,85 +136,51 @@ impl App {
             )),
             _ => None,
         };
-        let mut root_tools = (*builtin).clone();
-        let mut system_prompt = ROOT_PROMPT.to_owned();
-        // Every defined agent can also be talked to directly (`chat --agent`).
-        let mut direct_agents = Vec::new();
+        let providers = Arc::new(providers);
         if let Some(catalog) = &catalog {
-            for def in catalog.current().iter() {
-                let provider = providers.provider(&def.llm_profile).ok_or_else(|| {
-                    ConfigError::single(
-                        loaded.source_label(),
-                        "agents_dir",
-                        format!(
-                            "agent {} names profile {} which is not configured",
-                            def.id, def.llm_profile
-                        ),
-                    )
-                })?;
-                let mut tools = builtin
-                    .scoped(def.tools.iter().map(String::as_str), ScopeRule::Root)
-                    .map_err(keel_engine::EngineError::from)?;
-                let mut prompt = def.body.clone();
-                grant_skills(&skills, &def.skills, &mut tools, &mut prompt)?;
-                direct_agents.push(AgentProfile {
-                    name: def.id.clone(),
-                    system_prompt: prompt,
-                    provider,
-                    tools: Arc::new(tools),
-                    max_iterations: def.limits.max_iterations,
-                    max_output_tokens: Some(def.limits.max_output_tokens),
-                    context_window_tokens: config.context_window(&def.llm_profile),
-                });
-            }
+            check_profiles(&loaded, &catalog.current(), &providers)?;
         }
-        let coordinator = match &catalog {
-            None => None,
-            Some(catalog) => {
-                let delegates = catalog.current().root_delegates().to_vec();
-                let coordinator = AgentCoordinator::new(
-                    store.clone(),
-                    catalog.clone(),
-                    Arc::new(providers),
-                    builtin.clone(),
-                    gate.clone(),
-                    CoordinatorConfig {
-                        runtime_generation: activation.generation,
-                        ..config.coordinator_config()
-                    },
-                );
-                for tool in coordinator.root_tools() {
-                    root_tools
-                        .register(tool)
-                        .map_err(keel_engine::EngineError::from)?;
-                }
-                if !delegates.is_empty() {
-                    system_prompt.push_str(
-                        " You can hand work to sub-agents with the delegate tool; its description lists them.",
-                    );
-                }
-                coordinator.spawn_reaper(coordinator.config().reaper_interval);
-                Some(coordinator)
-            }
+        let coordinator = catalog.as_ref().map(|catalog| {
+            let coordinator = AgentCoordinator::new(
+                store.clone(),
+                catalog.clone(),
+                providers.clone(),
+                builtin.clone(),
+                gate.clone(),
+                CoordinatorConfig {
+                    runtime_generation: activation.generation,
+                    ..config.coordinator_config()
+                },
+            );
+            coordinator.spawn_reaper(coordinator.config().reaper_interval);
+            coordinator
+        });
+        let profiles = ProfileBuilder {
+            providers,
+            root_provider,
+            builtin,
+            skills,
+            context_windows: config
+                .profile_names()
+                .into_iter()
+                .map(|name| {
+                    let window = config.context_window(&name);
+                    (name, window)
+                })
+                .collect(),
+            root_max_output_tokens: config.root_max_output_tokens,
+            coordinator: coordinator.clone(),
         };
-        // The root agent is the user's own: it may load every skill.
-        keel_engine::register_memory_tools(&mut root_tools)?;
-        let all_skills: Vec<String> = skills.names().map(str::to_owned).collect();
-        grant_skills(&skills, &all_skills, &mut root_tools, &mut system_prompt)?;
-        let root = AgentProfile {
-            name: AgentId::root(),
-            system_prompt,
-            provider: root_provider,
-            tools: Arc::new(root_tools),
-            max_iterations: 16,
-            max_output_tokens: Some(config.root_max_output_tokens),
-            context_window_tokens: config.context_window(DEFAULT_PROFILE),
+        // Every defined agent can also be talked to directly (`chat
+        // --agent`); the agents follow the catalog through its reloads.
+        let bundle = match &catalog {
+            Some(catalog) => RuntimeBundle::from_catalog(
+                catalog.clone(),
+                Arc::new(move |current: &AgentCatalog| profiles.build(current)),
+            )?,
+            None => RuntimeBundle::new(profiles.build(&AgentCatalog::empty(0))?.root),
         };
-        let mut bundle =
-            RuntimeBundle::new(root).with_loop(AgentLoop::new(Arc::new(NoHooks), gate));
-        for agent in direct_agents {
-            bundle = bundle.with_agent(agent);
-        }
+        let mut bundle = bundle.with_loop(AgentLoop::new(Arc::new(NoHooks), gate));
         if let Some(c) = &coordinator {
             bundle = bundle.with_coordinator(c.clone());
         }
@@ -234,6 +199,28 @@ impl App {
             recovered: activation.recovery.sessions_with_due_events,
         })
     }
+}
+
+/// Refuses a catalog with an agent whose profile has no provider.
+fn check_profiles(
+    loaded: &LoadedConfig,
+    catalog: &AgentCatalog,
+    providers: &ProfileProviders,
+) -> Result<()> {
+    for def in catalog.iter() {
+        if providers.provider(&def.llm_profile).is_none() {
+            return Err(ConfigError::single(
+                loaded.source_label(),
+                "agents_dir",
+                format!(
+                    "agent {} names profile {} which is not configured",
+                    def.id, def.llm_profile
+                ),
+            )
+            .into());
+        }
+    }
+    Ok(())
 }
 
 /// Takes the data directory for this process and starts its runtime: the

@@ -17,6 +17,7 @@ pub mod config;
 pub mod demo;
 pub mod doctor;
 mod error;
+mod profiles;
 pub mod serve;
 pub mod terminal;
 

@@ -311,3 +311,177 @@ fn sighup_reloads_the_agents_and_keeps_the_catalog_when_they_are_broken() {
     served.stderr_until("stopped");
     assert!(served.child.wait().unwrap().success());
 }
+
+/// Writes `agents/{id}.md` under `data`, delegating to `delegates`.
+fn write_agent(data: &Path, id: &str, delegates: &[&str]) {
+    std::fs::write(
+        data.join(format!("agents/{id}.md")),
+        format!(
+            "---\nid: {id}\ndescription: Agent {id}.\nllm_profile: default\ndelegates: [{}]\n---\nYou are {id}.\n",
+            delegates.join(", ")
+        ),
+    )
+    .unwrap();
+}
+
+#[test]
+fn a_reload_is_seen_by_the_next_request_everywhere() {
+    let data = tempfile::tempdir().unwrap();
+    let dir = data.path();
+    std::fs::create_dir_all(dir.join("agents")).unwrap();
+    // The root delegates to a; after the reload a delegates to the new c.
+    std::fs::write(
+        dir.join("script.yaml"),
+        "- tool_calls: [{name: delegate, arguments: {tasks: [{agent: a, task: ask c}]}}]\n\
+         - tool_calls: [{name: delegate, arguments: {tasks: [{agent: c, task: say hi}]}}]\n\
+         - text: hi from c\n\
+         - text: c said hi\n\
+         - text: done\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("keel.toml"),
+        "agents_dir = \"agents\"\nroot_delegates = [\"a\"]\n\n\
+         [providers.default]\nkind = \"scripted\"\nscript = \"script.yaml\"\n",
+    )
+    .unwrap();
+    write_agent(dir, "a", &["b"]);
+    write_agent(dir, "b", &[]);
+    let mut served = Served::start(dir);
+    runtime().block_on(async {
+        let http = reqwest::Client::new();
+        let post =
+            |path: &str, body: serde_json::Value| http.post(served.url(path)).json(&body).send();
+        let models = || async {
+            let list: serde_json::Value = http
+                .get(served.url("/v1/models"))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            list["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| m["id"].as_str().unwrap().to_owned())
+                .collect::<Vec<_>>()
+        };
+        let of_b: serde_json::Value = post("/api/dialogs", serde_json::json!({"agent": "b"}))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let of_b = of_b["id"].as_str().unwrap().to_owned();
+
+        // c added, b removed, a now delegates to c; reloaded over REST.
+        write_agent(dir, "c", &[]);
+        write_agent(dir, "a", &["c"]);
+        std::fs::remove_file(dir.join("agents/b.md")).unwrap();
+        let reload = post("/api/admin/reload", serde_json::json!({}))
+            .await
+            .unwrap();
+        assert_eq!(reload.status(), 200);
+        let report: serde_json::Value = reload.json().await.unwrap();
+        assert_eq!(report["agents"], serde_json::json!(["a", "c"]));
+
+        let created = post("/api/dialogs", serde_json::json!({"agent": "c"}))
+            .await
+            .unwrap();
+        assert_eq!(created.status(), 201);
+        let refused = post("/api/dialogs", serde_json::json!({"agent": "b"}))
+            .await
+            .unwrap();
+        assert_eq!(refused.status(), 404);
+        let problem: serde_json::Value = refused.json().await.unwrap();
+        assert_eq!(problem["detail"], "unknown agent \"b\"");
+        assert_eq!(models().await, ["keel:root", "keel:a", "keel:c"]);
+
+        // The dialog of the removed agent is still there, but refuses a turn.
+        let send = post(
+            &format!("/api/dialogs/{of_b}/messages"),
+            serde_json::json!({"text": "hello?"}),
+        )
+        .await
+        .unwrap();
+        assert_eq!(send.status(), 409);
+        let problem: serde_json::Value = send.json().await.unwrap();
+        assert!(
+            problem["detail"]
+                .as_str()
+                .unwrap()
+                .starts_with("agent \"b\" of this dialog is no longer defined"),
+            "{problem}"
+        );
+        let listed = http
+            .get(served.url(&format!("/api/dialogs/{of_b}/messages")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(listed.status(), 200);
+
+        // The root reaches c through a's new delegate edge.
+        let root: serde_json::Value = post("/api/dialogs", serde_json::json!({}))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let root = root["id"].as_str().unwrap().to_owned();
+        let turn = http
+            .post(served.url(&format!("/api/dialogs/{root}/messages")))
+            .header("accept", "text/event-stream")
+            .json(&serde_json::json!({"text": "ask a"}))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(turn.contains("event: turn_committed"), "{turn}");
+        let runs: serde_json::Value = http
+            .get(served.url("/api/agent-runs"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let done: Vec<(&str, &str, &str)> = runs["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                (
+                    r["agent"].as_str().unwrap(),
+                    r["status"].as_str().unwrap(),
+                    r["result_preview"].as_str().unwrap_or(""),
+                )
+            })
+            .collect();
+        assert!(done.contains(&("c", "completed", "hi from c")), "{done:?}");
+        assert!(done.contains(&("a", "completed", "c said hi")), "{done:?}");
+
+        // SIGHUP reloads the same way: d appears at once.
+        write_agent(dir, "d", &[]);
+        served.signal("HUP");
+        let reloaded = served.stderr_until("keel serve: agent catalog reloaded");
+        assert!(
+            reloaded
+                .last()
+                .unwrap()
+                .contains("generation 3, 3 agent(s)"),
+            "{reloaded:?}"
+        );
+        let created = post("/api/dialogs", serde_json::json!({"agent": "d"}))
+            .await
+            .unwrap();
+        assert_eq!(created.status(), 201);
+        assert_eq!(models().await, ["keel:root", "keel:a", "keel:c", "keel:d"]);
+    });
+    served.signal("TERM");
+    served.stderr_until("stopped");
+    assert!(served.child.wait().unwrap().success());
+}

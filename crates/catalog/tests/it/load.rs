@@ -203,3 +203,33 @@ fn catalog_is_cheap_to_clone_and_shareable() {
     fn assert_handle<T: Send + Sync>() {}
     assert_handle::<CatalogHandle>();
 }
+
+#[test]
+fn a_second_frontmatter_block_in_the_body_is_a_warning_naming_file_and_line() {
+    let doubled = format!(
+        "---\n{H}---\n\n---\ntools: [read_file]\nlimits:\n  max_iterations: 3\n---\nYou are a.\n"
+    );
+    // A horizontal rule followed by prose is Markdown, not a block of keys.
+    let ruled = agent("b", "").replace("You are b.", "---\nYou are b.\n\n---\nMore.");
+    let c = AgentCatalog::from_texts(
+        [("a.md", doubled.as_str()), ("b.md", ruled.as_str())],
+        &inputs(&[]),
+        1,
+    )
+    .expect("a warning does not fail the load");
+    assert_eq!(c.len(), 2);
+    let kinds: Vec<_> = c.warnings().iter().map(|w| w.kind).collect();
+    assert_eq!(kinds, [DiagnosticKind::SecondFrontmatter]);
+    assert!(DiagnosticKind::SecondFrontmatter.is_warning());
+    assert!(!DiagnosticKind::UnknownSkill.is_warning());
+    insta::assert_snapshot!("second_frontmatter", render(c.warnings()));
+
+    // The handle keeps a reloaded catalog's warnings with it.
+    let dir = tempfile::tempdir().unwrap();
+    fs::write(dir.path().join("a.md"), &doubled).unwrap();
+    let handle = CatalogHandle::load(dir.path(), &inputs(&[])).unwrap();
+    assert_eq!(handle.current().warnings().len(), 1);
+    fs::write(dir.path().join("a.md"), agent("a", "")).unwrap();
+    handle.reload(&inputs(&[])).unwrap();
+    assert!(handle.current().warnings().is_empty());
+}

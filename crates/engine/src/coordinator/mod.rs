@@ -250,14 +250,19 @@ impl AgentCoordinator {
         ids
     }
 
-    /// The runtime tools of the root agent: `delegate` (to the catalog's
-    /// `root_delegates`) and `agent_task`. Add them to the root's registry.
+    /// [`Self::root_tools_for`] the catalog in force now.
     pub fn root_tools(self: &Arc<Self>) -> Vec<Arc<dyn Tool>> {
-        let catalog = self.catalog.current();
+        self.root_tools_for(&self.catalog.current())
+    }
+
+    /// The runtime tools of the root agent: `delegate` (to `catalog`'s
+    /// `root_delegates`, described from it) and `agent_task`. Add them to
+    /// the root's registry.
+    pub fn root_tools_for(self: &Arc<Self>, catalog: &AgentCatalog) -> Vec<Arc<dyn Tool>> {
         vec![
             Arc::new(DelegateTool::new(
                 Arc::downgrade(self),
-                &catalog,
+                catalog,
                 catalog.root_delegates(),
             )),
             Arc::new(AgentTaskTool::new(Arc::downgrade(self))),

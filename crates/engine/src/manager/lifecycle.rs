@@ -102,7 +102,7 @@ impl SessionManager {
             .await?
             .filter(|r| r.deleted_at_ms.is_none())
             .ok_or(EngineError::SessionNotFound(id))?;
-        let agent = self.bundle.agent(record.agent_id.as_ref())?;
+        let agent = self.bundle.loaded_agent(record.agent_id.as_ref())?;
         let session = AgentSession::load(&self.store, record, agent).await?;
         tracing::debug!(session_id = %id, "session loaded");
         Ok(self.insert(session))
@@ -110,13 +110,28 @@ impl SessionManager {
 
     fn insert(&self, session: AgentSession) -> Arc<AsyncMutex<AgentSession>> {
         let id = session.id();
+        let agent_id = session.record.agent_id.clone();
         let mut map = self.sessions.lock();
         let entry = map.entry(id).or_insert_with(|| Entry {
             session: Arc::new(AsyncMutex::new(session)),
+            agent_id,
             last_access: Instant::now(),
         });
         entry.last_access = Instant::now();
         entry.session.clone()
+    }
+
+    /// Refuses a turn of `id` when its agent is no longer defined
+    /// ([`EngineError::AgentRemoved`]); the session must be in memory.
+    pub(super) fn check_agent(&self, id: SessionId) -> Result<()> {
+        let agent_id = self
+            .sessions
+            .lock()
+            .get(&id)
+            .ok_or(EngineError::SessionNotFound(id))?
+            .agent_id
+            .clone();
+        self.bundle.session_agent(agent_id.as_ref()).map(drop)
     }
 
     /// Ids of `parent`'s children that are not destroyed.
@@ -195,6 +210,9 @@ impl SessionManager {
                 now_ms: keel_core::time::now_ms(),
             })
             .await?;
+        if let Some(entry) = self.sessions.lock().get_mut(&id) {
+            entry.agent_id = updated.agent_id.clone();
+        }
         guard.record = updated;
         guard.agent = profile;
         Ok(())

@@ -16,6 +16,7 @@
 //! (export and import, and history a client brings) and `housekeeping`
 //! (titles and summaries after a turn, in a task of their own).
 
+mod bundle;
 mod checkpoints;
 mod continuation;
 mod dialogs;
@@ -38,13 +39,13 @@ use tokio::sync::Mutex as AsyncMutex;
 use tokio::time::Instant;
 
 use crate::address::DialogAddress;
-use crate::agent_loop::{AgentLoop, TurnOutput};
-use crate::coordinator::AgentCoordinator;
+use crate::agent_loop::TurnOutput;
 use crate::error::{EngineError, Result};
 use crate::events::{SessionEvents, DEFAULT_EVENT_CAPACITY};
 use crate::mailbox::MailboxLimits;
-use crate::session::{AgentProfile, AgentSession};
+use crate::session::AgentSession;
 
+pub use bundle::{AgentSet, AgentSetBuilder, RuntimeBundle};
 pub use continuation::InboxPolicy;
 pub use worker::{SteerOutcome, StopReport, TurnTicket};
 
@@ -52,57 +53,6 @@ pub use worker::{SteerOutcome, StopReport, TurnTicket};
 pub(crate) const INTERNAL_CHANNEL: &str = "internal";
 /// Longest title, in characters.
 pub(crate) const MAX_TITLE_CHARS: usize = 80;
-
-/// The agents sessions can run, and the loop that runs them. Child sessions
-/// share their parent's bundle.
-pub struct RuntimeBundle {
-    agents: HashMap<AgentId, Arc<AgentProfile>>,
-    root: AgentId,
-    agent_loop: Arc<AgentLoop>,
-    coordinator: Option<Arc<AgentCoordinator>>,
-}
-
-impl RuntimeBundle {
-    /// A bundle whose default (root) agent is `root`.
-    pub fn new(root: AgentProfile) -> Self {
-        let name = root.name.clone();
-        let mut agents = HashMap::new();
-        agents.insert(name.clone(), Arc::new(root));
-        Self {
-            agents,
-            root: name,
-            agent_loop: Arc::new(AgentLoop::default()),
-            coordinator: None,
-        }
-    }
-
-    /// Sub-agent runs of deleted sessions are cancelled through `coordinator`.
-    pub fn with_coordinator(mut self, coordinator: Arc<AgentCoordinator>) -> Self {
-        self.coordinator = Some(coordinator);
-        self
-    }
-
-    /// Adds another agent sessions may switch to.
-    pub fn with_agent(mut self, profile: AgentProfile) -> Self {
-        self.agents.insert(profile.name.clone(), Arc::new(profile));
-        self
-    }
-
-    /// Runs turns with `agent_loop` (hooks, step gate).
-    pub fn with_loop(mut self, agent_loop: AgentLoop) -> Self {
-        self.agent_loop = Arc::new(agent_loop);
-        self
-    }
-
-    /// The profile of `name`, or of the root agent when `None`.
-    pub fn agent(&self, name: Option<&AgentId>) -> Result<Arc<AgentProfile>> {
-        let name = name.unwrap_or(&self.root);
-        self.agents
-            .get(name)
-            .cloned()
-            .ok_or_else(|| EngineError::UnknownAgent(name.to_string()))
-    }
-}
 
 /// When to summarize a slot's context after a turn, before it is needed.
 /// (A request that would not fit the agent's context budget is compacted
@@ -201,6 +151,9 @@ pub struct TurnReport {
 
 struct Entry {
     session: Arc<AsyncMutex<AgentSession>>,
+    /// The agent the session runs (its record's), readable while a turn
+    /// holds the session.
+    agent_id: Option<AgentId>,
     last_access: Instant,
 }
 
@@ -245,10 +198,19 @@ impl SessionManager {
         &self.events
     }
 
-    /// Whether sessions can run `agent` (the root agent, or one added to
-    /// the bundle).
-    pub fn runs_agent(&self, agent: &AgentId) -> bool {
-        self.bundle.agents.contains_key(agent)
+    /// Whether new sessions can run `agent` now (the root agent, or one of
+    /// the bundle's, which for a catalog's bundle follows reloads).
+    pub fn runs_agent(&self, agent: &AgentId) -> Result<bool> {
+        match self.bundle.agent(Some(agent)) {
+            Ok(_) => Ok(true),
+            Err(EngineError::UnknownAgent(_)) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Every agent new sessions can run now, the root agent first.
+    pub fn agent_ids(&self) -> Result<Vec<AgentId>> {
+        self.bundle.agent_ids()
     }
 }
 

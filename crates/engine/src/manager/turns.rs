@@ -67,6 +67,9 @@ impl SessionManager {
     ) -> Result<PendingTurn> {
         let session = self.session(id).await?;
         let mut guard = session.lock_owned().await;
+        // Each turn runs the definition in force when it starts (a reload
+        // may have changed or removed it); the turn keeps it to its end.
+        guard.agent = self.bundle.session_agent(guard.record.agent_id.as_ref())?;
         let slot = guard.writable_slot()?;
         // The user's words are durable before the model sees them; other
         // turns (continuations) commit their trigger with their answer.

@@ -179,8 +179,10 @@ impl SessionManager {
                 "a turn's input is a user message".into(),
             ));
         }
-        // Fail now, not in the ticket, for a session that does not exist.
+        // Fail now, not in the ticket, for a session that does not exist
+        // or whose agent a reload removed.
         self.session(session).await?;
+        self.check_agent(session)?;
         let turn_id = TurnId::new();
         let cancel = CancellationToken::new();
         let (reply, outcome) = oneshot::channel();

@@ -10,5 +10,6 @@ mod gate;
 mod housekeeping;
 mod inbox;
 mod memory;
+mod reload;
 mod sessions;
 mod worker;

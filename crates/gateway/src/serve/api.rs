@@ -803,4 +803,7 @@ pub struct ReloadReport {
     pub generation: u64,
     /// The agents it defines.
     pub agents: Vec<String>,
+    /// What the definitions have that did not fail the reload (file, line,
+    /// message), e.g. a second frontmatter-like block in a role prompt.
+    pub warnings: Vec<String>,
 }

@@ -205,14 +205,16 @@ impl Shared {
             .await
             .map_err(|e| ApiError::internal(&e))?;
         match outcome {
-            Ok(generation) => Ok(ReloadReport {
-                generation,
-                agents: handle
-                    .current()
-                    .ids()
-                    .map(|id| id.as_str().to_owned())
-                    .collect(),
-            }),
+            Ok(_) => {
+                // The catalog just put in force (a reload after this one
+                // reports its own).
+                let catalog = handle.current();
+                Ok(ReloadReport {
+                    generation: catalog.generation(),
+                    agents: catalog.ids().map(|id| id.as_str().to_owned()).collect(),
+                    warnings: catalog.warnings().iter().map(|w| w.to_string()).collect(),
+                })
+            }
             Err(diagnostics) => Err(ApiError::Unprocessable {
                 detail: format!(
                     "the agent definitions in {} have {} problem(s); generation {} stays in force",
@@ -470,11 +472,16 @@ mod signals {
                     _ = self.term.recv() => return Ok(()),
                     _ = self.int.recv() => return Ok(()),
                     _ = self.hup.recv() => match server.reload().await {
-                        Ok(r) => eprintln!(
-                            "keel serve: agent catalog reloaded (generation {}, {} agent(s))",
-                            r.generation,
-                            r.agents.len()
-                        ),
+                        Ok(r) => {
+                            eprintln!(
+                                "keel serve: agent catalog reloaded (generation {}, {} agent(s))",
+                                r.generation,
+                                r.agents.len()
+                            );
+                            for w in r.warnings {
+                                eprintln!("  warning: {w}");
+                            }
+                        }
                         Err(ApiError::Unprocessable { detail, errors }) => {
                             eprintln!("keel serve: reload refused: {detail}");
                             for e in errors {

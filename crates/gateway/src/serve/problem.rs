@@ -186,6 +186,7 @@ impl From<EngineError> for ApiError {
             | EngineError::SlotReadonly(_)
             | EngineError::SlotRule(_)
             | EngineError::SteerFull { .. }
+            | EngineError::AgentRemoved(_)
             | EngineError::Cancelled => ApiError::Conflict(e.to_string()),
             other => ApiError::internal(&other),
         }

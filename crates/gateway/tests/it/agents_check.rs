@@ -120,3 +120,17 @@ fn skills_next_to_the_definitions_are_checked_and_listed() {
         "{out}"
     );
 }
+
+#[test]
+fn a_second_frontmatter_block_is_a_warning_and_the_check_still_passes() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("a.md"),
+        "---\nid: a\ndescription: A.\nllm_profile: default\n---\n\n---\ntools: [read_file]\n---\nBody.\n",
+    )
+    .unwrap();
+    let (out, code) = check(dir.path(), &[]);
+    assert_eq!(code, 0, "{out}");
+    let warning = out.lines().last().unwrap();
+    insta::assert_snapshot!(warning, @"warning: a.md:7: the role prompt begins with a second frontmatter-like block (`---`, keys, `---`); the model would read it as text — move its keys into the frontmatter above and delete it");
+}

@@ -798,10 +798,11 @@ async fn run_agent(
     Path(agent): Path<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, AgUiError> {
-    let id = AgentId::parse(&agent)
-        .ok()
-        .filter(|id| shared.app.manager.runs_agent(id))
-        .ok_or_else(|| AgUiError::from(ApiError::NotFound(format!("no agent {agent:?}"))))?;
+    let unknown = || AgUiError::from(ApiError::NotFound(format!("no agent {agent:?}")));
+    let id = AgentId::parse(&agent).map_err(|_| unknown())?;
+    if !shared.app.manager.runs_agent(&id).map_err(ApiError::from)? {
+        return Err(unknown());
+    }
     let agent = (id != AgentId::root()).then_some(id);
     run(shared, agent, body).await
 }

@@ -182,20 +182,9 @@ pub struct ModelList {
     pub data: Vec<Model>,
 }
 
-/// The agents keel can run now, root first.
-fn agents(shared: &Shared) -> Vec<AgentId> {
-    let mut out = vec![AgentId::root()];
-    if let Some((handle, _)) = &shared.app.catalog {
-        let manager = &shared.app.manager;
-        out.extend(
-            handle
-                .current()
-                .ids()
-                .filter(|id| manager.runs_agent(id))
-                .cloned(),
-        );
-    }
-    out
+/// The agents keel can run now (the catalog in force), root first.
+fn agents(shared: &Shared) -> OpenAiResult<Vec<AgentId>> {
+    Ok(shared.app.manager.agent_ids().map_err(ApiError::from)?)
 }
 
 fn model(shared: &Shared, agent: &AgentId) -> Model {
@@ -209,19 +198,20 @@ fn model(shared: &Shared, agent: &AgentId) -> Model {
 
 /// The agent a model name names (`None`: the root agent).
 fn agent_of(shared: &Shared, name: &str) -> OpenAiResult<Option<AgentId>> {
+    let known = agents(shared)?;
     let agent = name
         .strip_prefix(MODEL_PREFIX)
         .and_then(|id| AgentId::parse(id).ok())
-        .filter(|id| agents(shared).contains(id))
+        .filter(|id| known.contains(id))
         .ok_or_else(|| OpenAiError::unknown_model(name))?;
     Ok((agent != AgentId::root()).then_some(agent))
 }
 
-async fn list_models(State(shared): State<Arc<Shared>>) -> Json<ModelList> {
-    Json(ModelList {
+async fn list_models(State(shared): State<Arc<Shared>>) -> OpenAiResult<Json<ModelList>> {
+    Ok(Json(ModelList {
         object: "list".to_owned(),
-        data: agents(&shared).iter().map(|a| model(&shared, a)).collect(),
-    })
+        data: agents(&shared)?.iter().map(|a| model(&shared, a)).collect(),
+    }))
 }
 
 async fn get_model(

@@ -462,3 +462,69 @@ async fn dialogs_are_listed_by_channel_and_chat() {
     );
     assert!(ids("?chat_id=nobody").await.is_empty());
 }
+
+#[tokio::test]
+async fn a_reload_is_seen_by_the_next_request_and_a_removed_agents_dialog_refuses_turns() {
+    let t = TestServer::start(Setup {
+        agents: true,
+        ..Setup::default()
+    })
+    .await;
+    let agents = t.dir.path().join("agents");
+    let r = t.post("/api/dialogs", json!({"agent": "monitor"})).await;
+    assert_eq!(r.status(), 201);
+    let of_monitor: Value = r.json().await.unwrap();
+    let of_monitor = of_monitor["id"].as_str().unwrap().to_owned();
+
+    // critic is added (its prompt starts with a stray second frontmatter),
+    // monitor removed.
+    std::fs::write(
+        agents.join("critic.md"),
+        "---\nid: critic\ndescription: Criticizes.\nllm_profile: default\n---\n---\ntools: [read_file]\n---\nYou criticize.\n",
+    )
+    .unwrap();
+    std::fs::remove_file(agents.join("monitor.md")).unwrap();
+    let r = t.post("/api/admin/reload", json!({})).await;
+    assert_eq!(r.status(), 200);
+    let report: Value = r.json().await.unwrap();
+    insta::assert_json_snapshot!("reload_report_with_a_warning", report);
+
+    assert_eq!(
+        t.post("/api/dialogs", json!({"agent": "critic"}))
+            .await
+            .status(),
+        201
+    );
+    let r = t.post("/api/dialogs", json!({"agent": "monitor"})).await;
+    assert_eq!(r.status(), 404);
+    let models: Vec<String> = t.json("/v1/models").await["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        models,
+        [
+            "keel:root",
+            "keel:archivist",
+            "keel:critic",
+            "keel:researcher",
+            "keel:writer"
+        ]
+    );
+
+    let r = t
+        .post(
+            &format!("/api/dialogs/{of_monitor}/messages"),
+            json!({"text": "still there?"}),
+        )
+        .await;
+    assert_eq!(r.status(), 409);
+    let problem: Value = r.json().await.unwrap();
+    insta::assert_json_snapshot!("a_removed_agents_dialog_refuses_a_turn", problem);
+    // Nothing of the refused message was stored; the dialog can still be
+    // read and switched.
+    let page = t.json(&format!("/api/dialogs/{of_monitor}/messages")).await;
+    assert_eq!(page["items"], json!([]));
+}
