@@ -2,7 +2,8 @@
 //! an exposed address without a token, a token that never reaches the log,
 //! SIGTERM in the middle of a turn (nothing of its answer saved), SIGHUP
 //! reloads that keep the catalog in force when the definitions are broken,
-//! and SIGINT stopping it.
+//! a reload (REST and SIGHUP) that the next request sees everywhere, and
+//! SIGINT stopping it.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;

@@ -145,7 +145,9 @@ pub fn reference() -> Vec<KeyDoc> {
         &mut rows,
         "agents_dir",
         "unset: `<data_dir>/agents` if it exists",
-        "Directory of agent definitions (Markdown with frontmatter); must exist when set.".into(),
+        "Directory of agent definitions (Markdown with frontmatter); must exist when set. \
+         `keel serve` reads it again on SIGHUP or `POST /api/admin/reload`."
+            .into(),
     );
     text(
         &mut rows,
@@ -159,7 +161,9 @@ pub fn reference() -> Vec<KeyDoc> {
     code(
         &mut rows,
         "root_delegates",
-        "Agent ids the root agent may delegate to.".into(),
+        "Agent ids the root agent may delegate to. Read at start: a catalog reload keeps \
+         them, and is refused when one of them is no longer defined."
+            .into(),
     );
     let output_bound = keel_catalog::MAX_OUTPUT_TOKENS_BOUND;
     code(
