@@ -53,13 +53,7 @@ pub async fn run(
             );
             (None, false)
         }
-        Err(StoreError::ReadOnly(why)) => {
-            return Err(AppError::InvalidInput(format!(
-                "--repair must write {}, which is read-only here: {why}; \
-                 run keel doctor without --repair to check it",
-                db.display()
-            )))
-        }
+        Err(StoreError::ReadOnly(why)) => return Err(cannot_repair(&db, &why)),
         Err(e) => return Err(e.into()),
     };
     let options = CheckOptions {
@@ -75,10 +69,7 @@ pub async fn run(
         "repairing: migrating and recovering as a start would, then recounting message counts"
     );
     let store = Store::open(&db, Default::default()).map_err(|e| match e {
-        StoreError::ReadOnly(why) => AppError::InvalidInput(format!(
-            "--repair must write {}, which is read-only here: {why}",
-            db.display()
-        )),
+        StoreError::ReadOnly(why) => cannot_repair(&db, &why),
         e => database_err(&db)(e),
     })?;
     let activation = store
@@ -104,6 +95,14 @@ pub async fn run(
     print!("{}", render(&db, &after));
     drop(lock);
     Ok(exit_code(&after))
+}
+
+/// `--repair` on a database that cannot be written where it is.
+fn cannot_repair(db: &Path, why: &str) -> AppError {
+    database_err(db)(StoreError::ReadOnly(format!(
+        "{why}; --repair must write, so it cannot run here (without --repair, \
+         keel doctor checks the database read-only)"
+    )))
 }
 
 /// Checks on a blocking thread (the whole database is read).

@@ -161,15 +161,16 @@ impl std::fmt::Debug for Store {
 }
 
 impl Store {
-    /// Opens (creating if needed) the database at `path` and migrates it to
-    /// [`SCHEMA_VERSION`]. A newer database is refused untouched.
+    /// Opens (creating if needed) the database at `path`, or at the file its
+    /// symbolic links lead to, and migrates it to [`SCHEMA_VERSION`]. A
+    /// newer database is refused untouched.
     pub fn open(path: impl AsRef<Path>, options: StoreOptions) -> Result<Self> {
         Ok(Self {
             db: Arc::new(db::Db::open(path.as_ref(), options)?),
         })
     }
 
-    /// The database file.
+    /// The database file, every symbolic link followed.
     pub fn path(&self) -> &Path {
         self.db.path()
     }

@@ -26,6 +26,30 @@ fn a_second_lock_holder_is_refused_with_the_first_ones_name() {
     drop(second);
 }
 
+/// Two paths to one database (here two directories whose keel.db link one
+/// file, not created yet) take one lock, beside the real file.
+#[cfg(unix)]
+#[test]
+fn paths_linking_one_database_share_its_lock() {
+    let dir = tempfile::tempdir().unwrap();
+    let real = dir.path().join("real.db");
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    for link in [&a, &b] {
+        std::fs::create_dir(link).unwrap();
+        std::os::unix::fs::symlink(&real, link.join("keel.db")).unwrap();
+    }
+    let first = RuntimeLock::acquire(&a.join("keel.db"), "keel serve (pid 1 on alpha)").unwrap();
+    let root = std::fs::canonicalize(dir.path()).unwrap();
+    assert_eq!(first.path(), root.join("real.db.lock"));
+    let err = RuntimeLock::acquire(&b.join("keel.db"), "keel serve (pid 2 on beta)").unwrap_err();
+    assert!(matches!(err, StoreError::InUse { .. }), "{err}");
+    let shown = err
+        .to_string()
+        .replace(&root.display().to_string(), "<dir>")
+        .replace(&dir.path().display().to_string(), "<dir>");
+    insta::assert_snapshot!(shown, @"<dir>/b/keel.db (the file <dir>/real.db) is in use by another keel process (keel serve (pid 1 on alpha)); stop it first, or use another data directory");
+}
+
 #[tokio::test]
 async fn activation_bumps_past_stamped_runs_and_recovers_them_in_one_step() {
     let (_dir, store) = temp_store();
