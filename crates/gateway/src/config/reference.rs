@@ -548,9 +548,10 @@ pub fn reference() -> Vec<KeyDoc> {
         &mut rows,
         "server.header_timeout_secs",
         format!(
-            "Seconds a client has to send a request head before its connection is closed, \
-             1..={MAX_CLIENT_TIMEOUT_SECS}; it also bounds how long an HTTP/1 keep-alive \
-             connection waits for its next request."
+            "Seconds an HTTP/1 client has to send a request head before its connection is \
+             closed, 1..={MAX_CLIENT_TIMEOUT_SECS}; it also bounds how long a keep-alive \
+             connection waits for its next request. (An HTTP/2 connection that completes no \
+             request is closed by `server.idle_timeout_secs`.)"
         ),
     );
     code(

@@ -4,8 +4,9 @@
 //! - At most [`ConnectionLimits::max_connections`] connections are open,
 //!   below the open-file limit. When all are taken, the oldest connection
 //!   with no request in flight (one that never finished its request head,
-//!   or an idle keep-alive) is closed to make room; when every one is busy
-//!   the new connection is closed at once. A slowloris therefore evicts its
+//!   or an idle keep-alive) is closed to make room, and the loop accepts
+//!   no more until its socket is, so that open sockets never exceed the
+//!   bound; when every one is busy the new connection is closed at once. A slowloris therefore evicts its
 //!   own connections, never a client being served.
 //! - A request head must arrive within the header timeout (HTTP/1; it
 //!   also bounds an HTTP/1 keep-alive waiting for its next request), a
@@ -81,7 +82,7 @@ pub(crate) async fn serve(
                 }
             },
         };
-        let Some(slot) = slots.admit() else {
+        let Some(slot) = slots.admit().await else {
             tracing::debug!("connection closed at once: every connection is busy");
             continue;
         };
@@ -157,40 +158,72 @@ async fn serve_connection(
 /// The open connections, oldest first, each with its activity.
 struct Slots {
     max: usize,
-    open: Mutex<(u64, BTreeMap<u64, Arc<Activity>>)>,
+    state: Mutex<SlotState>,
+    /// Notified whenever a connection's socket is closed.
+    freed: Notify,
+}
+
+struct SlotState {
+    next_id: u64,
+    /// Sockets open, evicted ones included until they are closed.
+    sockets: usize,
+    /// Connections not evicted, by age.
+    open: BTreeMap<u64, Arc<Activity>>,
 }
 
 impl Slots {
     fn new(max: usize) -> Self {
         Self {
             max: max.max(1),
-            open: Mutex::new((0, BTreeMap::new())),
+            state: Mutex::new(SlotState {
+                next_id: 0,
+                sockets: 0,
+                open: BTreeMap::new(),
+            }),
+            freed: Notify::new(),
         }
     }
 
-    /// A slot for a new connection, evicting the oldest idle one if all are
-    /// taken; `None` when every open connection is busy.
-    fn admit(self: &Arc<Self>) -> Option<Arc<Slot>> {
-        let mut guard = self.open.lock();
-        let (next, open) = &mut *guard;
-        if open.len() >= self.max {
-            let oldest_idle = open
-                .iter()
-                .find(|(_, a)| a.busy.load(Ordering::Acquire) == 0)
-                .map(|(id, _)| *id)?;
-            if let Some(activity) = open.remove(&oldest_idle) {
-                activity.evicted.cancel();
+    /// A slot for a new connection. When all are taken, the oldest idle
+    /// connection is evicted and its socket awaited, so that the sockets
+    /// open never exceed the bound (nor the file descriptors reserved for
+    /// them); `None` when every open connection is busy.
+    async fn admit(self: &Arc<Self>) -> Option<Arc<Slot>> {
+        loop {
+            // Created before the count is read: a socket closed in between wakes it.
+            let freed = self.freed.notified();
+            {
+                let mut state = self.state.lock();
+                if state.sockets < self.max {
+                    return Some(self.insert(&mut state));
+                }
+                let oldest_idle = state
+                    .open
+                    .iter()
+                    .find(|(_, a)| a.busy.load(Ordering::Acquire) == 0)
+                    .map(|(id, _)| *id);
+                match oldest_idle.and_then(|id| state.open.remove(&id)) {
+                    Some(activity) => activity.evicted.cancel(),
+                    // Nothing to evict and nothing being evicted: all are busy.
+                    None if state.sockets == state.open.len() => return None,
+                    None => {}
+                }
             }
+            freed.await;
         }
-        let id = *next;
-        *next += 1;
+    }
+
+    fn insert(self: &Arc<Self>, state: &mut SlotState) -> Arc<Slot> {
+        let id = state.next_id;
+        state.next_id += 1;
+        state.sockets += 1;
         let activity = Arc::new(Activity::default());
-        open.insert(id, activity.clone());
-        Some(Arc::new(Slot {
+        state.open.insert(id, activity.clone());
+        Arc::new(Slot {
             id,
             slots: self.clone(),
             activity,
-        }))
+        })
     }
 }
 
@@ -204,7 +237,12 @@ struct Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.slots.open.lock().1.remove(&self.id);
+        {
+            let mut state = self.slots.state.lock();
+            state.sockets -= 1;
+            state.open.remove(&self.id);
+        }
+        self.slots.freed.notify_waiters();
     }
 }
 

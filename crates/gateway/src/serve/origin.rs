@@ -228,6 +228,34 @@ mod tests {
     }
 
     #[test]
+    fn two_hosts_or_a_target_that_disagrees_with_host_are_bad_requests() {
+        let verdict = |target: Option<&str>, hosts: &[&str]| {
+            let mut h = HeaderMap::new();
+            for host in hosts {
+                h.append(header::HOST, HeaderValue::from_str(host).unwrap());
+            }
+            let target: Option<Authority> = target.map(|t| t.parse().unwrap());
+            let out = match check(target.as_ref(), &h, &[]) {
+                None => "accepted".to_owned(),
+                Some(e) => format!("{} {e}", e.status().as_u16()),
+            };
+            format!("{target:?} {hosts:?}: {out}")
+        };
+        let out = [
+            verdict(None, &["127.0.0.1:7420", "attacker.example"]),
+            verdict(None, &["127.0.0.1:7420", "127.0.0.1:7420"]),
+            verdict(Some("attacker.example"), &["127.0.0.1:7420"]),
+            verdict(Some("127.0.0.1:7421"), &["127.0.0.1:7420"]),
+            verdict(Some("127.0.0.1:7420"), &["127.0.0.1:7420"]),
+            verdict(Some("LOCALHOST:7420"), &["localhost:7420"]),
+            // HTTP/2: `:authority` and no Host.
+            verdict(Some("127.0.0.1:7420"), &[]),
+            verdict(Some("attacker.example:7420"), &[]),
+        ];
+        insta::assert_snapshot!(out.join("\n"));
+    }
+
+    #[test]
     fn only_the_servers_own_origin_and_allowed_ones_pass() {
         let host = Some("127.0.0.1:7420");
         let cases: &[(Option<&str>, &[&str])] = &[
