@@ -74,25 +74,12 @@ pub(crate) async fn create(
         .map(AgentId::parse)
         .transpose()
         .map_err(|e| ApiError::BadRequest(e.to_string()))?;
-    let title = match body.title {
-        Some(t) => Some(checked_title(&t)?),
-        None => None,
-    };
     let manager = &shared.app.manager;
-    let id = manager.create_dialog(channel, chat, title, agent).await?;
+    let id = manager
+        .create_dialog(channel, chat, body.title, agent)
+        .await?;
     let record = shared.dialog_by_id(id).await?;
     Ok((StatusCode::CREATED, Json(Dialog::from(&record))))
-}
-
-/// A title as the engine stores it, checked before anything is written.
-fn checked_title(title: &str) -> ApiResult<String> {
-    let t = title.trim();
-    if t.is_empty() || t.chars().any(char::is_control) {
-        return Err(ApiError::BadRequest(
-            "a title must have text and no control characters".to_owned(),
-        ));
-    }
-    Ok(t.to_owned())
 }
 
 /// One dialog.
@@ -116,8 +103,11 @@ pub(crate) async fn rename(
     ApiJson(patch): ApiJson<DialogPatch>,
 ) -> ApiResult<Json<Dialog>> {
     let record = shared.dialog(&id).await?;
-    let title = checked_title(&patch.title)?;
-    shared.app.manager.rename_dialog(record.id, &title).await?;
+    shared
+        .app
+        .manager
+        .rename_dialog(record.id, &patch.title)
+        .await?;
     let dialog = Dialog::from(&shared.dialog_by_id(record.id).await?);
     shared.hub.publish(
         record.id,
@@ -329,17 +319,13 @@ pub(crate) async fn fork(
 ) -> ApiResult<(StatusCode, Json<Dialog>)> {
     let record = shared.dialog(&id).await?;
     let checkpoint: CheckpointId = parse_id("checkpoint", &checkpoint)?;
-    let title = match body.title {
-        Some(t) => Some(checked_title(&t)?),
-        None => None,
-    };
     let store = &shared.app.store;
     store
         .get_checkpoint(checkpoint)
         .await?
         .filter(|c| c.session_id == record.id)
         .ok_or_else(|| ApiError::NotFound(format!("checkpoint {checkpoint} not found")))?;
-    let new = shared.app.manager.fork(checkpoint, title).await?;
+    let new = shared.app.manager.fork(checkpoint, body.title).await?;
     let made = shared.dialog_by_id(new).await?;
     Ok((StatusCode::CREATED, Json(Dialog::from(&made))))
 }

@@ -251,6 +251,20 @@ async fn bad_input_is_a_precise_4xx_problem_and_changes_nothing() {
             t.post("/api/dialogs", json!({"title": "a\u{7}b"})).await,
         ),
         (
+            "bidi override in a title",
+            t.post("/api/dialogs", json!({"title": "invoice_\u{202e}fdp.exe"}))
+                .await,
+        ),
+        (
+            "zero-width character in a rename",
+            t.http
+                .patch(url(&format!("/api/dialogs/{id}")))
+                .json(&json!({"title": "Ke\u{200b}pt"}))
+                .send()
+                .await
+                .unwrap(),
+        ),
+        (
             "unknown agent",
             t.post("/api/dialogs", json!({"agent": "ghost"})).await,
         ),
