@@ -486,12 +486,14 @@ impl Checkpoint {
     }
 }
 
-/// Every checkpoint of a dialog, newest first, abandoned branches included.
+/// A page of a dialog's checkpoints, newest first, abandoned branches included.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-pub struct CheckpointList {
+pub struct CheckpointPage {
     /// The checkpoints.
     pub items: Vec<Checkpoint>,
+    /// Pass as `cursor` for the next page; `null` on the last page.
+    pub next_cursor: Option<String>,
 }
 
 /// A fork: a new dialog starting at a checkpoint.
@@ -709,11 +711,12 @@ impl From<&InboxEvent> for AgentEvent {
     }
 }
 
-/// Which of a dialog's events to list.
+/// Which page of a listing without filters (a dialog's events or
+/// checkpoints, a run's events) to return.
 #[derive(Debug, Clone, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
 #[into_params(parameter_in = Query)]
-pub struct EventListQuery {
+pub struct PageQuery {
     /// `next_cursor` of the previous page.
     #[param(
         pattern = r"^[0-9]{1,18}_[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$"
@@ -766,12 +769,14 @@ impl From<keel_store::InboxCounts> for DialogInbox {
     }
 }
 
-/// The events of a run, oldest first.
+/// A page of a run's events, oldest first.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-pub struct AgentEventList {
+pub struct RunEventPage {
     /// The events.
     pub items: Vec<AgentEvent>,
+    /// Pass as `cursor` for the next page; `null` on the last page.
+    pub next_cursor: Option<String>,
 }
 
 /// Liveness.
