@@ -12,6 +12,7 @@ pub mod message;
 pub mod provider;
 pub mod run;
 pub mod scripted;
+pub mod text;
 pub mod time;
 pub mod tool;
 pub mod usage;
@@ -27,6 +28,7 @@ pub use scripted::{
     Script, ScriptedError, ScriptedErrorKind, ScriptedProvider, ScriptedResponse, ScriptedToolCall,
     WhenExhausted,
 };
+pub use text::is_invisible;
 pub use tokio_util::sync::CancellationToken;
 pub use tool::{
     truncate_with_note, DelegationPolicy, Extensions, InputInterruptPolicy, ScopeRule, Tool,

@@ -70,7 +70,11 @@ pub enum EngineError {
     /// A slot operation that is never allowed (e.g. deleting the default slot). Not retryable.
     #[error("{0}")]
     SlotRule(String),
-    /// The input is malformed (a bad dialog address, title, slot name, memory entry …). Not retryable.
+    /// A title is empty or holds a control or format character (a bidi
+    /// override, a zero-width character …). Not retryable.
+    #[error("{0}")]
+    InvalidTitle(&'static str),
+    /// The input is malformed (a bad dialog address, slot name, memory entry …). Not retryable.
     #[error("invalid input: {0}")]
     InvalidInput(String),
     /// The model answered a summary request with no text. Retryable: another call may answer.
@@ -262,6 +266,7 @@ impl EngineError {
             EngineError::Cancelled => ToolError::Cancelled,
             EngineError::InvalidDelegation(_)
             | EngineError::InvalidInput(_)
+            | EngineError::InvalidTitle(_)
             | EngineError::UnknownAgent(_)
             | EngineError::AgentRemoved(_) => ToolError::InvalidArguments(self.to_string()),
             EngineError::MissingCallerIdentity

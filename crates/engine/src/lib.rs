@@ -30,6 +30,7 @@ mod context;
 mod coordinator;
 mod error;
 mod events;
+mod fence;
 mod gate;
 mod mailbox;
 mod manager;

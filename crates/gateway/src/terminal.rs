@@ -1,14 +1,18 @@
 //! Text for a terminal from untrusted sources (the model, tool output, files
-//! in the workspace). Control characters are shown as visible escapes rather
-//! than sent raw, so no escape sequence can move the cursor, clear or retitle
-//! the screen, hide text or set the clipboard (OSC 52); newlines and tabs
-//! pass, and a CRLF line ending becomes a newline.
+//! in the workspace, titles). Control and format characters are shown as
+//! visible escapes rather than sent raw, so no escape sequence can move the
+//! cursor, clear or retitle the screen, hide text or set the clipboard
+//! (OSC 52), and no bidi control or zero-width character can reorder or
+//! hide what is shown; newlines and tabs pass, and a CRLF line ending
+//! becomes a newline.
 
 use std::borrow::Cow;
 
-/// `text` with every control character except `\n` and `\t` replaced by its
-/// visible `\u{..}` escape: C0 (ESC, BEL, lone CR, …), DEL and C1 (such as
-/// the one-byte CSI U+009B).
+/// `text` with every control character except `\n` and `\t`, and every
+/// format character, replaced by its visible `\u{..}` escape: C0 (ESC, BEL,
+/// lone CR, …), DEL, C1 (such as the one-byte CSI U+009B), bidi controls
+/// (U+202A–U+202E, U+2066–U+2069, U+061C), zero-width characters and the
+/// rest of Unicode category Cf.
 pub fn neutralize(text: &str) -> Cow<'_, str> {
     if !text.chars().any(is_unsafe) {
         return Cow::Borrowed(text);
@@ -29,7 +33,7 @@ pub fn neutralize(text: &str) -> Cow<'_, str> {
 }
 
 fn is_unsafe(c: char) -> bool {
-    c.is_control() && c != '\n' && c != '\t'
+    keel_core::is_invisible(c) && c != '\n' && c != '\t'
 }
 
 #[cfg(test)]
@@ -43,5 +47,40 @@ mod tests {
             neutralize("\u{1b}]52;c;aGk=\u{7}copy\u{9b}2J\r\nnext\rover\u{7f}é"),
             "\\u{1b}]52;c;aGk=\\u{7}copy\\u{9b}2J\nnext\\u{d}over\\u{7f}é"
         );
+    }
+
+    #[test]
+    fn bidi_zero_width_and_format_characters_become_visible() {
+        // "invoice_" + RLO + "fdp.exe" would show as "invoice_exe.pdf".
+        assert_eq!(
+            neutralize("invoice_\u{202e}fdp.exe"),
+            "invoice_\\u{202e}fdp.exe"
+        );
+        let each = [
+            '\u{202a}',
+            '\u{202b}',
+            '\u{202c}',
+            '\u{202d}',
+            '\u{202e}',
+            '\u{2066}',
+            '\u{2067}',
+            '\u{2068}',
+            '\u{2069}',
+            '\u{61c}',
+            '\u{200b}',
+            '\u{200c}',
+            '\u{200d}',
+            '\u{200e}',
+            '\u{200f}',
+            '\u{2060}',
+            '\u{feff}',
+            '\u{ad}',
+            '\u{e0041}',
+        ];
+        for c in each {
+            let shown = neutralize(&format!("a{c}b")).into_owned();
+            assert_eq!(shown, format!("a\\u{{{:x}}}b", u32::from(c)));
+        }
+        assert!(matches!(neutralize("naïve 日本 😀 →"), Cow::Borrowed(_)));
     }
 }

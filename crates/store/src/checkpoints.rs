@@ -8,9 +8,10 @@ use rusqlite::{params, Connection, OptionalExtension, Row};
 
 use crate::error::{Result, StoreError};
 use crate::messages::{last_seq, visible_inputs};
+use crate::projection::page_fetch;
 use crate::sessions::{insert_session_tx, require_session, NewSession, SessionRecord, TimelineId};
 use crate::util::{fresh_id, non_negative, parse, parse_opt, sha256_hex, to_i64};
-use crate::Store;
+use crate::{Page, Store};
 
 /// Rows handled per transaction by prune and delete.
 const PRUNE_BATCH: usize = 256;
@@ -40,6 +41,15 @@ pub struct NewCheckpoint {
     pub turn_index: u64,
     /// Why it is taken (`Turn` or `Manual`; rollback and fork set their own).
     pub source: CheckpointSource,
+}
+
+/// Where a checkpoint listing continues: the (created_at, id) of the last item seen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CheckpointCursor {
+    /// `created_at_ms` of the last item of the previous page.
+    pub created_at_ms: i64,
+    /// `id` of the last item of the previous page.
+    pub id: CheckpointId,
 }
 
 /// A stored checkpoint.
@@ -417,6 +427,52 @@ impl Store {
     /// Every checkpoint of a session, newest first, abandoned branches included.
     pub async fn list_checkpoints(&self, session_id: SessionId) -> Result<Vec<CheckpointRecord>> {
         self.db.read(move |c| list_tx(c, &session_id)).await
+    }
+
+    /// A session's checkpoints, abandoned branches included, newest first,
+    /// `limit` (1..=1000) at a time. New checkpoints sort before every
+    /// cursor, so a page sequence never repeats or skips one.
+    pub async fn checkpoint_page(
+        &self,
+        session_id: SessionId,
+        cursor: Option<CheckpointCursor>,
+        limit: usize,
+    ) -> Result<Page<CheckpointRecord, CheckpointCursor>> {
+        let fetch = page_fetch(limit)?;
+        self.db
+            .read(move |c| {
+                let (at, id) = match &cursor {
+                    Some(cur) => (cur.created_at_ms, cur.id.to_string()),
+                    None => (i64::MAX, String::new()),
+                };
+                let mut stmt = c.prepare_cached(&format!(
+                    "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE session_id = ?1 \
+                     AND (?2 OR (created_at, id) < (?3, ?4)) \
+                     ORDER BY created_at DESC, id DESC LIMIT ?5"
+                ))?;
+                let mut rows = stmt.query(params![
+                    session_id.to_string(),
+                    cursor.is_none(),
+                    at,
+                    id,
+                    fetch
+                ])?;
+                let mut items = Vec::new();
+                while let Some(r) = rows.next()? {
+                    items.push(checkpoint_from_row(r)?);
+                }
+                let next_cursor = if items.len() > limit {
+                    items.truncate(limit);
+                    items.last().map(|c| CheckpointCursor {
+                        created_at_ms: c.created_at_ms,
+                        id: c.id,
+                    })
+                } else {
+                    None
+                };
+                Ok(Page { items, next_cursor })
+            })
+            .await
     }
 
     /// The session's newest checkpoint (the parent of its next one), if any.

@@ -106,7 +106,7 @@ pub use check::{
     check_database, CheckOptions, CheckedCounts, Finding, Invariant, InvariantReport, StateDecoder,
 };
 pub use checkpoints::{
-    CheckpointRecord, CheckpointSource, NewCheckpoint, PrunePolicy, PruneReport,
+    CheckpointCursor, CheckpointRecord, CheckpointSource, NewCheckpoint, PrunePolicy, PruneReport,
 };
 pub use counters::{CounterRepair, InboxCounts, InboxUsage};
 pub use db::{CommitStats, StoreOptions, Synchronous};

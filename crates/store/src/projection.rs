@@ -51,7 +51,9 @@ pub struct AgentChanges {
     pub events: Vec<InboxEvent>,
 }
 
-fn check_limit(limit: usize) -> Result<i64> {
+/// The rows to fetch for a page of `limit` (1..=1000): one more, to tell
+/// whether another page follows.
+pub(crate) fn page_fetch(limit: usize) -> Result<i64> {
     if limit == 0 || limit > 1000 {
         return Err(StoreError::InvalidInput(format!(
             "limit {limit} is outside 1..=1000"
@@ -65,7 +67,7 @@ impl Store {
     /// cursor, so a page sequence never repeats or skips an item however
     /// many runs start meanwhile.
     pub async fn query_runs(&self, query: RunQuery) -> Result<Page<RunRecord, RunCursor>> {
-        let fetch = check_limit(query.limit)?;
+        let fetch = page_fetch(query.limit)?;
         self.db
             .read(move |c| {
                 let (at, id) = match &query.cursor {
@@ -122,42 +124,47 @@ impl Store {
         cursor: Option<EventCursor>,
         limit: usize,
     ) -> Result<Page<InboxEvent, EventCursor>> {
-        let fetch = check_limit(limit)?;
+        let fetch = page_fetch(limit)?;
         self.db
             .read(move |c| {
                 let (at, id) = match &cursor {
                     Some(cur) => (cur.created_at_ms, cur.id.to_string()),
                     None => (i64::MAX, String::new()),
                 };
-                let mut items = query_events(
+                let items = query_events(
                     c,
                     "WHERE root_session_id = ?1 AND (?2 OR (created_at, id) < (?3, ?4)) \
                      ORDER BY created_at DESC, id DESC LIMIT ?5",
                     params![root_session_id.to_string(), cursor.is_none(), at, id, fetch],
                 )?;
-                let next_cursor = if items.len() > limit {
-                    items.truncate(limit);
-                    items.last().map(|e| EventCursor {
-                        created_at_ms: e.created_at_ms,
-                        id: e.id,
-                    })
-                } else {
-                    None
-                };
-                Ok(Page { items, next_cursor })
+                Ok(event_page(items, limit))
             })
             .await
     }
 
-    /// Inbox events about one run (its signals and completion), oldest first.
-    pub async fn run_events(&self, run_id: RunId) -> Result<Vec<InboxEvent>> {
+    /// Inbox events about one run (its signals and completion), oldest
+    /// first, `limit` (1..=1000) at a time. New events sort after every
+    /// cursor, so a page sequence never repeats or skips one.
+    pub async fn run_events(
+        &self,
+        run_id: RunId,
+        cursor: Option<EventCursor>,
+        limit: usize,
+    ) -> Result<Page<InboxEvent, EventCursor>> {
+        let fetch = page_fetch(limit)?;
         self.db
             .read(move |c| {
-                query_events(
+                let (at, id) = match &cursor {
+                    Some(cur) => (cur.created_at_ms, cur.id.to_string()),
+                    None => (i64::MIN, String::new()),
+                };
+                let items = query_events(
                     c,
-                    "WHERE run_id = ?1 ORDER BY created_at, id",
-                    [run_id.to_string()],
-                )
+                    "WHERE run_id = ?1 AND (?2 OR (created_at, id) > (?3, ?4)) \
+                     ORDER BY created_at, id LIMIT ?5",
+                    params![run_id.to_string(), cursor.is_none(), at, id, fetch],
+                )?;
+                Ok(event_page(items, limit))
             })
             .await
     }
@@ -172,7 +179,7 @@ impl Store {
         since_revision: u64,
         limit: usize,
     ) -> Result<AgentChanges> {
-        let fetch = check_limit(limit)? - 1;
+        let fetch = page_fetch(limit)? - 1;
         let since = i64::try_from(since_revision).unwrap_or(i64::MAX);
         self.db
             .read(move |c| {
@@ -196,4 +203,18 @@ impl Store {
             })
             .await
     }
+}
+
+/// The page of `limit` events out of `items` (fetched with one extra row).
+fn event_page(mut items: Vec<InboxEvent>, limit: usize) -> Page<InboxEvent, EventCursor> {
+    let next_cursor = if items.len() > limit {
+        items.truncate(limit);
+        items.last().map(|e| EventCursor {
+            created_at_ms: e.created_at_ms,
+            id: e.id,
+        })
+    } else {
+        None
+    };
+    Page { items, next_cursor }
 }

@@ -113,6 +113,8 @@ wait a moment and read /etc/hostname
 /sessions
 hello second
 /rename Better plans
+/rename Better\u{202e}snalp
+/new zero\u{200b}width
 /compact
 /compact
 /checkpoints

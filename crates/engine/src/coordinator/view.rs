@@ -6,6 +6,8 @@ use keel_core::{AgentId, CompletionPolicy, ExecutionMode, GroupId, RunId, RunSta
 use keel_store::RunRecord;
 use serde::Serialize;
 
+use crate::fence::{fence, FENCE_NOTE};
+
 /// Longest task text shown in a run view, in bytes.
 pub(crate) const TASK_PREVIEW_BYTES: usize = 200;
 
@@ -161,7 +163,7 @@ pub struct RunResult {
 }
 
 /// The text a delegate tool call returns: per run its id, agent and status,
-/// at most `preview_bytes` of its result, and where to read the rest.
+/// at most `preview_bytes` of its result fenced as data, and where to read the rest.
 pub fn project_response(response: &DelegateResponse, preview_bytes: usize) -> String {
     match response {
         DelegateResponse::Foreground {
@@ -184,31 +186,40 @@ pub fn project_response(response: &DelegateResponse, preview_bytes: usize) -> St
                     r.agent_id,
                     r.status
                 ));
+                let label = format!("run {} agent {}", r.run_id, r.agent_id);
                 match (&r.result, &r.error) {
                     (Some(text), _) => {
                         out.push_str(":\n");
+                        out.push_str(&fence(
+                            &label,
+                            &keel_core::truncate_with_note(text.clone(), preview_bytes),
+                        ));
                         if text.len() > preview_bytes {
-                            out.push_str(&keel_core::truncate_with_note(
-                                text.clone(),
-                                preview_bytes,
-                            ));
                             out.push_str(&format!(
                                 "\n(full result: agent_task {{\"action\": \"get_result\", \"run_id\": \"{}\"}})",
                                 r.run_id
                             ));
-                        } else {
-                            out.push_str(text);
                         }
                     }
                     (None, Some(err)) => {
-                        out.push_str(": ");
-                        out.push_str(&keel_core::truncate_with_note(err.clone(), preview_bytes));
+                        out.push_str(":\n");
+                        out.push_str(&fence(
+                            &label,
+                            &keel_core::truncate_with_note(err.clone(), preview_bytes),
+                        ));
                     }
                     (None, None) if !r.status.is_terminal() => {
                         out.push_str(" (still running; check it with agent_task get)");
                     }
                     (None, None) => {}
                 }
+                out.push('\n');
+            }
+            if results
+                .iter()
+                .any(|r| r.result.is_some() || r.error.is_some())
+            {
+                out.push_str(FENCE_NOTE);
                 out.push('\n');
             }
             out

@@ -25,7 +25,7 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use super::{clean_title, default_title, SessionManager};
+use super::{default_title, generated_title, SessionManager};
 use crate::context::{input_budget, messages_tokens, tools_tokens};
 use crate::error::{EngineError, Result};
 use crate::session::AgentSession;
@@ -293,7 +293,7 @@ impl SessionManager {
             temperature: None,
         };
         let title = match self.call_model(id, model, &request, cancel).await {
-            Ok(text) => match clean_title(&first_line(&text)) {
+            Ok(text) => match generated_title(&first_line(&text)) {
                 Ok(title) => title,
                 Err(e) => {
                     tracing::warn!(session_id = %id, error = %e, "the generated title is unusable; will retry after the next turn");

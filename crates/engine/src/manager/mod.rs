@@ -123,9 +123,14 @@ pub struct NewSessionSpec {
     pub agent: Option<AgentId>,
 }
 
-/// The default title of a dialog.
+/// The default title of a dialog (a dialog id may hold format characters
+/// a title may not: they are dropped).
 pub(crate) fn default_title(dialog_id: &str) -> String {
-    format!("Dialog {dialog_id}")
+    let shown: String = dialog_id
+        .chars()
+        .filter(|&c| !keel_core::is_invisible(c))
+        .collect();
+    format!("Dialog {shown}")
 }
 
 /// A fresh dialog id: 8 hex characters.
@@ -214,17 +219,30 @@ impl SessionManager {
     }
 }
 
+/// A title a user or client gave, trimmed and bounded; refused when empty
+/// or holding a control or format character (it could hide or reorder what
+/// a terminal or page shows).
 fn clean_title(title: &str) -> Result<String> {
     let t = title.trim();
     if t.is_empty() {
-        return Err(EngineError::InvalidInput("a title cannot be empty".into()));
+        return Err(EngineError::InvalidTitle("a title cannot be empty"));
     }
-    if t.chars().any(char::is_control) {
-        return Err(EngineError::InvalidInput(
-            "a title cannot contain control characters".into(),
+    if t.chars().any(keel_core::is_invisible) {
+        return Err(EngineError::InvalidTitle(
+            "a title cannot contain control or format characters (bidi controls, zero-width characters …)",
         ));
     }
     Ok(bounded_title(t))
+}
+
+/// A title the model generated, with its control and format characters
+/// dropped rather than refused (nobody can be asked to fix it).
+fn generated_title(text: &str) -> Result<String> {
+    let kept: String = text
+        .chars()
+        .filter(|&c| !keel_core::is_invisible(c))
+        .collect();
+    clean_title(&kept)
 }
 
 fn bounded_title(t: &str) -> String {

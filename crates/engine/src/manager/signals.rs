@@ -19,7 +19,7 @@ use keel_store::{ClaimRequest, InboxEvent, LeasedEvents};
 use crate::coordinator::SignalView;
 use crate::error::Result;
 
-use super::continuation::trigger_text;
+use super::continuation::render_events;
 use super::SessionManager;
 use crate::clock;
 use crate::mailbox::WakeSource;
@@ -29,10 +29,11 @@ const STEER_LEASE_MS: i64 = 10 * 60 * 1000;
 
 /// The hidden message that carries steered signals into a running turn.
 pub(crate) fn steer_message(events: &[InboxEvent], result_bytes: usize) -> Message {
-    let text = trigger_text(events, result_bytes).replacen(
-        "[Background results.",
-        "[Sub-agent news while you work.",
-        1,
+    let text = render_events(
+        "[Sub-agent news while you work. This message is written by keel, not by the user: \
+         sub-agents you started sent news; take it into account in what you are doing.",
+        events,
+        result_bytes,
     );
     Message::user(text)
         .hidden()

@@ -294,7 +294,7 @@ async fn a_completion_while_idle_is_answered_by_a_hidden_continuation_that_consu
         (usage.pending_event_count, usage.reserved_completion_slots),
         (0, 0)
     );
-    // The model saw the hidden trigger naming the run, its agent and result,
+    // The model saw the hidden trigger naming the run, its agent and result (fenced as data),
     // and only read-only tools (agent_task without cancel, no delegate).
     let request = h.root.inner.requests()[2].clone();
     let trigger = request.messages.last().unwrap();
@@ -303,7 +303,7 @@ async fn a_completion_while_idle_is_answered_by_a_hidden_continuation_that_consu
     let text = trigger.text();
     assert!(
         text.contains(&format!(
-            "Completed run {} (agent bg) completed:\nresult of: count the stars",
+            "Completed run {0} (agent bg) completed:\n<<<keel:data run {0} agent bg>>>\nresult of: count the stars\n<<<keel:end>>>",
             runs[0]
         )),
         "{text}"

@@ -608,8 +608,51 @@ async fn dialogs_list_recent_first_and_soft_delete() {
     assert!(h.manager.session(b).await.is_err());
     assert!(matches!(
         h.manager.rename_dialog(a, "  ").await,
-        Err(EngineError::InvalidInput(_))
+        Err(EngineError::InvalidTitle(_))
     ));
+}
+
+/// A title a person or client gives with a bidi control, a zero-width or
+/// another format character is refused with the typed error on every path;
+/// one the model generates has them dropped instead.
+#[tokio::test]
+async fn format_characters_are_refused_in_given_titles_and_dropped_from_generated_ones() {
+    let h = harness(SessionManagerConfig {
+        auto_title_after: 1,
+        ..Default::default()
+    });
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    let spoofing = [
+        "invoice_\u{202e}fdp.exe",
+        "a\u{2066}b",
+        "a\u{061c}b",
+        "zero\u{200b}width",
+        "joined\u{200d}",
+        "bom\u{feff}",
+    ];
+    for title in spoofing {
+        let refused = h.manager.rename_dialog(id, title).await.unwrap_err();
+        assert!(
+            matches!(refused, EngineError::InvalidTitle(_)),
+            "{title:?}: {refused}"
+        );
+        let refused = h
+            .manager
+            .create_dialog("test", "chat", Some(title.into()), None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(refused, EngineError::InvalidTitle(_)),
+            "{title:?}: {refused}"
+        );
+    }
+    let e = h.manager.rename_dialog(id, "x\u{202e}").await.unwrap_err();
+    insta::assert_snapshot!(e.to_string(), @"a title cannot contain control or format characters (bidi controls, zero-width characters …)");
+    assert_eq!(h.manager.record(id).await.unwrap().title, "Dialog d1");
+    replies(&h.provider, &["r1", "\u{202e}Launch\u{200b} plan\u{2069}"]);
+    h.manager.submit_turn(id, "hello").await.unwrap();
+    h.manager.housekeeping_settled(id).await;
+    assert_eq!(h.manager.record(id).await.unwrap().title, "Launch plan");
 }
 
 /// The answer cannot be saved (another process holds the write lock while

@@ -40,6 +40,9 @@ pub enum ApiError {
     /// The request is malformed: bad JSON, a wrong type, an unknown field, a bad id or value.
     #[error("{0}")]
     BadRequest(String),
+    /// A dialog title is empty or holds a control or format character (bidi control, zero-width …).
+    #[error("{0}")]
+    InvalidTitle(String),
     /// No valid bearer token was presented.
     #[error("a valid bearer token is required (Authorization: Bearer <token>)")]
     Unauthorized,
@@ -96,7 +99,7 @@ impl ApiError {
     /// The response status.
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::BadRequest(_) | ApiError::InvalidTitle(_) => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
@@ -114,6 +117,7 @@ impl ApiError {
     pub fn code(&self) -> &'static str {
         match self {
             ApiError::BadRequest(_) => "bad_request",
+            ApiError::InvalidTitle(_) => "invalid_title",
             ApiError::Unauthorized => "unauthorized",
             ApiError::Forbidden(_) => "forbidden",
             ApiError::NotFound(_) => "not_found",
@@ -181,6 +185,7 @@ impl From<EngineError> for ApiError {
             | EngineError::SlotNotFound(_) => ApiError::NotFound(e.to_string()),
             EngineError::UnknownAgent(_) => ApiError::NotFound(e.to_string()),
             EngineError::InvalidInput(_) => ApiError::BadRequest(e.to_string()),
+            EngineError::InvalidTitle(_) => ApiError::InvalidTitle(e.to_string()),
             EngineError::SpawnRejected => ApiError::Unavailable(e.to_string()),
             EngineError::SlotExists(_)
             | EngineError::SlotReadonly(_)

@@ -317,12 +317,20 @@ async function loadResult(run, button) {
   }
 }
 
+/** Re-reads every checkpoint of the dialog, all pages, then draws the timeline once. */
 async function loadCheckpoints() {
   const dialog = state.current;
   if (!dialog) return;
-  const list = await attempt('Reading the checkpoints', () => api('GET', `dialogs/${dialog.id}/checkpoints`));
-  if (!list || state.current?.id !== dialog.id) return;
-  state.checkpoints = list.items;
+  const all = [];
+  let cursor = null;
+  do {
+    const q = `dialogs/${dialog.id}/checkpoints?limit=200${cursor ? `&cursor=${encodeURIComponent(cursor)}` : ''}`;
+    const page = await attempt('Reading the checkpoints', () => api('GET', q));
+    if (!page || state.current?.id !== dialog.id) return;
+    all.push(...page.items);
+    cursor = page.next_cursor;
+  } while (cursor);
+  state.checkpoints = all;
   renderCheckpoints();
 }
 

@@ -1,10 +1,11 @@
 //! What clients read: message pages in both directions across a rollback,
-//! the current branch, filtered run pages, and changes after a revision.
+//! the current branch, filtered run pages, checkpoint and run event pages,
+//! and changes after a revision.
 
-use keel_core::{AgentId, CheckpointId, ExecutionMode, RunStatus, SessionId, Usage};
+use keel_core::{AgentId, CheckpointId, Delivery, ExecutionMode, RunStatus, SessionId, Usage};
 use keel_store::{
-    AcceptRun, CheckpointSource, CompletionHandling, MessagePage, NewCheckpoint, RunQuery, Store,
-    TerminalOutcome, TurnCommit,
+    AcceptRun, CheckpointSource, CompletionHandling, MessagePage, NewCheckpoint, NewSignal,
+    RunQuery, SignalLimits, Store, TerminalOutcome, TurnCommit,
 };
 
 use crate::common::*;
@@ -204,6 +205,115 @@ async fn runs_filter_and_changes_come_after_a_revision() {
         .await
         .unwrap();
     assert!(none.runs.is_empty() && none.events.is_empty());
-    let events = store.run_events(bg.id).await.unwrap();
-    assert_eq!(events.len(), 1);
+    let events = store.run_events(bg.id, None, 10).await.unwrap();
+    assert_eq!(events.items.len(), 1);
+    assert_eq!(events.next_cursor, None);
+}
+
+/// Walks a listing one `limit` at a time; `between` runs after each page.
+async fn walk<T, C, F, Fut>(mut page: F, mut between: impl AsyncFnMut()) -> Vec<T>
+where
+    F: FnMut(Option<C>) -> Fut,
+    Fut: std::future::Future<Output = keel_store::Result<keel_store::Page<T, C>>>,
+{
+    let mut seen = Vec::new();
+    let mut cursor = None;
+    loop {
+        let p = page(cursor).await.unwrap();
+        seen.extend(p.items);
+        between().await;
+        match p.next_cursor {
+            Some(c) => cursor = Some(c),
+            None => return seen,
+        }
+    }
+}
+
+#[tokio::test]
+async fn checkpoint_and_run_event_pages_give_every_item_once() {
+    let (_dir, store) = temp_store();
+    let s = store.create_session(new_session("d", 1)).await.unwrap();
+    for n in 1..=5 {
+        store.commit_turn(turn(s.id, n)).await.unwrap();
+    }
+    let all = store.list_checkpoints(s.id).await.unwrap();
+    assert_eq!(all.len(), 5);
+    // Checkpoints taken while a client pages sort before its cursor: the
+    // walk sees the five it started with, each once, newest first.
+    let mut n = 10;
+    let seen = walk(
+        |cursor| store.checkpoint_page(s.id, cursor, 2),
+        async || {
+            n += 1;
+            let mut later = turn(s.id, n);
+            later.now_ms = 5000 + i64::try_from(n).unwrap();
+            store.commit_turn(later).await.unwrap();
+        },
+    )
+    .await;
+    let ids = |cps: &[keel_store::CheckpointRecord]| cps.iter().map(|c| c.id).collect::<Vec<_>>();
+    assert_eq!(ids(&seen), ids(&all));
+    assert!(store.checkpoint_page(s.id, None, 0).await.is_err());
+    assert!(store.checkpoint_page(s.id, None, 1001).await.is_err());
+
+    // A run's signals and completion, oldest first, one page at a time.
+    let run = new_run(s.id, ExecutionMode::Background);
+    store.accept_run(accept(run.clone())).await.unwrap();
+    store
+        .mark_run_running(run.id, run.execution_id.clone(), 110)
+        .await
+        .unwrap();
+    for (i, key) in ["a", "b", "c"].into_iter().enumerate() {
+        let signal = NewSignal {
+            run_id: run.id,
+            execution_id: run.execution_id.clone(),
+            dedupe_key: Some(key.into()),
+            delivery: Delivery::Queue,
+            severity: None,
+            payload_json: format!(r#"{{"summary":"{key}"}}"#),
+            inbox_capacity: 8,
+            limits: SignalLimits {
+                max_signals: 10,
+                burst: 10,
+                min_interval_ms: 0,
+                dedupe_window_ms: 0,
+            },
+            now_ms: 200 + i64::try_from(i).unwrap(),
+        };
+        store.insert_signal(signal).await.unwrap();
+    }
+    store
+        .commit_terminal(
+            run.id,
+            run.execution_id.clone(),
+            TerminalOutcome::Completed {
+                result: "done".into(),
+                usage: Usage::new(1, 1),
+                tool_calls: 0,
+                iterations: 1,
+            },
+            CompletionHandling::Deliver,
+            300,
+        )
+        .await
+        .unwrap();
+    let whole = store.run_events(run.id, None, 100).await.unwrap().items;
+    assert_eq!(whole.len(), 4);
+    assert!(whole
+        .windows(2)
+        .all(|w| (w[0].created_at_ms, w[0].id) < (w[1].created_at_ms, w[1].id)));
+    for limit in [1, 3] {
+        let seen = walk(
+            |cursor| store.run_events(run.id, cursor, limit),
+            async || {},
+        )
+        .await;
+        let ids: Vec<_> = seen.iter().map(|e| e.id).collect();
+        assert_eq!(
+            ids,
+            whole.iter().map(|e| e.id).collect::<Vec<_>>(),
+            "limit {limit}"
+        );
+    }
+    assert!(store.run_events(run.id, None, 0).await.is_err());
 }

@@ -10,13 +10,13 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use keel_core::{AgentId, CheckpointId, SessionId};
 use keel_engine::{DialogAddress, SteerOutcome};
-use keel_store::{DialogCursor, MessagePage as StorePage};
+use keel_store::{CheckpointCursor, DialogCursor, MessagePage as StorePage};
 
 use super::{checked_text, decode_cursor, encode_cursor, page_limit, parse_id};
 use crate::serve::api::{
-    ChatMessage, Checkpoint, CheckpointList, Dialog, DialogListQuery, DialogPage, DialogPatch,
-    DialogUsage, ForkRequest, MessageListQuery, MessagePage, NewDialog, Order, SendMessage,
-    SteerReport, StopReport, TurnAccepted,
+    ChatMessage, Checkpoint, CheckpointPage, Dialog, DialogListQuery, DialogPage, DialogPatch,
+    DialogUsage, ForkRequest, MessageListQuery, MessagePage, NewDialog, Order, PageQuery,
+    SendMessage, SteerReport, StopReport, TurnAccepted,
 };
 use crate::serve::frames::ServerFrame;
 use crate::serve::openapi::Errors;
@@ -74,25 +74,12 @@ pub(crate) async fn create(
         .map(AgentId::parse)
         .transpose()
         .map_err(|e| ApiError::BadRequest(e.to_string()))?;
-    let title = match body.title {
-        Some(t) => Some(checked_title(&t)?),
-        None => None,
-    };
     let manager = &shared.app.manager;
-    let id = manager.create_dialog(channel, chat, title, agent).await?;
+    let id = manager
+        .create_dialog(channel, chat, body.title, agent)
+        .await?;
     let record = shared.dialog_by_id(id).await?;
     Ok((StatusCode::CREATED, Json(Dialog::from(&record))))
-}
-
-/// A title as the engine stores it, checked before anything is written.
-fn checked_title(title: &str) -> ApiResult<String> {
-    let t = title.trim();
-    if t.is_empty() || t.chars().any(char::is_control) {
-        return Err(ApiError::BadRequest(
-            "a title must have text and no control characters".to_owned(),
-        ));
-    }
-    Ok(t.to_owned())
 }
 
 /// One dialog.
@@ -116,8 +103,11 @@ pub(crate) async fn rename(
     ApiJson(patch): ApiJson<DialogPatch>,
 ) -> ApiResult<Json<Dialog>> {
     let record = shared.dialog(&id).await?;
-    let title = checked_title(&patch.title)?;
-    shared.app.manager.rename_dialog(record.id, &title).await?;
+    shared
+        .app
+        .manager
+        .rename_dialog(record.id, &patch.title)
+        .await?;
     let dialog = Dialog::from(&shared.dialog_by_id(record.id).await?);
     shared.hub.publish(
         record.id,
@@ -276,19 +266,29 @@ pub(crate) async fn usage(
     Ok(Json(shared.app.manager.usage(record.id).await?.into()))
 }
 
-/// Every checkpoint of the dialog, newest first, as a tree through `parent_id`.
+/// The dialog's checkpoints, newest first, as a tree through `parent_id`.
 #[utoipa::path(get, path = "/api/dialogs/{id}/checkpoints", tag = "checkpoints",
-    params(("id" = uuid::Uuid, Path, description = "The dialog's id")),
-    responses((status = 200, description = "The checkpoints", body = CheckpointList), Errors))]
+    params(("id" = uuid::Uuid, Path, description = "The dialog's id"), PageQuery),
+    responses((status = 200, description = "A page of checkpoints", body = CheckpointPage), Errors))]
 pub(crate) async fn checkpoints(
     State(shared): State<Arc<Shared>>,
     ApiPath(id): ApiPath<String>,
-) -> ApiResult<Json<CheckpointList>> {
+    ApiQuery(q): ApiQuery<PageQuery>,
+) -> ApiResult<Json<CheckpointPage>> {
     let record = shared.dialog(&id).await?;
+    let limit = page_limit(q.limit)?;
+    let cursor = match q.cursor.as_deref() {
+        None => None,
+        Some(c) => {
+            let (created_at_ms, id) = decode_cursor(c)?;
+            Some(CheckpointCursor { created_at_ms, id })
+        }
+    };
     let store = &shared.app.store;
     let ranges = store.history_ranges(record.id).await?;
-    let list = shared.app.manager.list_checkpoints(record.id).await?;
-    let items = list
+    let page = store.checkpoint_page(record.id, cursor, limit).await?;
+    let items = page
+        .items
         .iter()
         .map(|c| {
             let current = ranges
@@ -297,7 +297,12 @@ pub(crate) async fn checkpoints(
             Checkpoint::from_record(c, current)
         })
         .collect();
-    Ok(Json(CheckpointList { items }))
+    Ok(Json(CheckpointPage {
+        items,
+        next_cursor: page
+            .next_cursor
+            .map(|c| encode_cursor(c.created_at_ms, c.id)),
+    }))
 }
 
 /// Goes back to a checkpoint: a new branch starts there (after the running
@@ -329,17 +334,13 @@ pub(crate) async fn fork(
 ) -> ApiResult<(StatusCode, Json<Dialog>)> {
     let record = shared.dialog(&id).await?;
     let checkpoint: CheckpointId = parse_id("checkpoint", &checkpoint)?;
-    let title = match body.title {
-        Some(t) => Some(checked_title(&t)?),
-        None => None,
-    };
     let store = &shared.app.store;
     store
         .get_checkpoint(checkpoint)
         .await?
         .filter(|c| c.session_id == record.id)
         .ok_or_else(|| ApiError::NotFound(format!("checkpoint {checkpoint} not found")))?;
-    let new = shared.app.manager.fork(checkpoint, title).await?;
+    let new = shared.app.manager.fork(checkpoint, body.title).await?;
     let made = shared.dialog_by_id(new).await?;
     Ok((StatusCode::CREATED, Json(Dialog::from(&made))))
 }

@@ -12,8 +12,8 @@ use keel_store::{EventCursor, RunCursor, RunQuery, RunRecord};
 
 use super::{decode_cursor, encode_cursor, page_limit, parse_id};
 use crate::serve::api::{
-    AgentEvent, AgentEventList, AgentEventPage, AgentRun, AgentRunPage, DialogInbox,
-    EventListQuery, RunListQuery,
+    AgentEvent, AgentEventPage, AgentRun, AgentRunPage, DialogInbox, PageQuery, RunEventPage,
+    RunListQuery,
 };
 use crate::serve::openapi::Errors;
 use crate::serve::problem::{ApiError, ApiPath, ApiQuery, ApiResult};
@@ -153,39 +153,53 @@ pub(crate) async fn get_one(
 
 /// The run's signals and completion, oldest first.
 #[utoipa::path(get, path = "/api/agent-runs/{id}/events", tag = "agent-runs",
-    params(("id" = uuid::Uuid, Path, description = "The run's id")),
-    responses((status = 200, description = "The run's events", body = AgentEventList), Errors))]
+    params(("id" = uuid::Uuid, Path, description = "The run's id"), PageQuery),
+    responses((status = 200, description = "A page of the run's events", body = RunEventPage), Errors))]
 pub(crate) async fn events(
     State(shared): State<Arc<Shared>>,
     ApiPath(id): ApiPath<String>,
-) -> ApiResult<Json<AgentEventList>> {
+    ApiQuery(q): ApiQuery<PageQuery>,
+) -> ApiResult<Json<RunEventPage>> {
     let run = shared.run(&id).await?;
-    let events = shared.app.store.run_events(run.spec.id).await?;
-    Ok(Json(AgentEventList {
-        items: events.iter().map(AgentEvent::from).collect(),
+    let limit = page_limit(q.limit)?;
+    let cursor = event_cursor(q.cursor.as_deref())?;
+    let page = shared
+        .app
+        .store
+        .run_events(run.spec.id, cursor, limit)
+        .await?;
+    Ok(Json(RunEventPage {
+        items: page.items.iter().map(AgentEvent::from).collect(),
+        next_cursor: page
+            .next_cursor
+            .map(|c| encode_cursor(c.created_at_ms, c.id)),
     }))
+}
+
+/// The event a `cursor` query parameter names, if any.
+fn event_cursor(cursor: Option<&str>) -> ApiResult<Option<EventCursor>> {
+    cursor
+        .map(|c| {
+            let (created_at_ms, id) = decode_cursor(c)?;
+            Ok(EventCursor { created_at_ms, id })
+        })
+        .transpose()
 }
 
 /// A dialog's signals and completions (whatever their delivery status),
 /// newest first, with the dialog's revision read before them.
 #[utoipa::path(get, path = "/api/dialogs/{id}/agent-events", tag = "agent-runs",
-    params(("id" = uuid::Uuid, Path, description = "The dialog's id"), EventListQuery),
+    params(("id" = uuid::Uuid, Path, description = "The dialog's id"), PageQuery),
     responses((status = 200, description = "A page of the dialog's events", body = AgentEventPage), Errors))]
 pub(crate) async fn dialog_events(
     State(shared): State<Arc<Shared>>,
     ApiPath(id): ApiPath<String>,
-    ApiQuery(q): ApiQuery<EventListQuery>,
+    ApiQuery(q): ApiQuery<PageQuery>,
 ) -> ApiResult<Json<AgentEventPage>> {
     let record = shared.dialog(&id).await?;
     let store = &shared.app.store;
     let limit = page_limit(q.limit)?;
-    let cursor = match q.cursor.as_deref() {
-        None => None,
-        Some(c) => {
-            let (created_at_ms, id) = decode_cursor(c)?;
-            Some(EventCursor { created_at_ms, id })
-        }
-    };
+    let cursor = event_cursor(q.cursor.as_deref())?;
     let revision = store.inbox_usage(record.id).await?.revision;
     let page = store.query_session_events(record.id, cursor, limit).await?;
     Ok(Json(AgentEventPage {

@@ -261,6 +261,20 @@ async fn bad_input_is_a_precise_4xx_problem_and_changes_nothing() {
             t.post("/api/dialogs", json!({"title": "a\u{7}b"})).await,
         ),
         (
+            "bidi override in a title",
+            t.post("/api/dialogs", json!({"title": "invoice_\u{202e}fdp.exe"}))
+                .await,
+        ),
+        (
+            "zero-width character in a rename",
+            t.http
+                .patch(url(&format!("/api/dialogs/{id}")))
+                .json(&json!({"title": "Ke\u{200b}pt"}))
+                .send()
+                .await
+                .unwrap(),
+        ),
+        (
             "unknown agent",
             t.post("/api/dialogs", json!({"agent": "ghost"})).await,
         ),
@@ -385,6 +399,172 @@ async fn pages_neither_repeat_nor_skip_while_items_are_inserted() {
         .map(|m| m["seq"].as_i64().unwrap())
         .collect();
     assert_eq!(&seqs[..first.len()], first.as_slice(), "nothing skipped");
+}
+
+#[tokio::test]
+async fn checkpoints_and_run_events_page_every_item_once() {
+    let t = TestServer::start(Setup::default()).await;
+    let id = t.dialog("Paged").await;
+    for i in 0..7 {
+        t.send_streamed(&id, &format!("m{i}")).await;
+    }
+    let whole = t
+        .json(&format!("/api/dialogs/{id}/checkpoints?limit=200"))
+        .await;
+    let expected: Vec<String> = whole["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].to_string())
+        .collect();
+    assert_eq!(expected.len(), 7, "{whole:#}");
+    assert_eq!(whole["next_cursor"], Value::Null);
+    let first = t
+        .json(&format!("/api/dialogs/{id}/checkpoints?limit=3"))
+        .await;
+    assert_eq!(first["items"].as_array().unwrap().len(), 3);
+    assert!(first["next_cursor"].is_string(), "{first:#}");
+    let paged = all_pages(
+        &t,
+        &format!("/api/dialogs/{id}/checkpoints?limit=3"),
+        "id",
+        async || {},
+    )
+    .await;
+    assert_eq!(paged, expected);
+
+    // A run with three signals and its completion, read two at a time.
+    let session: keel_core::SessionId = id.parse().unwrap();
+    let run = run_with_events(&t.store, session, 3).await;
+    let whole = t
+        .json(&format!("/api/agent-runs/{run}/events?limit=200"))
+        .await;
+    let expected: Vec<String> = whole["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["id"].to_string())
+        .collect();
+    assert_eq!(expected.len(), 4, "{whole:#}");
+    let first = t
+        .json(&format!("/api/agent-runs/{run}/events?limit=2"))
+        .await;
+    assert_eq!(first["items"].as_array().unwrap().len(), 2);
+    assert!(first["next_cursor"].is_string(), "{first:#}");
+    let paged = all_pages(
+        &t,
+        &format!("/api/agent-runs/{run}/events?limit=2"),
+        "id",
+        async || {},
+    )
+    .await;
+    assert_eq!(paged, expected);
+
+    for path in [
+        format!("/api/dialogs/{id}/checkpoints"),
+        format!("/api/agent-runs/{run}/events"),
+    ] {
+        for query in ["cursor=zzz", "cursor=1_2", "limit=0", "limit=201"] {
+            let r = t
+                .http
+                .get(format!("{}{path}?{query}", t.base))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 400, "{path}?{query}");
+            let body: Value = r.json().await.unwrap();
+            assert_eq!(body["code"], "bad_request", "{path}?{query}");
+        }
+    }
+}
+
+/// A background run of `session`, running, with `signals` signals and then
+/// its completion in the inbox.
+async fn run_with_events(
+    store: &keel_store::Store,
+    session: keel_core::SessionId,
+    signals: usize,
+) -> keel_core::RunId {
+    use keel_core::{AgentId, Delivery, ExecutionMode, RunId, Usage};
+    let id = RunId::new();
+    let execution_id = format!("exec-{id}");
+    let run = keel_store::NewRun {
+        id,
+        root_session_id: session,
+        root_turn_id: None,
+        parent_run_id: None,
+        caller_agent_id: AgentId::parse("root").unwrap(),
+        caller_scope_id: "root-turn".into(),
+        idempotency_key: None,
+        agent_id: AgentId::parse("researcher").unwrap(),
+        definition_hash: "d".repeat(64),
+        provider_profile: "default".into(),
+        provider_name: "scripted".into(),
+        model_id: "scripted-1".into(),
+        mode: ExecutionMode::Background,
+        depth: 1,
+        plan_item_id: None,
+        execution_id: execution_id.clone(),
+        task: "look things up".into(),
+        context_json: None,
+        budget_json: "{}".into(),
+        signal_contract_json: None,
+        signal_delivery: Some(Delivery::Queue),
+        completion_delivery: Some(Delivery::Queue),
+        failure_delivery: Some(Delivery::Queue),
+        runtime_generation: 1,
+        deadline_at_ms: i64::MAX / 2,
+    };
+    store
+        .accept_run(keel_store::AcceptRun {
+            run,
+            inbox_capacity: 16,
+            now_ms: 100,
+        })
+        .await
+        .unwrap();
+    store
+        .mark_run_running(id, execution_id.clone(), 110)
+        .await
+        .unwrap();
+    for i in 0..signals {
+        let now_ms = 200 + i64::try_from(i).unwrap();
+        store
+            .insert_signal(keel_store::NewSignal {
+                run_id: id,
+                execution_id: execution_id.clone(),
+                dedupe_key: Some(format!("s{i}")),
+                delivery: Delivery::Queue,
+                severity: None,
+                payload_json: format!(r#"{{"summary":"step {i}"}}"#),
+                inbox_capacity: 16,
+                limits: keel_store::SignalLimits {
+                    max_signals: 100,
+                    burst: 100,
+                    min_interval_ms: 0,
+                    dedupe_window_ms: 0,
+                },
+                now_ms,
+            })
+            .await
+            .unwrap();
+    }
+    store
+        .commit_terminal(
+            id,
+            execution_id,
+            keel_store::TerminalOutcome::Completed {
+                result: "done".into(),
+                usage: Usage::new(1, 1),
+                tool_calls: 0,
+                iterations: 1,
+            },
+            keel_store::CompletionHandling::Deliver,
+            300,
+        )
+        .await
+        .unwrap();
+    id
 }
 
 #[tokio::test]
