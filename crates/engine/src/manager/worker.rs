@@ -103,6 +103,7 @@ struct UserTask {
 #[derive(Clone)]
 pub(super) struct ActiveTurn {
     pub(super) turn_id: TurnId,
+    origin: TurnOrigin,
     cancel: CancellationToken,
     pub(super) mailbox: Arc<TurnMailbox>,
     /// Becomes true once the turn ended and everything it held is released.
@@ -110,7 +111,6 @@ pub(super) struct ActiveTurn {
 }
 
 /// State a worker shares with senders, wakers, steer and stop.
-#[derive(Default)]
 pub(super) struct WorkerShared {
     wake: Notify,
     wake_pending: AtomicBool,
@@ -118,9 +118,39 @@ pub(super) struct WorkerShared {
     /// the next inbox wake. Read and written under `active`'s lock.
     paused: AtomicBool,
     active: Mutex<Option<ActiveTurn>>,
-    /// Held by the worker for each turn with what it claimed and releases;
-    /// `/stop` waits on it so it returns only once nothing is held.
-    busy: tokio::sync::Mutex<()>,
+    /// Counts the worker's turns, each with what it claimed and releases:
+    /// odd while one is in progress. `/stop` waits for the one in progress
+    /// when it came to end, so it returns once nothing is held — and not
+    /// after a turn queued behind it.
+    busy: watch::Sender<u64>,
+}
+
+impl Default for WorkerShared {
+    fn default() -> Self {
+        Self {
+            wake: Notify::new(),
+            wake_pending: AtomicBool::new(false),
+            paused: AtomicBool::new(false),
+            active: Mutex::new(None),
+            busy: watch::Sender::new(0),
+        }
+    }
+}
+
+/// One turn of the worker with what it claims and releases; ends on drop.
+struct Busy<'a>(&'a watch::Sender<u64>);
+
+impl<'a> Busy<'a> {
+    fn start(busy: &'a watch::Sender<u64>) -> Self {
+        busy.send_modify(|n| *n += 1);
+        Self(busy)
+    }
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n += 1);
+    }
 }
 
 /// How a turn on the worker ended.
@@ -237,14 +267,15 @@ impl SessionManager {
     pub async fn stop(self: &Arc<Self>, session: SessionId) -> Result<StopReport> {
         self.housekeeping.cancel(session);
         let mut report = StopReport {
-            turn: self.halt(session).await,
+            turn: self.halt(session, false).await,
             ..StopReport::default()
         };
         if let Some(coordinator) = &self.bundle.coordinator {
             report.runs_cancelled = coordinator.stop_background_runs(session).await?;
             // A signal of a run being cancelled may have woken the inbox
-            // meanwhile: stop whatever that started, too.
-            if let Some(turn) = self.halt(session).await {
+            // meanwhile: stop the continuation that started, too (a user
+            // turn queued behind the stopped one runs).
+            if let Some(turn) = self.halt(session, true).await {
                 report.turn.get_or_insert(turn);
             }
         }
@@ -252,29 +283,41 @@ impl SessionManager {
         Ok(report)
     }
 
-    /// Pauses the inbox of `session`, cancels its running turn and waits
-    /// until that turn ended and released what it held. Returns the turn.
-    async fn halt(&self, session: SessionId) -> Option<TurnId> {
+    /// Pauses the inbox of `session`, cancels its running turn (only a
+    /// continuation when `continuations_only`) and waits until the worker's
+    /// turn in progress ended and released what it held — not for a user
+    /// turn queued behind it, which runs. Returns the cancelled turn.
+    async fn halt(&self, session: SessionId, continuations_only: bool) -> Option<TurnId> {
         let shared = self
             .workers
             .lock()
             .get(&session)
             .map(|h| Arc::clone(&h.shared))?;
-        let running = {
+        let (running, in_progress) = {
             let active = shared.active.lock();
             // Under the lock a continuation about to register sees it
             // and does not start; one that registered is cancelled here.
             shared.paused.store(true, Ordering::Release);
-            active.clone()
+            (active.clone(), *shared.busy.borrow())
         };
+        if continuations_only
+            && running
+                .as_ref()
+                .is_some_and(|a| a.origin == TurnOrigin::User)
+        {
+            return None;
+        }
         let mut stopped = None;
         if let Some(mut active) = running {
             active.cancel.cancel();
             let _ = active.done.wait_for(|done| *done).await;
             stopped = Some(active.turn_id);
         }
-        // Whatever the worker claimed for the turn is released by now.
-        drop(shared.busy.lock().await);
+        if in_progress % 2 == 1 {
+            // Whatever the worker claimed for that turn is released then.
+            let mut busy = shared.busy.subscribe();
+            let _ = busy.wait_for(|n| *n != in_progress).await;
+        }
         stopped
     }
 
@@ -414,7 +457,7 @@ impl SessionManager {
                                 || u128::from(waited) >= policy.max_wait.as_millis();
                             if first {
                                 state.user_burst = 0;
-                                let _busy = shared.busy.lock().await;
+                                let _busy = Busy::start(&shared.busy);
                                 if !self.run_continuation(session, shared).await {
                                     state.inbox_due = false;
                                 }
@@ -434,7 +477,7 @@ impl SessionManager {
             if state.inbox_due {
                 state.user_burst += 1;
             }
-            let _busy = shared.busy.lock().await;
+            let _busy = Busy::start(&shared.busy);
             self.run_user_turn(session, shared, state, task).await;
             return Step::Again;
         }
@@ -515,6 +558,7 @@ impl SessionManager {
             }
             *active = Some(ActiveTurn {
                 turn_id,
+                origin,
                 cancel: cancel.clone(),
                 mailbox: Arc::clone(&mailbox),
                 done: done_rx,

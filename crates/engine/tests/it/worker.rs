@@ -265,3 +265,39 @@ async fn a_feed_nobody_reads_fast_enough_reports_the_lag() {
     drop(feed);
     assert!(!h.manager.events().has_subscribers(id));
 }
+
+#[tokio::test(start_paused = true)]
+async fn stop_answers_before_the_turn_queued_behind_the_stopped_one_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let provider = HeldProvider::new(ScriptedProvider::new([ScriptedResponse::text("b done")]));
+    let manager = manager_with(
+        open_store(dir.path()),
+        provider.clone(),
+        SessionManagerConfig::default(),
+    );
+    let id = manager.create(spec("d1")).await.unwrap();
+    let running = manager.send(id, Message::user("a")).await.unwrap();
+    provider.wait_started().await;
+    let queued = manager.send(id, Message::user("b")).await.unwrap();
+    // The queued turn's model call is held until after /stop returned: a
+    // stop that waited for it would never return (paused time then fires
+    // the timeout at once).
+    let report = tokio::time::timeout(std::time::Duration::from_secs(60), manager.stop(id))
+        .await
+        .expect("stop answers while the queued turn still runs")
+        .unwrap();
+    assert_eq!(report.turn, Some(running.turn_id()));
+    assert!(running.outcome().await.unwrap_err().is_cancelled());
+    provider.wait_started().await;
+    assert_eq!(
+        manager.running_turn(id),
+        Some(queued.turn_id()),
+        "the queued turn runs"
+    );
+    provider.release.add_permits(1);
+    assert_eq!(
+        queued.outcome().await.unwrap().output.final_text(),
+        "b done"
+    );
+    assert_eq!(unanswered(&manager, id).await, ["a"]);
+}
