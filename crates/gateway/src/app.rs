@@ -231,7 +231,7 @@ impl App {
             notices,
             generation: activation.generation,
             lock,
-            recovered: activation.recovery.sessions_with_due_events,
+            recovered: activation.recovery.sessions_with_inbox_work,
         })
     }
 }

@@ -442,9 +442,12 @@ impl SessionManager {
         if state.inbox_due && !paused {
             let policy = &self.config.inbox;
             let now = clock::now_ms();
-            match self.store.inbox_schedule(session, now).await {
+            let ttl = super::continuation::millis(policy.event_ttl);
+            match self.store.inbox_schedule(session, now, ttl).await {
                 Ok(schedule) => {
-                    if schedule.untold_dead_letters > 0 {
+                    if schedule.expired > 0 {
+                        self.dead_letter_expired(session, now).await;
+                    } else if schedule.untold_dead_letters > 0 {
                         self.tell_dead_letters(session).await;
                     }
                     state.next_inbox_at = schedule.next_due_at_ms;
