@@ -311,3 +311,112 @@ fn sighup_reloads_the_agents_and_keeps_the_catalog_when_they_are_broken() {
     served.stderr_until("stopped");
     assert!(served.child.wait().unwrap().success());
 }
+
+/// The visible messages of dialog `id`: (role, text, unanswered).
+async fn history(http: &reqwest::Client, url: &str) -> Vec<(String, String, bool)> {
+    let page: serde_json::Value = http.get(url).send().await.unwrap().json().await.unwrap();
+    page["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["role"].as_str().unwrap().to_owned(),
+                m["text"].as_str().unwrap().to_owned(),
+                m["unanswered"].as_bool().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn kill_9_with_messages_queued_behind_a_running_turn_runs_every_acknowledged_one_after_restart() {
+    const QUEUED: usize = 12;
+    let data = tempfile::tempdir().unwrap();
+    // The first turn's answer never finishes: every later message queues.
+    std::fs::write(
+        data.path().join("script.yaml"),
+        "- text: \"first second\"\n  chunk_delay_ms: 600000\n",
+    )
+    .unwrap();
+    std::fs::write(
+        data.path().join("keel.toml"),
+        "[providers.default]\nkind = \"scripted\"\nscript = \"script.yaml\"\n",
+    )
+    .unwrap();
+    let mut served = Served::start(data.path());
+    let rt = runtime();
+    let http = reqwest::Client::new();
+    let (id, accepted) = rt.block_on(async {
+        let dialog: serde_json::Value = http
+            .post(served.url("/api/dialogs"))
+            .json(&serde_json::json!({"title": "Queued"}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let id = dialog["id"].as_str().unwrap().to_owned();
+        let messages = served.url(&format!("/api/dialogs/{id}/messages"));
+        let response = http
+            .post(&messages)
+            .header("accept", "text/event-stream")
+            .json(&serde_json::json!({"text": "start"}))
+            .send()
+            .await
+            .unwrap();
+        let mut stream = response.bytes_stream();
+        let mut seen = String::new();
+        while !seen.contains("event: text_delta") {
+            let chunk = stream.next().await.unwrap().unwrap();
+            seen.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        let mut accepted = Vec::new();
+        for n in 0..QUEUED {
+            let response = http
+                .post(&messages)
+                .json(&serde_json::json!({"text": format!("queued {n}")}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(response.status(), 202);
+            accepted.push(format!("queued {n}"));
+        }
+        (id, accepted)
+    });
+    served.signal("KILL");
+    served.child.wait().unwrap();
+    // The next process answers at once.
+    std::fs::write(
+        data.path().join("script.yaml"),
+        "- text: \"answered\"\n".repeat(QUEUED + 1),
+    )
+    .unwrap();
+    let served = Served::start(data.path());
+    let url = served.url(&format!("/api/dialogs/{id}/messages?order=asc"));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let saved = rt.block_on(async {
+        loop {
+            let saved = history(&http, &url).await;
+            let answers = saved
+                .iter()
+                .filter(|(role, ..)| role == "assistant")
+                .count();
+            // The history tells when every turn ran; nothing else can.
+            if answers == QUEUED || std::time::Instant::now() > deadline {
+                return saved;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    });
+    // The running turn's message stays, unanswered; every queued one ran, in
+    // the order it was acknowledged, each followed by its answer.
+    let mut expected = vec![("user".to_owned(), "start".to_owned(), true)];
+    for text in accepted {
+        expected.push(("user".to_owned(), text, false));
+        expected.push(("assistant".to_owned(), "answered".to_owned(), false));
+    }
+    assert_eq!(saved, expected);
+    served.signal("TERM");
+}

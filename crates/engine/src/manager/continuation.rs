@@ -162,6 +162,7 @@ impl SessionManager {
                 vec![trigger],
                 CancellationToken::new(),
                 Some(answers.clone()),
+                false,
             )
             .await;
         if let Err(e) = &end.result {

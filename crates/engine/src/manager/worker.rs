@@ -95,6 +95,9 @@ pub struct StopReport {
 struct UserTask {
     turn_id: TurnId,
     input: Message,
+    /// Its input is queued in the store (every sent turn; not steer the
+    /// model never read, which runs as the next turn from memory).
+    queued: bool,
     cancel: CancellationToken,
     reply: Option<oneshot::Sender<Result<TurnReport>>>,
 }
@@ -200,8 +203,10 @@ struct WorkerState {
 
 impl SessionManager {
     /// Queues a user turn of `session` with `input` (a user message) and
-    /// returns at once with its ticket; the turn runs on the session's
-    /// worker after the turns queued before it. Fails with
+    /// returns with its ticket once the input is committed to the store's
+    /// queue (durable from then on; a process that dies before the turn
+    /// starts leaves it for [`Self::resume_queued`]). The turn runs on the
+    /// session's worker after the turns queued before it. Fails with
     /// [`EngineError::SessionBusy`] when the session's queue is full.
     pub async fn send(self: &Arc<Self>, session: SessionId, input: Message) -> Result<TurnTicket> {
         if input.role != keel_core::Role::User {
@@ -211,23 +216,71 @@ impl SessionManager {
         }
         // Fail now, not in the ticket, for a session that does not exist.
         self.session(session).await?;
+        if self.queue_full(session) {
+            return Err(EngineError::SessionBusy {
+                queued: self.config.user_queue,
+            });
+        }
         let turn_id = TurnId::new();
+        self.store
+            .queue_input(keel_store::QueuedInput {
+                session_id: session,
+                turn_id,
+                message: input.clone(),
+                queued_at_ms: keel_core::time::now_ms(),
+            })
+            .await?;
         let cancel = CancellationToken::new();
         let (reply, outcome) = oneshot::channel();
-        self.enqueue(
-            session,
-            UserTask {
-                turn_id,
-                input,
-                cancel: cancel.clone(),
-                reply: Some(reply),
-            },
-        )?;
+        let task = UserTask {
+            turn_id,
+            input,
+            queued: true,
+            cancel: cancel.clone(),
+            reply: Some(reply),
+        };
+        if let Err(e) = self.enqueue(session, task) {
+            // Not acknowledged: the input leaves the queue it was committed to.
+            self.store.discard_queued_input(turn_id).await?;
+            return Err(e);
+        }
         Ok(TurnTicket {
             turn_id,
             cancel,
             outcome,
         })
+    }
+
+    /// Queues the turns of every input a dead process acknowledged but never
+    /// started, in the order they were acknowledged; they run like any sent
+    /// turn (no ticket waits for them). Those a full session queue refuses
+    /// stay queued in the store for the next start. Returns how many were queued.
+    pub async fn resume_queued(self: &Arc<Self>) -> Result<usize> {
+        let mut resumed = 0;
+        for input in self.store.queued_inputs().await? {
+            let task = UserTask {
+                turn_id: input.turn_id,
+                input: input.message,
+                queued: true,
+                cancel: CancellationToken::new(),
+                reply: None,
+            };
+            match self.enqueue(input.session_id, task) {
+                Ok(()) => resumed += 1,
+                Err(e) => {
+                    tracing::warn!(session_id = %input.session_id, turn_id = %input.turn_id, error = %e, "a queued input stays queued for the next start");
+                }
+            }
+        }
+        Ok(resumed)
+    }
+
+    /// Whether the user queue of `session`'s worker has no room.
+    fn queue_full(&self, session: SessionId) -> bool {
+        self.workers
+            .lock()
+            .get(&session)
+            .is_some_and(|h| h.user_tx.capacity() == 0)
     }
 
     /// Runs a user turn with `input` to its end (queued like [`Self::send`]).
@@ -517,6 +570,7 @@ impl SessionManager {
                 vec![task.input],
                 task.cancel,
                 None,
+                task.queued,
             )
             .await;
         let result = end.result;
@@ -526,6 +580,7 @@ impl SessionManager {
                 state.carried.push_back(UserTask {
                     turn_id: TurnId::new(),
                     input,
+                    queued: false,
                     cancel: CancellationToken::new(),
                     reply: None,
                 });
@@ -539,7 +594,9 @@ impl SessionManager {
     /// Runs one turn on the worker: registers it for steer and stop,
     /// streams its events to the session feed, commits it (consuming
     /// `answers` with it), publishes the outcome, and releases inbox events
-    /// steered into it that it never read.
+    /// steered into it that it never read. A `queued` input (see
+    /// [`Self::send`]) that cannot start is withdrawn from the queue; one
+    /// cancelled before it started stays queued for the next process.
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn run_turn(
         self: &Arc<Self>,
@@ -550,6 +607,7 @@ impl SessionManager {
         input: Vec<Message>,
         cancel: CancellationToken,
         answers: Option<LeasedEvents>,
+        queued: bool,
     ) -> TurnEnd {
         let mailbox = Arc::new(TurnMailbox::new(turn_id, self.config.mailbox));
         let (done_tx, done_rx) = watch::channel(false);
@@ -585,10 +643,16 @@ impl SessionManager {
                     cancel,
                     read_only: origin != TurnOrigin::User,
                     answers,
+                    queued,
                 },
             )
             .await
         };
+        if let Err(e) = &started {
+            if queued && !e.is_cancelled() {
+                self.withdraw_queued(session, turn_id).await;
+            }
+        }
         let mut input_kept = false;
         let result = match started {
             Err(e) => Err(e),
@@ -647,6 +711,15 @@ impl SessionManager {
             result,
             unread: leftovers.user,
             done: done_tx,
+        }
+    }
+
+    /// Takes the input of a turn that could not start off the store's queue
+    /// (it was refused like a message sent to a read-only slot), so no later
+    /// process runs it.
+    async fn withdraw_queued(&self, session: SessionId, turn_id: TurnId) {
+        if let Err(e) = self.store.discard_queued_input(turn_id).await {
+            tracing::warn!(session_id = %session, turn_id = %turn_id, error = %e, "withdrawing a queued input that could not start failed; the next start runs it");
         }
     }
 

@@ -272,7 +272,7 @@ impl Server {
             .with_graceful_shutdown(stop_accepting.clone().cancelled_owned());
         let task = tokio::spawn(async move { serve.await });
         // Serving now: results an earlier process left are delivered.
-        shared.app.deliver_recovered();
+        shared.app.deliver_recovered().await?;
         Ok(Server {
             addr,
             shared,

@@ -198,6 +198,7 @@ async fn activation_closes_the_inputs_a_dead_process_left_open() {
                 session_id: s.id,
                 messages: vec![user("typed before the crash")],
                 expected_head: None,
+                queued: None,
                 now_ms: 2,
             })
             .await
