@@ -420,3 +420,90 @@ fn kill_9_with_messages_queued_behind_a_running_turn_runs_every_acknowledged_one
     assert_eq!(saved, expected);
     served.signal("TERM");
 }
+
+/// (status, attempt_count) of the inbox events in `data`'s database, read
+/// through SQLite while keel runs.
+fn inbox_events(data: &Path) -> Vec<(String, i64)> {
+    let conn = rusqlite::Connection::open_with_flags(
+        data.join("keel.db"),
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+    )
+    .unwrap();
+    let mut stmt = conn
+        .prepare("SELECT status, attempt_count FROM agent_inbox_events ORDER BY created_at")
+        .unwrap();
+    stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+}
+
+/// Polls `data`'s inbox until `done` holds (60 s at most): only the
+/// database can tell when keel retried or delivered an event.
+fn wait_inbox(data: &Path, done: impl Fn(&[(String, i64)]) -> bool) -> Vec<(String, i64)> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let events = inbox_events(data);
+        if done(&events) || std::time::Instant::now() > deadline {
+            return events;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_restart_delivers_an_event_that_was_backing_off_at_its_retry_time_without_traffic() {
+    let data = tempfile::tempdir().unwrap();
+    data_dir_with_agent(data.path(), "helper", "Helps in the background.", true);
+    std::fs::write(
+        data.path().join("keel.toml"),
+        "agents_dir = \"agents\"\nroot_delegates = [\"helper\"]\n\n\
+         [providers.default]\nkind = \"scripted\"\nscript = \"script.yaml\"\n",
+    )
+    .unwrap();
+    // The root delegates in the background and answers "ok"; every
+    // continuation fails, so the result backs off (2 s, then 4 s).
+    std::fs::write(
+        data.path().join("script.yaml"),
+        format!(
+            "- tool_calls: [{{name: delegate, arguments: {{mode: background, tasks: [{{agent: helper, task: help}}]}}}}]\n\
+             - text: ok\n{}",
+            "- error: {kind: auth, message: bad key}\n".repeat(6)
+        ),
+    )
+    .unwrap();
+    let mut served = Served::start(data.path());
+    runtime().block_on(async {
+        let http = reqwest::Client::new();
+        let dialog: serde_json::Value = http
+            .post(served.url("/api/dialogs"))
+            .json(&serde_json::json!({"title": "Background"}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let id = dialog["id"].as_str().unwrap();
+        let sent = http
+            .post(served.url(&format!("/api/dialogs/{id}/messages")))
+            .json(&serde_json::json!({"text": "go"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(sent.status(), 202);
+    });
+    // Killed right after the second failed delivery: the retry is 4 s away.
+    let events = wait_inbox(data.path(), |e| {
+        e.len() == 1 && e[0] == ("pending".into(), 2)
+    });
+    served.signal("KILL");
+    served.child.wait().unwrap();
+    assert_eq!(events, [("pending".to_owned(), 2)]);
+    std::fs::write(data.path().join("script.yaml"), "when_exhausted: echo\n").unwrap();
+    // Nobody sends anything: the next process delivers it at its retry time.
+    let served = Served::start(data.path());
+    let events = wait_inbox(data.path(), |e| e.iter().all(|(s, _)| s == "consumed"));
+    assert_eq!(events, [("consumed".to_owned(), 2)]);
+    served.signal("TERM");
+}
