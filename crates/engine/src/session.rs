@@ -177,13 +177,15 @@ impl AgentSession {
     }
 
     /// Commits a turn's input on its own, before the model is called: it is
-    /// durable and visible from now on, `open` until the turn ends. An input
-    /// an earlier turn left open is unanswered from now on. Returns the seqs.
+    /// durable and visible from now on, `open` until the turn ends (and off
+    /// the queue, for the input of turn `queued`). An input an earlier turn
+    /// left open is unanswered from now on. Returns the seqs.
     pub(crate) async fn open_turn(
         &mut self,
         store: &Store,
         slot: &str,
         input: &[Message],
+        queued: Option<keel_core::TurnId>,
     ) -> Result<Vec<i64>> {
         let now = keel_core::time::now_ms();
         let seqs = store
@@ -197,6 +199,7 @@ impl AgentSession {
                     timeline: self.record.head_timeline_id.clone(),
                     last_seq: self.last_seq,
                 }),
+                queued,
                 now_ms: now,
             })
             .await?;

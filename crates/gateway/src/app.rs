@@ -196,7 +196,7 @@ impl App {
             notices,
             generation: activation.generation,
             lock,
-            recovered: activation.recovery.sessions_with_due_events,
+            recovered: activation.recovery.sessions_with_inbox_work,
         })
     }
 }
@@ -262,14 +262,22 @@ fn log_recovery(recovery: &keel_store::RecoveryReport) {
 }
 
 impl App {
-    /// Starts delivering what earlier processes left in the inbox: one
-    /// coalesced wake per session that had due events or untold dead
-    /// letters at start-up. Call it once clients are listening, so they see
-    /// those continuation turns from their start.
-    pub fn deliver_recovered(&self) {
+    /// Starts what earlier processes acknowledged but never finished: the
+    /// turns of queued user input, in the order it was acknowledged, and one
+    /// coalesced wake per session whose inbox had work at start-up. Call it
+    /// once clients are listening, so they see those turns from their start.
+    pub async fn deliver_recovered(&self) -> Result<()> {
+        let resumed = self.manager.resume_queued().await?;
+        if resumed > 0 {
+            tracing::info!(
+                inputs = resumed,
+                "messages an earlier process acknowledged before their turn started run now"
+            );
+        }
         for session in &self.recovered {
             self.manager.wake_inbox(*session);
         }
+        Ok(())
     }
 }
 

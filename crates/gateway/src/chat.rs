@@ -218,7 +218,7 @@ pub async fn run(
     };
     let mut interrupts = interrupts()?;
     // Listening now: results an earlier process left are delivered.
-    app.deliver_recovered();
+    app.deliver_recovered().await?;
     let record = chat.manager.record(chat.current).await?;
     chat.say(&format!(
         "keel chat — dialog {} \"{}\" ({} messages). /help lists commands.",

@@ -274,8 +274,12 @@ pub struct ContinuationCommitted {
 pub struct InboxSchedule {
     /// Creation time of the oldest pending event that is due now (ms).
     pub oldest_due_at_ms: Option<i64>,
-    /// The earliest retry time of a pending event not yet due (ms).
+    /// When the inbox next has work without a wake (ms): the earliest retry
+    /// time or time-to-live expiry of a pending event not yet due.
     pub next_due_at_ms: Option<i64>,
+    /// Pending events past their time to live while backing off (dead-letter
+    /// them with [`Store::dead_letter_expired_events`]).
+    pub expired: u64,
     /// Dead letters whose user was not told yet.
     pub untold_dead_letters: u64,
 }
@@ -758,18 +762,14 @@ pub(crate) fn expire_leases_tx(
     Ok(n)
 }
 
-/// Root sessions whose inbox has work at `now_ms`: pending events that are
-/// due, or dead letters whose user was not told yet.
-pub(crate) fn sessions_with_due_events_tx(
-    conn: &Connection,
-    now_ms: i64,
-) -> Result<Vec<SessionId>> {
+/// Root sessions whose inbox has work: pending events (due, or backing off
+/// until a retry time), or dead letters whose user was not told yet.
+pub(crate) fn sessions_with_inbox_work_tx(conn: &Connection) -> Result<Vec<SessionId>> {
     let mut stmt = conn.prepare_cached(&format!(
-        "SELECT DISTINCT root_session_id FROM agent_inbox_events WHERE (status = 'pending' \
-         AND (next_attempt_at IS NULL OR next_attempt_at <= ?1)) OR ({UNNOTIFIED}) \
-         ORDER BY root_session_id"
+        "SELECT DISTINCT root_session_id FROM agent_inbox_events \
+         WHERE status = 'pending' OR ({UNNOTIFIED}) ORDER BY root_session_id"
     ))?;
-    let rows = stmt.query_map([now_ms], |r| r.get::<_, String>(0))?;
+    let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
     rows.map(|s| parse("agent_inbox_events.root_session_id", &s?))
         .collect()
 }
@@ -1002,41 +1002,85 @@ impl Store {
     }
 
     /// When a root session's inbox has work: the creation time of its oldest
-    /// pending event due at `now_ms`, and the earliest retry time of those
-    /// not yet due.
+    /// pending event due at `now_ms`, and for those not yet due the earliest
+    /// retry time or expiry (creation + `ttl_ms`), and how many expired.
     pub async fn inbox_schedule(
         &self,
         root_session_id: SessionId,
         now_ms: i64,
+        ttl_ms: i64,
     ) -> Result<InboxSchedule> {
         self.db
             .read(move |c| {
-                let (oldest_due_at_ms, next_due_at_ms, untold) = c.query_row(
+                let (oldest_due_at_ms, next_due_at_ms, expired, untold) = c.query_row(
                     &format!(
                         "SELECT min(created_at) FILTER (WHERE status = 'pending' AND \
                                   (next_attempt_at IS NULL OR next_attempt_at <= ?2)), \
-                                min(next_attempt_at) FILTER (WHERE status = 'pending' \
-                                  AND next_attempt_at > ?2), \
+                                min(min(next_attempt_at, created_at + ?3)) FILTER (WHERE \
+                                  status = 'pending' AND next_attempt_at > ?2 \
+                                  AND created_at + ?3 > ?2), \
+                                count(*) FILTER (WHERE status = 'pending' \
+                                  AND next_attempt_at > ?2 AND created_at + ?3 <= ?2), \
                                 count(*) FILTER (WHERE {UNNOTIFIED}) \
                          FROM agent_inbox_events WHERE root_session_id = ?1 \
                            AND status IN ('pending', 'dead_letter')"
                     ),
-                    params![root_session_id.to_string(), now_ms],
-                    |r| Ok((r.get(0)?, r.get(1)?, r.get::<_, i64>(2)?)),
+                    params![root_session_id.to_string(), now_ms, ttl_ms],
+                    |r| {
+                        Ok((
+                            r.get(0)?,
+                            r.get(1)?,
+                            r.get::<_, i64>(2)?,
+                            r.get::<_, i64>(3)?,
+                        ))
+                    },
                 )?;
                 Ok(InboxSchedule {
                     oldest_due_at_ms,
                     next_due_at_ms,
+                    expired: non_negative("expired events", expired)?,
                     untold_dead_letters: non_negative("dead letters", untold)?,
                 })
             })
             .await
     }
 
-    /// Root sessions with pending events due at `now_ms`.
-    pub async fn sessions_with_due_events(&self, now_ms: i64) -> Result<Vec<SessionId>> {
+    /// Dead-letters the pending events of a root session created at or
+    /// before `created_by_ms` (past their time to live, due or backing off)
+    /// with `reason`; their user is told like of any dead letter. Returns
+    /// how many moved.
+    pub async fn dead_letter_expired_events(
+        &self,
+        root_session_id: SessionId,
+        created_by_ms: i64,
+        reason: String,
+        now_ms: i64,
+    ) -> Result<u64> {
         self.db
-            .read(move |c| sessions_with_due_events_tx(c, now_ms))
+            .write(move |c| {
+                let revision = next_revision(c, &root_session_id, now_ms)?;
+                let n = c.execute(
+                    "UPDATE agent_inbox_events SET status = 'dead_letter', last_error = ?1, \
+                     dead_lettered_at = ?2, revision = ?3 \
+                     WHERE root_session_id = ?4 AND status = 'pending' AND created_at <= ?5",
+                    params![
+                        reason,
+                        now_ms,
+                        revision,
+                        root_session_id.to_string(),
+                        created_by_ms
+                    ],
+                )? as u64;
+                adjust_counters(
+                    c,
+                    &root_session_id,
+                    -i64::try_from(n).unwrap_or(0),
+                    0,
+                    None,
+                    now_ms,
+                )?;
+                Ok(n)
+            })
             .await
     }
 }

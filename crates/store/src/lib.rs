@@ -1,4 +1,4 @@
-//! SQLite storage of keel: schema v8, forward-only migrations, group commit,
+//! SQLite storage of keel: schema v9, forward-only migrations, group commit,
 //! domain APIs. The only crate that knows SQL.
 //!
 //! [`Store`] is a cheap, cloneable handle over one write connection and a
@@ -94,6 +94,7 @@ mod inbox;
 mod messages;
 mod migrations;
 mod projection;
+mod queued;
 mod runs;
 mod runtime;
 mod sessions;
@@ -122,6 +123,7 @@ pub use messages::{
 };
 pub use migrations::SCHEMA_VERSION;
 pub use projection::{AgentChanges, EventCursor, RunQuery};
+pub use queued::QueuedInput;
 pub use runs::{
     AcceptGroup, AcceptRun, AcceptedGroup, AcceptedRun, CancelReport, CompletionHandling,
     GroupRecord, GroupStatus, NewGroup, NewRun, RecoveryReport, RunCursor, RunRecord,

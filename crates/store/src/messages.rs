@@ -3,7 +3,8 @@
 //! commit.
 //!
 //! A user turn commits its input first ([`Store::open_turn`]: the rows are
-//! `open`), then its outputs with state and checkpoint ([`Store::commit_turn`],
+//! `open`; a message acknowledged while another turn ran leaves the store's
+//! queue in the same transaction, see `queued.rs`), then its outputs with state and checkpoint ([`Store::commit_turn`],
 //! which marks the input `answered`). A failed turn marks it `unanswered`
 //! ([`Store::mark_unanswered`]); inputs an older process left open are marked
 //! so when a new runtime activates ([`Store::activate_runtime`]). `input_state` is the only
@@ -135,6 +136,9 @@ pub struct OpenTurn {
     pub messages: Vec<NewMessage>,
     /// Where the history ended when the turn started (see [`TurnCommit::expected_head`]).
     pub expected_head: Option<SessionHead>,
+    /// The turn whose queued input these messages are ([`Store::queue_input`]):
+    /// taken off the queue in the same transaction (refused if it is not queued).
+    pub queued: Option<keel_core::TurnId>,
     /// Commit time (ms).
     pub now_ms: i64,
 }
@@ -544,6 +548,9 @@ fn open_turn_tx(
     let head = head_state(conn, cache, session)?;
     if let Some(expected) = &turn.expected_head {
         check_head(session, expected, &head.timeline, head.last_seq)?;
+    }
+    if let Some(turn) = &turn.queued {
+        crate::queued::take_queued_tx(conn, turn)?;
     }
     // Inputs a dropped or crashed turn left open were never answered.
     close_open_inputs_tx(conn, session)?;

@@ -7,7 +7,7 @@ use rusqlite::{Connection, TransactionBehavior};
 use crate::error::{Result, StoreError};
 
 /// The schema version this build reads and writes.
-pub const SCHEMA_VERSION: u32 = 8;
+pub const SCHEMA_VERSION: u32 = 9;
 
 /// The steps, in order: `MIGRATIONS[k - 1]` takes a database from version `k - 1` to `k`.
 pub const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
@@ -19,6 +19,7 @@ pub const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
     include_str!("migrations/0006_inbox_session_state.sql"),
     include_str!("migrations/0007_runtime_generation.sql"),
     include_str!("migrations/0008_turn_inputs.sql"),
+    include_str!("migrations/0009_queued_inputs.sql"),
 ];
 
 /// `PRAGMA user_version` of `conn`'s database.

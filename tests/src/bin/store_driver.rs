@@ -100,6 +100,7 @@ async fn drive(data: &std::path::Path) {
             session_id: session,
             messages: vec![NewMessage::new(Message::user("user message 1"))],
             expected_head: None,
+            queued: None,
             now_ms: now(),
         })
         .await

@@ -486,3 +486,199 @@ fn a_reload_is_seen_by_the_next_request_everywhere() {
     served.stderr_until("stopped");
     assert!(served.child.wait().unwrap().success());
 }
+
+/// The visible messages of dialog `id`: (role, text, unanswered).
+async fn history(http: &reqwest::Client, url: &str) -> Vec<(String, String, bool)> {
+    let page: serde_json::Value = http.get(url).send().await.unwrap().json().await.unwrap();
+    page["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["role"].as_str().unwrap().to_owned(),
+                m["text"].as_str().unwrap().to_owned(),
+                m["unanswered"].as_bool().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn kill_9_with_messages_queued_behind_a_running_turn_runs_every_acknowledged_one_after_restart() {
+    const QUEUED: usize = 12;
+    let data = tempfile::tempdir().unwrap();
+    // The first turn's answer never finishes: every later message queues.
+    std::fs::write(
+        data.path().join("script.yaml"),
+        "- text: \"first second\"\n  chunk_delay_ms: 600000\n",
+    )
+    .unwrap();
+    std::fs::write(
+        data.path().join("keel.toml"),
+        "[providers.default]\nkind = \"scripted\"\nscript = \"script.yaml\"\n",
+    )
+    .unwrap();
+    let mut served = Served::start(data.path());
+    let rt = runtime();
+    let http = reqwest::Client::new();
+    let (id, accepted) = rt.block_on(async {
+        let dialog: serde_json::Value = http
+            .post(served.url("/api/dialogs"))
+            .json(&serde_json::json!({"title": "Queued"}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let id = dialog["id"].as_str().unwrap().to_owned();
+        let messages = served.url(&format!("/api/dialogs/{id}/messages"));
+        let response = http
+            .post(&messages)
+            .header("accept", "text/event-stream")
+            .json(&serde_json::json!({"text": "start"}))
+            .send()
+            .await
+            .unwrap();
+        let mut stream = response.bytes_stream();
+        let mut seen = String::new();
+        while !seen.contains("event: text_delta") {
+            let chunk = stream.next().await.unwrap().unwrap();
+            seen.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        let mut accepted = Vec::new();
+        for n in 0..QUEUED {
+            let response = http
+                .post(&messages)
+                .json(&serde_json::json!({"text": format!("queued {n}")}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(response.status(), 202);
+            accepted.push(format!("queued {n}"));
+        }
+        (id, accepted)
+    });
+    served.signal("KILL");
+    served.child.wait().unwrap();
+    // The next process answers at once.
+    std::fs::write(
+        data.path().join("script.yaml"),
+        "- text: \"answered\"\n".repeat(QUEUED + 1),
+    )
+    .unwrap();
+    let served = Served::start(data.path());
+    let url = served.url(&format!("/api/dialogs/{id}/messages?order=asc"));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let saved = rt.block_on(async {
+        loop {
+            let saved = history(&http, &url).await;
+            let answers = saved
+                .iter()
+                .filter(|(role, ..)| role == "assistant")
+                .count();
+            // The history tells when every turn ran; nothing else can.
+            if answers == QUEUED || std::time::Instant::now() > deadline {
+                return saved;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    });
+    // The running turn's message stays, unanswered; every queued one ran, in
+    // the order it was acknowledged, each followed by its answer.
+    let mut expected = vec![("user".to_owned(), "start".to_owned(), true)];
+    for text in accepted {
+        expected.push(("user".to_owned(), text, false));
+        expected.push(("assistant".to_owned(), "answered".to_owned(), false));
+    }
+    assert_eq!(saved, expected);
+    served.signal("TERM");
+}
+
+/// (status, attempt_count) of the inbox events in `data`'s database, read
+/// through SQLite while keel runs.
+fn inbox_events(data: &Path) -> Vec<(String, i64)> {
+    let conn = rusqlite::Connection::open_with_flags(
+        data.join("keel.db"),
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+    )
+    .unwrap();
+    let mut stmt = conn
+        .prepare("SELECT status, attempt_count FROM agent_inbox_events ORDER BY created_at")
+        .unwrap();
+    stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+}
+
+/// Polls `data`'s inbox until `done` holds (60 s at most): only the
+/// database can tell when keel retried or delivered an event.
+fn wait_inbox(data: &Path, done: impl Fn(&[(String, i64)]) -> bool) -> Vec<(String, i64)> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let events = inbox_events(data);
+        if done(&events) || std::time::Instant::now() > deadline {
+            return events;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_restart_delivers_an_event_that_was_backing_off_at_its_retry_time_without_traffic() {
+    let data = tempfile::tempdir().unwrap();
+    data_dir_with_agent(data.path(), "helper", "Helps in the background.", true);
+    std::fs::write(
+        data.path().join("keel.toml"),
+        "agents_dir = \"agents\"\nroot_delegates = [\"helper\"]\n\n\
+         [providers.default]\nkind = \"scripted\"\nscript = \"script.yaml\"\n",
+    )
+    .unwrap();
+    // The root delegates in the background and answers "ok"; every
+    // continuation fails, so the result backs off (2 s, then 4 s).
+    std::fs::write(
+        data.path().join("script.yaml"),
+        format!(
+            "- tool_calls: [{{name: delegate, arguments: {{mode: background, tasks: [{{agent: helper, task: help}}]}}}}]\n\
+             - text: ok\n{}",
+            "- error: {kind: auth, message: bad key}\n".repeat(6)
+        ),
+    )
+    .unwrap();
+    let mut served = Served::start(data.path());
+    runtime().block_on(async {
+        let http = reqwest::Client::new();
+        let dialog: serde_json::Value = http
+            .post(served.url("/api/dialogs"))
+            .json(&serde_json::json!({"title": "Background"}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let id = dialog["id"].as_str().unwrap();
+        let sent = http
+            .post(served.url(&format!("/api/dialogs/{id}/messages")))
+            .json(&serde_json::json!({"text": "go"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(sent.status(), 202);
+    });
+    // Killed right after the second failed delivery: the retry is 4 s away.
+    let events = wait_inbox(data.path(), |e| {
+        e.len() == 1 && e[0] == ("pending".into(), 2)
+    });
+    served.signal("KILL");
+    served.child.wait().unwrap();
+    assert_eq!(events, [("pending".to_owned(), 2)]);
+    std::fs::write(data.path().join("script.yaml"), "when_exhausted: echo\n").unwrap();
+    // Nobody sends anything: the next process delivers it at its retry time.
+    let served = Served::start(data.path());
+    let events = wait_inbox(data.path(), |e| e.iter().all(|(s, _)| s == "consumed"));
+    assert_eq!(events, [("consumed".to_owned(), 2)]);
+    served.signal("TERM");
+}

@@ -89,7 +89,15 @@ impl InboxPolicy {
 /// Longest trigger, in bytes.
 const MAX_TRIGGER_BYTES: usize = 64 * 1024;
 
-fn millis(d: Duration) -> i64 {
+/// Why an event past its time to live was dead-lettered.
+fn expiry_reason(policy: &InboxPolicy) -> String {
+    format!(
+        "expired: undelivered for more than {} hours",
+        policy.event_ttl.as_secs() / 3600
+    )
+}
+
+pub(super) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
@@ -129,11 +137,8 @@ impl SessionManager {
             .into_iter()
             .partition(|e| now.saturating_sub(e.created_at_ms) >= ttl);
         if !expired.is_empty() {
-            let reason = format!(
-                "expired: undelivered for more than {} hours",
-                policy.event_ttl.as_secs() / 3600
-            );
             let ids = expired.iter().map(|e| e.id).collect();
+            let reason = expiry_reason(policy);
             if let Err(e) = self.store.dead_letter_events(ids, reason, now).await {
                 tracing::warn!(session_id = %session, error = %e, "dead-lettering expired inbox events failed");
             }
@@ -158,6 +163,7 @@ impl SessionManager {
                 vec![trigger],
                 CancellationToken::new(),
                 Some(answers.clone()),
+                false,
             )
             .await;
         if let Err(e) = &end.result {
@@ -196,6 +202,22 @@ impl SessionManager {
         self.events.project(session).await;
         drop(end.done);
         true
+    }
+
+    /// Dead-letters the session's pending events past their time to live
+    /// (those backing off too, which no claim would see), then tells the user.
+    pub(super) async fn dead_letter_expired(self: &Arc<Self>, session: SessionId, now: i64) {
+        let policy = &self.config.inbox;
+        let cutoff = now.saturating_sub(millis(policy.event_ttl));
+        let expired = self
+            .store
+            .dead_letter_expired_events(session, cutoff, expiry_reason(policy), now)
+            .await;
+        if let Err(e) = expired {
+            tracing::warn!(session_id = %session, error = %e, "dead-lettering expired inbox events failed; retried at the next wake");
+        }
+        self.events.project(session).await;
+        self.tell_dead_letters(session).await;
     }
 
     /// Tells the user, in the session's history, of background results that

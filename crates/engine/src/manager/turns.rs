@@ -3,8 +3,10 @@
 //! messages, state and checkpoint in one store transaction. Only the session
 //! worker (`worker.rs`) calls them: every turn of a session goes through it.
 //!
-//! A user turn's input commits first, in its own transaction, before the
-//! model is called: from then on it is durable and visible, `open`. The
+//! A user turn's input is durable from the moment it is acknowledged:
+//! [`SessionManager::send`] queues it in the store. When the turn starts, its
+//! input moves into the history in one transaction, before the model is
+//! called: from then on it is visible, `open`. The
 //! final commit marks it answered. A turn that fails, is cancelled or is
 //! dropped commits none of its outputs and leaves its input in the history,
 //! unanswered, where the next turn sees it. A checkpoint is taken only by a
@@ -55,6 +57,9 @@ pub(crate) struct TurnStart {
     /// Inbox events the turn answers (a continuation's lease): consumed by
     /// its commit, in the same transaction.
     pub(crate) answers: Option<LeasedEvents>,
+    /// The input is queued in the store ([`keel_store::Store::queue_input`]):
+    /// opening the turn takes it off the queue.
+    pub(crate) queued: bool,
 }
 
 impl SessionManager {
@@ -74,7 +79,10 @@ impl SessionManager {
         // The user's words are durable before the model sees them; other
         // turns (continuations) commit their trigger with their answer.
         let opened = if start.origin == TurnOrigin::User && !start.input.is_empty() {
-            guard.open_turn(&self.store, &slot, &start.input).await?
+            let queued = start.queued.then_some(start.turn_id);
+            guard
+                .open_turn(&self.store, &slot, &start.input, queued)
+                .await?
         } else {
             Vec::new()
         };

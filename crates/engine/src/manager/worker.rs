@@ -95,6 +95,9 @@ pub struct StopReport {
 struct UserTask {
     turn_id: TurnId,
     input: Message,
+    /// Its input is queued in the store (every sent turn; not steer the
+    /// model never read, which runs as the next turn from memory).
+    queued: bool,
     cancel: CancellationToken,
     reply: Option<oneshot::Sender<Result<TurnReport>>>,
 }
@@ -103,6 +106,7 @@ struct UserTask {
 #[derive(Clone)]
 pub(super) struct ActiveTurn {
     pub(super) turn_id: TurnId,
+    origin: TurnOrigin,
     cancel: CancellationToken,
     pub(super) mailbox: Arc<TurnMailbox>,
     /// Becomes true once the turn ended and everything it held is released.
@@ -110,7 +114,6 @@ pub(super) struct ActiveTurn {
 }
 
 /// State a worker shares with senders, wakers, steer and stop.
-#[derive(Default)]
 pub(super) struct WorkerShared {
     wake: Notify,
     wake_pending: AtomicBool,
@@ -118,9 +121,39 @@ pub(super) struct WorkerShared {
     /// the next inbox wake. Read and written under `active`'s lock.
     paused: AtomicBool,
     active: Mutex<Option<ActiveTurn>>,
-    /// Held by the worker for each turn with what it claimed and releases;
-    /// `/stop` waits on it so it returns only once nothing is held.
-    busy: tokio::sync::Mutex<()>,
+    /// Counts the worker's turns, each with what it claimed and releases:
+    /// odd while one is in progress. `/stop` waits for the one in progress
+    /// when it came to end, so it returns once nothing is held — and not
+    /// after a turn queued behind it.
+    busy: watch::Sender<u64>,
+}
+
+impl Default for WorkerShared {
+    fn default() -> Self {
+        Self {
+            wake: Notify::new(),
+            wake_pending: AtomicBool::new(false),
+            paused: AtomicBool::new(false),
+            active: Mutex::new(None),
+            busy: watch::Sender::new(0),
+        }
+    }
+}
+
+/// One turn of the worker with what it claims and releases; ends on drop.
+struct Busy<'a>(&'a watch::Sender<u64>);
+
+impl<'a> Busy<'a> {
+    fn start(busy: &'a watch::Sender<u64>) -> Self {
+        busy.send_modify(|n| *n += 1);
+        Self(busy)
+    }
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n += 1);
+    }
 }
 
 /// How a turn on the worker ended.
@@ -170,8 +203,10 @@ struct WorkerState {
 
 impl SessionManager {
     /// Queues a user turn of `session` with `input` (a user message) and
-    /// returns at once with its ticket; the turn runs on the session's
-    /// worker after the turns queued before it. Fails with
+    /// returns with its ticket once the input is committed to the store's
+    /// queue (durable from then on; a process that dies before the turn
+    /// starts leaves it for [`Self::resume_queued`]). The turn runs on the
+    /// session's worker after the turns queued before it. Fails with
     /// [`EngineError::SessionBusy`] when the session's queue is full.
     pub async fn send(self: &Arc<Self>, session: SessionId, input: Message) -> Result<TurnTicket> {
         if input.role != keel_core::Role::User {
@@ -183,23 +218,71 @@ impl SessionManager {
         // or whose agent a reload removed.
         self.session(session).await?;
         self.check_agent(session)?;
+        if self.queue_full(session) {
+            return Err(EngineError::SessionBusy {
+                queued: self.config.user_queue,
+            });
+        }
         let turn_id = TurnId::new();
+        self.store
+            .queue_input(keel_store::QueuedInput {
+                session_id: session,
+                turn_id,
+                message: input.clone(),
+                queued_at_ms: keel_core::time::now_ms(),
+            })
+            .await?;
         let cancel = CancellationToken::new();
         let (reply, outcome) = oneshot::channel();
-        self.enqueue(
-            session,
-            UserTask {
-                turn_id,
-                input,
-                cancel: cancel.clone(),
-                reply: Some(reply),
-            },
-        )?;
+        let task = UserTask {
+            turn_id,
+            input,
+            queued: true,
+            cancel: cancel.clone(),
+            reply: Some(reply),
+        };
+        if let Err(e) = self.enqueue(session, task) {
+            // Not acknowledged: the input leaves the queue it was committed to.
+            self.store.discard_queued_input(turn_id).await?;
+            return Err(e);
+        }
         Ok(TurnTicket {
             turn_id,
             cancel,
             outcome,
         })
+    }
+
+    /// Queues the turns of every input a dead process acknowledged but never
+    /// started, in the order they were acknowledged; they run like any sent
+    /// turn (no ticket waits for them). Those a full session queue refuses
+    /// stay queued in the store for the next start. Returns how many were queued.
+    pub async fn resume_queued(self: &Arc<Self>) -> Result<usize> {
+        let mut resumed = 0;
+        for input in self.store.queued_inputs().await? {
+            let task = UserTask {
+                turn_id: input.turn_id,
+                input: input.message,
+                queued: true,
+                cancel: CancellationToken::new(),
+                reply: None,
+            };
+            match self.enqueue(input.session_id, task) {
+                Ok(()) => resumed += 1,
+                Err(e) => {
+                    tracing::warn!(session_id = %input.session_id, turn_id = %input.turn_id, error = %e, "a queued input stays queued for the next start");
+                }
+            }
+        }
+        Ok(resumed)
+    }
+
+    /// Whether the user queue of `session`'s worker has no room.
+    fn queue_full(&self, session: SessionId) -> bool {
+        self.workers
+            .lock()
+            .get(&session)
+            .is_some_and(|h| h.user_tx.capacity() == 0)
     }
 
     /// Runs a user turn with `input` to its end (queued like [`Self::send`]).
@@ -239,14 +322,15 @@ impl SessionManager {
     pub async fn stop(self: &Arc<Self>, session: SessionId) -> Result<StopReport> {
         self.housekeeping.cancel(session);
         let mut report = StopReport {
-            turn: self.halt(session).await,
+            turn: self.halt(session, false).await,
             ..StopReport::default()
         };
         if let Some(coordinator) = &self.bundle.coordinator {
             report.runs_cancelled = coordinator.stop_background_runs(session).await?;
             // A signal of a run being cancelled may have woken the inbox
-            // meanwhile: stop whatever that started, too.
-            if let Some(turn) = self.halt(session).await {
+            // meanwhile: stop the continuation that started, too (a user
+            // turn queued behind the stopped one runs).
+            if let Some(turn) = self.halt(session, true).await {
                 report.turn.get_or_insert(turn);
             }
         }
@@ -254,29 +338,41 @@ impl SessionManager {
         Ok(report)
     }
 
-    /// Pauses the inbox of `session`, cancels its running turn and waits
-    /// until that turn ended and released what it held. Returns the turn.
-    async fn halt(&self, session: SessionId) -> Option<TurnId> {
+    /// Pauses the inbox of `session`, cancels its running turn (only a
+    /// continuation when `continuations_only`) and waits until the worker's
+    /// turn in progress ended and released what it held — not for a user
+    /// turn queued behind it, which runs. Returns the cancelled turn.
+    async fn halt(&self, session: SessionId, continuations_only: bool) -> Option<TurnId> {
         let shared = self
             .workers
             .lock()
             .get(&session)
             .map(|h| Arc::clone(&h.shared))?;
-        let running = {
+        let (running, in_progress) = {
             let active = shared.active.lock();
             // Under the lock a continuation about to register sees it
             // and does not start; one that registered is cancelled here.
             shared.paused.store(true, Ordering::Release);
-            active.clone()
+            (active.clone(), *shared.busy.borrow())
         };
+        if continuations_only
+            && running
+                .as_ref()
+                .is_some_and(|a| a.origin == TurnOrigin::User)
+        {
+            return None;
+        }
         let mut stopped = None;
         if let Some(mut active) = running {
             active.cancel.cancel();
             let _ = active.done.wait_for(|done| *done).await;
             stopped = Some(active.turn_id);
         }
-        // Whatever the worker claimed for the turn is released by now.
-        drop(shared.busy.lock().await);
+        if in_progress % 2 == 1 {
+            // Whatever the worker claimed for that turn is released then.
+            let mut busy = shared.busy.subscribe();
+            let _ = busy.wait_for(|n| *n != in_progress).await;
+        }
         stopped
     }
 
@@ -401,9 +497,12 @@ impl SessionManager {
         if state.inbox_due && !paused {
             let policy = &self.config.inbox;
             let now = clock::now_ms();
-            match self.store.inbox_schedule(session, now).await {
+            let ttl = super::continuation::millis(policy.event_ttl);
+            match self.store.inbox_schedule(session, now, ttl).await {
                 Ok(schedule) => {
-                    if schedule.untold_dead_letters > 0 {
+                    if schedule.expired > 0 {
+                        self.dead_letter_expired(session, now).await;
+                    } else if schedule.untold_dead_letters > 0 {
                         self.tell_dead_letters(session).await;
                     }
                     state.next_inbox_at = schedule.next_due_at_ms;
@@ -416,7 +515,7 @@ impl SessionManager {
                                 || u128::from(waited) >= policy.max_wait.as_millis();
                             if first {
                                 state.user_burst = 0;
-                                let _busy = shared.busy.lock().await;
+                                let _busy = Busy::start(&shared.busy);
                                 if !self.run_continuation(session, shared).await {
                                     state.inbox_due = false;
                                 }
@@ -436,7 +535,7 @@ impl SessionManager {
             if state.inbox_due {
                 state.user_burst += 1;
             }
-            let _busy = shared.busy.lock().await;
+            let _busy = Busy::start(&shared.busy);
             self.run_user_turn(session, shared, state, task).await;
             return Step::Again;
         }
@@ -473,6 +572,7 @@ impl SessionManager {
                 vec![task.input],
                 task.cancel,
                 None,
+                task.queued,
             )
             .await;
         let result = end.result;
@@ -482,6 +582,7 @@ impl SessionManager {
                 state.carried.push_back(UserTask {
                     turn_id: TurnId::new(),
                     input,
+                    queued: false,
                     cancel: CancellationToken::new(),
                     reply: None,
                 });
@@ -495,7 +596,9 @@ impl SessionManager {
     /// Runs one turn on the worker: registers it for steer and stop,
     /// streams its events to the session feed, commits it (consuming
     /// `answers` with it), publishes the outcome, and releases inbox events
-    /// steered into it that it never read.
+    /// steered into it that it never read. A `queued` input (see
+    /// [`Self::send`]) that cannot start is withdrawn from the queue; one
+    /// cancelled before it started stays queued for the next process.
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn run_turn(
         self: &Arc<Self>,
@@ -506,6 +609,7 @@ impl SessionManager {
         input: Vec<Message>,
         cancel: CancellationToken,
         answers: Option<LeasedEvents>,
+        queued: bool,
     ) -> TurnEnd {
         let mailbox = Arc::new(TurnMailbox::new(turn_id, self.config.mailbox));
         let (done_tx, done_rx) = watch::channel(false);
@@ -517,6 +621,7 @@ impl SessionManager {
             }
             *active = Some(ActiveTurn {
                 turn_id,
+                origin,
                 cancel: cancel.clone(),
                 mailbox: Arc::clone(&mailbox),
                 done: done_rx,
@@ -540,10 +645,16 @@ impl SessionManager {
                     cancel,
                     read_only: origin != TurnOrigin::User,
                     answers,
+                    queued,
                 },
             )
             .await
         };
+        if let Err(e) = &started {
+            if queued && !e.is_cancelled() {
+                self.withdraw_queued(session, turn_id).await;
+            }
+        }
         let mut input_kept = false;
         let result = match started {
             Err(e) => Err(e),
@@ -602,6 +713,15 @@ impl SessionManager {
             result,
             unread: leftovers.user,
             done: done_tx,
+        }
+    }
+
+    /// Takes the input of a turn that could not start off the store's queue
+    /// (it was refused like a message sent to a read-only slot), so no later
+    /// process runs it.
+    async fn withdraw_queued(&self, session: SessionId, turn_id: TurnId) {
+        if let Err(e) = self.store.discard_queued_input(turn_id).await {
+            tracing::warn!(session_id = %session, turn_id = %turn_id, error = %e, "withdrawing a queued input that could not start failed; the next start runs it");
         }
     }
 

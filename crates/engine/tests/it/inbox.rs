@@ -648,12 +648,12 @@ async fn a_restart_delivers_exactly_once_what_a_crash_left_leased() {
         .activate_runtime("restart".into(), keel_core::time::now_ms())
         .await
         .unwrap();
-    assert_eq!(activation.recovery.sessions_with_due_events, [session]);
+    assert_eq!(activation.recovery.sessions_with_inbox_work, [session]);
     let provider = ScriptedProvider::new([ScriptedResponse::text("delivered after the crash")]);
     let manager =
         crate::common::manager_on(store.clone(), &provider, SessionManagerConfig::default());
     let mut feed = manager.events().subscribe(session).await.unwrap();
-    for s in &activation.recovery.sessions_with_due_events {
+    for s in &activation.recovery.sessions_with_inbox_work {
         manager.wake_inbox(*s);
     }
     loop {
@@ -800,6 +800,105 @@ async fn a_root_sleep_wakes_when_background_results_arrive_and_says_only_how_man
             break;
         }
     }
+}
+
+/// A continuation that fails once leaves its event backing off for an hour.
+fn fails_once_then_backs_off(ttl: Duration) -> Options {
+    Options {
+        policy: InboxPolicy {
+            retry_backoff: Duration::from_secs(3600),
+            max_retry_backoff: Duration::from_secs(3600),
+            event_ttl: ttl,
+            ..InboxPolicy::default()
+        },
+        ..Options::default()
+    }
+}
+
+#[tokio::test]
+async fn an_event_backing_off_is_dead_lettered_when_its_time_to_live_ends_without_traffic() {
+    let fail = ScriptedResponse::error(ScriptedErrorKind::Unavailable, "model down");
+    let root = ScriptedProvider::new([background(&["x"]), ScriptedResponse::text("started"), fail]);
+    let mut h = inbox(root, fails_once_then_backs_off(Duration::from_millis(300))).await;
+    h.manager.submit_turn(h.session, "go").await.unwrap();
+    assert_eq!(h.turn_end().await, (TurnOrigin::User, true));
+    let run = h.committed(1).await[0];
+    assert_eq!(h.turn_end().await, (TurnOrigin::AgentContinuation, false));
+    // Its retry is an hour away; nobody types. The worker wakes at the
+    // expiry (300 ms after the result) and dead-letters it, telling the user.
+    let notice = loop {
+        let event = tokio::time::timeout(HANG, h.feed.recv())
+            .await
+            .expect("the expiry is enforced by a timer, not by the retry or traffic")
+            .unwrap();
+        if let SessionEvent::Notice { text } = event.as_ref() {
+            break text.clone();
+        }
+    };
+    assert!(
+        notice.contains(&format!("the result of run {run} (agent bg): expired")),
+        "{notice}"
+    );
+    assert_eq!(h.events().await[0].status, EventStatus::DeadLetter);
+    assert_eq!(h.root.inner.requests().len(), 3, "no second continuation");
+}
+
+#[tokio::test]
+async fn a_restart_wakes_an_event_that_was_backing_off_at_its_retry_time() {
+    let fail = ScriptedResponse::error(ScriptedErrorKind::Unavailable, "model down");
+    let root = ScriptedProvider::new([background(&["x"]), ScriptedResponse::text("started"), fail]);
+    let mut options = fails_once_then_backs_off(Duration::from_secs(3600));
+    options.policy.retry_backoff = Duration::from_millis(300);
+    let mut h = inbox(root, options).await;
+    h.manager.submit_turn(h.session, "go").await.unwrap();
+    assert_eq!(h.turn_end().await, (TurnOrigin::User, true));
+    h.committed(1).await;
+    assert_eq!(h.turn_end().await, (TurnOrigin::AgentContinuation, false));
+    // The failed continuation gives its event back, backing off.
+    loop {
+        let event = tokio::time::timeout(HANG, h.feed.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        if let SessionEvent::InboxEventUpdated { event, .. } = event.as_ref() {
+            if event.status == EventStatus::Pending {
+                break;
+            }
+        }
+    }
+    let dir = h._dir;
+    let session = h.session;
+    drop((h.manager, h.feed, h.store));
+    // A new process starts while the event still backs off (not due yet).
+    let store = Store::open(dir.path().join("keel.db"), StoreOptions::default()).unwrap();
+    let activation = store
+        .activate_runtime("restart".into(), keel_core::time::now_ms())
+        .await
+        .unwrap();
+    let event = &store.list_inbox_events(session).await.unwrap()[0];
+    assert_eq!(event.status, EventStatus::Pending);
+    assert!(event.next_attempt_at_ms.unwrap() > keel_core::time::now_ms());
+    assert_eq!(activation.recovery.sessions_with_inbox_work, [session]);
+    let provider = ScriptedProvider::new([ScriptedResponse::text("delivered at its retry")]);
+    let manager =
+        crate::common::manager_on(store.clone(), &provider, SessionManagerConfig::default());
+    let mut feed = manager.events().subscribe(session).await.unwrap();
+    for s in &activation.recovery.sessions_with_inbox_work {
+        manager.wake_inbox(*s);
+    }
+    // Nothing else happens: the worker sleeps until the retry time.
+    loop {
+        let event = tokio::time::timeout(HANG, feed.recv())
+            .await
+            .expect("delivered at its retry time")
+            .unwrap();
+        if let SessionEvent::TurnCommitted { origin, .. } = event.as_ref() {
+            assert_eq!(*origin, TurnOrigin::AgentContinuation);
+            break;
+        }
+    }
+    let events = store.list_inbox_events(session).await.unwrap();
+    assert_eq!(events[0].status, EventStatus::Consumed);
 }
 
 #[tokio::test]

@@ -265,3 +265,144 @@ async fn a_feed_nobody_reads_fast_enough_reports_the_lag() {
     drop(feed);
     assert!(!h.manager.events().has_subscribers(id));
 }
+
+#[tokio::test]
+async fn stop_answers_before_the_turn_queued_behind_the_stopped_one_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let provider = HeldProvider::new(ScriptedProvider::new([ScriptedResponse::text("b done")]));
+    let manager = manager_with(
+        open_store(dir.path()),
+        provider.clone(),
+        SessionManagerConfig::default(),
+    );
+    let id = manager.create(spec("d1")).await.unwrap();
+    let running = manager.send(id, Message::user("a")).await.unwrap();
+    provider.wait_started().await;
+    let queued = manager.send(id, Message::user("b")).await.unwrap();
+    // The queued turn's model call is held until after /stop returned: a
+    // stop that waited for it would never return.
+    let report = tokio::time::timeout(std::time::Duration::from_secs(30), manager.stop(id))
+        .await
+        .expect("stop answers while the queued turn still runs")
+        .unwrap();
+    assert_eq!(report.turn, Some(running.turn_id()));
+    assert!(running.outcome().await.unwrap_err().is_cancelled());
+    provider.wait_started().await;
+    assert_eq!(
+        manager.running_turn(id),
+        Some(queued.turn_id()),
+        "the queued turn runs"
+    );
+    provider.release.add_permits(1);
+    assert_eq!(
+        queued.outcome().await.unwrap().output.final_text(),
+        "b done"
+    );
+    assert_eq!(unanswered(&manager, id).await, ["a"]);
+}
+
+#[tokio::test]
+async fn a_message_queued_behind_a_running_turn_is_committed_before_it_is_acknowledged() {
+    let dir = tempfile::tempdir().unwrap();
+    let provider = HeldProvider::new(ScriptedProvider::new([
+        ScriptedResponse::text("answer a"),
+        ScriptedResponse::text("answer b"),
+    ]));
+    let store = open_store(dir.path());
+    let manager = manager_with(
+        store.clone(),
+        provider.clone(),
+        SessionManagerConfig::default(),
+    );
+    let id = manager.create(spec("d1")).await.unwrap();
+    let a = manager.send(id, Message::user("a")).await.unwrap();
+    provider.wait_started().await;
+    let b = manager.send(id, Message::user("b")).await.unwrap();
+    // Acknowledged means committed: `b` is in the store's queue, not yet history.
+    let queued = store.queued_inputs().await.unwrap();
+    assert_eq!(
+        queued
+            .iter()
+            .map(|q| (q.turn_id, q.message.text()))
+            .collect::<Vec<_>>(),
+        [(b.turn_id(), "b".to_owned())]
+    );
+    let history = store
+        .load_messages(id, keel_store::MessageFilter::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        history.iter().map(|m| m.message.text()).collect::<Vec<_>>(),
+        ["a"]
+    );
+    provider.release.add_permits(2);
+    a.outcome().await.unwrap();
+    b.outcome().await.unwrap();
+    // It takes its place after the answer of the turn it waited for.
+    assert_eq!(
+        visible_texts(&manager, id).await,
+        ["a", "answer a", "b", "answer b"]
+    );
+    assert!(store.queued_inputs().await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn inputs_a_dead_process_acknowledged_run_in_order_on_resume() {
+    let h = harness(SessionManagerConfig::default());
+    replies(&h.provider, &["one", "two"]);
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    let mut feed = h.manager.events().subscribe(id).await.unwrap();
+    // What an earlier process acknowledged and never started.
+    let store = h.manager.store();
+    for text in ["first", "second"] {
+        store
+            .queue_input(keel_store::QueuedInput {
+                session_id: id,
+                turn_id: keel_core::TurnId::new(),
+                message: Message::user(text),
+                queued_at_ms: 1,
+            })
+            .await
+            .unwrap();
+    }
+    assert_eq!(h.manager.resume_queued().await.unwrap(), 2);
+    let mut committed = 0;
+    while committed < 2 {
+        if let SessionEvent::TurnCommitted { .. } = feed.recv().await.unwrap().as_ref() {
+            committed += 1;
+        }
+    }
+    assert_eq!(
+        visible_texts(&h.manager, id).await,
+        ["first", "one", "second", "two"]
+    );
+    assert!(store.queued_inputs().await.unwrap().is_empty());
+    assert_eq!(h.manager.resume_queued().await.unwrap(), 0, "run once");
+}
+
+#[tokio::test]
+async fn a_turn_cancelled_before_it_started_keeps_its_input_queued_for_the_next_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let provider = HeldProvider::new(ScriptedProvider::new([ScriptedResponse::text("a done")]));
+    let store = open_store(dir.path());
+    let manager = manager_with(
+        store.clone(),
+        provider.clone(),
+        SessionManagerConfig::default(),
+    );
+    let id = manager.create(spec("d1")).await.unwrap();
+    let a = manager.send(id, Message::user("a")).await.unwrap();
+    provider.wait_started().await;
+    let b = manager.send(id, Message::user("b")).await.unwrap();
+    // As a shutdown does with every turn still waiting.
+    b.cancellation().cancel();
+    provider.release.add_permits(1);
+    a.outcome().await.unwrap();
+    assert!(b.outcome().await.unwrap_err().is_cancelled());
+    let queued = store.queued_inputs().await.unwrap();
+    assert_eq!(
+        queued.iter().map(|q| q.message.text()).collect::<Vec<_>>(),
+        ["b"]
+    );
+    assert_eq!(visible_texts(&manager, id).await, ["a", "a done"]);
+}

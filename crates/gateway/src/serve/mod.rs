@@ -283,7 +283,7 @@ impl Server {
             stop_accepting.clone(),
         ));
         // Serving now: results an earlier process left are delivered.
-        shared.app.deliver_recovered();
+        shared.app.deliver_recovered().await?;
         Ok(Server {
             addr,
             shared,

@@ -116,7 +116,7 @@ pub(crate) fn recover_tx(
         }
     }
     // 6: who to wake.
-    report.sessions_with_due_events = crate::inbox::sessions_with_due_events_tx(conn, now_ms)?;
+    report.sessions_with_inbox_work = crate::inbox::sessions_with_inbox_work_tx(conn)?;
     Ok(report)
 }
 

@@ -315,8 +315,10 @@ pub struct RecoveryReport {
     pub leases_expired: u64,
     /// Counters that were wrong, with before/after.
     pub counters_repaired: Vec<CounterRepair>,
-    /// Root sessions that now have due pending events (wake each once).
-    pub sessions_with_due_events: Vec<SessionId>,
+    /// Root sessions whose inbox has work: pending events, due or backing
+    /// off, or untold dead letters (wake each once; its worker then sleeps
+    /// until the next retry or expiry).
+    pub sessions_with_inbox_work: Vec<SessionId>,
     /// Turn inputs an older process left open, now marked unanswered (set
     /// by [`Store::activate_runtime`](crate::Store::activate_runtime) only).
     pub unanswered_inputs: u64,

@@ -543,6 +543,7 @@ fn open(session: SessionId, text: &str) -> OpenTurn {
         session_id: session,
         messages: vec![user(text)],
         expected_head: None,
+        queued: None,
         now_ms: 2000,
     }
 }
@@ -714,4 +715,56 @@ async fn rollback_and_fork_never_show_a_half_turn() {
         2,
         "the source is untouched"
     );
+}
+
+/// A queued input is durable but no history until its turn opens: opening
+/// takes it off the queue in the same transaction, at the head (after what
+/// committed meanwhile), and only once.
+#[tokio::test]
+async fn a_queued_input_enters_the_history_when_its_turn_opens_and_only_then() {
+    let (_dir, store) = temp_store();
+    let s = store.create_session(new_session("q", 1)).await.unwrap();
+    let other = store.create_session(new_session("gone", 1)).await.unwrap();
+    let queued = |session, text: &str| keel_store::QueuedInput {
+        session_id: session,
+        turn_id: keel_core::TurnId::new(),
+        message: Message::user(text),
+        queued_at_ms: 5,
+    };
+    let first = queued(s.id, "sent while a turn ran");
+    let second = queued(s.id, "and another");
+    let elsewhere = queued(other.id, "to a dialog deleted later");
+    for q in [&first, &second, &elsewhere] {
+        store.queue_input(q.clone()).await.unwrap();
+    }
+    assert_eq!(
+        store.queued_inputs().await.unwrap(),
+        [first.clone(), second.clone(), elsewhere.clone()]
+    );
+    assert!(texts(&store, s.id).await.is_empty(), "no history yet");
+    store.commit_turn(turn(s.id, 1, "{}", false)).await.unwrap();
+    let opened = OpenTurn {
+        messages: vec![user("sent while a turn ran")],
+        queued: Some(first.turn_id),
+        ..open(s.id, "")
+    };
+    store.open_turn(opened.clone()).await.unwrap();
+    assert_eq!(
+        texts(&store, s.id).await,
+        ["q1", "a1", "sent while a turn ran"]
+    );
+    // Taken once: a second open of the same queued input commits nothing.
+    let err = store.open_turn(opened).await.unwrap_err();
+    assert!(matches!(err, StoreError::Stale(_)), "{err}");
+    assert_eq!(texts(&store, s.id).await.len(), 3);
+    // Withdrawn, and a deleted dialog's inputs are not listed.
+    assert!(store.discard_queued_input(second.turn_id).await.unwrap());
+    assert!(!store.discard_queued_input(second.turn_id).await.unwrap());
+    store.soft_delete_session(other.id, 9).await.unwrap();
+    assert!(store.queued_inputs().await.unwrap().is_empty());
+    let err = store
+        .queue_input(queued(other.id, "late"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::NotFound(_)), "{err}");
 }

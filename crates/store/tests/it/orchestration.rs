@@ -853,7 +853,7 @@ async fn recover_interrupts_old_generations_expires_leases_and_repairs_counters(
         (2, 1),
         "two open completions, one live reservation"
     );
-    assert_eq!(report.sessions_with_due_events, [root]);
+    assert_eq!(report.sessions_with_inbox_work, [root]);
     let interrupted = store.get_run(old.id).await.unwrap().unwrap();
     assert_eq!(interrupted.status, RunStatus::Interrupted);
     let events = store.list_inbox_events(root).await.unwrap();
@@ -1009,13 +1009,82 @@ async fn a_release_that_is_no_failed_delivery_keeps_attempts_and_backoff() {
         (events[0].status, events[0].attempt_count),
         (EventStatus::Pending, 0)
     );
-    let schedule = store.inbox_schedule(root, 1001).await.unwrap();
+    let schedule = store.inbox_schedule(root, 1001, NO_TTL).await.unwrap();
     assert_eq!(schedule.oldest_due_at_ms, Some(events[0].created_at_ms));
     assert!(store
         .claim_inbox_batch(claim(root, 1001))
         .await
         .unwrap()
         .is_some());
+}
+
+/// A time to live no test event reaches.
+const NO_TTL: i64 = i64::MAX / 4;
+
+#[tokio::test]
+async fn an_event_backing_off_past_its_time_to_live_is_due_for_dead_lettering() {
+    let (_dir, store) = temp_store();
+    // Two events created at 200 and 201 ms; both fail and back off 10 s.
+    let (root, ids) = root_with_events(&store, 2).await;
+    let lease = store
+        .claim_inbox_batch(claim(root, 1000))
+        .await
+        .unwrap()
+        .unwrap();
+    store
+        .release_inbox_lease(ReleaseRequest {
+            event_ids: ids.clone(),
+            lease_token: lease.token,
+            now_ms: 1000,
+            backoff_ms: 10_000,
+            max_attempts: 5,
+            count_attempt: true,
+            error: Some("model down".into()),
+        })
+        .await
+        .unwrap();
+    // Their time to live (5 s: expiry at 5200 and 5201) ends before the retry.
+    let schedule = store.inbox_schedule(root, 1000, 5_000).await.unwrap();
+    assert_eq!(
+        (
+            schedule.oldest_due_at_ms,
+            schedule.next_due_at_ms,
+            schedule.expired
+        ),
+        (None, Some(5200), 0),
+        "the worker wakes at the first expiry, not at the retry"
+    );
+    let schedule = store.inbox_schedule(root, 5200, 5_000).await.unwrap();
+    assert_eq!(
+        (
+            schedule.oldest_due_at_ms,
+            schedule.next_due_at_ms,
+            schedule.expired
+        ),
+        (None, Some(5201), 1)
+    );
+    let moved = store
+        .dead_letter_expired_events(root, 200, "expired".into(), 5200)
+        .await
+        .unwrap();
+    assert_eq!(moved, 1);
+    let untold = store.unnotified_dead_letters(root).await.unwrap();
+    assert_eq!(untold.iter().map(|e| e.id).collect::<Vec<_>>(), [ids[0]]);
+    assert_eq!(untold[0].last_error.as_deref(), Some("expired"));
+    let schedule = store.inbox_schedule(root, 5200, 5_000).await.unwrap();
+    assert_eq!(
+        (
+            schedule.next_due_at_ms,
+            schedule.expired,
+            schedule.untold_dead_letters
+        ),
+        (Some(5201), 0, 1)
+    );
+    // Without a time to live that ends first, the retry time is next.
+    let schedule = store.inbox_schedule(root, 1000, NO_TTL).await.unwrap();
+    assert_eq!(schedule.next_due_at_ms, Some(11_000));
+    let counts = store.inbox_counts(root).await.unwrap();
+    assert_eq!(counts.pending, 1, "{counts:?}");
 }
 
 #[tokio::test]
@@ -1051,7 +1120,7 @@ async fn a_dead_letter_is_told_once_by_a_notice_in_the_sessions_history() {
         })
         .await
         .unwrap();
-    let schedule = store.inbox_schedule(root, 1001).await.unwrap();
+    let schedule = store.inbox_schedule(root, 1001, NO_TTL).await.unwrap();
     assert_eq!(
         (schedule.oldest_due_at_ms, schedule.next_due_at_ms),
         (None, Some(1501)),
@@ -1084,7 +1153,7 @@ async fn a_dead_letter_is_told_once_by_a_notice_in_the_sessions_history() {
         .is_empty());
     assert_eq!(
         store
-            .inbox_schedule(root, 1002)
+            .inbox_schedule(root, 1002, NO_TTL)
             .await
             .unwrap()
             .untold_dead_letters,

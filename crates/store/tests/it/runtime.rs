@@ -70,7 +70,7 @@ async fn activation_bumps_past_stamped_runs_and_recovers_them_in_one_step() {
     assert_eq!(first.generation, 1_700_000_000_001);
     assert_eq!(first.previous_holder, None);
     assert_eq!(first.recovery.interrupted_runs, [old.id]);
-    assert_eq!(first.recovery.sessions_with_due_events, [root]);
+    assert_eq!(first.recovery.sessions_with_inbox_work, [root]);
     let run = store.get_run(old.id).await.unwrap().unwrap();
     assert_eq!(run.status, RunStatus::Interrupted);
     let second = store.activate_runtime("second".into(), 20).await.unwrap();
@@ -202,7 +202,7 @@ async fn activation_releases_the_leases_of_the_process_before_it() {
     assert_eq!(lease.events.len(), 1);
     let activation = store.activate_runtime("next".into(), 4).await.unwrap();
     assert_eq!(activation.recovery.leases_expired, 1);
-    assert_eq!(activation.recovery.sessions_with_due_events, [root]);
+    assert_eq!(activation.recovery.sessions_with_inbox_work, [root]);
     let events = store.list_inbox_events(root).await.unwrap();
     assert_eq!(events[0].status, keel_store::EventStatus::Pending);
 }
@@ -222,6 +222,7 @@ async fn activation_closes_the_inputs_a_dead_process_left_open() {
                 session_id: s.id,
                 messages: vec![user("typed before the crash")],
                 expected_head: None,
+                queued: None,
                 now_ms: 2,
             })
             .await

@@ -218,6 +218,7 @@ async fn rows_of_every_kind(store: &Store) -> Rows {
             session_id: session.id,
             messages: vec![user("more")],
             expected_head: None,
+            queued: None,
             now_ms: 50,
         })
         .await

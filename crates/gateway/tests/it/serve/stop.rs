@@ -1,5 +1,6 @@
 //! Ending work: `stop` ends a dialog's running turn (over REST and the
-//! WebSocket) and saves nothing of its answer; a sub-agent run is listed, read
+//! WebSocket), saves nothing of its answer and answers without waiting for
+//! the message queued behind it, which runs; a sub-agent run is listed, read
 //! and cancelled through `/api/agent-runs`.
 
 use std::sync::Arc;
@@ -40,6 +41,56 @@ fn cancelled(frames: &[ServerFrame]) -> bool {
             }
         )
     })
+}
+
+#[tokio::test]
+async fn stop_answers_at_once_while_the_message_queued_behind_the_stopped_turn_runs() {
+    // Every model call waits for a permit the test gives only after /stop
+    // answered: a stop that waited for the queued turn would never answer.
+    let gate = Arc::new(Semaphore::new(0));
+    let t = TestServer::start(Setup {
+        provider: Arc::new(GatedProvider { gate: gate.clone() }),
+        ..Setup::default()
+    })
+    .await;
+    let id: Uuid = t.dialog("Queued").await.parse().unwrap();
+    let mut ws = t.ws().await;
+    let messages = format!("/api/dialogs/{id}/messages");
+    for stop_over_ws in [false, true] {
+        start_turn(&mut ws, id).await;
+        let queued = t.post(&messages, json!({"text": "next"})).await;
+        assert_eq!(queued.status(), 202);
+        let queued: Uuid = queued.json::<Value>().await.unwrap()["turn_id"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let answered = async {
+            if stop_over_ws {
+                ws.send(&ClientFrame::Stop {
+                    id: Some("s".into()),
+                    session_id: id,
+                })
+                .await;
+                ws.until(|f| matches!(f, ServerFrame::Stopped { stopped: true, .. }))
+                    .await;
+            } else {
+                let r = t.post(&format!("/api/dialogs/{id}/stop"), json!({})).await;
+                assert_eq!(r.json::<Value>().await.unwrap(), json!({"stopped": true}));
+            }
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(30), answered)
+            .await
+            .expect("stop answers before the queued turn ends");
+        // The queued message is kept and runs to its end once released.
+        gate.add_permits(1);
+        let frames = ws
+            .until(
+                |f| matches!(f, ServerFrame::TurnCommitted { turn_id, .. } if *turn_id == queued),
+            )
+            .await;
+        assert!(!frames.is_empty());
+    }
 }
 
 #[tokio::test]
