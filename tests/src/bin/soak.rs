@@ -302,8 +302,9 @@ struct SignalAudit {
 
 /// Audits the signals in one read snapshot against `acknowledged` (event
 /// ids whose frames arrived): each is stored, and each stored signal is in
-/// a user message of its root's history ("N. Signal from run R (…): S")
-/// once if consumed, never otherwise.
+/// a user message of its root's history ("N. Signal from run R (…):"
+/// followed by its summary in a keel:data fence) once if consumed, never
+/// otherwise.
 fn audit_signals(db: &Path, acknowledged: &HashSet<String>) -> SignalAudit {
     let conn =
         rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
@@ -319,12 +320,19 @@ fn audit_signals(db: &Path, acknowledged: &HashSet<String>) -> SignalAudit {
         let message: keel_core::Message = serde_json::from_str(&content.unwrap()).unwrap();
         let text = message.text();
         let running = text.starts_with("[Sub-agent news while you work.");
-        for line in text.lines() {
+        let mut lines = text.lines();
+        while let Some(line) = lines.next() {
             let Some((_, rest)) = line.split_once(". Signal from run ") else {
                 continue;
             };
             let run = rest.split(' ').next().unwrap_or("").to_owned();
-            let summary = rest.split_once("): ").map_or("", |(_, s)| s).to_owned();
+            // The summary is the first line inside the signal's data fence.
+            let summary = lines
+                .by_ref()
+                .skip_while(|l| !l.starts_with("<<<keel:data "))
+                .nth(1)
+                .unwrap_or("")
+                .to_owned();
             *in_history.entry((run, summary)).or_insert(0) += 1;
             into_running += usize::from(running);
         }
