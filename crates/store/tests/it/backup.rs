@@ -231,14 +231,21 @@ async fn a_restore_replaces_the_database_in_place_and_keeps_the_one_it_replaced(
     let (dir, target) = temp_store();
     let replaced = target.create_session(new_session("old", 1)).await.unwrap();
     drop(target);
-    // A WAL left with commits must not be applied to the restored file.
-    let db = db_path(&dir);
-    let raw = rusqlite::Connection::open(&db).unwrap();
+    // A WAL left with commits (the files as a crash leaves them, copied
+    // while a connection holds them) must not be applied to the restored
+    // file, and its commits belong to the database kept aside.
+    let raw = rusqlite::Connection::open(db_path(&dir)).unwrap();
     raw.pragma_update(None, "wal_autocheckpoint", 0).unwrap();
     raw.execute("UPDATE sessions SET title = 'in the wal'", [])
         .unwrap();
+    let crashed = tempfile::tempdir().unwrap();
+    for name in ["keel.db", "keel.db-wal"] {
+        std::fs::copy(dir.path().join(name), crashed.path().join(name)).unwrap();
+    }
+    drop(raw);
+    let db = db_path(&crashed);
     assert!(
-        std::fs::metadata(dir.path().join("keel.db-wal"))
+        std::fs::metadata(crashed.path().join("keel.db-wal"))
             .unwrap()
             .len()
             > 0
@@ -247,7 +254,6 @@ async fn a_restore_replaces_the_database_in_place_and_keeps_the_one_it_replaced(
     let lock = RuntimeLock::acquire(&db, &describe_process("test")).unwrap();
     let report =
         restore_database(&backup, &db, &lock, &CheckOptions::default(), &mut |_| {}).unwrap();
-    drop(raw);
     drop(lock);
     assert!(report.copy.check.is_clean());
     let previous = report.previous.expect("the old database is kept");
