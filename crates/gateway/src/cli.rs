@@ -71,6 +71,30 @@ pub enum Command {
         #[arg(long)]
         repair: bool,
     },
+    /// Copy a data directory's database to DEST while keel runs (the copy is checked before it is kept)
+    ///
+    /// One consistent snapshot, copied in bounded steps so turns keep
+    /// committing; DEST must not exist.
+    Backup {
+        /// Data directory and configuration.
+        #[command(flatten)]
+        data: DataArgs,
+        /// The new file to write the copy to.
+        dest: PathBuf,
+    },
+    /// Replace a data directory's database with a backup (refused while a keel runs on it)
+    ///
+    /// The backup is checked first; a replaced database is kept beside it.
+    Restore {
+        /// Data directory and configuration.
+        #[command(flatten)]
+        data: DataArgs,
+        /// The backup to restore (a file `keel backup` wrote).
+        src: PathBuf,
+        /// Replace the data directory's existing database.
+        #[arg(long)]
+        force: bool,
+    },
     /// Agent definitions.
     Agents {
         /// What to do with them.
@@ -139,6 +163,18 @@ pub fn main() -> ExitCode {
             Command::Serve { data, bind } => crate::serve::run(data, bind).await,
             Command::Doctor { data, repair } => {
                 crate::doctor::run(data.config.as_deref(), data.data_dir.as_deref(), repair).await
+            }
+            Command::Backup { data, dest } => {
+                crate::backup::backup(data.config.as_deref(), data.data_dir.as_deref(), &dest).await
+            }
+            Command::Restore { data, src, force } => {
+                crate::backup::restore(
+                    data.config.as_deref(),
+                    data.data_dir.as_deref(),
+                    &src,
+                    force,
+                )
+                .await
             }
             Command::Agents {
                 command:

@@ -1,6 +1,6 @@
 //! The `keel` binary's library: configuration, the HTTP/WebSocket server,
-//! the terminal chat with its slash commands, the offline demo and `agents
-//! check`.
+//! the terminal chat with its slash commands, the offline demo, `doctor`,
+//! `backup`/`restore` and `agents check`.
 //!
 //! Architecture invariant: keel-gateway is the only crate that talks to
 //! users — the terminal, HTTP, WebSocket and wire DTOs (converted from
@@ -11,6 +11,7 @@
 
 pub mod agents;
 pub mod app;
+pub mod backup;
 pub mod chat;
 pub mod cli;
 pub mod config;

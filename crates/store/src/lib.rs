@@ -81,6 +81,7 @@ macro_rules! failpoint {
     };
 }
 
+mod backup;
 mod check;
 mod checkpoints;
 mod constraints;
@@ -103,6 +104,7 @@ mod util;
 use std::path::Path;
 use std::sync::Arc;
 
+pub use backup::{backup_database, restore_database, CopyProgress, CopyReport, RestoreReport};
 pub use check::{
     check_database, CheckOptions, CheckedCounts, Finding, Invariant, InvariantReport, StateDecoder,
 };

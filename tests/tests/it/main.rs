@@ -5,6 +5,8 @@
 //! model.
 #![allow(clippy::unwrap_used)] // helpers outside #[test] fns unwrap too
 
+#[cfg(unix)]
+mod backup;
 mod chat;
 #[cfg(unix)]
 mod crash;

@@ -16,14 +16,14 @@ use keel_store::{MessageFilter, Store, StoreOptions};
 use crate::{data_dir_with_agent, keel};
 
 /// A running `keel serve`: its address and its stderr, line by line.
-struct Served {
-    child: Child,
+pub(crate) struct Served {
+    pub(crate) child: Child,
     addr: String,
     stderr: mpsc::Receiver<String>,
 }
 
 impl Served {
-    fn start(data: &Path) -> Served {
+    pub(crate) fn start(data: &Path) -> Served {
         Self::start_with(data, &[])
     }
 
@@ -68,7 +68,7 @@ impl Served {
         }
     }
 
-    fn signal(&self, name: &str) {
+    pub(crate) fn signal(&self, name: &str) {
         let status = std::process::Command::new("kill")
             .args([&format!("-{name}"), &self.child.id().to_string()])
             .status()
@@ -77,7 +77,7 @@ impl Served {
     }
 
     /// Stderr lines up to the first that contains `needle`.
-    fn stderr_until(&self, needle: &str) -> Vec<String> {
+    pub(crate) fn stderr_until(&self, needle: &str) -> Vec<String> {
         let mut lines = Vec::new();
         loop {
             let line = self
@@ -92,12 +92,12 @@ impl Served {
         }
     }
 
-    fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }
 }
 
-fn runtime() -> tokio::runtime::Runtime {
+pub(crate) fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

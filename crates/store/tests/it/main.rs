@@ -2,6 +2,7 @@
 //! instead of one per file).
 #![allow(clippy::unwrap_used)] // helpers outside #[test] fns unwrap too
 
+mod backup;
 mod check;
 mod common;
 mod history;
