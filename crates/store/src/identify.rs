@@ -123,6 +123,32 @@ fn odd_kind(meta: &std::fs::Metadata) -> Option<&'static str> {
     Some("a special file")
 }
 
+/// The refusal of a database file that has more than one name (hard
+/// link): SQLite keeps the WAL, its shared memory and keel's lock beside
+/// the name it opens, so two names would be two owners and two logs of
+/// one file, and commits in one log unseen through the other.
+fn other_names(path: &Path, meta: &std::fs::Metadata) -> Option<StoreError> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        let links = meta.nlink();
+        (links > 1).then(|| {
+            StoreError::Conflict(format!(
+                "{} has {links} names (hard links); keel keeps its write-ahead log and lock \
+                 beside a database's name, so each name would be another owner and another log: \
+                 keep one name (`find / -samefile {}` lists them) or copy the file",
+                path.display(),
+                path.display()
+            ))
+        })
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = (path, meta);
+        None
+    }
+}
+
 /// Looks at `path` without writing to it; with `check_rows`, also checks
 /// the state tables' rows (see [`STATE_TABLES`]).
 pub(crate) fn identify(path: &Path, check_rows: bool) -> Result<Found> {
@@ -140,6 +166,9 @@ pub(crate) fn identify(path: &Path, check_rows: bool) -> Result<Found> {
         return Err(not_keel(format!(
             "it is {kind}, not a regular file; move it away to start a new database"
         )));
+    }
+    if let Some(refusal) = other_names(path, &meta) {
+        return Err(refusal);
     }
     let mut file = std::fs::File::open(path).map_err(|e| io("read", e))?;
     if meta.len() == 0 {
@@ -326,7 +355,8 @@ pub(crate) fn create(path: &Path) -> Result<()> {
             .and_then(|f| f.sync_all())
             .map_err(|e| io("sync the new database", e))?;
         match std::fs::hard_link(&tmp, path) {
-            Ok(()) => {}
+            // Unlinked at once: a database with two names is refused.
+            Ok(()) => std::fs::remove_file(&tmp).map_err(|e| io("remove the temporary file", e))?,
             // Another opener linked its own first: use that one.
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
             Err(e) => return Err(io("link the new database into place", e)),

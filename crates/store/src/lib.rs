@@ -167,7 +167,7 @@ impl std::fmt::Debug for Store {
 impl Store {
     /// Opens (creating if needed) the database at `path`, or at the file its
     /// symbolic links lead to, and migrates it to [`SCHEMA_VERSION`]. A
-    /// newer database is refused untouched.
+    /// newer database, or one with a second name (hard link), is refused untouched.
     pub fn open(path: impl AsRef<Path>, options: StoreOptions) -> Result<Self> {
         Ok(Self {
             db: Arc::new(db::Db::open(path.as_ref(), options)?),

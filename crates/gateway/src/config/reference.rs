@@ -567,7 +567,9 @@ pub fn reference() -> Vec<KeyDoc> {
         "server.idle_timeout_secs",
         format!(
             "Seconds a connection (HTTP/1 or HTTP/2) may stay open with no request in flight, \
-             1..={MAX_CLIENT_TIMEOUT_SECS}. A WebSocket or a streamed answer is in flight."
+             1..={MAX_CLIENT_TIMEOUT_SECS}. A WebSocket or a streamed answer is in flight; a \
+             WebSocket that sends nothing for this long, not even the pong to the ping the \
+             server sends halfway, is closed with 1008."
         ),
     );
     let defaults = flatten_keys(&Config::default());

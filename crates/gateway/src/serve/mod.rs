@@ -173,6 +173,8 @@ pub(crate) struct Shared {
     closing: CancellationToken,
     /// WebSocket connections, which a shutdown waits for.
     sockets: TaskTracker,
+    /// How long a WebSocket may send nothing, not even a pong, before it is closed.
+    socket_idle: std::time::Duration,
 }
 
 impl Shared {
@@ -274,6 +276,7 @@ impl Server {
             conversations: interop::Conversations::new(),
             closing: CancellationToken::new(),
             sockets: TaskTracker::new(),
+            socket_idle: options.connections.idle_timeout,
         });
         let stop_accepting = CancellationToken::new();
         let task = tokio::spawn(connections::serve(

@@ -49,6 +49,8 @@ mod close {
     pub(super) const INVALID_PAYLOAD: u16 = 1007;
     /// A frame over the size limit.
     pub(super) const TOO_BIG: u16 = 1009;
+    /// Nothing, not even a pong, arrived for the idle timeout.
+    pub(super) const POLICY: u16 = 1008;
 }
 
 /// The close code RFC 6455 gives the read error `e`, if the connection can
@@ -150,11 +152,31 @@ impl Connection {
     async fn serve(self: Arc<Self>, socket: WebSocket, mut queue: mpsc::Receiver<SharedFrame>) {
         let (mut sink, mut incoming) = socket.split();
         let closing = self.shared.closing.clone();
+        // A socket holds a connection slot and counts as busy, so one that
+        // sends nothing is closed after the idle timeout; a ping halfway
+        // lets a live client (browsers answer pings themselves) show it is.
+        let idle = self.shared.socket_idle;
+        let mut heard = tokio::time::Instant::now();
+        let mut pinged = false;
         let end = loop {
+            let ping_at = heard + idle / 2;
             tokio::select! {
                 biased;
                 () = closing.cancelled() => {
                     break Some(close_message(close::GOING_AWAY, "the server is shutting down"));
+                }
+                () = tokio::time::sleep_until(ping_at), if !pinged => {
+                    pinged = true;
+                    let ping = sink.send(Message::Ping(axum::body::Bytes::new()));
+                    if !matches!(tokio::time::timeout(WRITE_TIMEOUT, ping).await, Ok(Ok(()))) {
+                        break None;
+                    }
+                }
+                () = tokio::time::sleep_until(heard + idle) => {
+                    break Some(close_message(
+                        close::POLICY,
+                        &format!("nothing arrived for {} s, not even a pong (server.idle_timeout_secs)", idle.as_secs()),
+                    ));
                 }
                 Some(frame) = queue.recv() => {
                     // Everything queued goes out with one flush, adjacent
@@ -174,7 +196,9 @@ impl Connection {
                         _ => break None,
                     }
                 }
-                message = incoming.next() => match message {
+                message = incoming.next() => {
+                    (heard, pinged) = (tokio::time::Instant::now(), false);
+                    match message {
                     Some(Ok(Message::Text(t))) => self.clone().request(t.as_str()),
                     Some(Ok(Message::Binary(_))) => {
                         break Some(close_message(close::UNSUPPORTED, "binary frames are not part of the protocol; send JSON text"));
@@ -187,7 +211,7 @@ impl Connection {
                             close_message(code, &close_reason(&format!("frame refused: {why}")))
                         });
                     }
-                },
+                }},
             }
         };
         if let Some(message) = end {

@@ -50,6 +50,35 @@ fn paths_linking_one_database_share_its_lock() {
     insta::assert_snapshot!(shown, @"<dir>/b/keel.db (the file <dir>/real.db) is in use by another keel process (keel serve (pid 1 on alpha)); stop it first, or use another data directory");
 }
 
+/// A database with a second name (a hard link, in another directory) is
+/// refused through either name: each would get its own lock and its own
+/// write-ahead log, so two processes could own one file and lose commits.
+#[cfg(unix)]
+#[test]
+fn a_database_with_two_hard_links_is_refused_through_either() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("a/keel.db");
+    let b = dir.path().join("b/keel.db");
+    std::fs::create_dir_all(a.parent().unwrap()).unwrap();
+    std::fs::create_dir_all(b.parent().unwrap()).unwrap();
+    drop(Store::open(&a, fast_options()).unwrap());
+    std::fs::hard_link(&a, &b).unwrap();
+    let root = std::fs::canonicalize(dir.path()).unwrap();
+    for name in [&a, &b] {
+        let err = Store::open(name, fast_options()).unwrap_err();
+        assert!(matches!(err, StoreError::Conflict(_)), "{err}");
+        let shown = err
+            .to_string()
+            .replace(&root.display().to_string(), "<dir>");
+        assert!(shown.contains("has 2 names (hard links)"), "{shown}");
+    }
+    let err = Store::open(&b, fast_options()).unwrap_err().to_string();
+    insta::assert_snapshot!(err.replace(&root.display().to_string(), "<dir>"), @"conflict: <dir>/b/keel.db has 2 names (hard links); keel keeps its write-ahead log and lock beside a database's name, so each name would be another owner and another log: keep one name (`find / -samefile <dir>/b/keel.db` lists them) or copy the file");
+    // With one name again, it opens.
+    std::fs::remove_file(&b).unwrap();
+    drop(Store::open(&a, fast_options()).unwrap());
+}
+
 #[tokio::test]
 async fn activation_bumps_past_stamped_runs_and_recovers_them_in_one_step() {
     let (_dir, store) = temp_store();

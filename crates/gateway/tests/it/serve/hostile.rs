@@ -244,6 +244,46 @@ async fn close_code_after(t: &TestServer, frame: &[u8]) -> u16 {
     u16::from_be_bytes([answer[2], answer[3]])
 }
 
+/// A WebSocket upgraded by `tcp`'s handshake; the 101 head is consumed.
+async fn websocket(t: &TestServer) -> TcpStream {
+    let handshake = format!(
+        "GET /api/ws HTTP/1.1\r\nHost: {}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+         Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
+        t.authority()
+    );
+    let mut tcp = t.raw(handshake.as_bytes()).await;
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        head.push(tcp.read_u8().await.unwrap());
+    }
+    assert!(head.starts_with(b"HTTP/1.1 101"), "{head:?}");
+    tcp
+}
+
+/// A WebSocket holds a connection slot and counts as busy: one that sends
+/// nothing, not even the pong to the server's ping, is closed after the
+/// idle timeout, so silent sockets cannot keep every slot forever.
+#[tokio::test]
+async fn a_silent_websocket_is_pinged_then_closed_after_the_idle_timeout() {
+    let t = server_with("max_connections = 2\nidle_timeout_secs = 1").await;
+    let started = Instant::now();
+    let mut silent = [websocket(&t).await, websocket(&t).await];
+    for tcp in &mut silent {
+        let (answer, closed) = bytes_until_closed(tcp).await;
+        // An empty ping (0x89 0x00), then a close frame with 1008.
+        assert_eq!(answer[..2], [0x89, 0x00], "{answer:?}");
+        assert_eq!(answer[2], 0x88, "{answer:?}");
+        assert_eq!(u16::from_be_bytes([answer[4], answer[5]]), 1008);
+        let reason = String::from_utf8_lossy(&answer[6..]).into_owned();
+        insta::allow_duplicates! {
+            insta::assert_snapshot!(reason, @"nothing arrived for 1 s, not even a pong (server.idle_timeout_secs)");
+        }
+        assert!(closed - started >= Duration::from_millis(900));
+    }
+    // Their slots are free again.
+    assert_eq!(t.get("/api/health").await.status(), 200);
+}
+
 #[tokio::test]
 async fn websocket_protocol_violations_close_with_their_rfc_6455_codes() {
     let t = TestServer::start(Setup::default()).await;
