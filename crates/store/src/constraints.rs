@@ -1,7 +1,7 @@
 //! Which rows break their table's CHECK constraints, named row by row:
 //! each constraint's expression is read from the schema and evaluated over
 //! the table. SQLite's `integrity_check` says only "CHECK constraint failed
-//! in <table>", and on a read-only connection (which does not even parse
+//! in `<table>`", and on a read-only connection (which does not even parse
 //! CHECK constraints) nothing at all.
 
 use std::fmt;
