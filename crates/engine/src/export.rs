@@ -83,6 +83,10 @@ struct Header {
     version: Option<u32>,
 }
 
+fn not_an_export(e: serde_json::Error) -> EngineError {
+    EngineError::InvalidInput(format!("the file is not a keel dialog export: {e}"))
+}
+
 impl DialogExport {
     /// Materializes `session`.
     pub(crate) fn of(session: &AgentSession) -> Self {
@@ -120,10 +124,13 @@ impl DialogExport {
                 bytes.len()
             )));
         }
-        let invalid = |e: serde_json::Error| {
-            EngineError::InvalidInput(format!("the file is not a keel dialog export: {e}"))
-        };
-        let header: Header = serde_json::from_slice(bytes).map_err(invalid)?;
+        let value = serde_json::from_slice(bytes).map_err(not_an_export)?;
+        Self::from_value(value)
+    }
+
+    /// [`Self::from_json`] of JSON already parsed (a request body).
+    pub fn from_value(value: serde_json::Value) -> Result<Self> {
+        let header = Header::deserialize(&value).map_err(not_an_export)?;
         match (header.format.as_deref(), header.version) {
             (Some(DIALOG_FORMAT), Some(v)) if v > DIALOG_FORMAT_VERSION => {
                 return Err(EngineError::InvalidInput(format!(
@@ -140,7 +147,7 @@ impl DialogExport {
                 )))
             }
         }
-        serde_json::from_slice(bytes).map_err(invalid)
+        serde_json::from_value(value).map_err(not_an_export)
     }
 
     /// The export as pretty JSON.
