@@ -448,7 +448,7 @@ async fn long_session(dir: &Path) {
 
     // Figure 2: the full-JSON export of the same session at turn 1000.
     let start = Instant::now();
-    let snapshot = m.export_snapshot(long).await.unwrap();
+    let snapshot = m.export_dialog(long).await.unwrap();
     let json = serde_json::to_vec(&snapshot).unwrap();
     let export_time = start.elapsed();
     let snap_bytes = json.len() as f64;

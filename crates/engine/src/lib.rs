@@ -8,7 +8,7 @@
 //!   It writes nothing; its caller commits the turn.
 //! - [`SessionManager`] owns sessions in memory: it runs their turns and
 //!   commits each (messages, state, checkpoint) in one store transaction, and
-//!   manages dialogs, slots, memory, checkpoints and snapshots.
+//!   manages dialogs, slots, memory, checkpoints and dialog exports.
 //! - [`AgentCoordinator`] admits, persists, executes and ends sub-agent runs;
 //!   the root agent reaches it through the `delegate` and `agent_task` tools
 //!   ([`AgentCoordinator::root_tools`]).
@@ -30,12 +30,12 @@ mod context;
 mod coordinator;
 mod error;
 mod events;
+mod export;
 mod fence;
 mod gate;
 mod mailbox;
 mod manager;
 mod session;
-mod snapshot;
 mod state;
 mod tools;
 
@@ -52,6 +52,10 @@ pub use coordinator::{
 };
 pub use error::{EngineError, Result};
 pub use events::{SessionEvent, SessionEvents, SessionSubscription, SubscriptionError};
+pub use export::{
+    DialogExport, ExportedDialog, ExportedMessage, DIALOG_FORMAT, DIALOG_FORMAT_VERSION,
+    MAX_DIALOG_EXPORT_BYTES,
+};
 pub use gate::{
     ExecutionGate, GateCounters, GateLimits, GateScope, RunPermit, StepKind, StepPermitGuard,
     StepScope,
@@ -62,7 +66,6 @@ pub use manager::{
     SessionManagerConfig, SteerOutcome, StopReport, SummaryConfig, TurnReport, TurnTicket,
 };
 pub use session::{AgentProfile, AgentSession};
-pub use snapshot::{SessionSnapshot, SnapshotMessage};
 pub use state::{
     HistoryMessage, MemoryEntry, MergeStrategy, Segment, SessionState, SlotConfig, SlotMode,
 };

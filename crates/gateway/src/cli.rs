@@ -95,6 +95,31 @@ pub enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// Write one dialog (history, hidden messages, state and memory) as versioned JSON
+    ///
+    /// The `keel.dialog` format of docs/EXPORT.md. Needs the data directory
+    /// unused; while `keel serve` runs, use GET /api/dialogs/{id}/export.
+    Export {
+        /// Data directory and configuration.
+        #[command(flatten)]
+        data: DataArgs,
+        /// The dialog's id.
+        dialog: String,
+        /// Write to this new file instead of stdout.
+        #[arg(long, value_name = "FILE")]
+        out: Option<PathBuf>,
+    },
+    /// Recreate an exported dialog as a new dialog, with new ids, in one transaction
+    ///
+    /// A file from a newer format version is refused. Needs the data
+    /// directory unused; while `keel serve` runs, use POST /api/dialogs/import.
+    Import {
+        /// Data directory and configuration.
+        #[command(flatten)]
+        data: DataArgs,
+        /// The export (a file `keel export` wrote).
+        file: PathBuf,
+    },
     /// Agent definitions.
     Agents {
         /// What to do with them.
@@ -175,6 +200,18 @@ pub fn main() -> ExitCode {
                     force,
                 )
                 .await
+            }
+            Command::Export { data, dialog, out } => {
+                crate::export::export(
+                    data.config.as_deref(),
+                    data.data_dir.as_deref(),
+                    &dialog,
+                    out.as_deref(),
+                )
+                .await
+            }
+            Command::Import { data, file } => {
+                crate::export::import(data.config.as_deref(), data.data_dir.as_deref(), &file).await
             }
             Command::Agents {
                 command:

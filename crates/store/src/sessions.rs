@@ -6,6 +6,7 @@ use keel_core::{AgentId, SessionId};
 use rusqlite::{params, Connection, OptionalExtension, Row};
 
 use crate::error::{Result, StoreError};
+use crate::messages::{commit_turn_tx, encode, TurnCommit, TurnCommitted};
 use crate::util::{fresh_id, non_negative, parse, parse_opt};
 use crate::{Page, Store};
 
@@ -333,6 +334,29 @@ impl Store {
     pub async fn create_session(&self, session: NewSession) -> Result<SessionRecord> {
         self.db
             .write(move |c| insert_session_tx(c, &session, None, None))
+            .await
+    }
+
+    /// Creates `session` and commits `turn` to it in one transaction, so a
+    /// dialog brought in from elsewhere exists whole or not at all.
+    /// `turn.session_id` must be `session.id`; its messages get seqs 1, 2, ….
+    pub async fn import_session(
+        &self,
+        session: NewSession,
+        turn: TurnCommit,
+    ) -> Result<TurnCommitted> {
+        if turn.session_id != session.id {
+            return Err(StoreError::Conflict(format!(
+                "the imported history belongs to session {}, not {}",
+                turn.session_id, session.id
+            )));
+        }
+        let encoded = encode(&turn.messages)?;
+        self.db
+            .write(move |c| {
+                insert_session_tx(c, &session, None, None)?;
+                commit_turn_tx(c, &turn, &encoded, None)
+            })
             .await
     }
 

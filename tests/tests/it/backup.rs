@@ -14,7 +14,7 @@ use crate::keel;
 use crate::serve::{runtime, Served};
 
 /// Sends `text` to dialog `id` and returns once the turn is committed.
-async fn acknowledged_turn(http: &reqwest::Client, base: &str, id: &str, text: &str) {
+pub(crate) async fn acknowledged_turn(http: &reqwest::Client, base: &str, id: &str, text: &str) {
     let response = http
         .post(format!("{base}/api/dialogs/{id}/messages"))
         .header("accept", "text/event-stream")
@@ -31,7 +31,7 @@ async fn acknowledged_turn(http: &reqwest::Client, base: &str, id: &str, text: &
     }
 }
 
-async fn new_dialog(http: &reqwest::Client, served: &Served, title: &str) -> String {
+pub(crate) async fn new_dialog(http: &reqwest::Client, served: &Served, title: &str) -> String {
     let dialog: serde_json::Value = http
         .post(served.url("/api/dialogs"))
         .json(&serde_json::json!({ "title": title }))
@@ -44,7 +44,7 @@ async fn new_dialog(http: &reqwest::Client, served: &Served, title: &str) -> Str
     dialog["id"].as_str().unwrap().to_owned()
 }
 
-fn run(args: &[&str], paths: &[&Path]) -> Output {
+pub(crate) fn run(args: &[&str], paths: &[&Path]) -> Output {
     let mut cmd = keel();
     cmd.args(args).env("KEEL_LOG", "error");
     for p in paths {
@@ -54,7 +54,7 @@ fn run(args: &[&str], paths: &[&Path]) -> Output {
 }
 
 /// Stdout and stderr with `dir` masked, and the pid and host of a holder.
-fn shown(out: &Output, dir: &Path) -> String {
+pub(crate) fn shown(out: &Output, dir: &Path) -> String {
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),

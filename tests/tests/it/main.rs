@@ -17,6 +17,8 @@ mod disk_full;
 #[cfg(unix)]
 mod doctor;
 #[cfg(unix)]
+mod export;
+#[cfg(unix)]
 mod failpoints;
 #[cfg(unix)]
 mod foreign;

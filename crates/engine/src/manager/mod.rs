@@ -12,7 +12,7 @@
 //! The manager's methods are grouped by what they work on:
 //! `lifecycle` (create, load, evict, destroy), `worker` (the session
 //! worker: send, steer, stop), `turns` (run and commit a turn), `slots` (context slots and session memory), `dialogs`,
-//! `checkpoints` (list, create, roll back, fork, prune), `snapshots`
+//! `checkpoints` (list, create, roll back, fork, prune), `exports`
 //! (export and import, and history a client brings) and `housekeeping`
 //! (titles and summaries after a turn, in a task of their own).
 
@@ -20,11 +20,11 @@ mod bundle;
 mod checkpoints;
 mod continuation;
 mod dialogs;
+mod exports;
 mod housekeeping;
 mod lifecycle;
 mod signals;
 mod slots;
-mod snapshots;
 mod turns;
 mod worker;
 

@@ -12,7 +12,7 @@ use utoipa::{IntoResponses, Modify, OpenApi};
 use super::api;
 use super::frames;
 use super::problem::{Problem, PROBLEM_JSON};
-use super::routes::{dialogs, runs, system};
+use super::routes::{dialogs, exports, runs, system};
 
 /// The error answers every route documents (each a problem body).
 pub(crate) struct Errors;
@@ -82,7 +82,7 @@ impl Modify for BearerAuth {
         system::health, system::ready, system::openapi, system::reload,
         dialogs::list, dialogs::create, dialogs::get_one, dialogs::rename, dialogs::delete,
         dialogs::messages, dialogs::send, dialogs::stop, dialogs::steer, dialogs::usage,
-        dialogs::checkpoints, dialogs::rollback, dialogs::fork,
+        dialogs::checkpoints, dialogs::rollback, dialogs::fork, exports::export, exports::import,
         runs::list, runs::get_one, runs::events, runs::dialog_events, runs::dialog_inbox,
         runs::cancel,
     ),

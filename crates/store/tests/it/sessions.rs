@@ -170,3 +170,61 @@ async fn pagination_is_stable_under_inserts() {
         Err(StoreError::InvalidInput(_))
     ));
 }
+
+fn import_turn(session: &keel_store::NewSession) -> keel_store::TurnCommit {
+    keel_store::TurnCommit {
+        session_id: session.id,
+        messages: vec![user("hi"), assistant("hello")],
+        state: br#"{"turn":1}"#.to_vec(),
+        checkpoint: None,
+        visible_user_inputs: 1,
+        answers: Vec::new(),
+        expected_head: None,
+        now_ms: 200,
+    }
+}
+
+#[tokio::test]
+async fn import_session_creates_the_session_with_its_history_in_one_step() {
+    let (_dir, store) = temp_store();
+    let s = new_session("imported", 100);
+    let committed = store
+        .import_session(s.clone(), import_turn(&s))
+        .await
+        .unwrap();
+    assert_eq!(committed.seqs, [1, 2]);
+    let record = store.get_session(s.id).await.unwrap().unwrap();
+    assert_eq!(record.message_count, 1);
+    assert_eq!(record.state_hash.as_deref(), Some(&*committed.state_hash));
+    let history = store
+        .load_messages(s.id, keel_store::MessageFilter::default())
+        .await
+        .unwrap();
+    assert_eq!(history.len(), 2);
+}
+
+#[tokio::test]
+async fn a_failed_import_leaves_no_session_behind() {
+    let (_dir, store) = temp_store();
+    let elsewhere = store
+        .create_session(new_session("elsewhere", 100))
+        .await
+        .unwrap();
+    let s = new_session("imported", 100);
+    // The history fails after the session row is written: both roll back.
+    let mut turn = import_turn(&s);
+    turn.expected_head = Some(keel_store::SessionHead {
+        timeline: elsewhere.head_timeline_id,
+        last_seq: 7,
+    });
+    assert!(store.import_session(s.clone(), turn).await.is_err());
+    assert!(store.get_session(s.id).await.unwrap().is_none());
+    // A history for another session is refused before anything is written.
+    let mut other = import_turn(&s);
+    other.session_id = keel_core::SessionId::new();
+    assert!(matches!(
+        store.import_session(s.clone(), other).await,
+        Err(StoreError::Conflict(_))
+    ));
+    assert!(store.get_session(s.id).await.unwrap().is_none());
+}

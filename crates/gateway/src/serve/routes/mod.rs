@@ -2,6 +2,7 @@
 //! limit parsing, the dialog lookup, the input checks.
 //!
 //! - `dialogs`: dialogs, messages, sending, stop, checkpoints;
+//! - `exports`: a dialog's export and import as portable JSON;
 //! - `runs`: sub-agent runs and their events;
 //! - `system`: health, readiness, the OpenAPI document, catalog reload.
 //!
@@ -9,6 +10,7 @@
 //! needs no token: it asks the user for one when the API answers 401.
 
 pub(crate) mod dialogs;
+pub(crate) mod exports;
 pub(crate) mod runs;
 pub(crate) mod system;
 
@@ -33,6 +35,14 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/openapi.json", get(system::openapi))
         .route("/admin/reload", post(system::reload))
         .route("/dialogs", get(dialogs::list).post(dialogs::create))
+        .route(
+            "/dialogs/import",
+            // An export holds a whole history: its own limit, the one
+            // `keel import` reads a file with.
+            post(exports::import)
+                .layer(DefaultBodyLimit::max(keel_engine::MAX_DIALOG_EXPORT_BYTES)),
+        )
+        .route("/dialogs/{id}/export", get(exports::export))
         .route(
             "/dialogs/{id}",
             get(dialogs::get_one)

@@ -708,3 +708,48 @@ async fn a_reload_is_seen_by_the_next_request_and_a_removed_agents_dialog_refuse
     let page = t.json(&format!("/api/dialogs/{of_monitor}/messages")).await;
     assert_eq!(page["items"], json!([]));
 }
+
+#[tokio::test]
+async fn a_dialog_exported_and_imported_over_rest_is_a_copy_with_new_ids() {
+    let t = TestServer::start(Setup::default()).await;
+    let id = t.dialog("Plans").await;
+    let events = t.send_streamed(&id, "first").await;
+    assert!(events.ends_with("turn_committed"), "{events}");
+    let export = t.json(&format!("/api/dialogs/{id}/export")).await;
+    assert_eq!(export["format"], "keel.dialog");
+    assert_eq!(export["dialog"]["id"], id.as_str());
+    let r = t.post("/api/dialogs/import", export.clone()).await;
+    assert_eq!(r.status(), 201);
+    let copy: Value = r.json().await.unwrap();
+    let copy_id = copy["id"].as_str().unwrap();
+    assert_ne!(copy_id, id);
+    assert_eq!(copy["title"], "Plans");
+    assert_eq!(copy["message_count"], 1);
+    let mut again = t.json(&format!("/api/dialogs/{copy_id}/export")).await;
+    again["dialog"]["id"] = export["dialog"]["id"].clone();
+    again["dialog"]["dialog_id"] = export["dialog"]["dialog_id"].clone();
+    assert_eq!(again, export);
+
+    // A newer version is refused, naming both versions, and writes nothing.
+    let mut newer = export.clone();
+    newer["version"] = json!(2);
+    let r = t.post("/api/dialogs/import", newer).await;
+    assert_eq!(r.status(), 400);
+    let problem: Value = r.json().await.unwrap();
+    insta::assert_json_snapshot!(problem["detail"]);
+    let list = t.json("/api/dialogs").await;
+    assert_eq!(list["items"].as_array().unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn an_import_may_be_larger_than_other_bodies_but_not_without_bound() {
+    let t = TestServer::start(Setup::default()).await;
+    // Larger than every other request may be: accepted, then refused for
+    // its content, not its size.
+    let big = json!({"format": "keel.dialog", "version": 1, "padding": "x".repeat(4 << 20)});
+    let r = t.post("/api/dialogs/import", big).await;
+    assert_eq!(r.status(), 400, "{}", r.text().await.unwrap());
+    let huge = json!({"padding": "x".repeat(keel_engine::MAX_DIALOG_EXPORT_BYTES)});
+    let r = t.post("/api/dialogs/import", huge).await;
+    assert_eq!(r.status(), 413);
+}
