@@ -139,12 +139,14 @@ impl DialogExport {
                 )))
             }
             (Some(DIALOG_FORMAT), Some(_)) => {}
-            (format, _) => {
+            (format, version) => {
+                let shown = |v: Option<String>| v.unwrap_or_else(|| "missing".to_owned());
                 return Err(EngineError::InvalidInput(format!(
-                    "the file is not a keel dialog export (format {format:?}, version {:?}; \
-                     expected format {DIALOG_FORMAT:?})",
-                    header.version
-                )))
+                    "the file is not a keel dialog export (format {}, version {}; \
+                     expected format \"{DIALOG_FORMAT}\")",
+                    shown(format.map(|f| format!("{f:?}"))),
+                    shown(version.map(|v| v.to_string())),
+                )));
             }
         }
         serde_json::from_value(value).map_err(not_an_export)
