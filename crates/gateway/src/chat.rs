@@ -446,6 +446,7 @@ impl Chat {
                 turn_id,
                 message,
                 cancelled,
+                timed_out,
                 input_kept,
                 ..
             } => {
@@ -454,7 +455,8 @@ impl Chat {
                     (true, true) => self.say("(stopped; your message is kept, marked unanswered)"),
                     (true, false) => self.say("(stopped; nothing from this turn was saved)"),
                     (false, kept) => {
-                        self.say(&format!("error: {message}"));
+                        let label = if *timed_out { "timed out" } else { "error" };
+                        self.say(&format!("{label}: {message}"));
                         if *kept {
                             self.say(
                                 "(your message is kept, marked unanswered; the next turn sees it)",

@@ -406,3 +406,64 @@ async fn a_turn_cancelled_before_it_started_keeps_its_input_queued_for_the_next_
     );
     assert_eq!(visible_texts(&manager, id).await, ["a", "a done"]);
 }
+
+/// A turn whose model never answers ends at its deadline, typed `TimedOut`:
+/// its input stays in the history, unanswered, the turn queued behind it
+/// runs, and so does the next one.
+#[tokio::test(start_paused = true)]
+async fn a_turn_past_its_deadline_times_out_keeping_its_input_and_the_queue_runs_on() {
+    use std::time::Duration;
+    let dir = tempfile::tempdir().unwrap();
+    let provider = HeldProvider::new(ScriptedProvider::new([
+        ScriptedResponse::text("b done"),
+        ScriptedResponse::text("c done"),
+    ]));
+    let manager = manager_with(
+        open_store(dir.path()),
+        provider.clone(),
+        SessionManagerConfig {
+            turn_timeout: Duration::from_secs(60),
+            ..SessionManagerConfig::default()
+        },
+    );
+    let id = manager.create(spec("d1")).await.unwrap();
+    let mut feed = manager.events().subscribe(id).await.unwrap();
+    let begun = tokio::time::Instant::now();
+    let a = manager.send(id, Message::user("a")).await.unwrap();
+    let b = manager.send(id, Message::user("b")).await.unwrap();
+    provider.wait_started().await;
+    let err = tokio::time::timeout(Duration::from_secs(3600), a.outcome())
+        .await
+        .expect("the deadline ends the turn")
+        .unwrap_err();
+    assert_eq!(err, EngineError::TimedOut { secs: 60 });
+    assert!(!err.is_cancelled() && !err.is_retryable() && !err.is_internal());
+    assert_eq!(begun.elapsed(), Duration::from_secs(60));
+    loop {
+        if let SessionEvent::TurnFailed {
+            cancelled,
+            timed_out,
+            input_kept,
+            message,
+            ..
+        } = feed.recv().await.unwrap().as_ref()
+        {
+            assert_eq!((*cancelled, *timed_out, *input_kept), (false, true, true));
+            assert_eq!(
+                message,
+                "the turn ran past its deadline of 60 s and was stopped; nothing of its answer was saved"
+            );
+            break;
+        }
+    }
+    provider.release.add_permits(2);
+    assert_eq!(b.outcome().await.unwrap().output.final_text(), "b done");
+    let c = manager.submit_turn(id, "c").await.unwrap();
+    assert_eq!(c.output.final_text(), "c done");
+    assert_eq!(
+        visible_texts(&manager, id).await,
+        ["a", "b", "b done", "c", "c done"]
+    );
+    assert_eq!(unanswered(&manager, id).await, ["a"]);
+    assert!(manager.store().queued_inputs().await.unwrap().is_empty());
+}

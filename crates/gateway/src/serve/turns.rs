@@ -110,6 +110,8 @@ fn finish_reason_text(reason: &FinishReason) -> String {
 fn failure_message(e: &EngineError) -> String {
     if e.is_cancelled() {
         "the turn was stopped; its answer was not saved".to_owned()
+    } else if e.is_timed_out() {
+        e.to_string()
     } else if e.is_internal() {
         ApiError::internal(e).to_string()
     } else {
@@ -212,6 +214,7 @@ impl TurnRunner {
                     origin,
                     message,
                     cancelled,
+                    timed_out,
                     input_kept,
                 } if continuation(origin) => {
                     self.hub.publish(
@@ -221,6 +224,7 @@ impl TurnRunner {
                             turn_id: turn_id.as_uuid(),
                             turn_origin: (*origin).into(),
                             cancelled: *cancelled,
+                            timed_out: *timed_out,
                             input_kept: *input_kept,
                             message: message.clone(),
                         },
@@ -357,6 +361,7 @@ impl TurnRunner {
                 turn_id: turn.as_uuid(),
                 turn_origin: origin,
                 cancelled: e.is_cancelled(),
+                timed_out: e.is_timed_out(),
                 input_kept,
                 message: failure_message(e),
             },

@@ -622,3 +622,64 @@ async fn a_stopped_turn_keeps_the_message_listed_as_unanswered() {
         [("user", true), ("user", false), ("assistant", false)]
     );
 }
+
+/// A turn past `session.turn_timeout_secs` fails `timed_out`, the user's
+/// message kept and listed unanswered; the turn queued behind it runs.
+#[tokio::test]
+async fn a_turn_past_its_deadline_fails_timed_out_and_the_queued_turn_runs() {
+    let gate = Arc::new(Semaphore::new(0));
+    let t = TestServer::start(Setup {
+        provider: Arc::new(GatedProvider { gate: gate.clone() }),
+        config: "[session]\nturn_timeout_secs = 1\n".into(),
+        ..Setup::default()
+    })
+    .await;
+    let id = uuid(&t.dialog("Slow").await);
+    let mut ws = t.ws().await;
+    for text in ["work", "next"] {
+        ws.send(&ClientFrame::Send {
+            id: None,
+            session_id: id,
+            text: text.into(),
+        })
+        .await;
+    }
+    let end = ws.until(ServerFrame::ends_turn).await;
+    let failed = end.last().cloned().unwrap();
+    assert!(
+        matches!(&failed, ServerFrame::TurnFailed { session_id, .. } if *session_id == id),
+        "{end:?}"
+    );
+    insta::assert_json_snapshot!(failed, {
+        ".session_id" => "[dialog]",
+        ".turn_id" => "[turn]",
+    });
+    // The queued turn waits for the model like the first; now it answers.
+    gate.add_permits(1);
+    let end = ws.until(ServerFrame::ends_turn).await;
+    assert!(
+        matches!(end.last(), Some(ServerFrame::TurnCommitted { .. })),
+        "{end:?}"
+    );
+    let messages = t.json(&format!("/api/dialogs/{id}/messages")).await;
+    let listed: Vec<(&str, &str, bool)> = messages["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["role"].as_str().unwrap(),
+                m["text"].as_str().unwrap(),
+                m["unanswered"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            ("user", "work", true),
+            ("user", "next", false),
+            ("assistant", "partial done.", false)
+        ]
+    );
+}
