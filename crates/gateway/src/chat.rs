@@ -218,7 +218,8 @@ pub async fn run(
     };
     let mut interrupts = interrupts()?;
     // Listening now: results an earlier process left are delivered.
-    app.deliver_recovered().await?;
+    // The chat shows every turn of its dialog from the session feed.
+    app.deliver_recovered(|_, _| {}).await?;
     let record = chat.manager.record(chat.current).await?;
     chat.say(&format!(
         "keel chat — dialog {} \"{}\" ({} messages). /help lists commands.",

@@ -256,11 +256,17 @@ impl SessionManager {
 
     /// Queues the turns of every input a dead process acknowledged but never
     /// started, in the order they were acknowledged; they run like any sent
-    /// turn (no ticket waits for them). Those a full session queue refuses
-    /// stay queued in the store for the next start. Returns how many were queued.
-    pub async fn resume_queued(self: &Arc<Self>) -> Result<usize> {
+    /// turn (no ticket waits for them). `adopt` is told each turn before it
+    /// is queued, so whoever shows a dialog's turns can follow it from its
+    /// start. Those a full session queue refuses stay queued in the store
+    /// for the next start. Returns how many were queued.
+    pub async fn resume_queued(
+        self: &Arc<Self>,
+        mut adopt: impl FnMut(SessionId, TurnId),
+    ) -> Result<usize> {
         let mut resumed = 0;
         for input in self.store.queued_inputs().await? {
+            adopt(input.session_id, input.turn_id);
             let task = UserTask {
                 turn_id: input.turn_id,
                 input: input.message,

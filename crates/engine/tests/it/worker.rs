@@ -354,30 +354,42 @@ async fn inputs_a_dead_process_acknowledged_run_in_order_on_resume() {
     let mut feed = h.manager.events().subscribe(id).await.unwrap();
     // What an earlier process acknowledged and never started.
     let store = h.manager.store();
+    let mut queued = Vec::new();
     for text in ["first", "second"] {
+        let turn_id = keel_core::TurnId::new();
         store
             .queue_input(keel_store::QueuedInput {
                 session_id: id,
-                turn_id: keel_core::TurnId::new(),
+                turn_id,
                 message: Message::user(text),
                 queued_at_ms: 1,
             })
             .await
             .unwrap();
+        queued.push(turn_id);
     }
-    assert_eq!(h.manager.resume_queued().await.unwrap(), 2);
-    let mut committed = 0;
-    while committed < 2 {
-        if let SessionEvent::TurnCommitted { .. } = feed.recv().await.unwrap().as_ref() {
-            committed += 1;
+    // Each resumed turn is announced before it is queued, under its own id.
+    let mut adopted = Vec::new();
+    let resumed = h.manager.resume_queued(|_, turn| adopted.push(turn)).await;
+    assert_eq!(resumed.unwrap(), 2);
+    assert_eq!(adopted, queued);
+    let mut committed = Vec::new();
+    while committed.len() < 2 {
+        if let SessionEvent::TurnCommitted { turn_id, .. } = feed.recv().await.unwrap().as_ref() {
+            committed.push(*turn_id);
         }
     }
+    assert_eq!(committed, queued);
     assert_eq!(
         visible_texts(&h.manager, id).await,
         ["first", "one", "second", "two"]
     );
     assert!(store.queued_inputs().await.unwrap().is_empty());
-    assert_eq!(h.manager.resume_queued().await.unwrap(), 0, "run once");
+    assert_eq!(
+        h.manager.resume_queued(|_, _| {}).await.unwrap(),
+        0,
+        "run once"
+    );
 }
 
 #[tokio::test]
