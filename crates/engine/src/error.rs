@@ -28,6 +28,13 @@ pub enum EngineError {
     /// The turn, the run or the wait was cancelled; nothing was committed. Not retryable.
     #[error("cancelled")]
     Cancelled,
+    /// The turn ran past its deadline (`[session] turn_timeout_secs`) and was
+    /// cancelled; nothing of its answer was committed. Not retryable as is.
+    #[error("the turn ran past its deadline of {secs} s and was stopped; nothing of its answer was saved")]
+    TimedOut {
+        /// The deadline, in seconds.
+        secs: u64,
+    },
     /// The model kept calling tools past the agent's iteration limit. Not retryable as is.
     #[error("the agent reached its limit of {limit} model calls without a final answer")]
     MaxIterations {
@@ -238,6 +245,11 @@ impl EngineError {
     /// Whether this is the cancellation of a turn, a run or a wait.
     pub fn is_cancelled(&self) -> bool {
         matches!(self, EngineError::Cancelled)
+    }
+
+    /// Whether this is a turn cancelled at its deadline.
+    pub fn is_timed_out(&self) -> bool {
+        matches!(self, EngineError::TimedOut { .. })
     }
 
     /// Whether this is a failure of keel itself (storage, corrupt state, a

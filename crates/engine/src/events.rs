@@ -74,6 +74,8 @@ pub enum SessionEvent {
         message: String,
         /// Whether it was cancelled (`/stop`) rather than failed.
         cancelled: bool,
+        /// Whether it ran past its deadline and was cancelled there.
+        timed_out: bool,
         /// Whether the turn's input was committed before it failed: it stays
         /// in the history, marked unanswered (a user turn that got as far as
         /// calling the model).

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use keel_catalog::{AgentCatalog, CatalogHandle, CatalogInputs};
-use keel_core::{Provider, ScriptedProvider, SessionId, ToolRegistry};
+use keel_core::{Provider, ScriptedProvider, SessionId, ToolRegistry, TurnId};
 use keel_engine::builtin_registry;
 use keel_engine::AgentLoop;
 use keel_engine::ExecutionGate;
@@ -266,8 +266,10 @@ impl App {
     /// turns of queued user input, in the order it was acknowledged, and one
     /// coalesced wake per session whose inbox had work at start-up. Call it
     /// once clients are listening, so they see those turns from their start.
-    pub async fn deliver_recovered(&self) -> Result<()> {
-        let resumed = self.manager.resume_queued().await?;
+    /// `adopt` is told each resumed turn before it is queued (see
+    /// [`SessionManager::resume_queued`]).
+    pub async fn deliver_recovered(&self, adopt: impl FnMut(SessionId, TurnId)) -> Result<()> {
+        let resumed = self.manager.resume_queued(adopt).await?;
         if resumed > 0 {
             tracing::info!(
                 inputs = resumed,

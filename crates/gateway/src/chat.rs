@@ -218,7 +218,8 @@ pub async fn run(
     };
     let mut interrupts = interrupts()?;
     // Listening now: results an earlier process left are delivered.
-    app.deliver_recovered().await?;
+    // The chat shows every turn of its dialog from the session feed.
+    app.deliver_recovered(|_, _| {}).await?;
     let record = chat.manager.record(chat.current).await?;
     chat.say(&format!(
         "keel chat — dialog {} \"{}\" ({} messages). /help lists commands.",
@@ -446,6 +447,7 @@ impl Chat {
                 turn_id,
                 message,
                 cancelled,
+                timed_out,
                 input_kept,
                 ..
             } => {
@@ -454,7 +456,8 @@ impl Chat {
                     (true, true) => self.say("(stopped; your message is kept, marked unanswered)"),
                     (true, false) => self.say("(stopped; nothing from this turn was saved)"),
                     (false, kept) => {
-                        self.say(&format!("error: {message}"));
+                        let label = if *timed_out { "timed out" } else { "error" };
+                        self.say(&format!("{label}: {message}"));
                         if *kept {
                             self.say(
                                 "(your message is kept, marked unanswered; the next turn sees it)",

@@ -54,6 +54,8 @@ pub const MAX_SESSION_TTL_HOURS: u64 = 720;
 pub const MAX_CLEANUP_INTERVAL_MINUTES: u64 = 1440;
 /// Largest `session.auto_title_after_n_messages`.
 pub const MAX_AUTO_TITLE_AFTER_N_MESSAGES: u64 = 1000;
+/// Largest `session.turn_timeout_secs` (1 day).
+pub const MAX_TURN_TIMEOUT_SECS: u64 = 86_400;
 /// Largest `session.summary.debounce_turns`.
 pub const MAX_SUMMARY_DEBOUNCE_TURNS: u32 = 1000;
 
@@ -190,6 +192,8 @@ pub struct SessionConfig {
     pub auto_title_after_n_messages: u64,
     /// Checkpoint after every committed turn.
     pub auto_checkpoint: bool,
+    /// Seconds a root turn may run before it is stopped, timed out.
+    pub turn_timeout_secs: u64,
     /// `[session.summary]`: automatic context summaries.
     pub summary: SummarySettings,
 }
@@ -202,6 +206,7 @@ impl Default for SessionConfig {
             cleanup_interval_minutes: 60,
             auto_title_after_n_messages: engine.auto_title_after,
             auto_checkpoint: engine.auto_checkpoint,
+            turn_timeout_secs: engine.turn_timeout.as_secs(),
             summary: SummarySettings::default(),
         }
     }
@@ -821,6 +826,7 @@ impl Config {
                 debounce_turns: s.summary.debounce_turns,
             }),
             inbox: self.inbox_policy(),
+            turn_timeout: Duration::from_secs(s.turn_timeout_secs),
             ..SessionManagerConfig::default()
         }
     }

@@ -8,6 +8,8 @@
 //!
 //! Crash tests run it after every recovery, and `keel doctor` prints it.
 
+mod inputs;
+
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::sync::Arc;
@@ -71,11 +73,13 @@ pub enum Invariant {
     Runs,
     /// Every completion is pending, delivered or dead-lettered, exactly once.
     Completions,
+    /// Every queued input waits for a turn of a live dialog that has not started.
+    QueuedInputs,
 }
 
 impl Invariant {
     /// Every invariant, in the order a report lists them.
-    pub const ALL: [Invariant; 9] = [
+    pub const ALL: [Invariant; 10] = [
         Invariant::Integrity,
         Invariant::ForeignKeys,
         Invariant::Schema,
@@ -85,6 +89,7 @@ impl Invariant {
         Invariant::MessageCounts,
         Invariant::Runs,
         Invariant::Completions,
+        Invariant::QueuedInputs,
     ];
 
     /// A short name, for output.
@@ -99,6 +104,7 @@ impl Invariant {
             Invariant::MessageCounts => "message counts",
             Invariant::Runs => "runs",
             Invariant::Completions => "completions",
+            Invariant::QueuedInputs => "queued inputs",
         }
     }
 
@@ -134,6 +140,10 @@ impl Invariant {
                  waits for"
             }
             Invariant::Completions => "a sub-agent's completion could be lost or delivered twice",
+            Invariant::QueuedInputs => {
+                "a message acknowledged while a turn ran will never be answered, or would be \
+                 answered twice"
+            }
         }
     }
 }
@@ -241,13 +251,14 @@ pub(crate) fn check_tx(conn: &Connection, options: &CheckOptions) -> Result<Inva
         return Ok(report);
     }
     // A damaged row stops one check, not the others: its error is a finding.
-    let checks: [(Invariant, CheckFn); 6] = [
+    let checks: [(Invariant, CheckFn); 7] = [
         (Invariant::History, histories),
-        (Invariant::History, open_inputs),
+        (Invariant::History, inputs::open_inputs),
         (Invariant::Counters, counters),
         (Invariant::MessageCounts, message_counts),
         (Invariant::Runs, runs),
         (Invariant::Completions, completions),
+        (Invariant::QueuedInputs, inputs::queued_inputs),
     ];
     for (invariant, check) in checks {
         if let Err(e) = check(conn, options, &mut report) {
@@ -260,36 +271,6 @@ pub(crate) fn check_tx(conn: &Connection, options: &CheckOptions) -> Result<Inva
 }
 
 type CheckFn = fn(&Connection, &CheckOptions, &mut InvariantReport) -> Result<()>;
-
-/// A user's input is committed `open` before the model is called; only a
-/// live turn holds one open. One left by a stopped process is marked
-/// unanswered by the next start's recovery.
-fn open_inputs(
-    conn: &Connection,
-    options: &CheckOptions,
-    report: &mut InvariantReport,
-) -> Result<()> {
-    if options.owner_alive {
-        return Ok(());
-    }
-    let open = query_rows(
-        conn,
-        "SELECT timeline_id, seq FROM messages WHERE input_state = 'open' \
-         ORDER BY timeline_id, seq",
-        |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)),
-    )?;
-    for (timeline, seq) in open {
-        report.push(
-            Invariant::History,
-            true,
-            format!(
-                "timeline {timeline} seq {seq}: a user's message is still open, but no process \
-                 is answering it; the next start marks it unanswered"
-            ),
-        );
-    }
-    Ok(())
-}
 
 fn integrity(conn: &Connection, report: &mut InvariantReport) -> Result<()> {
     let lines = query_rows(conn, "PRAGMA integrity_check(100)", |r| {

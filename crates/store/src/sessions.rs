@@ -464,7 +464,9 @@ impl Store {
             .await
     }
 
-    /// Soft-deletes a session (rows stay; listings skip it). Returns false if it was already deleted.
+    /// Soft-deletes a session (rows stay; listings skip it) and withdraws its
+    /// queued inputs, which no turn will answer now. Returns false if it was
+    /// already deleted.
     pub async fn soft_delete_session(&self, id: SessionId, now_ms: i64) -> Result<bool> {
         self.db
             .write(move |c| {
@@ -472,6 +474,10 @@ impl Store {
                 let n = c.execute(
                     "UPDATE sessions SET deleted_at = ?1 WHERE id = ?2 AND deleted_at IS NULL",
                     params![now_ms, id.to_string()],
+                )?;
+                c.execute(
+                    "DELETE FROM queued_inputs WHERE session_id = ?1",
+                    [id.to_string()],
                 )?;
                 Ok(n == 1)
             })

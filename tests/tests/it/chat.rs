@@ -450,6 +450,23 @@ fn a_failed_turn_keeps_the_message_marked_unanswered() {
     insta::assert_snapshot!(redact(&out));
 }
 
+/// A turn past `session.turn_timeout_secs` is stopped: the chat says it
+/// timed out and that the message is kept; the next turn answers normally.
+#[test]
+fn a_turn_past_its_deadline_says_it_timed_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    std::fs::write(data.join("keel.toml"), "[session]\nturn_timeout_secs = 1\n").unwrap();
+    let s = script(
+        dir.path(),
+        "responses:\n  - {text: never, delay_ms: 3600000}\n  - text: Answered now.\n",
+    );
+    let (out, err, ok) = keel(&data, &s, "tim", "first question\nsecond question\n");
+    assert!(ok, "stderr: {err}");
+    insta::assert_snapshot!(redact(&out));
+}
+
 /// The model's memory tools commit with their turn and `/memory` lists what
 /// is kept; `/compact` summarizes the context now, says when nothing new is
 /// left to summarize, and the next turn is answered from the summary.

@@ -95,6 +95,9 @@ pub struct SessionManagerConfig {
     pub event_capacity: usize,
     /// How background results are delivered to the root agent.
     pub inbox: InboxPolicy,
+    /// How long a root turn (user or continuation) may run, from the moment
+    /// it starts on the worker; past it the turn ends [`EngineError::TimedOut`].
+    pub turn_timeout: Duration,
 }
 
 impl Default for SessionManagerConfig {
@@ -108,6 +111,7 @@ impl Default for SessionManagerConfig {
             mailbox: MailboxLimits::default(),
             event_capacity: DEFAULT_EVENT_CAPACITY,
             inbox: InboxPolicy::default(),
+            turn_timeout: Duration::from_secs(15 * 60),
         }
     }
 }

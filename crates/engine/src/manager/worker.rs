@@ -21,6 +21,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use keel_core::{Message, RunId, SessionId, TurnId, TurnOrigin};
 use parking_lot::Mutex;
@@ -255,11 +256,17 @@ impl SessionManager {
 
     /// Queues the turns of every input a dead process acknowledged but never
     /// started, in the order they were acknowledged; they run like any sent
-    /// turn (no ticket waits for them). Those a full session queue refuses
-    /// stay queued in the store for the next start. Returns how many were queued.
-    pub async fn resume_queued(self: &Arc<Self>) -> Result<usize> {
+    /// turn (no ticket waits for them). `adopt` is told each turn before it
+    /// is queued, so whoever shows a dialog's turns can follow it from its
+    /// start. Those a full session queue refuses stay queued in the store
+    /// for the next start. Returns how many were queued.
+    pub async fn resume_queued(
+        self: &Arc<Self>,
+        mut adopt: impl FnMut(SessionId, TurnId),
+    ) -> Result<usize> {
         let mut resumed = 0;
         for input in self.store.queued_inputs().await? {
+            adopt(input.session_id, input.turn_id);
             let task = UserTask {
                 turn_id: input.turn_id,
                 input: input.message,
@@ -629,6 +636,9 @@ impl SessionManager {
         }
         self.events
             .publish(session, SessionEvent::TurnStarted { turn_id, origin });
+        // Armed once the turn starts on the worker (time in the queue does
+        // not count), for user and continuation turns alike.
+        let deadline = Deadline::arm(self.config.turn_timeout, &cancel);
         let (tx, mut rx) = mpsc::unbounded_channel();
         let started = if cancel.is_cancelled() {
             // Cancelled while it waited in the queue: it never runs.
@@ -683,6 +693,7 @@ impl SessionManager {
                 },
             );
         }
+        let result = result.map_err(|e| deadline.explain(e));
         let leftovers = mailbox.close(result.is_err());
         *shared.active.lock() = None;
         if !leftovers.agent.is_empty() {
@@ -705,6 +716,7 @@ impl SessionManager {
                     e.to_string()
                 },
                 cancelled: e.is_cancelled(),
+                timed_out: e.is_timed_out(),
                 input_kept,
             },
         };
@@ -750,6 +762,55 @@ impl SessionManager {
             }
         }
         self.events.project(session).await;
+    }
+}
+
+/// A turn's deadline: cancels the turn when it passes; disarmed on drop.
+struct Deadline {
+    after: Duration,
+    fired: Arc<AtomicBool>,
+    timer: tokio::task::JoinHandle<()>,
+}
+
+impl Deadline {
+    /// Cancels `turn` `after` from now, unless it was cancelled before.
+    fn arm(after: Duration, turn: &CancellationToken) -> Self {
+        let fired = Arc::new(AtomicBool::new(false));
+        let timer = tokio::spawn({
+            let (fired, turn) = (Arc::clone(&fired), turn.clone());
+            async move {
+                tokio::select! {
+                    () = tokio::time::sleep(after) => {
+                        fired.store(true, Ordering::Release);
+                        turn.cancel();
+                    }
+                    () = turn.cancelled() => {}
+                }
+            }
+        });
+        Self {
+            after,
+            fired,
+            timer,
+        }
+    }
+
+    /// `error`, or [`EngineError::TimedOut`] when it is the cancellation
+    /// this deadline caused.
+    fn explain(&self, error: EngineError) -> EngineError {
+        if error.is_cancelled() && self.fired.load(Ordering::Acquire) {
+            EngineError::TimedOut {
+                secs: self.after.as_secs(),
+            }
+        } else {
+            error
+        }
+    }
+}
+
+impl Drop for Deadline {
+    fn drop(&mut self) {
+        self.timer.abort();
     }
 }
 

@@ -354,30 +354,42 @@ async fn inputs_a_dead_process_acknowledged_run_in_order_on_resume() {
     let mut feed = h.manager.events().subscribe(id).await.unwrap();
     // What an earlier process acknowledged and never started.
     let store = h.manager.store();
+    let mut queued = Vec::new();
     for text in ["first", "second"] {
+        let turn_id = keel_core::TurnId::new();
         store
             .queue_input(keel_store::QueuedInput {
                 session_id: id,
-                turn_id: keel_core::TurnId::new(),
+                turn_id,
                 message: Message::user(text),
                 queued_at_ms: 1,
             })
             .await
             .unwrap();
+        queued.push(turn_id);
     }
-    assert_eq!(h.manager.resume_queued().await.unwrap(), 2);
-    let mut committed = 0;
-    while committed < 2 {
-        if let SessionEvent::TurnCommitted { .. } = feed.recv().await.unwrap().as_ref() {
-            committed += 1;
+    // Each resumed turn is announced before it is queued, under its own id.
+    let mut adopted = Vec::new();
+    let resumed = h.manager.resume_queued(|_, turn| adopted.push(turn)).await;
+    assert_eq!(resumed.unwrap(), 2);
+    assert_eq!(adopted, queued);
+    let mut committed = Vec::new();
+    while committed.len() < 2 {
+        if let SessionEvent::TurnCommitted { turn_id, .. } = feed.recv().await.unwrap().as_ref() {
+            committed.push(*turn_id);
         }
     }
+    assert_eq!(committed, queued);
     assert_eq!(
         visible_texts(&h.manager, id).await,
         ["first", "one", "second", "two"]
     );
     assert!(store.queued_inputs().await.unwrap().is_empty());
-    assert_eq!(h.manager.resume_queued().await.unwrap(), 0, "run once");
+    assert_eq!(
+        h.manager.resume_queued(|_, _| {}).await.unwrap(),
+        0,
+        "run once"
+    );
 }
 
 #[tokio::test]
@@ -405,4 +417,65 @@ async fn a_turn_cancelled_before_it_started_keeps_its_input_queued_for_the_next_
         ["b"]
     );
     assert_eq!(visible_texts(&manager, id).await, ["a", "a done"]);
+}
+
+/// A turn whose model never answers ends at its deadline, typed `TimedOut`:
+/// its input stays in the history, unanswered, the turn queued behind it
+/// runs, and so does the next one.
+#[tokio::test(start_paused = true)]
+async fn a_turn_past_its_deadline_times_out_keeping_its_input_and_the_queue_runs_on() {
+    use std::time::Duration;
+    let dir = tempfile::tempdir().unwrap();
+    let provider = HeldProvider::new(ScriptedProvider::new([
+        ScriptedResponse::text("b done"),
+        ScriptedResponse::text("c done"),
+    ]));
+    let manager = manager_with(
+        open_store(dir.path()),
+        provider.clone(),
+        SessionManagerConfig {
+            turn_timeout: Duration::from_secs(60),
+            ..SessionManagerConfig::default()
+        },
+    );
+    let id = manager.create(spec("d1")).await.unwrap();
+    let mut feed = manager.events().subscribe(id).await.unwrap();
+    let begun = tokio::time::Instant::now();
+    let a = manager.send(id, Message::user("a")).await.unwrap();
+    let b = manager.send(id, Message::user("b")).await.unwrap();
+    provider.wait_started().await;
+    let err = tokio::time::timeout(Duration::from_secs(3600), a.outcome())
+        .await
+        .expect("the deadline ends the turn")
+        .unwrap_err();
+    assert_eq!(err, EngineError::TimedOut { secs: 60 });
+    assert!(!err.is_cancelled() && !err.is_retryable() && !err.is_internal());
+    assert_eq!(begun.elapsed(), Duration::from_secs(60));
+    loop {
+        if let SessionEvent::TurnFailed {
+            cancelled,
+            timed_out,
+            input_kept,
+            message,
+            ..
+        } = feed.recv().await.unwrap().as_ref()
+        {
+            assert_eq!((*cancelled, *timed_out, *input_kept), (false, true, true));
+            assert_eq!(
+                message,
+                "the turn ran past its deadline of 60 s and was stopped; nothing of its answer was saved"
+            );
+            break;
+        }
+    }
+    provider.release.add_permits(2);
+    assert_eq!(b.outcome().await.unwrap().output.final_text(), "b done");
+    let c = manager.submit_turn(id, "c").await.unwrap();
+    assert_eq!(c.output.final_text(), "c done");
+    assert_eq!(
+        visible_texts(&manager, id).await,
+        ["a", "b", "b done", "c", "c done"]
+    );
+    assert_eq!(unanswered(&manager, id).await, ["a"]);
+    assert!(manager.store().queued_inputs().await.unwrap().is_empty());
 }

@@ -65,6 +65,7 @@ ttl_hours = 24
 cleanup_interval_minutes = 60
 auto_title_after_n_messages = 10
 auto_checkpoint = true
+turn_timeout_secs = 900
 
 [session.summary]
 enabled = true
@@ -315,6 +316,16 @@ pub fn reference() -> Vec<KeyDoc> {
         &mut rows,
         "session.auto_checkpoint",
         "Checkpoint after every committed turn.".into(),
+    );
+    code(
+        &mut rows,
+        "session.turn_timeout_secs",
+        format!(
+            "Seconds a root turn (a user's or a continuation's) may run, counted from \
+             when it starts, not while it waits in the queue; past it the turn is stopped \
+             and fails `timed_out`, the user's message kept, marked unanswered. \
+             1..={MAX_TURN_TIMEOUT_SECS}; there is no \"no deadline\"."
+        ),
     );
     code(
         &mut rows,

@@ -240,6 +240,9 @@ pub enum ServerFrame {
         turn_origin: TurnOrigin,
         /// Whether it was stopped (by `stop` or a shutdown) rather than failing.
         cancelled: bool,
+        /// Whether it ran past its deadline (`session.turn_timeout_secs`)
+        /// and was stopped there.
+        timed_out: bool,
         /// Whether the user's message stays in the history, marked unanswered
         /// (it was stored before the model was called).
         input_kept: bool,

@@ -286,7 +286,13 @@ impl Server {
             stop_accepting.clone(),
         ));
         // Serving now: results an earlier process left are delivered.
-        shared.app.deliver_recovered().await?;
+        // Resumed turns have no connection to publish them: the dialog's
+        // forwarder does.
+        let turns = shared.turns.clone();
+        shared
+            .app
+            .deliver_recovered(|_, turn| turns.adopt(turn))
+            .await?;
         Ok(Server {
             addr,
             shared,

@@ -192,7 +192,8 @@ impl From<EngineError> for ApiError {
             | EngineError::SlotRule(_)
             | EngineError::SteerFull { .. }
             | EngineError::AgentRemoved(_)
-            | EngineError::Cancelled => ApiError::Conflict(e.to_string()),
+            | EngineError::Cancelled
+            | EngineError::TimedOut { .. } => ApiError::Conflict(e.to_string()),
             other => ApiError::internal(&other),
         }
     }

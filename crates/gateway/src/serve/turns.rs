@@ -42,6 +42,9 @@ pub struct TurnRunner {
     running: Mutex<HashMap<TurnId, CancellationToken>>,
     /// Dialogs whose continuation turns are forwarded to the hub.
     followed: Mutex<HashSet<SessionId>>,
+    /// User turns no connection started (resumed after a restart), which
+    /// the dialog's forwarder publishes like continuations until they end.
+    adopted: Mutex<HashSet<TurnId>>,
 }
 
 impl std::fmt::Debug for TurnRunner {
@@ -110,6 +113,8 @@ fn finish_reason_text(reason: &FinishReason) -> String {
 fn failure_message(e: &EngineError) -> String {
     if e.is_cancelled() {
         "the turn was stopped; its answer was not saved".to_owned()
+    } else if e.is_timed_out() {
+        e.to_string()
     } else if e.is_internal() {
         ApiError::internal(e).to_string()
     } else {
@@ -128,27 +133,36 @@ impl TurnRunner {
             cancel_all: CancellationToken::new(),
             running: Mutex::new(HashMap::new()),
             followed: Mutex::new(HashSet::new()),
+            adopted: Mutex::new(HashSet::new()),
         }
     }
 
+    /// Makes the dialog's forwarder publish `turn`, a user turn no
+    /// connection of this process started (one resumed after a restart).
+    /// Call it before the turn can start.
+    pub fn adopt(&self, turn: TurnId) {
+        self.adopted.lock().insert(turn);
+    }
+
     /// Forwards the turns of `session` that no client started — the
-    /// continuation turns that answer background results — and its
-    /// generated titles to the hub while anyone watches the dialog (one
-    /// forwarder per dialog).
-    pub fn follow_continuations(self: &Arc<Self>, session: SessionId) {
+    /// continuation turns that answer background results, and adopted
+    /// user turns ([`Self::adopt`]) — and its generated titles to the hub
+    /// while anyone watches the dialog (one forwarder per dialog). Returns
+    /// once the forwarder reads the dialog's feed (or one already did).
+    pub async fn follow_continuations(self: &Arc<Self>, session: SessionId) {
         if !self.followed.lock().insert(session) {
             return;
         }
-        let me = self.clone();
-        tokio::spawn(async move {
-            match me.manager.events().subscribe(session).await {
-                Ok(feed) => me.forward_continuations(session, feed).await,
-                Err(e) => {
-                    tracing::warn!(session_id = %session, error = %e, "cannot follow the dialog's continuation turns");
-                    me.followed.lock().remove(&session);
-                }
+        match self.manager.events().subscribe(session).await {
+            Ok(feed) => {
+                let me = self.clone();
+                tokio::spawn(async move { me.forward_continuations(session, feed).await });
             }
-        });
+            Err(e) => {
+                tracing::warn!(session_id = %session, error = %e, "cannot follow the dialog's continuation turns");
+                self.followed.lock().remove(&session);
+            }
+        }
     }
 
     async fn forward_continuations(
@@ -156,7 +170,10 @@ impl TurnRunner {
         session: SessionId,
         mut feed: keel_engine::SessionSubscription,
     ) {
-        let continuation = |origin: &keel_core::TurnOrigin| *origin != keel_core::TurnOrigin::User;
+        // Turns no connection publishes: continuations and adopted turns.
+        let unowned = |turn: &TurnId, origin: &keel_core::TurnOrigin| {
+            *origin != keel_core::TurnOrigin::User || self.adopted.lock().contains(turn)
+        };
         loop {
             let event = match feed.recv().await {
                 Ok(event) => event,
@@ -170,7 +187,7 @@ impl TurnRunner {
             match event.as_ref() {
                 // A title generated after a turn, off its path.
                 SessionEvent::Retitled { .. } => self.publish_dialog(session).await,
-                SessionEvent::TurnStarted { turn_id, origin } if continuation(origin) => {
+                SessionEvent::TurnStarted { turn_id, origin } if unowned(turn_id, origin) => {
                     // The runs whose results it answers ended before it was
                     // woken: their final status is published first.
                     self.projections.refresh(session).await;
@@ -187,13 +204,16 @@ impl TurnRunner {
                     turn_id,
                     origin,
                     event,
-                } if continuation(origin) => self.publish_event(session, *turn_id, event.clone()),
+                } if unowned(turn_id, origin) => {
+                    self.publish_event(session, *turn_id, event.clone());
+                }
                 SessionEvent::TurnCommitted {
                     turn_id,
                     origin,
                     checkpoint,
                     usage,
-                } if continuation(origin) => {
+                } if unowned(turn_id, origin) => {
+                    self.adopted.lock().remove(turn_id);
                     self.hub.publish(
                         session,
                         ServerFrame::TurnCommitted {
@@ -212,8 +232,10 @@ impl TurnRunner {
                     origin,
                     message,
                     cancelled,
+                    timed_out,
                     input_kept,
-                } if continuation(origin) => {
+                } if unowned(turn_id, origin) => {
+                    self.adopted.lock().remove(turn_id);
                     self.hub.publish(
                         session,
                         ServerFrame::TurnFailed {
@@ -221,6 +243,7 @@ impl TurnRunner {
                             turn_id: turn_id.as_uuid(),
                             turn_origin: (*origin).into(),
                             cancelled: *cancelled,
+                            timed_out: *timed_out,
                             input_kept: *input_kept,
                             message: message.clone(),
                         },
@@ -357,6 +380,7 @@ impl TurnRunner {
                 turn_id: turn.as_uuid(),
                 turn_origin: origin,
                 cancelled: e.is_cancelled(),
+                timed_out: e.is_timed_out(),
                 input_kept,
                 message: failure_message(e),
             },

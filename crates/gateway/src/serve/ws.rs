@@ -356,7 +356,7 @@ impl Connection {
             )));
         }
         let receiver = shared.hub.subscribe(session);
-        shared.turns.follow_continuations(session);
+        shared.turns.follow_continuations(session).await;
         let watched_from = shared.projections.watch(session).await?;
         let session_id = session.as_uuid();
         let (revision, replay) = match since {

@@ -69,6 +69,7 @@ fn defaults_load_with_no_file() {
     assert_eq!(c.server.bind.to_string(), "127.0.0.1:7420");
     assert_eq!(c.server.token_env, "KEEL_TOKEN");
     assert_eq!(c.session.ttl_hours, 24);
+    assert_eq!(c.session.turn_timeout_secs, 900);
     assert_eq!(c.session.cleanup_interval_minutes, 60);
     assert_eq!(c.session.auto_title_after_n_messages, 10);
     assert!(c.session.auto_checkpoint);
@@ -310,6 +311,7 @@ kind = "scripted"
 [session]
 ttl_hours = 0
 cleanup_interval_minutes = 99999
+turn_timeout_secs = 0
 
 [session.summary]
 trigger_ratio = 1.5
@@ -466,7 +468,7 @@ fn errors_from_a_loaded_file_name_its_path() {
 fn conversions_carry_the_settings() {
     let c = parse(
         "workspace_root = \"/srv/w\"\n\
-         [session]\nttl_hours = 2\ncleanup_interval_minutes = 5\nauto_title_after_n_messages = 0\nauto_checkpoint = false\n\
+         [session]\nttl_hours = 2\ncleanup_interval_minutes = 5\nauto_title_after_n_messages = 0\nauto_checkpoint = false\nturn_timeout_secs = 42\n\
          [session.summary]\nenabled = true\ntrigger_ratio = 0.5\n\
          [storage]\nsynchronous = \"full\"\nretry_delays_ms = [5]\nbusy_timeout_ms = 10\n\
          [tools]\nenable_write = true\nenable_shell = true\nshell_timeout_secs = 9\n\
@@ -486,6 +488,7 @@ fn conversions_carry_the_settings() {
     assert_eq!(manager.idle_ttl, Duration::from_secs(7200));
     assert_eq!(manager.auto_title_after, 0);
     assert!(!manager.auto_checkpoint);
+    assert_eq!(manager.turn_timeout, Duration::from_secs(42));
     let summary = manager.summary.unwrap();
     assert_eq!((summary.trigger_ratio, summary.debounce_turns), (0.5, 3));
     assert_eq!(c.cleanup_interval(), Duration::from_secs(300));

@@ -299,3 +299,81 @@ fn is_uuid(s: &str) -> bool {
             _ => b.is_ascii_hexdigit(),
         })
 }
+
+/// A queued input waiting for its turn is clean; one of a deleted or missing
+/// dialog, or of a turn that already ran, is a finding no repair touches.
+#[tokio::test]
+async fn queued_inputs_of_gone_dialogs_or_started_turns_are_found() {
+    let (dir, store, session) = busy_store().await;
+    store.activate_runtime("second".into(), 50).await.unwrap();
+    let other = store.create_session(new_session("e", 1)).await.unwrap().id;
+    let queue = |session, text: &str| keel_store::QueuedInput {
+        session_id: session,
+        turn_id: keel_core::TurnId::new(),
+        message: Message::user(text),
+        queued_at_ms: 60,
+    };
+    let waiting = queue(session, "later");
+    let ran = queue(session, "ran already");
+    let orphaned = queue(other, "to a deleted dialog");
+    for input in [&waiting, &ran, &orphaned] {
+        store.queue_input(input.clone()).await.unwrap();
+    }
+    let report = check_database(&db_path(&dir), &CheckOptions::default()).unwrap();
+    assert!(report.is_clean(), "{report:#?}");
+    // Deleting a dialog withdraws what was queued for it.
+    let deleted = store.create_session(new_session("f", 1)).await.unwrap().id;
+    store
+        .queue_input(queue(deleted, "never mind"))
+        .await
+        .unwrap();
+    assert!(store.soft_delete_session(deleted, 65).await.unwrap());
+    let report = check_database(&db_path(&dir), &CheckOptions::default()).unwrap();
+    assert!(report.is_clean(), "{report:#?}");
+    let conn = raw(&dir);
+    let queued: i64 = conn
+        .query_row("SELECT count(*) FROM queued_inputs", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(queued, 3);
+    // Behind the store's back: the turn of `ran` started a run; the dialog
+    // of `orphaned` is deleted with its input still queued.
+    conn.execute(
+        "UPDATE agent_runs SET root_turn_id = ?1 WHERE rowid = (SELECT min(rowid) FROM agent_runs)",
+        [ran.turn_id.to_string()],
+    )
+    .unwrap();
+    conn.execute(
+        "UPDATE sessions SET deleted_at = 70 WHERE id = ?1",
+        [other.to_string()],
+    )
+    .unwrap();
+    conn.execute_batch(&format!(
+        "PRAGMA foreign_keys = OFF; \
+         INSERT INTO queued_inputs (turn_id, session_id, message, queued_at) \
+         VALUES ('{}', '{}', '{{}}', 80);",
+        keel_core::TurnId::new(),
+        keel_core::SessionId::new()
+    ))
+    .unwrap();
+    drop(conn);
+    let report = check_database(&db_path(&dir), &CheckOptions::default()).unwrap();
+    let details: Vec<String> = report
+        .findings
+        .iter()
+        .map(|f| {
+            format!(
+                "{} ({}): {}",
+                f.invariant.name(),
+                if f.repairable { "repairable" } else { "manual" },
+                mask_ids(&f.detail)
+            )
+        })
+        .collect();
+    insta::assert_yaml_snapshot!(details);
+    store.activate_runtime("third".into(), 90).await.unwrap();
+    let after = check_database(&db_path(&dir), &CheckOptions::default()).unwrap();
+    assert_eq!(
+        after.findings, report.findings,
+        "recovery leaves them alone"
+    );
+}

@@ -842,7 +842,8 @@ async fn follow(
         move |dialog: SessionId| {
             let frames = shared.hub.subscribe(dialog);
             // Continuation turns reach the hub only while it is watched.
-            shared.turns.follow_continuations(dialog);
+            let turns = shared.turns.clone();
+            tokio::spawn(async move { turns.follow_continuations(dialog).await });
             (ThreadFollower::new(&thread_id, dialog), frames)
         }
     };

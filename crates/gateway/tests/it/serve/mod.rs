@@ -73,7 +73,11 @@ pub fn copy_agents(to: &Path) {
 
 impl TestServer {
     pub async fn start(setup: Setup) -> Self {
-        let dir = tempfile::tempdir().unwrap();
+        Self::start_in(tempfile::tempdir().unwrap(), setup).await
+    }
+
+    /// A server on the data directory `dir` (one an earlier server left).
+    pub async fn start_in(dir: tempfile::TempDir, setup: Setup) -> Self {
         let mut config = setup.config.clone();
         if setup.agents {
             copy_agents(&dir.path().join("agents"));

@@ -622,3 +622,174 @@ async fn a_stopped_turn_keeps_the_message_listed_as_unanswered() {
         [("user", true), ("user", false), ("assistant", false)]
     );
 }
+
+/// A turn past `session.turn_timeout_secs` fails `timed_out`, the user's
+/// message kept and listed unanswered; the turn queued behind it runs.
+#[tokio::test]
+async fn a_turn_past_its_deadline_fails_timed_out_and_the_queued_turn_runs() {
+    let gate = Arc::new(Semaphore::new(0));
+    let t = TestServer::start(Setup {
+        provider: Arc::new(GatedProvider { gate: gate.clone() }),
+        config: "[session]\nturn_timeout_secs = 1\n".into(),
+        ..Setup::default()
+    })
+    .await;
+    let id = uuid(&t.dialog("Slow").await);
+    let mut ws = t.ws().await;
+    for text in ["work", "next"] {
+        ws.send(&ClientFrame::Send {
+            id: None,
+            session_id: id,
+            text: text.into(),
+        })
+        .await;
+    }
+    let end = ws.until(ServerFrame::ends_turn).await;
+    let failed = end.last().cloned().unwrap();
+    assert!(
+        matches!(&failed, ServerFrame::TurnFailed { session_id, .. } if *session_id == id),
+        "{end:?}"
+    );
+    insta::assert_json_snapshot!(failed, {
+        ".session_id" => "[dialog]",
+        ".turn_id" => "[turn]",
+    });
+    // The queued turn waits for the model like the first; now it answers.
+    gate.add_permits(1);
+    let end = ws.until(ServerFrame::ends_turn).await;
+    assert!(
+        matches!(end.last(), Some(ServerFrame::TurnCommitted { .. })),
+        "{end:?}"
+    );
+    let messages = t.json(&format!("/api/dialogs/{id}/messages")).await;
+    let listed: Vec<(&str, &str, bool)> = messages["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["role"].as_str().unwrap(),
+                m["text"].as_str().unwrap(),
+                m["unanswered"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            ("user", "work", true),
+            ("user", "next", false),
+            ("assistant", "partial done.", false)
+        ]
+    );
+}
+
+/// Messages an earlier process acknowledged run after a restart with no
+/// connection of their own: a client watching the dialog sees each resumed
+/// turn from `turn_started` to `turn_committed` exactly once, and a turn it
+/// starts itself exactly once too.
+#[tokio::test]
+async fn a_watching_client_sees_turns_resumed_after_a_restart_exactly_once() {
+    let mut first = TestServer::start(Setup::default()).await;
+    let id = uuid(&first.dialog("Resumed").await);
+    first.shutdown().await;
+    let TestServer { dir, store, .. } = first;
+    // What the dead process acknowledged but never started.
+    let mut resumed = Vec::new();
+    for text in ["one", "two"] {
+        let turn_id = keel_core::TurnId::new();
+        store
+            .queue_input(keel_store::QueuedInput {
+                session_id: keel_core::SessionId::from(id),
+                turn_id,
+                message: keel_core::Message::user(text),
+                queued_at_ms: 1,
+            })
+            .await
+            .unwrap();
+        resumed.push(turn_id.as_uuid());
+    }
+    drop(store);
+    let gate = Arc::new(Semaphore::new(0));
+    let t = TestServer::start_in(
+        dir,
+        Setup {
+            provider: Arc::new(GatedProvider { gate: gate.clone() }),
+            ..Setup::default()
+        },
+    )
+    .await;
+    // "one" waits for the model; "two" waits behind it.
+    let mut ws = t.ws().await;
+    ws.send(&ClientFrame::Subscribe {
+        id: None,
+        session_id: id,
+        since_revision: None,
+    })
+    .await;
+    ws.until(|f| matches!(f, ServerFrame::Subscribed { .. }))
+        .await;
+    gate.add_permits(2);
+    let mut frames = Vec::new();
+    let commits = |frames: &[ServerFrame]| {
+        frames
+            .iter()
+            .filter(|f| matches!(f, ServerFrame::TurnCommitted { .. }))
+            .count()
+    };
+    while commits(&frames) < 2 {
+        frames.push(ws.frame().await);
+    }
+    gate.add_permits(1);
+    ws.send(&ClientFrame::Send {
+        id: None,
+        session_id: id,
+        text: "three".into(),
+    })
+    .await;
+    while commits(&frames) < 3 {
+        frames.push(ws.frame().await);
+    }
+    let own = frames
+        .iter()
+        .rev()
+        .find_map(|f| match f {
+            ServerFrame::TurnCommitted { turn_id, .. } => Some(*turn_id),
+            _ => None,
+        })
+        .unwrap();
+    // A turn's frames: its kinds, with adjacent text deltas (which may
+    // arrive merged) as one, and its text.
+    let of_turn = |turn: Uuid| -> (Vec<&'static str>, String) {
+        let mut kinds: Vec<&'static str> = Vec::new();
+        let mut text = String::new();
+        for f in frames.iter().filter(|f| f.turn_id() == Some(turn)) {
+            if let ServerFrame::TextDelta { text: t, .. } = f {
+                text.push_str(t);
+            }
+            if kinds.last() != Some(&f.kind()) || f.kind() != "text_delta" {
+                kinds.push(f.kind());
+            }
+        }
+        (kinds, text)
+    };
+    // The second resumed turn and the client's own, whole and once each.
+    let whole = (
+        vec![
+            "turn_started",
+            "text_delta",
+            "model_call_finished",
+            "turn_committed",
+        ],
+        "partial done.".to_owned(),
+    );
+    assert_eq!(of_turn(resumed[1]), whole, "{frames:?}");
+    assert_eq!(of_turn(own), whole, "{frames:?}");
+    // The first one, watched from the middle, ends once.
+    let (first_end, _) = of_turn(resumed[0]);
+    assert_eq!(first_end.last(), Some(&"turn_committed"), "{frames:?}");
+    assert_eq!(
+        first_end.iter().filter(|k| **k == "turn_committed").count(),
+        1
+    );
+}
