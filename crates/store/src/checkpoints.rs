@@ -514,6 +514,45 @@ impl Store {
             .await
     }
 
+    /// Sessions with more than `keep` turn checkpoints: those retention may prune.
+    pub async fn sessions_over_turn_checkpoints(&self, keep: usize) -> Result<Vec<SessionId>> {
+        let keep = i64::try_from(keep).unwrap_or(i64::MAX);
+        self.db
+            .read(move |c| {
+                let mut stmt = c.prepare_cached(
+                    "SELECT session_id FROM checkpoints WHERE source = 'turn' \
+                     GROUP BY session_id HAVING count(*) > ?1",
+                )?;
+                let rows = stmt.query_map([keep], |r| r.get::<_, String>(0))?;
+                let mut out = Vec::new();
+                for id in rows {
+                    out.push(parse("checkpoints.session_id", &id?)?);
+                }
+                Ok(out)
+            })
+            .await
+    }
+
+    /// Gives up to `max_pages` free pages back to the file system (incremental
+    /// auto-vacuum; a database without it keeps them for reuse); returns how many.
+    pub async fn reclaim_pages(&self, max_pages: u32) -> Result<u64> {
+        self.db
+            .write(move |c| {
+                let free = |c: &Connection| -> Result<i64> {
+                    Ok(c.query_row("PRAGMA freelist_count", [], |r| r.get(0))?)
+                };
+                let before = free(c)?;
+                c.query_row(
+                    &format!("PRAGMA incremental_vacuum({max_pages})"),
+                    [],
+                    |_| Ok(()),
+                )
+                .optional()?;
+                Ok(u64::try_from(before - free(c)?).unwrap_or(0))
+            })
+            .await
+    }
+
     /// Deletes every checkpoint of a session (bounded batches), then what nothing reaches any more.
     pub async fn delete_checkpoints(&self, session_id: SessionId) -> Result<PruneReport> {
         self.prune_where(session_id, None).await

@@ -780,3 +780,72 @@ async fn a_queued_input_enters_the_history_when_its_turn_opens_and_only_then() {
         .unwrap_err();
     assert!(matches!(err, StoreError::NotFound(_)), "{err}");
 }
+
+#[tokio::test]
+async fn retention_finds_sessions_over_the_limit_and_gives_pages_back() {
+    let (dir, store) = temp_store();
+    let busy = store.create_session(new_session("busy", 1)).await.unwrap();
+    let quiet = store.create_session(new_session("quiet", 1)).await.unwrap();
+    for n in 1..=40 {
+        // A large, distinct state per turn, so pruned checkpoints free whole pages.
+        let state = format!("{n:04}").repeat(4096);
+        store
+            .commit_turn(turn(busy.id, n, &state, true))
+            .await
+            .unwrap();
+    }
+    store
+        .commit_turn(turn(quiet.id, 1, "s", true))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.sessions_over_turn_checkpoints(2).await.unwrap(),
+        [busy.id]
+    );
+    assert!(store
+        .sessions_over_turn_checkpoints(40)
+        .await
+        .unwrap()
+        .is_empty());
+    let conn = Connection::open(db_path(&dir)).unwrap();
+    let mode: i64 = conn
+        .query_row("PRAGMA auto_vacuum", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(mode, 2, "a new database is incremental");
+    let pages = |conn: &Connection| -> i64 {
+        conn.query_row("PRAGMA page_count", [], |r| r.get(0))
+            .unwrap()
+    };
+    let before = pages(&conn);
+    let report = store
+        .prune_checkpoints(
+            busy.id,
+            PrunePolicy {
+                keep_latest: Some(2),
+                older_than_ms: None,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!((report.checkpoints_deleted, report.blobs_deleted), (38, 38));
+    // Bounded steps until nothing is left to give back.
+    let mut reclaimed = 0;
+    loop {
+        let n = store.reclaim_pages(16).await.unwrap();
+        assert!(n <= 16);
+        if n == 0 {
+            break;
+        }
+        reclaimed += n;
+    }
+    assert!(reclaimed > 38, "each 16 KiB state held pages: {reclaimed}");
+    assert!(
+        pages(&conn) <= before - i64::try_from(reclaimed).unwrap(),
+        "the database shrank by what was reclaimed"
+    );
+    assert!(store
+        .sessions_over_turn_checkpoints(2)
+        .await
+        .unwrap()
+        .is_empty());
+}
