@@ -1,6 +1,6 @@
 //! The `keel` binary's library: configuration, the HTTP/WebSocket server,
 //! the terminal chat with its slash commands, the offline demo, `doctor`,
-//! `backup`/`restore` and `agents check`.
+//! `prune`, `backup`/`restore` and `agents check`.
 //!
 //! Architecture invariant: keel-gateway is the only crate that talks to
 //! users — the terminal, HTTP, WebSocket and wire DTOs (converted from
@@ -19,6 +19,7 @@ pub mod demo;
 pub mod doctor;
 mod error;
 mod profiles;
+pub mod prune;
 pub mod serve;
 pub mod terminal;
 

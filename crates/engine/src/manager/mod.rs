@@ -22,6 +22,7 @@ mod continuation;
 mod dialogs;
 mod housekeeping;
 mod lifecycle;
+mod retention;
 mod signals;
 mod slots;
 mod snapshots;
@@ -47,6 +48,7 @@ use crate::session::AgentSession;
 
 pub use bundle::{AgentSet, AgentSetBuilder, RuntimeBundle};
 pub use continuation::InboxPolicy;
+pub use retention::{apply_retention, RetentionReport};
 pub use worker::{SteerOutcome, StopReport, TurnTicket};
 
 /// Channel of sessions that are not dialogs (e.g. sub-agent children).

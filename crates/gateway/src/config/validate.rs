@@ -189,6 +189,12 @@ fn session(s: &SessionConfig, out: &mut Problems) {
         0,
         MAX_AUTO_TITLE_AFTER_N_MESSAGES,
     );
+    out.range(
+        "session.retention.keep_checkpoints",
+        s.retention.keep_checkpoints,
+        0,
+        MAX_KEEP_CHECKPOINTS,
+    );
     let summary = &s.summary;
     if !(summary.trigger_ratio > 0.0 && summary.trigger_ratio <= 1.0) {
         out.push(
