@@ -542,12 +542,10 @@ impl Store {
                     Ok(c.query_row("PRAGMA freelist_count", [], |r| r.get(0))?)
                 };
                 let before = free(c)?;
-                c.query_row(
-                    &format!("PRAGMA incremental_vacuum({max_pages})"),
-                    [],
-                    |_| Ok(()),
-                )
-                .optional()?;
+                // Each step of the pragma frees one page: run it to the end.
+                let mut stmt = c.prepare(&format!("PRAGMA incremental_vacuum({max_pages})"))?;
+                let mut steps = stmt.query([])?;
+                while steps.next()?.is_some() {}
                 Ok(u64::try_from(before - free(c)?).unwrap_or(0))
             })
             .await

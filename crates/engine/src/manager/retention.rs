@@ -18,7 +18,7 @@ const RECLAIM_STEP: u32 = 1024;
 /// What one retention pass removed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RetentionReport {
-    /// Sessions that had more turn checkpoints than kept.
+    /// Sessions whose checkpoints were pruned.
     pub sessions: u64,
     /// Rows removed across them.
     pub removed: PruneReport,
@@ -37,7 +37,9 @@ pub async fn apply_retention(store: &Store, keep: usize) -> Result<RetentionRepo
     };
     for id in store.sessions_over_turn_checkpoints(keep).await? {
         let r = store.prune_checkpoints(id, policy).await?;
-        report.sessions += 1;
+        if r.checkpoints_deleted > 0 {
+            report.sessions += 1;
+        }
         let total = &mut report.removed;
         total.checkpoints_deleted += r.checkpoints_deleted;
         total.timelines_deleted += r.timelines_deleted;
