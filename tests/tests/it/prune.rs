@@ -202,3 +202,34 @@ fn prune_reports_what_it_removed_and_a_second_run_removes_nothing() {
         String::from_utf8_lossy(&second.stdout)
     ));
 }
+
+#[test]
+fn prune_is_refused_while_a_keel_runs_on_the_directory() {
+    use std::io::{BufRead, BufReader, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let echo = dir.path().join("echo.yaml");
+    std::fs::write(&echo, "when_exhausted: echo\n").unwrap();
+    let mut running = crate::keel()
+        .args(["chat", "--chat", "gus", "--data-dir"])
+        .arg(&data)
+        .arg("--script")
+        .arg(&echo)
+        .env("KEEL_LOG", "error")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdin = running.stdin.take().unwrap();
+    let mut lines = BufReader::new(running.stdout.take().unwrap()).lines();
+    stdin.write_all(b"hello\n").unwrap();
+    while !lines.next().unwrap().unwrap().contains("\"hello\"") {}
+
+    let out = prune(&data, None);
+    assert_ne!(out.status.code(), Some(0));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is in use by another keel process"), "{err}");
+    drop(stdin);
+    assert!(running.wait().unwrap().success());
+}
