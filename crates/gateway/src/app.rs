@@ -187,6 +187,9 @@ impl App {
         let manager = SessionManager::new(store.clone(), bundle, config.session_manager_config());
 
         manager.spawn_evictor(config.cleanup_interval());
+        if let Some(keep) = config.keep_checkpoints() {
+            manager.spawn_retention(config.cleanup_interval(), keep);
+        }
         Ok(Self {
             config: loaded,
             store,

@@ -71,6 +71,17 @@ pub enum Command {
         #[arg(long)]
         repair: bool,
     },
+    /// Prune old turn checkpoints now, as `[session.retention]` says (refused while a keel runs on it)
+    ///
+    /// Keeps each dialog's newest `keep_checkpoints` turn checkpoints and
+    /// everything a head, rollback, fork or manual checkpoint needs, then
+    /// gives freed pages back; prints what it removed. A running keel does
+    /// this in the background.
+    Prune {
+        /// Data directory and configuration.
+        #[command(flatten)]
+        data: DataArgs,
+    },
     /// Copy a data directory's database to DEST while keel runs (the copy is checked before it is kept)
     ///
     /// One consistent snapshot, copied in bounded steps so turns keep
@@ -188,6 +199,9 @@ pub fn main() -> ExitCode {
             Command::Serve { data, bind } => crate::serve::run(data, bind).await,
             Command::Doctor { data, repair } => {
                 crate::doctor::run(data.config.as_deref(), data.data_dir.as_deref(), repair).await
+            }
+            Command::Prune { data } => {
+                crate::prune::run(data.config.as_deref(), data.data_dir.as_deref()).await
             }
             Command::Backup { data, dest } => {
                 crate::backup::backup(data.config.as_deref(), data.data_dir.as_deref(), &dest).await

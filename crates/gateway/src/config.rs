@@ -58,6 +58,8 @@ pub const MAX_AUTO_TITLE_AFTER_N_MESSAGES: u64 = 1000;
 pub const MAX_TURN_TIMEOUT_SECS: u64 = 86_400;
 /// Largest `session.summary.debounce_turns`.
 pub const MAX_SUMMARY_DEBOUNCE_TURNS: u32 = 1000;
+/// Largest `session.retention.keep_checkpoints`.
+pub const MAX_KEEP_CHECKPOINTS: usize = 1_000_000;
 
 /// Most entries in `storage.retry_delays_ms`.
 pub const MAX_RETRY_ATTEMPTS: usize = 10;
@@ -186,7 +188,7 @@ impl Default for Config {
 pub struct SessionConfig {
     /// Hours a session may stay idle in memory before it is dropped (storage keeps it).
     pub ttl_hours: u64,
-    /// Minutes between two sweeps of idle sessions.
+    /// Minutes between two sweeps of idle sessions and two retention passes.
     pub cleanup_interval_minutes: u64,
     /// Generate a title after this many user messages (0 disables).
     pub auto_title_after_n_messages: u64,
@@ -196,6 +198,8 @@ pub struct SessionConfig {
     pub turn_timeout_secs: u64,
     /// `[session.summary]`: automatic context summaries.
     pub summary: SummarySettings,
+    /// `[session.retention]`: how much history the database keeps.
+    pub retention: RetentionSettings,
 }
 
 impl Default for SessionConfig {
@@ -208,6 +212,23 @@ impl Default for SessionConfig {
             auto_checkpoint: engine.auto_checkpoint,
             turn_timeout_secs: engine.turn_timeout.as_secs(),
             summary: SummarySettings::default(),
+            retention: RetentionSettings::default(),
+        }
+    }
+}
+
+/// `[session.retention]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RetentionSettings {
+    /// Turn checkpoints kept per dialog, newest first (0 keeps all).
+    pub keep_checkpoints: usize,
+}
+
+impl Default for RetentionSettings {
+    fn default() -> Self {
+        Self {
+            keep_checkpoints: 100,
         }
     }
 }
@@ -906,7 +927,13 @@ impl Config {
         }
     }
 
-    /// Time between two sweeps of idle sessions.
+    /// Turn checkpoints retention keeps per dialog; `None` when it keeps all.
+    pub fn keep_checkpoints(&self) -> Option<usize> {
+        let keep = self.session.retention.keep_checkpoints;
+        (keep > 0).then_some(keep)
+    }
+
+    /// Time between two sweeps of idle sessions (and two retention passes).
     pub fn cleanup_interval(&self) -> Duration {
         Duration::from_secs(self.session.cleanup_interval_minutes.saturating_mul(60))
     }

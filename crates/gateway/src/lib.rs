@@ -1,6 +1,6 @@
 //! The `keel` binary's library: configuration, the HTTP/WebSocket server,
 //! the terminal chat with its slash commands, the offline demo, `doctor`,
-//! `backup`/`restore`, `export`/`import` and `agents check`.
+//! `prune`, `backup`/`restore`, `export`/`import` and `agents check`.
 //!
 //! Architecture invariant: keel-gateway is the only crate that talks to
 //! users — the terminal, HTTP, WebSocket and wire DTOs (converted from
@@ -20,6 +20,7 @@ pub mod doctor;
 mod error;
 pub mod export;
 mod profiles;
+pub mod prune;
 pub mod serve;
 pub mod terminal;
 

@@ -402,6 +402,52 @@ async fn checkpoints(path: &Path) {
     );
 }
 
+/// Bytes of the checkpoint tables and their indexes (SQLite's dbstat).
+fn checkpoint_table_bytes(path: &Path) -> i64 {
+    let conn = rusqlite::Connection::open(path).expect("open");
+    conn.query_row(
+        "SELECT sum(pgsize) FROM dbstat WHERE name IN \
+         (SELECT name FROM sqlite_master WHERE tbl_name IN ('checkpoints', 'state_blobs'))",
+        [],
+        |r| r.get(0),
+    )
+    .expect("dbstat")
+}
+
+/// Retention keeping 100 turn checkpoints, applied every 10 turns as the
+/// background pass would: the checkpoint tables stop growing past turn 100.
+async fn retention(path: &Path) {
+    let store = Store::open(path, StoreOptions::default()).expect("open");
+    let s = store
+        .create_session(session("retention"))
+        .await
+        .expect("session");
+    let policy = keel_store::PrunePolicy {
+        keep_latest: Some(100),
+        older_than_ms: None,
+    };
+    let mut at200 = 0;
+    let mut pass = Duration::ZERO;
+    for n in 1..=1000 {
+        store.commit_turn(turn(s.id, n, true)).await.expect("turn");
+        if n % 10 == 0 {
+            let start = Instant::now();
+            store.prune_checkpoints(s.id, policy).await.expect("prune");
+            while store.reclaim_pages(1024).await.expect("reclaim") == 1024 {}
+            pass += start.elapsed();
+        }
+        if n == 200 {
+            at200 = checkpoint_table_bytes(path);
+        }
+    }
+    let at1000 = checkpoint_table_bytes(path);
+    println!(
+        "BENCH retention measure=checkpoint_table_bytes keep=100 turn200={at200} turn1000={at1000} ratio={:.3} pass_avg_us={:.0}",
+        at1000 as f64 / at200 as f64,
+        pass.as_secs_f64() * 1e6 / 100.0
+    );
+}
+
 async fn replay(path: &Path) {
     let store = Store::open(path, StoreOptions::default()).expect("open");
     let s = store
@@ -719,5 +765,8 @@ fn main() {
     }
     if wanted("checkpoint") {
         rt.block_on(checkpoints(&p("checkpoint.db")));
+    }
+    if wanted("retention") {
+        rt.block_on(retention(&p("retention.db")));
     }
 }

@@ -75,12 +75,13 @@ pub struct CheckpointRecord {
     pub created_at_ms: i64,
 }
 
-/// Which checkpoints [`Store::prune_checkpoints`] removes. A checkpoint is
-/// removed only when every rule given selects it; the newest checkpoint of a
-/// session is always kept.
+/// Which checkpoints [`Store::prune_checkpoints`] removes. Only `turn`
+/// checkpoints are ever removed, and only when every rule given selects them;
+/// manual, rollback and fork checkpoints, the targets of rollbacks and forks
+/// and the session's newest checkpoint are always kept.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PrunePolicy {
-    /// Keep the newest N checkpoints.
+    /// Keep the newest N turn checkpoints.
     pub keep_latest: Option<usize>,
     /// Remove checkpoints created before this time (ms).
     pub older_than_ms: Option<i64>,
@@ -513,12 +514,49 @@ impl Store {
             .await
     }
 
+    /// Sessions with more than `keep` turn checkpoints: those retention may prune.
+    pub async fn sessions_over_turn_checkpoints(&self, keep: usize) -> Result<Vec<SessionId>> {
+        let keep = i64::try_from(keep).unwrap_or(i64::MAX);
+        self.db
+            .read(move |c| {
+                let mut stmt = c.prepare_cached(
+                    "SELECT session_id FROM checkpoints WHERE source = 'turn' \
+                     GROUP BY session_id HAVING count(*) > ?1",
+                )?;
+                let rows = stmt.query_map([keep], |r| r.get::<_, String>(0))?;
+                let mut out = Vec::new();
+                for id in rows {
+                    out.push(parse("checkpoints.session_id", &id?)?);
+                }
+                Ok(out)
+            })
+            .await
+    }
+
+    /// Gives up to `max_pages` free pages back to the file system (incremental
+    /// auto-vacuum; a database without it keeps them for reuse); returns how many.
+    pub async fn reclaim_pages(&self, max_pages: u32) -> Result<u64> {
+        self.db
+            .write(move |c| {
+                let free = |c: &Connection| -> Result<i64> {
+                    Ok(c.query_row("PRAGMA freelist_count", [], |r| r.get(0))?)
+                };
+                let before = free(c)?;
+                // Each step of the pragma frees one page: run it to the end.
+                let mut stmt = c.prepare(&format!("PRAGMA incremental_vacuum({max_pages})"))?;
+                let mut steps = stmt.query([])?;
+                while steps.next()?.is_some() {}
+                Ok(u64::try_from(before - free(c)?).unwrap_or(0))
+            })
+            .await
+    }
+
     /// Deletes every checkpoint of a session (bounded batches), then what nothing reaches any more.
     pub async fn delete_checkpoints(&self, session_id: SessionId) -> Result<PruneReport> {
         self.prune_where(session_id, None).await
     }
 
-    /// Deletes the checkpoints `policy` selects (never the newest), in bounded
+    /// Deletes the turn checkpoints `policy` selects (see [`PrunePolicy`]), in bounded
     /// batches, then the timelines, messages and blobs nothing reaches any more.
     pub async fn prune_checkpoints(
         &self,
@@ -646,36 +684,39 @@ fn needed_upto(conn: &Connection, timeline: &str) -> Result<Option<i64>> {
     )?)
 }
 
-/// Ids of up to one batch of the session's checkpoints to delete.
+/// Ids of up to one batch of the session's checkpoints to delete: all of them
+/// without a policy; with one, only `turn` checkpoints beyond the newest
+/// `keep_latest` turn checkpoints that the rules select and nothing needs
+/// (not the session's newest, not the target of a rollback or fork).
 fn select_prunable(
     conn: &Connection,
     session: &SessionId,
     policy: Option<PrunePolicy>,
 ) -> Result<Vec<String>> {
-    let (skip, older_than) = match policy {
-        // Everything: delete_checkpoints.
-        None => (0i64, i64::MAX),
-        Some(p) => (
-            i64::try_from(p.keep_latest.unwrap_or(0).max(1)).unwrap_or(i64::MAX),
-            p.older_than_ms.unwrap_or(i64::MAX),
-        ),
-    };
-    let mut stmt = conn.prepare_cached(
-        "SELECT id, created_at FROM checkpoints WHERE session_id = ?1 \
-         ORDER BY rowid DESC LIMIT -1 OFFSET ?2",
-    )?;
-    let rows = stmt.query_map(params![session.to_string(), skip], |r| {
-        Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?))
-    })?;
-    let mut out = Vec::new();
-    for row in rows {
-        let (id, created) = row?;
-        if created < older_than {
-            out.push(id);
-            if out.len() == PRUNE_BATCH {
-                break;
-            }
+    let sql = match policy {
+        None => "SELECT id FROM checkpoints WHERE session_id = ?1 LIMIT ?2",
+        Some(_) => {
+            "SELECT id FROM (SELECT id, created_at, rowid AS r FROM checkpoints \
+               WHERE session_id = ?1 AND source = 'turn' ORDER BY rowid DESC LIMIT -1 OFFSET ?3) c \
+             WHERE c.created_at < ?4 \
+               AND c.r < (SELECT max(rowid) FROM checkpoints WHERE session_id = ?1) \
+               AND NOT EXISTS (SELECT 1 FROM checkpoints k WHERE k.parent_checkpoint_id = c.id \
+                               AND k.source IN ('rollback', 'fork')) \
+             ORDER BY c.r DESC LIMIT ?2"
         }
-    }
-    Ok(out)
+    };
+    let (skip, older_than) = policy.map_or((0, i64::MAX), |p| {
+        (
+            i64::try_from(p.keep_latest.unwrap_or(0)).unwrap_or(i64::MAX),
+            p.older_than_ms.unwrap_or(i64::MAX),
+        )
+    });
+    let mut stmt = conn.prepare_cached(sql)?;
+    let params = params![session.to_string(), PRUNE_BATCH as i64, skip, older_than];
+    let id = |r: &Row<'_>| r.get::<_, String>(0);
+    let rows = match policy {
+        None => stmt.query_map(&params[..2], id)?,
+        Some(_) => stmt.query_map(params, id)?,
+    };
+    Ok(rows.collect::<rusqlite::Result<Vec<_>>>()?)
 }

@@ -348,6 +348,9 @@ pub(crate) fn create(path: &Path) -> Result<()> {
             .open(&tmp)
             .map_err(|e| io("create a temporary file", e))?;
         let mut conn = Connection::open(&tmp)?;
+        // Freed pages go back in steps (`Store::reclaim_pages`); the mode
+        // can only be chosen before the first table exists.
+        conn.execute_batch("PRAGMA auto_vacuum = INCREMENTAL")?;
         migrations::migrate(&mut conn)?;
         conn.pragma_update(None, "application_id", APPLICATION_ID)?;
         conn.close().map_err(|(_, e)| StoreError::from(e))?;

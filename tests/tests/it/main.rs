@@ -23,6 +23,8 @@ mod failpoints;
 #[cfg(unix)]
 mod foreign;
 #[cfg(unix)]
+mod prune;
+#[cfg(unix)]
 mod serve;
 #[cfg(target_os = "linux")]
 mod slowloris;

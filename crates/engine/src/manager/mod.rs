@@ -23,6 +23,7 @@ mod dialogs;
 mod exports;
 mod housekeeping;
 mod lifecycle;
+mod retention;
 mod signals;
 mod slots;
 mod turns;
@@ -47,6 +48,7 @@ use crate::session::AgentSession;
 
 pub use bundle::{AgentSet, AgentSetBuilder, RuntimeBundle};
 pub use continuation::InboxPolicy;
+pub use retention::{apply_retention, RetentionReport};
 pub use worker::{SteerOutcome, StopReport, TurnTicket};
 
 /// Channel of sessions that are not dialogs (e.g. sub-agent children).

@@ -961,3 +961,108 @@ async fn prune_keeps_the_latest_and_what_the_head_needs() {
     h.manager.delete_checkpoints(id).await.unwrap();
     assert!(h.manager.latest_checkpoint(id).await.unwrap().is_none());
 }
+
+/// Every message each checkpoint of `ids` restores, by checkpoint.
+async fn restored(
+    store: &keel_store::Store,
+    ids: &[keel_core::SessionId],
+) -> std::collections::BTreeMap<keel_core::CheckpointId, Vec<String>> {
+    let mut out = std::collections::BTreeMap::new();
+    for id in ids {
+        for cp in store.list_checkpoints(*id).await.unwrap() {
+            let messages = store
+                .load_messages_at_checkpoint(cp.id, keel_store::MessageFilter::default())
+                .await
+                .unwrap();
+            out.insert(cp.id, messages.iter().map(|m| m.message.text()).collect());
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn retention_keeps_the_newest_turn_checkpoints_and_every_point_a_user_made() {
+    let h = harness(SessionManagerConfig::default());
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    replies(&h.provider, &["a", "b", "c", "d", "e"]);
+    for t in ["1", "2", "3", "4"] {
+        h.manager.submit_turn(id, t).await.unwrap();
+    }
+    let turns: Vec<_> = h.manager.list_checkpoints(id).await.unwrap();
+    let (t2, t1) = (turns[2].id, turns[3].id);
+    h.manager.rollback(id, t2).await.unwrap();
+    h.manager.submit_turn(id, "5").await.unwrap();
+    h.manager.create_checkpoint(id).await.unwrap();
+    let fork = h.manager.fork(t1, None).await.unwrap();
+    let store = open_store(h.dir.path());
+    let before = restored(&store, &[id, fork]).await;
+
+    let report = keel_engine::apply_retention(&store, 1).await.unwrap();
+    assert_eq!(
+        report.sessions, 1,
+        "only d1 has more than one turn checkpoint"
+    );
+    assert_eq!(
+        report.removed.checkpoints_deleted, 2,
+        "turns 3 and 4, on the abandoned branch"
+    );
+    assert_eq!(report.removed.messages_deleted, 4);
+    let left: Vec<(CheckpointSource, u64)> = store
+        .list_checkpoints(id)
+        .await
+        .unwrap()
+        .iter()
+        .map(|c| (c.source, c.turn_index))
+        .collect();
+    assert_eq!(
+        left,
+        [
+            (CheckpointSource::Manual, 3),
+            (CheckpointSource::Turn, 3),
+            (CheckpointSource::Rollback, 2),
+            (CheckpointSource::Turn, 2),
+            (CheckpointSource::Turn, 1),
+        ],
+        "the newest turn, the manual one, the rollback and its target, the fork's source"
+    );
+    // Every checkpoint still listed restores exactly what it did before.
+    let after = restored(&store, &[id, fork]).await;
+    assert_eq!(after.len(), before.len() - 2);
+    for (cp, messages) in &after {
+        assert_eq!(Some(messages), before.get(cp), "checkpoint {cp}");
+    }
+    assert_eq!(
+        visible_texts(&h.manager, id).await,
+        ["1", "a", "2", "b", "5", "e"]
+    );
+    // Nothing more to remove: a second pass is a no-op.
+    let again = keel_engine::apply_retention(&store, 1).await.unwrap();
+    assert_eq!(again.removed, keel_store::PruneReport::default());
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_retention_task_prunes_on_its_interval_and_ends_with_the_manager() {
+    let Harness {
+        dir,
+        provider,
+        manager,
+    } = harness(SessionManagerConfig::default());
+    let id = manager.create(spec("d1")).await.unwrap();
+    replies(&provider, &["a", "b", "c"]);
+    for t in ["1", "2", "3"] {
+        manager.submit_turn(id, t).await.unwrap();
+    }
+    let interval = Duration::from_secs(3600);
+    let task = manager.spawn_retention(interval, 1);
+    tokio::time::sleep(interval).await;
+    // The pass runs on the store's threads; wait for its result, bounded.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while manager.list_checkpoints(id).await.unwrap().len() > 1 {
+        assert!(std::time::Instant::now() < deadline, "no retention pass");
+        tokio::task::yield_now().await;
+    }
+    drop(manager);
+    task.await.unwrap();
+    let store = open_store(dir.path());
+    assert_eq!(store.list_checkpoints(id).await.unwrap().len(), 1);
+}

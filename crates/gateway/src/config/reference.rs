@@ -72,6 +72,9 @@ enabled = true
 trigger_ratio = 0.75
 debounce_turns = 3
 
+[session.retention]
+keep_checkpoints = 100
+
 [storage]
 synchronous = "normal"
 retry_delays_ms = [100, 200, 300]
@@ -302,7 +305,10 @@ pub fn reference() -> Vec<KeyDoc> {
     code(
         &mut rows,
         "session.cleanup_interval_minutes",
-        format!("Minutes between two sweeps of idle sessions, 1..={MAX_CLEANUP_INTERVAL_MINUTES}."),
+        format!(
+            "Minutes between two sweeps of idle sessions, and between two retention \
+             passes (`session.retention`), 1..={MAX_CLEANUP_INTERVAL_MINUTES}."
+        ),
     );
     code(
         &mut rows,
@@ -347,6 +353,17 @@ pub fn reference() -> Vec<KeyDoc> {
         "session.summary.debounce_turns",
         format!(
             "Turns between two automatic summaries of a session, 1..={MAX_SUMMARY_DEBOUNCE_TURNS}."
+        ),
+    );
+
+    code(
+        &mut rows,
+        "session.retention.keep_checkpoints",
+        format!(
+            "Turn checkpoints kept per dialog, newest first; older ones are pruned in the \
+             background off the turn path and by `keel prune`. Manual, rollback and fork \
+             checkpoints, the checkpoints a rollback or fork started from, and the history \
+             a head still shows are always kept. 0 keeps all, at most {MAX_KEEP_CHECKPOINTS}."
         ),
     );
 

@@ -195,6 +195,12 @@ fn session(s: &SessionConfig, out: &mut Problems) {
         1,
         MAX_TURN_TIMEOUT_SECS,
     );
+    out.range(
+        "session.retention.keep_checkpoints",
+        s.retention.keep_checkpoints,
+        0,
+        MAX_KEEP_CHECKPOINTS,
+    );
     let summary = &s.summary;
     if !(summary.trigger_ratio > 0.0 && summary.trigger_ratio <= 1.0) {
         out.push(

@@ -461,17 +461,19 @@ async fn prune_keeps_what_heads_and_remaining_checkpoints_need() {
     let conn = Connection::open(db_path(&dir)).unwrap();
     assert_eq!(count(&conn, "messages"), 10);
 
+    // Keep the newest turn checkpoint (turn 5): turns 1, 3 and 4 go; the
+    // rollback checkpoint and its target (turn 2) are always kept.
     let report = store
         .prune_checkpoints(
             s.id,
             PrunePolicy {
-                keep_latest: Some(2),
+                keep_latest: Some(1),
                 older_than_ms: None,
             },
         )
         .await
         .unwrap();
-    assert_eq!(report.checkpoints_deleted, 4);
+    assert_eq!(report.checkpoints_deleted, 3);
     // The abandoned branch's own messages (turns 3-4) are unreachable now.
     assert_eq!(report.messages_deleted, 4);
     assert_eq!(
@@ -483,16 +485,26 @@ async fn prune_keeps_what_heads_and_remaining_checkpoints_need() {
         ["q1", "a1", "q2", "a2", "q5", "a5"]
     );
     let listed = store.list_checkpoints(s.id).await.unwrap();
-    assert_eq!(listed.len(), 2);
+    let sources: Vec<_> = listed.iter().map(|c| c.source).collect();
     assert_eq!(
-        listed[1].parent_id, None,
+        sources,
+        [
+            CheckpointSource::Turn,
+            CheckpointSource::Rollback,
+            CheckpointSource::Turn
+        ]
+    );
+    assert_eq!(listed[2].id, cps[1].id, "the rollback target is kept");
+    assert_eq!(
+        listed[2].parent_id, None,
         "re-parented past the pruned ones"
     );
+    assert_eq!(listed[1].parent_id, Some(listed[2].id));
     assert_eq!(listed[0].parent_id, Some(listed[1].id));
     // Blobs of pruned checkpoints are gone unless still referenced.
     assert_eq!(count(&conn, "state_blobs"), 2);
 
-    // Everything older than the future, except the newest, which is kept.
+    // Everything older than the future: all that is left is needed.
     let report = store
         .prune_checkpoints(
             s.id,
@@ -503,9 +515,9 @@ async fn prune_keeps_what_heads_and_remaining_checkpoints_need() {
         )
         .await
         .unwrap();
-    assert_eq!(report.checkpoints_deleted, 1);
+    assert_eq!(report.checkpoints_deleted, 0);
     let report = store.delete_checkpoints(s.id).await.unwrap();
-    assert_eq!(report.checkpoints_deleted, 1);
+    assert_eq!(report.checkpoints_deleted, 3);
     assert!(store.list_checkpoints(s.id).await.unwrap().is_empty());
     assert_eq!(
         texts(&store, s.id).await,
@@ -767,4 +779,74 @@ async fn a_queued_input_enters_the_history_when_its_turn_opens_and_only_then() {
         .await
         .unwrap_err();
     assert!(matches!(err, StoreError::NotFound(_)), "{err}");
+}
+
+#[tokio::test]
+async fn retention_finds_sessions_over_the_limit_and_gives_pages_back() {
+    let (dir, store) = temp_store();
+    let busy = store.create_session(new_session("busy", 1)).await.unwrap();
+    let quiet = store.create_session(new_session("quiet", 1)).await.unwrap();
+    for n in 1..=40 {
+        // A large, distinct state per turn, so pruned checkpoints free whole pages.
+        let state = format!("{n:04}").repeat(4096);
+        store
+            .commit_turn(turn(busy.id, n, &state, true))
+            .await
+            .unwrap();
+    }
+    store
+        .commit_turn(turn(quiet.id, 1, "s", true))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.sessions_over_turn_checkpoints(2).await.unwrap(),
+        [busy.id]
+    );
+    assert!(store
+        .sessions_over_turn_checkpoints(40)
+        .await
+        .unwrap()
+        .is_empty());
+    let conn = Connection::open(db_path(&dir)).unwrap();
+    let mode: i64 = conn
+        .query_row("PRAGMA auto_vacuum", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(mode, 2, "a new database is incremental");
+    let pages = |conn: &Connection| -> i64 {
+        conn.query_row("PRAGMA page_count", [], |r| r.get(0))
+            .unwrap()
+    };
+    let before = pages(&conn);
+    let report = store
+        .prune_checkpoints(
+            busy.id,
+            PrunePolicy {
+                keep_latest: Some(2),
+                older_than_ms: None,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!((report.checkpoints_deleted, report.blobs_deleted), (38, 38));
+    // Bounded steps until nothing is left to give back.
+    let mut reclaimed = store.reclaim_pages(16).await.unwrap();
+    assert_eq!(reclaimed, 16, "one step gives back up to its bound");
+    loop {
+        let n = store.reclaim_pages(16).await.unwrap();
+        assert!(n <= 16);
+        if n == 0 {
+            break;
+        }
+        reclaimed += n;
+    }
+    assert!(reclaimed > 38, "each 16 KiB state held pages: {reclaimed}");
+    assert!(
+        pages(&conn) <= before - i64::try_from(reclaimed).unwrap(),
+        "the database shrank by what was reclaimed"
+    );
+    assert!(store
+        .sessions_over_turn_checkpoints(2)
+        .await
+        .unwrap()
+        .is_empty());
 }

@@ -30,7 +30,7 @@ enum Op {
     Rollback { session: Index, checkpoint: Index },
     /// A new session forked from `checkpoint`.
     Fork { checkpoint: Index },
-    /// Prune of `session` keeping its newest `keep_latest` checkpoints (at least one).
+    /// Retention of `session` keeping its newest `keep_latest` turn checkpoints.
     Prune { session: Index, keep_latest: usize },
     /// Delete of every checkpoint of `session`.
     DeleteAll { session: Index },
@@ -67,6 +67,7 @@ struct ModelCheckpoint {
     history: Vec<String>,
     state: Vec<u8>,
     parent: Option<CheckpointId>,
+    source: CheckpointSource,
 }
 
 /// Sessions, and the checkpoints that still exist in creation order.
@@ -94,7 +95,13 @@ impl Model {
     }
 
     /// Records checkpoint `id` of session `s` at its head: its history and live state.
-    fn checkpoint_head(&mut self, s: usize, id: CheckpointId, parent: Option<CheckpointId>) {
+    fn checkpoint_head(
+        &mut self,
+        s: usize,
+        id: CheckpointId,
+        parent: Option<CheckpointId>,
+        source: CheckpointSource,
+    ) {
         let m = &self.sessions[s];
         self.checkpoints.push(ModelCheckpoint {
             id,
@@ -102,7 +109,32 @@ impl Model {
             history: m.history.clone(),
             state: m.state.clone().expect("a checkpointed session has a state"),
             parent,
+            source,
         });
+    }
+
+    /// What retention keeping `keep` turn checkpoints removes from `session`,
+    /// newest first: turn checkpoints past the newest `keep` turn ones, except
+    /// the session's newest and any a rollback or fork points at.
+    fn prunable(&self, session: SessionId, keep: usize) -> Vec<CheckpointId> {
+        let newest = self.newest_of(session);
+        self.checkpoints
+            .iter()
+            .rev()
+            .filter(|c| c.session == session && c.source == CheckpointSource::Turn)
+            .skip(keep)
+            .filter(|c| Some(c.id) != newest)
+            .filter(|c| {
+                !self.checkpoints.iter().any(|k| {
+                    k.parent == Some(c.id)
+                        && matches!(
+                            k.source,
+                            CheckpointSource::Rollback | CheckpointSource::Fork
+                        )
+                })
+            })
+            .map(|c| c.id)
+            .collect()
     }
 
     /// Removes `doomed` (newest first, as the store does), re-parenting each
@@ -177,7 +209,7 @@ async fn apply(store: &Store, model: &mut Model, op: Op, now_ms: i64) -> Result<
             m.history.extend(texts);
             m.state = Some(state);
             if let Some(cp) = new_cp {
-                model.checkpoint_head(s, cp, parent);
+                model.checkpoint_head(s, cp, parent, CheckpointSource::Turn);
             }
         }
         Op::Manual { session } => {
@@ -200,7 +232,7 @@ async fn apply(store: &Store, model: &mut Model, op: Op, now_ms: i64) -> Result<
                 .unwrap();
             let parent = model.newest_of(id);
             model.sessions[s].state = Some(state);
-            model.checkpoint_head(s, cp, parent);
+            model.checkpoint_head(s, cp, parent, CheckpointSource::Manual);
         }
         Op::Rollback {
             session,
@@ -227,7 +259,7 @@ async fn apply(store: &Store, model: &mut Model, op: Op, now_ms: i64) -> Result<
             let m = &mut model.sessions[s];
             m.history = history;
             m.state = Some(state);
-            model.checkpoint_head(s, cp, Some(target_id));
+            model.checkpoint_head(s, cp, Some(target_id), CheckpointSource::Rollback);
         }
         Op::Fork { checkpoint } => {
             if model.checkpoints.is_empty() {
@@ -247,7 +279,12 @@ async fn apply(store: &Store, model: &mut Model, op: Op, now_ms: i64) -> Result<
                 history,
                 state: Some(state),
             });
-            model.checkpoint_head(model.sessions.len() - 1, cp, Some(source_id));
+            model.checkpoint_head(
+                model.sessions.len() - 1,
+                cp,
+                Some(source_id),
+                CheckpointSource::Fork,
+            );
         }
         Op::Prune {
             session,
@@ -259,14 +296,7 @@ async fn apply(store: &Store, model: &mut Model, op: Op, now_ms: i64) -> Result<
                 older_than_ms: None,
             };
             let report = store.prune_checkpoints(id, policy).await.unwrap();
-            let doomed: Vec<CheckpointId> = model
-                .checkpoints
-                .iter()
-                .rev()
-                .filter(|c| c.session == id)
-                .skip(keep_latest.max(1))
-                .map(|c| c.id)
-                .collect();
+            let doomed = model.prunable(id, keep_latest);
             prop_assert_eq!(report.checkpoints_deleted, doomed.len() as u64);
             model.remove(&doomed);
         }

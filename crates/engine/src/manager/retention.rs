@@ -1,0 +1,86 @@
+//! Retention: keeps each session's newest turn checkpoints (and everything
+//! a head, a fork, a rollback or a manual checkpoint needs), off the turn
+//! path, then gives the freed pages back.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use keel_store::{PrunePolicy, PruneReport, Store};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::SessionManager;
+use crate::error::Result;
+
+/// Free pages given back per transaction.
+const RECLAIM_STEP: u32 = 1024;
+
+/// What one retention pass removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RetentionReport {
+    /// Sessions whose checkpoints were pruned.
+    pub sessions: u64,
+    /// Rows removed across them.
+    pub removed: PruneReport,
+    /// Database pages given back to the file system.
+    pub pages_reclaimed: u64,
+}
+
+/// One pass over `store`: prunes every session with more than `keep` turn
+/// checkpoints (each batch its own transaction), then reclaims free pages
+/// in bounded steps. Safe to interrupt at any point.
+pub async fn apply_retention(store: &Store, keep: usize) -> Result<RetentionReport> {
+    let mut report = RetentionReport::default();
+    let policy = PrunePolicy {
+        keep_latest: Some(keep),
+        older_than_ms: None,
+    };
+    for id in store.sessions_over_turn_checkpoints(keep).await? {
+        let r = store.prune_checkpoints(id, policy).await?;
+        if r.checkpoints_deleted > 0 {
+            report.sessions += 1;
+        }
+        let total = &mut report.removed;
+        total.checkpoints_deleted += r.checkpoints_deleted;
+        total.timelines_deleted += r.timelines_deleted;
+        total.messages_deleted += r.messages_deleted;
+        total.blobs_deleted += r.blobs_deleted;
+    }
+    loop {
+        let n = store.reclaim_pages(RECLAIM_STEP).await?;
+        report.pages_reclaimed += n;
+        if n < u64::from(RECLAIM_STEP) {
+            break;
+        }
+    }
+    Ok(report)
+}
+
+impl SessionManager {
+    /// Runs [`apply_retention`] every `interval` (the first after one
+    /// interval) until the manager is dropped; a failed pass is logged and
+    /// the next one tries again.
+    pub fn spawn_retention(self: &Arc<Self>, interval: Duration, keep: usize) -> JoinHandle<()> {
+        let weak: Weak<Self> = Arc::downgrade(self);
+        let mut ticker = tokio::time::interval_at(Instant::now() + interval, interval);
+        tokio::spawn(async move {
+            loop {
+                ticker.tick().await;
+                let Some(manager) = weak.upgrade() else { break };
+                match apply_retention(&manager.store, keep).await {
+                    Ok(r) if r.sessions > 0 || r.pages_reclaimed > 0 => {
+                        tracing::info!(
+                            sessions = r.sessions,
+                            checkpoints = r.removed.checkpoints_deleted,
+                            messages = r.removed.messages_deleted,
+                            pages = r.pages_reclaimed,
+                            "retention pass"
+                        );
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::error!(error = %e, "retention pass failed"),
+                }
+            }
+        })
+    }
+}
