@@ -289,16 +289,21 @@ pub struct NewDialog {
     pub agent: Option<String>,
 }
 
-/// A change to a dialog.
+/// A change to a dialog: its title, its agent, or both, in one write.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DialogPatch {
-    /// New title: some text, no control or format characters such as bidi controls or
+    /// New title (omitted: unchanged): some text, no control or format characters such as bidi controls or
     /// zero-width characters (more than 80 characters are cut).
     #[schema(
         pattern = r"^[^\u0000-\u001f\u007f-\u009f\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb]*[^\s\u0000-\u001f\u007f-\u009f\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb][^\u0000-\u001f\u007f-\u009f\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb]*$"
     )]
-    pub title: String,
+    #[serde(default)]
+    pub title: Option<String>,
+    /// The agent that answers from the next turn on, history kept (omitted:
+    /// unchanged). Refused with 409 while a turn runs.
+    #[serde(default)]
+    pub agent: Option<String>,
 }
 
 /// A tool call the model asked for.

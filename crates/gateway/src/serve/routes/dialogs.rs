@@ -93,20 +93,27 @@ pub(crate) async fn get_one(
     Ok(Json(Dialog::from(&shared.dialog(&id).await?)))
 }
 
-/// Renames a dialog (which also stops automatic titles for it).
+/// Renames a dialog (which also stops automatic titles for it) and/or
+/// switches its agent (refused while a turn runs; the history is kept).
 #[utoipa::path(patch, path = "/api/dialogs/{id}", tag = "dialogs", request_body = DialogPatch,
     params(("id" = uuid::Uuid, Path, description = "The dialog's id")),
-    responses((status = 200, description = "The renamed dialog", body = Dialog), Errors))]
-pub(crate) async fn rename(
+    responses((status = 200, description = "The changed dialog", body = Dialog), Errors))]
+pub(crate) async fn update(
     State(shared): State<Arc<Shared>>,
     ApiPath(id): ApiPath<String>,
     ApiJson(patch): ApiJson<DialogPatch>,
 ) -> ApiResult<Json<Dialog>> {
     let record = shared.dialog(&id).await?;
+    let agent = patch
+        .agent
+        .as_deref()
+        .map(AgentId::parse)
+        .transpose()
+        .map_err(|e| ApiError::BadRequest(e.to_string()))?;
     shared
         .app
         .manager
-        .rename_dialog(record.id, &patch.title)
+        .update_dialog(record.id, patch.title.as_deref(), agent.as_ref())
         .await?;
     let dialog = Dialog::from(&shared.dialog_by_id(record.id).await?);
     shared.hub.publish(
