@@ -425,6 +425,33 @@ pub struct SendMessage {
     /// The text: 1..=100,000 characters.
     #[schema(min_length = 1, max_length = 100000)]
     pub text: String,
+    /// What to do when a turn of the dialog is running (default `enqueue`).
+    #[serde(default)]
+    pub if_busy: IfBusy,
+}
+
+/// Text for the dialog's running turn.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SteerText {
+    /// The text: 1..=100,000 characters.
+    #[schema(min_length = 1, max_length = 100000)]
+    pub text: String,
+}
+
+/// What a send does when a turn of the dialog is running.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum IfBusy {
+    /// Queue a new turn after the dialog's earlier ones.
+    #[default]
+    Enqueue,
+    /// Refuse with 409 naming the running turn; nothing is stored.
+    Reject,
+    /// Stop the running turn as `/stop` does (its message stays, unanswered), then queue a new turn.
+    Interrupt,
+    /// Give the text to the running turn as a steer; with none running, queue a new turn.
+    Steer,
 }
 
 /// A turn that started.
@@ -435,6 +462,8 @@ pub struct TurnAccepted {
     pub session_id: Uuid,
     /// The turn: its events and its `turn_committed` or `turn_failed` carry this id.
     pub turn_id: Uuid,
+    /// Whether the text went into the running turn `turn_id` as a steer (`if_busy: steer`) rather than starting a turn.
+    pub steered: bool,
 }
 
 /// What `steer` did.

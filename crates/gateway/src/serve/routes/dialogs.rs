@@ -16,7 +16,7 @@ use super::{checked_text, decode_cursor, encode_cursor, page_limit, parse_id};
 use crate::serve::api::{
     ChatMessage, Checkpoint, CheckpointPage, Dialog, DialogListQuery, DialogPage, DialogPatch,
     DialogUsage, ForkRequest, MessageListQuery, MessagePage, NewDialog, Order, PageQuery,
-    SendMessage, SteerReport, StopReport, TurnAccepted,
+    SendMessage, SteerReport, SteerText, StopReport, TurnAccepted,
 };
 use crate::serve::frames::ServerFrame;
 use crate::serve::openapi::Errors;
@@ -203,12 +203,13 @@ pub(crate) async fn send(
         .filter_map(|v| v.to_str().ok())
         .any(|v| v.contains("text/event-stream"));
     if wants_stream {
-        return crate::serve::sse::send_streamed(shared, record.id, text).await;
+        return crate::serve::sse::send_streamed(shared, record.id, text, body.if_busy).await;
     }
-    let turn = shared.turns.send(record.id, text).await?;
+    let (turn, steered) = shared.turns.send(record.id, text, body.if_busy).await?;
     let accepted = TurnAccepted {
         session_id: record.id.as_uuid(),
         turn_id: turn.as_uuid(),
+        steered,
     };
     Ok((StatusCode::ACCEPTED, Json(accepted)).into_response())
 }
@@ -232,13 +233,13 @@ pub(crate) async fn stop(
 /// Gives text to the dialog's running turn (the model reads it at its next
 /// call). With no running turn nothing is done: `steered` is false, and
 /// the client sends the text as a message instead.
-#[utoipa::path(post, path = "/api/dialogs/{id}/steer", tag = "dialogs", request_body = SendMessage,
+#[utoipa::path(post, path = "/api/dialogs/{id}/steer", tag = "dialogs", request_body = SteerText,
     params(("id" = uuid::Uuid, Path, description = "The dialog's id")),
     responses((status = 200, description = "Whether a running turn took the text", body = SteerReport), Errors))]
 pub(crate) async fn steer(
     State(shared): State<Arc<Shared>>,
     ApiPath(id): ApiPath<String>,
-    ApiJson(body): ApiJson<SendMessage>,
+    ApiJson(body): ApiJson<SteerText>,
 ) -> ApiResult<Json<SteerReport>> {
     let record = shared.dialog(&id).await?;
     Ok(Json(shared.steer(record.id, checked_text(body.text)?)?))
