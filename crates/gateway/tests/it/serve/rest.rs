@@ -214,6 +214,16 @@ async fn bad_input_is_a_precise_4xx_problem_and_changes_nothing() {
             .unwrap(),
         ),
         (
+            "unknown busy policy",
+            post_raw(
+                messages.clone(),
+                "application/json",
+                b"{\"text\":\"a\",\"if_busy\":\"rollback\"}".to_vec(),
+            )
+            .await
+            .unwrap(),
+        ),
+        (
             "empty text",
             post_raw(
                 messages.clone(),
