@@ -11,7 +11,7 @@
 use std::fmt;
 use std::path::PathBuf;
 
-use keel_core::{CheckpointId, ProviderError, SessionId, ToolError, ToolRegistryError};
+use keel_core::{CheckpointId, ProviderError, SessionId, ToolError, ToolRegistryError, TurnId};
 use keel_store::StoreError;
 
 use crate::gate::GateScope;
@@ -51,6 +51,9 @@ pub enum EngineError {
         /// The queue's capacity.
         queued: usize,
     },
+    /// The dialog runs this turn, and the request needs it idle (switching its agent). Retryable when the turn ends.
+    #[error("turn {0} is running in this dialog; try again when it ends, or stop it first")]
+    TurnRunning(TurnId),
     /// The running turn already has this many steer messages waiting. Retryable at its next model call.
     #[error("the running turn already has {capacity} steer messages waiting for the model")]
     SteerFull {
@@ -101,7 +104,7 @@ pub enum EngineError {
     /// The session's agent is no longer in the agent catalog (a reload
     /// removed it); the session can still be read or switched to another
     /// agent. Not retryable until a reload restores the agent.
-    #[error("agent {0:?} of this dialog is no longer defined (a reload of the agent catalog removed it); start a new dialog with another agent, or restore the definition and reload")]
+    #[error("agent {0:?} of this dialog is no longer defined (a reload of the agent catalog removed it); switch the dialog to another agent, or restore the definition and reload")]
     AgentRemoved(String),
     /// The tool context names neither a root turn (session + turn) nor a run. Not retryable.
     #[error("this context cannot delegate: it is neither a root turn (session and turn) nor an agent run")]
@@ -232,6 +235,7 @@ impl EngineError {
         match self {
             EngineError::EmptySummary
             | EngineError::SessionBusy { .. }
+            | EngineError::TurnRunning(_)
             | EngineError::SteerFull { .. }
             | EngineError::InboxFull { .. }
             | EngineError::RunQuotaExceeded { .. }

@@ -241,6 +241,7 @@ async fn over_websocket() -> Served {
                         id: None,
                         session_id,
                         text: format!("turn {t}"),
+                        if_busy: None,
                     };
                     let text = serde_json::to_string(&frame).unwrap();
                     if ws.send(WsMessage::text(text)).await.is_err() {

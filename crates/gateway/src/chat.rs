@@ -18,7 +18,9 @@ use keel_core::RunId;
 use keel_core::{CheckpointId, Message, SessionId, StreamEvent, TurnId, TurnOrigin};
 use keel_engine::DialogAddress;
 use keel_engine::TurnEvent;
-use keel_engine::{SessionEvent, SessionManager, SessionSubscription, SignalView, SteerOutcome};
+use keel_engine::{
+    EngineError, SessionEvent, SessionManager, SessionSubscription, SignalView, SteerOutcome,
+};
 use keel_store::{CheckpointRecord, RunRecord};
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, BufReader, Lines};
 use tokio::sync::mpsc;
@@ -36,6 +38,7 @@ pub const HELP: &str = "\
 /sessions           list this chat's dialogs
 /switch <id>        switch to a dialog
 /rename <title>     rename the current dialog
+/agent [name]       list the agents, or make another one answer this dialog
 /delete             delete the current dialog
 /compact            summarize the current context
 /memory             list the dialog's memory (what the model remembered)
@@ -59,6 +62,8 @@ pub enum Slash {
     Switch(String),
     /// `/rename <title>`.
     Rename(String),
+    /// `/agent [name]`.
+    Agent(Option<String>),
     /// `/delete`.
     Delete,
     /// `/compact`.
@@ -110,6 +115,10 @@ pub fn parse_slash(line: &str) -> Result<Slash, String> {
         "/rename" => arg()
             .map(Slash::Rename)
             .ok_or_else(|| "/rename needs a title".to_owned()),
+        "/agent" => match rest.split_whitespace().count() {
+            0 | 1 => Ok(Slash::Agent(arg())),
+            _ => Err("/agent takes one agent name".to_owned()),
+        },
         "/delete" => no_arg(Slash::Delete),
         "/compact" => no_arg(Slash::Compact),
         "/memory" => no_arg(Slash::Memory),
@@ -333,6 +342,9 @@ impl Chat {
             Ok(t) => t,
             Err(e) => {
                 self.say(&format!("error: {e}"));
+                if let EngineError::AgentRemoved(_) = e {
+                    self.say("(/agent lists the agents; /agent NAME switches this dialog to one)");
+                }
                 return Ok(false);
             }
         };
@@ -391,6 +403,42 @@ impl Chat {
             Err(e) => self.say(&format!("error: {e}")),
         }
         WhileRunning::Continue
+    }
+
+    /// `/agent`: lists the agents, the current one marked; `/agent NAME`
+    /// makes NAME answer this dialog from its next turn on, history kept.
+    async fn agent(&mut self, name: Option<String>) -> Result<()> {
+        let m = self.manager.clone();
+        let Some(name) = name else {
+            let current = m
+                .session(self.current)
+                .await?
+                .lock()
+                .await
+                .agent()
+                .name
+                .clone();
+            for id in m.agent_ids()? {
+                let mark = if id == current { "*" } else { " " };
+                self.say(&format!("{mark} {id}"));
+            }
+            return Ok(());
+        };
+        let agent = match keel_core::AgentId::parse(&name) {
+            Ok(agent) => agent,
+            Err(e) => {
+                self.say(&format!("error: {e}"));
+                return Ok(());
+            }
+        };
+        match m.switch_agent(self.current, &agent).await {
+            Ok(()) => self.say(&format!("{agent} answers this dialog from now on")),
+            Err(e @ EngineError::UnknownAgent(_)) => {
+                self.say(&format!("error: {e} (/agent lists the agents)"))
+            }
+            Err(e) => return Err(e.into()),
+        }
+        Ok(())
     }
 
     async fn stop(&mut self) {
@@ -624,6 +672,7 @@ impl Chat {
                 let r = m.record(self.current).await?;
                 self.say(&format!("renamed to \"{}\"", r.title));
             }
+            Slash::Agent(name) => self.agent(name).await?,
             Slash::Delete => {
                 let r = m.record(self.current).await?;
                 m.delete_dialog(self.current).await?;
@@ -861,6 +910,12 @@ mod tests {
             Ok(Slash::Switch("ab12".into()))
         );
         assert_eq!(parse_slash("/rename A B"), Ok(Slash::Rename("A B".into())));
+        assert_eq!(parse_slash("/agent"), Ok(Slash::Agent(None)));
+        assert_eq!(
+            parse_slash("/agent writer"),
+            Ok(Slash::Agent(Some("writer".into())))
+        );
+        assert!(parse_slash("/agent a b").is_err());
         assert_eq!(
             parse_slash("/rollback 1234abcd"),
             Ok(Slash::Rollback("1234abcd".into()))

@@ -597,3 +597,29 @@ fn a_signal_from_a_background_run_is_printed_and_listed() {
         out.join("\n")
     );
 }
+
+#[test]
+fn slash_agent_switches_the_dialog_across_a_restart_and_a_removed_agent_names_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    crate::data_dir_with_agent(&data, "helper", "Answers small questions.", false);
+    let s = script(dir.path(), "when_exhausted: echo\n");
+    let input = "hi\n/agent\n/agent ghost\n/agent Bad_Name!\n/agent helper\n/agent\n";
+    let (out1, err, ok) = keel(&data, &s, "gina", input);
+    assert!(ok, "{err}");
+    // The switch is stored: after a restart the same dialog runs helper.
+    let (out2, err, ok) = keel(&data, &s, "gina", "/info\nagain\n");
+    assert!(ok, "{err}");
+    assert!(
+        out2.contains("agent helper (scripted / scripted)"),
+        "{out2}"
+    );
+    assert!(out2.contains("messages 1 · turns 1"), "{out2}");
+    // A reload-removed agent: the dialog says so and how to switch.
+    std::fs::remove_file(data.join("agents/helper.md")).unwrap();
+    let (out3, err, ok) = keel(&data, &s, "gina", "still there?\n/agent root\nnow?\n");
+    assert!(ok, "{err}");
+    insta::assert_snapshot!(redact(&format!(
+        "{out1}---- restart ----\n{out2}---- helper removed ----\n{out3}"
+    )));
+}

@@ -190,10 +190,31 @@ impl SessionManager {
         Ok(())
     }
 
-    /// Makes `id` run `agent` from now on; its history is kept.
+    /// Makes `id` run `agent` from its next turn on; see [`Self::update_dialog`].
     pub async fn switch_agent(&self, id: SessionId, agent: &AgentId) -> Result<()> {
-        let profile = self.bundle.agent(Some(agent))?;
+        self.update_dialog(id, None, Some(agent)).await
+    }
+
+    /// Changes a dialog's title and/or agent in one write of its row; its
+    /// history is kept and the new agent answers from the next turn on. A
+    /// change of agent is refused with [`EngineError::TurnRunning`] while a
+    /// turn runs; one that races a turn's start waits for that turn.
+    pub async fn update_dialog(
+        &self,
+        id: SessionId,
+        title: Option<&str>,
+        agent: Option<&AgentId>,
+    ) -> Result<()> {
+        let title = title.map(super::clean_title).transpose()?;
+        let profile = agent.map(|a| self.bundle.agent(Some(a))).transpose()?;
         let session = self.session(id).await?;
+        if profile.is_some() {
+            if let Some(turn) = self.running_turn(id) {
+                return Err(EngineError::TurnRunning(turn));
+            }
+        }
+        // A turn holds this lock while it runs: a switch never changes the
+        // agent of a turn in progress, only of the next one.
         let mut guard = session.lock().await;
         let r = guard.record.clone();
         let updated = self
@@ -203,8 +224,8 @@ impl SessionManager {
                 channel: r.channel,
                 chat_id: r.chat_id,
                 dialog_id: r.dialog_id,
-                title: r.title,
-                agent_id: Some(profile.name.clone()),
+                title: title.unwrap_or(r.title),
+                agent_id: profile.as_ref().map(|p| p.name.clone()).or(r.agent_id),
                 parent_id: r.parent_id,
                 delivery_context: r.delivery_context,
                 now_ms: keel_core::time::now_ms(),
@@ -214,7 +235,9 @@ impl SessionManager {
             entry.agent_id = updated.agent_id.clone();
         }
         guard.record = updated;
-        guard.agent = profile;
+        if let Some(profile) = profile {
+            guard.agent = profile;
+        }
         Ok(())
     }
 

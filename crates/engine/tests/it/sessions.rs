@@ -422,6 +422,62 @@ async fn switch_agent_keeps_history() {
 }
 
 #[tokio::test]
+async fn a_switched_agent_answers_with_the_whole_history_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let provider = keel_core::ScriptedProvider::new(Vec::<ScriptedResponse>::new());
+    replies(&provider, &["a", "b"]);
+    let helper = keel_core::AgentId::parse("helper").unwrap();
+    let id = {
+        let manager = manager_on(open_store(dir.path()), &provider, Default::default());
+        let id = manager.create(spec("d1")).await.unwrap();
+        manager.submit_turn(id, "1").await.unwrap();
+        manager
+            .update_dialog(id, Some("Renamed"), Some(&helper))
+            .await
+            .unwrap();
+        id
+    }; // manager and store dropped here
+    let manager = manager_on(open_store(dir.path()), &provider, Default::default());
+    manager.load(id).await.unwrap();
+    let record = manager.record(id).await.unwrap();
+    assert_eq!(
+        (record.title.as_str(), record.agent_id),
+        ("Renamed", Some(helper))
+    );
+    manager.submit_turn(id, "2").await.unwrap();
+    let last = provider.requests().pop().unwrap();
+    assert_eq!(last.messages[0].text(), "You are helper.");
+    let texts: Vec<String> = last.messages[1..].iter().map(|m| m.text()).collect();
+    assert_eq!(texts, ["1", "a", "2"]);
+}
+
+#[tokio::test]
+async fn a_bad_title_or_agent_changes_nothing_of_the_dialog() {
+    let h = harness(SessionManagerConfig::default());
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    let before = h.manager.record(id).await.unwrap();
+    let helper = keel_core::AgentId::parse("helper").unwrap();
+    let ghost = keel_core::AgentId::parse("ghost").unwrap();
+    let err = h
+        .manager
+        .update_dialog(id, Some("  "), Some(&helper))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, EngineError::InvalidTitle(_)), "{err:?}");
+    let err = h
+        .manager
+        .update_dialog(id, Some("New"), Some(&ghost))
+        .await
+        .unwrap_err();
+    assert_eq!(err, EngineError::UnknownAgent("ghost".into()));
+    let after = h.manager.record(id).await.unwrap();
+    assert_eq!(
+        (after.title, after.agent_id),
+        (before.title, before.agent_id)
+    );
+}
+
+#[tokio::test]
 async fn slots_merge_and_readonly_rules_through_the_manager() {
     let h = harness(SessionManagerConfig::default());
     replies(&h.provider, &["a", "side-a"]);

@@ -289,16 +289,21 @@ pub struct NewDialog {
     pub agent: Option<String>,
 }
 
-/// A change to a dialog.
+/// A change to a dialog: its title, its agent, or both, in one write.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DialogPatch {
-    /// New title: some text, no control or format characters such as bidi controls or
+    /// New title (omitted: unchanged): some text, no control or format characters such as bidi controls or
     /// zero-width characters (more than 80 characters are cut).
     #[schema(
         pattern = r"^[^\u0000-\u001f\u007f-\u009f\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb]*[^\s\u0000-\u001f\u007f-\u009f\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb][^\u0000-\u001f\u007f-\u009f\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb]*$"
     )]
-    pub title: String,
+    #[serde(default)]
+    pub title: Option<String>,
+    /// The agent that answers from the next turn on, history kept (omitted:
+    /// unchanged). Refused with 409 while a turn runs.
+    #[serde(default)]
+    pub agent: Option<String>,
 }
 
 /// A tool call the model asked for.
@@ -420,6 +425,33 @@ pub struct SendMessage {
     /// The text: 1..=100,000 characters.
     #[schema(min_length = 1, max_length = 100000)]
     pub text: String,
+    /// What to do when a turn of the dialog is running (default `enqueue`).
+    #[serde(default)]
+    pub if_busy: IfBusy,
+}
+
+/// Text for the dialog's running turn.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SteerText {
+    /// The text: 1..=100,000 characters.
+    #[schema(min_length = 1, max_length = 100000)]
+    pub text: String,
+}
+
+/// What a send does when a turn of the dialog is running.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum IfBusy {
+    /// Queue a new turn after the dialog's earlier ones.
+    #[default]
+    Enqueue,
+    /// Refuse with 409 naming the running turn; nothing is stored.
+    Reject,
+    /// Stop the running turn as `/stop` does (its message stays, unanswered), then queue a new turn.
+    Interrupt,
+    /// Give the text to the running turn as a steer; with none running, queue a new turn.
+    Steer,
 }
 
 /// A turn that started.
@@ -430,6 +462,8 @@ pub struct TurnAccepted {
     pub session_id: Uuid,
     /// The turn: its events and its `turn_committed` or `turn_failed` carry this id.
     pub turn_id: Uuid,
+    /// Whether the text went into the running turn `turn_id` as a steer (`if_busy: steer`) rather than starting a turn.
+    pub steered: bool,
 }
 
 /// What `steer` did.

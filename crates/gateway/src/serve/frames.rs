@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use super::api::{AgentEvent, AgentRun, Dialog, TokenUsage, TurnOrigin};
+use super::api::{AgentEvent, AgentRun, Dialog, IfBusy, TokenUsage, TurnOrigin};
 
 /// Longest client-chosen request `id`, in bytes.
 pub const MAX_REQUEST_ID_BYTES: usize = 64;
@@ -44,6 +44,9 @@ pub enum ClientFrame {
         session_id: Uuid,
         /// The text.
         text: String,
+        /// What to do when a turn of the dialog is running (default `enqueue`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        if_busy: Option<IfBusy>,
     },
     /// Cancel the dialog's running turn.
     Stop {
@@ -113,6 +116,8 @@ pub enum ServerFrame {
         session_id: Uuid,
         /// The turn.
         turn_id: Uuid,
+        /// Whether the text went into the running turn as a steer.
+        steered: bool,
     },
     /// What a `stop` did.
     Stopped {

@@ -80,7 +80,7 @@ impl Modify for BearerAuth {
     ),
     paths(
         system::health, system::ready, system::openapi, system::reload,
-        dialogs::list, dialogs::create, dialogs::get_one, dialogs::rename, dialogs::delete,
+        dialogs::list, dialogs::create, dialogs::get_one, dialogs::update, dialogs::delete,
         dialogs::messages, dialogs::send, dialogs::stop, dialogs::steer, dialogs::usage,
         dialogs::checkpoints, dialogs::rollback, dialogs::fork, exports::export, exports::import,
         runs::list, runs::get_one, runs::events, runs::dialog_events, runs::dialog_inbox,

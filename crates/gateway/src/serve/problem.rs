@@ -191,9 +191,14 @@ impl From<EngineError> for ApiError {
             | EngineError::SlotReadonly(_)
             | EngineError::SlotRule(_)
             | EngineError::SteerFull { .. }
-            | EngineError::AgentRemoved(_)
+            | EngineError::TurnRunning(_)
             | EngineError::Cancelled
             | EngineError::TimedOut { .. } => ApiError::Conflict(e.to_string()),
+            EngineError::AgentRemoved(name) => ApiError::Conflict(format!(
+                "agent {name:?} of this dialog is no longer defined (a reload of the agent catalog removed it); \
+                 switch the dialog to another agent with PATCH /api/dialogs/{{id}} and {{\"agent\": NAME}}, \
+                 or restore the definition and reload"
+            )),
             other => ApiError::internal(&other),
         }
     }

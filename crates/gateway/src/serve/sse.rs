@@ -12,6 +12,7 @@ use futures::stream::{self, Stream};
 use keel_core::SessionId;
 use tokio::sync::broadcast::error::RecvError;
 
+use super::api::IfBusy;
 use super::frames::ServerFrame;
 use super::hub::SharedFrame;
 use super::problem::ApiResult;
@@ -28,10 +29,12 @@ pub(crate) async fn send_streamed(
     shared: Arc<Shared>,
     session: SessionId,
     text: String,
+    if_busy: IfBusy,
 ) -> ApiResult<Response> {
     // Subscribed before the turn starts, so its first frame is not missed.
+    // A steer streams the rest of the turn it went into.
     let receiver = shared.hub.subscribe(session);
-    let turn = shared.turns.send(session, text).await?.as_uuid();
+    let turn = shared.turns.send(session, text, if_busy).await?.0.as_uuid();
     let frames = stream::unfold(Some(receiver), move |receiver| {
         let shared = shared.clone();
         async move {

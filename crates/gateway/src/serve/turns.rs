@@ -9,13 +9,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keel_core::{FinishReason, Message, SessionId, StreamEvent, TurnId};
-use keel_engine::{EngineError, SessionEvent, SessionManager, SubscriptionError, TurnEvent};
+use keel_engine::{
+    EngineError, SessionEvent, SessionManager, SteerOutcome, SubscriptionError, TurnEvent,
+};
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::api::{Dialog, TurnOrigin, PREVIEW_BYTES};
+use super::api::{Dialog, IfBusy, TurnOrigin, PREVIEW_BYTES};
 use super::frames::ServerFrame;
 use super::hub::Hub;
 use super::problem::{ApiError, ApiResult};
@@ -275,12 +277,40 @@ impl TurnRunner {
 
     /// Queues a user turn of `session` with `text` on the session's worker;
     /// returns its id at once (it runs after the dialog's earlier turns).
-    pub async fn send(self: &Arc<Self>, session: SessionId, text: String) -> ApiResult<TurnId> {
+    /// `if_busy` says what happens instead when a turn is running: see
+    /// [`IfBusy`]. Returns the turn and whether the text steered it.
+    pub async fn send(
+        self: &Arc<Self>,
+        session: SessionId,
+        text: String,
+        if_busy: IfBusy,
+    ) -> ApiResult<(TurnId, bool)> {
         if self.is_draining() {
             return Err(ApiError::Unavailable(
                 "the server is shutting down; no new turns are started".to_owned(),
             ));
         }
+        match if_busy {
+            IfBusy::Enqueue => {}
+            IfBusy::Reject => {
+                if let Some(turn) = self.manager.running_turn(session) {
+                    return Err(EngineError::TurnRunning(turn).into());
+                }
+            }
+            IfBusy::Interrupt => {
+                self.manager.stop(session).await?;
+            }
+            IfBusy::Steer => {
+                if let SteerOutcome::Steered { turn_id } = self.manager.steer(session, &text)? {
+                    return Ok((turn_id, true));
+                }
+            }
+        }
+        self.start(session, text).await.map(|turn| (turn, false))
+    }
+
+    /// Starts the task that sends a user turn and follows it.
+    async fn start(self: &Arc<Self>, session: SessionId, text: String) -> ApiResult<TurnId> {
         let (started_tx, started_rx) = oneshot::channel();
         let me = self.clone();
         self.tracker

@@ -269,17 +269,20 @@ impl Connection {
                 id,
                 session_id,
                 text,
+                if_busy,
             } => {
                 let session = shared.dialog_by_id(session_id.into()).await?.id;
                 let text = checked_text(text)?;
                 if !self.subscriptions.lock().contains_key(&session) {
                     self.subscribe(None, session, None).await?;
                 }
-                let turn = shared.turns.send(session, text).await?;
+                let if_busy = if_busy.unwrap_or_default();
+                let (turn, steered) = shared.turns.send(session, text, if_busy).await?;
                 Ok(vec![ServerFrame::TurnAccepted {
                     id,
                     session_id,
                     turn_id: turn.as_uuid(),
+                    steered,
                 }])
             }
             ClientFrame::Stop { id, session_id } => {

@@ -14,6 +14,7 @@ const LAST_DIALOG = 'keel.dialog';
 
 const state = {
   dialogs: [],
+  agents: [],
   current: null,
   revision: 0,
   history: [],
@@ -111,7 +112,34 @@ function showDialog(dialog) {
   $('dialog-title').textContent = dialog.title;
   document.title = `${dialog.title} · keel`;
   enableActions(true);
+  renderAgents();
   renderDialogs($('dialog-list'), state.dialogs, dialog.id, select);
+}
+
+// The agents a dialog can switch to: the catalog's, as /v1/models lists
+// them (`keel:NAME`), read once; the current dialog's agent is always an
+// option, even when a reload removed it.
+async function loadAgents() {
+  const models = await api('GET', '../v1/models');
+  state.agents = models.data.map((m) => m.id.replace(/^keel:/, ''));
+  renderAgents();
+}
+
+function renderAgents() {
+  const select = $('agent-select');
+  const current = state.current?.agent ?? 'root';
+  const names = state.agents.includes(current) ? state.agents : [current, ...state.agents];
+  select.replaceChildren(...names.map((name) => h('option', { value: name, text: name })));
+  select.value = current;
+}
+
+async function switchAgent() {
+  const dialog = state.current;
+  const agent = $('agent-select').value;
+  if (!dialog || agent === (dialog.agent ?? 'root')) return;
+  const changed = await attempt(`Switching to ${agent}`, () => api('PATCH', `dialogs/${dialog.id}`, { agent }));
+  if (changed) showDialog(changed);
+  else renderAgents();
 }
 
 function enableActions(on) {
@@ -538,6 +566,7 @@ function wire() {
     const dialog = await attempt('Renaming', () => api('PATCH', `dialogs/${state.current.id}`, { title }));
     if (dialog) showDialog(dialog);
   });
+  $('agent-select').addEventListener('change', switchAgent);
   on('delete', async () => {
     const dialog = state.current;
     if (!(await confirmAction('Delete this dialog?', `“${dialog.title}” leaves the list and its running sub-agents are cancelled.`, 'Delete'))) return;
@@ -564,6 +593,7 @@ async function start() {
   setPanel('');
   runs.render();
   await loadDialogs().catch((e) => notify(`Cannot list dialogs: ${e.message}`));
+  loadAgents().catch((e) => notify(`Cannot list agents: ${e.message}`));
   detectSteer().then(updateComposer);
   socket.connect();
   const wanted = new URLSearchParams(location.hash.slice(1)).get('d') ?? localStorage.getItem(LAST_DIALOG);

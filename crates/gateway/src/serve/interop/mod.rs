@@ -572,7 +572,12 @@ impl Conversations {
         // Subscribed before the turn starts, so its first frame is not missed.
         let frames = shared.hub.subscribe(dialog);
         let mut keeper = shared.hub.subscribe(dialog);
-        let turn = shared.turns.send(dialog, input).await?.as_uuid();
+        let turn = shared
+            .turns
+            .send(dialog, input, crate::serve::api::IfBusy::Enqueue)
+            .await?
+            .0
+            .as_uuid();
         let closing = shared.closing.clone();
         tokio::spawn(async move {
             let _held = guard;

@@ -16,7 +16,7 @@ use super::{checked_text, decode_cursor, encode_cursor, page_limit, parse_id};
 use crate::serve::api::{
     ChatMessage, Checkpoint, CheckpointPage, Dialog, DialogListQuery, DialogPage, DialogPatch,
     DialogUsage, ForkRequest, MessageListQuery, MessagePage, NewDialog, Order, PageQuery,
-    SendMessage, SteerReport, StopReport, TurnAccepted,
+    SendMessage, SteerReport, SteerText, StopReport, TurnAccepted,
 };
 use crate::serve::frames::ServerFrame;
 use crate::serve::openapi::Errors;
@@ -93,20 +93,27 @@ pub(crate) async fn get_one(
     Ok(Json(Dialog::from(&shared.dialog(&id).await?)))
 }
 
-/// Renames a dialog (which also stops automatic titles for it).
+/// Renames a dialog (which also stops automatic titles for it) and/or
+/// switches its agent (refused while a turn runs; the history is kept).
 #[utoipa::path(patch, path = "/api/dialogs/{id}", tag = "dialogs", request_body = DialogPatch,
     params(("id" = uuid::Uuid, Path, description = "The dialog's id")),
-    responses((status = 200, description = "The renamed dialog", body = Dialog), Errors))]
-pub(crate) async fn rename(
+    responses((status = 200, description = "The changed dialog", body = Dialog), Errors))]
+pub(crate) async fn update(
     State(shared): State<Arc<Shared>>,
     ApiPath(id): ApiPath<String>,
     ApiJson(patch): ApiJson<DialogPatch>,
 ) -> ApiResult<Json<Dialog>> {
     let record = shared.dialog(&id).await?;
+    let agent = patch
+        .agent
+        .as_deref()
+        .map(AgentId::parse)
+        .transpose()
+        .map_err(|e| ApiError::BadRequest(e.to_string()))?;
     shared
         .app
         .manager
-        .rename_dialog(record.id, &patch.title)
+        .update_dialog(record.id, patch.title.as_deref(), agent.as_ref())
         .await?;
     let dialog = Dialog::from(&shared.dialog_by_id(record.id).await?);
     shared.hub.publish(
@@ -196,12 +203,13 @@ pub(crate) async fn send(
         .filter_map(|v| v.to_str().ok())
         .any(|v| v.contains("text/event-stream"));
     if wants_stream {
-        return crate::serve::sse::send_streamed(shared, record.id, text).await;
+        return crate::serve::sse::send_streamed(shared, record.id, text, body.if_busy).await;
     }
-    let turn = shared.turns.send(record.id, text).await?;
+    let (turn, steered) = shared.turns.send(record.id, text, body.if_busy).await?;
     let accepted = TurnAccepted {
         session_id: record.id.as_uuid(),
         turn_id: turn.as_uuid(),
+        steered,
     };
     Ok((StatusCode::ACCEPTED, Json(accepted)).into_response())
 }
@@ -225,13 +233,13 @@ pub(crate) async fn stop(
 /// Gives text to the dialog's running turn (the model reads it at its next
 /// call). With no running turn nothing is done: `steered` is false, and
 /// the client sends the text as a message instead.
-#[utoipa::path(post, path = "/api/dialogs/{id}/steer", tag = "dialogs", request_body = SendMessage,
+#[utoipa::path(post, path = "/api/dialogs/{id}/steer", tag = "dialogs", request_body = SteerText,
     params(("id" = uuid::Uuid, Path, description = "The dialog's id")),
     responses((status = 200, description = "Whether a running turn took the text", body = SteerReport), Errors))]
 pub(crate) async fn steer(
     State(shared): State<Arc<Shared>>,
     ApiPath(id): ApiPath<String>,
-    ApiJson(body): ApiJson<SendMessage>,
+    ApiJson(body): ApiJson<SteerText>,
 ) -> ApiResult<Json<SteerReport>> {
     let record = shared.dialog(&id).await?;
     Ok(Json(shared.steer(record.id, checked_text(body.text)?)?))

@@ -46,7 +46,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route(
             "/dialogs/{id}",
             get(dialogs::get_one)
-                .patch(dialogs::rename)
+                .patch(dialogs::update)
                 .delete(dialogs::delete),
         )
         .route(

@@ -5,6 +5,8 @@ use std::collections::HashSet;
 
 use serde_json::{json, Value};
 
+use keel_gateway::serve::frames::{ClientFrame, ServerFrame};
+
 use super::{Setup, TestServer};
 
 #[tokio::test]
@@ -207,6 +209,16 @@ async fn bad_input_is_a_precise_4xx_problem_and_changes_nothing() {
                 messages.clone(),
                 "application/json",
                 b"{\"text\":\"a\",\"x\":1}".to_vec(),
+            )
+            .await
+            .unwrap(),
+        ),
+        (
+            "unknown busy policy",
+            post_raw(
+                messages.clone(),
+                "application/json",
+                b"{\"text\":\"a\",\"if_busy\":\"rollback\"}".to_vec(),
             )
             .await
             .unwrap(),
@@ -707,6 +719,123 @@ async fn a_reload_is_seen_by_the_next_request_and_a_removed_agents_dialog_refuse
     // read and switched.
     let page = t.json(&format!("/api/dialogs/{of_monitor}/messages")).await;
     assert_eq!(page["items"], json!([]));
+    let r = t
+        .http
+        .patch(format!("{}/api/dialogs/{of_monitor}", t.base))
+        .json(&json!({"agent": "critic"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r = t
+        .post(
+            &format!("/api/dialogs/{of_monitor}/messages"),
+            json!({"text": "and now?"}),
+        )
+        .await;
+    assert_eq!(r.status(), 202);
+}
+
+#[tokio::test]
+async fn a_dialogs_agent_switches_by_patch_only_while_no_turn_runs() {
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    let t = TestServer::start(Setup {
+        agents: true,
+        provider: std::sync::Arc::new(super::GatedProvider { gate: gate.clone() }),
+        ..Setup::default()
+    })
+    .await;
+    let id = t.dialog("Switching").await;
+    let dialog = format!("/api/dialogs/{id}");
+    let patch = |body: Value| {
+        t.http
+            .patch(format!("{}{dialog}", t.base))
+            .json(&body)
+            .send()
+    };
+    let mut ws = t.ws().await;
+    ws.send(&ClientFrame::Subscribe {
+        id: None,
+        session_id: id.parse().unwrap(),
+        since_revision: None,
+    })
+    .await;
+    ws.until(|f| matches!(f, ServerFrame::Subscribed { .. }))
+        .await;
+    let r = t
+        .post(&format!("{dialog}/messages"), json!({"text": "work"}))
+        .await;
+    assert_eq!(r.status(), 202);
+    let turn = r.json::<Value>().await.unwrap()["turn_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    ws.until(|f| matches!(f, ServerFrame::TextDelta { .. }))
+        .await;
+
+    // While the turn runs: refused, naming the turn, and nothing changed.
+    let r = patch(json!({"agent": "writer", "title": "Not now"}))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 409);
+    let problem: Value = r.json().await.unwrap();
+    assert!(
+        problem["detail"].as_str().unwrap().contains(&turn),
+        "{problem}"
+    );
+    let now = t.json(&dialog).await;
+    assert_eq!(
+        (&now["agent"], &now["title"]),
+        (&json!("root"), &json!("Switching"))
+    );
+
+    gate.add_permits(1);
+    ws.until(|f| matches!(f, ServerFrame::TurnCommitted { .. }))
+        .await;
+    let r = patch(json!({"agent": "writer"})).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let changed: Value = r.json().await.unwrap();
+    assert_eq!(
+        (&changed["agent"], &changed["title"]),
+        (&json!("writer"), &json!("Switching"))
+    );
+    // Subscribers learn of the new agent.
+    ws.until(|f| {
+        matches!(f, ServerFrame::DialogUpdated { dialog, .. }
+            if dialog.agent.as_deref() == Some("writer"))
+    })
+    .await;
+    // An unknown agent, or a bad name, changes nothing.
+    assert_eq!(
+        patch(json!({"agent": "ghost", "title": "G"}))
+            .await
+            .unwrap()
+            .status(),
+        404
+    );
+    assert_eq!(
+        patch(json!({"agent": "Not A Name"}))
+            .await
+            .unwrap()
+            .status(),
+        400
+    );
+    let now = t.json(&dialog).await;
+    assert_eq!(
+        (&now["agent"], &now["title"]),
+        (&json!("writer"), &json!("Switching"))
+    );
+    // The stored row is what a restart reads.
+    let record = t
+        .store
+        .get_session(id.parse().unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        record.agent_id.map(|a| a.to_string()).as_deref(),
+        Some("writer")
+    );
 }
 
 #[tokio::test]

@@ -30,6 +30,7 @@ async fn turn_in_flight(grace: Duration) -> (TestServer, Arc<Semaphore>, Session
         id: None,
         session_id: id.as_uuid(),
         text: "work".into(),
+        if_busy: None,
     })
     .await;
     ws.until(|f| matches!(f, ServerFrame::TextDelta { .. }))
@@ -99,6 +100,7 @@ async fn a_turn_running_at_shutdown_finishes_and_commits_within_the_grace_period
         id: Some("late".into()),
         session_id: id.as_uuid(),
         text: "more".into(),
+        if_busy: None,
     })
     .await;
     let refused = ws.until(|f| matches!(f, ServerFrame::Error { .. })).await;

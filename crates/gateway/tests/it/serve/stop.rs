@@ -24,6 +24,7 @@ async fn start_turn(ws: &mut Ws, session_id: Uuid) {
         id: None,
         session_id,
         text: "work".into(),
+        if_busy: None,
     })
     .await;
     ws.until(|f| matches!(f, ServerFrame::TextDelta { .. }))
@@ -244,6 +245,7 @@ async fn a_run_is_listed_read_and_cancelled() {
         id: None,
         session_id: id,
         text: "file today's decisions".into(),
+        if_busy: None,
     })
     .await;
     let status = |f: &ServerFrame| match f {

@@ -66,6 +66,7 @@ async fn two_clients_on_one_dialog_see_the_same_turn() {
         id: Some("a1".into()),
         session_id: id,
         text: "hello".into(),
+        if_busy: None,
     })
     .await;
     let seen_a = a.until(ServerFrame::ends_turn).await;
@@ -155,6 +156,7 @@ async fn agent_updates_carry_increasing_revisions_and_replay_on_reconnect() {
                     id: None,
                     session_id: id,
                     text: text.into(),
+                    if_busy: None,
                 })
                 .await;
             }
@@ -382,6 +384,7 @@ async fn a_dialog_change_is_published_and_its_usage_counts_committed_turns() {
         id: None,
         session_id: uuid(&id),
         text: "hi".into(),
+        if_busy: None,
     })
     .await;
     let frames = ws
@@ -437,6 +440,7 @@ async fn steer_reaches_the_running_turn_and_says_when_none_runs() {
         id: None,
         session_id: id,
         text: "work".into(),
+        if_busy: None,
     })
     .await;
     let frames = ws
@@ -522,6 +526,7 @@ async fn a_subscriber_sees_the_continuation_that_answers_a_background_result() {
         id: None,
         session_id: id,
         text: "file it in the background".into(),
+        if_busy: None,
     })
     .await;
     let frames = ws
@@ -575,6 +580,7 @@ async fn a_stopped_turn_keeps_the_message_listed_as_unanswered() {
         id: None,
         session_id: id,
         text: "work".into(),
+        if_busy: None,
     })
     .await;
     ws.until(|f| matches!(f, ServerFrame::TextDelta { .. }))
@@ -641,6 +647,7 @@ async fn a_turn_past_its_deadline_fails_timed_out_and_the_queued_turn_runs() {
             id: None,
             session_id: id,
             text: text.into(),
+            if_busy: None,
         })
         .await;
     }
@@ -745,6 +752,7 @@ async fn a_watching_client_sees_turns_resumed_after_a_restart_exactly_once() {
         id: None,
         session_id: id,
         text: "three".into(),
+        if_busy: None,
     })
     .await;
     while commits(&frames) < 3 {
