@@ -54,6 +54,8 @@ pub const MAX_SESSION_TTL_HOURS: u64 = 720;
 pub const MAX_CLEANUP_INTERVAL_MINUTES: u64 = 1440;
 /// Largest `session.auto_title_after_n_messages`.
 pub const MAX_AUTO_TITLE_AFTER_N_MESSAGES: u64 = 1000;
+/// `session.turn_timeout_secs` when keel.toml does not set it (15 minutes).
+pub const DEFAULT_TURN_TIMEOUT_SECS: u64 = 15 * 60;
 /// Largest `session.turn_timeout_secs` (1 day).
 pub const MAX_TURN_TIMEOUT_SECS: u64 = 86_400;
 /// Largest `session.summary.debounce_turns`.
@@ -210,7 +212,7 @@ impl Default for SessionConfig {
             cleanup_interval_minutes: 60,
             auto_title_after_n_messages: engine.auto_title_after,
             auto_checkpoint: engine.auto_checkpoint,
-            turn_timeout_secs: engine.turn_timeout.as_secs(),
+            turn_timeout_secs: DEFAULT_TURN_TIMEOUT_SECS,
             summary: SummarySettings::default(),
             retention: RetentionSettings::default(),
         }
@@ -847,7 +849,7 @@ impl Config {
                 debounce_turns: s.summary.debounce_turns,
             }),
             inbox: self.inbox_policy(),
-            turn_timeout: Duration::from_secs(s.turn_timeout_secs),
+            turn_timeout: Some(Duration::from_secs(s.turn_timeout_secs)),
             ..SessionManagerConfig::default()
         }
     }

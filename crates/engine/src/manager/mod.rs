@@ -99,7 +99,9 @@ pub struct SessionManagerConfig {
     pub inbox: InboxPolicy,
     /// How long a root turn (user or continuation) may run, from the moment
     /// it starts on the worker; past it the turn ends [`EngineError::TimedOut`].
-    pub turn_timeout: Duration,
+    /// `None` (the library's default) arms no deadline; the `keel` binary
+    /// always sets one (`session.turn_timeout_secs`, 900 s by default).
+    pub turn_timeout: Option<Duration>,
 }
 
 impl Default for SessionManagerConfig {
@@ -113,7 +115,7 @@ impl Default for SessionManagerConfig {
             mailbox: MailboxLimits::default(),
             event_capacity: DEFAULT_EVENT_CAPACITY,
             inbox: InboxPolicy::default(),
-            turn_timeout: Duration::from_secs(15 * 60),
+            turn_timeout: None,
         }
     }
 }

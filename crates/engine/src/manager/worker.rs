@@ -638,7 +638,10 @@ impl SessionManager {
             .publish(session, SessionEvent::TurnStarted { turn_id, origin });
         // Armed once the turn starts on the worker (time in the queue does
         // not count), for user and continuation turns alike.
-        let deadline = Deadline::arm(self.config.turn_timeout, &cancel);
+        let deadline = self
+            .config
+            .turn_timeout
+            .map(|after| Deadline::arm(after, &cancel));
         let (tx, mut rx) = mpsc::unbounded_channel();
         let started = if cancel.is_cancelled() {
             // Cancelled while it waited in the queue: it never runs.
@@ -693,7 +696,10 @@ impl SessionManager {
                 },
             );
         }
-        let result = result.map_err(|e| deadline.explain(e));
+        let result = result.map_err(|e| match &deadline {
+            Some(deadline) => deadline.explain(e),
+            None => e,
+        });
         let leftovers = mailbox.close(result.is_err());
         *shared.active.lock() = None;
         if !leftovers.agent.is_empty() {

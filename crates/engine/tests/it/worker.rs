@@ -434,7 +434,7 @@ async fn a_turn_past_its_deadline_times_out_keeping_its_input_and_the_queue_runs
         open_store(dir.path()),
         provider.clone(),
         SessionManagerConfig {
-            turn_timeout: Duration::from_secs(60),
+            turn_timeout: Some(Duration::from_secs(60)),
             ..SessionManagerConfig::default()
         },
     );

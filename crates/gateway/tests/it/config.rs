@@ -488,7 +488,7 @@ fn conversions_carry_the_settings() {
     assert_eq!(manager.idle_ttl, Duration::from_secs(7200));
     assert_eq!(manager.auto_title_after, 0);
     assert!(!manager.auto_checkpoint);
-    assert_eq!(manager.turn_timeout, Duration::from_secs(42));
+    assert_eq!(manager.turn_timeout, Some(Duration::from_secs(42)));
     let summary = manager.summary.unwrap();
     assert_eq!((summary.trigger_ratio, summary.debounce_turns), (0.5, 3));
     assert_eq!(c.cleanup_interval(), Duration::from_secs(300));
