@@ -302,6 +302,7 @@ pub struct DialogPatch {
     pub title: Option<String>,
     /// The agent that answers from the next turn on, history kept (omitted:
     /// unchanged). Refused with 409 while a turn runs.
+    #[schema(pattern = r"^[a-z][a-z0-9_-]{0,63}$")]
     #[serde(default)]
     pub agent: Option<String>,
 }
