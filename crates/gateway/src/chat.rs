@@ -10,7 +10,7 @@
 //! one line, one message.
 
 use std::io::{IsTerminal, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -26,7 +26,6 @@ use tokio::io::{AsyncBufRead, AsyncBufReadExt, BufReader, Lines};
 use tokio::sync::mpsc;
 
 use crate::app::App;
-use crate::cli::DataArgs;
 use crate::error::{io_err, AppError, Result};
 
 /// The channel terminal dialogs live in.
@@ -186,18 +185,13 @@ enum WhileRunning {
 
 /// Runs the chat until EOF or `/exit`.
 pub async fn run(
-    data: DataArgs,
+    config: Option<&Path>,
+    data_dir: Option<&Path>,
     chat: String,
     agent: Option<String>,
     script: Option<PathBuf>,
 ) -> Result<ExitCode> {
-    let app = App::open(
-        "keel chat",
-        data.config.as_deref(),
-        data.data_dir.as_deref(),
-        script.as_deref(),
-    )
-    .await?;
+    let app = App::open("keel chat", config, data_dir, script.as_deref()).await?;
     for notice in &app.notices {
         eprintln!("{notice}");
     }

@@ -195,8 +195,19 @@ pub fn main() -> ExitCode {
                 chat,
                 agent,
                 script,
-            } => crate::chat::run(data, chat, agent, script).await,
-            Command::Serve { data, bind } => crate::serve::run(data, bind).await,
+            } => {
+                crate::chat::run(
+                    data.config.as_deref(),
+                    data.data_dir.as_deref(),
+                    chat,
+                    agent,
+                    script,
+                )
+                .await
+            }
+            Command::Serve { data, bind } => {
+                crate::serve::run(data.config.as_deref(), data.data_dir.as_deref(), bind).await
+            }
             Command::Doctor { data, repair } => {
                 crate::doctor::run(data.config.as_deref(), data.data_dir.as_deref(), repair).await
             }

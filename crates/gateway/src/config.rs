@@ -8,6 +8,7 @@
 //! docs/CONFIG.md renders verbatim (a test keeps them identical).
 
 mod error;
+mod origin;
 mod reference;
 mod spans;
 mod validate;
@@ -29,6 +30,8 @@ use keel_store::{StoreOptions, Synchronous};
 use serde::{Deserialize, Serialize};
 
 pub use error::{ConfigError, ConfigProblem};
+pub(crate) use origin::host_of;
+pub use origin::AllowedOrigin;
 pub use reference::{flatten_keys, reference, render_generated_docs, KeyDoc, EXAMPLE_TOML};
 
 /// Name of the configuration file looked up in the data directory.
@@ -419,7 +422,7 @@ pub struct ServerConfig {
     /// Seconds a shutdown lets running turns finish before cancelling them.
     pub shutdown_grace_secs: u64,
     /// Origins whose pages may use the server besides its own.
-    pub allowed_origins: Vec<crate::serve::AllowedOrigin>,
+    pub allowed_origins: Vec<AllowedOrigin>,
     /// Connections open at once; unset: derived from the open-file limit.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_connections: Option<usize>,

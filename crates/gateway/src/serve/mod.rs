@@ -39,6 +39,7 @@ pub mod web;
 mod ws;
 
 use std::net::SocketAddr;
+use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -49,14 +50,12 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::app::App;
-use crate::cli::DataArgs;
-use crate::config::{ConfigError, LoadedConfig};
+use crate::config::{AllowedOrigin, ConfigError, LoadedConfig};
 use crate::{io_err, AppError};
 
 pub use auth::Token;
 pub use connections::ConnectionLimits;
 pub use openapi::openapi_json;
-pub use origin::AllowedOrigin;
 pub use turns::DrainReport;
 
 use api::ReloadReport;
@@ -339,16 +338,14 @@ impl Server {
 }
 
 /// `keel serve`: serves until SIGTERM or Ctrl-C; SIGHUP reloads the agent catalog.
-pub async fn run(data: DataArgs, bind: Option<SocketAddr>) -> Result<ExitCode, AppError> {
+pub async fn run(
+    config: Option<&Path>,
+    data_dir: Option<&Path>,
+    bind: Option<SocketAddr>,
+) -> Result<ExitCode, AppError> {
     // Before the options: the default connection bound derives from it.
     fd_limit::raise();
-    let app = App::open(
-        "keel serve",
-        data.config.as_deref(),
-        data.data_dir.as_deref(),
-        None,
-    )
-    .await?;
+    let app = App::open("keel serve", config, data_dir, None).await?;
     for notice in &app.notices {
         eprintln!("{notice}");
     }
