@@ -71,6 +71,8 @@ pub struct PausedTurnCommit {
     pub turn_id: TurnId,
     /// One per gated call.
     pub approvals: Vec<NewApproval>,
+    /// Steered inbox events the turn read, consumed with it.
+    pub consumed: Vec<crate::LeasedEvents>,
 }
 
 /// Tool results of approvals appended to the history, settling them.
@@ -248,7 +250,15 @@ impl Store {
             .collect();
         self.db
             .write_cached(move |c, cache| {
-                let turn = commit_turn_tx(c, &commit.turn, &encoded, Some(cache))?;
+                let turn = if commit.consumed.is_empty() {
+                    commit_turn_tx(c, &commit.turn, &encoded, Some(cache))?
+                } else {
+                    let consumed = crate::inbox::ContinuationCommit {
+                        turn: commit.turn.clone(),
+                        consumed: commit.consumed.clone(),
+                    };
+                    crate::inbox::continuation_tx(c, &consumed, &encoded, cache)?.turn
+                };
                 let session = &commit.turn.session_id;
                 let now = commit.turn.now_ms;
                 let revision = next_revision(c, session, now)?;
