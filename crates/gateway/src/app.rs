@@ -156,6 +156,7 @@ impl App {
             coordinator
         });
         let profiles = ProfileBuilder {
+            approval: config.approval_policy(),
             providers,
             root_provider,
             builtin,

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use keel_core::RunId;
+use keel_core::{ApprovalId, RunId};
 use keel_core::{CheckpointId, Message, SessionId, StreamEvent, TurnId, TurnOrigin};
 use keel_engine::DialogAddress;
 use keel_engine::TurnEvent;
@@ -48,6 +48,9 @@ pub const HELP: &str = "\
 /rollback <ckpt>    go back to a checkpoint (a new branch starts there)
 /fork <ckpt>        copy a checkpoint into a new dialog and switch to it
 /runs               sub-agent runs of this dialog, as a tree, and their signals
+/approvals          tool calls of this dialog waiting for your decision
+/approve <id>       let a waiting tool call run (y, n or a answer the last one asked)
+/deny <id> [reason] refuse a waiting tool call; the model reads the reason
 /help               this list
 /exit               leave (Ctrl-D works too)";
 
@@ -82,6 +85,12 @@ pub enum Slash {
     Fork(String),
     /// `/runs`.
     Runs,
+    /// `/approvals`.
+    Approvals,
+    /// `/approve <id>`.
+    Approve(String),
+    /// `/deny <id> [reason]`.
+    Deny(String, Option<String>),
     /// `/help`.
     Help,
     /// `/exit` or `/quit`.
@@ -128,9 +137,26 @@ pub fn parse_slash(line: &str) -> Result<Slash, String> {
         "/rollback" => one_word("checkpoint id", Slash::Rollback),
         "/fork" => one_word("checkpoint id", Slash::Fork),
         "/runs" => no_arg(Slash::Runs),
+        "/approvals" => no_arg(Slash::Approvals),
+        "/approve" => one_word("approval id", Slash::Approve),
+        "/deny" => match rest.split_once(char::is_whitespace) {
+            Some((id, reason)) => Ok(Slash::Deny(id.to_owned(), Some(reason.trim().to_owned()))),
+            None if rest.is_empty() => Err("/deny needs an approval id".to_owned()),
+            None => Ok(Slash::Deny(rest.to_owned(), None)),
+        },
         "/help" => no_arg(Slash::Help),
         "/exit" | "/quit" => no_arg(Slash::Exit),
         other => Err(format!("unknown command {other}")),
+    }
+}
+
+/// A line answering the approval asked inline: `y`/`yes`, `n`/`no`, `a`/`always`.
+fn inline_answer(line: &str) -> Option<keel_store::Decision> {
+    match line.trim().to_ascii_lowercase().as_str() {
+        "y" | "yes" => Some(keel_store::Decision::Approve),
+        "n" | "no" => Some(keel_store::Decision::Deny),
+        "a" | "always" => Some(keel_store::Decision::ApproveAlways),
+        _ => None,
     }
 }
 
@@ -155,6 +181,8 @@ struct Chat {
     /// Whether stdin is a terminal (steer and `/stop` while a turn runs).
     interactive: bool,
     out: std::io::Stdout,
+    /// The approval last asked inline: `y`, `n` or `a` answers it.
+    asking: Option<ApprovalId>,
 }
 
 /// Line state of the turn output being printed.
@@ -224,6 +252,7 @@ pub async fn run(
         printer: Printer::default(),
         interactive: std::io::stdin().is_terminal(),
         out: std::io::stdout(),
+        asking: None,
     };
     let mut interrupts = interrupts()?;
     // Listening now: results an earlier process left are delivered.
@@ -259,6 +288,13 @@ pub async fn run(
         }
         if !chat.interactive {
             chat.say(&format!("> {line}"));
+        }
+        if let Some(decision) = chat.asking.and_then(|_| inline_answer(line)) {
+            let id = chat.asking.take();
+            if let Some(id) = id {
+                chat.decide(id, decision, None).await;
+            }
+            continue;
         }
         if line.starts_with('/') {
             match parse_slash(line) {
@@ -405,6 +441,57 @@ impl Chat {
         WhileRunning::Continue
     }
 
+    /// The pending approval of this dialog whose id (or its short form) is `text`.
+    async fn find_approval(&mut self, text: &str) -> Result<Option<ApprovalId>> {
+        let pending = self.manager.approvals(self.current, true).await?;
+        let found = pending
+            .iter()
+            .find(|a| a.id.to_string() == text || short(a.id) == text)
+            .map(|a| a.id);
+        if found.is_none() {
+            self.say(&format!(
+                "error: no tool call waits for a decision as {text} (/approvals lists them)"
+            ));
+        }
+        Ok(found)
+    }
+
+    /// Commits a decision; once the paused turn has all its decisions it
+    /// resumes, and its answer is printed before the next line is read.
+    async fn decide(
+        &mut self,
+        id: ApprovalId,
+        decision: keel_store::Decision,
+        reason: Option<String>,
+    ) {
+        if let Err(e) = self
+            .manager
+            .decide_approval(id, Some(self.current), decision, reason)
+            .await
+        {
+            self.say(&format!("error: {e}"));
+            return;
+        }
+        if self.asking == Some(id) {
+            self.asking = None;
+        }
+        let waiting = match self.manager.approvals(self.current, true).await {
+            Ok(pending) => !pending.is_empty(),
+            Err(_) => true,
+        };
+        if waiting {
+            return;
+        }
+        // The resumed turn ends with a commit or a failure on the feed.
+        loop {
+            let event = self.feed.recv().await;
+            let closed = matches!(event, Err(keel_engine::SubscriptionError::Closed));
+            if self.show(event).is_some() || closed {
+                break;
+            }
+        }
+    }
+
     /// `/agent`: lists the agents, the current one marked; `/agent NAME`
     /// makes NAME answer this dialog from its next turn on, history kept.
     async fn agent(&mut self, name: Option<String>) -> Result<()> {
@@ -523,6 +610,35 @@ impl Chat {
                 self.line_break();
                 self.say(&signal_line(signal));
                 self.printer.needs_prefix = true;
+            }
+            SessionEvent::ApprovalRequested(a) => {
+                self.line_break();
+                let args = one_line(&a.arguments, 80);
+                self.say(&format!(
+                    "[approval {}] {}({args}) — allow? [y]es / [n]o / [a]lways",
+                    short(a.id),
+                    a.tool_name
+                ));
+                self.asking = Some(a.id);
+            }
+            SessionEvent::ApprovalDecided(a) => {
+                self.line_break();
+                let why = a
+                    .reason
+                    .as_deref()
+                    .filter(|_| a.status != keel_store::ApprovalStatus::Approved)
+                    .map(|r| format!(" ({r})"))
+                    .unwrap_or_default();
+                let always = if a.always { " always" } else { "" };
+                self.say(&format!(
+                    "[approval {}] {} {}{always}{why}",
+                    short(a.id),
+                    a.tool_name,
+                    a.status
+                ));
+                if self.asking == Some(a.id) {
+                    self.asking = None;
+                }
             }
             // A title shows in /info and /sessions; it is not announced.
             SessionEvent::RunUpdated { .. }
@@ -754,6 +870,32 @@ impl Chat {
                     r.dialog_id,
                     r.title
                 ));
+            }
+            Slash::Approvals => {
+                let pending = m.approvals(self.current, true).await?;
+                if pending.is_empty() {
+                    self.say("no tool call waits for a decision");
+                }
+                for a in pending {
+                    let args = one_line(&a.arguments, 80);
+                    self.say(&format!(
+                        "{}  {} ({})  {}({args})",
+                        short(a.id),
+                        a.agent_id,
+                        crate::chat::short(a.turn_id),
+                        a.tool_name
+                    ));
+                }
+            }
+            Slash::Approve(id) => {
+                if let Some(id) = self.find_approval(&id).await? {
+                    self.decide(id, keel_store::Decision::Approve, None).await;
+                }
+            }
+            Slash::Deny(id, reason) => {
+                if let Some(id) = self.find_approval(&id).await? {
+                    self.decide(id, keel_store::Decision::Deny, reason).await;
+                }
             }
             Slash::Runs => {
                 let page = m.store().list_runs(self.current, None, 50).await?;

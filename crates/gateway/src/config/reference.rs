@@ -88,6 +88,13 @@ shell_env = []
 shell_read_paths = ["/bin", "/sbin", "/usr", "/lib", "/lib32", "/lib64", "/etc", "/opt", "/dev", "/proc"]
 shell_network = false
 shell_unsandboxed = false
+approval_default = "always"
+approval_timeout_secs = 86400
+
+# Per tool: "always" (every call waits for a person) or "never".
+[tools.approval]
+shell = "always"
+write_file = "always"
 
 [orchestration]
 max_tree_depth = 3
@@ -437,6 +444,33 @@ pub fn reference() -> Vec<KeyDoc> {
             .into(),
     );
 
+    code(
+        &mut rows,
+        "tools.approval_default",
+        "`\"always\"` or `\"never\"`: whether calls of `shell` and `write_file`, when enabled, \
+         wait for a person's approval unless `[tools.approval]` names them. Other tools run \
+         unasked unless `[tools.approval]` or the agent's `approval:` gates them."
+            .into(),
+    );
+    code(
+        &mut rows,
+        "tools.approval_timeout_secs",
+        format!(
+            "Seconds a tool call waits for a decision before it expires as a denial, \
+             1..={MAX_APPROVAL_TIMEOUT_SECS}."
+        ),
+    );
+    text(
+        &mut rows,
+        "tools.approval.NAME",
+        "unset (`shell` and `write_file` follow `tools.approval_default`)",
+        format!(
+            "`\"always\"` or `\"never\"` for the tool NAME, one of: {}. Applies to root turns; \
+             a sub-agent run refuses a gated call (it cannot ask yet).",
+            APPROVABLE_TOOLS.join(", ")
+        ),
+    );
+
     let depth_cap = keel_catalog::MAX_DELEGATION_DEPTH_CAP;
     let orchestration: [(&str, String); 15] = [
         (
@@ -646,7 +680,11 @@ pub fn flatten_keys(config: &Config) -> BTreeMap<String, String> {
 
 fn walk(prefix: &str, table: &toml::Table, out: &mut BTreeMap<String, String>) {
     for (key, value) in table {
-        let key = if prefix == "providers" { "NAME" } else { key };
+        let key = if prefix == "providers" || prefix == "tools.approval" {
+            "NAME"
+        } else {
+            key
+        };
         let path = if prefix.is_empty() {
             key.to_owned()
         } else {
