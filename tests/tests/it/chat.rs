@@ -400,7 +400,8 @@ fn tools_cannot_read_or_rewrite_keels_own_files_in_the_workspace() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     std::fs::create_dir_all(data.join("agents")).unwrap();
-    let toml = "workspace_root = \"..\"\n[tools]\nenable_write = true\n";
+    let toml =
+        "workspace_root = \"..\"\n[tools]\nenable_write = true\napproval_default = \"never\"\n";
     std::fs::write(data.join("keel.toml"), toml).unwrap();
     // The model tries to turn the shell on for the next start, and to plant an agent.
     let s = script(
