@@ -25,6 +25,8 @@ use keel_store::{CheckpointRecord, RunRecord};
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, BufReader, Lines};
 use tokio::sync::mpsc;
 
+mod approvals;
+
 use crate::app::App;
 use crate::cli::DataArgs;
 use crate::error::{io_err, AppError, Result};
@@ -147,16 +149,6 @@ pub fn parse_slash(line: &str) -> Result<Slash, String> {
         "/help" => no_arg(Slash::Help),
         "/exit" | "/quit" => no_arg(Slash::Exit),
         other => Err(format!("unknown command {other}")),
-    }
-}
-
-/// A line answering the approval asked inline: `y`/`yes`, `n`/`no`, `a`/`always`.
-fn inline_answer(line: &str) -> Option<keel_store::Decision> {
-    match line.trim().to_ascii_lowercase().as_str() {
-        "y" | "yes" => Some(keel_store::Decision::Approve),
-        "n" | "no" => Some(keel_store::Decision::Deny),
-        "a" | "always" => Some(keel_store::Decision::ApproveAlways),
-        _ => None,
     }
 }
 
@@ -289,7 +281,7 @@ pub async fn run(
         if !chat.interactive {
             chat.say(&format!("> {line}"));
         }
-        if let Some(decision) = chat.asking.and_then(|_| inline_answer(line)) {
+        if let Some(decision) = chat.asking.and_then(|_| approvals::inline_answer(line)) {
             let id = chat.asking.take();
             if let Some(id) = id {
                 chat.decide(id, decision, None).await;
@@ -439,57 +431,6 @@ impl Chat {
             Err(e) => self.say(&format!("error: {e}")),
         }
         WhileRunning::Continue
-    }
-
-    /// The pending approval of this dialog whose id (or its short form) is `text`.
-    async fn find_approval(&mut self, text: &str) -> Result<Option<ApprovalId>> {
-        let pending = self.manager.approvals(self.current, true).await?;
-        let found = pending
-            .iter()
-            .find(|a| a.id.to_string() == text || short(a.id) == text)
-            .map(|a| a.id);
-        if found.is_none() {
-            self.say(&format!(
-                "error: no tool call waits for a decision as {text} (/approvals lists them)"
-            ));
-        }
-        Ok(found)
-    }
-
-    /// Commits a decision; once the paused turn has all its decisions it
-    /// resumes, and its answer is printed before the next line is read.
-    async fn decide(
-        &mut self,
-        id: ApprovalId,
-        decision: keel_store::Decision,
-        reason: Option<String>,
-    ) {
-        if let Err(e) = self
-            .manager
-            .decide_approval(id, Some(self.current), decision, reason)
-            .await
-        {
-            self.say(&format!("error: {e}"));
-            return;
-        }
-        if self.asking == Some(id) {
-            self.asking = None;
-        }
-        let waiting = match self.manager.approvals(self.current, true).await {
-            Ok(pending) => !pending.is_empty(),
-            Err(_) => true,
-        };
-        if waiting {
-            return;
-        }
-        // The resumed turn ends with a commit or a failure on the feed.
-        loop {
-            let event = self.feed.recv().await;
-            let closed = matches!(event, Err(keel_engine::SubscriptionError::Closed));
-            if self.show(event).is_some() || closed {
-                break;
-            }
-        }
     }
 
     /// `/agent`: lists the agents, the current one marked; `/agent NAME`
@@ -742,6 +683,17 @@ impl Chat {
         Ok(())
     }
 
+    /// `/compact`: summarizes the current context now.
+    async fn compact(&mut self) {
+        match self.manager.compact(self.current).await {
+            Ok(true) => {
+                self.say("context summarized: the model sees the summary and the messages after it")
+            }
+            Ok(false) => self.say("nothing new to summarize"),
+            Err(e) => self.say(&format!("could not summarize the context: {e}")),
+        }
+    }
+
     async fn command(&mut self, cmd: Slash) -> Result<()> {
         let m = self.manager.clone();
         match cmd {
@@ -805,13 +757,7 @@ impl Chat {
                 self.say(&format!("now in {} \"{}\"", r.dialog_id, r.title));
             }
             Slash::Memory => self.show_memory().await?,
-            Slash::Compact => match m.compact(self.current).await {
-                Ok(true) => self.say(
-                    "context summarized: the model sees the summary and the messages after it",
-                ),
-                Ok(false) => self.say("nothing new to summarize"),
-                Err(e) => self.say(&format!("could not summarize the context: {e}")),
-            },
+            Slash::Compact => self.compact().await,
             Slash::Info => {
                 let session = m.session(self.current).await?;
                 let g = session.lock().await;
@@ -871,31 +817,8 @@ impl Chat {
                     r.title
                 ));
             }
-            Slash::Approvals => {
-                let pending = m.approvals(self.current, true).await?;
-                if pending.is_empty() {
-                    self.say("no tool call waits for a decision");
-                }
-                for a in pending {
-                    let args = one_line(&a.arguments, 80);
-                    self.say(&format!(
-                        "{}  {} ({})  {}({args})",
-                        short(a.id),
-                        a.agent_id,
-                        crate::chat::short(a.turn_id),
-                        a.tool_name
-                    ));
-                }
-            }
-            Slash::Approve(id) => {
-                if let Some(id) = self.find_approval(&id).await? {
-                    self.decide(id, keel_store::Decision::Approve, None).await;
-                }
-            }
-            Slash::Deny(id, reason) => {
-                if let Some(id) = self.find_approval(&id).await? {
-                    self.decide(id, keel_store::Decision::Deny, reason).await;
-                }
+            c @ (Slash::Approvals | Slash::Approve(_) | Slash::Deny(..)) => {
+                self.approval_command(c).await?
             }
             Slash::Runs => {
                 let page = m.store().list_runs(self.current, None, 50).await?;

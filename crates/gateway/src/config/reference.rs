@@ -460,12 +460,14 @@ pub fn reference() -> Vec<KeyDoc> {
              1..={MAX_APPROVAL_TIMEOUT_SECS}."
         ),
     );
-    text(
+    code(
         &mut rows,
-        "tools.approval.NAME",
-        "unset (`shell` and `write_file` follow `tools.approval_default`)",
+        "tools.approval",
         format!(
-            "`\"always\"` or `\"never\"` for the tool NAME, one of: {}. Applies to root turns; \
+            "A table `NAME = \"always\"` or `NAME = \"never\"`: whether calls of the tool NAME wait \
+             for a person's approval (unset: `shell` and `write_file` follow \
+             `tools.approval_default`, other tools run unasked). NAME is one of: {}. Applies to \
+             root turns; \
              a sub-agent run refuses a gated call (it cannot ask yet).",
             APPROVABLE_TOOLS.join(", ")
         ),
@@ -680,17 +682,17 @@ pub fn flatten_keys(config: &Config) -> BTreeMap<String, String> {
 
 fn walk(prefix: &str, table: &toml::Table, out: &mut BTreeMap<String, String>) {
     for (key, value) in table {
-        let key = if prefix == "providers" || prefix == "tools.approval" {
-            "NAME"
-        } else {
-            key
-        };
+        let key = if prefix == "providers" { "NAME" } else { key };
         let path = if prefix.is_empty() {
             key.to_owned()
         } else {
             format!("{prefix}.{key}")
         };
         match value {
+            // A table of tool names: the table is the key.
+            toml::Value::Table(_) if path == "tools.approval" => {
+                out.insert(path, value.to_string());
+            }
             toml::Value::Table(inner) => walk(&path, inner, out),
             leaf => {
                 out.insert(path, leaf.to_string());
