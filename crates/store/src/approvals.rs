@@ -434,6 +434,27 @@ impl Store {
             .await
     }
 
+    /// Dialogs (not deleted) with approvals not yet settled: a new process
+    /// wakes their workers, which arm the expiry timers and resume what was
+    /// decided.
+    pub async fn sessions_with_open_approvals(&self) -> Result<Vec<SessionId>> {
+        self.db
+            .read(|c| {
+                let mut stmt = c.prepare_cached(
+                    "SELECT DISTINCT a.session_id FROM tool_approvals a \
+                     JOIN sessions s ON s.id = a.session_id \
+                     WHERE a.settled_at IS NULL AND s.deleted_at IS NULL ORDER BY a.session_id",
+                )?;
+                let ids = stmt
+                    .query_map([], |r| r.get::<_, String>(0))?
+                    .collect::<rusqlite::Result<Vec<_>>>()?;
+                ids.iter()
+                    .map(|id| parse("tool_approvals.session_id", id))
+                    .collect()
+            })
+            .await
+    }
+
     /// The approvals of `turn_id` not yet settled, oldest first.
     pub async fn unsettled_approvals(
         &self,
