@@ -230,6 +230,37 @@ pub(crate) struct Frontmatter {
     pub limits: AgentLimits,
     #[serde(default)]
     pub signal: Option<SignalContract>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval: Option<Approval>,
+}
+
+/// Which of an agent's tools need a person's approval before they run
+/// (frontmatter `approval:`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Approval {
+    /// `approval: all`: every tool call of the agent.
+    All(AllTools),
+    /// `approval: [shell, write_file]`: these tools.
+    Tools(Vec<String>),
+}
+
+/// The keyword `all` of [`Approval::All`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AllTools {
+    /// `all`.
+    All,
+}
+
+impl Approval {
+    /// Whether a call of `tool` needs approval.
+    pub fn covers(&self, tool: &str) -> bool {
+        match self {
+            Self::All(_) => true,
+            Self::Tools(tools) => tools.iter().any(|t| t == tool),
+        }
+    }
 }
 
 /// One agent: its frontmatter with defaults applied, its role prompt and the
@@ -252,6 +283,8 @@ pub struct AgentDefinition {
     pub limits: AgentLimits,
     /// What it may signal when run in the background; `None` = no signals.
     pub signal: Option<SignalContract>,
+    /// Tools whose calls need a person's approval (`None` = none by definition).
+    pub approval: Option<Approval>,
     /// The role prompt: the Markdown after the frontmatter, with CRLF turned
     /// into LF, leading blank lines and trailing whitespace removed.
     pub body: String,
@@ -282,6 +315,7 @@ impl AgentDefinition {
             skills: fm.skills,
             limits: fm.limits,
             signal: fm.signal,
+            approval: fm.approval,
             body,
             definition_hash,
             source_file,

@@ -529,6 +529,7 @@ enum Ty {
     Severities,
     Limits,
     Signal,
+    Approval,
 }
 
 struct Field {
@@ -550,6 +551,7 @@ const TOP: &[Field] = &[
     field("skills", Ty::Names, false),
     field("limits", Ty::Limits, false),
     field("signal", Ty::Signal, false),
+    field("approval", Ty::Approval, false),
 ];
 
 const SKILL_TOP: &[Field] = &[
@@ -747,7 +749,7 @@ impl Walk<'_> {
     fn value(&mut self, v: &Value, path: &[Seg<'_>], ty: Ty) {
         if matches!(v, Value::Null) {
             let hint = match ty {
-                Ty::Names | Ty::AgentIds | Ty::Severities => {
+                Ty::Names | Ty::AgentIds | Ty::Severities | Ty::Approval => {
                     "write a list like `[a, b]` or remove the key"
                 }
                 Ty::Limits | Ty::Signal => "write `{}` for the defaults or remove the key",
@@ -787,6 +789,15 @@ impl Walk<'_> {
                 }
             }
             Ty::Names | Ty::AgentIds | Ty::Severities => self.list(v, path, ty),
+            Ty::Approval => match v {
+                Value::String(s) if s == "all" => {}
+                Value::String(s) => self.push(
+                    K::InvalidValue,
+                    path,
+                    format!("unknown approval {s:?}; write `all` or a list of tool names like `[shell, write_file]`"),
+                ),
+                _ => self.list(v, path, Ty::Names),
+            },
             Ty::Int(bound) => self.int(v, path, bound),
             Ty::Delivery => {
                 if let Some(s) = self.string(v, path, "`queue` or `steer`") {

@@ -149,6 +149,7 @@ pub(crate) fn resolve(
         check_delegates(def, &ctx, &known, &mut diags);
         check_profile(def, &ctx, inputs, &mut diags);
         check_tools(def, &ctx, inputs, delegators.get(&def.id), &mut diags);
+        check_approval(def, &ctx, &mut diags);
         check_skills(def, &ctx, inputs, &mut diags);
     }
     check_config_inputs(inputs, &known, &mut diags);
@@ -376,6 +377,26 @@ fn check_tools(
             ToolRegistryError::Duplicate(_) => ctx.diag(K::UnknownTool, &path, e.to_string()),
         };
         diags.push(d);
+    }
+}
+
+/// Every tool named in `approval:` is one of the agent's tools.
+fn check_approval(def: &AgentDefinition, ctx: &FileCtx<'_>, diags: &mut Vec<Diagnostic>) {
+    let Some(crate::definition::Approval::Tools(tools)) = &def.approval else {
+        return;
+    };
+    for (i, tool) in tools.iter().enumerate() {
+        if def.tools.iter().any(|t| t == tool) {
+            continue;
+        }
+        diags.push(ctx.diag(
+            K::UnknownTool,
+            &[Seg::Key("approval"), Seg::Index(i)],
+            format!(
+                "tool {tool:?} is not one of this agent's tools{}",
+                hint(tool, "tools", def.tools.iter().map(String::as_str))
+            ),
+        ));
     }
 }
 

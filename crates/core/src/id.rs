@@ -121,6 +121,11 @@ uuid_id!(
     "event id"
 );
 uuid_id!(
+    /// One tool call waiting for (or given) a person's decision.
+    ApprovalId,
+    "approval id"
+);
+uuid_id!(
     /// One checkpoint of a session.
     CheckpointId,
     "checkpoint id"

@@ -17,7 +17,9 @@ pub mod time;
 pub mod tool;
 pub mod usage;
 
-pub use id::{AgentId, CheckpointId, EventId, GroupId, IdError, RunId, SessionId, TurnId};
+pub use id::{
+    AgentId, ApprovalId, CheckpointId, EventId, GroupId, IdError, RunId, SessionId, TurnId,
+};
 pub use message::{ClientVisibility, ContentPart, Message, Role, ToolCall, TurnOrigin};
 pub use provider::{
     ChatRequest, FinishReason, Provider, ProviderError, ProviderResponse, ProviderStream,

@@ -17,6 +17,7 @@ use keel_core::{
 };
 use tokio::sync::mpsc;
 
+use crate::approval::{ApprovalGate, GateMode, SUB_AGENT_REFUSAL};
 use crate::error::{EngineError, Result};
 use crate::mailbox::TurnMailbox;
 
@@ -131,6 +132,10 @@ pub struct TurnOutput {
     pub iterations: u32,
     /// Tool calls executed.
     pub tool_calls: u32,
+    /// Calls of the last assistant message that wait for a person's
+    /// approval: the turn ended after running the others (never set for a
+    /// turn without an approval gate).
+    pub awaiting_approval: Vec<ToolCall>,
 }
 
 impl TurnOutput {
@@ -244,17 +249,37 @@ impl AgentLoop {
                     usage,
                     iterations: iteration,
                     tool_calls,
+                    awaiting_approval: Vec::new(),
                 });
             }
             if calls.is_empty() {
                 continue;
             }
+            let gate = context.extensions.get::<Arc<ApprovalGate>>();
+            let gated = |call: &ToolCall| gate.is_some_and(|g| g.gates(&call.name));
+            let pause = gate.is_some_and(|g| g.mode == GateMode::Pause);
+            let (waiting, calls): (Vec<ToolCall>, Vec<ToolCall>) = if pause {
+                calls.into_iter().partition(|c| gated(c))
+            } else {
+                (Vec::new(), calls)
+            };
             tool_calls = tool_calls.saturating_add(u32::try_from(calls.len()).unwrap_or(u32::MAX));
-            let results = futures::future::join_all(
-                calls
-                    .iter()
-                    .map(|call| self.run_tool(&tools, call, &context, &emit)),
-            )
+            let results = futures::future::join_all(calls.iter().map(|call| async {
+                if gated(call) {
+                    // A sub-agent run cannot ask a person (yet): not run.
+                    let output = ToolOutput {
+                        content: SUB_AGENT_REFUSAL.to_owned(),
+                        is_error: true,
+                    };
+                    emit(TurnEvent::ToolFinished {
+                        call_id: call.id.clone(),
+                        name: call.name.clone(),
+                        output: output.clone(),
+                    });
+                    return output;
+                }
+                self.run_tool(&tools, call, &context, &emit).await
+            }))
             .await;
             if cancel.is_cancelled() {
                 return Err(EngineError::Cancelled);
@@ -266,10 +291,30 @@ impl AgentLoop {
                 chat.messages.push(Arc::new(result.clone()));
                 new_messages.push(result);
             }
+            if !waiting.is_empty() {
+                return Ok(TurnOutput {
+                    messages: new_messages,
+                    usage,
+                    iterations: iteration,
+                    tool_calls,
+                    awaiting_approval: waiting,
+                });
+            }
         }
         Err(EngineError::MaxIterations {
             limit: max_iterations,
         })
+    }
+
+    /// Runs one call of `tools` outside a turn's batch (an approved call
+    /// when its turn resumes), under a tool-step permit.
+    pub(crate) async fn execute_tool(
+        &self,
+        tools: &ToolRegistry,
+        call: &ToolCall,
+        ctx: &ToolExecutionContext,
+    ) -> ToolOutput {
+        self.run_tool(tools, call, ctx, &|_| {}).await
     }
 
     async fn run_tool(

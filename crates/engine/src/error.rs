@@ -54,6 +54,18 @@ pub enum EngineError {
     /// The dialog runs this turn, and the request needs it idle (switching its agent). Retryable when the turn ends.
     #[error("turn {0} is running in this dialog; try again when it ends, or stop it first")]
     TurnRunning(TurnId),
+    /// No approval with this id in this dialog (or its dialog is deleted). Not retryable.
+    #[error("approval {0} not found")]
+    ApprovalNotFound(keel_core::ApprovalId),
+    /// The approval was decided already (or expired, or was superseded by
+    /// new input); nothing was done. Not retryable.
+    #[error("approval {id} is {status} already; a decision is taken only once")]
+    ApprovalDecided {
+        /// The approval.
+        id: keel_core::ApprovalId,
+        /// Where it stands (`approved`, `denied`, `expired`, `superseded`).
+        status: String,
+    },
     /// The running turn already has this many steer messages waiting. Retryable at its next model call.
     #[error("the running turn already has {capacity} steer messages waiting for the model")]
     SteerFull {

@@ -87,6 +87,12 @@ pub enum SessionEvent {
         /// The text.
         text: String,
     },
+    /// A tool call waits for a person's decision (committed with the
+    /// turn that paused for it).
+    ApprovalRequested(Box<keel_store::ApprovalRecord>),
+    /// An approval was decided (approved, denied, expired or superseded),
+    /// as committed.
+    ApprovalDecided(Box<keel_store::ApprovalRecord>),
     /// A generated title of the dialog was committed (after a turn, off
     /// its path).
     Retitled {

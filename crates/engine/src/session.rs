@@ -6,8 +6,9 @@ use std::sync::Arc;
 
 use keel_core::{CheckpointId, Message, Provider, SessionId, ToolRegistry};
 use keel_store::{
-    CheckpointSource, ContinuationCommit, InputState, LeasedEvents, MessageFilter, NewCheckpoint,
-    NewMessage, NoticeCommit, OpenTurn, SessionHead, SessionRecord, Store, TurnCommit,
+    ApprovalResultCommit, CheckpointSource, ContinuationCommit, InputState, LeasedEvents,
+    MessageFilter, NewApproval, NewCheckpoint, NewMessage, NoticeCommit, OpenTurn,
+    PausedTurnCommit, SessionHead, SessionRecord, Store, TurnCommit,
 };
 
 use crate::agent_loop::TurnOutput;
@@ -31,6 +32,8 @@ pub struct AgentProfile {
     /// The model's context window: requests are kept under it less
     /// `max_output_tokens` by compacting older history.
     pub context_window_tokens: usize,
+    /// The tools whose calls wait for a person's approval.
+    pub approval: crate::ApprovalPolicy,
 }
 
 impl std::fmt::Debug for AgentProfile {
@@ -52,6 +55,18 @@ enum InboxEffect {
     Consume(Vec<LeasedEvents>),
     /// Marks dead letters told (the commit is their notice).
     Tell(Vec<keel_core::EventId>),
+    /// The turn paused: its gated calls wait for approval (and it consumes
+    /// the steered events it read).
+    Pause {
+        turn_id: keel_core::TurnId,
+        approvals: Vec<NewApproval>,
+        consumed: Vec<LeasedEvents>,
+    },
+    /// Tool results settle these approvals (superseding them with the reason).
+    Settle {
+        approvals: Vec<keel_core::ApprovalId>,
+        supersede: Option<String>,
+    },
 }
 
 /// What a finished turn commits.
@@ -69,6 +84,8 @@ pub(crate) struct FinishedTurn<'a> {
     pub(crate) consumed: Vec<LeasedEvents>,
     /// The session memory its tools left, if they changed it.
     pub(crate) memory: Option<BTreeMap<String, MemoryEntry>>,
+    /// The turn paused for these approvals (committed with it).
+    pub(crate) paused: Option<(keel_core::TurnId, Vec<NewApproval>)>,
 }
 
 /// A session loaded in memory.
@@ -316,6 +333,32 @@ impl AgentSession {
                     .commit_dead_letter_notice(NoticeCommit { turn, event_ids })
                     .await?
             }
+            InboxEffect::Pause {
+                turn_id,
+                approvals,
+                consumed,
+            } => {
+                store
+                    .commit_paused_turn(PausedTurnCommit {
+                        turn,
+                        turn_id,
+                        approvals,
+                        consumed,
+                    })
+                    .await?
+            }
+            InboxEffect::Settle {
+                approvals,
+                supersede,
+            } => {
+                store
+                    .commit_approval_results(ApprovalResultCommit {
+                        turn,
+                        settle: approvals,
+                        supersede,
+                    })
+                    .await?
+            }
         };
         for ((slot, message), seq) in messages.into_iter().zip(&committed.seqs) {
             self.history.push(HistoryMessage {
@@ -358,6 +401,34 @@ impl AgentSession {
         Ok(())
     }
 
+    /// Appends the tool results answering `approvals` to the current slot
+    /// and settles them (superseding pending ones with `supersede`), in one
+    /// transaction; the state is unchanged and no checkpoint is taken.
+    pub(crate) async fn commit_approval_results(
+        &mut self,
+        store: &Store,
+        results: Vec<Message>,
+        approvals: Vec<keel_core::ApprovalId>,
+        supersede: Option<String>,
+    ) -> Result<()> {
+        let slot = self.state.current_slot.clone();
+        let state = self.state.clone();
+        let messages = results.into_iter().map(|m| (slot.clone(), m)).collect();
+        self.commit_with(
+            store,
+            messages,
+            state,
+            None,
+            &[],
+            InboxEffect::Settle {
+                approvals,
+                supersede,
+            },
+        )
+        .await?;
+        Ok(())
+    }
+
     /// Applies a finished turn: the state after it (with the session memory
     /// its tools left, if they changed it) and the commit of its
     /// messages, which also answers its committed input and consumes the
@@ -375,6 +446,7 @@ impl AgentSession {
             answers,
             consumed,
             memory,
+            paused,
         } = turn;
         let mut state = self.state.clone();
         if let Some(memory) = memory {
@@ -393,10 +465,14 @@ impl AgentSession {
             .skip(committed_inputs)
             .map(|m| (slot.to_owned(), m.clone()))
             .collect();
-        let inbox = if consumed.is_empty() {
-            InboxEffect::None
-        } else {
-            InboxEffect::Consume(consumed)
+        let inbox = match paused {
+            Some((turn_id, approvals)) => InboxEffect::Pause {
+                turn_id,
+                approvals,
+                consumed,
+            },
+            None if consumed.is_empty() => InboxEffect::None,
+            None => InboxEffect::Consume(consumed),
         };
         let (_, checkpoint) = self
             .commit_with(store, messages, state, checkpoint, answers, inbox)

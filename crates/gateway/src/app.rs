@@ -156,6 +156,7 @@ impl App {
             coordinator
         });
         let profiles = ProfileBuilder {
+            approval: config.approval_policy(),
             providers,
             root_provider,
             builtin,
@@ -281,6 +282,11 @@ impl App {
         }
         for session in &self.recovered {
             self.manager.wake_inbox(*session);
+        }
+        // Approvals an earlier process left: their expiry timers start now,
+        // and a turn decided but not resumed resumes.
+        for session in self.store.sessions_with_open_approvals().await? {
+            self.manager.wake_inbox(session);
         }
         Ok(())
     }

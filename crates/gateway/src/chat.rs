@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use keel_core::RunId;
+use keel_core::{ApprovalId, RunId};
 use keel_core::{CheckpointId, Message, SessionId, StreamEvent, TurnId, TurnOrigin};
 use keel_engine::DialogAddress;
 use keel_engine::TurnEvent;
@@ -24,6 +24,8 @@ use keel_engine::{
 use keel_store::{CheckpointRecord, RunRecord};
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, BufReader, Lines};
 use tokio::sync::mpsc;
+
+mod approvals;
 
 use crate::app::App;
 use crate::error::{io_err, AppError, Result};
@@ -47,6 +49,9 @@ pub const HELP: &str = "\
 /rollback <ckpt>    go back to a checkpoint (a new branch starts there)
 /fork <ckpt>        copy a checkpoint into a new dialog and switch to it
 /runs               sub-agent runs of this dialog, as a tree, and their signals
+/approvals          tool calls of this dialog waiting for your decision
+/approve <id>       let a waiting tool call run (y, n or a answer the last one asked)
+/deny <id> [reason] refuse a waiting tool call; the model reads the reason
 /help               this list
 /exit               leave (Ctrl-D works too)";
 
@@ -81,6 +86,12 @@ pub enum Slash {
     Fork(String),
     /// `/runs`.
     Runs,
+    /// `/approvals`.
+    Approvals,
+    /// `/approve <id>`.
+    Approve(String),
+    /// `/deny <id> [reason]`.
+    Deny(String, Option<String>),
     /// `/help`.
     Help,
     /// `/exit` or `/quit`.
@@ -127,6 +138,13 @@ pub fn parse_slash(line: &str) -> Result<Slash, String> {
         "/rollback" => one_word("checkpoint id", Slash::Rollback),
         "/fork" => one_word("checkpoint id", Slash::Fork),
         "/runs" => no_arg(Slash::Runs),
+        "/approvals" => no_arg(Slash::Approvals),
+        "/approve" => one_word("approval id", Slash::Approve),
+        "/deny" => match rest.split_once(char::is_whitespace) {
+            Some((id, reason)) => Ok(Slash::Deny(id.to_owned(), Some(reason.trim().to_owned()))),
+            None if rest.is_empty() => Err("/deny needs an approval id".to_owned()),
+            None => Ok(Slash::Deny(rest.to_owned(), None)),
+        },
         "/help" => no_arg(Slash::Help),
         "/exit" | "/quit" => no_arg(Slash::Exit),
         other => Err(format!("unknown command {other}")),
@@ -154,6 +172,8 @@ struct Chat {
     /// Whether stdin is a terminal (steer and `/stop` while a turn runs).
     interactive: bool,
     out: std::io::Stdout,
+    /// The approval last asked inline: `y`, `n` or `a` answers it.
+    asking: Option<ApprovalId>,
 }
 
 /// Line state of the turn output being printed.
@@ -218,6 +238,7 @@ pub async fn run(
         printer: Printer::default(),
         interactive: std::io::stdin().is_terminal(),
         out: std::io::stdout(),
+        asking: None,
     };
     let mut interrupts = interrupts()?;
     // Listening now: results an earlier process left are delivered.
@@ -253,6 +274,13 @@ pub async fn run(
         }
         if !chat.interactive {
             chat.say(&format!("> {line}"));
+        }
+        if let Some(decision) = chat.asking.and_then(|_| approvals::inline_answer(line)) {
+            let id = chat.asking.take();
+            if let Some(id) = id {
+                chat.decide(id, decision, None).await;
+            }
+            continue;
         }
         if line.starts_with('/') {
             match parse_slash(line) {
@@ -518,6 +546,35 @@ impl Chat {
                 self.say(&signal_line(signal));
                 self.printer.needs_prefix = true;
             }
+            SessionEvent::ApprovalRequested(a) => {
+                self.line_break();
+                let args = one_line(&a.arguments, 80);
+                self.say(&format!(
+                    "[approval {}] {}({args}) — allow? [y]es / [n]o / [a]lways",
+                    short(a.id),
+                    a.tool_name
+                ));
+                self.asking = Some(a.id);
+            }
+            SessionEvent::ApprovalDecided(a) => {
+                self.line_break();
+                let why = a
+                    .reason
+                    .as_deref()
+                    .filter(|_| a.status != keel_store::ApprovalStatus::Approved)
+                    .map(|r| format!(" ({r})"))
+                    .unwrap_or_default();
+                let always = if a.always { " always" } else { "" };
+                self.say(&format!(
+                    "[approval {}] {} {}{always}{why}",
+                    short(a.id),
+                    a.tool_name,
+                    a.status
+                ));
+                if self.asking == Some(a.id) {
+                    self.asking = None;
+                }
+            }
             // A title shows in /info and /sessions; it is not announced.
             SessionEvent::RunUpdated { .. }
             | SessionEvent::InboxEventUpdated { .. }
@@ -620,6 +677,17 @@ impl Chat {
         Ok(())
     }
 
+    /// `/compact`: summarizes the current context now.
+    async fn compact(&mut self) {
+        match self.manager.compact(self.current).await {
+            Ok(true) => {
+                self.say("context summarized: the model sees the summary and the messages after it")
+            }
+            Ok(false) => self.say("nothing new to summarize"),
+            Err(e) => self.say(&format!("could not summarize the context: {e}")),
+        }
+    }
+
     async fn command(&mut self, cmd: Slash) -> Result<()> {
         let m = self.manager.clone();
         match cmd {
@@ -683,13 +751,7 @@ impl Chat {
                 self.say(&format!("now in {} \"{}\"", r.dialog_id, r.title));
             }
             Slash::Memory => self.show_memory().await?,
-            Slash::Compact => match m.compact(self.current).await {
-                Ok(true) => self.say(
-                    "context summarized: the model sees the summary and the messages after it",
-                ),
-                Ok(false) => self.say("nothing new to summarize"),
-                Err(e) => self.say(&format!("could not summarize the context: {e}")),
-            },
+            Slash::Compact => self.compact().await,
             Slash::Info => {
                 let session = m.session(self.current).await?;
                 let g = session.lock().await;
@@ -748,6 +810,9 @@ impl Chat {
                     r.dialog_id,
                     r.title
                 ));
+            }
+            c @ (Slash::Approvals | Slash::Approve(_) | Slash::Deny(..)) => {
+                self.approval_command(c).await?
             }
             Slash::Runs => {
                 let page = m.store().list_runs(self.current, None, 50).await?;

@@ -22,7 +22,7 @@ use std::time::Duration;
 use keel_catalog::{CatalogInputs, SkillSet};
 use keel_core::{AgentId, Provider, ToolRegistry};
 use keel_engine::{
-    BuiltinToolsConfig, CoordinatorConfig, GateLimits, InboxPolicy, LandlockPolicy,
+    ApprovalPolicy, BuiltinToolsConfig, CoordinatorConfig, GateLimits, InboxPolicy, LandlockPolicy,
     SessionManagerConfig, ShellConfig, ShellConfinement, SummaryConfig, DEFAULT_SHELL_READ_PATHS,
 };
 use keel_providers::{ProviderKind, ProviderProfile};
@@ -321,7 +321,51 @@ pub struct ToolsConfig {
     pub shell_network: bool,
     /// Run shell commands unconfined where the kernel has no Landlock.
     pub shell_unsandboxed: bool,
+    /// Whether `shell` and `write_file` (when enabled) need a person's
+    /// approval when `[tools.approval]` does not name them.
+    pub approval_default: ApprovalMode,
+    /// Seconds a tool call waits for a decision before it expires as a denial.
+    pub approval_timeout_secs: u64,
+    /// `[tools.approval]`: per tool, whether its calls need approval.
+    pub approval: BTreeMap<String, ApprovalMode>,
 }
+
+/// Whether a tool's calls need a person's approval.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ApprovalMode {
+    /// Every call waits for a decision.
+    #[default]
+    Always,
+    /// Calls run unasked.
+    Never,
+}
+
+/// Tools whose calls act on the world: they need approval by default.
+pub const GATED_BY_DEFAULT: [&str; 2] = ["shell", "write_file"];
+
+/// Names `[tools.approval]` may use: the built-in and runtime tools.
+pub const APPROVABLE_TOOLS: [&str; 14] = [
+    "read_file",
+    "list_dir",
+    "search_text",
+    "write_file",
+    "shell",
+    "current_time",
+    "sleep",
+    "remember",
+    "recall",
+    "forget",
+    "get_skill",
+    "delegate",
+    "agent_task",
+    "emit_signal",
+];
+
+/// `tools.approval_timeout_secs` when keel.toml does not set it (24 hours).
+pub const DEFAULT_APPROVAL_TIMEOUT_SECS: u64 = 24 * 3600;
+/// Largest `tools.approval_timeout_secs` (30 days).
+pub const MAX_APPROVAL_TIMEOUT_SECS: u64 = 30 * 24 * 3600;
 
 impl Default for ToolsConfig {
     fn default() -> Self {
@@ -333,6 +377,9 @@ impl Default for ToolsConfig {
             shell_read_paths: DEFAULT_SHELL_READ_PATHS.iter().map(PathBuf::from).collect(),
             shell_network: false,
             shell_unsandboxed: false,
+            approval_default: ApprovalMode::Always,
+            approval_timeout_secs: DEFAULT_APPROVAL_TIMEOUT_SECS,
+            approval: BTreeMap::new(),
         }
     }
 }
@@ -853,6 +900,7 @@ impl Config {
             }),
             inbox: self.inbox_policy(),
             turn_timeout: Some(Duration::from_secs(s.turn_timeout_secs)),
+            approval_timeout: Duration::from_secs(self.tools.approval_timeout_secs),
             ..SessionManagerConfig::default()
         }
     }
@@ -905,6 +953,31 @@ impl Config {
         (tools, notice)
     }
 
+    /// The tools keel.toml gates behind a person's approval: `shell` and
+    /// `write_file` when enabled (unless `[tools.approval]` or
+    /// `approval_default` says `never`), and every tool `[tools.approval]`
+    /// sets to `always`.
+    pub fn approval_policy(&self) -> ApprovalPolicy {
+        let t = &self.tools;
+        let enabled = |name: &str| match name {
+            "shell" => t.enable_shell,
+            _ => t.enable_write,
+        };
+        let defaults = GATED_BY_DEFAULT.into_iter().filter(|name| {
+            enabled(name)
+                && t.approval.get(*name).copied().unwrap_or(t.approval_default)
+                    == ApprovalMode::Always
+        });
+        let named = t
+            .approval
+            .iter()
+            .filter(|(name, mode)| {
+                **mode == ApprovalMode::Always && !GATED_BY_DEFAULT.contains(&name.as_str())
+            })
+            .map(|(name, _)| name.as_str());
+        ApprovalPolicy::tools(defaults.chain(named).map(str::to_owned))
+    }
+
     /// The execution gate's limits from `[orchestration]` (no per-agent limits).
     pub fn gate_limits(&self) -> GateLimits {
         let o = &self.orchestration;
@@ -928,6 +1001,7 @@ impl Config {
             max_runs_per_tree: narrow(o.max_runs_per_tree),
             max_children_per_call: narrow(o.max_children_per_call),
             max_pending_inbox_events_per_session: narrow(o.max_pending_inbox_events_per_session),
+            approval: self.approval_policy(),
             ..CoordinatorConfig::default()
         }
     }

@@ -94,6 +94,14 @@ fn script() -> Vec<ScriptedResponse> {
         ScriptedResponse::text("Option B: launch on Friday instead."),
         // 6. fork
         ScriptedResponse::text("In the fork, we keep the Monday plan."),
+        // 7. approval: a write waits for a person; approved, then denied
+        calls(vec![(
+            "write_file",
+            json!({"path": "plan.md", "content": "Launch on Monday.\n"}),
+        )]),
+        ScriptedResponse::text("Saved the plan to plan.md."),
+        calls(vec![("write_file", json!({"path": "notes.md", "content": ""}))]),
+        ScriptedResponse::text("You declined, so I left notes.md as it is."),
     ]
 }
 
@@ -293,7 +301,9 @@ async fn build(
     workspace: &Path,
     agents_dir: &Path,
 ) -> Result<Runtime> {
-    let builtin = Arc::new(builtin_registry(&BuiltinToolsConfig::new(workspace))?);
+    let mut tools_config = BuiltinToolsConfig::new(workspace);
+    tools_config.enable_write = true;
+    let builtin = Arc::new(builtin_registry(&tools_config)?);
     let mut inputs = CatalogInputs::new(["default"], builtin.clone());
     inputs.root_delegates = ["researcher", "writer", "archivist", "monitor"]
         .iter()
@@ -338,6 +348,8 @@ async fn build(
         max_iterations: 8,
         max_output_tokens: None,
         context_window_tokens: keel_engine::DEFAULT_CONTEXT_WINDOW_TOKENS,
+        // As `keel serve` and `keel chat` do: a write waits for a person.
+        approval: keel_engine::ApprovalPolicy::tools(["write_file"]),
     };
     let config = SessionManagerConfig {
         auto_title_after: 3,
@@ -389,8 +401,9 @@ pub async fn run(data_dir: Option<PathBuf>) -> Result<ExitCode> {
     dialogs(&manager, &chat).await?;
     let mark = checkpoints(&manager, first).await?;
     fork(&manager, first, mark.turn_index + 2).await?;
+    approvals(&manager, first, &dirs.workspace).await?;
 
-    step(7, "Restart: drop everything, reopen the database, recover");
+    step(8, "Restart: drop everything, reopen the database, recover");
     let (before_state, before_history) = {
         let s = manager.session(first).await?;
         let g = s.lock().await;
@@ -647,6 +660,92 @@ async fn fork(manager: &Arc<SessionManager>, first: keel_core::SessionId, tip: u
         fork_record.title
     ));
     turn(manager, fork, "Which plan do we keep here?").await
+}
+
+/// Step 7: a write waits for a person's approval; the demo approves it
+/// (the file is written), then denies a second one (the model says so).
+async fn approvals(
+    manager: &Arc<SessionManager>,
+    first: keel_core::SessionId,
+    workspace: &Path,
+) -> Result<()> {
+    step(
+        7,
+        "Approval: write_file waits for a person; the decision is committed, then the turn resumes",
+    );
+    let mut feed = manager.events().subscribe(first).await?;
+    for (text, decision, reason) in [
+        (
+            "Save the plan to plan.md.",
+            keel_store::Decision::Approve,
+            None,
+        ),
+        (
+            "Now empty notes.md.",
+            keel_store::Decision::Deny,
+            Some("keep the notes".to_owned()),
+        ),
+    ] {
+        turn(manager, first, text).await?;
+        let pending = manager.approvals(first, true).await?;
+        let asked = pending
+            .first()
+            .ok_or_else(|| AppError::Demo("the write did not wait for approval".into()))?;
+        line(&format!(
+            "[approval {}] {}({}) waits; nothing ran yet",
+            short(asked.id),
+            asked.tool_name,
+            asked.arguments
+        ));
+        let decided = manager
+            .decide_approval(asked.id, Some(first), decision, reason)
+            .await?;
+        line(&format!(
+            "the demo decides: {}{}",
+            decided.status,
+            decided
+                .reason
+                .as_deref()
+                .map(|r| format!(" ({r})"))
+                .unwrap_or_default()
+        ));
+        resumed(&mut feed).await?;
+    }
+    let plan = std::fs::read_to_string(workspace.join("plan.md"))
+        .map_err(|e| AppError::Demo(format!("plan.md was not written: {e}")))?;
+    let notes = std::fs::read_to_string(workspace.join("notes.md"))
+        .map_err(|e| AppError::Demo(format!("notes.md is gone: {e}")))?;
+    line(&format!(
+        "plan.md exists ({} bytes); notes.md is untouched: {}",
+        plan.len(),
+        if notes == NOTES { "yes" } else { "NO" }
+    ));
+    Ok(())
+}
+
+/// Prints the turn that resumes after a decision, to its end.
+async fn resumed(feed: &mut SessionSubscription) -> Result<()> {
+    let turn = loop {
+        let event = feed
+            .recv()
+            .await
+            .map_err(|e| AppError::Demo(format!("waiting for the resumed turn: {e}")))?;
+        if let SessionEvent::TurnStarted {
+            turn_id,
+            origin: TurnOrigin::AgentContinuation,
+        } = event.as_ref()
+        {
+            break *turn_id;
+        }
+    };
+    print!("   [the turn resumes] keel> ");
+    while let Some(event) = turn_event(feed, turn).await {
+        if let TurnEvent::Stream(StreamEvent::TextDelta { text }) = event {
+            print!("{text}");
+        }
+    }
+    println!();
+    Ok(())
 }
 
 /// The demo's directories: a temporary one (removed on drop) holding the

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use keel_catalog::{AgentCatalog, SkillSet};
 use keel_core::tool::ScopeRule;
 use keel_core::{AgentId, Provider, ToolRegistry};
-use keel_engine::{grant_skills, AgentCoordinator, AgentProfile, AgentSet, EngineError};
+use keel_engine::{
+    grant_skills, AgentCoordinator, AgentProfile, AgentSet, ApprovalPolicy, EngineError,
+};
 use keel_engine::{ProfileProviders, ProviderFactory};
 
 use crate::app::ROOT_PROMPT;
@@ -28,6 +30,8 @@ pub(crate) struct ProfileBuilder {
     pub(crate) context_windows: BTreeMap<String, usize>,
     /// The root agent's output cap per call.
     pub(crate) root_max_output_tokens: u32,
+    /// The tools keel.toml gates behind a person's approval.
+    pub(crate) approval: ApprovalPolicy,
     /// The root agent's runtime tools come from it; `None` without agent
     /// definitions.
     pub(crate) coordinator: Option<Arc<AgentCoordinator>>,
@@ -74,6 +78,14 @@ impl ProfileBuilder {
             max_iterations: def.limits.max_iterations,
             max_output_tokens: Some(def.limits.max_output_tokens),
             context_window_tokens: self.context_window(&def.llm_profile),
+            approval: match &def.approval {
+                Some(keel_catalog::Approval::All(_)) => ApprovalPolicy::all(),
+                Some(keel_catalog::Approval::Tools(tools)) => {
+                    ApprovalPolicy::tools(tools.iter().cloned())
+                }
+                None => ApprovalPolicy::none(),
+            }
+            .union(&self.approval),
         })
     }
 
@@ -104,6 +116,7 @@ impl ProfileBuilder {
             max_iterations: 16,
             max_output_tokens: Some(self.root_max_output_tokens),
             context_window_tokens: self.context_window(crate::app::DEFAULT_PROFILE),
+            approval: self.approval.clone(),
         })
     }
 }

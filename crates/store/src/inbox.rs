@@ -778,7 +778,7 @@ pub(crate) fn sessions_with_inbox_work_tx(conn: &Connection) -> Result<Vec<Sessi
 const UNNOTIFIED: &str = "status = 'dead_letter' AND fallback_notified_at IS NULL \
      AND fallback_suppressed_reason IS NULL";
 
-fn continuation_tx(
+pub(crate) fn continuation_tx(
     conn: &Connection,
     c: &ContinuationCommit,
     messages: &[EncodedMessage],

@@ -81,6 +81,7 @@ macro_rules! failpoint {
     };
 }
 
+mod approvals;
 mod backup;
 mod check;
 mod checkpoints;
@@ -104,6 +105,10 @@ mod util;
 use std::path::Path;
 use std::sync::Arc;
 
+pub use approvals::{
+    ApprovalRecord, ApprovalResultCommit, ApprovalSchedule, ApprovalStatus, DecideApproval,
+    DecideOutcome, Decision, NewApproval, PausedTurnCommit,
+};
 pub use backup::{backup_database, restore_database, CopyProgress, CopyReport, RestoreReport};
 pub use check::{
     check_database, CheckOptions, CheckedCounts, Finding, Invariant, InvariantReport, StateDecoder,

@@ -7,7 +7,7 @@ use rusqlite::{Connection, TransactionBehavior};
 use crate::error::{Result, StoreError};
 
 /// The schema version this build reads and writes.
-pub const SCHEMA_VERSION: u32 = 9;
+pub const SCHEMA_VERSION: u32 = 10;
 
 /// The steps, in order: `MIGRATIONS[k - 1]` takes a database from version `k - 1` to `k`.
 pub const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
@@ -20,6 +20,7 @@ pub const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
     include_str!("migrations/0007_runtime_generation.sql"),
     include_str!("migrations/0008_turn_inputs.sql"),
     include_str!("migrations/0009_queued_inputs.sql"),
+    include_str!("migrations/0010_tool_approvals.sql"),
 ];
 
 /// `PRAGMA user_version` of `conn`'s database.

@@ -400,7 +400,8 @@ fn tools_cannot_read_or_rewrite_keels_own_files_in_the_workspace() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     std::fs::create_dir_all(data.join("agents")).unwrap();
-    let toml = "workspace_root = \"..\"\n[tools]\nenable_write = true\n";
+    let toml =
+        "workspace_root = \"..\"\n[tools]\nenable_write = true\napproval_default = \"never\"\n";
     std::fs::write(data.join("keel.toml"), toml).unwrap();
     // The model tries to turn the shell on for the next start, and to plant an agent.
     let s = script(
@@ -622,4 +623,69 @@ fn slash_agent_switches_the_dialog_across_a_restart_and_a_removed_agent_names_it
     insta::assert_snapshot!(redact(&format!(
         "{out1}---- restart ----\n{out2}---- helper removed ----\n{out3}"
     )));
+}
+
+/// A gated `write_file` call is asked inline: `y` runs it once and the
+/// model goes on; a second one is listed by `/approvals` and `n` refuses
+/// it; a third is superseded by the next message.
+#[test]
+fn the_chat_asks_before_a_write_and_takes_approve_deny_and_new_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(data.join("agents")).unwrap();
+    std::fs::write(
+        data.join("keel.toml"),
+        "workspace_root = \"..\"\n[tools]\nenable_write = true\n",
+    )
+    .unwrap();
+    let s = script(
+        dir.path(),
+        r#"
+responses:
+  - tool_calls:
+      - {name: write_file, arguments: {path: a.txt, content: "one"}}
+  - text: "wrote a.txt"
+  - tool_calls:
+      - {name: write_file, arguments: {path: b.txt, content: "two"}}
+  - text: "you said no"
+  - tool_calls:
+      - {name: write_file, arguments: {path: c.txt, content: "three"}}
+  - text: "fine, something else"
+"#,
+    );
+    let (out, err, ok) = keel(
+        &data,
+        &s,
+        "ann",
+        "write a\ny\nwrite b\n/approvals\n/deny nope not b\nn\nwrite c\nsomething else\n",
+    );
+    assert!(ok, "{err}");
+    assert_eq!(
+        out.matches("— allow? [y]es / [n]o / [a]lways").count(),
+        3,
+        "{out}"
+    );
+    assert!(
+        out.contains("write_file({\"content\":\"one\",\"path\":\"a.txt\"})"),
+        "{out}"
+    );
+    assert!(out.contains("keel> wrote a.txt"), "{out}");
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("a.txt")).unwrap(),
+        "one"
+    );
+    // `/deny ID` takes the short id `/approvals` lists.
+    assert!(
+        out.contains("error: no tool call waits for a decision as nope"),
+        "{out}"
+    );
+    assert!(out.contains("write_file denied"), "{out}");
+    assert!(out.contains("keel> you said no"), "{out}");
+    assert!(!dir.path().join("b.txt").exists());
+    assert!(!dir.path().join("c.txt").exists());
+    assert!(
+        out.contains("write_file superseded (superseded by new input)"),
+        "{out}"
+    );
+    assert!(out.contains("keel> fine, something else"), "{out}");
 }

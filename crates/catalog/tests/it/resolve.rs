@@ -103,6 +103,18 @@ fn every_resolution_rejection_kind_has_an_actionable_message() {
             inputs(&[]),
         ),
         (
+            "unknown_approval_tool",
+            K::UnknownTool,
+            vec![(
+                "a.md",
+                agent(
+                    "a",
+                    "tools: [shell, write_file]\napproval: [shell, write_fiel]\n",
+                ),
+            )],
+            inputs(&[]),
+        ),
+        (
             "unknown_skill",
             K::UnknownSkill,
             vec![("a.md", agent("a", "skills: [gti, docker]\n"))],
@@ -114,6 +126,46 @@ fn every_resolution_rejection_kind_has_an_actionable_message() {
         assert!(diags.has(kind), "{name}: expected {kind:?}, got {diags:#?}");
         insta::assert_snapshot!(format!("resolve_{name}"), diags.to_string());
     }
+}
+
+#[test]
+fn approval_is_all_or_a_list_of_the_agents_own_tools() {
+    let c = AgentCatalog::from_texts(
+        [
+            (
+                "a.md",
+                agent("a", "tools: [shell, write_file]\napproval: [shell]\n").as_str(),
+            ),
+            (
+                "b.md",
+                agent("b", "tools: [read_file]\napproval: all\n").as_str(),
+            ),
+            ("c.md", agent("c", "tools: [shell]\n").as_str()),
+        ],
+        &inputs(&[]),
+        1,
+    )
+    .unwrap();
+    let get = |id: &str| {
+        c.get(&AgentId::parse(id).unwrap())
+            .unwrap()
+            .approval
+            .clone()
+    };
+    let a = get("a").unwrap();
+    assert!(a.covers("shell") && !a.covers("write_file"));
+    assert!(get("b").unwrap().covers("read_file"));
+    assert_eq!(get("c"), None);
+    let bad = AgentCatalog::from_texts(
+        [(
+            "a.md",
+            agent("a", "tools: [shell]\napproval: some\n").as_str(),
+        )],
+        &inputs(&[]),
+        1,
+    )
+    .expect_err("`some` is no approval");
+    insta::assert_snapshot!("approval_keyword", bad.to_string());
 }
 
 #[test]

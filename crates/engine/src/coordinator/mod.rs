@@ -104,6 +104,10 @@ pub struct CoordinatorConfig {
     pub reaper_interval: Duration,
     /// The runtime generation that owns runs started by this process.
     pub runtime_generation: u64,
+    /// Tools keel.toml gates behind a person's approval; a run's gate is
+    /// this and its definition's `approval:` (sub-agent runs cannot ask
+    /// yet, so a gated call is refused, not run).
+    pub approval: crate::ApprovalPolicy,
 }
 
 impl Default for CoordinatorConfig {
@@ -117,6 +121,7 @@ impl Default for CoordinatorConfig {
             result_preview_bytes: 2048,
             reaper_interval: Duration::from_secs(5),
             runtime_generation: 1,
+            approval: crate::ApprovalPolicy::none(),
         }
     }
 }

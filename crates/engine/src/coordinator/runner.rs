@@ -263,6 +263,22 @@ impl AgentCoordinator {
             session: Some(context.root_session_id),
             agent: Some(context.agent_id.clone()),
         });
+        let policy = match &definition.approval {
+            Some(keel_catalog::Approval::All(_)) => crate::ApprovalPolicy::all(),
+            Some(keel_catalog::Approval::Tools(tools)) => {
+                crate::ApprovalPolicy::tools(tools.iter().cloned())
+            }
+            None => crate::ApprovalPolicy::none(),
+        }
+        .union(&self.config.approval);
+        if !policy.is_empty() {
+            // A run cannot ask a person yet: its gated calls are refused.
+            extensions.insert(Arc::new(crate::approval::ApprovalGate {
+                policy,
+                granted: Default::default(),
+                mode: crate::approval::GateMode::Refuse,
+            }));
+        }
         let request = TurnRequest {
             provider,
             tools: Arc::new(tools),

@@ -16,6 +16,7 @@
 //! (export and import, and history a client brings) and `housekeeping`
 //! (titles and summaries after a turn, in a task of their own).
 
+mod approvals;
 mod bundle;
 mod checkpoints;
 mod continuation;
@@ -102,6 +103,9 @@ pub struct SessionManagerConfig {
     /// `None` (the library's default) arms no deadline; the `keel` binary
     /// always sets one (`session.turn_timeout_secs`, 900 s by default).
     pub turn_timeout: Option<Duration>,
+    /// How long a tool call waits for a person's decision before it
+    /// expires as a denial (`tools.approval_timeout_secs`, 24 h by default).
+    pub approval_timeout: Duration,
 }
 
 impl Default for SessionManagerConfig {
@@ -116,6 +120,7 @@ impl Default for SessionManagerConfig {
             event_capacity: DEFAULT_EVENT_CAPACITY,
             inbox: InboxPolicy::default(),
             turn_timeout: None,
+            approval_timeout: Duration::from_secs(24 * 3600),
         }
     }
 }
@@ -160,6 +165,9 @@ pub struct TurnReport {
     pub output: TurnOutput,
     /// The automatic checkpoint, when enabled.
     pub checkpoint: Option<CheckpointId>,
+    /// The turn paused: these approvals (one per gated call, in call
+    /// order) wait for a person's decision, and the turn resumes after.
+    pub approvals: Vec<keel_core::ApprovalId>,
 }
 
 struct Entry {

@@ -20,17 +20,19 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use keel_core::ApprovalId;
 use keel_core::{
     Extensions, Message, ProviderError, Role, SessionId, ToolExecutionContext, ToolRegistry,
     TurnId, TurnOrigin,
 };
-use keel_store::LeasedEvents;
+use keel_store::{LeasedEvents, NewApproval};
 use tokio::sync::OwnedMutexGuard;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::{SessionManager, TurnReport};
 use crate::agent_loop::{EventSink, TurnEvent, TurnOutput, TurnProgress, TurnRequest};
+use crate::approval::{ApprovalGate, GateMode};
 use crate::coordinator;
 use crate::error::{EngineError, Result};
 use crate::mailbox::TurnMailbox;
@@ -60,6 +62,8 @@ pub(crate) struct TurnStart {
     /// The input is queued in the store ([`keel_store::Store::queue_input`]):
     /// opening the turn takes it off the queue.
     pub(crate) queued: bool,
+    /// Approvals of the session may be pending: a user input supersedes them.
+    pub(crate) approvals_open: bool,
 }
 
 impl SessionManager {
@@ -76,9 +80,25 @@ impl SessionManager {
         // may have changed or removed it); the turn keeps it to its end.
         guard.agent = self.bundle.session_agent(guard.record.agent_id.as_ref())?;
         let slot = guard.writable_slot()?;
+        // A root turn that may act asks before the tools its agent gates
+        // (continuations only read, and never ask).
+        let approval = if start.read_only || guard.agent.approval.is_empty() {
+            None
+        } else {
+            let granted = self.store.approval_grants(id).await?;
+            Some(Arc::new(ApprovalGate {
+                policy: guard.agent.approval.clone(),
+                granted: granted.into_iter().collect(),
+                mode: GateMode::Pause,
+            }))
+        };
         // The user's words are durable before the model sees them; other
         // turns (continuations) commit their trigger with their answer.
         let opened = if start.origin == TurnOrigin::User && !start.input.is_empty() {
+            // New input denies what still waits for a decision.
+            if start.approvals_open {
+                self.supersede_approvals(&mut guard).await?;
+            }
             let queued = start.queued.then_some(start.turn_id);
             guard
                 .open_turn(&self.store, &slot, &start.input, queued)
@@ -108,6 +128,7 @@ impl SessionManager {
             events: start.events.clone(),
             progress: Arc::new(TurnProgress::default()),
             memory,
+            approval,
             start,
         };
         pending.launch(false).await?;
@@ -149,6 +170,8 @@ pub(crate) struct PendingTurn {
     progress: Arc<TurnProgress>,
     /// The session memory the turn's tools work on.
     memory: Option<Arc<TurnMemory>>,
+    /// The turn's approval gate, when its agent gates tools.
+    approval: Option<Arc<ApprovalGate>>,
     /// How it started (a rerun starts the same way).
     start: TurnStart,
 }
@@ -184,6 +207,9 @@ impl PendingTurn {
         extensions.insert(Arc::clone(&self.progress));
         if let Some(memory) = &self.memory {
             extensions.insert(Arc::clone(memory));
+        }
+        if let Some(approval) = &self.approval {
+            extensions.insert(Arc::clone(approval));
         }
         if let Some(coordinator) = &manager.bundle.coordinator {
             // One run budget for every delegation of this root turn.
@@ -283,6 +309,21 @@ impl PendingTurn {
             .into_iter()
             .chain(self.start.mailbox.drained_events())
             .collect();
+        let expires = keel_core::time::now_ms().saturating_add(
+            i64::try_from(self.manager.config.approval_timeout.as_millis()).unwrap_or(i64::MAX),
+        );
+        let approvals: Vec<NewApproval> = output
+            .awaiting_approval
+            .iter()
+            .map(|call| NewApproval {
+                id: ApprovalId::new(),
+                agent_id: guard.agent.name.clone(),
+                call: call.clone(),
+                expires_at_ms: expires,
+            })
+            .collect();
+        let approval_ids = approvals.iter().map(|a| a.id).collect();
+        let paused = (!approvals.is_empty()).then_some((self.turn_id, approvals));
         let checkpoint = match guard
             .commit_turn(
                 &self.manager.store,
@@ -293,6 +334,7 @@ impl PendingTurn {
                     answers: &self.opened,
                     consumed,
                     memory: self.memory.as_ref().and_then(|m| m.changes()),
+                    paused,
                 },
                 auto,
             )
@@ -317,6 +359,7 @@ impl PendingTurn {
             turn_id: self.turn_id,
             output,
             checkpoint,
+            approvals: approval_ids,
         })
     }
 }

@@ -121,6 +121,9 @@ pub(super) struct WorkerShared {
     /// Set by `/stop`: no continuation starts until the next user turn or
     /// the next inbox wake. Read and written under `active`'s lock.
     paused: AtomicBool,
+    /// The session has approvals pending or decided and not yet settled:
+    /// the worker reads the approval schedule before each step.
+    pub(super) approvals_open: AtomicBool,
     active: Mutex<Option<ActiveTurn>>,
     /// Counts the worker's turns, each with what it claimed and releases:
     /// odd while one is in progress. `/stop` waits for the one in progress
@@ -135,6 +138,7 @@ impl Default for WorkerShared {
             wake: Notify::new(),
             wake_pending: AtomicBool::new(false),
             paused: AtomicBool::new(false),
+            approvals_open: AtomicBool::new(false),
             active: Mutex::new(None),
             busy: watch::Sender::new(0),
         }
@@ -187,6 +191,16 @@ enum Step {
     Exit,
 }
 
+/// What the approval part of a worker step did.
+enum ApprovalStep {
+    /// It expired approvals or resumed a turn: look again.
+    Ran,
+    /// Approvals wait for a person: results wait too.
+    Pending,
+    /// Nothing waits.
+    Clear,
+}
+
 /// A worker's private state.
 struct WorkerState {
     user_rx: mpsc::Receiver<UserTask>,
@@ -198,6 +212,8 @@ struct WorkerState {
     inbox_due: bool,
     /// When the earliest event that backs off becomes due (Unix ms).
     next_inbox_at: Option<i64>,
+    /// When the earliest pending approval expires (Unix ms).
+    next_approval_at: Option<i64>,
     /// User turns run in a row while results waited.
     user_burst: usize,
 }
@@ -472,6 +488,7 @@ impl SessionManager {
                 // A new worker looks at the inbox once.
                 inbox_due: true,
                 next_inbox_at: None,
+                next_approval_at: None,
                 user_burst: 0,
             };
             tokio::spawn(worker_loop(
@@ -501,7 +518,17 @@ impl SessionManager {
                 .or_else(|| state.user_rx.try_recv().ok());
         }
         let paused = shared.paused.load(Ordering::Acquire);
-        if state.inbox_due && !paused {
+        // Approvals come first: a decided turn resumes before anything
+        // else runs, and results wait while a decision is pending.
+        let mut approvals_pending = false;
+        if state.inbox_due || shared.approvals_open.load(Ordering::Acquire) {
+            match self.approval_step(session, shared, state).await {
+                ApprovalStep::Ran => return Step::Again,
+                ApprovalStep::Pending => approvals_pending = true,
+                ApprovalStep::Clear => {}
+            }
+        }
+        if state.inbox_due && !paused && !approvals_pending {
             let policy = &self.config.inbox;
             let now = clock::now_ms();
             let ttl = super::continuation::millis(policy.event_ttl);
@@ -546,7 +573,14 @@ impl SessionManager {
             self.run_user_turn(session, shared, state, task).await;
             return Step::Again;
         }
-        if let Some(at) = state.next_inbox_at.filter(|_| !paused) {
+        let due = [
+            state.next_inbox_at.filter(|_| !paused),
+            state.next_approval_at,
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        if let Some(at) = due {
             return Step::Wait(Some(at));
         }
         let mut workers = self.workers.lock();
@@ -561,6 +595,61 @@ impl SessionManager {
             return Step::Exit;
         }
         Step::Wait(None)
+    }
+
+    /// Expires, resumes or reports the session's approvals.
+    async fn approval_step(
+        self: &Arc<Self>,
+        session: SessionId,
+        shared: &Arc<WorkerShared>,
+        state: &mut WorkerState,
+    ) -> ApprovalStep {
+        let now = clock::now_ms();
+        let schedule = match self.store.approval_schedule(session, now).await {
+            Ok(schedule) => schedule,
+            Err(e) => {
+                tracing::warn!(session_id = %session, error = %e, "reading the approval schedule failed; retried in a second");
+                shared.approvals_open.store(false, Ordering::Release);
+                state.next_approval_at = Some(now.saturating_add(1000));
+                return ApprovalStep::Clear;
+            }
+        };
+        if schedule.expired > 0 {
+            match self.store.expire_approvals(session, now).await {
+                Ok(expired) => {
+                    for record in expired {
+                        self.events
+                            .publish(session, SessionEvent::ApprovalDecided(Box::new(record)));
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(session_id = %session, error = %e, "expiring approvals failed; retried in a second");
+                    state.next_approval_at = Some(now.saturating_add(1000));
+                    return ApprovalStep::Pending;
+                }
+            }
+            return ApprovalStep::Ran;
+        }
+        shared.approvals_open.store(
+            schedule.pending > 0 || schedule.resumable.is_some(),
+            Ordering::Release,
+        );
+        state.next_approval_at = schedule.next_expiry_at_ms;
+        if let Some(turn) = schedule.resumable {
+            let _busy = Busy::start(&shared.busy);
+            if let Err(e) = self.resume_approved(session, shared, turn).await {
+                tracing::warn!(session_id = %session, error = %e, "resuming a turn after its approvals failed; retried in a second");
+                shared.approvals_open.store(false, Ordering::Release);
+                state.next_approval_at = Some(now.saturating_add(1000));
+                return ApprovalStep::Pending;
+            }
+            return ApprovalStep::Ran;
+        }
+        if schedule.pending > 0 {
+            ApprovalStep::Pending
+        } else {
+            ApprovalStep::Clear
+        }
     }
 
     async fn run_user_turn(
@@ -659,6 +748,7 @@ impl SessionManager {
                     read_only: origin != TurnOrigin::User,
                     answers,
                     queued,
+                    approvals_open: shared.approvals_open.load(Ordering::Acquire),
                 },
             )
             .await
@@ -705,6 +795,12 @@ impl SessionManager {
         if !leftovers.agent.is_empty() {
             // Steered events the turn did not consume go back to the queue.
             self.release_unread(session, leftovers.agent).await;
+        }
+        if let Ok(report) = &result {
+            if !report.approvals.is_empty() {
+                shared.approvals_open.store(true, Ordering::Release);
+                self.announce_approvals(session, &report.approvals).await;
+            }
         }
         let outcome = match &result {
             Ok(report) => SessionEvent::TurnCommitted {
@@ -855,6 +951,7 @@ async fn worker_loop(
                     () = retry => {
                         state.inbox_due = true;
                         state.next_inbox_at = None;
+                        state.next_approval_at = None;
                     }
                 }
             }

@@ -165,6 +165,7 @@ struct Agent {
     tools: Vec<&'static str>,
     skills: Vec<&'static str>,
     limits: Option<&'static str>,
+    approval: Option<&'static str>,
     script: Vec<ScriptedResponse>,
     block_connect: bool,
     block_mid: bool,
@@ -178,6 +179,7 @@ fn agent(id: &'static str) -> Agent {
         tools: vec![],
         skills: vec![],
         limits: None,
+        approval: None,
         script: vec![],
         block_connect: false,
         block_mid: false,
@@ -200,6 +202,10 @@ impl Agent {
     }
     fn limits(mut self, l: &'static str) -> Self {
         self.limits = Some(l);
+        self
+    }
+    fn approval(mut self, a: &'static str) -> Self {
+        self.approval = Some(a);
         self
     }
     fn script(mut self, s: Vec<ScriptedResponse>) -> Self {
@@ -232,6 +238,9 @@ impl Agent {
         }
         if let Some(l) = self.limits {
             s.push_str(&format!("limits: {l}\n"));
+        }
+        if let Some(a) = self.approval {
+            s.push_str(&format!("approval: {a}\n"));
         }
         s.push_str(&format!("---\nYou are {}.\n", self.id));
         s
@@ -1232,6 +1241,50 @@ async fn cancel_during_a_tool_batch() {
     assert_eq!(h.gate.snapshot().tool_steps_in_use, 2);
     h.stop.cancel();
     assert_cancelled_cleanly(&h, call).await;
+    h.assert_gate_idle();
+}
+
+#[tokio::test]
+async fn a_gated_call_in_a_sub_agent_run_is_refused_not_run() {
+    let mut h = setup(
+        vec![agent("worker")
+            .tools(&["block"])
+            .approval("[block]")
+            .script(vec![
+                ScriptedResponse::tool_call("block", json!({})),
+                ScriptedResponse::text("I could not run block"),
+            ])],
+        &["worker"],
+    )
+    .build();
+    let tools = h.coord.root_tools();
+    let delegate = tools.iter().find(|t| t.name() == "delegate").unwrap();
+    // `block` would wait until cancelled: the delegation ends only because
+    // the gated call is refused without running.
+    delegate
+        .execute(
+            json!({"tasks": [{"agent": "worker", "task": "go"}]}),
+            &h.root_tool_context(),
+        )
+        .await
+        .unwrap();
+    let run = h.run_of("worker").await;
+    assert_eq!(run.status, RunStatus::Completed);
+    assert_eq!(run.result.as_deref(), Some("I could not run block"));
+    let requests = h.provider("worker").inner.requests();
+    let refusal = requests[1]
+        .messages
+        .iter()
+        .find(|m| m.role == keel_core::Role::Tool)
+        .unwrap()
+        .text();
+    assert!(
+        refusal.contains("needs a person's approval, which sub-agent runs cannot ask for yet"),
+        "{refusal}"
+    );
+    while let Ok(e) = h.events.try_recv() {
+        assert_ne!(e, "tool:block", "the gated tool never ran");
+    }
     h.assert_gate_idle();
 }
 

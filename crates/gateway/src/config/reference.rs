@@ -88,6 +88,13 @@ shell_env = []
 shell_read_paths = ["/bin", "/sbin", "/usr", "/lib", "/lib32", "/lib64", "/etc", "/opt", "/dev", "/proc"]
 shell_network = false
 shell_unsandboxed = false
+approval_default = "always"
+approval_timeout_secs = 86400
+
+# Per tool: "always" (every call waits for a person) or "never".
+[tools.approval]
+shell = "always"
+write_file = "always"
 
 [orchestration]
 max_tree_depth = 3
@@ -437,6 +444,35 @@ pub fn reference() -> Vec<KeyDoc> {
             .into(),
     );
 
+    code(
+        &mut rows,
+        "tools.approval_default",
+        "`\"always\"` or `\"never\"`: whether calls of `shell` and `write_file`, when enabled, \
+         wait for a person's approval unless `[tools.approval]` names them. Other tools run \
+         unasked unless `[tools.approval]` or the agent's `approval:` gates them."
+            .into(),
+    );
+    code(
+        &mut rows,
+        "tools.approval_timeout_secs",
+        format!(
+            "Seconds a tool call waits for a decision before it expires as a denial, \
+             1..={MAX_APPROVAL_TIMEOUT_SECS}."
+        ),
+    );
+    code(
+        &mut rows,
+        "tools.approval",
+        format!(
+            "A table `NAME = \"always\"` or `NAME = \"never\"`: whether calls of the tool NAME wait \
+             for a person's approval (unset: `shell` and `write_file` follow \
+             `tools.approval_default`, other tools run unasked). NAME is one of: {}. Applies to \
+             root turns; \
+             a sub-agent run refuses a gated call (it cannot ask yet).",
+            APPROVABLE_TOOLS.join(", ")
+        ),
+    );
+
     let depth_cap = keel_catalog::MAX_DELEGATION_DEPTH_CAP;
     let orchestration: [(&str, String); 15] = [
         (
@@ -653,6 +689,10 @@ fn walk(prefix: &str, table: &toml::Table, out: &mut BTreeMap<String, String>) {
             format!("{prefix}.{key}")
         };
         match value {
+            // A table of tool names: the table is the key.
+            toml::Value::Table(_) if path == "tools.approval" => {
+                out.insert(path, value.to_string());
+            }
             toml::Value::Table(inner) => walk(&path, inner, out),
             leaf => {
                 out.insert(path, leaf.to_string());

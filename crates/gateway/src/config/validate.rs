@@ -258,6 +258,23 @@ fn tools(config: &Config, out: &mut Problems) {
         1,
         MAX_SHELL_TIMEOUT_SECS,
     );
+    out.range(
+        "tools.approval_timeout_secs",
+        t.approval_timeout_secs,
+        1,
+        super::MAX_APPROVAL_TIMEOUT_SECS,
+    );
+    for name in t.approval.keys() {
+        if !super::APPROVABLE_TOOLS.contains(&name.as_str()) {
+            out.push(
+                format!("tools.approval.{name}"),
+                format!(
+                    "no tool {name:?}; known tools: {}",
+                    super::APPROVABLE_TOOLS.join(", ")
+                ),
+            );
+        }
+    }
     // Variables that hold keel's own secrets never reach a command.
     let secrets: BTreeSet<&str> = config
         .providers

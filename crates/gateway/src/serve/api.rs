@@ -848,3 +848,124 @@ pub struct ReloadReport {
     /// message), e.g. a second frontmatter-like block in a role prompt.
     pub warnings: Vec<String>,
 }
+
+/// Where an approval stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ApprovalState {
+    /// Waiting for a person.
+    Pending,
+    /// Approved: the tool runs when the turn resumes.
+    Approved,
+    /// Denied: the model reads the denial and its reason.
+    Denied,
+    /// Nobody decided within `tools.approval_timeout_secs`: a denial.
+    Expired,
+    /// The user sent new input while it was pending: a denial.
+    Superseded,
+}
+
+impl From<keel_store::ApprovalStatus> for ApprovalState {
+    fn from(s: keel_store::ApprovalStatus) -> Self {
+        use keel_store::ApprovalStatus as S;
+        match s {
+            S::Pending => Self::Pending,
+            S::Approved => Self::Approved,
+            S::Denied => Self::Denied,
+            S::Expired => Self::Expired,
+            S::Superseded => Self::Superseded,
+        }
+    }
+}
+
+/// A tool call that needs (or got) a person's decision.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Approval {
+    /// Its id (`POST /api/approvals/{id}` decides it).
+    pub id: Uuid,
+    /// The dialog it belongs to.
+    pub session_id: Uuid,
+    /// The turn that asked.
+    pub turn_id: Uuid,
+    /// The agent that asked.
+    pub agent: String,
+    /// The tool.
+    pub tool: String,
+    /// The arguments, as the model sent them.
+    pub arguments: serde_json::Value,
+    /// Where it stands.
+    pub status: ApprovalState,
+    /// Approved for every later call of this tool in the dialog.
+    pub always: bool,
+    /// The reason of a denial, when one was given.
+    pub reason: Option<String>,
+    /// When it was asked.
+    pub created_at: Timestamp,
+    /// When it expires as a denial, if nobody decides.
+    pub expires_at: Timestamp,
+    /// When it was decided.
+    pub decided_at: Option<Timestamp>,
+    /// The dialog's revision of its last change.
+    pub revision: u64,
+}
+
+impl From<&keel_store::ApprovalRecord> for Approval {
+    fn from(a: &keel_store::ApprovalRecord) -> Self {
+        Self {
+            id: a.id.as_uuid(),
+            session_id: a.session_id.as_uuid(),
+            turn_id: a.turn_id.as_uuid(),
+            agent: a.agent_id.to_string(),
+            tool: a.tool_name.clone(),
+            arguments: serde_json::from_str(&a.arguments)
+                .unwrap_or_else(|_| serde_json::Value::String(a.arguments.clone())),
+            status: a.status.into(),
+            always: a.always,
+            reason: a.reason.clone(),
+            created_at: Timestamp(a.created_at_ms),
+            expires_at: Timestamp(a.expires_at_ms),
+            decided_at: a.decided_at_ms.map(Timestamp),
+            revision: a.revision,
+        }
+    }
+}
+
+/// A dialog's approvals, oldest first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ApprovalList {
+    /// The approvals.
+    pub items: Vec<Approval>,
+}
+
+/// Which approvals a list shows.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct ApprovalQuery {
+    /// `pending` (the default): only those waiting; `all`: every one.
+    pub status: Option<String>,
+}
+
+/// A person's decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ApprovalChoice {
+    /// Run the call this once.
+    Approve,
+    /// Run it, and every later call of this tool in this dialog, unasked.
+    ApproveAlways,
+    /// Do not run it; the model reads the reason.
+    Deny,
+}
+
+/// The body of `POST /api/approvals/{id}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ApprovalDecision {
+    /// The decision.
+    pub decision: ApprovalChoice,
+    /// Why (the model reads it with a denial); at most 2000 bytes are kept.
+    #[serde(default)]
+    pub reason: Option<String>,
+}

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use super::api::{AgentEvent, AgentRun, Dialog, IfBusy, TokenUsage, TurnOrigin};
+use super::api::{AgentEvent, AgentRun, Approval, Dialog, IfBusy, TokenUsage, TurnOrigin};
 
 /// Longest client-chosen request `id`, in bytes.
 pub const MAX_REQUEST_ID_BYTES: usize = 64;
@@ -272,6 +272,26 @@ pub enum ServerFrame {
         /// The event now.
         event: AgentEvent,
     },
+    /// A tool call waits for a person's decision (`POST /api/approvals/{id}`);
+    /// the turn that asked ended waiting for it.
+    ApprovalRequested {
+        /// The dialog.
+        session_id: Uuid,
+        /// The dialog's revision of this change.
+        revision: u64,
+        /// The approval.
+        approval: Approval,
+    },
+    /// An approval was decided (approved, denied, expired or superseded by
+    /// new input).
+    ApprovalDecided {
+        /// The dialog.
+        session_id: Uuid,
+        /// The dialog's revision of this change.
+        revision: u64,
+        /// The approval now.
+        approval: Approval,
+    },
     /// The dialog changed: its title (renamed, or titled automatically),
     /// its message count, its last activity.
     DialogUpdated {
@@ -326,6 +346,8 @@ impl ServerFrame {
             ServerFrame::AgentRunUpdated { .. } => "agent_run_updated",
             ServerFrame::AgentEventUpdated { .. } => "agent_event_updated",
             ServerFrame::DialogUpdated { .. } => "dialog_updated",
+            ServerFrame::ApprovalRequested { .. } => "approval_requested",
+            ServerFrame::ApprovalDecided { .. } => "approval_decided",
             ServerFrame::Resync { .. } => "resync",
             ServerFrame::Error { .. } => "error",
         }

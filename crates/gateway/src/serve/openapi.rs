@@ -12,7 +12,7 @@ use utoipa::{IntoResponses, Modify, OpenApi};
 use super::api;
 use super::frames;
 use super::problem::{Problem, PROBLEM_JSON};
-use super::routes::{dialogs, exports, runs, system};
+use super::routes::{approvals, dialogs, exports, runs, system};
 
 /// The error answers every route documents (each a problem body).
 pub(crate) struct Errors;
@@ -84,7 +84,7 @@ impl Modify for BearerAuth {
         dialogs::messages, dialogs::send, dialogs::stop, dialogs::steer, dialogs::usage,
         dialogs::checkpoints, dialogs::rollback, dialogs::fork, exports::export, exports::import,
         runs::list, runs::get_one, runs::events, runs::dialog_events, runs::dialog_inbox,
-        runs::cancel,
+        runs::cancel, approvals::list, approvals::decide,
     ),
     components(schemas(Problem, frames::ClientFrame, frames::ServerFrame, api::Order)),
     modifiers(&BearerAuth),

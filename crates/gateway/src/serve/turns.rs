@@ -189,6 +189,22 @@ impl TurnRunner {
             match event.as_ref() {
                 // A title generated after a turn, off its path.
                 SessionEvent::Retitled { .. } => self.publish_dialog(session).await,
+                SessionEvent::ApprovalRequested(a) => self.hub.publish(
+                    session,
+                    ServerFrame::ApprovalRequested {
+                        session_id,
+                        revision: a.revision,
+                        approval: crate::serve::api::Approval::from(a.as_ref()),
+                    },
+                ),
+                SessionEvent::ApprovalDecided(a) => self.hub.publish(
+                    session,
+                    ServerFrame::ApprovalDecided {
+                        session_id,
+                        revision: a.revision,
+                        approval: crate::serve::api::Approval::from(a.as_ref()),
+                    },
+                ),
                 SessionEvent::TurnStarted { turn_id, origin } if unowned(turn_id, origin) => {
                     // The runs whose results it answers ended before it was
                     // woken: their final status is published first.

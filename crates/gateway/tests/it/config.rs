@@ -111,6 +111,47 @@ fn the_data_dir_file_is_found_and_relative_paths_follow_it() {
 }
 
 #[test]
+fn approval_policy_gates_enabled_shell_and_write_file_unless_relaxed() {
+    use keel_engine::ApprovalPolicy;
+    let c = parse("[tools]\nenable_shell = true\nenable_write = true\n").unwrap();
+    assert_eq!(
+        c.approval_policy(),
+        ApprovalPolicy::tools(["shell", "write_file"])
+    );
+    assert!(!c.approval_policy().needs("read_file"));
+    let c = parse("[tools]\nenable_write = true\n").unwrap();
+    assert_eq!(c.approval_policy(), ApprovalPolicy::tools(["write_file"]));
+    let c = parse(
+        "[tools]\nenable_shell = true\nenable_write = true\napproval_default = \"never\"\n\n[tools.approval]\nshell = \"always\"\nread_file = \"always\"\n",
+    )
+    .unwrap();
+    assert_eq!(
+        c.approval_policy(),
+        ApprovalPolicy::tools(["read_file", "shell"])
+    );
+    let c = parse("[tools]\nenable_write = true\n\n[tools.approval]\nwrite_file = \"never\"\n")
+        .unwrap();
+    assert!(c.approval_policy().is_empty());
+    assert_eq!(
+        c.session_manager_config().approval_timeout,
+        std::time::Duration::from_secs(86400)
+    );
+}
+
+#[test]
+fn an_approval_for_an_unknown_tool_or_mode_is_a_located_error() {
+    let err = parse("[tools.approval]\nbash = \"always\"\n").unwrap_err();
+    insta::assert_snapshot!("approval_unknown_tool", err.to_string());
+    let err = parse("[tools.approval]\nshell = \"sometimes\"\n").unwrap_err();
+    insta::assert_snapshot!("approval_unknown_mode", err.to_string());
+    let err = parse("[tools]\napproval_timeout_secs = 0\n").unwrap_err();
+    assert!(
+        err.to_string().contains("tools.approval_timeout_secs"),
+        "{err}"
+    );
+}
+
+#[test]
 fn a_full_example_file_parses() {
     let c = parse(EXAMPLE_TOML).unwrap();
     assert_eq!(c.default_profile.as_deref(), Some("main"));
@@ -119,15 +160,21 @@ fn a_full_example_file_parses() {
     assert_eq!(c.providers["main"].kind, ProviderKind::OpenAi);
     assert_eq!(c.providers["offline"].kind, ProviderKind::Scripted);
     // Every section of the example shows the defaults, but for the
-    // connection bound, derived from the open-file limit when unset.
+    // connection bound, derived from the open-file limit when unset, and
+    // `[tools.approval]`, which spells out what the default gates.
     let d = Config::default();
     assert_eq!(c.server.max_connections, Some(768));
     let server = keel_gateway::config::ServerConfig {
         max_connections: None,
         ..c.server.clone()
     };
+    assert_eq!(c.tools.approval.len(), 2);
+    let tools = keel_gateway::config::ToolsConfig {
+        approval: Default::default(),
+        ..c.tools.clone()
+    };
     assert_eq!(
-        (&c.session, &c.storage, &c.tools, &c.orchestration, &server),
+        (&c.session, &c.storage, &tools, &c.orchestration, &server),
         (
             &d.session,
             &d.storage,

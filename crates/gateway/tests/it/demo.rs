@@ -20,7 +20,7 @@ fn the_demo_tour_completes_and_recovers_identically() {
         "stdout:\n{stdout}\nstderr:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    for step in 1..=7 {
+    for step in 1..=8 {
         assert!(
             stdout.contains(&format!("\n{step}. ")),
             "step {step} missing:\n{stdout}"
@@ -35,6 +35,25 @@ fn the_demo_tour_completes_and_recovers_identically() {
         "{stdout}"
     );
     assert!(stdout.contains("rollback parent"), "{stdout}");
+    // The first write waited, was approved and ran; the second was denied
+    // and the model read why.
+    assert!(stdout.contains("the demo decides: approved"), "{stdout}");
+    assert!(
+        stdout.contains("the demo decides: denied (keep the notes)"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("[the turn resumes] keel> Saved the plan to plan.md."),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("[the turn resumes] keel> You declined, so I left notes.md as it is."),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("plan.md exists (18 bytes); notes.md is untouched: yes"),
+        "{stdout}"
+    );
     // The run tree read back from the database: two foreground runs and the
     // background one, all completed.
     for agent in [

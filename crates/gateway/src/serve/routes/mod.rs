@@ -9,6 +9,7 @@
 //! The web page (`/` and `/assets/…`, see `web`) is outside `/api` and
 //! needs no token: it asks the user for one when the API answers 401.
 
+pub(crate) mod approvals;
 pub(crate) mod dialogs;
 pub(crate) mod exports;
 pub(crate) mod runs;
@@ -58,6 +59,8 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/dialogs/{id}/usage", get(dialogs::usage))
         .route("/dialogs/{id}/agent-events", get(runs::dialog_events))
         .route("/dialogs/{id}/inbox", get(runs::dialog_inbox))
+        .route("/dialogs/{id}/approvals", get(approvals::list))
+        .route("/approvals/{id}", post(approvals::decide))
         .route("/dialogs/{id}/checkpoints", get(dialogs::checkpoints))
         .route(
             "/dialogs/{id}/checkpoints/{checkpoint_id}/rollback",

@@ -86,6 +86,8 @@ fn every_frame_in_protocol_md_is_a_frame_and_every_frame_has_an_example() {
             "agent_event_updated",
             "agent_run_updated",
             "agent_runs",
+            "approval_decided",
+            "approval_requested",
             "dialog_updated",
             "error",
             "model_call_finished",

@@ -1,6 +1,7 @@
 //! `keel serve` in-process: a real server on an ephemeral loopback port,
 //! driven by real clients (reqwest, tokio-tungstenite).
 
+mod approvals;
 mod busy;
 mod doc;
 mod hostile;

@@ -1,0 +1,130 @@
+//! Which tool calls need a person's approval, and how a turn asks.
+//!
+//! An agent's [`ApprovalPolicy`] comes from its definition (`approval:`)
+//! and keel.toml (`[tools.approval]`, `[tools] approval_default`); the
+//! gateway builds it into the [`crate::AgentProfile`]. A root turn that is
+//! not a continuation carries an [`ApprovalGate`] in its extensions: when
+//! the model calls a gated tool the agent loop runs the other calls of the
+//! batch and ends the turn "waiting for approval" (see
+//! [`crate::TurnOutput::awaiting_approval`]); the session manager commits the
+//! pause and resumes the turn once a person decided. Sub-agent runs cannot
+//! ask yet: their gate refuses a gated call with [`SUB_AGENT_REFUSAL`].
+
+use std::collections::BTreeSet;
+
+/// Which tools of an agent need a person's approval before they run.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ApprovalPolicy {
+    all: bool,
+    tools: BTreeSet<String>,
+}
+
+impl ApprovalPolicy {
+    /// Every tool runs unasked.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Every tool call needs approval.
+    pub fn all() -> Self {
+        Self {
+            all: true,
+            tools: BTreeSet::new(),
+        }
+    }
+
+    /// These tools need approval.
+    pub fn tools<I, S>(tools: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        Self {
+            all: false,
+            tools: tools.into_iter().map(Into::into).collect(),
+        }
+    }
+
+    /// What either policy gates.
+    pub fn union(mut self, other: &ApprovalPolicy) -> Self {
+        self.all |= other.all;
+        self.tools.extend(other.tools.iter().cloned());
+        self
+    }
+
+    /// Whether a call of `tool` needs approval.
+    pub fn needs(&self, tool: &str) -> bool {
+        self.all || self.tools.contains(tool)
+    }
+
+    /// Whether no tool needs approval.
+    pub fn is_empty(&self) -> bool {
+        !self.all && self.tools.is_empty()
+    }
+}
+
+/// What a turn does with a gated call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum GateMode {
+    /// A root turn: pause, durably, until a person decides.
+    Pause,
+    /// A sub-agent run: do not run it, and say why.
+    Refuse,
+}
+
+/// The approval gate of one turn or run, in its extensions.
+#[derive(Debug, Clone)]
+pub(crate) struct ApprovalGate {
+    pub(crate) policy: ApprovalPolicy,
+    /// Tools the dialog approved for good ("approve always").
+    pub(crate) granted: BTreeSet<String>,
+    pub(crate) mode: GateMode,
+}
+
+impl ApprovalGate {
+    /// Whether a call of `tool` must wait for (or, in a run, be refused for
+    /// want of) a person's approval.
+    pub(crate) fn gates(&self, tool: &str) -> bool {
+        self.policy.needs(tool) && !self.granted.contains(tool)
+    }
+}
+
+/// What a sub-agent reads for a gated call it made: it was not run.
+pub(crate) const SUB_AGENT_REFUSAL: &str = "error: this tool needs a person's approval, which \
+     sub-agent runs cannot ask for yet; it was not run";
+
+/// The reason a pending approval gets when the user sends new input.
+pub const SUPERSEDED_REASON: &str = "superseded by new input";
+
+/// What the model reads as the result of a call that was not approved.
+pub(crate) fn denial_text(status: &str, reason: Option<&str>) -> String {
+    let why = match status {
+        "expired" => "nobody decided in time".to_owned(),
+        "superseded" => SUPERSEDED_REASON.to_owned(),
+        _ => reason
+            .filter(|r| !r.trim().is_empty())
+            .map_or_else(|| "no reason given".to_owned(), str::to_owned),
+    };
+    format!("denied: the user did not approve this call, so it was not run (reason: {why})")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_grant_lifts_the_gate_for_its_tool_only() {
+        let gate = ApprovalGate {
+            policy: ApprovalPolicy::tools(["shell", "write_file"]),
+            granted: ["shell".to_owned()].into(),
+            mode: GateMode::Pause,
+        };
+        assert!(!gate.gates("shell"));
+        assert!(gate.gates("write_file"));
+        assert!(!gate.gates("read_file"));
+        assert!(ApprovalPolicy::all().needs("read_file"));
+        assert!(ApprovalPolicy::none()
+            .union(&ApprovalPolicy::all())
+            .needs("x"));
+    }
+}

@@ -1,0 +1,244 @@
+//! Approvals of tool calls: listing and deciding them, and resuming the
+//! turn that waits for them.
+//!
+//! A root turn whose model called a gated tool commits what it did so far
+//! with one pending approval per gated call (see `turns.rs`) and ends. A
+//! decision is committed in the store, then wakes the session's worker —
+//! the wake the inbox uses; the worker reads [`Store::approval_schedule`]
+//! before anything else. Once every approval of the paused turn is decided
+//! it resumes the turn: each approved call is marked as started in the
+//! store, run, and its result (or the denial) appended to the history with
+//! the approvals settled in one transaction; then a continuation turn lets
+//! the model go on. A call marked started whose result never committed (a
+//! crash) is never run again: the model reads that its outcome is unknown.
+//! Expiry is a timer of the worker (the schedule's earliest expiry), and a
+//! new user message settles the approvals still pending as denied
+//! ("superseded by new input") before its input enters the history.
+//!
+//! [`Store::approval_schedule`]: keel_store::Store::approval_schedule
+
+use std::sync::Arc;
+
+use keel_core::{
+    ApprovalId, Message, SessionId, ToolCall, ToolExecutionContext, TurnId, TurnOrigin,
+};
+use keel_store::{ApprovalRecord, ApprovalStatus, DecideApproval, DecideOutcome, Decision};
+use tokio_util::sync::CancellationToken;
+
+use super::worker::WorkerShared;
+use super::SessionManager;
+use crate::approval::{denial_text, SUPERSEDED_REASON};
+use crate::clock;
+use crate::error::{EngineError, Result};
+use crate::events::SessionEvent;
+use crate::session::AgentSession;
+
+/// What the model reads for an approved call whose run a crash interrupted.
+const OUTCOME_UNKNOWN: &str = "error: keel stopped while this approved tool call ran; its outcome \
+     is unknown and it was not run again";
+
+impl SessionManager {
+    /// The approvals of a dialog, oldest first (only those waiting for a
+    /// decision when `pending_only`).
+    pub async fn approvals(
+        &self,
+        session: SessionId,
+        pending_only: bool,
+    ) -> Result<Vec<ApprovalRecord>> {
+        match self.store.list_approvals(session, pending_only).await {
+            Err(keel_store::StoreError::NotFound(_)) => Err(EngineError::SessionNotFound(session)),
+            other => Ok(other?),
+        }
+    }
+
+    /// Commits a person's decision on approval `id` (from dialog `session`,
+    /// when the caller is one: an approval of another dialog is not found),
+    /// then wakes the dialog's worker, which resumes the paused turn once
+    /// all its approvals are decided. Deciding twice, or after it expired,
+    /// is [`EngineError::ApprovalDecided`]; nothing runs twice.
+    pub async fn decide_approval(
+        self: &Arc<Self>,
+        id: ApprovalId,
+        session: Option<SessionId>,
+        decision: Decision,
+        reason: Option<String>,
+    ) -> Result<ApprovalRecord> {
+        let reason = reason.map(|r| keel_core::truncate_with_note(r, 2000));
+        let outcome = self
+            .store
+            .decide_approval(DecideApproval {
+                id,
+                session_id: session,
+                decision,
+                reason,
+                now_ms: clock::now_ms(),
+            })
+            .await;
+        let outcome = match outcome {
+            Err(keel_store::StoreError::NotFound(_)) => {
+                return Err(EngineError::ApprovalNotFound(id))
+            }
+            other => other?,
+        };
+        match outcome {
+            DecideOutcome::Decided(record) => {
+                let session = record.session_id;
+                self.events.publish(
+                    session,
+                    SessionEvent::ApprovalDecided(Box::new(record.clone())),
+                );
+                self.wake_inbox(session);
+                Ok(record)
+            }
+            DecideOutcome::Expired(record) => {
+                let session = record.session_id;
+                self.events.publish(
+                    session,
+                    SessionEvent::ApprovalDecided(Box::new(record.clone())),
+                );
+                self.wake_inbox(session);
+                Err(EngineError::ApprovalDecided {
+                    id,
+                    status: record.status.to_string(),
+                })
+            }
+            DecideOutcome::AlreadyDecided(record) => Err(EngineError::ApprovalDecided {
+                id,
+                status: record.status.to_string(),
+            }),
+        }
+    }
+
+    /// Publishes the approvals a turn just paused for.
+    pub(super) async fn announce_approvals(&self, session: SessionId, ids: &[ApprovalId]) {
+        for id in ids {
+            match self.store.get_approval(*id).await {
+                Ok(Some(record)) => self
+                    .events
+                    .publish(session, SessionEvent::ApprovalRequested(Box::new(record))),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(session_id = %session, error = %e, "reading a new approval failed; clients see it when they list approvals")
+                }
+            }
+        }
+    }
+
+    /// Before new user input enters the history: denies the approvals still
+    /// pending ("superseded by new input"), their denials committed as the
+    /// calls' results in one transaction.
+    pub(super) async fn supersede_approvals(&self, guard: &mut AgentSession) -> Result<()> {
+        let session = guard.id();
+        let pending = self.store.list_approvals(session, true).await?;
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let results = pending
+            .iter()
+            .map(|a| {
+                Message::tool_result(
+                    a.tool_call_id.clone(),
+                    a.tool_name.clone(),
+                    denial_text("superseded", None),
+                )
+            })
+            .collect();
+        let ids: Vec<ApprovalId> = pending.iter().map(|a| a.id).collect();
+        guard
+            .commit_approval_results(
+                &self.store,
+                results,
+                ids.clone(),
+                Some(SUPERSEDED_REASON.to_owned()),
+            )
+            .await?;
+        for id in ids {
+            if let Ok(Some(record)) = self.store.get_approval(id).await {
+                self.events
+                    .publish(session, SessionEvent::ApprovalDecided(Box::new(record)));
+            }
+        }
+        Ok(())
+    }
+
+    /// Resumes `turn`, whose approvals are all decided: runs the approved
+    /// calls (each at most once), commits their results and the denials,
+    /// then runs a continuation turn so the model goes on.
+    pub(super) async fn resume_approved(
+        self: &Arc<Self>,
+        session: SessionId,
+        shared: &Arc<WorkerShared>,
+        turn: TurnId,
+    ) -> Result<()> {
+        let records = self.store.unsettled_approvals(session, turn).await?;
+        if records.is_empty() {
+            return Ok(());
+        }
+        {
+            let entry = self.session(session).await?;
+            let mut guard = entry.lock().await;
+            let agent = self.bundle.session_agent(guard.record.agent_id.as_ref())?;
+            let mut results = Vec::with_capacity(records.len());
+            for a in &records {
+                let content = match a.status {
+                    ApprovalStatus::Approved => {
+                        if self
+                            .store
+                            .begin_approved_execution(a.id, clock::now_ms())
+                            .await?
+                        {
+                            let call = ToolCall {
+                                id: a.tool_call_id.clone(),
+                                name: a.tool_name.clone(),
+                                arguments: serde_json::from_str(&a.arguments)
+                                    .unwrap_or(serde_json::Value::Null),
+                            };
+                            let ctx = ToolExecutionContext {
+                                session_id: Some(session),
+                                turn_id: Some(turn),
+                                run_id: None,
+                                origin: TurnOrigin::User,
+                                cancellation: CancellationToken::new(),
+                                extensions: Default::default(),
+                            };
+                            self.bundle
+                                .agent_loop
+                                .execute_tool(&agent.tools, &call, &ctx)
+                                .await
+                                .content
+                        } else {
+                            OUTCOME_UNKNOWN.to_owned()
+                        }
+                    }
+                    other => denial_text(other.as_str(), a.reason.as_deref()),
+                };
+                results.push(Message::tool_result(
+                    a.tool_call_id.clone(),
+                    a.tool_name.clone(),
+                    content,
+                ));
+            }
+            let ids = records.iter().map(|a| a.id).collect();
+            guard
+                .commit_approval_results(&self.store, results, ids, None)
+                .await?;
+        }
+        let end = self
+            .run_turn(
+                session,
+                shared,
+                TurnId::new(),
+                TurnOrigin::AgentContinuation,
+                Vec::new(),
+                CancellationToken::new(),
+                None,
+                false,
+            )
+            .await;
+        if let Err(e) = &end.result {
+            tracing::info!(session_id = %session, error = %e, "the turn after an approval failed; the tool results are in the history");
+        }
+        drop(end.done);
+        Ok(())
+    }
+}
