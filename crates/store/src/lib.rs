@@ -99,6 +99,7 @@ mod queued;
 mod runs;
 mod runtime;
 mod sessions;
+mod spend;
 mod util;
 
 use std::path::Path;
@@ -133,12 +134,15 @@ pub use runs::{
 };
 pub use runtime::{describe_process, Activation, RuntimeLock};
 pub use sessions::{DialogCursor, DialogQuery, NewSession, SessionRecord, TimelineId};
+pub use spend::DialogSpend;
 
 /// Test seams, compiled only with the `testing` feature: build databases
 /// at older schema versions, or run a migration list of the test's own.
 #[cfg(feature = "testing")]
 pub mod testing {
-    pub use crate::migrations::{migrate_to, migrate_with, user_version, MIGRATIONS};
+    pub use crate::migrations::{
+        migrate_to, migrate_with, user_version, MIGRATIONS, RESERVED_STEP,
+    };
 }
 
 /// A page of a cursor-paginated listing.
