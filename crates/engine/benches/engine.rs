@@ -115,6 +115,7 @@ fn manager(store: Store, provider: Arc<dyn Provider>) -> Arc<SessionManager> {
         max_output_tokens: None,
         // No compaction: these figures are about the whole history.
         context_window_tokens: usize::MAX,
+        prices: None,
     };
     SessionManager::new(
         store,
@@ -796,6 +797,7 @@ async fn delegation_overhead(dir: &Path) {
         max_iterations: 4,
         max_output_tokens: None,
         context_window_tokens: keel_engine::DEFAULT_CONTEXT_WINDOW_TOKENS,
+        prices: None,
     };
     let bundle = RuntimeBundle::new(root)
         .with_loop(keel_engine::AgentLoop::new(
@@ -912,6 +914,7 @@ async fn compaction(dir: &Path) {
         max_iterations: 4,
         max_output_tokens: Some(COMPACTION_OUTPUT),
         context_window_tokens: COMPACTION_WINDOW,
+        prices: None,
     };
     let m = SessionManager::new(
         store,

@@ -27,6 +27,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         max_iterations: 4,
         max_output_tokens: None,
         context_window_tokens: keel_engine::DEFAULT_CONTEXT_WINDOW_TOKENS,
+        prices: None,
     };
     let manager = SessionManager::new(
         store,

@@ -25,6 +25,7 @@
 
 mod address;
 mod agent_loop;
+mod budget;
 mod clock;
 mod context;
 mod coordinator;
@@ -44,6 +45,7 @@ pub use agent_loop::{
     AgentLoop, EventSink, NoHooks, OpenGate, StepGate, StepPermit, TurnEvent, TurnHooks,
     TurnOutput, TurnRequest,
 };
+pub use budget::Spend;
 pub use context::{estimate_request_tokens, DEFAULT_CONTEXT_WINDOW_TOKENS};
 pub use coordinator::{
     project_response, AgentCoordinator, AgentRunView, CallerContext, CatalogSource,

@@ -31,6 +31,9 @@ pub struct AgentProfile {
     /// The model's context window: requests are kept under it less
     /// `max_output_tokens` by compacting older history.
     pub context_window_tokens: usize,
+    /// What its profile's tokens cost (`price_input_per_mtok`,
+    /// `price_output_per_mtok`), for cost budgets; `None`: unpriced.
+    pub prices: Option<keel_core::Prices>,
 }
 
 impl std::fmt::Debug for AgentProfile {

@@ -338,6 +338,7 @@ async fn build(
         max_iterations: 8,
         max_output_tokens: None,
         context_window_tokens: keel_engine::DEFAULT_CONTEXT_WINDOW_TOKENS,
+        prices: None,
     };
     let config = SessionManagerConfig {
         auto_title_after: 3,

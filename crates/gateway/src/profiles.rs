@@ -74,6 +74,7 @@ impl ProfileBuilder {
             max_iterations: def.limits.max_iterations,
             max_output_tokens: Some(def.limits.max_output_tokens),
             context_window_tokens: self.context_window(&def.llm_profile),
+            prices: self.providers.prices(&def.llm_profile),
         })
     }
 
@@ -104,6 +105,7 @@ impl ProfileBuilder {
             max_iterations: 16,
             max_output_tokens: Some(self.root_max_output_tokens),
             context_window_tokens: self.context_window(crate::app::DEFAULT_PROFILE),
+            prices: self.providers.prices(crate::app::DEFAULT_PROFILE),
         })
     }
 }

@@ -177,6 +177,7 @@ fn runtime(store: Store, sub: Arc<dyn Provider>, marks: Arc<Marks>) -> Arc<Sessi
         max_iterations: 4,
         max_output_tokens: None,
         context_window_tokens: keel_engine::DEFAULT_CONTEXT_WINDOW_TOKENS,
+        prices: None,
     };
     let bundle = RuntimeBundle::new(profile)
         .with_loop(keel_engine::AgentLoop::new(

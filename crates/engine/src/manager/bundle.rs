@@ -186,6 +186,7 @@ impl RuntimeBundle {
                     max_iterations: root.max_iterations,
                     max_output_tokens: root.max_output_tokens,
                     context_window_tokens: root.context_window_tokens,
+                    prices: root.prices,
                 }))
             }
             other => other,

@@ -102,6 +102,12 @@ pub struct SessionManagerConfig {
     /// `None` (the library's default) arms no deadline; the `keel` binary
     /// always sets one (`session.turn_timeout_secs`, 900 s by default).
     pub turn_timeout: Option<Duration>,
+    /// USD one root turn and its foreground tree may spend
+    /// (`orchestration.max_cost_usd_per_root_turn`); `None`: no limit.
+    pub max_cost_usd_per_root_turn: Option<keel_core::Usd>,
+    /// USD everything one dialog runs may spend, across restarts
+    /// (`session.max_cost_usd_per_dialog`); `None`: no limit.
+    pub max_cost_usd_per_dialog: Option<keel_core::Usd>,
 }
 
 impl Default for SessionManagerConfig {
@@ -116,6 +122,8 @@ impl Default for SessionManagerConfig {
             event_capacity: DEFAULT_EVENT_CAPACITY,
             inbox: InboxPolicy::default(),
             turn_timeout: None,
+            max_cost_usd_per_root_turn: None,
+            max_cost_usd_per_dialog: None,
         }
     }
 }
@@ -179,6 +187,8 @@ pub struct SessionManager {
     workers: worker::Workers,
     events: Arc<SessionEvents>,
     housekeeping: housekeeping::Housekeeping,
+    /// The spend ledger of each dialog a turn or run holds.
+    dialog_ledgers: crate::budget::DialogLedgers,
 }
 
 impl SessionManager {
@@ -197,8 +207,15 @@ impl SessionManager {
                 workers: Mutex::new(HashMap::new()),
                 events,
                 housekeeping: housekeeping::Housekeeping::default(),
+                dialog_ledgers: crate::budget::DialogLedgers::default(),
             }
         })
+    }
+
+    /// What dialog `session` spent on model calls, its runs' included
+    /// (stored: it survives restarts and rollbacks).
+    pub async fn dialog_spend(&self, session: SessionId) -> Result<crate::budget::Spend> {
+        Ok(self.store.dialog_spend(session).await?.into())
     }
 
     /// The store.

@@ -192,6 +192,7 @@ async fn inbox(root: ScriptedProvider, options: Options) -> Inbox {
         max_iterations: 8,
         max_output_tokens: None,
         context_window_tokens: keel_engine::DEFAULT_CONTEXT_WINDOW_TOKENS,
+        prices: None,
     };
     let bundle = RuntimeBundle::new(profile).with_coordinator(coordinator);
     let manager = SessionManager::new(

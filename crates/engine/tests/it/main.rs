@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used)] // helpers outside #[test] fns unwrap too
 
 mod agent_loop;
+mod budgets;
 mod common;
 mod compaction;
 mod coordinator;

@@ -50,6 +50,7 @@ async fn a_turn_keeps_its_definition_and_the_next_one_sees_the_reload() {
                 max_iterations: 4,
                 max_output_tokens: None,
                 context_window_tokens: keel_engine::DEFAULT_CONTEXT_WINDOW_TOKENS,
+                prices: None,
             })
             .collect();
         Ok(AgentSet {
@@ -61,6 +62,7 @@ async fn a_turn_keeps_its_definition_and_the_next_one_sees_the_reload() {
                 max_iterations: root.max_iterations,
                 max_output_tokens: root.max_output_tokens,
                 context_window_tokens: root.context_window_tokens,
+                prices: None,
             },
             agents,
         })

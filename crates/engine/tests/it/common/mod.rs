@@ -26,6 +26,7 @@ pub fn profile(name: &str, provider: &ScriptedProvider, tools: ToolRegistry) -> 
         max_iterations: 8,
         max_output_tokens: None,
         context_window_tokens: keel_engine::DEFAULT_CONTEXT_WINDOW_TOKENS,
+        prices: None,
     }
 }
 
