@@ -114,6 +114,8 @@ wire_enum!(
         Cancelled,
         /// Stopped by a restart of keel.
         Interrupted,
+        /// Stopped before a model call that would have passed a spend budget.
+        BudgetExhausted,
     }
 );
 
@@ -655,7 +657,7 @@ pub struct RunListQuery {
     pub session_id: Option<String>,
     /// Only runs in these statuses, comma-separated (`running,queued`).
     #[param(
-        pattern = r"^(queued|running|waiting_children|completed|failed|timed_out|cancelled|interrupted)(,(queued|running|waiting_children|completed|failed|timed_out|cancelled|interrupted))*$"
+        pattern = r"^(queued|running|waiting_children|completed|failed|timed_out|cancelled|interrupted|budget_exhausted)(,(queued|running|waiting_children|completed|failed|timed_out|cancelled|interrupted|budget_exhausted))*$"
     )]
     pub status: Option<String>,
     /// Only runs of this agent.
