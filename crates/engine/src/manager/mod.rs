@@ -218,6 +218,11 @@ impl SessionManager {
         Ok(self.store.dialog_spend(session).await?.into())
     }
 
+    /// The budget of every dialog (`max_cost_usd_per_dialog`), if any.
+    pub fn dialog_budget(&self) -> Option<keel_core::Usd> {
+        self.config.max_cost_usd_per_dialog
+    }
+
     /// The store.
     pub fn store(&self) -> &Store {
         &self.store

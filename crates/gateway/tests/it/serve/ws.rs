@@ -377,7 +377,9 @@ async fn a_dialog_change_is_published_and_its_usage_counts_committed_turns() {
     let usage = t.json(&format!("/api/dialogs/{id}/usage")).await;
     assert_eq!(
         usage,
-        json!({"prompt_tokens": 0, "completion_tokens": 0, "model_calls": 0})
+        json!({"prompt_tokens": 0, "completion_tokens": 0, "model_calls": 0,
+            "spend": {"prompt_tokens": 0, "completion_tokens": 0, "model_calls": 0, "cost_usd": 0.0},
+            "max_cost_usd": null, "runs": []})
     );
     let mut ws = t.ws().await;
     ws.send(&ClientFrame::Send {
@@ -399,7 +401,9 @@ async fn a_dialog_change_is_published_and_its_usage_counts_committed_turns() {
     let usage = t.json(&format!("/api/dialogs/{id}/usage")).await;
     assert_eq!(
         usage,
-        json!({"prompt_tokens": 120, "completion_tokens": 18, "model_calls": 1})
+        json!({"prompt_tokens": 120, "completion_tokens": 18, "model_calls": 1,
+            "spend": {"prompt_tokens": 120, "completion_tokens": 18, "model_calls": 1, "cost_usd": 0.0},
+            "max_cost_usd": null, "runs": []})
     );
 
     let r = t
