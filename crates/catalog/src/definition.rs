@@ -7,7 +7,7 @@
 
 use std::path::PathBuf;
 
-use keel_core::{AgentId, Delivery};
+use keel_core::{AgentId, Delivery, Usd};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -42,6 +42,12 @@ pub const MAX_OUTPUT_TOKENS_BOUND: Bound = Bound {
 pub const DEFAULT_MAX_CHILDREN: u32 = 4;
 /// Accepted `limits.max_children`.
 pub const MAX_CHILDREN_BOUND: Bound = Bound { min: 1, max: 64 };
+
+/// Accepted `limits.max_tokens_total` (unset by default: no token budget).
+pub const MAX_TOKENS_TOTAL_BOUND: Bound = Bound {
+    min: 1,
+    max: 1_000_000_000_000,
+};
 
 /// Default `signal.delivery`: signals wait for a continuation turn.
 pub const DEFAULT_SIGNAL_DELIVERY: Delivery = Delivery::Queue;
@@ -112,6 +118,15 @@ pub struct AgentLimits {
     /// Delegations one run may start; default [`DEFAULT_MAX_CHILDREN`] (4),
     /// accepted 1..=64.
     pub max_children: u32,
+    /// Tokens (prompt plus completion) one run and its foreground
+    /// descendants may spend; unset by default (no budget), accepted
+    /// 1..=10^12 ([`MAX_TOKENS_TOTAL_BOUND`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_tokens_total: Option<u64>,
+    /// USD one run and its foreground descendants may spend, more than 0;
+    /// unset by default. Every profile they may run on needs prices.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_cost_usd: Option<Usd>,
 }
 
 impl AgentLimits {
@@ -121,6 +136,8 @@ impl AgentLimits {
         timeout_secs: DEFAULT_TIMEOUT_SECS,
         max_output_tokens: DEFAULT_MAX_OUTPUT_TOKENS,
         max_children: DEFAULT_MAX_CHILDREN,
+        max_tokens_total: None,
+        max_cost_usd: None,
     };
 }
 

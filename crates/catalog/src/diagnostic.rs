@@ -73,6 +73,8 @@ pub enum DiagnosticKind {
     InvalidInput,
     /// An `llm_profile` that names no configured provider profile.
     UnknownProfile,
+    /// A cost budget (`limits.max_cost_usd`) over a profile with no prices.
+    UnpricedProfile,
     /// A tool that is not registered.
     UnknownTool,
     /// A `RootOnly` tool listed by an agent that can be delegated to.

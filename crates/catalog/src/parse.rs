@@ -525,6 +525,8 @@ enum Ty {
     Names,
     AgentIds,
     Int(Bound),
+    /// An amount of USD above 0.
+    Usd,
     Delivery,
     Severities,
     Limits,
@@ -564,6 +566,8 @@ const LIMITS: &[Field] = &[
     field("timeout_secs", Ty::Int(TIMEOUT_SECS_BOUND), false),
     field("max_output_tokens", Ty::Int(MAX_OUTPUT_TOKENS_BOUND), false),
     field("max_children", Ty::Int(MAX_CHILDREN_BOUND), false),
+    field("max_tokens_total", Ty::Int(MAX_TOKENS_TOTAL_BOUND), false),
+    field("max_cost_usd", Ty::Usd, false),
 ];
 
 const SIGNAL: &[Field] = &[
@@ -799,6 +803,7 @@ impl Walk<'_> {
                 _ => self.list(v, path, Ty::Names),
             },
             Ty::Int(bound) => self.int(v, path, bound),
+            Ty::Usd => self.usd(v, path),
             Ty::Delivery => {
                 if let Some(s) = self.string(v, path, "`queue` or `steer`") {
                     if s.parse::<keel_core::Delivery>().is_err() {
@@ -951,6 +956,26 @@ impl Walk<'_> {
                     ),
                 );
             }
+        }
+    }
+
+    fn usd(&mut self, v: &Value, path: &[Seg<'_>]) {
+        let amount = match v {
+            Value::Number(n) => n.as_f64(),
+            _ => None,
+        };
+        match amount {
+            Some(x) if x.is_finite() && x > 0.0 => {}
+            Some(x) => self.push(
+                K::OutOfRange,
+                path,
+                format!("{x} is not a budget; write an amount of USD above 0"),
+            ),
+            None => self.push(
+                K::WrongType,
+                path,
+                format!("expected an amount of USD, found {}", describe(v)),
+            ),
         }
     }
 

@@ -27,6 +27,9 @@ pub const MAX_DELEGATION_DEPTH_CAP: u32 = 8;
 pub struct CatalogInputs {
     /// Names of the configured provider profiles (`[providers.NAME]`).
     pub profiles: BTreeSet<String>,
+    /// The profiles that have prices (`price_input_per_mtok` and
+    /// `price_output_per_mtok`): `limits.max_cost_usd` needs them.
+    pub priced_profiles: BTreeSet<String>,
     /// Every registered tool with its delegation policy.
     pub tools: Arc<ToolRegistry>,
     /// The skills definitions may list.
@@ -52,6 +55,7 @@ impl CatalogInputs {
     ) -> Self {
         Self {
             profiles: profiles.into_iter().map(Into::into).collect(),
+            priced_profiles: BTreeSet::new(),
             tools,
             skills: SkillSet::empty(),
             root_delegates: Vec::new(),
@@ -148,6 +152,7 @@ pub(crate) fn resolve(
         };
         check_delegates(def, &ctx, &known, &mut diags);
         check_profile(def, &ctx, inputs, &mut diags);
+        check_priced(def, &ctx, &parsed, inputs, &mut diags);
         check_tools(def, &ctx, inputs, delegators.get(&def.id), &mut diags);
         check_approval(def, &ctx, &mut diags);
         check_skills(def, &ctx, inputs, &mut diags);
@@ -303,6 +308,53 @@ fn check_delegates(
                 ),
             ));
         }
+    }
+}
+
+/// A cost budget counts what the run and its foreground descendants spend,
+/// so every profile they may run on (the agent's, and those of the agents it
+/// reaches by delegation) needs prices.
+fn check_priced(
+    def: &AgentDefinition,
+    ctx: &FileCtx<'_>,
+    parsed: &[Parsed],
+    inputs: &CatalogInputs,
+    diags: &mut Vec<Diagnostic>,
+) {
+    if def.limits.max_cost_usd.is_none() {
+        return;
+    }
+    let by_id: BTreeMap<&AgentId, &AgentDefinition> =
+        parsed.iter().map(|(d, _)| (&d.id, d)).collect();
+    let mut seen = BTreeSet::from([&def.id]);
+    let mut todo = vec![def];
+    let mut unpriced: BTreeMap<&str, &AgentId> = BTreeMap::new();
+    while let Some(agent) = todo.pop() {
+        let profile = agent.llm_profile.as_str();
+        if inputs.profiles.contains(profile) && !inputs.priced_profiles.contains(profile) {
+            unpriced.entry(profile).or_insert(&agent.id);
+        }
+        for next in agent.delegates.iter().filter_map(|id| by_id.get(id)) {
+            if seen.insert(&next.id) {
+                todo.push(next);
+            }
+        }
+    }
+    for (profile, agent) in unpriced {
+        let whose = if *agent == def.id {
+            "its profile".to_owned()
+        } else {
+            format!("the profile of its delegate {:?}", agent.as_str())
+        };
+        diags.push(ctx.diag(
+            K::UnpricedProfile,
+            &[Seg::Key("limits"), Seg::Key("max_cost_usd")],
+            format!(
+                "a cost budget needs prices, but {whose}, {profile:?}, has none; \
+                 set price_input_per_mtok and price_output_per_mtok in [providers.{profile}] \
+                 or remove limits.max_cost_usd"
+            ),
+        ));
     }
 }
 

@@ -36,4 +36,4 @@ pub use tool::{
     truncate_with_note, DelegationPolicy, Extensions, InputInterruptPolicy, ScopeRule, Tool,
     ToolError, ToolExecutionContext, ToolOutput, ToolRegistry, ToolRegistryError,
 };
-pub use usage::{CostTracker, Usage};
+pub use usage::{CostTracker, Prices, Usage, Usd, UsdError};

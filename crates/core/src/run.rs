@@ -94,6 +94,9 @@ text_enum!(
         Cancelled = "cancelled",
         /// Owned by a runtime generation that stopped before it finished.
         Interrupted = "interrupted",
+        /// Stopped before a model call that would have passed a spend budget
+        /// (tokens or USD) of the run, its tree, its root turn or its dialog.
+        BudgetExhausted = "budget_exhausted",
     }
 );
 
@@ -179,7 +182,8 @@ mod tests {
                 "failed",
                 "timed_out",
                 "cancelled",
-                "interrupted"
+                "interrupted",
+                "budget_exhausted"
             ]
         );
     }

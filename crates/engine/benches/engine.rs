@@ -116,6 +116,7 @@ fn manager(store: Store, provider: Arc<dyn Provider>) -> Arc<SessionManager> {
         // No compaction: these figures are about the whole history.
         context_window_tokens: usize::MAX,
         approval: keel_engine::ApprovalPolicy::none(),
+        prices: None,
     };
     SessionManager::new(
         store,
@@ -798,6 +799,7 @@ async fn delegation_overhead(dir: &Path) {
         max_output_tokens: None,
         context_window_tokens: keel_engine::DEFAULT_CONTEXT_WINDOW_TOKENS,
         approval: keel_engine::ApprovalPolicy::none(),
+        prices: None,
     };
     let bundle = RuntimeBundle::new(root)
         .with_loop(keel_engine::AgentLoop::new(
@@ -915,6 +917,7 @@ async fn compaction(dir: &Path) {
         max_output_tokens: Some(COMPACTION_OUTPUT),
         context_window_tokens: COMPACTION_WINDOW,
         approval: keel_engine::ApprovalPolicy::none(),
+        prices: None,
     };
     let m = SessionManager::new(
         store,

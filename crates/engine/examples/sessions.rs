@@ -28,6 +28,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         max_output_tokens: None,
         context_window_tokens: keel_engine::DEFAULT_CONTEXT_WINDOW_TOKENS,
         approval: keel_engine::ApprovalPolicy::none(),
+        prices: None,
     };
     let manager = SessionManager::new(
         store,

@@ -18,6 +18,8 @@ use keel_core::{
 use tokio::sync::mpsc;
 
 use crate::approval::{ApprovalGate, GateMode, SUB_AGENT_REFUSAL};
+use crate::budget::SpendMeter;
+use crate::context::estimate_request_tokens;
 use crate::error::{EngineError, Result};
 use crate::mailbox::TurnMailbox;
 
@@ -203,6 +205,8 @@ impl AgentLoop {
         let cancel = context.cancellation.clone();
         // A root turn's steer input enters at each model-call boundary.
         let mailbox = context.extensions.get::<Arc<TurnMailbox>>().cloned();
+        // The spend budgets over this loop, when it has any.
+        let meter = context.extensions.get::<Arc<SpendMeter>>().cloned();
         let emit = |e: TurnEvent| {
             if let Some(tx) = events {
                 // A client that went away does not stop the turn.
@@ -231,10 +235,26 @@ impl AgentLoop {
                     new_messages.push(m);
                 }
             }
+            // A call that would pass a budget is not made; its reservation
+            // is released if the call fails.
+            let estimate = || u64::try_from(estimate_request_tokens(&chat)).unwrap_or(u64::MAX);
+            let reservation = meter.as_ref().map(|m| m.reserve(estimate())).transpose()?;
             let response = {
                 let _permit = self.gate.provider_step(&context).await?;
                 stream_response(provider.as_ref(), &chat, &context, &emit).await?
             };
+            if let (Some(meter), Some(reservation)) = (&meter, reservation) {
+                // Unrecorded spend would let a restart reset a dialog budget:
+                // the turn stops, like a turn whose commit failed.
+                if let Err(e) = meter.settle(reservation, response.usage).await {
+                    emit(TurnEvent::SystemNotice {
+                        text: format!(
+                            "This turn's answer could not be saved and was discarded: what its model call spent could not be recorded: {e}"
+                        ),
+                    });
+                    return Err(e);
+                }
+            }
             usage.add(response.usage);
             let calls = response.message.tool_calls.clone();
             chat.messages.push(Arc::new(response.message.clone()));

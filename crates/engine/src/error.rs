@@ -35,6 +35,15 @@ pub enum EngineError {
         /// The deadline, in seconds.
         secs: u64,
     },
+    /// A spend budget (tokens or USD of a run tree, a root turn or a dialog)
+    /// would be passed by the next model call, which was not made. Not retryable as is.
+    #[error("the budget {budget} is exhausted ({detail}); no model call was made")]
+    BudgetExhausted {
+        /// The key that set the budget, e.g. `session.max_cost_usd_per_dialog`.
+        budget: String,
+        /// What was spent of it and what the call needed.
+        detail: String,
+    },
     /// The model kept calling tools past the agent's iteration limit. Not retryable as is.
     #[error("the agent reached its limit of {limit} model calls without a final answer")]
     MaxIterations {
@@ -261,6 +270,11 @@ impl EngineError {
     /// Whether this is the cancellation of a turn, a run or a wait.
     pub fn is_cancelled(&self) -> bool {
         matches!(self, EngineError::Cancelled)
+    }
+
+    /// Whether a spend budget stopped the turn or run before a model call.
+    pub fn is_budget_exhausted(&self) -> bool {
+        matches!(self, EngineError::BudgetExhausted { .. })
     }
 
     /// Whether this is a turn cancelled at its deadline.

@@ -76,6 +76,8 @@ pub enum SessionEvent {
         cancelled: bool,
         /// Whether it ran past its deadline and was cancelled there.
         timed_out: bool,
+        /// Whether a spend budget stopped it before a model call.
+        budget_exhausted: bool,
         /// Whether the turn's input was committed before it failed: it stays
         /// in the history, marked unanswered (a user turn that got as far as
         /// calling the model).

@@ -26,6 +26,7 @@
 mod address;
 mod agent_loop;
 mod approval;
+mod budget;
 mod clock;
 mod context;
 mod coordinator;
@@ -46,6 +47,7 @@ pub use agent_loop::{
     TurnOutput, TurnRequest,
 };
 pub use approval::{ApprovalPolicy, SUPERSEDED_REASON};
+pub use budget::Spend;
 pub use context::{estimate_request_tokens, DEFAULT_CONTEXT_WINDOW_TOKENS};
 pub use coordinator::{
     project_response, AgentCoordinator, AgentRunView, CallerContext, CatalogSource,

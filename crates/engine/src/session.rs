@@ -34,6 +34,9 @@ pub struct AgentProfile {
     pub context_window_tokens: usize,
     /// The tools whose calls wait for a person's approval.
     pub approval: crate::ApprovalPolicy,
+    /// What its profile's tokens cost (`price_input_per_mtok`,
+    /// `price_output_per_mtok`), for cost budgets; `None`: unpriced.
+    pub prices: Option<keel_core::Prices>,
 }
 
 impl std::fmt::Debug for AgentProfile {

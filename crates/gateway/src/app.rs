@@ -111,6 +111,9 @@ impl App {
                 Some(p) => p.clone(),
                 None => config.build_provider(&name)?,
             };
+            if let Some(prices) = config.profile_prices(&name) {
+                providers = providers.with_prices(name.clone(), prices);
+            }
             providers = providers.with(name, provider);
         }
         let root_provider = match &scripted {

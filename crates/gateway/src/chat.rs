@@ -518,6 +518,7 @@ impl Chat {
                 message,
                 cancelled,
                 timed_out,
+                budget_exhausted,
                 input_kept,
                 ..
             } => {
@@ -526,7 +527,13 @@ impl Chat {
                     (true, true) => self.say("(stopped; your message is kept, marked unanswered)"),
                     (true, false) => self.say("(stopped; nothing from this turn was saved)"),
                     (false, kept) => {
-                        let label = if *timed_out { "timed out" } else { "error" };
+                        let label = if *timed_out {
+                            "timed out"
+                        } else if *budget_exhausted {
+                            "budget exhausted"
+                        } else {
+                            "error"
+                        };
                         self.say(&format!("{label}: {message}"));
                         if *kept {
                             self.say(
@@ -779,6 +786,18 @@ impl Chat {
                 );
                 drop(g);
                 self.say(&info);
+                let spend = m.dialog_spend(self.current).await?;
+                let budget = m
+                    .dialog_budget()
+                    .map(|b| format!(" of {b} (session.max_cost_usd_per_dialog)"))
+                    .unwrap_or_default();
+                self.say(&format!(
+                    "spent {} in / {} out over {} model calls, runs included: {}{budget}",
+                    spend.usage.prompt_tokens,
+                    spend.usage.completion_tokens,
+                    spend.model_calls,
+                    spend.cost
+                ));
             }
             Slash::Stop => self.stop().await,
             Slash::Checkpoints => {

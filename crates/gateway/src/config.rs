@@ -20,7 +20,7 @@ use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use keel_catalog::{CatalogInputs, SkillSet};
-use keel_core::{AgentId, Provider, ToolRegistry};
+use keel_core::{AgentId, Prices, Provider, ToolRegistry, Usd};
 use keel_engine::{
     ApprovalPolicy, BuiltinToolsConfig, CoordinatorConfig, GateLimits, InboxPolicy, LandlockPolicy,
     SessionManagerConfig, ShellConfig, ShellConfinement, SummaryConfig, DEFAULT_SHELL_READ_PATHS,
@@ -201,6 +201,9 @@ pub struct SessionConfig {
     pub auto_checkpoint: bool,
     /// Seconds a root turn may run before it is stopped, timed out.
     pub turn_timeout_secs: u64,
+    /// USD everything one dialog runs may spend, across restarts; unset: no limit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_cost_usd_per_dialog: Option<Usd>,
     /// `[session.summary]`: automatic context summaries.
     pub summary: SummarySettings,
     /// `[session.retention]`: how much history the database keeps.
@@ -216,6 +219,7 @@ impl Default for SessionConfig {
             auto_title_after_n_messages: engine.auto_title_after,
             auto_checkpoint: engine.auto_checkpoint,
             turn_timeout_secs: DEFAULT_TURN_TIMEOUT_SECS,
+            max_cost_usd_per_dialog: None,
             summary: SummarySettings::default(),
             retention: RetentionSettings::default(),
         }
@@ -419,6 +423,9 @@ pub struct OrchestrationConfig {
     pub default_run_timeout_secs: u64,
     /// Children one `delegate` call may start at once.
     pub max_children_per_call: usize,
+    /// USD one root turn and its foreground tree may spend; unset: no limit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_cost_usd_per_root_turn: Option<Usd>,
 }
 
 impl Default for OrchestrationConfig {
@@ -446,6 +453,7 @@ impl Default for OrchestrationConfig {
             max_inbox_wait_secs: DEFAULT_MAX_INBOX_WAIT_SECS,
             default_run_timeout_secs: DEFAULT_RUN_TIMEOUT_SECS,
             max_children_per_call: widen(coordinator.max_children_per_call),
+            max_cost_usd_per_root_turn: None,
         }
     }
 }
@@ -784,6 +792,11 @@ impl Config {
     /// `max_tree_depth`.
     pub fn catalog_inputs(&self, tools: Arc<ToolRegistry>, skills: SkillSet) -> CatalogInputs {
         let mut inputs = CatalogInputs::new(self.profile_names(), tools);
+        inputs.priced_profiles = self
+            .profile_names()
+            .into_iter()
+            .filter(|name| self.profile_prices(name).is_some())
+            .collect();
         inputs.skills = skills;
         inputs.root_delegates = self.root_delegate_ids();
         inputs.max_delegation_depth = self.orchestration.max_tree_depth;
@@ -853,6 +866,12 @@ impl Config {
         keel_providers::build_provider_with_env(resolved, profile, env).map_err(ConfigError::from)
     }
 
+    /// What profile `name`'s tokens cost (see [`resolve_profile`](Self::resolve_profile)),
+    /// when it has prices.
+    pub fn profile_prices(&self, name: &str) -> Option<Prices> {
+        self.resolve_profile(name)?.1.prices()
+    }
+
     /// The context window of profile `name` in tokens (its
     /// `context_window_tokens`, else its model's known window).
     pub fn context_window(&self, name: &str) -> usize {
@@ -901,6 +920,8 @@ impl Config {
             inbox: self.inbox_policy(),
             turn_timeout: Some(Duration::from_secs(s.turn_timeout_secs)),
             approval_timeout: Duration::from_secs(self.tools.approval_timeout_secs),
+            max_cost_usd_per_root_turn: self.orchestration.max_cost_usd_per_root_turn,
+            max_cost_usd_per_dialog: s.max_cost_usd_per_dialog,
             ..SessionManagerConfig::default()
         }
     }

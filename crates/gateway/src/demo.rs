@@ -350,6 +350,7 @@ async fn build(
         context_window_tokens: keel_engine::DEFAULT_CONTEXT_WINDOW_TOKENS,
         // As `keel serve` and `keel chat` do: a write waits for a person.
         approval: keel_engine::ApprovalPolicy::tools(["write_file"]),
+        prices: None,
     };
     let config = SessionManagerConfig {
         auto_title_after: 3,

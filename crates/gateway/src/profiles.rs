@@ -86,6 +86,7 @@ impl ProfileBuilder {
                 None => ApprovalPolicy::none(),
             }
             .union(&self.approval),
+            prices: self.providers.prices(&def.llm_profile),
         })
     }
 
@@ -117,6 +118,7 @@ impl ProfileBuilder {
             max_output_tokens: Some(self.root_max_output_tokens),
             context_window_tokens: self.context_window(crate::app::DEFAULT_PROFILE),
             approval: self.approval.clone(),
+            prices: self.providers.prices(crate::app::DEFAULT_PROFILE),
         })
     }
 }

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_core::{Provider, ScriptedProvider};
+use keel_core::{Prices, Provider, ScriptedProvider, Usd};
 use serde::{Deserialize, Serialize};
 
 use crate::anthropic::AnthropicProvider;
@@ -211,6 +211,14 @@ pub struct ProviderProfile {
     /// the offline echo.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub script: Option<PathBuf>,
+    /// USD per million prompt tokens (a finite number, 0 or more); with
+    /// `price_output_per_mtok` it prices the profile's calls for cost
+    /// budgets. Default: none (the calls cost nothing known).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub price_input_per_mtok: Option<Usd>,
+    /// USD per million completion tokens (a finite number, 0 or more).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub price_output_per_mtok: Option<Usd>,
 }
 
 impl ProviderProfile {
@@ -230,7 +238,17 @@ impl ProviderProfile {
             total_timeout_secs: DEFAULT_TOTAL_TIMEOUT_SECS,
             context_window_tokens: None,
             script: None,
+            price_input_per_mtok: None,
+            price_output_per_mtok: None,
         }
+    }
+
+    /// What the profile's tokens cost, when both prices are set.
+    pub fn prices(&self) -> Option<Prices> {
+        Some(Prices {
+            input_per_mtok: self.price_input_per_mtok?,
+            output_per_mtok: self.price_output_per_mtok?,
+        })
     }
 
     /// The context window requests of this profile must fit in:
@@ -327,6 +345,21 @@ impl ProviderProfile {
         if let Some(tokens) = self.context_window_tokens {
             check_range(tokens, MIN_CONTEXT_WINDOW_TOKENS, MAX_CONTEXT_WINDOW_TOKENS)
                 .map_err(|m| invalid("context_window_tokens", m))?;
+        }
+        match (self.price_input_per_mtok, self.price_output_per_mtok) {
+            (Some(_), None) => {
+                return Err(invalid(
+                    "price_output_per_mtok",
+                    "is missing: set both prices or neither".into(),
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(invalid(
+                    "price_input_per_mtok",
+                    "is missing: set both prices or neither".into(),
+                ))
+            }
+            _ => {}
         }
         Ok(())
     }
@@ -554,6 +587,29 @@ mod tests {
     }
 
     #[test]
+    fn prices_are_amounts_of_usd_and_come_in_pairs() {
+        let p = parse(
+            serde_json::json!({"kind": "scripted", "price_input_per_mtok": 3,
+            "price_output_per_mtok": 15.5}),
+        )
+        .unwrap();
+        let prices = p.prices().unwrap();
+        assert_eq!(prices.input_per_mtok.get(), 3.0);
+        assert_eq!(prices.output_per_mtok.get(), 15.5);
+        p.validate_with_env("providers.p", &env_with(&[])).unwrap();
+        let err = parse(
+            serde_json::json!({"kind": "scripted", "price_input_per_mtok": -1,
+            "price_output_per_mtok": 1}),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("is not an amount of USD"), "{err}");
+        assert_eq!(
+            ProviderProfile::new(ProviderKind::Scripted, "").prices(),
+            None
+        );
+    }
+
+    #[test]
     fn unknown_keys_and_kinds_are_rejected() {
         let err = parse(serde_json::json!({"kind": "openai", "model": "m", "api_key": "sk"}))
             .unwrap_err();
@@ -707,6 +763,13 @@ mod tests {
             (
                 "missing default key",
                 ProviderProfile::new(ProviderKind::Anthropic, "claude"),
+            ),
+            (
+                "one price",
+                ProviderProfile {
+                    price_input_per_mtok: Some(Usd::ZERO),
+                    ..base.clone()
+                },
             ),
             (
                 "url on scripted",

@@ -100,6 +100,7 @@ mod queued;
 mod runs;
 mod runtime;
 mod sessions;
+mod spend;
 mod util;
 
 use std::path::Path;
@@ -138,6 +139,7 @@ pub use runs::{
 };
 pub use runtime::{describe_process, Activation, RuntimeLock};
 pub use sessions::{DialogCursor, DialogQuery, NewSession, SessionRecord, TimelineId};
+pub use spend::DialogSpend;
 
 /// Test seams, compiled only with the `testing` feature: build databases
 /// at older schema versions, or run a migration list of the test's own.

@@ -7,7 +7,7 @@ use rusqlite::{Connection, TransactionBehavior};
 use crate::error::{Result, StoreError};
 
 /// The schema version this build reads and writes.
-pub const SCHEMA_VERSION: u32 = 10;
+pub const SCHEMA_VERSION: u32 = 11;
 
 /// The steps, in order: `MIGRATIONS[k - 1]` takes a database from version `k - 1` to `k`.
 pub const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
@@ -21,7 +21,12 @@ pub const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
     include_str!("migrations/0008_turn_inputs.sql"),
     include_str!("migrations/0009_queued_inputs.sql"),
     include_str!("migrations/0010_tool_approvals.sql"),
+    include_str!("migrations/0011_spend_budgets.sql"),
 ];
+
+/// A step whose SQL contains this line runs with foreign keys off: it
+/// rebuilds a table other rows point at (SQLite cannot alter a CHECK).
+const REBUILDS_TABLES: &str = "\n-- keel: foreign keys off for this step";
 
 /// `PRAGMA user_version` of `conn`'s database.
 pub fn user_version(conn: &Connection) -> Result<u32> {
@@ -66,6 +71,20 @@ pub fn migrate_with(conn: &mut Connection, steps: &[&str]) -> Result<u32> {
 }
 
 fn apply(conn: &mut Connection, version: u32, sql: &str) -> Result<()> {
+    // `foreign_keys` cannot change inside a transaction; the check below
+    // still refuses a step that leaves a dangling reference.
+    let rebuild = sql.contains(REBUILDS_TABLES);
+    if rebuild {
+        conn.pragma_update(None, "foreign_keys", "OFF")?;
+    }
+    let result = apply_step(conn, version, sql);
+    if rebuild {
+        conn.pragma_update(None, "foreign_keys", "ON")?;
+    }
+    result
+}
+
+fn apply_step(conn: &mut Connection, version: u32, sql: &str) -> Result<()> {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     // Another process may have migrated meanwhile; the transaction holds the write lock now.
     if user_version(&tx)? >= version {

@@ -199,6 +199,21 @@ fn every_parse_rejection_kind_has_an_actionable_message() {
             format!("---\n{H}signal: {{burst: -1}}\n---\nbody\n"),
         ),
         (
+            "out_of_range_cost_budget",
+            K::OutOfRange,
+            format!("---\n{H}limits:\n  max_cost_usd: -0.5\n---\nbody\n"),
+        ),
+        (
+            "out_of_range_token_budget",
+            K::OutOfRange,
+            format!("---\n{H}limits:\n  max_tokens_total: 0\n---\nbody\n"),
+        ),
+        (
+            "wrong_type_cost_budget",
+            K::WrongType,
+            format!("---\n{H}limits:\n  max_cost_usd: \"$5\"\n---\nbody\n"),
+        ),
+        (
             "out_of_range_list",
             K::OutOfRange,
             format!("---\n{H}tools: [{many_tools}]\n---\nbody\n"),
@@ -362,7 +377,7 @@ fn parse_within(name: &str, bytes: Vec<u8>, secs: u64) -> Result<AgentDefinition
 fn fuzz_regression_an_empty_key_in_a_flow_mapping_is_reported_not_spun_on() {
     let text = "---\nid: a\ndescription: d\nllm_profile: default\nlimits: {\"\": 1}\n---\nBody.\n";
     let diags = parse_within("agent.md", text.as_bytes().to_vec(), 10).unwrap_err();
-    insta::assert_snapshot!(render(&diags), @r#"agent.md:5:1: limits."": unknown key `""` in `limits`; known keys: max_iterations, timeout_secs, max_output_tokens, max_children"#);
+    insta::assert_snapshot!(render(&diags), @r#"agent.md:5:1: limits."": unknown key `""` in `limits`; known keys: max_iterations, timeout_secs, max_output_tokens, max_children, max_tokens_total, max_cost_usd"#);
 }
 
 #[test]

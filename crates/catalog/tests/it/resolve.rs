@@ -115,6 +115,27 @@ fn every_resolution_rejection_kind_has_an_actionable_message() {
             inputs(&[]),
         ),
         (
+            "unpriced_profile",
+            K::UnpricedProfile,
+            vec![("a.md", agent("a", "limits: {max_cost_usd: 0.5}\n"))],
+            inputs(&[]),
+        ),
+        (
+            "unpriced_delegate_profile",
+            K::UnpricedProfile,
+            vec![
+                (
+                    "a.md",
+                    agent("a", "delegates: [b]\nlimits:\n  max_cost_usd: 2\n"),
+                ),
+                (
+                    "b.md",
+                    agent("b", "").replace("llm_profile: default", "llm_profile: fast"),
+                ),
+            ],
+            priced(&["default"]),
+        ),
+        (
             "unknown_skill",
             K::UnknownSkill,
             vec![("a.md", agent("a", "skills: [gti, docker]\n"))],
@@ -126,6 +147,37 @@ fn every_resolution_rejection_kind_has_an_actionable_message() {
         assert!(diags.has(kind), "{name}: expected {kind:?}, got {diags:#?}");
         insta::assert_snapshot!(format!("resolve_{name}"), diags.to_string());
     }
+}
+
+fn priced(profiles: &[&str]) -> CatalogInputs {
+    let mut i = inputs(&[]);
+    i.priced_profiles = profiles.iter().map(|p| p.to_string()).collect();
+    i
+}
+
+#[test]
+fn budgets_load_when_every_profile_they_cover_has_prices() {
+    let files = [
+        (
+            "a.md",
+            agent(
+                "a",
+                "delegates: [b]\nlimits: {max_cost_usd: 0.25, max_tokens_total: 5000}\n",
+            ),
+        ),
+        (
+            "b.md",
+            agent("b", "").replace("llm_profile: default", "llm_profile: fast"),
+        ),
+    ];
+    let texts = || files.iter().map(|(n, t)| (*n, t.as_str()));
+    let c = AgentCatalog::from_texts(texts(), &priced(&["default", "fast"]), 1).unwrap();
+    let a = c.get(&AgentId::parse("a").unwrap()).unwrap();
+    assert_eq!(a.limits.max_cost_usd.map(|u| u.get()), Some(0.25));
+    assert_eq!(a.limits.max_tokens_total, Some(5000));
+    // A token budget needs no prices.
+    let tokens_only = agent("t", "limits: {max_tokens_total: 10}\n");
+    AgentCatalog::from_texts([("t.md", tokens_only.as_str())], &inputs(&[]), 1).unwrap();
 }
 
 #[test]

@@ -178,6 +178,7 @@ fn runtime(store: Store, sub: Arc<dyn Provider>, marks: Arc<Marks>) -> Arc<Sessi
         max_output_tokens: None,
         context_window_tokens: keel_engine::DEFAULT_CONTEXT_WINDOW_TOKENS,
         approval: keel_engine::ApprovalPolicy::none(),
+        prices: None,
     };
     let bundle = RuntimeBundle::new(profile)
         .with_loop(keel_engine::AgentLoop::new(

@@ -10,6 +10,7 @@ use keel_core::{
 };
 use parking_lot::Mutex;
 
+use crate::budget::SpendMeter;
 use crate::error::{EngineError, Result};
 
 /// The runs a delegation tree may still create: one shared atomic count.
@@ -93,6 +94,8 @@ pub(crate) struct AgentExecutionContext {
     pub(crate) cancellation: CancellationToken,
     pub(crate) max_children: u32,
     pub(crate) children_started: AtomicU32,
+    /// The spend budgets the run's model calls count against.
+    pub(crate) spend: Arc<SpendMeter>,
     pub(crate) cancel_cause: Mutex<Option<CancelCause>>,
 }
 
@@ -154,6 +157,9 @@ pub struct CallerContext {
     /// The root turn's run budget: every delegation made through this caller
     /// (and its clones) draws from it.
     root_budget: Arc<OnceLock<Arc<TreeBudget>>>,
+    /// The caller's spend budgets: a run's, or the root turn's (when the
+    /// turn has them).
+    spend: Option<Arc<SpendMeter>>,
 }
 
 impl CallerContext {
@@ -171,6 +177,7 @@ impl CallerContext {
             run: None,
             cancellation,
             root_budget: Arc::new(OnceLock::new()),
+            spend: None,
         }
     }
 
@@ -180,6 +187,7 @@ impl CallerContext {
             root_session_id: context.root_session_id,
             root_turn_id: context.root_turn_id,
             cancellation: context.cancellation.clone(),
+            spend: Some(Arc::clone(&context.spend)),
             run: Some(context),
             root_budget: Arc::new(OnceLock::new()),
         }
@@ -202,7 +210,8 @@ impl CallerContext {
             },
             None => match (ctx.session_id, ctx.turn_id) {
                 (Some(session), Some(turn)) => {
-                    let caller = CallerContext::root(session, turn, ctx.cancellation.clone());
+                    let mut caller = CallerContext::root(session, turn, ctx.cancellation.clone());
+                    caller.spend = ctx.extensions.get::<Arc<SpendMeter>>().cloned();
                     // The turn's own budget, shared by all its tool calls.
                     if let Some(budget) = ctx.extensions.get::<Arc<TreeBudget>>() {
                         let _ = caller.root_budget.set(Arc::clone(budget));
@@ -260,6 +269,11 @@ impl CallerContext {
                     .get_or_init(|| Arc::new(TreeBudget::new(limit))),
             ),
         }
+    }
+
+    /// The caller's spend budgets, if it has any.
+    pub(crate) fn spend(&self) -> Option<&Arc<SpendMeter>> {
+        self.spend.as_ref()
     }
 
     /// The caller's cancellation token.

@@ -20,6 +20,7 @@ use super::context::{AgentExecutionContext, CallerContext, TreeBudget};
 use super::runner::{Launch, Quota};
 use super::view::{DelegateRequest, DelegateResponse, ForegroundResult};
 use super::{AgentCoordinator, PendingRun};
+use crate::budget::{BudgetScope, Ledger, Spend, SpendMeter};
 use crate::error::{EngineError, Result};
 use crate::gate::RunPermit;
 
@@ -351,6 +352,19 @@ impl AgentCoordinator {
             .map(|p| p.ancestry.clone())
             .unwrap_or_default();
         ancestry.push(record.spec.agent_id.clone());
+        // The run's own budget (its definition's limits), inside its caller's.
+        let ledger = Ledger::new(
+            BudgetScope::Run(record.spec.agent_id.clone()),
+            definition.limits.max_tokens_total,
+            definition.limits.max_cost_usd,
+            Spend::default(),
+        );
+        let prices = self.providers.prices(&definition.llm_profile);
+        let foreground = record.spec.mode == ExecutionMode::Foreground;
+        let spend = match caller.spend() {
+            Some(meter) => meter.child(ledger, prices, foreground),
+            None => SpendMeter::new(vec![ledger], prices, None),
+        };
         Arc::new(AgentExecutionContext {
             root_session_id: record.spec.root_session_id,
             root_turn_id: record.spec.root_turn_id,
@@ -367,6 +381,7 @@ impl AgentCoordinator {
             max_children: definition.limits.max_children,
             children_started: AtomicU32::new(0),
             cancel_cause: Mutex::new(None),
+            spend,
         })
     }
 

@@ -4,18 +4,24 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use keel_core::Provider;
+use keel_core::{Prices, Provider};
 
 /// Resolves provider profiles (config `[providers.NAME]`) to providers.
 pub trait ProviderFactory: Send + Sync {
     /// The provider of profile `profile`, or `None` if it is not configured.
     fn provider(&self, profile: &str) -> Option<Arc<dyn Provider>>;
+
+    /// What profile `profile`'s tokens cost, if it has prices.
+    fn prices(&self, _profile: &str) -> Option<Prices> {
+        None
+    }
 }
 
 /// A fixed map of profile name → provider (tests, the offline demo).
 #[derive(Clone, Default)]
 pub struct ProfileProviders {
     profiles: BTreeMap<String, Arc<dyn Provider>>,
+    prices: BTreeMap<String, Prices>,
 }
 
 impl ProfileProviders {
@@ -29,11 +35,21 @@ impl ProfileProviders {
         self.profiles.insert(profile.into(), provider);
         self
     }
+
+    /// The same map with `profile`'s tokens priced at `prices`.
+    pub fn with_prices(mut self, profile: impl Into<String>, prices: Prices) -> Self {
+        self.prices.insert(profile.into(), prices);
+        self
+    }
 }
 
 impl ProviderFactory for ProfileProviders {
     fn provider(&self, profile: &str) -> Option<Arc<dyn Provider>> {
         self.profiles.get(profile).cloned()
+    }
+
+    fn prices(&self, profile: &str) -> Option<Prices> {
+        self.prices.get(profile).copied()
     }
 }
 

@@ -141,6 +141,15 @@ impl AgentCoordinator {
                 tool_calls: out.tool_calls,
                 iterations: out.iterations,
             },
+            // Recorded with what the run's own calls spent.
+            Ok(Err(Stop::Agent(e @ EngineError::BudgetExhausted { .. }))) => {
+                let own = context.spend.own();
+                TerminalOutcome::BudgetExhausted {
+                    error: e.to_string(),
+                    usage: own.usage,
+                    cost: context.spend.priced().then_some(own.cost),
+                }
+            }
             Ok(Err(Stop::Agent(EngineError::Cancelled))) | Ok(Err(Stop::Superseded)) => {
                 TerminalOutcome::Cancelled {
                     reason: context.cancel_cause().reason,
@@ -259,6 +268,7 @@ impl AgentCoordinator {
         self.notify(context, RunEvent::Started);
         let mut extensions = Extensions::default();
         extensions.insert(Arc::clone(context));
+        extensions.insert(Arc::clone(&context.spend));
         extensions.insert(StepScope {
             session: Some(context.root_session_id),
             agent: Some(context.agent_id.clone()),

@@ -174,14 +174,19 @@ impl Tool for DelegateTool {
         let coordinator = coordinator(&self.coordinator)?;
         let caller = CallerContext::from_tool_context(ctx).map_err(EngineError::into_tool_error)?;
         let request = parse_delegate_args(args)?;
+        let spend = caller.spend().cloned();
         let response = coordinator
             .delegate(caller, request)
             .await
             .map_err(EngineError::into_tool_error)?;
-        Ok(ToolOutput::text(project_response(
-            &response,
-            coordinator.config().result_preview_bytes,
-        )))
+        let mut text = project_response(&response, coordinator.config().result_preview_bytes);
+        // What the delegating model may still spend, now that its children
+        // (foreground) ended.
+        if let Some(remaining) = spend.and_then(|s| s.remaining()) {
+            text.push('\n');
+            text.push_str(&remaining);
+        }
+        Ok(ToolOutput::text(text))
     }
 }
 

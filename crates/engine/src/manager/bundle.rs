@@ -187,6 +187,7 @@ impl RuntimeBundle {
                     max_output_tokens: root.max_output_tokens,
                     context_window_tokens: root.context_window_tokens,
                     approval: crate::ApprovalPolicy::none(),
+                    prices: root.prices,
                 }))
             }
             other => other,

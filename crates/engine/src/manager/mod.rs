@@ -106,6 +106,12 @@ pub struct SessionManagerConfig {
     /// How long a tool call waits for a person's decision before it
     /// expires as a denial (`tools.approval_timeout_secs`, 24 h by default).
     pub approval_timeout: Duration,
+    /// USD one root turn and its foreground tree may spend
+    /// (`orchestration.max_cost_usd_per_root_turn`); `None`: no limit.
+    pub max_cost_usd_per_root_turn: Option<keel_core::Usd>,
+    /// USD everything one dialog runs may spend, across restarts
+    /// (`session.max_cost_usd_per_dialog`); `None`: no limit.
+    pub max_cost_usd_per_dialog: Option<keel_core::Usd>,
 }
 
 impl Default for SessionManagerConfig {
@@ -121,6 +127,8 @@ impl Default for SessionManagerConfig {
             inbox: InboxPolicy::default(),
             turn_timeout: None,
             approval_timeout: Duration::from_secs(24 * 3600),
+            max_cost_usd_per_root_turn: None,
+            max_cost_usd_per_dialog: None,
         }
     }
 }
@@ -187,6 +195,8 @@ pub struct SessionManager {
     workers: worker::Workers,
     events: Arc<SessionEvents>,
     housekeeping: housekeeping::Housekeeping,
+    /// The spend ledger of each dialog a turn or run holds.
+    dialog_ledgers: crate::budget::DialogLedgers,
 }
 
 impl SessionManager {
@@ -205,8 +215,20 @@ impl SessionManager {
                 workers: Mutex::new(HashMap::new()),
                 events,
                 housekeeping: housekeeping::Housekeeping::default(),
+                dialog_ledgers: crate::budget::DialogLedgers::default(),
             }
         })
+    }
+
+    /// What dialog `session` spent on model calls, its runs' included
+    /// (stored: it survives restarts and rollbacks).
+    pub async fn dialog_spend(&self, session: SessionId) -> Result<crate::budget::Spend> {
+        Ok(self.store.dialog_spend(session).await?.into())
+    }
+
+    /// The budget of every dialog (`max_cost_usd_per_dialog`), if any.
+    pub fn dialog_budget(&self) -> Option<keel_core::Usd> {
+        self.config.max_cost_usd_per_dialog
     }
 
     /// The store.

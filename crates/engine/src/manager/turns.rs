@@ -33,6 +33,7 @@ use tokio_util::sync::CancellationToken;
 use super::{SessionManager, TurnReport};
 use crate::agent_loop::{EventSink, TurnEvent, TurnOutput, TurnProgress, TurnRequest};
 use crate::approval::{ApprovalGate, GateMode};
+use crate::budget::{BudgetScope, Ledger, Spend, SpendMeter};
 use crate::coordinator;
 use crate::error::{EngineError, Result};
 use crate::mailbox::TurnMailbox;
@@ -115,6 +116,23 @@ impl SessionManager {
         // session's memory, committed with its answer.
         let memory = has_memory_tools(&guard.agent.tools)
             .then(|| Arc::new(TurnMemory::new(guard.state.memory.clone())));
+        // The turn's calls count against a fresh root-turn budget and the
+        // dialog's (a rerun of the turn keeps both).
+        let dialog = self
+            .dialog_ledgers
+            .get(&self.store, id, self.config.max_cost_usd_per_dialog)
+            .await?;
+        let turn = Ledger::new(
+            BudgetScope::RootTurn,
+            None,
+            self.config.max_cost_usd_per_root_turn,
+            Spend::default(),
+        );
+        let spend = SpendMeter::new(
+            vec![turn, dialog],
+            guard.agent.prices,
+            Some((self.store.clone(), id)),
+        );
         let mut pending = PendingTurn {
             manager: self.clone(),
             guard: Some(guard),
@@ -129,6 +147,7 @@ impl SessionManager {
             progress: Arc::new(TurnProgress::default()),
             memory,
             approval,
+            spend,
             start,
         };
         pending.launch(false).await?;
@@ -172,6 +191,8 @@ pub(crate) struct PendingTurn {
     memory: Option<Arc<TurnMemory>>,
     /// The turn's approval gate, when its agent gates tools.
     approval: Option<Arc<ApprovalGate>>,
+    /// The budgets the turn's model calls count against.
+    spend: Arc<SpendMeter>,
     /// How it started (a rerun starts the same way).
     start: TurnStart,
 }
@@ -205,6 +226,7 @@ impl PendingTurn {
         let mut extensions = Extensions::default();
         extensions.insert(Arc::clone(&start.mailbox));
         extensions.insert(Arc::clone(&self.progress));
+        extensions.insert(Arc::clone(&self.spend));
         if let Some(memory) = &self.memory {
             extensions.insert(Arc::clone(memory));
         }

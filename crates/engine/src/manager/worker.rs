@@ -819,6 +819,7 @@ impl SessionManager {
                 },
                 cancelled: e.is_cancelled(),
                 timed_out: e.is_timed_out(),
+                budget_exhausted: e.is_budget_exhausted(),
                 input_kept,
             },
         };

@@ -1834,3 +1834,92 @@ async fn a_storage_failure_reaches_the_model_as_an_error_id_and_its_detail_only_
     assert!(h.runs().await.is_empty(), "nothing was persisted");
     h.assert_gate_idle();
 }
+
+// ── spend budgets ─────────────────────────────────────────────────────────
+
+fn with_usage(mut r: ScriptedResponse, prompt: u64, completion: u64) -> ScriptedResponse {
+    r.usage = Some(keel_core::Usage::new(prompt, completion));
+    r
+}
+
+#[tokio::test]
+async fn a_tree_whose_third_model_call_would_pass_max_tokens_total_makes_exactly_two() {
+    // a delegates to b (call 1, 1000 tokens), b answers (call 2, 1000
+    // tokens, counted in a's tree); a's third call would need about its
+    // request's estimate more than the 50 tokens left, so it is not made.
+    let h = setup(
+        vec![
+            agent("a")
+                .delegates(&["b"])
+                .limits("{max_tokens_total: 2050}")
+                .script(vec![with_usage(delegate_call("b", "dig"), 1000, 0)]),
+            agent("b").script(vec![with_usage(ScriptedResponse::text("found"), 600, 400)]),
+        ],
+        &["a"],
+    )
+    .build();
+    let results = foreground_results(
+        h.coord
+            .delegate(h.root(), fg(vec![task("a", "go")]))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(results.len(), 1);
+    assert_eq!(results[0].0, RunStatus::BudgetExhausted);
+    assert_eq!(
+        h.provider("a").inner.requests().len(),
+        1,
+        "a's second call is not made"
+    );
+    assert_eq!(h.provider("b").inner.requests().len(), 1);
+    let a = h.run_of("a").await;
+    assert_eq!(a.status, RunStatus::BudgetExhausted);
+    // Recorded with what a's own calls spent (b's are b's).
+    assert_eq!(a.usage, Some(keel_core::Usage::new(1000, 0)));
+    assert_eq!(a.cost, None, "a's profile has no prices");
+    let error = a.error.unwrap();
+    assert!(
+        error.starts_with(r#"the budget limits.max_tokens_total of agent "a" is exhausted (2000 of 2050 tokens spent"#),
+        "{error}"
+    );
+    let b = h.run_of("b").await;
+    assert_eq!(b.status, RunStatus::Completed);
+    assert_eq!(b.usage, Some(keel_core::Usage::new(600, 400)));
+    h.assert_gate_idle();
+}
+
+#[tokio::test]
+async fn the_delegate_result_shows_the_remaining_budget() {
+    let h = setup(
+        vec![
+            agent("a")
+                .delegates(&["b"])
+                .limits("{max_tokens_total: 10000}")
+                .script(vec![
+                    with_usage(delegate_call("b", "dig"), 1000, 0),
+                    with_usage(ScriptedResponse::text("done"), 10, 10),
+                ]),
+            agent("b").script(vec![with_usage(ScriptedResponse::text("found"), 600, 400)]),
+        ],
+        &["a"],
+    )
+    .build();
+    let results = foreground_results(
+        h.coord
+            .delegate(h.root(), fg(vec![task("a", "go")]))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(results[0], (RunStatus::Completed, Some("done".to_owned())));
+    let shown = tool_results(h.provider("a"));
+    assert_eq!(shown.len(), 1);
+    let remaining = shown[0].lines().last().unwrap();
+    assert_eq!(
+        remaining,
+        r#"remaining budget: 8000 tokens (limits.max_tokens_total of agent "a")"#
+    );
+    assert_eq!(
+        h.run_of("a").await.usage,
+        Some(keel_core::Usage::new(1010, 10))
+    );
+}

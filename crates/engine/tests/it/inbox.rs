@@ -193,6 +193,7 @@ async fn inbox(root: ScriptedProvider, options: Options) -> Inbox {
         max_output_tokens: None,
         context_window_tokens: keel_engine::DEFAULT_CONTEXT_WINDOW_TOKENS,
         approval: keel_engine::ApprovalPolicy::none(),
+        prices: None,
     };
     let bundle = RuntimeBundle::new(profile).with_coordinator(coordinator);
     let manager = SessionManager::new(

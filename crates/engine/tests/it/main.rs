@@ -4,6 +4,7 @@
 
 mod agent_loop;
 mod approvals;
+mod budgets;
 mod common;
 mod compaction;
 mod coordinator;

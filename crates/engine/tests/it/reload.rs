@@ -51,6 +51,7 @@ async fn a_turn_keeps_its_definition_and_the_next_one_sees_the_reload() {
                 max_output_tokens: None,
                 context_window_tokens: keel_engine::DEFAULT_CONTEXT_WINDOW_TOKENS,
                 approval: keel_engine::ApprovalPolicy::none(),
+                prices: None,
             })
             .collect();
         Ok(AgentSet {
@@ -63,6 +64,7 @@ async fn a_turn_keeps_its_definition_and_the_next_one_sees_the_reload() {
                 max_output_tokens: root.max_output_tokens,
                 context_window_tokens: root.context_window_tokens,
                 approval: keel_engine::ApprovalPolicy::none(),
+                prices: None,
             },
             agents,
         })

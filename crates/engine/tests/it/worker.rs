@@ -468,6 +468,10 @@ async fn a_turn_past_its_deadline_times_out_keeping_its_input_and_the_queue_runs
             break;
         }
     }
+    // The later turns record their spend in the store between model calls:
+    // with the clock paused, waiting on the writer would let it jump to
+    // their deadlines. Real time from here on.
+    tokio::time::resume();
     provider.release.add_permits(2);
     assert_eq!(b.outcome().await.unwrap().output.final_text(), "b done");
     let c = manager.submit_turn(id, "c").await.unwrap();

@@ -54,11 +54,16 @@ max_response_bytes = 33554432
 max_tool_argument_bytes = 4194304
 total_timeout_secs = 600
 context_window_tokens = 128000
+# USD per million tokens, for cost budgets (unset: unpriced).
+price_input_per_mtok = 0.15
+price_output_per_mtok = 0.6
 
 # keel's deterministic scripted provider (no network).
 [providers.offline]
 kind = "scripted"
 script = "scripts/demo.yaml"
+price_input_per_mtok = 0.0
+price_output_per_mtok = 0.0
 
 [session]
 ttl_hours = 24
@@ -66,6 +71,8 @@ cleanup_interval_minutes = 60
 auto_title_after_n_messages = 10
 auto_checkpoint = true
 turn_timeout_secs = 900
+# Unset by default: no limit.
+max_cost_usd_per_dialog = 5.0
 
 [session.summary]
 enabled = true
@@ -112,6 +119,8 @@ max_user_turn_burst_before_inbox = 3
 max_inbox_wait_secs = 30
 default_run_timeout_secs = 600
 max_children_per_call = 8
+# Unset by default: no limit.
+max_cost_usd_per_root_turn = 1.0
 
 [server]
 bind = "127.0.0.1:7420"
@@ -300,6 +309,24 @@ pub fn reference() -> Vec<KeyDoc> {
         "unset: the offline echo model",
         "For `scripted`: a YAML/JSON script file.".into(),
     );
+    text(
+        &mut rows,
+        "providers.NAME.price_input_per_mtok",
+        "unset: the profile is unpriced",
+        "USD per million prompt tokens (a finite number, 0 or more); set it together \
+         with `price_output_per_mtok`. Prices turn a call's reported usage into its cost \
+         for cost budgets: `limits.max_cost_usd` of a definition needs them on every \
+         profile its run tree may use, `session.max_cost_usd_per_dialog` and \
+         `orchestration.max_cost_usd_per_root_turn` on every profile, or keel refuses \
+         to start, naming the key."
+            .into(),
+    );
+    text(
+        &mut rows,
+        "providers.NAME.price_output_per_mtok",
+        "unset: the profile is unpriced",
+        "USD per million completion tokens (a finite number, 0 or more).".into(),
+    );
 
     code(
         &mut rows,
@@ -339,6 +366,18 @@ pub fn reference() -> Vec<KeyDoc> {
              and fails `timed_out`, the user's message kept, marked unanswered. \
              1..={MAX_TURN_TIMEOUT_SECS}; there is no \"no deadline\"."
         ),
+    );
+    text(
+        &mut rows,
+        "session.max_cost_usd_per_dialog",
+        "unset: no limit",
+        "USD one dialog may spend on model calls, its turns and all its runs \
+         (background ones included), above 0; every profile needs prices. The spend is \
+         stored call by call and is not given back by a restart or a rollback. Before a \
+         model call the request's estimated input tokens are reserved at its profile's \
+         input price; a call that would pass the budget is not made and the turn fails \
+         (the run ends `budget_exhausted`). Titles and summaries are not counted."
+            .into(),
     );
     code(
         &mut rows,
@@ -563,6 +602,15 @@ pub fn reference() -> Vec<KeyDoc> {
     for (name, doc) in orchestration {
         code(&mut rows, &format!("orchestration.{name}"), doc);
     }
+    text(
+        &mut rows,
+        "orchestration.max_cost_usd_per_root_turn",
+        "unset: no limit",
+        "USD one root turn may spend on model calls, with the foreground runs it \
+         delegates (background runs count against the dialog only), above 0; every \
+         profile needs prices. Each turn starts with the whole amount."
+            .into(),
+    );
 
     code(
         &mut rows,

@@ -4,7 +4,7 @@
 use std::collections::BTreeSet;
 use std::fmt::Display;
 
-use keel_core::AgentId;
+use keel_core::{AgentId, Usd};
 
 use super::error::KeyedProblem;
 use super::*;
@@ -25,6 +25,7 @@ pub(super) fn problems(config: &Config, env: &dyn Fn(&str) -> Option<String>) ->
     storage(&config.storage, &mut out);
     tools(config, &mut out);
     orchestration(&config.orchestration, &mut out);
+    cost_budgets(config, &mut out);
     server(&config.server, &mut out);
     out.0
 }
@@ -171,6 +172,39 @@ fn root_delegates(config: &Config, out: &mut Problems) {
             out.push(key, e.to_string());
         } else if !seen.insert(id.as_str()) {
             out.push(key, format!("`{id}` is listed twice"));
+        }
+    }
+}
+
+/// A cost budget of keel.toml counts every model call of a turn or a
+/// dialog, so it needs a positive amount and prices on every profile.
+fn cost_budgets(config: &Config, out: &mut Problems) {
+    let budgets = [
+        (
+            "session.max_cost_usd_per_dialog",
+            config.session.max_cost_usd_per_dialog,
+        ),
+        (
+            "orchestration.max_cost_usd_per_root_turn",
+            config.orchestration.max_cost_usd_per_root_turn,
+        ),
+    ];
+    for (key, budget) in budgets {
+        let Some(budget) = budget else { continue };
+        if budget == Usd::ZERO {
+            out.push(key, "0 is not a budget; write an amount of USD above 0");
+        }
+        for (name, profile) in config.profiles() {
+            if profile.prices().is_none() {
+                out.push(
+                    key,
+                    format!(
+                        "a cost budget needs prices, but profile {name:?} has none; set \
+                         price_input_per_mtok and price_output_per_mtok in [providers.{name}] \
+                         or remove {key}"
+                    ),
+                );
+            }
         }
     }
 }

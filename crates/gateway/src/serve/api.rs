@@ -114,6 +114,8 @@ wire_enum!(
         Cancelled,
         /// Stopped by a restart of keel.
         Interrupted,
+        /// Stopped before a model call that would have passed a spend budget.
+        BudgetExhausted,
     }
 );
 
@@ -212,8 +214,8 @@ impl From<&SessionRecord> for Dialog {
     }
 }
 
-/// Tokens a dialog's own turns used (its sub-agent runs report theirs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+/// Tokens a dialog's own turns used, and what the dialog spent in all.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DialogUsage {
     /// Input tokens of its committed turns.
@@ -222,16 +224,64 @@ pub struct DialogUsage {
     pub completion_tokens: u64,
     /// Model calls of its committed turns.
     pub model_calls: u64,
+    /// Every model call of the dialog, failed turns and sub-agent runs
+    /// included: what `session.max_cost_usd_per_dialog` counts. Stored call by
+    /// call, so a restart or a rollback does not reset it.
+    pub spend: Spend,
+    /// The dialog's budget (`session.max_cost_usd_per_dialog`), `null`
+    /// without one.
+    pub max_cost_usd: Option<f64>,
+    /// The dialog's newest runs (at most 100), each with what it spent and
+    /// what its tree (it and every run below it) spent.
+    pub runs: Vec<RunSpend>,
 }
 
-impl From<keel_core::CostTracker> for DialogUsage {
-    fn from(c: keel_core::CostTracker) -> Self {
+/// What model calls spent.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Spend {
+    /// Input tokens.
+    pub prompt_tokens: u64,
+    /// Output tokens.
+    pub completion_tokens: u64,
+    /// Model calls.
+    pub model_calls: u64,
+    /// USD at the profiles' prices (calls of unpriced profiles count 0).
+    pub cost_usd: f64,
+}
+
+impl From<keel_engine::Spend> for Spend {
+    fn from(s: keel_engine::Spend) -> Self {
         Self {
-            prompt_tokens: c.prompt_tokens,
-            completion_tokens: c.completion_tokens,
-            model_calls: c.requests,
+            prompt_tokens: s.usage.prompt_tokens,
+            completion_tokens: s.usage.completion_tokens,
+            model_calls: s.model_calls,
+            cost_usd: s.cost.get(),
         }
     }
+}
+
+/// What one run and its tree spent. A run's tokens are recorded when it
+/// ends completed or `budget_exhausted` (`null` before, and for a run that
+/// failed otherwise); its cost only when a budget stopped it on a priced
+/// profile.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunSpend {
+    /// The run.
+    pub run_id: Uuid,
+    /// Its agent.
+    pub agent: String,
+    /// The run that delegated it (`null` when the root agent did).
+    pub parent_run_id: Option<Uuid>,
+    /// Its status.
+    pub status: RunStatus,
+    /// Its own model calls' tokens, once recorded.
+    pub usage: Option<TokenUsage>,
+    /// Their cost, when recorded.
+    pub cost_usd: Option<f64>,
+    /// Tokens recorded for it and every run below it.
+    pub tree_usage: TokenUsage,
 }
 
 /// A page of dialogs, most recently created first.
@@ -656,7 +706,7 @@ pub struct RunListQuery {
     pub session_id: Option<String>,
     /// Only runs in these statuses, comma-separated (`running,queued`).
     #[param(
-        pattern = r"^(queued|running|waiting_children|completed|failed|timed_out|cancelled|interrupted)(,(queued|running|waiting_children|completed|failed|timed_out|cancelled|interrupted))*$"
+        pattern = r"^(queued|running|waiting_children|completed|failed|timed_out|cancelled|interrupted|budget_exhausted)(,(queued|running|waiting_children|completed|failed|timed_out|cancelled|interrupted|budget_exhausted))*$"
     )]
     pub status: Option<String>,
     /// Only runs of this agent.

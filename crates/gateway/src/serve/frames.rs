@@ -248,6 +248,10 @@ pub enum ServerFrame {
         /// Whether it ran past its deadline (`session.turn_timeout_secs`)
         /// and was stopped there.
         timed_out: bool,
+        /// Whether a spend budget (`session.max_cost_usd_per_dialog`,
+        /// `orchestration.max_cost_usd_per_root_turn`) stopped it before a
+        /// model call that would have passed it.
+        budget_exhausted: bool,
         /// Whether the user's message stays in the history, marked unanswered
         /// (it was stored before the model was called).
         input_kept: bool,

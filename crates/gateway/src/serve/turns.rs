@@ -251,6 +251,7 @@ impl TurnRunner {
                     message,
                     cancelled,
                     timed_out,
+                    budget_exhausted,
                     input_kept,
                 } if unowned(turn_id, origin) => {
                     self.adopted.lock().remove(turn_id);
@@ -262,6 +263,7 @@ impl TurnRunner {
                             turn_origin: (*origin).into(),
                             cancelled: *cancelled,
                             timed_out: *timed_out,
+                            budget_exhausted: *budget_exhausted,
                             input_kept: *input_kept,
                             message: message.clone(),
                         },
@@ -427,6 +429,7 @@ impl TurnRunner {
                 turn_origin: origin,
                 cancelled: e.is_cancelled(),
                 timed_out: e.is_timed_out(),
+                budget_exhausted: e.is_budget_exhausted(),
                 input_kept,
                 message: failure_message(e),
             },

@@ -161,7 +161,8 @@ fn a_full_example_file_parses() {
     assert_eq!(c.providers["offline"].kind, ProviderKind::Scripted);
     // Every section of the example shows the defaults, but for the
     // connection bound, derived from the open-file limit when unset, and
-    // `[tools.approval]`, which spells out what the default gates.
+    // `[tools.approval]`, which spells out what the default gates, and
+    // the cost budgets, unset by default.
     let d = Config::default();
     assert_eq!(c.server.max_connections, Some(768));
     let server = keel_gateway::config::ServerConfig {
@@ -173,8 +174,23 @@ fn a_full_example_file_parses() {
         approval: Default::default(),
         ..c.tools.clone()
     };
+    let usd = |v: f64| keel_core::Usd::new(v).unwrap();
+    assert_eq!(c.session.max_cost_usd_per_dialog, Some(usd(5.0)));
+    assert_eq!(c.orchestration.max_cost_usd_per_root_turn, Some(usd(1.0)));
     assert_eq!(
-        (&c.session, &c.storage, &tools, &c.orchestration, &server),
+        c.profile_prices("default").unwrap().input_per_mtok,
+        usd(0.15)
+    );
+    let session = keel_gateway::config::SessionConfig {
+        max_cost_usd_per_dialog: None,
+        ..c.session.clone()
+    };
+    let orchestration = keel_gateway::config::OrchestrationConfig {
+        max_cost_usd_per_root_turn: None,
+        ..c.orchestration.clone()
+    };
+    assert_eq!(
+        (&session, &c.storage, &tools, &orchestration, &server),
         (
             &d.session,
             &d.storage,
@@ -186,6 +202,37 @@ fn a_full_example_file_parses() {
     assert_eq!(c.offline_notice(), None);
     let (name, profile) = c.resolve_profile("default").unwrap();
     assert_eq!((name, profile.model.as_str()), ("main", "gpt-4o-mini"));
+}
+
+#[test]
+fn a_cost_budget_over_an_unpriced_profile_refuses_to_load_naming_the_key() {
+    let unpriced = "[providers.a]\nkind = \"scripted\"\n\
+        [providers.b]\nkind = \"scripted\"\nprice_input_per_mtok = 1\nprice_output_per_mtok = 2\n";
+    insta::assert_snapshot!(errors(&[
+        &format!("default_profile = \"b\"\n{unpriced}[session]\nmax_cost_usd_per_dialog = 2.5\n"),
+        &format!("default_profile = \"b\"\n{unpriced}[orchestration]\nmax_cost_usd_per_root_turn = 0.0\n"),
+        "[session]\nmax_cost_usd_per_dialog = 1\n",
+        "[session]\nmax_cost_usd_per_dialog = -1\n",
+        "[providers.p]\nkind = \"scripted\"\nprice_input_per_mtok = nan\nprice_output_per_mtok = 1\n",
+        "[providers.p]\nkind = \"scripted\"\nprice_output_per_mtok = 1\n",
+    ]));
+    // Priced everywhere, both budgets load and reach the session manager.
+    let ok = parse(
+        "[providers.p]\nkind = \"scripted\"\nprice_input_per_mtok = 1\nprice_output_per_mtok = 2\n\
+         [session]\nmax_cost_usd_per_dialog = 2\n[orchestration]\nmax_cost_usd_per_root_turn = 0.5\n",
+    )
+    .unwrap();
+    let engine = ok.session_manager_config();
+    assert_eq!(engine.max_cost_usd_per_dialog.map(|u| u.get()), Some(2.0));
+    assert_eq!(
+        engine.max_cost_usd_per_root_turn.map(|u| u.get()),
+        Some(0.5)
+    );
+    let inputs = ok.catalog_inputs(
+        std::sync::Arc::new(keel_core::ToolRegistry::new()),
+        keel_catalog::SkillSet::empty(),
+    );
+    assert!(inputs.priced_profiles.contains("p") && inputs.priced_profiles.contains("default"));
 }
 
 #[test]

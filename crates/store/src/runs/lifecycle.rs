@@ -2,7 +2,7 @@
 //! terminal commit that converts its completion slot, and cancellation.
 
 use keel_core::{
-    CompletionPolicy, Delivery, EventId, ExecutionMode, GroupId, RunId, RunStatus, SessionId,
+    CompletionPolicy, Delivery, EventId, ExecutionMode, GroupId, RunId, RunStatus, SessionId, Usd,
 };
 use rusqlite::{params, Connection};
 
@@ -195,6 +195,7 @@ fn completion_payload(run: &RunRecord, outcome: &TerminalOutcome) -> String {
         ),
         TerminalOutcome::Cancelled { reason } => (None, Some(format!("cancelled: {reason}"))),
         TerminalOutcome::Interrupted { reason } => (None, Some(format!("interrupted: {reason}"))),
+        TerminalOutcome::BudgetExhausted { error, .. } => (None, Some(error.clone())),
     };
     serde_json::json!({
         "run_id": run.spec.id,
@@ -287,6 +288,13 @@ pub(super) fn terminal_tx(
         ),
         TerminalOutcome::Cancelled { reason } => (None, Some(reason.clone()), None, 0, 0),
         TerminalOutcome::Interrupted { reason } => (None, Some(reason.clone()), None, 0, 0),
+        TerminalOutcome::BudgetExhausted { error, usage, .. } => {
+            (None, Some(error.clone()), Some(*usage), 0, 0)
+        }
+    };
+    let cost = match outcome {
+        TerminalOutcome::BudgetExhausted { cost, .. } => cost.map(Usd::get),
+        _ => None,
     };
     let root = &run.spec.root_session_id;
     let revision = revisions.of(conn, root, now_ms)?;
@@ -294,7 +302,7 @@ pub(super) fn terminal_tx(
         .prepare_cached(&format!(
             "UPDATE agent_runs SET status = ?1, result = ?2, error = ?3, \
              prompt_tokens = coalesce(?4, prompt_tokens), \
-             completion_tokens = coalesce(?5, completion_tokens), \
+             completion_tokens = coalesce(?5, completion_tokens), cost = coalesce(?12, cost), \
              tool_calls_count = max(tool_calls_count, ?6), iterations = max(iterations, ?7), \
              completion_slot_reserved = 0, revision = ?8, finished_at = ?9, updated_at = ?9 \
              WHERE id = ?10 AND execution_id = ?11 AND status IN {NONTERMINAL_RUN}"
@@ -311,6 +319,7 @@ pub(super) fn terminal_tx(
             now_ms,
             run.spec.id.to_string(),
             run.spec.execution_id,
+            cost,
         ])?;
     if n != 1 {
         return Err(StoreError::Stale(format!(

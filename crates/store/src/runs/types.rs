@@ -2,7 +2,7 @@
 
 use keel_core::{
     text_enum, AgentId, CompletionPolicy, Delivery, EventId, ExecutionMode, GroupId, RunId,
-    RunStatus, SessionId, TurnId, Usage,
+    RunStatus, SessionId, TurnId, Usage, Usd,
 };
 
 use crate::counters::CounterRepair;
@@ -261,6 +261,15 @@ pub enum TerminalOutcome {
         /// Why.
         reason: String,
     },
+    /// Stopped before a model call that would have passed a spend budget.
+    BudgetExhausted {
+        /// Which budget, and what was spent of it.
+        error: String,
+        /// Tokens the run's own model calls used.
+        usage: Usage,
+        /// What they cost, when its profile has prices.
+        cost: Option<Usd>,
+    },
 }
 
 impl TerminalOutcome {
@@ -272,6 +281,7 @@ impl TerminalOutcome {
             TerminalOutcome::TimedOut { .. } => RunStatus::TimedOut,
             TerminalOutcome::Cancelled { .. } => RunStatus::Cancelled,
             TerminalOutcome::Interrupted { .. } => RunStatus::Interrupted,
+            TerminalOutcome::BudgetExhausted { .. } => RunStatus::BudgetExhausted,
         }
     }
 }

@@ -11,6 +11,7 @@ mod orchestration;
 mod projection;
 mod runtime;
 mod sessions;
+mod spend;
 mod stored_enums;
 mod timelines;
 mod write_cache;

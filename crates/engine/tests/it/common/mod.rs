@@ -27,6 +27,7 @@ pub fn profile(name: &str, provider: &ScriptedProvider, tools: ToolRegistry) -> 
         max_output_tokens: None,
         context_window_tokens: keel_engine::DEFAULT_CONTEXT_WINDOW_TOKENS,
         approval: keel_engine::ApprovalPolicy::none(),
+        prices: None,
     }
 }
 

@@ -15,7 +15,7 @@ use keel_store::{CheckpointCursor, DialogCursor, MessagePage as StorePage};
 use super::{checked_text, decode_cursor, encode_cursor, page_limit, parse_id};
 use crate::serve::api::{
     ChatMessage, Checkpoint, CheckpointPage, Dialog, DialogListQuery, DialogPage, DialogPatch,
-    DialogUsage, ForkRequest, MessageListQuery, MessagePage, NewDialog, Order, PageQuery,
+    DialogUsage, ForkRequest, MessageListQuery, MessagePage, NewDialog, Order, PageQuery, RunSpend,
     SendMessage, SteerReport, SteerText, StopReport, TurnAccepted,
 };
 use crate::serve::frames::ServerFrame;
@@ -262,7 +262,9 @@ impl Shared {
 }
 
 /// Tokens and model calls of the dialog's committed turns (a running turn
-/// counts once it commits; sub-agent runs report their own usage).
+/// counts once it commits), what the dialog spent in all (every model call,
+/// its runs' included) against its budget, and what its newest runs and
+/// their trees spent.
 #[utoipa::path(get, path = "/api/dialogs/{id}/usage", tag = "dialogs",
     params(("id" = uuid::Uuid, Path, description = "The dialog's id")),
     responses((status = 200, description = "The dialog's usage", body = DialogUsage), Errors))]
@@ -271,7 +273,54 @@ pub(crate) async fn usage(
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<DialogUsage>> {
     let record = shared.dialog(&id).await?;
-    Ok(Json(shared.app.manager.usage(record.id).await?.into()))
+    let manager = &shared.app.manager;
+    let turns = manager.usage(record.id).await?;
+    let spend = manager.dialog_spend(record.id).await?;
+    let runs = shared
+        .app
+        .store
+        .list_runs(record.id, None, 100)
+        .await?
+        .items;
+    Ok(Json(DialogUsage {
+        prompt_tokens: turns.prompt_tokens,
+        completion_tokens: turns.completion_tokens,
+        model_calls: turns.requests,
+        spend: spend.into(),
+        max_cost_usd: manager.dialog_budget().map(keel_core::Usd::get),
+        runs: run_spends(&runs),
+    }))
+}
+
+/// Each run with its own tokens and those of its tree (of the runs listed).
+fn run_spends(runs: &[keel_store::RunRecord]) -> Vec<RunSpend> {
+    let mut tree: std::collections::HashMap<keel_core::RunId, keel_core::Usage> = runs
+        .iter()
+        .map(|r| (r.spec.id, r.usage.unwrap_or_default()))
+        .collect();
+    // Deepest first, so each run's total is complete before its parent adds it.
+    let mut by_depth: Vec<&keel_store::RunRecord> = runs.iter().collect();
+    by_depth.sort_by_key(|r| std::cmp::Reverse(r.spec.depth));
+    for r in by_depth {
+        let (Some(parent), Some(own)) = (r.spec.parent_run_id, tree.get(&r.spec.id).copied())
+        else {
+            continue;
+        };
+        if let Some(total) = tree.get_mut(&parent) {
+            total.add(own);
+        }
+    }
+    runs.iter()
+        .map(|r| RunSpend {
+            run_id: r.spec.id.as_uuid(),
+            agent: r.spec.agent_id.to_string(),
+            parent_run_id: r.spec.parent_run_id.map(|p| p.as_uuid()),
+            status: r.status.into(),
+            usage: r.usage.map(Into::into),
+            cost_usd: r.cost,
+            tree_usage: tree.get(&r.spec.id).copied().unwrap_or_default().into(),
+        })
+        .collect()
 }
 
 /// The dialog's checkpoints, newest first, as a tree through `parent_id`.

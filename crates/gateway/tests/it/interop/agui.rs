@@ -396,6 +396,7 @@ fn a_stopped_turn_closes_what_it_opened_and_finishes_cancelled() {
         turn_origin: TurnOrigin::User,
         cancelled: true,
         timed_out: false,
+        budget_exhausted: false,
         input_kept: false,
         message: "the turn was stopped; nothing of it was saved".into(),
     }));
@@ -433,6 +434,7 @@ fn a_failed_or_lost_turn_is_one_run_error() {
         turn_origin: TurnOrigin::User,
         cancelled: false,
         timed_out: false,
+        budget_exhausted: false,
         input_kept: false,
         message: "the turn failed and was not saved: provider refused".into(),
     }));

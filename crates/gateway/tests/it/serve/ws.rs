@@ -377,7 +377,9 @@ async fn a_dialog_change_is_published_and_its_usage_counts_committed_turns() {
     let usage = t.json(&format!("/api/dialogs/{id}/usage")).await;
     assert_eq!(
         usage,
-        json!({"prompt_tokens": 0, "completion_tokens": 0, "model_calls": 0})
+        json!({"prompt_tokens": 0, "completion_tokens": 0, "model_calls": 0,
+            "spend": {"prompt_tokens": 0, "completion_tokens": 0, "model_calls": 0, "cost_usd": 0.0},
+            "max_cost_usd": null, "runs": []})
     );
     let mut ws = t.ws().await;
     ws.send(&ClientFrame::Send {
@@ -399,7 +401,9 @@ async fn a_dialog_change_is_published_and_its_usage_counts_committed_turns() {
     let usage = t.json(&format!("/api/dialogs/{id}/usage")).await;
     assert_eq!(
         usage,
-        json!({"prompt_tokens": 120, "completion_tokens": 18, "model_calls": 1})
+        json!({"prompt_tokens": 120, "completion_tokens": 18, "model_calls": 1,
+            "spend": {"prompt_tokens": 120, "completion_tokens": 18, "model_calls": 1, "cost_usd": 0.0},
+            "max_cost_usd": null, "runs": []})
     );
 
     let r = t
@@ -800,4 +804,65 @@ async fn a_watching_client_sees_turns_resumed_after_a_restart_exactly_once() {
         first_end.iter().filter(|k| **k == "turn_committed").count(),
         1
     );
+}
+
+/// A dialog budget the next call would pass ends the turn `budget_exhausted`
+/// before the model is called, and `GET /api/dialogs/{id}/usage` shows what
+/// the dialog spent against it.
+#[tokio::test]
+async fn a_turn_past_the_dialog_budget_fails_budget_exhausted_and_usage_shows_the_spend() {
+    let t = TestServer::start(Setup {
+        provider: scripted(vec![ScriptedResponse {
+            usage: Some(keel_core::Usage::new(10_000, 0)),
+            ..ScriptedResponse::text("first")
+        }]),
+        // $0.0001 a token: the first call costs $1, and any request of the
+        // root agent (its prompt and tools) is estimated above $0.05.
+        config: "[providers.default]\nkind = \"scripted\"\nprice_input_per_mtok = 100\n\
+                 price_output_per_mtok = 100\n[session]\nmax_cost_usd_per_dialog = 1.05\n"
+            .into(),
+        ..Setup::default()
+    })
+    .await;
+    let id = t.dialog("Budget").await;
+    let mut ws = t.ws().await;
+    let send = |text: &str| ClientFrame::Send {
+        id: None,
+        session_id: uuid(&id),
+        text: text.into(),
+        if_busy: None,
+    };
+    ws.send(&send("one")).await;
+    ws.until(|f| matches!(f, ServerFrame::TurnCommitted { .. }))
+        .await;
+    ws.send(&send("two")).await;
+    let frames = ws
+        .until(|f| matches!(f, ServerFrame::TurnFailed { .. }))
+        .await;
+    let Some(ServerFrame::TurnFailed {
+        budget_exhausted,
+        timed_out,
+        cancelled,
+        input_kept,
+        message,
+        ..
+    }) = frames.last()
+    else {
+        unreachable!()
+    };
+    assert_eq!(
+        (*budget_exhausted, *timed_out, *cancelled, *input_kept),
+        (true, false, false, true)
+    );
+    assert!(
+        message.contains(
+            "the budget session.max_cost_usd_per_dialog is exhausted ($1.000000 of $1.050000 spent"
+        ),
+        "{message}"
+    );
+    let usage = t.json(&format!("/api/dialogs/{id}/usage")).await;
+    assert_eq!(usage["spend"]["model_calls"], 1, "{usage}");
+    assert_eq!(usage["spend"]["prompt_tokens"], 10_000);
+    assert_eq!(usage["spend"]["cost_usd"], 1.0);
+    assert_eq!(usage["max_cost_usd"], 1.05);
 }
