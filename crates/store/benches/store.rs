@@ -448,6 +448,86 @@ async fn retention(path: &Path) {
     );
 }
 
+/// File size after a WAL checkpoint that truncates the log.
+fn file_bytes(store_path: &Path) -> u64 {
+    let conn = rusqlite::Connection::open(store_path).expect("open");
+    conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+        .expect("checkpoint");
+    drop(conn);
+    std::fs::metadata(store_path).expect("size").len()
+}
+
+/// 100 deleted dialogs of 300 turns purged (as retention does: each dialog
+/// in bounded batches, then the blob sweep and the page reclaim), against
+/// a database that only ever held the one live dialog. Turns of all 101
+/// dialogs are committed round robin, as dialogs that live side by side.
+async fn purge(dir: &Path) {
+    const DIALOGS: usize = 100;
+    const TURNS: u64 = 300;
+    let held = dir.join("purge-held.db");
+    let never = dir.join("purge-never.db");
+    let store = Store::open(&held, StoreOptions::default()).expect("open");
+    let live = store
+        .create_session(session("live"))
+        .await
+        .expect("session")
+        .id;
+    let mut deleted = Vec::new();
+    for d in 0..DIALOGS {
+        let id = store
+            .create_session(session(&format!("deleted-{d}")))
+            .await
+            .expect("session")
+            .id;
+        deleted.push(id);
+    }
+    for n in 1..=TURNS {
+        store.commit_turn(turn(live, n, true)).await.expect("turn");
+        for id in &deleted {
+            store.commit_turn(turn(*id, n, true)).await.expect("turn");
+        }
+    }
+    for id in &deleted {
+        store.soft_delete_session(*id, 10).await.expect("delete");
+    }
+    let before = file_bytes(&held);
+    let start = Instant::now();
+    let mut messages = 0;
+    for id in store.deleted_sessions_before(10).await.expect("list") {
+        messages += store.purge_session(id).await.expect("purge").messages;
+    }
+    store.sweep_state_blobs().await.expect("sweep");
+    let mut pages = 0;
+    loop {
+        let n = store.reclaim_pages(1024).await.expect("reclaim");
+        pages += n;
+        if n < 1024 {
+            break;
+        }
+    }
+    let took = start.elapsed();
+    drop(store);
+    let after = file_bytes(&held);
+
+    let store = Store::open(&never, StoreOptions::default()).expect("open");
+    let live = store
+        .create_session(session("live"))
+        .await
+        .expect("session")
+        .id;
+    for n in 1..=TURNS {
+        store.commit_turn(turn(live, n, true)).await.expect("turn");
+    }
+    drop(store);
+    let baseline = file_bytes(&never);
+    println!(
+        "BENCH purge dialogs={DIALOGS} turns={TURNS} messages={messages} file_before={before} file_after={after} never_held={baseline} ratio={:.3} pages_reclaimed={pages} purge_ms={:.0} per_dialog_ms={:.1}",
+        after as f64 / baseline as f64,
+        took.as_secs_f64() * 1e3,
+        took.as_secs_f64() * 1e3 / DIALOGS as f64
+    );
+}
+
 async fn replay(path: &Path) {
     let store = Store::open(path, StoreOptions::default()).expect("open");
     let s = store
@@ -768,5 +848,8 @@ fn main() {
     }
     if wanted("retention") {
         rt.block_on(retention(&p("retention.db")));
+    }
+    if wanted("purge") {
+        rt.block_on(purge(dir.path()));
     }
 }
