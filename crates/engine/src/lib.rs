@@ -66,9 +66,9 @@ pub use gate::{
 };
 pub use mailbox::{MailboxLimits, WakeSource, WakeupState};
 pub use manager::{
-    apply_retention, AgentSet, AgentSetBuilder, InboxPolicy, NewSessionSpec, RetentionReport,
-    RuntimeBundle, SessionManager, SessionManagerConfig, SteerOutcome, StopReport, SummaryConfig,
-    TurnReport, TurnTicket,
+    apply_retention, AgentSet, AgentSetBuilder, InboxPolicy, NewSessionSpec, RetentionPolicy,
+    RetentionReport, RuntimeBundle, SessionManager, SessionManagerConfig, SteerOutcome, StopReport,
+    SummaryConfig, TurnReport, TurnTicket,
 };
 pub use session::{AgentProfile, AgentSession};
 pub use state::{

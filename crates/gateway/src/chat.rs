@@ -695,6 +695,48 @@ impl Chat {
         }
     }
 
+    /// `/info`: the current dialog, its agent, size and usage.
+    async fn info(&mut self) -> Result<()> {
+        let m = self.manager.clone();
+        let session = m.session(self.current).await?;
+        let g = session.lock().await;
+        let r = g.record();
+        let st = g.state();
+        let usage = m.store().dialog_usage(self.current).await?;
+        let messages = match g.unanswered()?.len() {
+            0 => r.message_count.to_string(),
+            n => format!("{} ({n} unanswered)", r.message_count),
+        };
+        let info = format!(
+            "dialog {} \"{}\"\nagent {} ({} / {})\nmessages {} · turns {} · slot {} · checkpoints {}\nstored {} bytes\ntokens {} in / {} out over {} model calls",
+            r.dialog_id,
+            r.title,
+            g.agent().name,
+            g.agent().provider.name(),
+            g.agent().provider.model(),
+            messages,
+            st.turn_index,
+            st.current_slot,
+            usage.checkpoints,
+            usage.stored_bytes,
+            st.cost.prompt_tokens,
+            st.cost.completion_tokens,
+            st.cost.requests
+        );
+        drop(g);
+        self.say(&info);
+        let spend = m.dialog_spend(self.current).await?;
+        let budget = m
+            .dialog_budget()
+            .map(|b| format!(" of {b} (session.max_cost_usd_per_dialog)"))
+            .unwrap_or_default();
+        self.say(&format!(
+            "spent {} in / {} out over {} model calls, runs included: {}{budget}",
+            spend.usage.prompt_tokens, spend.usage.completion_tokens, spend.model_calls, spend.cost
+        ));
+        Ok(())
+    }
+
     async fn command(&mut self, cmd: Slash) -> Result<()> {
         let m = self.manager.clone();
         match cmd {
@@ -759,46 +801,7 @@ impl Chat {
             }
             Slash::Memory => self.show_memory().await?,
             Slash::Compact => self.compact().await,
-            Slash::Info => {
-                let session = m.session(self.current).await?;
-                let g = session.lock().await;
-                let r = g.record();
-                let st = g.state();
-                let checkpoints = m.list_checkpoints(self.current).await?.len();
-                let messages = match g.unanswered()?.len() {
-                    0 => r.message_count.to_string(),
-                    n => format!("{} ({n} unanswered)", r.message_count),
-                };
-                let info = format!(
-                    "dialog {} \"{}\"\nagent {} ({} / {})\nmessages {} · turns {} · slot {} · checkpoints {}\ntokens {} in / {} out over {} model calls",
-                    r.dialog_id,
-                    r.title,
-                    g.agent().name,
-                    g.agent().provider.name(),
-                    g.agent().provider.model(),
-                    messages,
-                    st.turn_index,
-                    st.current_slot,
-                    checkpoints,
-                    st.cost.prompt_tokens,
-                    st.cost.completion_tokens,
-                    st.cost.requests
-                );
-                drop(g);
-                self.say(&info);
-                let spend = m.dialog_spend(self.current).await?;
-                let budget = m
-                    .dialog_budget()
-                    .map(|b| format!(" of {b} (session.max_cost_usd_per_dialog)"))
-                    .unwrap_or_default();
-                self.say(&format!(
-                    "spent {} in / {} out over {} model calls, runs included: {}{budget}",
-                    spend.usage.prompt_tokens,
-                    spend.usage.completion_tokens,
-                    spend.model_calls,
-                    spend.cost
-                ));
-            }
+            Slash::Info => self.info().await?,
             Slash::Stop => self.stop().await,
             Slash::Checkpoints => {
                 let list = m.list_checkpoints(self.current).await?;

@@ -71,12 +71,14 @@ pub enum Command {
         #[arg(long)]
         repair: bool,
     },
-    /// Prune old turn checkpoints now, as `[session.retention]` says (refused while a keel runs on it)
+    /// Prune old checkpoints and purge old deleted dialogs now, as `[session.retention]` says (refused while a keel runs on it)
     ///
-    /// Keeps each dialog's newest `keep_checkpoints` turn checkpoints and
-    /// everything a head, rollback, fork or manual checkpoint needs, then
-    /// gives freed pages back; prints what it removed. A running keel does
-    /// this in the background.
+    /// Removes for good the dialogs deleted more than
+    /// `purge_deleted_after_days` ago, with all their rows; keeps each
+    /// dialog's newest `keep_checkpoints` turn checkpoints and everything a
+    /// head, rollback, fork or manual checkpoint needs; then gives freed
+    /// pages back; prints what it removed. A running keel does this in the
+    /// background.
     Prune {
         /// Data directory and configuration.
         #[command(flatten)]

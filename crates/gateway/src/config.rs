@@ -23,7 +23,8 @@ use keel_catalog::{CatalogInputs, SkillSet};
 use keel_core::{AgentId, Prices, Provider, ToolRegistry, Usd};
 use keel_engine::{
     ApprovalPolicy, BuiltinToolsConfig, CoordinatorConfig, GateLimits, InboxPolicy, LandlockPolicy,
-    SessionManagerConfig, ShellConfig, ShellConfinement, SummaryConfig, DEFAULT_SHELL_READ_PATHS,
+    RetentionPolicy, SessionManagerConfig, ShellConfig, ShellConfinement, SummaryConfig,
+    DEFAULT_SHELL_READ_PATHS,
 };
 use keel_providers::{ProviderKind, ProviderProfile};
 use keel_store::{StoreOptions, Synchronous};
@@ -65,6 +66,8 @@ pub const MAX_TURN_TIMEOUT_SECS: u64 = 86_400;
 pub const MAX_SUMMARY_DEBOUNCE_TURNS: u32 = 1000;
 /// Largest `session.retention.keep_checkpoints`.
 pub const MAX_KEEP_CHECKPOINTS: usize = 1_000_000;
+/// Largest `session.retention.purge_deleted_after_days` (100 years).
+pub const MAX_PURGE_DELETED_AFTER_DAYS: u64 = 36_500;
 
 /// Most entries in `storage.retry_delays_ms`.
 pub const MAX_RETRY_ATTEMPTS: usize = 10;
@@ -232,12 +235,15 @@ impl Default for SessionConfig {
 pub struct RetentionSettings {
     /// Turn checkpoints kept per dialog, newest first (0 keeps all).
     pub keep_checkpoints: usize,
+    /// Days a soft-deleted dialog is kept before it is purged for good (0 keeps it).
+    pub purge_deleted_after_days: u64,
 }
 
 impl Default for RetentionSettings {
     fn default() -> Self {
         Self {
             keep_checkpoints: 100,
+            purge_deleted_after_days: 30,
         }
     }
 }
@@ -1027,10 +1033,15 @@ impl Config {
         }
     }
 
-    /// Turn checkpoints retention keeps per dialog; `None` when it keeps all.
-    pub fn keep_checkpoints(&self) -> Option<usize> {
-        let keep = self.session.retention.keep_checkpoints;
-        (keep > 0).then_some(keep)
+    /// `[session.retention]` for the engine: `None` for what it keeps forever.
+    pub fn retention_policy(&self) -> RetentionPolicy {
+        let r = &self.session.retention;
+        let days = r.purge_deleted_after_days;
+        RetentionPolicy {
+            keep_checkpoints: (r.keep_checkpoints > 0).then_some(r.keep_checkpoints),
+            purge_deleted_after: (days > 0)
+                .then(|| Duration::from_secs(days.saturating_mul(86_400))),
+        }
     }
 
     /// Time between two sweeps of idle sessions (and two retention passes).

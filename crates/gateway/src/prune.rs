@@ -8,6 +8,7 @@
 use std::path::Path;
 use std::process::ExitCode;
 
+use keel_engine::RetentionPolicy;
 use keel_store::{describe_process, RuntimeLock, Store};
 
 use crate::app::database_path;
@@ -24,24 +25,47 @@ pub async fn run(config_file: Option<&Path>, data_dir: Option<&Path>) -> Result<
             db.display()
         )));
     }
-    let Some(keep) = loaded.config.keep_checkpoints() else {
-        println!("retention is off (session.retention.keep_checkpoints = 0): nothing pruned");
+    let policy = loaded.config.retention_policy();
+    if policy == RetentionPolicy::default() {
+        println!(
+            "retention is off (session.retention.keep_checkpoints = 0 and \
+             purge_deleted_after_days = 0): nothing pruned"
+        );
         return Ok(ExitCode::SUCCESS);
-    };
+    }
     let lock = RuntimeLock::acquire(&db, &describe_process("keel prune"))?;
     let store = Store::open(&db, loaded.config.store_options()).map_err(database_err(&db))?;
-    let r = keel_engine::apply_retention(&store, keep).await?;
-    let removed = &r.removed;
-    println!(
-        "pruned {} dialog(s) to their newest {keep} turn checkpoints: {} checkpoints, \
-         {} messages, {} timelines and {} state blobs removed; {} pages given back",
-        r.sessions,
-        removed.checkpoints_deleted,
-        removed.messages_deleted,
-        removed.timelines_deleted,
-        removed.blobs_deleted,
-        r.pages_reclaimed
-    );
+    let r = keel_engine::apply_retention(&store, policy, keel_core::time::now_ms()).await?;
+    let days = loaded.config.session.retention.purge_deleted_after_days;
+    if policy.purge_deleted_after.is_some() {
+        let p = &r.purged;
+        let kept = if p.dialogs_kept_for_forks > 0 {
+            format!(
+                "; {} deleted dialog(s) keep the history a fork shares",
+                p.dialogs_kept_for_forks
+            )
+        } else {
+            String::new()
+        };
+        println!(
+            "purged {} dialog(s) deleted more than {days} day(s) ago: {} messages, \
+             {} checkpoints, {} runs, {} inbox events and {} state blobs removed{kept}",
+            p.dialogs, p.messages, p.checkpoints, p.runs, p.events, p.blobs
+        );
+    }
+    if let Some(keep) = policy.keep_checkpoints {
+        let removed = &r.removed;
+        println!(
+            "pruned {} dialog(s) to their newest {keep} turn checkpoints: {} checkpoints, \
+             {} messages, {} timelines and {} state blobs removed",
+            r.sessions,
+            removed.checkpoints_deleted,
+            removed.messages_deleted,
+            removed.timelines_deleted,
+            removed.blobs_deleted,
+        );
+    }
+    println!("{} pages given back", r.pages_reclaimed);
     drop(store);
     drop(lock);
     Ok(ExitCode::SUCCESS)

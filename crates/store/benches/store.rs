@@ -448,6 +448,186 @@ async fn retention(path: &Path) {
     );
 }
 
+/// keel's own docs and source (`benches/data`, fixed copies): the text of
+/// the bytes-per-turn figure.
+const PROSE: &str = include_str!("data/prose.md");
+const CODE: &str = include_str!("data/code.rs.txt");
+
+/// About `len` bytes of `text` from a position derived from `at` (on char boundaries).
+fn excerpt(text: &str, at: usize, len: usize) -> &str {
+    let mut start = at % (text.len() - len);
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    let mut end = start + len;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[start..end]
+}
+
+/// A turn of realistic text: a ~300-byte question of prose, a ~1.9 KB
+/// answer of prose or source code (alternately), a state blob shaped like
+/// the engine's; returns it with the bytes of its two texts.
+fn realistic_turn(s: SessionId, n: u64) -> (TurnCommit, usize) {
+    let i = n as usize;
+    let question = excerpt(PROSE, i * 7_919, 300);
+    let answer = if n % 2 == 0 {
+        excerpt(PROSE, i * 104_729, 1_900)
+    } else {
+        excerpt(CODE, i * 104_729, 1_900)
+    };
+    let raw = question.len() + answer.len();
+    let state = format!(
+        r#"{{"turn_index":{n},"cost":{{"prompt_tokens":{},"completion_tokens":{},"requests":{n},"cost_usd":0.0}},"current_slot":"default","slots":{{"default":{{"mode":"full","summary":null,"summary_upto":null}}}},"memory":[{{"key":"project","value":"keel, a durable runtime for LLM agents","updated_turn":3}}],"agent_id":"root"}}"#,
+        n * 1_234,
+        n * 321
+    );
+    let mut turn = turn(s, n, true);
+    turn.messages = vec![
+        NewMessage::new(Message::user(question)),
+        NewMessage::new(Message::assistant(answer)),
+    ];
+    turn.state = state.into_bytes();
+    (turn, raw)
+}
+
+/// Bytes of the database (its pages, the WAL's newer ones included) and of
+/// the `messages` table: (file, messages pages, unused bytes in them).
+fn database_bytes(path: &Path) -> (i64, i64, i64) {
+    let conn = rusqlite::Connection::open(path).expect("open");
+    let file = conn
+        .query_row(
+            "SELECT (SELECT page_count FROM pragma_page_count()) * \
+                    (SELECT page_size FROM pragma_page_size())",
+            [],
+            |r| r.get(0),
+        )
+        .expect("size");
+    let (pages, unused) = conn
+        .query_row(
+            "SELECT sum(pgsize), sum(unused) FROM dbstat WHERE name = 'messages'",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .expect("dbstat");
+    (file, pages, unused)
+}
+
+/// Database bytes per turn (growth over the empty database) against the
+/// raw bytes of the text the turns stored, at turn 10, 100 and 1000.
+async fn bytes_per_turn(path: &Path) {
+    let store = Store::open(path, StoreOptions::default()).expect("open");
+    let s = store
+        .create_session(session("bytes"))
+        .await
+        .expect("session")
+        .id;
+    let (empty, _, _) = database_bytes(path);
+    let mut raw = 0usize;
+    let mut line = String::new();
+    let mut ratio1000 = 0.0;
+    for n in 1..=1000u64 {
+        let (turn, bytes) = realistic_turn(s, n);
+        raw += bytes;
+        store.commit_turn(turn).await.expect("turn");
+        if n == 10 || n == 100 || n == 1000 {
+            let (file, pages, unused) = database_bytes(path);
+            let per_turn = (file - empty) as f64 / n as f64;
+            let raw_per_turn = raw as f64 / n as f64;
+            let ratio = per_turn / raw_per_turn;
+            if n == 1000 {
+                ratio1000 = ratio;
+            }
+            line.push_str(&format!(
+                " turn{n}_db_per_turn={per_turn:.0} turn{n}_raw_per_turn={raw_per_turn:.0} turn{n}_ratio={ratio:.2} turn{n}_messages_unused={:.0}%",
+                unused as f64 * 100.0 / pages as f64
+            ));
+        }
+    }
+    println!("BENCH bytes_per_turn corpus=prose+code ratio={ratio1000:.2}{line}");
+}
+
+/// File size after a WAL checkpoint that truncates the log.
+fn file_bytes(store_path: &Path) -> u64 {
+    let conn = rusqlite::Connection::open(store_path).expect("open");
+    conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+        .expect("checkpoint");
+    drop(conn);
+    std::fs::metadata(store_path).expect("size").len()
+}
+
+/// 100 deleted dialogs of 300 turns purged (as retention does: each dialog
+/// in bounded batches, then the blob sweep and the page reclaim), against
+/// a database that only ever held the one live dialog. Turns of all 101
+/// dialogs are committed round robin, as dialogs that live side by side.
+async fn purge(dir: &Path) {
+    const DIALOGS: usize = 100;
+    const TURNS: u64 = 300;
+    let held = dir.join("purge-held.db");
+    let never = dir.join("purge-never.db");
+    let store = Store::open(&held, StoreOptions::default()).expect("open");
+    let live = store
+        .create_session(session("live"))
+        .await
+        .expect("session")
+        .id;
+    let mut deleted = Vec::new();
+    for d in 0..DIALOGS {
+        let id = store
+            .create_session(session(&format!("deleted-{d}")))
+            .await
+            .expect("session")
+            .id;
+        deleted.push(id);
+    }
+    for n in 1..=TURNS {
+        store.commit_turn(turn(live, n, true)).await.expect("turn");
+        for id in &deleted {
+            store.commit_turn(turn(*id, n, true)).await.expect("turn");
+        }
+    }
+    for id in &deleted {
+        store.soft_delete_session(*id, 10).await.expect("delete");
+    }
+    let before = file_bytes(&held);
+    let start = Instant::now();
+    let mut messages = 0;
+    for id in store.deleted_sessions_before(10).await.expect("list") {
+        messages += store.purge_session(id).await.expect("purge").messages;
+    }
+    store.sweep_state_blobs().await.expect("sweep");
+    let mut pages = 0;
+    loop {
+        let n = store.reclaim_pages(1024).await.expect("reclaim");
+        pages += n;
+        if n < 1024 {
+            break;
+        }
+    }
+    let took = start.elapsed();
+    drop(store);
+    let after = file_bytes(&held);
+
+    let store = Store::open(&never, StoreOptions::default()).expect("open");
+    let live = store
+        .create_session(session("live"))
+        .await
+        .expect("session")
+        .id;
+    for n in 1..=TURNS {
+        store.commit_turn(turn(live, n, true)).await.expect("turn");
+    }
+    drop(store);
+    let baseline = file_bytes(&never);
+    println!(
+        "BENCH purge dialogs={DIALOGS} turns={TURNS} messages={messages} file_before={before} file_after={after} never_held={baseline} ratio={:.3} pages_reclaimed={pages} purge_ms={:.0} per_dialog_ms={:.1}",
+        after as f64 / baseline as f64,
+        took.as_secs_f64() * 1e3,
+        took.as_secs_f64() * 1e3 / DIALOGS as f64
+    );
+}
+
 async fn replay(path: &Path) {
     let store = Store::open(path, StoreOptions::default()).expect("open");
     let s = store
@@ -768,5 +948,11 @@ fn main() {
     }
     if wanted("retention") {
         rt.block_on(retention(&p("retention.db")));
+    }
+    if wanted("bytes") {
+        rt.block_on(bytes_per_turn(&p("bytes.db")));
+    }
+    if wanted("purge") {
+        rt.block_on(purge(dir.path()));
     }
 }

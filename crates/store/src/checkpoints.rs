@@ -151,7 +151,7 @@ fn newest_checkpoint(conn: &Connection, session: &SessionId) -> Result<Option<St
 /// Deletes every state blob no session and no checkpoint references. A
 /// set-based sweep run by prune/delete only, so the turn path needs no index
 /// on the (random) state hashes and a checkpoint's write cost stays flat.
-fn sweep_blobs(conn: &Connection) -> Result<u64> {
+pub(crate) fn sweep_blobs(conn: &Connection) -> Result<u64> {
     Ok(conn.execute(
         "DELETE FROM state_blobs WHERE hash NOT IN (SELECT state_hash FROM checkpoints) \
          AND hash NOT IN (SELECT state_hash FROM sessions WHERE state_hash IS NOT NULL)",

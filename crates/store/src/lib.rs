@@ -96,6 +96,7 @@ mod inbox;
 mod messages;
 mod migrations;
 mod projection;
+mod purge;
 mod queued;
 mod runs;
 mod runtime;
@@ -131,6 +132,7 @@ pub use messages::{
 };
 pub use migrations::SCHEMA_VERSION;
 pub use projection::{AgentChanges, EventCursor, RunQuery};
+pub use purge::{DialogUsage, PurgeReport};
 pub use queued::QueuedInput;
 pub use runs::{
     AcceptGroup, AcceptRun, AcceptedGroup, AcceptedRun, CancelReport, CompletionHandling,

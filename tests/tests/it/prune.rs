@@ -1,5 +1,6 @@
 //! `keel prune`: retention on demand against a real data directory, killed
-//! (SIGKILL, as `kill -9`) at several of its commits: what is left is
+//! (SIGKILL, as `kill -9`) at several of its commits — while it purges a
+//! dialog deleted long ago and while it prunes checkpoints: what is left is
 //! consistent, every checkpoint still listed restores exactly, and the next
 //! prune finishes the work and says what it removed.
 
@@ -71,6 +72,25 @@ async fn turns(store: &Store, id: SessionId, n: u64) -> Vec<CheckpointId> {
 
 /// Three dialogs: one with 35 turns and a rollback, one forked from it with
 /// 10 turns, one with 20 turns; retention keeps 2 turn checkpoints each.
+/// Then two deleted dialogs of 20 turns: one deleted long ago (purged, as
+/// `purge_deleted_after_days` is 30 by default), one just now (kept).
+/// Returns the three live dialogs and the two deleted ones.
+fn seed_all(data: &Path, rt: &tokio::runtime::Runtime) -> (Vec<SessionId>, [SessionId; 2]) {
+    let live = seed(data, rt);
+    let deleted = rt.block_on(async {
+        let store = Store::open(data.join("keel.db"), Default::default()).unwrap();
+        let old = store.create_session(session("old")).await.unwrap().id;
+        turns(&store, old, 20).await;
+        assert!(store.soft_delete_session(old, 50).await.unwrap());
+        let recent = store.create_session(session("recent")).await.unwrap().id;
+        turns(&store, recent, 20).await;
+        let now = keel_core::time::now_ms();
+        assert!(store.soft_delete_session(recent, now).await.unwrap());
+        [old, recent]
+    });
+    (live, deleted)
+}
+
 fn seed(data: &Path, rt: &tokio::runtime::Runtime) -> Vec<SessionId> {
     std::fs::create_dir_all(data).unwrap();
     std::fs::write(
@@ -133,10 +153,12 @@ fn restores(
 #[test]
 fn a_prune_killed_at_any_commit_leaves_a_consistent_database_the_next_one_finishes() {
     let rt = tokio::runtime::Runtime::new().unwrap();
-    for kill_at in [0, 2, 5] {
+    // The purge of the old deleted dialog commits first (queued inputs,
+    // runs, checkpoints, messages, its row), then the checkpoint pruning.
+    for kill_at in [0, 2, 3, 5] {
         let dir = tempfile::tempdir().unwrap();
         let data = dir.path().join("data");
-        let ids = seed(&data, &rt);
+        let (ids, [old, recent]) = seed_all(&data, &rt);
         let before = restores(&data, &ids, &rt);
         assert_eq!(before.len(), 30 + 1 + 5 + 1 + 10 + 20);
 
@@ -165,7 +187,7 @@ fn a_prune_killed_at_any_commit_leaves_a_consistent_database_the_next_one_finish
         );
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
-            stdout.starts_with("pruned ") && stdout.contains("to their newest 2 turn checkpoints"),
+            stdout.contains("to their newest 2 turn checkpoints"),
             "{stdout}"
         );
         let after = restores(&data, &ids, &rt);
@@ -174,6 +196,8 @@ fn a_prune_killed_at_any_commit_leaves_a_consistent_database_the_next_one_finish
         }
         let per_session: Vec<usize> = rt.block_on(async {
             let store = Store::open(data.join("keel.db"), Default::default()).unwrap();
+            assert!(store.get_session(old).await.unwrap().is_none(), "purged");
+            assert!(store.get_session(recent).await.unwrap().is_some(), "kept");
             let mut n = Vec::new();
             for id in &ids {
                 n.push(store.list_checkpoints(*id).await.unwrap().len());
@@ -191,7 +215,7 @@ fn prune_reports_what_it_removed_and_a_second_run_removes_nothing() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
-    seed(&data, &rt);
+    seed_all(&data, &rt);
     let first = prune(&data, None);
     assert!(first.status.success());
     let second = prune(&data, None);

@@ -113,8 +113,9 @@ impl SessionManager {
         Ok(())
     }
 
-    /// Soft-deletes a dialog: it disappears from listings; its rows stay, its
-    /// sub-agent runs are cancelled.
+    /// Soft-deletes a dialog: it disappears from listings; its sub-agent
+    /// runs are cancelled; its rows stay until retention purges it
+    /// ([`RetentionPolicy::purge_deleted_after`](crate::RetentionPolicy)).
     pub async fn delete_dialog(&self, id: SessionId) -> Result<()> {
         self.retire(id, "dialog deleted").await?;
         if self

@@ -49,7 +49,7 @@ use crate::session::AgentSession;
 
 pub use bundle::{AgentSet, AgentSetBuilder, RuntimeBundle};
 pub use continuation::InboxPolicy;
-pub use retention::{apply_retention, RetentionReport};
+pub use retention::{apply_retention, RetentionPolicy, RetentionReport};
 pub use worker::{SteerOutcome, StopReport, TurnTicket};
 
 /// Channel of sessions that are not dialogs (e.g. sub-agent children).

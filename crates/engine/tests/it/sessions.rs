@@ -1018,6 +1018,18 @@ async fn prune_keeps_the_latest_and_what_the_head_needs() {
     assert!(h.manager.latest_checkpoint(id).await.unwrap().is_none());
 }
 
+/// Retention keeping `n` turn checkpoints, purging no deleted dialog.
+fn keep(n: usize) -> keel_engine::RetentionPolicy {
+    keel_engine::RetentionPolicy {
+        keep_checkpoints: Some(n),
+        purge_deleted_after: None,
+    }
+}
+
+fn now_ms() -> i64 {
+    keel_core::time::now_ms()
+}
+
 /// Every message each checkpoint of `ids` restores, by checkpoint.
 async fn restored(
     store: &keel_store::Store,
@@ -1053,7 +1065,9 @@ async fn retention_keeps_the_newest_turn_checkpoints_and_every_point_a_user_made
     let store = open_store(h.dir.path());
     let before = restored(&store, &[id, fork]).await;
 
-    let report = keel_engine::apply_retention(&store, 1).await.unwrap();
+    let report = keel_engine::apply_retention(&store, keep(1), now_ms())
+        .await
+        .unwrap();
     assert_eq!(
         report.sessions, 1,
         "only d1 has more than one turn checkpoint"
@@ -1092,7 +1106,9 @@ async fn retention_keeps_the_newest_turn_checkpoints_and_every_point_a_user_made
         ["1", "a", "2", "b", "5", "e"]
     );
     // Nothing more to remove: a second pass is a no-op.
-    let again = keel_engine::apply_retention(&store, 1).await.unwrap();
+    let again = keel_engine::apply_retention(&store, keep(1), now_ms())
+        .await
+        .unwrap();
     assert_eq!(again.removed, keel_store::PruneReport::default());
 }
 
@@ -1109,7 +1125,7 @@ async fn the_retention_task_prunes_on_its_interval_and_ends_with_the_manager() {
         manager.submit_turn(id, t).await.unwrap();
     }
     let interval = Duration::from_secs(3600);
-    let task = manager.spawn_retention(interval, 1);
+    let task = manager.spawn_retention(interval, keep(1));
     tokio::time::sleep(interval).await;
     // The pass runs on the store's threads; wait for its result, bounded.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
@@ -1121,4 +1137,48 @@ async fn the_retention_task_prunes_on_its_interval_and_ends_with_the_manager() {
     task.await.unwrap();
     let store = open_store(dir.path());
     assert_eq!(store.list_checkpoints(id).await.unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn retention_purges_dialogs_deleted_longer_ago_than_its_limit() {
+    let h = harness(SessionManagerConfig::default());
+    let gone = h.manager.create(spec("gone")).await.unwrap();
+    let kept = h.manager.create(spec("kept")).await.unwrap();
+    replies(&h.provider, &["a", "b", "c"]);
+    h.manager.submit_turn(gone, "1").await.unwrap();
+    h.manager.submit_turn(gone, "2").await.unwrap();
+    h.manager.submit_turn(kept, "3").await.unwrap();
+    h.manager.delete_dialog(gone).await.unwrap();
+    let store = open_store(h.dir.path());
+    let day = Duration::from_secs(86_400);
+    let policy = keel_engine::RetentionPolicy {
+        keep_checkpoints: None,
+        purge_deleted_after: Some(30 * day),
+    };
+    // Deleted just now: not yet.
+    let early = keel_engine::apply_retention(&store, policy, now_ms())
+        .await
+        .unwrap();
+    assert_eq!(early.purged, keel_store::PurgeReport::default());
+    assert!(store.get_session(gone).await.unwrap().is_some());
+
+    let later = now_ms() + i64::try_from((31 * day).as_millis()).unwrap();
+    let report = keel_engine::apply_retention(&store, policy, later)
+        .await
+        .unwrap();
+    assert_eq!(report.purged.dialogs, 1);
+    assert_eq!(report.purged.messages, 4);
+    assert_eq!(report.purged.checkpoints, 2);
+    assert!(report.purged.blobs >= 1, "{report:?}");
+    assert!(store.get_session(gone).await.unwrap().is_none());
+    assert_eq!(visible_texts(&h.manager, kept).await, ["3", "c"]);
+    let check = store
+        .check_invariants(keel_store::CheckOptions::default())
+        .await
+        .unwrap();
+    assert!(check.is_clean(), "{check:#?}");
+    let again = keel_engine::apply_retention(&store, policy, later)
+        .await
+        .unwrap();
+    assert_eq!(again.purged, keel_store::PurgeReport::default());
 }

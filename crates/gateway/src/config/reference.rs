@@ -81,6 +81,7 @@ debounce_turns = 3
 
 [session.retention]
 keep_checkpoints = 100
+purge_deleted_after_days = 30
 
 [storage]
 synchronous = "normal"
@@ -410,6 +411,17 @@ pub fn reference() -> Vec<KeyDoc> {
              background off the turn path and by `keel prune`. Manual, rollback and fork \
              checkpoints, the checkpoints a rollback or fork started from, and the history \
              a head still shows are always kept. 0 keeps all, at most {MAX_KEEP_CHECKPOINTS}."
+        ),
+    );
+    code(
+        &mut rows,
+        "session.retention.purge_deleted_after_days",
+        format!(
+            "Days a deleted dialog is kept; after that it and all its rows (messages, \
+             checkpoints, state, runs and their inbox events) are removed for good, in the \
+             background off the turn path and by `keel prune`. The history another dialog \
+             was forked from stays until that dialog is purged too. 0 keeps deleted dialogs \
+             forever, at most {MAX_PURGE_DELETED_AFTER_DAYS}."
         ),
     );
 

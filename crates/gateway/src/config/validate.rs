@@ -235,6 +235,12 @@ fn session(s: &SessionConfig, out: &mut Problems) {
         0,
         MAX_KEEP_CHECKPOINTS,
     );
+    out.range(
+        "session.retention.purge_deleted_after_days",
+        s.retention.purge_deleted_after_days,
+        0,
+        MAX_PURGE_DELETED_AFTER_DAYS,
+    );
     let summary = &s.summary;
     if !(summary.trigger_ratio > 0.0 && summary.trigger_ratio <= 1.0) {
         out.push(

@@ -196,6 +196,23 @@ pub struct Dialog {
     pub created_at: Timestamp,
     /// Last activity.
     pub last_active_at: Timestamp,
+    /// What it occupies in the database; only `GET /api/dialogs/{id}` says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage: Option<DialogStorage>,
+}
+
+/// What a dialog occupies in the database.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DialogStorage {
+    /// Bytes of the text and blob values stored in its rows: every column
+    /// of its messages and checkpoints, the state blobs they reference (each
+    /// once), its sub-agent runs' task, context, result and error, and its
+    /// inbox events' payloads, as stored; integers and SQLite's per-row,
+    /// page and index overhead are not counted.
+    pub stored_bytes: u64,
+    /// Its checkpoints (every branch).
+    pub checkpoints: u64,
 }
 
 impl From<&SessionRecord> for Dialog {
@@ -210,6 +227,7 @@ impl From<&SessionRecord> for Dialog {
             message_count: r.message_count,
             created_at: Timestamp(r.created_at_ms),
             last_active_at: Timestamp(r.last_active_at_ms),
+            storage: None,
         }
     }
 }

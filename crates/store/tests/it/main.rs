@@ -9,6 +9,7 @@ mod history;
 mod migrations;
 mod orchestration;
 mod projection;
+mod purge;
 mod runtime;
 mod sessions;
 mod spend;

@@ -15,8 +15,8 @@ use keel_store::{CheckpointCursor, DialogCursor, MessagePage as StorePage};
 use super::{checked_text, decode_cursor, encode_cursor, page_limit, parse_id};
 use crate::serve::api::{
     ChatMessage, Checkpoint, CheckpointPage, Dialog, DialogListQuery, DialogPage, DialogPatch,
-    DialogUsage, ForkRequest, MessageListQuery, MessagePage, NewDialog, Order, PageQuery, RunSpend,
-    SendMessage, SteerReport, SteerText, StopReport, TurnAccepted,
+    DialogStorage, DialogUsage, ForkRequest, MessageListQuery, MessagePage, NewDialog, Order,
+    PageQuery, RunSpend, SendMessage, SteerReport, SteerText, StopReport, TurnAccepted,
 };
 use crate::serve::frames::ServerFrame;
 use crate::serve::openapi::Errors;
@@ -82,7 +82,7 @@ pub(crate) async fn create(
     Ok((StatusCode::CREATED, Json(Dialog::from(&record))))
 }
 
-/// One dialog.
+/// One dialog, with what it occupies in the database (`storage`).
 #[utoipa::path(get, path = "/api/dialogs/{id}", tag = "dialogs",
     params(("id" = uuid::Uuid, Path, description = "The dialog's id")),
     responses((status = 200, description = "The dialog", body = Dialog), Errors))]
@@ -90,7 +90,14 @@ pub(crate) async fn get_one(
     State(shared): State<Arc<Shared>>,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Dialog>> {
-    Ok(Json(Dialog::from(&shared.dialog(&id).await?)))
+    let record = shared.dialog(&id).await?;
+    let usage = shared.app.store.dialog_usage(record.id).await?;
+    let mut dialog = Dialog::from(&record);
+    dialog.storage = Some(DialogStorage {
+        stored_bytes: usage.stored_bytes,
+        checkpoints: usage.checkpoints,
+    });
+    Ok(Json(dialog))
 }
 
 /// Renames a dialog (which also stops automatic titles for it) and/or
@@ -126,7 +133,7 @@ pub(crate) async fn update(
     Ok(Json(dialog))
 }
 
-/// Deletes a dialog: it leaves listings and its sub-agent runs are cancelled; its rows stay.
+/// Deletes a dialog: it leaves listings, its sub-agent runs are cancelled, retention purges it later.
 #[utoipa::path(delete, path = "/api/dialogs/{id}", tag = "dialogs",
     params(("id" = uuid::Uuid, Path, description = "The dialog's id")),
     responses((status = 204, description = "Deleted"), Errors))]

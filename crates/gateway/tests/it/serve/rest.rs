@@ -78,6 +78,27 @@ async fn a_dialog_lives_through_messages_checkpoints_rollback_and_fork() {
     assert_eq!(fork["message_count"], 1);
     let rolled_back = t.json(&format!("/api/dialogs/{id}")).await;
     assert_eq!(rolled_back["message_count"], 1);
+    // What it occupies: two turn checkpoints and the rollback's (the fork's
+    // is the fork's), and the bytes the store counts for it.
+    let session: keel_core::SessionId = id.parse().unwrap();
+    let usage = t.store.dialog_usage(session).await.unwrap();
+    assert_eq!(
+        rolled_back["storage"],
+        json!({"stored_bytes": usage.stored_bytes, "checkpoints": 3})
+    );
+    assert!(usage.stored_bytes > 0);
+    let forked = t.json(&format!("/api/dialogs/{fork_id}")).await;
+    assert_eq!(forked["storage"]["checkpoints"], 1);
+    let fork_bytes = forked["storage"]["stored_bytes"].as_u64().unwrap();
+    assert!(fork_bytes < usage.stored_bytes, "{forked:#}");
+    // Listings do not compute it.
+    let listed = t.json("/api/dialogs").await;
+    let items = listed["items"].as_array().unwrap();
+    assert_eq!(items.len(), 2, "{listed:#}");
+    assert!(
+        items.iter().all(|d| d.get("storage").is_none()),
+        "{listed:#}"
+    );
     let report = t
         .store
         .check_invariants(keel_store::CheckOptions {
