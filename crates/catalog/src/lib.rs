@@ -44,6 +44,10 @@
 //! - **Tools** are fail-closed: an agent that the root or any agent may
 //!   delegate to is checked with `ScopeRule::Delegated` (only `Delegatable`
 //!   tools); runtime-injected tools can never be listed.
+//! - **Approval**: `approval: [shell, write_file]` names tools of the
+//!   agent's own `tools:` whose calls wait for a person's approval, and
+//!   `approval: all` gates every call; any other name is an error. (A
+//!   sub-agent run cannot ask yet: keel refuses its gated calls.)
 //! - **Cycles** in the delegation graph are allowed; the depth bound makes
 //!   every chain finite (see [`AgentCatalog`]).
 //! - **Hash**: `definition_hash` ignores formatting and changes with any

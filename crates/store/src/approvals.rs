@@ -397,7 +397,8 @@ impl Store {
             .await
     }
 
-    /// What the session's worker must do about approvals at `now_ms`.
+    /// What the session's worker must do about approvals at `now_ms`
+    /// (nothing for a deleted dialog).
     pub async fn approval_schedule(
         &self,
         session_id: SessionId,
@@ -405,6 +406,10 @@ impl Store {
     ) -> Result<ApprovalSchedule> {
         self.db
             .read(move |c| {
+                // A deleted dialog's approvals wait for nothing any more.
+                if require_session(c, &session_id)?.deleted_at_ms.is_some() {
+                    return Ok(ApprovalSchedule::default());
+                }
                 let s = session_id.to_string();
                 let (pending, expired, next): (i64, i64, Option<i64>) = c
                     .prepare_cached(

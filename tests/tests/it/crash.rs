@@ -296,3 +296,92 @@ fn a_second_chat_on_the_same_data_directory_is_refused_naming_the_holder() {
     drop(stdin);
     assert!(first.wait().unwrap().success());
 }
+
+/// `kill -9` while a gated call waits for approval: after the restart the
+/// approval is still pending, `/approve` runs the call once, and the turn
+/// goes on.
+#[test]
+fn kill_9_with_a_pending_approval_then_approve_runs_the_call_exactly_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    std::fs::write(
+        data.join("keel.toml"),
+        "workspace_root = \"..\"\n[tools]\nenable_write = true\n",
+    )
+    .unwrap();
+    let first = dir.path().join("first.yaml");
+    std::fs::write(
+        &first,
+        "- tool_calls:\n    - {name: write_file, arguments: {path: a.txt, content: once}}\n- text: never used\n",
+    )
+    .unwrap();
+    let mut child = chat(&data, &first);
+    let mut stdin = child.stdin.take().unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    stdin.write_all(b"write a.txt\n").unwrap();
+    // The question is printed once the pause is committed.
+    let id = loop {
+        let mut line = String::new();
+        assert_ne!(out.read_line(&mut line).unwrap(), 0, "EOF");
+        if line.contains("— allow? [y]es / [n]o / [a]lways") {
+            let id = line
+                .split("[approval ")
+                .nth(1)
+                .and_then(|rest| rest.split(']').next())
+                .unwrap()
+                .to_owned();
+            break id;
+        }
+    };
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    assert!(!dir.path().join("a.txt").exists(), "nothing ran undecided");
+
+    let second = dir.path().join("second.yaml");
+    std::fs::write(&second, "- text: written after the restart\n").unwrap();
+    let mut child = chat(&data, &second);
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(format!("/approvals\n/approve {id}\n/approvals\n").as_bytes())
+        .unwrap();
+    let output = child.wait_with_output().unwrap();
+    assert!(output.status.success());
+    let text = String::from_utf8(output.stdout).unwrap();
+    assert!(
+        text.contains(&format!("{id}  root")),
+        "still pending:\n{text}"
+    );
+    assert!(text.contains("keel> written after the restart"), "{text}");
+    assert!(text.contains("no tool call waits for a decision"), "{text}");
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("a.txt")).unwrap(),
+        "once"
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let store = keel_store::Store::open(data.join("keel.db"), Default::default()).unwrap();
+        let dialog = store
+            .latest_active_dialog("cli", "erin")
+            .await
+            .unwrap()
+            .unwrap();
+        let approvals = store.list_approvals(dialog.id, false).await.unwrap();
+        assert_eq!(approvals.len(), 1);
+        assert_eq!(approvals[0].status, keel_store::ApprovalStatus::Approved);
+        assert!(approvals[0].settled_at_ms.is_some());
+        let history = store
+            .load_messages(dialog.id, keel_store::MessageFilter::default())
+            .await
+            .unwrap();
+        let results = history
+            .iter()
+            .filter(|m| m.message.tool_name.as_deref() == Some("write_file"))
+            .count();
+        assert_eq!(results, 1, "the call ran and answered exactly once");
+    });
+}

@@ -424,3 +424,40 @@ async fn an_approved_call_a_crash_interrupted_is_never_run_again() {
     assert_eq!(s.writes.load(Ordering::SeqCst), 0, "not run a second time");
     assert!(last_tool_results(&s.provider)[0].contains("outcome is unknown"));
 }
+
+#[tokio::test]
+async fn a_decision_for_a_deleted_dialog_is_not_found_and_runs_nothing() {
+    let s = Setup::new();
+    let dir = tempfile::tempdir().unwrap();
+    let manager = s.manager(open_store(dir.path()), SessionManagerConfig::default());
+    let id = manager.create(spec("d")).await.unwrap();
+    let mut feed = manager.events().subscribe(id).await.unwrap();
+    let asked = pause(&s, &manager, id, &mut feed).await;
+    manager.delete_dialog(id).await.unwrap();
+    let err = manager
+        .decide_approval(asked, None, Decision::Approve, None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, EngineError::ApprovalNotFound(a) if a == asked),
+        "{err:?}"
+    );
+    assert_eq!(s.writes.load(Ordering::SeqCst), 0);
+    assert_eq!(
+        manager
+            .store()
+            .get_approval(asked)
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
+        ApprovalStatus::Pending,
+        "nothing was decided"
+    );
+    let schedule = manager
+        .store()
+        .approval_schedule(id, keel_core::time::now_ms() + 48 * 3600 * 1000)
+        .await
+        .unwrap();
+    assert_eq!(schedule, Default::default(), "no timer, no resume for it");
+}
