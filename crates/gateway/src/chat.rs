@@ -633,6 +633,49 @@ impl Chat {
         Ok(())
     }
 
+    /// `/info`: the current dialog, its agent, counts and spend.
+    async fn info(&mut self) -> Result<()> {
+        let m = self.manager.clone();
+        let session = m.session(self.current).await?;
+        let g = session.lock().await;
+        let r = g.record();
+        let st = g.state();
+        let checkpoints = m.list_checkpoints(self.current).await?.len();
+        let messages = match g.unanswered()?.len() {
+            0 => r.message_count.to_string(),
+            n => format!("{} ({n} unanswered)", r.message_count),
+        };
+        let info = format!(
+            "dialog {} \"{}\"\nagent {} ({} / {})\nmessages {} · turns {} · slot {} · checkpoints {}\ntokens {} in / {} out over {} model calls",
+            r.dialog_id,
+            r.title,
+            g.agent().name,
+            g.agent().provider.name(),
+            g.agent().provider.model(),
+            messages,
+            st.turn_index,
+            st.current_slot,
+            checkpoints,
+            st.cost.prompt_tokens,
+            st.cost.completion_tokens,
+            st.cost.requests
+        );
+        drop(g);
+        self.say(&info);
+        let spend = m.dialog_spend(self.current).await?;
+        // The cost shows once something was priced or a budget counts it.
+        let cost = match m.dialog_budget() {
+            Some(b) => format!(", {} of {b} (session.max_cost_usd_per_dialog)", spend.cost),
+            None if spend.cost > keel_core::Usd::ZERO => format!(", {}", spend.cost),
+            None => String::new(),
+        };
+        self.say(&format!(
+            "spent {} in / {} out over {} model calls, runs included{cost}",
+            spend.usage.prompt_tokens, spend.usage.completion_tokens, spend.model_calls,
+        ));
+        Ok(())
+    }
+
     async fn command(&mut self, cmd: Slash) -> Result<()> {
         let m = self.manager.clone();
         match cmd {
@@ -703,45 +746,7 @@ impl Chat {
                 Ok(false) => self.say("nothing new to summarize"),
                 Err(e) => self.say(&format!("could not summarize the context: {e}")),
             },
-            Slash::Info => {
-                let session = m.session(self.current).await?;
-                let g = session.lock().await;
-                let r = g.record();
-                let st = g.state();
-                let checkpoints = m.list_checkpoints(self.current).await?.len();
-                let messages = match g.unanswered()?.len() {
-                    0 => r.message_count.to_string(),
-                    n => format!("{} ({n} unanswered)", r.message_count),
-                };
-                let info = format!(
-                    "dialog {} \"{}\"\nagent {} ({} / {})\nmessages {} · turns {} · slot {} · checkpoints {}\ntokens {} in / {} out over {} model calls",
-                    r.dialog_id,
-                    r.title,
-                    g.agent().name,
-                    g.agent().provider.name(),
-                    g.agent().provider.model(),
-                    messages,
-                    st.turn_index,
-                    st.current_slot,
-                    checkpoints,
-                    st.cost.prompt_tokens,
-                    st.cost.completion_tokens,
-                    st.cost.requests
-                );
-                drop(g);
-                self.say(&info);
-                let spend = m.dialog_spend(self.current).await?;
-                // The cost shows once something was priced or a budget counts it.
-                let cost = match m.dialog_budget() {
-                    Some(b) => format!(", {} of {b} (session.max_cost_usd_per_dialog)", spend.cost),
-                    None if spend.cost > keel_core::Usd::ZERO => format!(", {}", spend.cost),
-                    None => String::new(),
-                };
-                self.say(&format!(
-                    "spent {} in / {} out over {} model calls, runs included{cost}",
-                    spend.usage.prompt_tokens, spend.usage.completion_tokens, spend.model_calls,
-                ));
-            }
+            Slash::Info => self.info().await?,
             Slash::Stop => self.stop().await,
             Slash::Checkpoints => {
                 let list = m.list_checkpoints(self.current).await?;
