@@ -400,6 +400,7 @@ fn rollback_with_an_empty_or_ambiguous_checkpoint_lists_the_candidates() {
     messages 2 · turns 2 · slot default · checkpoints 2
     stored <n> bytes
     tokens 137 in / 68 out over 2 model calls
+    spent 137 in / 68 out over 2 model calls, runs included
     "#);
 }
 

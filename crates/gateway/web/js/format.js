@@ -42,7 +42,7 @@ export function short(id) {
 }
 
 /** Statuses after which a run changes no more. */
-export const TERMINAL = new Set(['completed', 'failed', 'timed_out', 'cancelled', 'interrupted']);
+export const TERMINAL = new Set(['completed', 'failed', 'timed_out', 'cancelled', 'interrupted', 'budget_exhausted']);
 
 /** "waiting_children" → "waiting for children". */
 export function statusLabel(status) {
