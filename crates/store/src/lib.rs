@@ -1,4 +1,4 @@
-//! SQLite storage of keel: schema v9, forward-only migrations, group commit,
+//! SQLite storage of keel: schema v12, forward-only migrations, group commit,
 //! domain APIs. The only crate that knows SQL.
 //!
 //! [`Store`] is a cheap, cloneable handle over one write connection and a
@@ -92,6 +92,7 @@ mod error;
 pub mod failpoints;
 mod identify;
 mod inbox;
+mod mcp;
 mod messages;
 mod migrations;
 mod projection;
@@ -119,6 +120,7 @@ pub use inbox::{
     InboxLease, InboxSchedule, LeasedEvents, NewSignal, NoticeCommit, ReleaseReport,
     ReleaseRequest, ScopeKind, SignalCommit, SignalLimits, MAX_SIGNAL_PAYLOAD_BYTES,
 };
+pub use mcp::McpManifestRecord;
 pub use messages::{
     HistoryDelta, InputState, MessageFilter, MessagePage, NewMessage, OpenTurn, SessionHead,
     StoredMessage, TurnCommit, TurnCommitted, DEFAULT_SLOT,
@@ -138,7 +140,9 @@ pub use sessions::{DialogCursor, DialogQuery, NewSession, SessionRecord, Timelin
 /// at older schema versions, or run a migration list of the test's own.
 #[cfg(feature = "testing")]
 pub mod testing {
-    pub use crate::migrations::{migrate_to, migrate_with, user_version, MIGRATIONS};
+    pub use crate::migrations::{
+        migrate_to, migrate_with, user_version, MIGRATIONS, RESERVED_STEP,
+    };
 }
 
 /// A page of a cursor-paginated listing.

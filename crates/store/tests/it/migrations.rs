@@ -2,7 +2,7 @@
 //! version, failed-migration rollback, newer-version refusal, CHECK constraints.
 
 use keel_core::{Message, SessionId};
-use keel_store::testing::{migrate_to, migrate_with, user_version, MIGRATIONS};
+use keel_store::testing::{migrate_to, migrate_with, user_version, MIGRATIONS, RESERVED_STEP};
 use keel_store::{MessageFilter, Store, StoreError, SCHEMA_VERSION};
 use rusqlite::{params, Connection};
 
@@ -43,7 +43,10 @@ fn every_step_is_a_real_step_and_applies_once() {
         assert_eq!(migrate_to(&mut conn, k).unwrap(), k - 1);
         assert_eq!(user_version(&conn).unwrap(), k);
         let now = schema_text(&conn);
-        assert_ne!(now, previous, "migration {k} changed nothing");
+        // Steps reserved for branches developed in parallel are empty here.
+        if !MIGRATIONS[k as usize - 1].starts_with(RESERVED_STEP) {
+            assert_ne!(now, previous, "migration {k} changed nothing");
+        }
         previous = now;
     }
     // Re-running is a no-op.
@@ -233,7 +236,7 @@ fn a_newer_database_is_refused_and_left_untouched() {
         let conn = Connection::open(db_path(&dir)).unwrap();
         // A newer keel's database: keel's application id ("keel"), a later version.
         conn.execute_batch(
-            "CREATE TABLE future (x); PRAGMA user_version = 10; PRAGMA application_id = 1801807212;",
+            "CREATE TABLE future (x); PRAGMA user_version = 13; PRAGMA application_id = 1801807212;",
         )
         .unwrap();
     }
@@ -242,11 +245,11 @@ fn a_newer_database_is_refused_and_left_untouched() {
     assert_eq!(
         err,
         StoreError::NewerSchema {
-            found: 10,
-            supported: 9
+            found: 13,
+            supported: 12
         }
     );
-    insta::assert_snapshot!(err, @"database schema version 10 is newer than this build supports (9); refusing to open it");
+    insta::assert_snapshot!(err, @"database schema version 13 is newer than this build supports (12); refusing to open it");
     assert_eq!(std::fs::read(db_path(&dir)).unwrap(), bytes_before);
     assert!(!dir.path().join("keel.db-wal").exists());
 }
