@@ -8,6 +8,7 @@
 //! docs/CONFIG.md renders verbatim (a test keeps them identical).
 
 mod error;
+mod mcp;
 mod reference;
 mod spans;
 mod validate;
@@ -29,6 +30,10 @@ use keel_store::{StoreOptions, Synchronous};
 use serde::{Deserialize, Serialize};
 
 pub use error::{ConfigError, ConfigProblem};
+pub use mcp::{
+    valid_mcp_server_name, McpServerConfig, DEFAULT_MCP_MAX_OUTPUT_BYTES, DEFAULT_MCP_TIMEOUT_SECS,
+    MAX_MCP_MAX_OUTPUT_BYTES, MAX_MCP_TIMEOUT_SECS, MIN_MCP_MAX_OUTPUT_BYTES,
+};
 pub use reference::{flatten_keys, reference, render_generated_docs, KeyDoc, EXAMPLE_TOML};
 
 /// Name of the configuration file looked up in the data directory.
@@ -162,6 +167,9 @@ pub struct Config {
     pub orchestration: OrchestrationConfig,
     /// `[server]`: how `keel serve` listens, authenticates and shuts down.
     pub server: ServerConfig,
+    /// MCP servers by name (`[mcp.NAME]`).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub mcp: BTreeMap<String, McpServerConfig>,
 }
 
 impl Default for Config {
@@ -180,6 +188,7 @@ impl Default for Config {
             tools: ToolsConfig::default(),
             orchestration: OrchestrationConfig::default(),
             server: ServerConfig::default(),
+            mcp: BTreeMap::new(),
         }
     }
 }
@@ -678,6 +687,11 @@ impl Config {
         for profile in self.providers.values_mut() {
             if let Some(script) = &mut profile.script {
                 join(script);
+            }
+        }
+        for server in self.mcp.values_mut() {
+            if let Some(cwd) = &mut server.cwd {
+                join(cwd);
             }
         }
     }
