@@ -34,6 +34,10 @@ pub struct McpServerConfig {
     /// stdio: its working directory (unset: the workspace root).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cwd: Option<PathBuf>,
+    /// stdio: let the confined server open TCP connections and listen.
+    pub network: bool,
+    /// stdio: run the server unconfined where the kernel has no Landlock.
+    pub unsandboxed: bool,
     /// Streamable HTTP: the endpoint.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
@@ -58,6 +62,8 @@ impl Default for McpServerConfig {
             args: Vec::new(),
             env: Vec::new(),
             cwd: None,
+            network: false,
+            unsandboxed: false,
             url: None,
             headers_env: BTreeMap::new(),
             tools: None,

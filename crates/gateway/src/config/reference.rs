@@ -123,6 +123,8 @@ command = "npx"
 args = ["-y", "@modelcontextprotocol/server-filesystem", "."]
 env = ["NPM_CONFIG_CACHE"]
 cwd = "."
+network = false
+unsandboxed = false
 tools = ["read_text_file", "list_directory"]
 delegatable = false
 timeout_secs = 30
@@ -641,7 +643,7 @@ fn mcp_rows(rows: &mut Rows) {
         "command",
         "one of `command` or `url` is required",
         "A stdio MCP server: the program keel starts (looked up in `PATH`) when it \
-         activates (`keel serve`, `chat`, `demo`). `NAME` matches `[a-z][a-z0-9_-]`, at most 32 \
+         activates (`keel serve`, `chat`), under the shell tool's Landlock confinement. `NAME` matches `[a-z][a-z0-9_-]`, at most 32 \
          characters. Its tools reach the model as `mcp__NAME__TOOL`; agent definitions list them \
          as `mcp:NAME/TOOL` or `mcp:NAME/*`."
             .into(),
@@ -658,7 +660,22 @@ fn mcp_rows(rows: &mut Rows) {
     text(
         "cwd",
         "unset: the workspace root",
-        "stdio: the server's working directory (relative to this file).".into(),
+        "stdio: the server's working directory (relative to this file). A confined server \
+         reads and writes only in the workspace and its private `TMPDIR`, and reads and \
+         executes in `tools.shell_read_paths`."
+            .into(),
+    );
+    text(
+        "network",
+        "`false`",
+        "stdio: let the confined server open TCP connections and listen (Landlock ABI 4).".into(),
+    );
+    text(
+        "unsandboxed",
+        "`false`",
+        "stdio: on a kernel without Landlock, run the server unconfined (a start-up notice \
+         says so) instead of refusing to start it."
+            .into(),
     );
     text(
         "url",

@@ -345,6 +345,8 @@ fn mcp(config: &Config, env: &dyn Fn(&str) -> Option<String>, out: &mut Problems
                     ("args", !server.args.is_empty()),
                     ("env", !server.env.is_empty()),
                     ("cwd", server.cwd.is_some()),
+                    ("network", server.network),
+                    ("unsandboxed", server.unsandboxed),
                 ] {
                     if set {
                         out.push(sub(k), "only for stdio servers (`command`)");
