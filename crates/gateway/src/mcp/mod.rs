@@ -90,7 +90,7 @@ pub async fn connect_all(
         let connection = client::connect(name, server, &config.workspace_root(), policy).await;
         let previous = committed
             .get(name)
-            .map(|r| McpManifest::from_record(r))
+            .map(McpManifest::from_record)
             .transpose()?;
         let (manifest, connection) = match connection {
             Ok((connection, manifest)) => {

@@ -39,7 +39,7 @@ async fn a_manifest_is_replaced_only_when_its_hash_changes_and_survives_a_reopen
         .await
         .unwrap();
     drop(store);
-    let store = Store::open(&db_path(&dir), fast_options()).unwrap();
+    let store = Store::open(db_path(&dir), fast_options()).unwrap();
     let all = store.mcp_manifests().await.unwrap();
     assert_eq!(all.len(), 2);
     assert_eq!(all[0], changed);
