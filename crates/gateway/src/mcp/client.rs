@@ -155,6 +155,7 @@ fn spawn_stdio(
     }
     cmd.env("TMPDIR", tmp.path());
     cmd.current_dir(config.cwd.as_deref().unwrap_or(workspace));
+    cmd.kill_on_drop(true);
     #[cfg(unix)]
     cmd.process_group(0);
     let (transport, stderr) = TokioChildProcess::builder(cmd)
