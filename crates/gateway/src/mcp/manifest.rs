@@ -198,7 +198,7 @@ mod tests {
         );
         assert_eq!(registered_name("files", ""), None);
         assert_eq!(registered_name("files", &"x".repeat(60)), None);
-        let name = registered_name("a", &"x".repeat(MAX_TOOL_NAME_LEN - 7)).unwrap();
+        let name = registered_name("a", &"x".repeat(MAX_TOOL_NAME_LEN - 8)).unwrap();
         assert_eq!(name.len(), MAX_TOOL_NAME_LEN);
     }
 
