@@ -4,8 +4,9 @@
 //!
 //! Tools: `echo {text}`, `add {a, b}`, `sleep {ms, marker?}` (writes
 //! `cancelled` to `marker` when the client cancels it), `big {bytes}`,
-//! `fail` (an `isError` result), `image`, and `write {path}` (writes a file,
-//! for the sandbox tests). A list of names limits which are listed, so a
+//! `fail` (an `isError` result), `image`, and `write {path}` and
+//! `connect {addr}` (writes a file, opens a TCP connection: for the sandbox
+//! tests). A list of names limits which are listed, so a
 //! test can change the manifest between two starts.
 
 use std::sync::Arc;
@@ -94,6 +95,11 @@ fn all_tools() -> Vec<Tool> {
             "Writes a file.",
             schema(json!({"path": {"type": "string"}}), &["path"]),
         ),
+        Tool::new(
+            "connect",
+            "Opens a TCP connection.",
+            schema(json!({"addr": {"type": "string"}}), &["addr"]),
+        ),
     ]
 }
 
@@ -172,6 +178,17 @@ impl ServerHandler for TestServer {
                     .unwrap_or_default();
                 match std::fs::write(path, "written") {
                     Ok(()) => text("written"),
+                    Err(e) => {
+                        Ok(CallToolResult::error(vec![ContentBlock::text(e.to_string())]).into())
+                    }
+                }
+            }
+            "connect" => {
+                let addr = arg(&request, "addr")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default();
+                match std::net::TcpStream::connect(addr) {
+                    Ok(_) => text("connected"),
                     Err(e) => {
                         Ok(CallToolResult::error(vec![ContentBlock::text(e.to_string())]).into())
                     }

@@ -106,6 +106,7 @@ async fn a_stdio_server_is_listed_committed_and_called() {
         [
             "mcp__srv__add",
             "mcp__srv__big",
+            "mcp__srv__connect",
             "mcp__srv__echo",
             "mcp__srv__fail",
             "mcp__srv__image",
@@ -216,8 +217,8 @@ async fn a_server_down_at_start_keeps_its_last_manifest_and_its_calls_name_it() 
     );
     assert!(setup.notices[0].contains("ghost") && setup.notices[0].contains("never reached"));
     // srv's tools are still there, from the committed manifest…
-    assert_eq!(setup.tools.len(), 7);
-    assert_eq!(setup.catalog["srv"].tools.as_ref().unwrap().len(), 7);
+    assert_eq!(setup.tools.len(), 8);
+    assert_eq!(setup.catalog["srv"].tools.as_ref().unwrap().len(), 8);
     // …and fail at call time naming the server; ghost was never seen.
     assert_eq!(setup.catalog["ghost"].tools, None);
     let err = call(&tool(&setup, "mcp__srv__echo"), json!({"text": "x"}))
@@ -280,6 +281,27 @@ async fn a_confined_stdio_server_writes_only_in_the_workspace() {
     assert!(out.is_error, "{}", out.content);
     assert!(out.content.contains("Permission denied"), "{}", out.content);
     assert!(!outside.exists());
+}
+
+#[tokio::test]
+async fn a_confined_stdio_server_opens_no_tcp_connection_unless_network_is_allowed() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    for (network, expected) in [(false, false), (true, true)] {
+        let d = dirs();
+        let store = store(&d);
+        let setup = connect(&d, &store, &stdio("srv", &format!("network = {network}\n"))).await;
+        let out = call(&tool(&setup, "mcp__srv__connect"), json!({"addr": addr}))
+            .await
+            .unwrap();
+        assert_eq!(
+            out.content == "connected",
+            expected,
+            "network = {network}: {}",
+            out.content
+        );
+        assert_eq!(out.is_error, !expected, "{}", out.content);
+    }
 }
 
 #[tokio::test]
