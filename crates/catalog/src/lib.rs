@@ -52,6 +52,11 @@
 //!   every chain finite (see [`AgentCatalog`]).
 //! - **Hash**: `definition_hash` ignores formatting and changes with any
 //!   value (see [`AgentDefinition::definition_hash`]).
+//! - **MCP tools** are listed as `mcp:SERVER/TOOL` or `mcp:SERVER/*` and
+//!   resolve against [`CatalogInputs::mcp`], the tools of each configured
+//!   server's last committed manifest (so a check needs no server running);
+//!   after loading, a definition's `tools` holds the registered names they
+//!   stand for. A server's tools are root-only unless it is delegatable.
 //! - **Skills** ([`SkillSet`]) come from their own root with the same file
 //!   rules (frontmatter `name`, `description`; the body is the skill); an
 //!   agent's `skills:` entries must name existing skills.
@@ -83,7 +88,9 @@ pub use parse::{
     is_reserved, parse_definition, parse_definition_bytes, parse_skill, parse_skill_bytes,
     MAX_DEFINITION_BYTES, MAX_FRONTMATTER_BYTES, RESERVED_IDS,
 };
-pub use resolve::{CatalogInputs, DEFAULT_MAX_DELEGATION_DEPTH, MAX_DELEGATION_DEPTH_CAP};
+pub use resolve::{
+    CatalogInputs, McpServerTools, DEFAULT_MAX_DELEGATION_DEPTH, MAX_DELEGATION_DEPTH_CAP,
+};
 pub use skills::{Skill, SkillSet};
 
 /// What `keel agents check DIR` runs: loads `root` as generation 0 and

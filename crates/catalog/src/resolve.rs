@@ -44,6 +44,21 @@ pub struct CatalogInputs {
     /// (config `default_run_timeout_secs`), in seconds within
     /// [`TIMEOUT_SECS_BOUND`](crate::TIMEOUT_SECS_BOUND).
     pub default_timeout_secs: u64,
+    /// The configured MCP servers by name (`[mcp.NAME]`), with the tools of
+    /// their last committed manifest; `mcp:NAME/TOOL` and `mcp:NAME/*`
+    /// entries of `tools:` resolve against them.
+    pub mcp: BTreeMap<String, McpServerTools>,
+}
+
+/// What the catalog knows of one MCP server: plain data from its last
+/// committed manifest.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct McpServerTools {
+    /// Whether agents that are delegated to may use its tools.
+    pub delegatable: bool,
+    /// Its tools: MCP tool name → the registered tool's name; `None` when
+    /// keel has never reached the server (no manifest was ever committed).
+    pub tools: Option<BTreeMap<String, String>>,
 }
 
 impl CatalogInputs {
@@ -61,6 +76,7 @@ impl CatalogInputs {
             root_delegates: Vec::new(),
             max_delegation_depth: DEFAULT_MAX_DELEGATION_DEPTH,
             default_timeout_secs: crate::DEFAULT_TIMEOUT_SECS,
+            mcp: BTreeMap::new(),
         }
     }
 }
@@ -177,6 +193,7 @@ pub(crate) fn resolve(
             if !sets_timeout(&yaml) {
                 def.limits.timeout_secs = inputs.default_timeout_secs;
             }
+            def.tools = expand_mcp(&def.tools, &inputs.mcp);
             (def.id.clone(), Arc::new(def))
         })
         .collect();
@@ -398,6 +415,22 @@ fn check_tools(
     };
     for (i, tool) in def.tools.iter().enumerate() {
         let path = [Seg::Key("tools"), Seg::Index(i)];
+        if let Some(reference) = tool.strip_prefix(MCP_PREFIX) {
+            let problem = check_mcp(reference, &inputs.mcp, by.is_some());
+            if let Some((kind, msg)) = problem {
+                let msg = match (kind, by) {
+                    (K::ToolNotDelegatable, Some(by)) => format!(
+                        "{msg} and cannot be given to an agent that is delegated to (by {}); set `mcp.{}.delegatable = true` in keel.toml or stop delegating to {:?}",
+                        by.join(", "),
+                        reference.split('/').next().unwrap_or_default(),
+                        def.id.as_str()
+                    ),
+                    _ => msg,
+                };
+                diags.push(ctx.diag(kind, &path, msg));
+            }
+            continue;
+        }
         let Err(e) = inputs.tools.check(tool, rule) else {
             continue;
         };
@@ -450,6 +483,86 @@ fn check_approval(def: &AgentDefinition, ctx: &FileCtx<'_>, diags: &mut Vec<Diag
             ),
         ));
     }
+}
+
+/// How a `tools:` entry names MCP tools: `mcp:SERVER/TOOL`, `mcp:SERVER/*`.
+const MCP_PREFIX: &str = "mcp:";
+
+/// What is wrong with the MCP reference `SERVER/TOOL` (after `mcp:`), if
+/// anything.
+fn check_mcp(
+    reference: &str,
+    servers: &BTreeMap<String, McpServerTools>,
+    delegated: bool,
+) -> Option<(K, String)> {
+    let Some((server, tool)) = reference.split_once('/') else {
+        return Some((
+            K::UnknownTool,
+            format!("\"mcp:{reference}\" names no tool; write `mcp:SERVER/TOOL` or `mcp:SERVER/*`"),
+        ));
+    };
+    let Some(known) = servers.get(server) else {
+        return Some((
+            K::UnknownTool,
+            format!(
+                "no MCP server {server:?} is configured{}",
+                hint(server, "MCP servers", servers.keys().map(String::as_str))
+            ),
+        ));
+    };
+    let Some(tools) = &known.tools else {
+        return Some((
+            K::UnknownTool,
+            format!(
+                "MCP server {server:?} has never been reached, so its tools are unknown; start keel once with the server available so its manifest is committed"
+            ),
+        ));
+    };
+    if tool != "*" && !tools.contains_key(tool) {
+        return Some((
+            K::UnknownTool,
+            format!(
+                "MCP server {server:?} has no tool {tool:?} in its last manifest{}",
+                hint(tool, "tools", tools.keys().map(String::as_str))
+            ),
+        ));
+    }
+    if delegated && !known.delegatable {
+        return Some((
+            K::ToolNotDelegatable,
+            format!("the tools of MCP server {server:?} are root-only"),
+        ));
+    }
+    None
+}
+
+/// `tools` with every MCP reference replaced by the registered names of
+/// the tools it names (by MCP tool name for `*`), each name once.
+fn expand_mcp(tools: &[String], servers: &BTreeMap<String, McpServerTools>) -> Vec<String> {
+    let mut out: Vec<String> = Vec::with_capacity(tools.len());
+    let mut push = |name: &str| {
+        if !out.iter().any(|t| t == name) {
+            out.push(name.to_owned());
+        }
+    };
+    for tool in tools {
+        let Some((server, name)) = tool
+            .strip_prefix(MCP_PREFIX)
+            .and_then(|r| r.split_once('/'))
+        else {
+            push(tool);
+            continue;
+        };
+        let Some(known) = servers.get(server).and_then(|s| s.tools.as_ref()) else {
+            continue;
+        };
+        if name == "*" {
+            known.values().for_each(|n| push(n));
+        } else if let Some(registered) = known.get(name) {
+            push(registered);
+        }
+    }
+    out
 }
 
 /// Every skill exists.

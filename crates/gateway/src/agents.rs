@@ -6,13 +6,16 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use keel_catalog::{AgentCatalog, CatalogInputs, Diagnostics, SkillSet};
+use keel_store::Store;
 
 use crate::app::default_tool_registry;
 use crate::config::Config;
-use crate::error::Result;
+use crate::error::{database_err, Result};
 
-/// Builds the catalog inputs a configuration implies.
-pub fn catalog_inputs(config: Option<&Config>) -> Result<CatalogInputs> {
+/// Builds the catalog inputs a configuration implies; `mcp:` references
+/// resolve against the manifests committed in its database (no MCP server
+/// is started or reached).
+pub async fn catalog_inputs(config: Option<&Config>) -> Result<CatalogInputs> {
     let (profiles, tools, root_delegates, depth) = match config {
         None => (
             vec!["default".to_owned()],
@@ -31,6 +34,18 @@ pub fn catalog_inputs(config: Option<&Config>) -> Result<CatalogInputs> {
     inputs.root_delegates = root_delegates;
     if let Some(depth) = depth {
         inputs.max_delegation_depth = depth;
+    }
+    if let Some(c) = config.filter(|c| !c.mcp.is_empty()) {
+        let db = crate::app::database_path(&c.data_dir());
+        let records = if db.exists() {
+            Store::open(&db, c.store_options())
+                .map_err(database_err(&db))?
+                .mcp_manifests()
+                .await?
+        } else {
+            Vec::new()
+        };
+        inputs.mcp = crate::mcp::catalog_servers(c, &records)?;
     }
     Ok(inputs)
 }
@@ -58,13 +73,17 @@ fn skills_for_check(
 }
 
 /// Runs the check; exit 0 with a summary, or 1 with the diagnostics.
-pub fn check(dir: &Path, config_file: Option<&Path>, skills: Option<&Path>) -> Result<ExitCode> {
+pub async fn check(
+    dir: &Path,
+    config_file: Option<&Path>,
+    skills: Option<&Path>,
+) -> Result<ExitCode> {
     let loaded = match config_file {
         Some(path) => Some(Config::load(Some(path), None)?),
         None => None,
     };
     let config = loaded.as_ref().map(|l| &l.config);
-    let mut inputs = catalog_inputs(config)?;
+    let mut inputs = catalog_inputs(config).await?;
     inputs.skills = match skills_for_check(dir, config, skills) {
         Ok(set) => set,
         Err(diagnostics) => {

@@ -72,7 +72,8 @@ pub fn database_path(data_dir: &Path) -> PathBuf {
 
 impl App {
     /// Loads configuration, opens the data directory and builds the runtime:
-    /// providers for every profile, the built-in tools, the execution gate,
+    /// providers for every profile, the built-in tools and the tools of the
+    /// `[mcp.NAME]` servers (connected now, their manifests committed), the execution gate,
     /// the agent catalog and coordinator when `agents_dir` has definitions
     /// (recovering runs of earlier processes), and the session manager.
     /// `command` names this process in the data directory's lock (`keel chat`),
@@ -130,9 +131,22 @@ impl App {
             tracing::warn!("{notice}");
             notices.push(notice);
         }
-        let builtin = Arc::new(builtin_registry(&tools)?);
+        let mut registry = builtin_registry(&tools)?;
+        let mcp = crate::mcp::connect_all(config, &store, None).await?;
+        for tool in mcp.tools {
+            registry.register(tool).map_err(|e| {
+                ConfigError::single(
+                    loaded.source_label(),
+                    "mcp",
+                    format!("{e}; rename one of the MCP servers"),
+                )
+            })?;
+        }
+        notices.extend(mcp.notices);
+        let builtin = Arc::new(registry);
         let skills = config.load_skills().map_err(AppError::Catalog)?;
-        let inputs = config.catalog_inputs(builtin.clone(), skills.clone());
+        let mut inputs = config.catalog_inputs(builtin.clone(), skills.clone());
+        inputs.mcp = mcp.catalog;
         let catalog = match config.agents_dir() {
             Some(dir) if dir.is_dir() => Some(Arc::new(
                 CatalogHandle::load(&dir, &inputs).map_err(AppError::Catalog)?,

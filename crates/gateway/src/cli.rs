@@ -247,7 +247,7 @@ pub fn main() -> ExitCode {
                         config,
                         skills,
                     },
-            } => crate::agents::check(&dir, config.as_deref(), skills.as_deref()),
+            } => crate::agents::check(&dir, config.as_deref(), skills.as_deref()).await,
         }
     });
     match result {

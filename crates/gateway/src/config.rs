@@ -8,6 +8,7 @@
 //! docs/CONFIG.md renders verbatim (a test keeps them identical).
 
 mod error;
+mod mcp;
 mod origin;
 mod reference;
 mod spans;
@@ -31,6 +32,10 @@ use keel_store::{StoreOptions, Synchronous};
 use serde::{Deserialize, Serialize};
 
 pub use error::{ConfigError, ConfigProblem};
+pub use mcp::{
+    valid_mcp_server_name, McpServerConfig, DEFAULT_MCP_MAX_OUTPUT_BYTES, DEFAULT_MCP_TIMEOUT_SECS,
+    MAX_MCP_MAX_OUTPUT_BYTES, MAX_MCP_TIMEOUT_SECS, MIN_MCP_MAX_OUTPUT_BYTES,
+};
 pub(crate) use origin::host_of;
 pub use origin::AllowedOrigin;
 pub use reference::{flatten_keys, reference, render_generated_docs, KeyDoc, EXAMPLE_TOML};
@@ -168,6 +173,9 @@ pub struct Config {
     pub orchestration: OrchestrationConfig,
     /// `[server]`: how `keel serve` listens, authenticates and shuts down.
     pub server: ServerConfig,
+    /// MCP servers by name (`[mcp.NAME]`).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub mcp: BTreeMap<String, McpServerConfig>,
 }
 
 impl Default for Config {
@@ -186,6 +194,7 @@ impl Default for Config {
             tools: ToolsConfig::default(),
             orchestration: OrchestrationConfig::default(),
             server: ServerConfig::default(),
+            mcp: BTreeMap::new(),
         }
     }
 }
@@ -742,6 +751,11 @@ impl Config {
         for profile in self.providers.values_mut() {
             if let Some(script) = &mut profile.script {
                 join(script);
+            }
+        }
+        for server in self.mcp.values_mut() {
+            if let Some(cwd) = &mut server.cwd {
+                join(cwd);
             }
         }
     }

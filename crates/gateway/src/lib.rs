@@ -1,6 +1,7 @@
 //! The `keel` binary's library: configuration, the HTTP/WebSocket server,
 //! the terminal chat with its slash commands, the offline demo, `doctor`,
-//! `prune`, `backup`/`restore`, `export`/`import` and `agents check`.
+//! `prune`, `backup`/`restore`, `export`/`import`, `agents check` and the MCP
+//! client.
 //!
 //! Architecture invariant: keel-gateway is the only crate that talks to
 //! users — the terminal, HTTP, WebSocket and wire DTOs (converted from
@@ -19,6 +20,7 @@ pub mod demo;
 pub mod doctor;
 mod error;
 pub mod export;
+pub mod mcp;
 mod profiles;
 pub mod prune;
 pub mod serve;

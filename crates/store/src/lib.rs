@@ -1,4 +1,4 @@
-//! SQLite storage of keel: schema v9, forward-only migrations, group commit,
+//! SQLite storage of keel: schema v12, forward-only migrations, group commit,
 //! domain APIs. The only crate that knows SQL.
 //!
 //! [`Store`] is a cheap, cloneable handle over one write connection and a
@@ -93,6 +93,7 @@ mod error;
 pub mod failpoints;
 mod identify;
 mod inbox;
+mod mcp;
 mod messages;
 mod migrations;
 mod projection;
@@ -126,6 +127,7 @@ pub use inbox::{
     InboxLease, InboxSchedule, LeasedEvents, NewSignal, NoticeCommit, ReleaseReport,
     ReleaseRequest, ScopeKind, SignalCommit, SignalLimits, MAX_SIGNAL_PAYLOAD_BYTES,
 };
+pub use mcp::McpManifestRecord;
 pub use messages::{
     HistoryDelta, InputState, MessageFilter, MessagePage, NewMessage, OpenTurn, SessionHead,
     StoredMessage, TurnCommit, TurnCommitted, DEFAULT_SLOT,

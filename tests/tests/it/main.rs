@@ -22,6 +22,8 @@ mod export;
 mod failpoints;
 #[cfg(unix)]
 mod foreign;
+#[cfg(target_os = "linux")]
+mod mcp;
 #[cfg(unix)]
 mod prune;
 #[cfg(unix)]

@@ -6,6 +6,7 @@
 
 mod hash;
 mod load;
+mod mcp;
 mod parse;
 mod resolve;
 mod skills;

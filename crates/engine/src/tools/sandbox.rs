@@ -56,7 +56,7 @@ pub struct LandlockPolicy {
 impl LandlockPolicy {
     /// The launcher's arguments that confine `argv` to this policy with
     /// `writable` trees.
-    pub(crate) fn launcher_args(&self, writable: &[&Path], argv: &[OsString]) -> Vec<OsString> {
+    pub fn launcher_args(&self, writable: &[&Path], argv: &[OsString]) -> Vec<OsString> {
         let mut args = vec![OsString::from(SANDBOX_LAUNCHER_ARG)];
         for dir in writable {
             args.push("--write".into());

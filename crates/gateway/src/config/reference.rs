@@ -133,6 +133,24 @@ max_connections = 768
 header_timeout_secs = 10
 body_timeout_secs = 60
 idle_timeout_secs = 60
+
+# An MCP server keel starts as a child process and talks to over stdio.
+[mcp.files]
+command = "npx"
+args = ["-y", "@modelcontextprotocol/server-filesystem", "."]
+env = ["NPM_CONFIG_CACHE"]
+cwd = "."
+network = false
+unsandboxed = false
+tools = ["read_text_file", "list_directory"]
+delegatable = false
+timeout_secs = 30
+max_output_bytes = 65536
+
+# An MCP server reached over Streamable HTTP; the token is read from $DOCS_TOKEN.
+[mcp.docs]
+url = "https://mcp.example.com/mcp"
+headers_env = { Authorization = "DOCS_TOKEN" }
 "#;
 
 /// Every key of `keel.toml`, in file order, with its default and meaning.
@@ -696,6 +714,7 @@ pub fn reference() -> Vec<KeyDoc> {
              server sends halfway, is closed with 1008."
         ),
     );
+    mcp_rows(&mut rows);
     let defaults = flatten_keys(&Config::default());
     rows.0
         .into_iter()
@@ -708,6 +727,93 @@ pub fn reference() -> Vec<KeyDoc> {
             KeyDoc { key, default, doc }
         })
         .collect()
+}
+
+/// The `[mcp.NAME]` rows (no server exists by default).
+fn mcp_rows(rows: &mut Rows) {
+    let mut text = |key: &str, default: &str, doc: String| {
+        rows.0
+            .push((format!("mcp.NAME.{key}"), Some(default.to_owned()), doc));
+    };
+    text(
+        "command",
+        "one of `command` or `url` is required",
+        "A stdio MCP server: the program keel starts (looked up in `PATH`) when it \
+         activates (`keel serve`, `chat`), under the shell tool's Landlock confinement. `NAME` matches `[a-z][a-z0-9_-]`, at most 32 \
+         characters. Its tools reach the model as `mcp__NAME__TOOL`; agent definitions list them \
+         as `mcp:NAME/TOOL` or `mcp:NAME/*`."
+            .into(),
+    );
+    text("args", "`[]`", "stdio: the program's arguments.".into());
+    text(
+        "env",
+        "`[]`",
+        "stdio: names of environment variables passed to the server besides `PATH`, `HOME`, \
+         `LANG` and `TERM`; the rest of keel's environment is cleared. Variables holding keel's \
+         own keys are refused."
+            .into(),
+    );
+    text(
+        "cwd",
+        "unset: the workspace root",
+        "stdio: the server's working directory (relative to this file). A confined server \
+         reads and writes only in the workspace and its private `TMPDIR`, and reads and \
+         executes in `tools.shell_read_paths`."
+            .into(),
+    );
+    text(
+        "network",
+        "`false`",
+        "stdio: let the confined server open TCP connections and listen (Landlock ABI 4).".into(),
+    );
+    text(
+        "unsandboxed",
+        "`false`",
+        "stdio: on a kernel without Landlock, run the server unconfined (a start-up notice \
+         says so) instead of refusing to start it."
+            .into(),
+    );
+    text(
+        "url",
+        "one of `command` or `url` is required",
+        "A Streamable HTTP MCP server: its endpoint (`http://` or `https://`).".into(),
+    );
+    text(
+        "headers_env",
+        "`{}`",
+        "Streamable HTTP: header name → the environment variable holding its value (e.g. \
+         `{ Authorization = \"DOCS_TOKEN\" }`); each must be set. Values are never written in \
+         the file."
+            .into(),
+    );
+    text(
+        "tools",
+        "unset: every tool of the server",
+        "The server's tools agents may use (MCP tool names); the others are not registered.".into(),
+    );
+    text(
+        "delegatable",
+        "`false`",
+        "Whether agents that are delegated to may list the server's tools; `false` keeps them \
+         for the root agent and agents nobody delegates to."
+            .into(),
+    );
+    text(
+        "timeout_secs",
+        &format!("`{DEFAULT_MCP_TIMEOUT_SECS}`"),
+        format!(
+            "Seconds one tool call, and connecting at start-up, may take, \
+             1..={MAX_MCP_TIMEOUT_SECS}; a call past it is cancelled and the model told."
+        ),
+    );
+    text(
+        "max_output_bytes",
+        &format!("`{DEFAULT_MCP_MAX_OUTPUT_BYTES}`"),
+        format!(
+            "Bytes of one tool result the model reads, \
+             {MIN_MCP_MAX_OUTPUT_BYTES}..={MAX_MCP_MAX_OUTPUT_BYTES}; the rest is cut with a note."
+        ),
+    );
 }
 
 /// Rows of [`reference`] before defaults are filled in: key, default text
@@ -742,7 +848,11 @@ pub fn flatten_keys(config: &Config) -> BTreeMap<String, String> {
 
 fn walk(prefix: &str, table: &toml::Table, out: &mut BTreeMap<String, String>) {
     for (key, value) in table {
-        let key = if prefix == "providers" { "NAME" } else { key };
+        let key = if prefix == "providers" || prefix == "mcp" {
+            "NAME"
+        } else {
+            key
+        };
         let path = if prefix.is_empty() {
             key.to_owned()
         } else {
@@ -753,7 +863,8 @@ fn walk(prefix: &str, table: &toml::Table, out: &mut BTreeMap<String, String>) {
             toml::Value::Table(_) if path == "tools.approval" => {
                 out.insert(path, value.to_string());
             }
-            toml::Value::Table(inner) => walk(&path, inner, out),
+            // A map of the user's own names: one key.
+            toml::Value::Table(inner) if key != "headers_env" => walk(&path, inner, out),
             leaf => {
                 out.insert(path, leaf.to_string());
             }

@@ -27,6 +27,7 @@ pub(super) fn problems(config: &Config, env: &dyn Fn(&str) -> Option<String>) ->
     orchestration(&config.orchestration, &mut out);
     cost_budgets(config, &mut out);
     server(&config.server, &mut out);
+    mcp(config, env, &mut out);
     out.0
 }
 
@@ -315,18 +316,7 @@ fn tools(config: &Config, out: &mut Problems) {
             );
         }
     }
-    // Variables that hold keel's own secrets never reach a command.
-    let secrets: BTreeSet<&str> = config
-        .providers
-        .values()
-        .filter_map(|p| p.api_key_env.as_deref())
-        .chain(
-            [ProviderKind::OpenAi, ProviderKind::Anthropic]
-                .into_iter()
-                .filter_map(|kind| -> Option<&str> { kind.default_api_key_env() }),
-        )
-        .chain([config.server.token_env.as_str()])
-        .collect();
+    let secrets = keel_secrets(config);
     for (i, name) in t.shell_env.iter().enumerate() {
         let key = format!("tools.shell_env[{i}]");
         out.env_name(&key, name);
@@ -338,6 +328,122 @@ fn tools(config: &Config, out: &mut Problems) {
                 ),
             );
         }
+    }
+}
+
+/// Variables that hold keel's own secrets: they never reach a command or an
+/// MCP server.
+fn keel_secrets(config: &Config) -> BTreeSet<&str> {
+    config
+        .providers
+        .values()
+        .filter_map(|p| p.api_key_env.as_deref())
+        .chain(
+            [ProviderKind::OpenAi, ProviderKind::Anthropic]
+                .into_iter()
+                .filter_map(|kind| -> Option<&str> { kind.default_api_key_env() }),
+        )
+        .chain([config.server.token_env.as_str()])
+        .collect()
+}
+
+/// `[mcp.NAME]`: a name keel can mangle into tool names, exactly one
+/// transport with only its own keys, bounds, and set header variables.
+fn mcp(config: &Config, env: &dyn Fn(&str) -> Option<String>, out: &mut Problems) {
+    let secrets = keel_secrets(config);
+    for (name, server) in &config.mcp {
+        let key = super::spans::join("mcp", name);
+        let sub = |k: &str| format!("{key}.{k}");
+        if !valid_mcp_server_name(name) {
+            out.push(
+                &key,
+                format!("{name:?} is not a valid MCP server name (use [a-z][a-z0-9_-], at most 32 characters)"),
+            );
+            continue;
+        }
+        match (&server.command, &server.url) {
+            (None, None) => out.push(
+                &key,
+                "set `command` (a stdio server) or `url` (a Streamable HTTP server)",
+            ),
+            (Some(_), Some(_)) => out.push(
+                sub("url"),
+                "a server is either stdio (`command`) or Streamable HTTP (`url`), not both",
+            ),
+            (Some(command), None) => {
+                if command.trim().is_empty() {
+                    out.push(sub("command"), "must not be empty");
+                }
+                if !server.headers_env.is_empty() {
+                    out.push(
+                        sub("headers_env"),
+                        "only for Streamable HTTP servers (`url`)",
+                    );
+                }
+                for (i, var) in server.env.iter().enumerate() {
+                    let k = format!("{}[{i}]", sub("env"));
+                    out.env_name(&k, var);
+                    if secrets.contains(var.as_str()) {
+                        out.push(
+                            &k,
+                            format!("{var} holds a key keel uses; the server would read it"),
+                        );
+                    }
+                }
+            }
+            (None, Some(url)) => {
+                if !(url.starts_with("http://") || url.starts_with("https://")) {
+                    out.push(
+                        sub("url"),
+                        format!("{url:?} is not an http:// or https:// URL"),
+                    );
+                }
+                for (k, set) in [
+                    ("args", !server.args.is_empty()),
+                    ("env", !server.env.is_empty()),
+                    ("cwd", server.cwd.is_some()),
+                    ("network", server.network),
+                    ("unsandboxed", server.unsandboxed),
+                ] {
+                    if set {
+                        out.push(sub(k), "only for stdio servers (`command`)");
+                    }
+                }
+                for (header, var) in &server.headers_env {
+                    let k = format!("{}.{header}", sub("headers_env"));
+                    if header.is_empty()
+                        || !header
+                            .bytes()
+                            .all(|b| b.is_ascii_alphanumeric() || b"-_".contains(&b))
+                    {
+                        out.push(&k, format!("{header:?} is not an HTTP header name"));
+                    }
+                    out.env_name(&k, var);
+                    if env(var).is_none() {
+                        out.push(&k, format!("environment variable {var} is not set"));
+                    }
+                }
+            }
+        }
+        if let Some(tools) = &server.tools {
+            for (i, tool) in tools.iter().enumerate() {
+                if tool.trim().is_empty() {
+                    out.push(format!("{}[{i}]", sub("tools")), "must not be empty");
+                }
+            }
+        }
+        out.range(
+            &sub("timeout_secs"),
+            server.timeout_secs,
+            1,
+            MAX_MCP_TIMEOUT_SECS,
+        );
+        out.range(
+            &sub("max_output_bytes"),
+            server.max_output_bytes,
+            MIN_MCP_MAX_OUTPUT_BYTES,
+            MAX_MCP_MAX_OUTPUT_BYTES,
+        );
     }
 }
 

@@ -22,7 +22,7 @@ fn env(vars: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option
 }
 
 const NO_ENV: &[(&str, &str)] = &[];
-const OPENAI: &[(&str, &str)] = &[("OPENAI_API_KEY", "sk-test")];
+const OPENAI: &[(&str, &str)] = &[("OPENAI_API_KEY", "sk-test"), ("DOCS_TOKEN", "t")];
 
 fn parse(text: &str) -> Result<Config, ConfigError> {
     Config::from_toml_str_with_env(text, "keel.toml", &env(OPENAI))
@@ -243,6 +243,21 @@ fn unknown_key_names_the_file_line_and_key() {
         "[sessions]\nttl_hours = 1\n",
         "[providers.main]\nkind = \"openai\"\nmodel = \"m\"\napi_key = \"sk\"\n",
         "session.summary = { enabled = true, ratio = 0.5 }\n",
+    ]));
+}
+
+#[test]
+fn mcp_servers_are_checked_strictly_with_located_errors() {
+    insta::assert_snapshot!(errors(&[
+        "[mcp.files]\ncommand = \"srv\"\nenvs = [\"A\"]\n",
+        "[mcp.files]\nargs = [\"x\"]\n",
+        "[mcp.files]\ncommand = \"srv\"\nurl = \"http://127.0.0.1:1/mcp\"\n",
+        "[mcp.web]\nurl = \"ftp://host/mcp\"\nargs = [\"x\"]\ncwd = \".\"\n",
+        "[mcp.web]\nurl = \"http://127.0.0.1:1/mcp\"\nheaders_env = { Authorization = \"UNSET_TOKEN\", \"Bad Header\" = \"DOCS_TOKEN\" }\n",
+        "[mcp.files]\ncommand = \"srv\"\nheaders_env = { X = \"DOCS_TOKEN\" }\nenv = [\"OPENAI_API_KEY\", \"A=B\"]\n",
+        "[mcp.\"Files.One\"]\ncommand = \"srv\"\n",
+        "[mcp.files]\ncommand = \"srv\"\ntimeout_secs = 0\nmax_output_bytes = 100000000\ntools = [\"\"]\n",
+        "[mcp.files]\ncommand = \"srv\"\ndelegatable = \"yes\"\n",
     ]));
 }
 

@@ -6,6 +6,7 @@ mod backup;
 mod check;
 mod common;
 mod history;
+mod mcp;
 mod migrations;
 mod orchestration;
 mod projection;

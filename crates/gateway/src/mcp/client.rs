@@ -1,0 +1,381 @@
+//! Connecting to one MCP server (a confined child process over stdio, or
+//! Streamable HTTP) with rmcp, and [`McpTool`], a server's tool as a
+//! [`keel_core::Tool`].
+
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use keel_core::tool::truncate_with_note;
+use keel_core::{DelegationPolicy, Tool, ToolError, ToolExecutionContext, ToolOutput};
+use keel_engine::{check_sandbox_support, LandlockPolicy};
+use rmcp::model::{CallToolRequestParams, CallToolResult, ContentBlock, ResourceContents};
+use rmcp::service::{RoleClient, RunningService};
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
+use rmcp::{ServiceError, ServiceExt};
+use std::sync::Arc;
+
+use super::manifest::{AllowedTool, ManifestTool, McpManifest};
+use super::StdioConfinement;
+use crate::config::McpServerConfig;
+
+/// Variables every stdio server gets from keel's environment (when set),
+/// as the shell tool's commands do.
+const BASE_ENV: [&str; 4] = ["PATH", "HOME", "LANG", "TERM"];
+
+/// A live session with one server.
+pub struct Connected {
+    service: RunningService<RoleClient, ()>,
+    /// A stdio server's private temporary directory (its `TMPDIR`).
+    _tmp: Option<tempfile::TempDir>,
+    notice: Option<String>,
+}
+
+impl Connected {
+    /// The start-up notice this server needs (it runs unconfined).
+    pub fn notice(&self) -> Option<String> {
+        self.notice.clone()
+    }
+}
+
+/// Starts or reaches `name` and lists its tools, within its timeout. The
+/// error is a one-line reason for the log and the start-up notice.
+pub(crate) async fn connect(
+    name: &str,
+    config: &McpServerConfig,
+    workspace: &Path,
+    policy: LandlockPolicy,
+) -> Result<(Connected, McpManifest), String> {
+    let timeout = Duration::from_secs(config.timeout_secs);
+    let connecting = async {
+        let (service, tmp, notice) = match (&config.command, &config.url) {
+            (Some(command), _) => {
+                let (transport, tmp, notice) =
+                    spawn_stdio(name, command, config, workspace, policy)?;
+                let service = ().serve(transport).await.map_err(|e| e.to_string())?;
+                (service, Some(tmp), notice)
+            }
+            (None, Some(url)) => {
+                let transport =
+                    StreamableHttpClientTransport::from_config(http_config(url, config)?);
+                let service = ().serve(transport).await.map_err(|e| e.to_string())?;
+                (service, None, None)
+            }
+            (None, None) => return Err("neither `command` nor `url` is set".to_owned()),
+        };
+        let tools = service
+            .peer()
+            .list_all_tools()
+            .await
+            .map_err(|e| e.to_string())?;
+        let manifest = McpManifest {
+            tools: tools
+                .into_iter()
+                .map(|t| ManifestTool {
+                    name: t.name.to_string(),
+                    description: t.description.map(|d| d.to_string()).unwrap_or_default(),
+                    input_schema: serde_json::Value::Object((*t.input_schema).clone()),
+                })
+                .collect(),
+        };
+        Ok((
+            Connected {
+                service,
+                _tmp: tmp,
+                notice,
+            },
+            manifest,
+        ))
+    };
+    match tokio::time::timeout(timeout, connecting).await {
+        Ok(result) => result,
+        Err(_) => Err(format!(
+            "no answer within mcp.{name}.timeout_secs = {}",
+            config.timeout_secs
+        )),
+    }
+}
+
+/// The child process of a stdio server: under the sandbox launcher when the
+/// kernel has Landlock (refused without it unless `unsandboxed`), with a
+/// cleared environment, its own process group and a private `TMPDIR`.
+fn spawn_stdio(
+    name: &str,
+    command: &str,
+    config: &McpServerConfig,
+    workspace: &Path,
+    policy: LandlockPolicy,
+) -> Result<(TokioChildProcess, tempfile::TempDir, Option<String>), String> {
+    let (confinement, notice) = match check_sandbox_support(config.network) {
+        Ok(()) => (StdioConfinement::Landlock(policy), None),
+        Err(_) if config.unsandboxed => (
+            StdioConfinement::Unconfined,
+            Some(format!(
+                "keel: MCP server {name} runs without Landlock confinement (mcp.{name}.unsandboxed = true on a kernel without Landlock)"
+            )),
+        ),
+        Err(reason) => {
+            return Err(format!(
+                "{reason}; set mcp.{name}.unsandboxed = true to run it unconfined"
+            ))
+        }
+    };
+    let tmp = tempfile::Builder::new()
+        .prefix("keel-mcp-")
+        .tempdir()
+        .map_err(|e| format!("cannot create its temporary directory: {e}"))?;
+    let argv: Vec<OsString> = std::iter::once(OsString::from(command))
+        .chain(config.args.iter().map(OsString::from))
+        .collect();
+    let mut cmd = match &confinement {
+        StdioConfinement::Landlock(policy) => {
+            let mut cmd = tokio::process::Command::new(&policy.launcher);
+            cmd.args(policy.launcher_args(&[workspace, tmp.path()], &argv));
+            cmd
+        }
+        StdioConfinement::Unconfined => {
+            let mut cmd = tokio::process::Command::new(command);
+            cmd.args(&config.args);
+            cmd
+        }
+    };
+    cmd.env_clear();
+    for var in BASE_ENV
+        .iter()
+        .copied()
+        .chain(config.env.iter().map(String::as_str))
+    {
+        if let Some(value) = std::env::var_os(var) {
+            cmd.env(var, value);
+        }
+    }
+    cmd.env("TMPDIR", tmp.path());
+    cmd.current_dir(config.cwd.as_deref().unwrap_or(workspace));
+    cmd.kill_on_drop(true);
+    #[cfg(unix)]
+    cmd.process_group(0);
+    let (transport, stderr) = TokioChildProcess::builder(cmd)
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot start {command:?}: {e}"))?;
+    if let Some(stderr) = stderr {
+        let server = name.to_owned();
+        tokio::spawn(async move {
+            use tokio::io::AsyncBufReadExt;
+            let mut lines = tokio::io::BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                tracing::info!(server = %server, "mcp server stderr: {line}");
+            }
+        });
+    }
+    Ok((transport, tmp, notice))
+}
+
+/// The Streamable HTTP transport settings for `url` with the configured
+/// headers, their values read from the environment.
+fn http_config(
+    url: &str,
+    config: &McpServerConfig,
+) -> Result<StreamableHttpClientTransportConfig, String> {
+    let mut headers = HashMap::new();
+    for (header, var) in &config.headers_env {
+        let value =
+            std::env::var(var).map_err(|_| format!("environment variable {var} is not set"))?;
+        let name = http::HeaderName::from_bytes(header.as_bytes())
+            .map_err(|_| format!("{header:?} is not an HTTP header name"))?;
+        let value = http::HeaderValue::from_str(&value)
+            .map_err(|_| format!("the value of {var} is not a valid {header} header"))?;
+        headers.insert(name, value);
+    }
+    Ok(StreamableHttpClientTransportConfig::with_uri(url).custom_headers(headers))
+}
+
+/// One configured server as its tools see it: its session when keel
+/// reached it at activation, else none (its tools then fail naming it).
+pub struct ServerConnection {
+    name: String,
+    timeout: Duration,
+    max_output_bytes: usize,
+    connected: Option<Connected>,
+}
+
+impl ServerConnection {
+    /// `name`'s connection with its call bounds from `config`.
+    pub(crate) fn new(name: &str, config: &McpServerConfig, connected: Option<Connected>) -> Self {
+        Self {
+            name: name.to_owned(),
+            timeout: Duration::from_secs(config.timeout_secs),
+            max_output_bytes: config.max_output_bytes,
+            connected,
+        }
+    }
+}
+
+/// One MCP tool as a keel tool, registered as `mcp__SERVER__TOOL`.
+pub struct McpTool {
+    connection: Arc<ServerConnection>,
+    registered: String,
+    tool: ManifestTool,
+    parameters: serde_json::Value,
+    policy: DelegationPolicy,
+}
+
+impl McpTool {
+    /// The tool `allowed` of the server behind `connection`.
+    pub(crate) fn new(
+        connection: Arc<ServerConnection>,
+        config: &McpServerConfig,
+        allowed: &AllowedTool,
+    ) -> Self {
+        // Both provider APIs want an object schema at the top.
+        let mut parameters = allowed.tool.input_schema.clone();
+        match parameters.as_object_mut() {
+            Some(object) => {
+                object
+                    .entry("type")
+                    .or_insert_with(|| serde_json::Value::from("object"));
+            }
+            None => parameters = serde_json::json!({"type": "object"}),
+        }
+        Self {
+            connection,
+            registered: allowed.registered.clone(),
+            tool: allowed.tool.clone(),
+            parameters,
+            policy: if config.delegatable {
+                DelegationPolicy::Delegatable
+            } else {
+                DelegationPolicy::RootOnly
+            },
+        }
+    }
+
+    /// A failure the model reads: what happened, naming the server, with an
+    /// error id whose detail is in the log.
+    fn failure(&self, what: &str, detail: &dyn std::fmt::Display) -> ToolError {
+        let id = uuid::Uuid::now_v7();
+        tracing::warn!(
+            error_id = %id,
+            server = %self.connection.name,
+            tool = %self.tool.name,
+            error = %detail,
+            "MCP tool call failed"
+        );
+        ToolError::Failed(format!(
+            "MCP server {} {what} (error id {id})",
+            self.connection.name
+        ))
+    }
+}
+
+#[async_trait]
+impl Tool for McpTool {
+    fn name(&self) -> &str {
+        &self.registered
+    }
+
+    fn description(&self) -> &str {
+        &self.tool.description
+    }
+
+    fn parameters(&self) -> serde_json::Value {
+        self.parameters.clone()
+    }
+
+    fn delegation_policy(&self) -> DelegationPolicy {
+        self.policy
+    }
+
+    async fn execute(
+        &self,
+        args: serde_json::Value,
+        ctx: &ToolExecutionContext,
+    ) -> Result<ToolOutput, ToolError> {
+        let server = &self.connection.name;
+        let Some(connected) = &self.connection.connected else {
+            return Err(ToolError::Failed(format!(
+                "MCP server {server} is unavailable: keel could not reach it when it started; \
+                 its tools work again once keel restarts with the server available"
+            )));
+        };
+        let arguments = match args {
+            serde_json::Value::Object(map) => map,
+            serde_json::Value::Null => serde_json::Map::new(),
+            other => {
+                return Err(ToolError::InvalidArguments(format!(
+                    "expected a JSON object, found {other}"
+                )))
+            }
+        };
+        let params = CallToolRequestParams::new(self.tool.name.clone()).with_arguments(arguments);
+        // Dropping the call (cancelled or timed out) sends MCP's
+        // notifications/cancelled to the server.
+        let call = connected.service.peer().call_tool(params);
+        let outcome = tokio::select! {
+            () = ctx.cancellation.cancelled() => return Err(ToolError::Cancelled),
+            outcome = tokio::time::timeout(self.connection.timeout, call) => outcome,
+        };
+        match outcome {
+            Err(_) => Err(ToolError::TimedOut(
+                u64::try_from(self.connection.timeout.as_millis()).unwrap_or(u64::MAX),
+            )),
+            Ok(Err(ServiceError::McpError(e))) => {
+                Err(self.failure(&format!("refused the call ({})", e.code.0), &e.message))
+            }
+            Ok(Err(e)) => Err(self.failure("failed to answer; it may have stopped", &e)),
+            Ok(Ok(result)) => Ok(output(result, self.connection.max_output_bytes)),
+        }
+    }
+}
+
+/// What the model reads of a result: its text; an image, audio or a
+/// resource as a line saying what it is; `isError` as an error result.
+fn output(result: CallToolResult, max_bytes: usize) -> ToolOutput {
+    let mut parts: Vec<String> = Vec::new();
+    for block in &result.content {
+        parts.push(match block {
+            ContentBlock::Text(t) => t.text.clone(),
+            ContentBlock::Image(i) => format!(
+                "[image {}, {} bytes of base64 not shown]",
+                i.mime_type,
+                i.data.len()
+            ),
+            ContentBlock::Audio(a) => format!(
+                "[audio {}, {} bytes of base64 not shown]",
+                a.mime_type,
+                a.data.len()
+            ),
+            ContentBlock::Resource(r) => match &r.resource {
+                ResourceContents::TextResourceContents { uri, text, .. } => {
+                    format!("[resource {uri}]\n{text}")
+                }
+                ResourceContents::BlobResourceContents {
+                    uri,
+                    mime_type,
+                    blob,
+                    ..
+                } => format!(
+                    "[resource {uri}, {}, {} bytes of base64 not shown]",
+                    mime_type.as_deref().unwrap_or("binary"),
+                    blob.len()
+                ),
+                _ => "[a resource keel does not show]".to_owned(),
+            },
+            ContentBlock::ResourceLink(r) => format!("[resource link {} ({})]", r.uri, r.name),
+            _ => "[content of a kind keel does not show]".to_owned(),
+        });
+    }
+    if parts.is_empty() {
+        if let Some(structured) = &result.structured_content {
+            parts.push(structured.to_string());
+        }
+    }
+    ToolOutput {
+        content: truncate_with_note(parts.join("\n"), max_bytes),
+        is_error: result.is_error.unwrap_or(false),
+    }
+}

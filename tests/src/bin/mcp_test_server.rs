@@ -1,0 +1,37 @@
+//! keel's MCP test server over stdio (see `keel_e2e::mcp_server`):
+//! `keel-mcp-test-server [--tools a,b]`.
+
+use std::process::ExitCode;
+
+use keel_e2e::mcp_server::TestServer;
+use rmcp::ServiceExt;
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let listed = match args.as_slice() {
+        [] => None,
+        [flag, tools] if flag == "--tools" => Some(tools.as_str()),
+        _ => {
+            eprintln!("usage: keel-mcp-test-server [--tools a,b]");
+            return ExitCode::FAILURE;
+        }
+    };
+    let service = match TestServer::new(listed)
+        .serve(rmcp::transport::stdio())
+        .await
+    {
+        Ok(service) => service,
+        Err(e) => {
+            eprintln!("keel-mcp-test-server: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match service.waiting().await {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("keel-mcp-test-server: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
