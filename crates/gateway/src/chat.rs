@@ -726,13 +726,15 @@ impl Chat {
         drop(g);
         self.say(&info);
         let spend = m.dialog_spend(self.current).await?;
-        let budget = m
-            .dialog_budget()
-            .map(|b| format!(" of {b} (session.max_cost_usd_per_dialog)"))
-            .unwrap_or_default();
+        // The cost shows once something was priced or a budget counts it.
+        let cost = match m.dialog_budget() {
+            Some(b) => format!(", {} of {b} (session.max_cost_usd_per_dialog)", spend.cost),
+            None if spend.cost > keel_core::Usd::ZERO => format!(", {}", spend.cost),
+            None => String::new(),
+        };
         self.say(&format!(
-            "spent {} in / {} out over {} model calls, runs included: {}{budget}",
-            spend.usage.prompt_tokens, spend.usage.completion_tokens, spend.model_calls, spend.cost
+            "spent {} in / {} out over {} model calls, runs included{cost}",
+            spend.usage.prompt_tokens, spend.usage.completion_tokens, spend.model_calls,
         ));
         Ok(())
     }
