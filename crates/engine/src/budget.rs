@@ -15,7 +15,7 @@
 //! (a failed or cancelled call) is released.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
 use keel_core::time::now_ms;
 use keel_core::{AgentId, Prices, SessionId, Usage, Usd};
@@ -292,11 +292,12 @@ impl SpendMeter {
     }
 }
 
-/// The dialog ledgers alive in this process, one per dialog, so every turn
-/// and run of a dialog counts against the same one.
+/// The dialog ledgers of this process, one per dialog read so far (loaded
+/// with the session), so every turn and run of a dialog counts against the
+/// same one and a turn reads nothing from the store for it.
 #[derive(Debug, Default)]
 pub(crate) struct DialogLedgers {
-    live: Mutex<HashMap<SessionId, Weak<Ledger>>>,
+    live: Mutex<HashMap<SessionId, Arc<Ledger>>>,
 }
 
 impl DialogLedgers {
@@ -308,18 +309,15 @@ impl DialogLedgers {
         session: SessionId,
         max_cost: Option<Usd>,
     ) -> Result<Arc<Ledger>> {
-        if let Some(l) = self.live.lock().get(&session).and_then(Weak::upgrade) {
-            return Ok(l);
+        if let Some(l) = self.live.lock().get(&session) {
+            return Ok(Arc::clone(l));
         }
         let spent = Spend::from(store.dialog_spend(session).await?);
         let mut live = self.live.lock();
-        if let Some(l) = live.get(&session).and_then(Weak::upgrade) {
-            return Ok(l);
-        }
-        live.retain(|_, w| w.strong_count() > 0);
-        let ledger = Ledger::new(BudgetScope::Dialog, None, max_cost, spent);
-        live.insert(session, Arc::downgrade(&ledger));
-        Ok(ledger)
+        let ledger = live
+            .entry(session)
+            .or_insert_with(|| Ledger::new(BudgetScope::Dialog, None, max_cost, spent));
+        Ok(Arc::clone(ledger))
     }
 }
 

@@ -49,6 +49,7 @@ impl SessionManager {
         let id = record.id;
         let session = AgentSession::load(&self.store, record, agent).await?;
         self.insert(session);
+        self.warm_dialog_ledger(id).await?;
         tracing::info!(session_id = %id, "session created");
         Ok(id)
     }
@@ -105,7 +106,18 @@ impl SessionManager {
         let agent = self.bundle.loaded_agent(record.agent_id.as_ref())?;
         let session = AgentSession::load(&self.store, record, agent).await?;
         tracing::debug!(session_id = %id, "session loaded");
-        Ok(self.insert(session))
+        let loaded = self.insert(session);
+        self.warm_dialog_ledger(id).await?;
+        Ok(loaded)
+    }
+
+    /// Reads the dialog's spend with the session, so a turn finds its
+    /// ledger in memory and reads nothing from the store for it.
+    async fn warm_dialog_ledger(&self, id: SessionId) -> Result<()> {
+        self.dialog_ledgers
+            .get(&self.store, id, self.config.max_cost_usd_per_dialog)
+            .await
+            .map(drop)
     }
 
     fn insert(&self, session: AgentSession) -> Arc<AsyncMutex<AgentSession>> {

@@ -448,9 +448,14 @@ async fn a_turn_past_its_deadline_times_out_keeping_its_input_and_the_queue_runs
         .await
         .expect("the deadline ends the turn")
         .unwrap_err();
+    let elapsed = begun.elapsed();
+    // The later turns read and record their spend in the store: with the
+    // clock paused, waiting on a store thread would let it jump to their
+    // deadlines. Real time from here on.
+    tokio::time::resume();
     assert_eq!(err, EngineError::TimedOut { secs: 60 });
     assert!(!err.is_cancelled() && !err.is_retryable() && !err.is_internal());
-    assert_eq!(begun.elapsed(), Duration::from_secs(60));
+    assert_eq!(elapsed, Duration::from_secs(60));
     loop {
         if let SessionEvent::TurnFailed {
             cancelled,
@@ -468,10 +473,6 @@ async fn a_turn_past_its_deadline_times_out_keeping_its_input_and_the_queue_runs
             break;
         }
     }
-    // The later turns record their spend in the store between model calls:
-    // with the clock paused, waiting on the writer would let it jump to
-    // their deadlines. Real time from here on.
-    tokio::time::resume();
     provider.release.add_permits(2);
     assert_eq!(b.outcome().await.unwrap().output.final_text(), "b done");
     let c = manager.submit_turn(id, "c").await.unwrap();
