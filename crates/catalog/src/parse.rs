@@ -16,7 +16,7 @@ use keel_core::AgentId;
 use serde_yaml::Value;
 
 use crate::definition::*;
-use crate::diagnostic::{Diagnostic, DiagnosticKind as K};
+use crate::diagnostic::{edit_distance, Diagnostic, DiagnosticKind as K};
 use crate::locate::{render_path, Locator, Seg};
 use crate::skills::{Skill, SkillFrontmatter};
 
@@ -597,20 +597,6 @@ fn home_of(name: &str) -> Option<&'static str> {
     } else {
         None
     }
-}
-
-pub(crate) fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut cur = vec![i + 1; b.len() + 1];
-        for (j, cb) in b.iter().enumerate() {
-            let cost = usize::from(ca != *cb);
-            cur[j + 1] = (prev[j] + cost).min(prev[j + 1] + 1).min(cur[j] + 1);
-        }
-        prev = cur;
-    }
-    prev[b.len()]
 }
 
 /// A short description of a YAML value for "found …" messages.

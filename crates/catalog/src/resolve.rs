@@ -106,7 +106,7 @@ fn fold(id: &str) -> String {
 fn closest<'a>(name: &str, known: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
     known
         .into_iter()
-        .map(|k| (crate::parse::edit_distance(name, k), k))
+        .map(|k| (crate::diagnostic::edit_distance(name, k), k))
         .filter(|(d, k)| *d <= 2.max(k.len() / 4))
         .min()
         .map(|(_, k)| k)
