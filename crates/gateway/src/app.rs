@@ -143,6 +143,10 @@ impl App {
             })?;
         }
         notices.extend(mcp.notices);
+        // keel.toml's gates, and the MCP tools whose server asks for approval.
+        let approval = config
+            .approval_policy()
+            .union(&keel_engine::ApprovalPolicy::tools(mcp.gated));
         let builtin = Arc::new(registry);
         let skills = config.load_skills().map_err(AppError::Catalog)?;
         let mut inputs = config.catalog_inputs(builtin.clone(), skills.clone());
@@ -166,6 +170,7 @@ impl App {
                 gate.clone(),
                 CoordinatorConfig {
                     runtime_generation: activation.generation,
+                    approval: approval.clone(),
                     ..config.coordinator_config()
                 },
             );
@@ -173,7 +178,7 @@ impl App {
             coordinator
         });
         let profiles = ProfileBuilder {
-            approval: config.approval_policy(),
+            approval,
             providers,
             root_provider,
             builtin,

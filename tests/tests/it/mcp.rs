@@ -170,6 +170,16 @@ async fn the_allow_list_and_delegatable_decide_what_is_registered() {
         srv.tools.as_ref().unwrap().keys().collect::<Vec<_>>(),
         ["echo"]
     );
+    // Its calls wait for a person unless the server says `never`.
+    assert_eq!(setup.gated, ["mcp__srv__echo"]);
+    let unasked = connect(
+        &d,
+        &store,
+        &stdio("srv", "tools = [\"echo\"]\napproval = \"never\"\n"),
+    )
+    .await;
+    assert_eq!(unasked.tools.len(), 1);
+    assert!(unasked.gated.is_empty());
 }
 
 #[tokio::test]
@@ -382,7 +392,7 @@ fn a_scripted_turn_calls_an_mcp_tool_and_agents_check_validates_offline() {
                 .stdin
                 .take()
                 .unwrap()
-                .write_all(b"say hello\n/exit\n")?;
+                .write_all(b"say hello\ny\n/exit\n")?;
             child.wait_with_output()
         })
         .unwrap();
@@ -392,7 +402,13 @@ fn a_scripted_turn_calls_an_mcp_tool_and_agents_check_validates_offline() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(stdout.contains("mcp__srv__echo"), "{stdout}");
+    // MCP tools wait for a person by default: the chat asks, `y` approves.
+    assert!(
+        stdout.contains(
+            "mcp__srv__echo({\"text\":\"hello from mcp\"}) — allow? [y]es / [n]o / [a]lways"
+        ),
+        "{stdout}"
+    );
     assert!(stdout.contains("The server said hello."), "{stdout}");
     // The server's answer is the tool message the model read next.
     let db = rusqlite::Connection::open(d.data.join("keel.db")).unwrap();

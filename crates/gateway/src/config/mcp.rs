@@ -5,6 +5,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use super::ApprovalMode;
+
 /// Default `mcp.NAME.timeout_secs`.
 pub const DEFAULT_MCP_TIMEOUT_SECS: u64 = 30;
 /// Largest `mcp.NAME.timeout_secs` (1 h).
@@ -53,6 +55,9 @@ pub struct McpServerConfig {
     pub timeout_secs: u64,
     /// Bytes of one result the model reads; the rest is cut with a note.
     pub max_output_bytes: usize,
+    /// Whether calls of its tools wait for a person's approval (`always`,
+    /// the default, or `never`).
+    pub approval: ApprovalMode,
 }
 
 impl Default for McpServerConfig {
@@ -70,6 +75,7 @@ impl Default for McpServerConfig {
             delegatable: false,
             timeout_secs: DEFAULT_MCP_TIMEOUT_SECS,
             max_output_bytes: DEFAULT_MCP_MAX_OUTPUT_BYTES,
+            approval: ApprovalMode::Always,
         }
     }
 }

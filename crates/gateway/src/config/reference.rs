@@ -792,6 +792,14 @@ fn mcp_rows(rows: &mut Rows) {
         "The server's tools agents may use (MCP tool names); the others are not registered.".into(),
     );
     text(
+        "approval",
+        "`\"always\"`",
+        "Whether calls of the server's tools wait for a person's approval (`always`) or run \
+         unasked (`never`); see docs/PROTOCOL.md, Approvals. Sub-agent runs cannot ask yet, so \
+         a gated tool called inside one is refused."
+            .into(),
+    );
+    text(
         "delegatable",
         "`false`",
         "Whether agents that are delegated to may list the server's tools; `false` keeps them \

@@ -22,7 +22,7 @@ use keel_core::Tool;
 use keel_engine::LandlockPolicy;
 use keel_store::{McpManifestRecord, Store};
 
-use crate::config::{Config, McpServerConfig};
+use crate::config::{ApprovalMode, Config, McpServerConfig};
 use crate::error::Result;
 
 pub use client::{McpTool, ServerConnection};
@@ -43,6 +43,9 @@ pub enum StdioConfinement {
 pub struct McpSetup {
     /// Every configured server's allowed tools, connected or not.
     pub tools: Vec<Arc<dyn Tool>>,
+    /// The registered names of those whose calls wait for a person's
+    /// approval (their server's `approval = "always"`, the default).
+    pub gated: Vec<String>,
     /// Per server: delegatable, and its tools by MCP name (`None`: never reached).
     pub catalog: BTreeMap<String, McpServerTools>,
     /// One-line notices for start-up (servers down, unconfined servers).
@@ -79,6 +82,7 @@ pub async fn connect_all(
         .collect();
     let mut setup = McpSetup {
         tools: Vec::new(),
+        gated: Vec::new(),
         catalog: BTreeMap::new(),
         notices: Vec::new(),
     };
@@ -122,6 +126,9 @@ pub async fn connect_all(
         let allowed = manifest.as_ref().map(|m| m.allowed(name, server));
         if let Some(allowed) = &allowed {
             for tool in allowed.values() {
+                if server.approval == ApprovalMode::Always {
+                    setup.gated.push(tool.registered.clone());
+                }
                 setup
                     .tools
                     .push(Arc::new(McpTool::new(connection.clone(), server, tool)));
