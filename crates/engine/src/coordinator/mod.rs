@@ -47,7 +47,6 @@ use tokio::task::JoinHandle;
 use crate::agent_loop::{AgentLoop, NoHooks, StepGate};
 use crate::events::SessionEvents;
 use crate::gate::ExecutionGate;
-use crate::manager::SessionManager;
 
 use crate::error::{EngineError, Result};
 pub(crate) use context::AgentExecutionContext;
@@ -175,8 +174,19 @@ pub struct AgentCoordinator {
     shutdown: CancellationToken,
     observer: Mutex<Option<Arc<dyn RunObserver>>>,
     /// The session manager's feeds and the manager (for inbox wakes).
-    manager: OnceLock<(Arc<SessionEvents>, Weak<SessionManager>)>,
+    manager: OnceLock<(Arc<SessionEvents>, Weak<dyn SessionWaker>)>,
     me: Weak<AgentCoordinator>,
+}
+
+/// What the coordinator asks of the session manager above it, which
+/// implements it: wake a dialog's worker, or steer signals into its turn.
+#[async_trait::async_trait]
+pub(crate) trait SessionWaker: Send + Sync {
+    /// Wakes `root`'s worker to deliver its inbox.
+    fn wake_inbox(self: Arc<Self>, root: SessionId);
+    /// Steers `root`'s pending signals into its running turn (or wakes its
+    /// worker when none runs).
+    async fn steer_signals(self: Arc<Self>, root: SessionId);
 }
 
 impl std::fmt::Debug for AgentCoordinator {
@@ -536,7 +546,7 @@ impl AgentCoordinator {
     /// Connects the coordinator to the session manager: committed run and
     /// inbox changes reach the session feeds, and a new completion wakes its
     /// session's worker.
-    pub(crate) fn attach(&self, events: Arc<SessionEvents>, manager: Weak<SessionManager>) {
+    pub(crate) fn attach(&self, events: Arc<SessionEvents>, manager: Weak<dyn SessionWaker>) {
         if self.manager.set((events, manager)).is_err() {
             tracing::warn!("the coordinator is already attached to a session manager");
         }

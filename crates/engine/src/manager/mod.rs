@@ -31,7 +31,7 @@ mod turns;
 mod worker;
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use keel_core::{AgentId, CheckpointId, SessionId, TurnId};
@@ -199,11 +199,22 @@ pub struct SessionManager {
     dialog_ledgers: crate::budget::DialogLedgers,
 }
 
+#[async_trait::async_trait]
+impl crate::coordinator::SessionWaker for SessionManager {
+    fn wake_inbox(self: Arc<Self>, root: SessionId) {
+        SessionManager::wake_inbox(&self, root);
+    }
+
+    async fn steer_signals(self: Arc<Self>, root: SessionId) {
+        SessionManager::steer_signals(&self, root).await;
+    }
+}
+
 impl SessionManager {
     /// A manager over `store` running agents from `bundle`.
     pub fn new(store: Store, bundle: RuntimeBundle, config: SessionManagerConfig) -> Arc<Self> {
         let events = SessionEvents::new(store.clone(), config.event_capacity);
-        Arc::new_cyclic(|me| {
+        Arc::new_cyclic(|me: &Weak<Self>| {
             if let Some(coordinator) = &bundle.coordinator {
                 coordinator.attach(Arc::clone(&events), me.clone());
             }
