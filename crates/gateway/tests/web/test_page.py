@@ -15,6 +15,7 @@ the page's console and the server's log are printed and the status is 1.
 """
 
 import argparse
+import json
 import os
 import pathlib
 import re
@@ -516,6 +517,81 @@ def scenario_token_prompt(r):
     expect(page.locator("#token-dialog")).to_be_hidden()
 
 
+def scenario_approval_card(r):
+    """A gated write_file shows an approval card, live and after a reload, with
+    its HTML arguments as inert text; a refused decision shows the server's
+    detail; Approve runs the call and the model's continuation streams in."""
+    page = r.page
+    with tempfile.TemporaryDirectory(prefix="keel-web-approval-") as tmp:
+        data = pathlib.Path(tmp) / "data"
+        shutil.copytree(HERE / "approval-fixture", data)
+        workspace = pathlib.Path(tmp) / "workspace"
+        workspace.mkdir()
+        server = Server(r.server.keel, data)
+        try:
+            page.goto(server.start())
+            expect(page.locator("#connection")).to_have_attribute("data-state", "open")
+            expect(page.locator("#approvals")).to_be_hidden()
+            r.send("Write the launch notes")
+            card = page.locator("#approvals .approval")
+            expect(card).to_have_count(1)
+            expect(card.locator(".approval-tool")).to_have_text("write_file")
+            expect(card.locator(".approval-who")).to_have_text("asked by root")
+            args = card.locator("pre.approval-args")
+            expect(args).to_contain_text('"content": "<img src=x onerror=alert(1)> launch notes"')
+            expect(args).to_be_visible()
+            assert json.loads(args.inner_text()) == {
+                "path": "notes.html", "content": "<img src=x onerror=alert(1)> launch notes"}
+            for selector in ["#approvals img", "#messages img", "[onerror]"]:
+                assert page.locator(selector).count() == 0, f"{selector} was created from the arguments"
+            for name in ["Approve", "Always", "Deny"]:
+                expect(card.get_by_role("button", name=name, exact=True)).to_be_enabled()
+            r.shot("approval-card")
+
+            # A decision the server refuses shows its detail, and the card stays.
+            def refuse(route):
+                if route.request.method != "POST":
+                    return route.fallback()
+                return route.fulfill(status=409, content_type="application/problem+json", body=json.dumps(
+                    {"type": "about:blank", "status": 409, "code": "conflict", "title": "Conflict",
+                     "detail": "approval was already decided: denied"}))
+            page.route("**/api/approvals/*", refuse)
+            card.get_by_role("button", name="Approve", exact=True).click()
+            expect(card.locator(".approval-problem")).to_have_text("Not decided: approval was already decided: denied")
+            expect(card).to_have_attribute("data-state", "stale")
+            page.unroute("**/api/approvals/*", refuse)
+            r.shot("approval-refused")
+
+            # A reload shows the card again, from the pending list.
+            page.reload()
+            expect(page.locator("#connection")).to_have_attribute("data-state", "open")
+            expect(card).to_have_count(1)
+            expect(card).to_have_attribute("data-state", "pending")
+            expect(card.locator("pre.approval-args")).to_contain_text("<img src=x onerror=alert(1)>")
+            assert page.locator("#approvals img").count() == 0
+
+            card.get_by_role("button", name="Approve", exact=True).click()
+            expect(card).to_have_count(0)
+            expect(page.locator("#approvals")).to_be_hidden()
+            continuation = page.locator("article.msg.assistant[data-origin=agent_continuation]")
+            expect(continuation.locator(".md")).to_contain_text("I wrote notes.html")
+            expect(page.locator("article.msg.assistant.streaming")).to_have_count(0)
+            expect(continuation.locator(".md")).to_contain_text("it is in the workspace now.")
+            # The call's result is in the history, shown on its tool line.
+            tool = page.locator("details.tool[data-state=ok]", has_text="write_file")
+            expect(tool).to_have_count(1)
+            expect(tool.locator(".tool-output")).to_contain_text("notes.html")
+            expect(tool.locator(".tool-output")).not_to_contain_text("error")
+            assert page.locator("#messages img").count() == 0
+            written = workspace / "notes.html"
+            assert written.is_file(), f"{written} is missing; the tool said {tool.locator('.tool-output').text_content()!r}"
+            assert written.read_text() == "<img src=x onerror=alert(1)> launch notes", written
+            assert r.dialogs == [], f"dialogs fired: {r.dialogs}"
+            r.shot("approval-approved")
+        finally:
+            server.stop()
+
+
 SCENARIOS = [
     scenario_first_load,
     scenario_streamed_answer,
@@ -532,6 +608,7 @@ SCENARIOS = [
     scenario_narrow_screen,
     scenario_reconnect,
     scenario_token_prompt,
+    scenario_approval_card,
 ]
 
 

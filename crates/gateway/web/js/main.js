@@ -7,6 +7,7 @@ import { Chat, markUnanswered } from './chat.js';
 import { RunsView } from './runs.js';
 import { renderTimeline } from './timeline.js';
 import { renderDialogs } from './dialogs.js';
+import { ApprovalsView } from './approvals.js';
 import { count } from './format.js';
 
 const PAGE = 100;
@@ -38,6 +39,7 @@ const runs = new RunsView({
   onCancel: cancelRun,
   onResult: loadResult,
 });
+const approvals = new ApprovalsView($('approvals'), decideApproval);
 const socket = new Socket({ onFrame, onState });
 
 // ── errors, token ─────────────────────────────────────────────────────────
@@ -151,6 +153,7 @@ function clearDialog() {
   state.history = [];
   chat.reset();
   runs.reset();
+  approvals.reset();
   state.checkpoints = [];
   state.usage = null;
   renderCheckpoints();
@@ -176,7 +179,7 @@ async function select(id) {
   localStorage.setItem(LAST_DIALOG, id);
   history.replaceState(null, '', `#d=${id}`);
   await Promise.all([subscribe(), loadMessages(), loadCheckpoints(), loadUsage(),
-    attempt('Reading the inbox', loadInbox)]);
+    attempt('Reading the inbox', loadInbox), attempt('Reading the approvals', loadApprovals)]);
   updateComposer();
   return true;
 }
@@ -265,6 +268,23 @@ function updateComposer() {
 function autosize() {
   input.style.height = 'auto';
   input.style.height = `${Math.min(input.scrollHeight, 240)}px`;
+}
+
+// ── approvals ─────────────────────────────────────────────────────────────
+
+/** Re-reads the dialog's pending approvals and shows exactly those. */
+async function loadApprovals() {
+  const dialog = state.current;
+  if (!dialog) return;
+  const list = await api('GET', `dialogs/${dialog.id}/approvals?status=pending`);
+  if (state.current?.id === dialog.id) approvals.showPending(list.items);
+}
+
+/** Sends a decision; the card leaves when `approval_decided` arrives (or now, from the answer). */
+async function decideApproval(approval, decision, reason) {
+  const body = reason === undefined ? { decision } : { decision, reason };
+  const decided = await api('POST', `approvals/${approval.id}`, body);
+  if (decided && decided.status !== 'pending') approvals.decided(decided);
 }
 
 // ── runs, events, checkpoints, usage ─────────────────────────────────────
@@ -427,7 +447,7 @@ async function resync() {
   await attempt('Reloading', async () => {
     await loadDialogs();
     if (!state.current) return;
-    await Promise.all([loadMessages(), loadCheckpoints(), loadUsage(), loadRuns(), loadEvents(), loadInbox(), refreshDialog()]);
+    await Promise.all([loadMessages(), loadCheckpoints(), loadUsage(), loadRuns(), loadEvents(), loadInbox(), loadApprovals(), refreshDialog()]);
   });
   updateComposer();
 }
@@ -474,6 +494,12 @@ function onFrame(f) {
         renderRuns();
         attempt('Reading the inbox', loadInbox);
       }
+      break;
+    case 'approval_requested':
+      approvals.requested(f.approval);
+      break;
+    case 'approval_decided':
+      approvals.decided(f.approval);
       break;
     case 'resync':
       state.revision = 0;
