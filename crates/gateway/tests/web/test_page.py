@@ -520,7 +520,8 @@ def scenario_token_prompt(r):
 def scenario_approval_card(r):
     """A gated write_file shows an approval card, live and after a reload, with
     its HTML arguments as inert text; a refused decision shows the server's
-    detail; Approve runs the call and the model's continuation streams in."""
+    detail; Approve runs the call and the model's continuation streams in;
+    Deny with a reason does not run it, and the model reads the reason."""
     page = r.page
     with tempfile.TemporaryDirectory(prefix="keel-web-approval-") as tmp:
         data = pathlib.Path(tmp) / "data"
@@ -586,8 +587,23 @@ def scenario_approval_card(r):
             written = workspace / "notes.html"
             assert written.is_file(), f"{written} is missing; the tool said {tool.locator('.tool-output').text_content()!r}"
             assert written.read_text() == "<img src=x onerror=alert(1)> launch notes", written
-            assert r.dialogs == [], f"dialogs fired: {r.dialogs}"
             r.shot("approval-approved")
+
+            # Deny, with a reason: the call does not run, the model reads why.
+            r.send("Write the other file too")
+            expect(card).to_have_count(1)
+            expect(card.locator("pre.approval-args")).to_contain_text('"path": "other.html"')
+            expect(page.locator("details.tool[data-state=waiting]", has_text="other.html")).to_have_count(1)
+            card.get_by_label("Reason to deny write_file").fill("not <b>now</b>")
+            card.get_by_role("button", name="Deny", exact=True).click()
+            expect(card).to_have_count(0)
+            expect(continuation.last.locator(".md")).to_have_text("Understood: I left other.html alone.")
+            denied = page.locator("details.tool", has_text="other.html")
+            expect(denied.locator(".tool-output")).to_contain_text("not <b>now</b>")
+            assert page.locator("#messages b, #approvals b, #messages script").count() == 0
+            assert not (workspace / "other.html").exists(), "a denied call ran"
+            assert r.dialogs == [], f"dialogs fired: {r.dialogs}"
+            r.shot("approval-denied")
         finally:
             server.stop()
 

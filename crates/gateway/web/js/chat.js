@@ -25,7 +25,14 @@ function toolLine(name, args) {
       output));
   return {
     el,
+    finished: false,
+    /** A saved call without a result yet: it waits (for an approval, mostly). */
+    waiting() {
+      el.dataset.state = 'waiting';
+      state.textContent = 'no result yet';
+    },
     finish(text, isError) {
+      this.finished = true;
       el.dataset.state = isError ? 'error' : 'ok';
       state.textContent = isError ? 'error' : 'done';
       output.textContent = text ?? '';
@@ -142,6 +149,7 @@ export class Chat {
       nodes.push(h('button', { type: 'button', class: 'quiet earlier', text: 'Show earlier messages', on: { click: onEarlier } }));
     }
     let turn = null;
+    const turns = [];
     for (const m of messages) {
       if (m.role === 'user') {
         turn = null;
@@ -152,6 +160,7 @@ export class Chat {
           turn = new TurnView(origin, m.created_at);
           turn.origin = origin;
           nodes.push(turn.el);
+          turns.push(turn);
         }
         turn.setText(m.text);
         for (const c of m.tool_calls ?? []) turn.tool(c.id, c.name, c.arguments);
@@ -159,6 +168,10 @@ export class Chat {
         const line = turn.tools.get(m.tool_call_id);
         if (line) line.finish(m.text, m.is_error === true);
       }
+    }
+    // Saved calls without a result wait (for an approval); they do not run.
+    for (const view of turns) {
+      for (const line of view.tools.values()) if (!line.finished) line.waiting();
     }
     // Turns still streaming stay below the history.
     for (const view of this.live.values()) nodes.push(view.el);
