@@ -61,15 +61,6 @@ pub fn registered_name(server: &str, tool: &str) -> Option<String> {
 }
 
 impl McpManifest {
-    /// SHA-256 of the manifest's JSON, lowercase hex.
-    pub fn hash(&self) -> String {
-        let bytes = serde_json::to_vec(self).unwrap_or_default();
-        Sha256::digest(&bytes)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect()
-    }
-
     /// The store record of `server`'s manifest, committed at `now_ms`.
     pub fn record(&self, server: &str, now_ms: i64) -> Result<McpManifestRecord> {
         let manifest = serde_json::to_string(self).map_err(|e| {
@@ -77,7 +68,7 @@ impl McpManifest {
         })?;
         Ok(McpManifestRecord {
             server: server.to_owned(),
-            hash: self.hash(),
+            hash: sha256_hex(manifest.as_bytes()),
             manifest,
             committed_at_ms: now_ms,
         })
@@ -147,7 +138,7 @@ impl McpManifest {
 
     /// Logs what changed since `previous` (tools added, removed, changed).
     pub(crate) fn log_changes_from(&self, previous: &McpManifest, server: &str) {
-        if self.hash() == previous.hash() {
+        if self == previous {
             return;
         }
         let before: BTreeMap<&str, &ManifestTool> = previous
@@ -180,6 +171,14 @@ impl McpManifest {
             "the tool manifest of MCP server {server} changed; definitions naming a removed tool no longer load"
         );
     }
+}
+
+/// SHA-256 of `bytes`, lowercase hex (a manifest's hash is that of its stored JSON).
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 #[cfg(test)]
@@ -229,7 +228,8 @@ mod tests {
         // The hash follows every value.
         let mut other = manifest.clone();
         other.tools[2].description = "changed".into();
-        assert_ne!(manifest.hash(), other.hash());
-        assert_eq!(manifest.hash().len(), 64);
+        let hash = |m: &McpManifest| m.record("s", 0).unwrap().hash;
+        assert_ne!(hash(&manifest), hash(&other));
+        assert_eq!(hash(&manifest).len(), 64);
     }
 }
