@@ -182,7 +182,8 @@ impl From<EngineError> for ApiError {
             EngineError::SessionNotFound(_)
             | EngineError::CheckpointNotFound(_)
             | EngineError::RunNotFound(_)
-            | EngineError::SlotNotFound(_) => ApiError::NotFound(e.to_string()),
+            | EngineError::SlotNotFound(_)
+            | EngineError::ApprovalNotFound(_) => ApiError::NotFound(e.to_string()),
             EngineError::UnknownAgent(_) => ApiError::NotFound(e.to_string()),
             EngineError::InvalidInput(_) => ApiError::BadRequest(e.to_string()),
             EngineError::InvalidTitle(_) => ApiError::InvalidTitle(e.to_string()),
@@ -193,7 +194,8 @@ impl From<EngineError> for ApiError {
             | EngineError::SteerFull { .. }
             | EngineError::TurnRunning(_)
             | EngineError::Cancelled
-            | EngineError::TimedOut { .. } => ApiError::Conflict(e.to_string()),
+            | EngineError::TimedOut { .. }
+            | EngineError::ApprovalDecided { .. } => ApiError::Conflict(e.to_string()),
             EngineError::AgentRemoved(name) => ApiError::Conflict(format!(
                 "agent {name:?} of this dialog is no longer defined (a reload of the agent catalog removed it); \
                  switch the dialog to another agent with PATCH /api/dialogs/{{id}} and {{\"agent\": NAME}}, \

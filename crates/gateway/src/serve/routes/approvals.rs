@@ -6,7 +6,6 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::Json;
 use keel_core::ApprovalId;
-use keel_engine::EngineError;
 use keel_store::Decision;
 
 use super::parse_id;
@@ -62,15 +61,10 @@ pub(crate) async fn decide(
         ApprovalChoice::ApproveAlways => Decision::ApproveAlways,
         ApprovalChoice::Deny => Decision::Deny,
     };
-    match shared
+    let record = shared
         .app
         .manager
         .decide_approval(approval, None, decision, body.reason)
-        .await
-    {
-        Ok(record) => Ok(Json(Approval::from(&record))),
-        Err(e @ EngineError::ApprovalDecided { .. }) => Err(ApiError::Conflict(e.to_string())),
-        Err(e @ EngineError::ApprovalNotFound(_)) => Err(ApiError::NotFound(e.to_string())),
-        Err(e) => Err(e.into()),
-    }
+        .await?;
+    Ok(Json(Approval::from(&record)))
 }
