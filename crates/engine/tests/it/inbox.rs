@@ -1306,6 +1306,7 @@ async fn a_background_run_waits_for_approval_holding_no_permit_then_resumes_once
     let root = ScriptedProvider::new([
         background(&["write it"]),
         ScriptedResponse::text("started"),
+        ScriptedResponse::text("hello from another dialog"),
         background(&["other"]),
         ScriptedResponse::text("started another"),
         ScriptedResponse::text("the other is done"),
@@ -1335,8 +1336,19 @@ async fn a_background_run_waits_for_approval_holding_no_permit_then_resumes_once
         0,
         "nothing runs until decided"
     );
-    // Every limit is 1 and the run waits: the root still answers, and another
-    // background run is admitted, runs and is delivered.
+    // Every limit is 1 and the run waits: another dialog answers, the root
+    // still answers, and another background run is admitted, runs and is
+    // delivered.
+    let elsewhere = h.manager.create(spec("d2")).await.unwrap();
+    let report = h
+        .manager
+        .send(elsewhere, Message::user("hi"))
+        .await
+        .unwrap()
+        .outcome()
+        .await
+        .unwrap();
+    assert_eq!(report.output.final_text(), "hello from another dialog");
     h.manager.submit_turn(h.session, "more").await.unwrap();
     let (ends, _) = h.until(2, 0).await;
     assert_eq!(
