@@ -215,7 +215,7 @@ pub async fn decision_latency(dir: &std::path::Path) {
         let first = marks.first_text.lock().unwrap();
         user.push(first - sent);
     }
-    let mut fig = |name: &'static str, samples: &mut Vec<Duration>| {
+    let fig = |name: &'static str, samples: &mut Vec<Duration>| {
         (
             name,
             super::inbox::percentile(samples, 0.5),

@@ -86,14 +86,14 @@ impl Drop for ResumingGuard {
 }
 
 impl AgentCoordinator {
-    /// Commits a background run's pause for approval and announces its
-    /// approvals; a run no longer running under this execution (cancelled
-    /// meanwhile) is [`Stop::Superseded`].
+    /// Commits a background run's pause for approval; returns its approvals.
+    /// A run no longer running under this execution (cancelled meanwhile)
+    /// is [`Stop::Superseded`].
     pub(super) async fn commit_pause(
         &self,
         context: &Arc<AgentExecutionContext>,
         executed: Executed,
-    ) -> Result<(), Stop> {
+    ) -> Result<Vec<ApprovalId>, Stop> {
         let Executed {
             out,
             mut history,
@@ -129,16 +129,21 @@ impl AgentCoordinator {
             now_ms: now,
         };
         match self.store.commit_paused_run(commit).await {
-            Ok(true) => {}
-            Ok(false) => return Err(Stop::Superseded),
-            Err(e) => return Err(Stop::Agent(e.into())),
+            Ok(true) => Ok(ids),
+            Ok(false) => Err(Stop::Superseded),
+            Err(e) => Err(Stop::Agent(e.into())),
         }
-        let session = context.root_session_id;
+    }
+
+    /// After a paused run's runner let go of it: announces its approvals
+    /// and wakes its dialog's worker, which resumes the run if a decision
+    /// came before the runner was gone (a resume is skipped while it lives).
+    pub(super) async fn announce_pause(&self, session: SessionId, ids: Vec<ApprovalId>) {
         for id in ids {
             self.publish_approval(session, id).await;
         }
         self.changed(session).await;
-        Ok(())
+        self.wake(session);
     }
 
     /// Publishes approval `id` as it is stored now (requested or decided).

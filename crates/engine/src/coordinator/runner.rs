@@ -154,10 +154,12 @@ impl AgentCoordinator {
         let result = match result {
             Ok(Ok(executed)) if !executed.out.awaiting_approval.is_empty() => {
                 match self.commit_pause(&context, executed).await {
-                    Ok(()) => {
+                    Ok(approvals) => {
                         self.pending.lock().remove(&context.run_id);
                         drop(permit);
                         drop(guard);
+                        self.announce_pause(context.root_session_id, approvals)
+                            .await;
                         self.notify(&context, RunEvent::WaitingApproval);
                         return self.store.get_run(context.run_id).await.ok().flatten();
                     }
