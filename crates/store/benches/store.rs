@@ -650,7 +650,16 @@ async fn replay(path: &Path) {
             .prepare_cached("SELECT content FROM messages WHERE timeline_id = ?1 ORDER BY seq")
             .expect("prepare");
         let msgs: Vec<Message> = stmt
-            .query_map([root_timeline.as_str()], |r| r.get::<_, String>(0))
+            .query_map([root_timeline.as_str()], |r| {
+                // Text, or a compressed frame (long messages).
+                Ok(match r.get_ref(0)? {
+                    rusqlite::types::ValueRef::Blob(b) => {
+                        String::from_utf8(zstd::stream::decode_all(b).expect("frame"))
+                            .expect("utf-8")
+                    }
+                    _ => r.get::<_, String>(0)?,
+                })
+            })
             .expect("query")
             .map(|c| serde_json::from_str(&c.expect("row")).expect("json"))
             .collect();
