@@ -28,6 +28,7 @@
 //! read again.
 
 pub mod agui;
+pub mod mcp;
 pub mod openai;
 pub mod transcript;
 
