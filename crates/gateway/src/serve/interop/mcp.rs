@@ -370,13 +370,15 @@ impl ServerHandler for KeelMcp {
     ) -> Result<CallToolResponse, ErrorData> {
         let agent = match self.agent_of(&request.name) {
             Ok(Some(agent)) => agent,
-            Ok(None) => return Err(ErrorData::invalid_params(
-                format!(
+            Ok(None) => {
+                return Err(ErrorData::invalid_params(
+                    format!(
                     "unknown tool {:?}: keel's tools are ask_AGENT for the agents tools/list names",
                     request.name
                 ),
-                None,
-            )),
+                    None,
+                ))
+            }
             Err(e) => return Ok(error_result(e.to_string())),
         };
         let ask = match Ask::read(request.arguments.as_ref()) {
