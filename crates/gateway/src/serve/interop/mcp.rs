@@ -17,7 +17,9 @@
 //! model call beginning to write. A cancellation (`notifications/cancelled`,
 //! or the client ending its session) stops the turn as `/stop` does.
 //! The tool list is read from the catalog on every `tools/list`, so it
-//! follows reloads.
+//! follows reloads; after a reload every open session is sent
+//! `notifications/tools/list_changed` (on its standalone SSE stream, when
+//! the client opened one).
 
 use std::sync::Arc;
 
@@ -27,7 +29,7 @@ use rmcp::model::{
     ListToolsResult, PaginatedRequestParams, ProgressNotificationParam, ProgressToken,
     ServerCapabilities, ServerConfig, Tool,
 };
-use rmcp::service::{Peer, RequestContext, RoleServer};
+use rmcp::service::{NotificationContext, Peer, RequestContext, RoleServer};
 use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 use rmcp::{ErrorData, ServerHandler};
@@ -70,6 +72,48 @@ pub(crate) fn service(shared: Arc<Shared>) -> StreamableHttpService<KeelMcp, Loc
 #[derive(Clone)]
 pub(crate) struct KeelMcp {
     shared: Arc<Shared>,
+}
+
+/// The open MCP sessions, told when the tool list changed.
+#[derive(Default)]
+pub(crate) struct Sessions {
+    peers: parking_lot::Mutex<Vec<Peer<RoleServer>>>,
+}
+
+impl std::fmt::Debug for Sessions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sessions")
+            .field("open", &self.peers.lock().len())
+            .finish()
+    }
+}
+
+impl Sessions {
+    /// Sends `notifications/tools/list_changed` to every open session (in
+    /// the background; sessions closed since are forgotten).
+    pub(crate) fn tools_changed(&self) {
+        let peers: Vec<Peer<RoleServer>> = {
+            let mut peers = self.peers.lock();
+            peers.retain(|p| !p.is_transport_closed());
+            peers.clone()
+        };
+        if peers.is_empty() {
+            return;
+        }
+        tokio::spawn(async move {
+            for peer in peers {
+                if let Err(e) = peer.notify_tool_list_changed().await {
+                    tracing::debug!(error = %e, "cannot tell an MCP session its tool list changed");
+                }
+            }
+        });
+    }
+
+    fn add(&self, peer: Peer<RoleServer>) {
+        let mut peers = self.peers.lock();
+        peers.retain(|p| !p.is_transport_closed());
+        peers.push(peer);
+    }
 }
 
 /// The tool name of `agent`.
@@ -336,12 +380,20 @@ impl KeelMcp {
 
 impl ServerHandler for KeelMcp {
     fn get_info(&self) -> ServerConfig {
-        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+        let capabilities = ServerCapabilities::builder()
+            .enable_tools()
+            .enable_tool_list_changed()
+            .build();
+        ServerConfig::new(capabilities)
             .with_server_info(Implementation::new("keel", env!("CARGO_PKG_VERSION")))
             .with_instructions(
                 "Each tool ask_AGENT hands a task to a keel agent and returns its answer. Pass \
                  the dialog id of a result as `dialog` to continue that conversation.",
             )
+    }
+
+    async fn on_initialized(&self, context: NotificationContext<RoleServer>) {
+        self.shared.mcp_sessions.add(context.peer);
     }
 
     async fn list_tools(
