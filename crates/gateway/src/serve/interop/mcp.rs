@@ -9,7 +9,8 @@
 //! run that agent. The task is committed as the turn's user message before
 //! the agent starts (the turn runner's send, as for `/api`); the turn's
 //! answer, once committed, is the tool result, with the dialog and turn ids
-//! in its structured content. A turn that fails or is stopped is an
+//! in its structured content; a turn that paused for a person's approval
+//! says which calls wait (the work goes on in the dialog once decided). A turn that fails or is stopped is an
 //! `isError` result whose text is the safe message clients of `/api` read
 //! (internal detail only in the log, under an error id). A call whose
 //! client sent a progress token reports progress: the turn starting, each
@@ -211,6 +212,8 @@ struct Answer {
     dialog: SessionId,
     turn: uuid::Uuid,
     text: String,
+    /// Tools of calls the turn left waiting for a person's approval.
+    waiting: Vec<String>,
 }
 
 /// An `isError` result saying `message`.
@@ -353,7 +356,22 @@ impl KeelMcp {
                         .await;
                 }
                 ServerFrame::TurnCommitted { .. } => {
-                    return Ok(Answer { dialog, turn, text });
+                    // A turn that paused for approvals ended committed.
+                    let waiting = shared
+                        .app
+                        .manager
+                        .approvals(dialog, true)
+                        .await?
+                        .into_iter()
+                        .filter(|a| a.turn_id.as_uuid() == turn)
+                        .map(|a| a.tool_name)
+                        .collect();
+                    return Ok(Answer {
+                        dialog,
+                        turn,
+                        text,
+                        waiting,
+                    });
                 }
                 ServerFrame::TurnFailed { message, .. } => {
                     return Err(ApiError::Conflict(message.clone()));
@@ -443,14 +461,26 @@ impl ServerHandler for KeelMcp {
                     "keel dialog {} (pass it as `dialog` to continue this conversation)",
                     answer.dialog
                 );
-                let mut result = CallToolResult::success(vec![
+                let mut content = vec![
                     ContentBlock::text(answer.text.clone()),
                     ContentBlock::text(note),
-                ]);
+                ];
+                if !answer.waiting.is_empty() {
+                    content.push(ContentBlock::text(format!(
+                        "{} tool call(s) of this turn ({}) wait for a person's approval in keel \
+                         dialog {}; once decided (keel's web page, or POST /api/approvals/ID), \
+                         the agent goes on in that dialog, not in this call",
+                        answer.waiting.len(),
+                        answer.waiting.join(", "),
+                        answer.dialog
+                    )));
+                }
+                let mut result = CallToolResult::success(content);
                 result.structured_content = Some(json!({
                     "answer": answer.text,
                     "dialog": answer.dialog.to_string(),
                     "turn": answer.turn.to_string(),
+                    "waiting_for_approval": answer.waiting,
                 }));
                 Ok(result.into())
             }

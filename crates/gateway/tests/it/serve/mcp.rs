@@ -432,3 +432,41 @@ async fn the_tool_list_follows_a_catalog_reload() {
     assert_eq!(after.len(), before.len());
     client.cancel().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_call_whose_turn_waits_for_approval_says_so_and_runs_nothing() {
+    let ws_dir = tempfile::tempdir().unwrap();
+    let workspace = ws_dir.path().canonicalize().unwrap();
+    let t = TestServer::start(Setup {
+        config: format!(
+            "workspace_root = {:?}\n[tools]\nenable_write = true\n",
+            workspace.display().to_string()
+        ),
+        provider: scripted(vec![ScriptedResponse::tool_call(
+            "write_file",
+            json!({"path": "note.txt", "content": "hi"}),
+        )]),
+        ..Setup::default()
+    })
+    .await;
+    let (client, _progress) = connect(&t, None).await.unwrap();
+    let result = client
+        .call_tool(call("ask_root", json!({"task": "write a note"})))
+        .await
+        .unwrap();
+    assert_eq!(result.is_error, Some(false));
+    let dialog = dialog_of(&result);
+    let structured = result.structured_content.as_ref().unwrap();
+    assert_eq!(structured["waiting_for_approval"], json!(["write_file"]));
+    assert!(
+        texts(&result)[2].contains("wait for a person's approval"),
+        "{result:?}"
+    );
+    assert!(
+        !workspace.join("note.txt").exists(),
+        "nothing runs undecided"
+    );
+    let pending = t.json(&format!("/api/dialogs/{dialog}/approvals")).await;
+    assert_eq!(pending["items"].as_array().unwrap().len(), 1);
+    client.cancel().await.unwrap();
+}
