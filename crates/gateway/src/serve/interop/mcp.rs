@@ -16,7 +16,7 @@
 //! client sent a progress token reports progress: the turn starting, each
 //! tool call starting and ending, each sub-agent run's status, and each
 //! model call beginning to write. A cancellation (`notifications/cancelled`,
-//! or the client ending its session) stops the turn as `/stop` does.
+//! or the session ending) stops the turn as `/stop` does.
 //! The tool list is read from the catalog on every `tools/list`, so it
 //! follows reloads; after a reload every open session is sent
 //! `notifications/tools/list_changed` (on its standalone SSE stream, when
