@@ -10,9 +10,10 @@
 //! the agent starts (the turn runner's send, as for `/api`); the turn's
 //! answer, once committed, is the tool result, with the dialog and turn ids
 //! in its structured content; a turn that paused for a person's approval
-//! says which calls wait (the work goes on in the dialog once decided). A turn that fails or is stopped is an
-//! `isError` result whose text is the safe message clients of `/api` read
-//! (internal detail only in the log, under an error id). A call whose
+//! says which calls wait (the work goes on in the dialog once decided). A
+//! turn that fails or is stopped is an `isError` result whose text is the
+//! safe message clients of `/api` read (internal detail only in the log,
+//! under an error id). A call whose
 //! client sent a progress token reports progress: the turn starting, each
 //! tool call starting and ending, each sub-agent run's status, and each
 //! model call beginning to write. A cancellation (`notifications/cancelled`,
