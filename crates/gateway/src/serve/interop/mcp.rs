@@ -217,6 +217,11 @@ struct Answer {
     waiting: Vec<String>,
 }
 
+/// What a cancelled call answers (its client no longer reads it).
+fn cancelled() -> ApiError {
+    ApiError::Conflict("the call was cancelled; nothing of its answer was saved".to_owned())
+}
+
 /// An `isError` result saying `message`.
 fn error_result(message: impl Into<String>) -> CallToolResponse {
     CallToolResult::error(vec![ContentBlock::text(message)]).into()
@@ -287,18 +292,30 @@ impl KeelMcp {
             history: Vec::new(),
             input: ask.task,
         };
-        let placed = shared.conversations.place(shared, &conversation).await?;
+        let mut progress = Progress {
+            peer: context.peer.clone(),
+            token: context.meta.get_progress_token(),
+            count: 0,
+        };
+        if shared.conversations.busy(dialog) {
+            progress
+                .report(format!(
+                    "waiting for dialog {dialog}: another call's turn runs there"
+                ))
+                .await;
+        }
+        // Cancelled while it waits for the dialog: nothing is written.
+        let placed = tokio::select! {
+            biased;
+            () = context.ct.cancelled() => return Err(cancelled()),
+            placed = shared.conversations.place(shared, &conversation) => placed?,
+        };
         // Sub-agent changes of the dialog are published from now on.
         shared.projections.watch(dialog).await?;
         let mut feed = Conversations::start_turn(shared, placed, conversation.input)
             .await?
             .with_runs(shared.projections.clone());
         let turn = feed.turn;
-        let mut progress = Progress {
-            peer: context.peer.clone(),
-            token: context.meta.get_progress_token(),
-            count: 0,
-        };
         let mut text = String::new();
         let mut writing = false;
         loop {
@@ -307,10 +324,7 @@ impl KeelMcp {
                 () = context.ct.cancelled() => {
                     // The client will not read an answer: stop the work.
                     self.stop(dialog, turn).await;
-                    return Err(ApiError::Conflict(
-                        "the call was cancelled; its turn was stopped and its answer not saved"
-                            .to_owned(),
-                    ));
+                    return Err(cancelled());
                 }
             };
             let frame = match fed {

@@ -341,6 +341,12 @@ impl Conversations {
         }
     }
 
+    /// Whether a request holds `dialog`'s lock now.
+    pub(crate) fn busy(&self, dialog: SessionId) -> bool {
+        let lock = self.locks.lock().get(&dialog).and_then(Weak::upgrade);
+        lock.is_some_and(|l| l.try_lock().is_err())
+    }
+
     /// `dialog`'s lock, if no request holds it.
     fn try_lock(&self, dialog: SessionId) -> Option<DialogGuard> {
         Some(DialogGuard {

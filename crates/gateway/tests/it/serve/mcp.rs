@@ -470,3 +470,55 @@ async fn a_call_whose_turn_waits_for_approval_says_so_and_runs_nothing() {
     assert_eq!(pending["items"].as_array().unwrap().len(), 1);
     client.cancel().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_call_cancelled_while_it_waits_for_its_dialog_writes_nothing() {
+    let gate = Arc::new(Semaphore::new(0));
+    let t = TestServer::start(Setup {
+        provider: Arc::new(GatedProvider { gate: gate.clone() }),
+        ..Setup::default()
+    })
+    .await;
+    let (client, mut progress) = connect(&t, None).await.unwrap();
+    // The first call holds the dialog: its model waits on the gate.
+    let mut first = Box::pin(client.call_tool(call("ask_root", json!({"task": "work"}))));
+    let seen = tokio::select! {
+        r = &mut first => panic!("the first call ended early: {r:?}"),
+        seen = progress_until(&mut progress, "writing") => seen,
+    };
+    let dialog = seen[0].rsplit(' ').next().unwrap().to_owned();
+    // The second call on the dialog says it waits, and is cancelled there.
+    let mut second =
+        Box::pin(client.call_tool(call("ask_root", json!({"task": "never", "dialog": dialog}))));
+    tokio::select! {
+        r = &mut first => panic!("the first call ended early: {r:?}"),
+        r = &mut second => panic!("the second call ended early: {r:?}"),
+        _ = progress_until(&mut progress, "waiting for dialog") => {}
+    }
+    drop(second);
+    // A request after the cancellation: the server has read it by then.
+    client.list_all_tools().await.unwrap();
+    gate.add_permits(1);
+    let first = tokio::time::timeout(Duration::from_secs(30), first)
+        .await
+        .expect("the first call ends")
+        .unwrap();
+    assert_eq!(texts(&first)[0], "partial done.");
+    // The next call on the dialog is answered (the gate opens once more):
+    // the cancelled one never took its place.
+    gate.add_permits(1);
+    let next = client
+        .call_tool(call("ask_root", json!({"task": "again", "dialog": dialog})))
+        .await
+        .unwrap();
+    assert_eq!(texts(&next)[0], "partial done.");
+    let messages = t.json(&format!("/api/dialogs/{dialog}/messages")).await;
+    let said: Vec<&str> = messages["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(said, ["work", "partial done.", "again", "partial done."]);
+    client.cancel().await.unwrap();
+}
