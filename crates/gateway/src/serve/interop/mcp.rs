@@ -397,7 +397,8 @@ impl KeelMcp {
     }
 
     /// Stops `turn` of `dialog` as `/stop` does when it is the dialog's
-    /// running turn; a turn still queued is cancelled before it starts.
+    /// running turn; a turn still queued is cancelled before it starts and
+    /// its input taken off the queue (else the next start of keel runs it).
     async fn stop(&self, dialog: SessionId, turn: uuid::Uuid) {
         let manager = &self.shared.app.manager;
         let running = manager.running_turn(dialog).map(|t| t.as_uuid());
@@ -405,8 +406,11 @@ impl KeelMcp {
             if let Err(e) = manager.stop(dialog).await {
                 tracing::warn!(session_id = %dialog, error = %e, "cannot stop a cancelled MCP call's turn");
             }
-        } else {
-            self.shared.turns.cancel(turn);
+            return;
+        }
+        self.shared.turns.cancel(turn);
+        if let Err(e) = manager.store().discard_queued_input(turn.into()).await {
+            tracing::warn!(session_id = %dialog, error = %e, "cannot withdraw a cancelled MCP call's queued task");
         }
     }
 }

@@ -520,5 +520,7 @@ async fn a_call_cancelled_while_it_waits_for_its_dialog_writes_nothing() {
         .map(|m| m["text"].as_str().unwrap())
         .collect();
     assert_eq!(said, ["work", "partial done.", "again", "partial done."]);
+    // Nor is it left queued for the next start of keel.
+    assert!(t.store.queued_inputs().await.unwrap().is_empty());
     client.cancel().await.unwrap();
 }
