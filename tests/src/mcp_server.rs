@@ -6,7 +6,8 @@
 //! `cancelled` to `marker` when the client cancels it), `big {bytes}`,
 //! `fail` (an `isError` result), `image`, and `write {path}` and
 //! `connect {addr}` (writes a file, opens a TCP connection: for the sandbox
-//! tests). A list of names limits which are listed, so a
+//! tests), `read {path}` (reads a file) and `pid` (its process id: for the
+//! restart tests). A list of names limits which are listed, so a
 //! test can change the manifest between two starts.
 
 use std::sync::Arc;
@@ -100,6 +101,12 @@ fn all_tools() -> Vec<Tool> {
             "Opens a TCP connection.",
             schema(json!({"addr": {"type": "string"}}), &["addr"]),
         ),
+        Tool::new(
+            "read",
+            "Reads a file.",
+            schema(json!({"path": {"type": "string"}}), &["path"]),
+        ),
+        Tool::new("pid", "Returns its process id.", schema(json!({}), &[])),
     ]
 }
 
@@ -194,6 +201,18 @@ impl ServerHandler for TestServer {
                     }
                 }
             }
+            "read" => {
+                let path = arg(&request, "path")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default();
+                match std::fs::read_to_string(path) {
+                    Ok(content) => text(content),
+                    Err(e) => {
+                        Ok(CallToolResult::error(vec![ContentBlock::text(e.to_string())]).into())
+                    }
+                }
+            }
+            "pid" => text(std::process::id().to_string()),
             other => Err(ErrorData::invalid_params(format!("no tool {other}"), None)),
         }
     }

@@ -86,6 +86,34 @@ fn tool(setup: &McpSetup, name: &str) -> Arc<dyn Tool> {
         .clone()
 }
 
+/// A tool error's text without its error id (a fresh UUID each time).
+fn without_error_id(err: &ToolError) -> String {
+    let text = err.to_string();
+    match text.split_once(" (error id ") {
+        Some((head, _)) => head.to_owned(),
+        None => text,
+    }
+}
+
+/// Sends SIGKILL to `pid` (a server's process).
+fn kill(pid: &str) {
+    let status = std::process::Command::new("kill")
+        .args(["-KILL", pid])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill -KILL {pid}");
+}
+
+/// Waits (at most 20 s) until `server`'s status satisfies `pred`.
+async fn wait_for(
+    server: &keel_gateway::mcp::ServerConnection,
+    pred: impl Fn(&keel_gateway::mcp::StatusReport) -> bool,
+) {
+    tokio::time::timeout(Duration::from_secs(20), server.wait_for(pred))
+        .await
+        .unwrap_or_else(|_| panic!("server status stayed {:?}", server.status()));
+}
+
 async fn call(
     tool: &Arc<dyn Tool>,
     args: serde_json::Value,
@@ -110,6 +138,8 @@ async fn a_stdio_server_is_listed_committed_and_called() {
             "mcp__srv__echo",
             "mcp__srv__fail",
             "mcp__srv__image",
+            "mcp__srv__pid",
+            "mcp__srv__read",
             "mcp__srv__sleep",
             "mcp__srv__write"
         ]
@@ -216,7 +246,9 @@ async fn a_server_down_at_start_keeps_its_last_manifest_and_its_calls_name_it() 
     let first = connect(&d, &store, &stdio("srv", "")).await;
     assert!(first.notices.is_empty(), "{:?}", first.notices);
     drop(first);
-    let down = "[mcp.srv]\ncommand = \"/nonexistent/keel-mcp-server\"\n\
+    // A call's timeout (1 s) ends before the next attempt (2 s after the
+    // failed one): it fails at once.
+    let down = "[mcp.srv]\ncommand = \"/nonexistent/keel-mcp-server\"\ntimeout_secs = 1\n\
                 [mcp.ghost]\ncommand = \"/nonexistent/keel-mcp-ghost\"\n";
     let setup = connect(&d, &store, down).await;
     assert_eq!(setup.notices.len(), 2, "{:?}", setup.notices);
@@ -227,14 +259,19 @@ async fn a_server_down_at_start_keeps_its_last_manifest_and_its_calls_name_it() 
     );
     assert!(setup.notices[0].contains("ghost") && setup.notices[0].contains("never reached"));
     // srv's tools are still there, from the committed manifest…
-    assert_eq!(setup.tools.len(), 8);
-    assert_eq!(setup.catalog["srv"].tools.as_ref().unwrap().len(), 8);
+    assert_eq!(setup.tools.len(), 10);
+    assert_eq!(setup.catalog["srv"].tools.as_ref().unwrap().len(), 10);
     // …and fail at call time naming the server; ghost was never seen.
     assert_eq!(setup.catalog["ghost"].tools, None);
     let err = call(&tool(&setup, "mcp__srv__echo"), json!({"text": "x"}))
         .await
         .unwrap_err();
-    insta::assert_snapshot!(err, @"failed: MCP server srv is unavailable: keel could not reach it when it started; its tools work again once keel restarts with the server available");
+    insta::assert_snapshot!(without_error_id(&err), @"failed: MCP server srv is unavailable: it stopped or could not be started, and keel tries again in 2 s");
+    // Its status says why, as the start-up notice did.
+    let status = setup.servers["srv"].status();
+    assert_eq!(status.state, "unavailable");
+    let reason = status.reason.unwrap();
+    assert!(setup.notices[1].contains(&reason), "{reason}");
     assert_eq!(store.mcp_manifests().await.unwrap().len(), 1);
 }
 
@@ -452,4 +489,84 @@ fn a_scripted_turn_calls_an_mcp_tool_and_agents_check_validates_offline() {
         stdout.contains("helper.md:5:9: tools[0]: MCP server \"srv\" has no tool \"ehco\" in its last manifest; did you mean \"echo\"?"),
         "{stdout}"
     );
+}
+
+#[tokio::test]
+async fn a_killed_stdio_server_is_restarted_and_a_call_during_the_restart_waits_for_it() {
+    let d = dirs();
+    let store = store(&d);
+    let setup = connect(&d, &store, &stdio("srv", "")).await;
+    let server = setup.servers["srv"].clone();
+    assert_eq!(server.status().state, "up");
+    let pid = tool(&setup, "mcp__srv__pid");
+    let first = call(&pid, json!({})).await.unwrap().content;
+    kill(&first);
+    // Once keel has seen it die (or already restarted it), the next call
+    // waits for the new process and reaches it.
+    wait_for(&server, |s| s.state != "up" || s.restarts > 0).await;
+    let second = call(&pid, json!({})).await.unwrap().content;
+    assert_ne!(first, second);
+    let status = server.status();
+    assert_eq!((status.state, status.restarts), ("up", 1));
+    assert!(
+        status.reason.unwrap().contains("session ended"),
+        "{:?}",
+        server.status()
+    );
+    let out = call(&tool(&setup, "mcp__srv__echo"), json!({"text": "back"}))
+        .await
+        .unwrap();
+    assert_eq!(out.content, "back");
+}
+
+#[tokio::test]
+async fn a_server_that_keeps_dying_is_restarted_with_backoff_and_calls_meanwhile_name_it() {
+    let d = dirs();
+    let store = store(&d);
+    let setup = connect(
+        &d,
+        &store,
+        &stdio(
+            "srv",
+            "timeout_secs = 1
+",
+        ),
+    )
+    .await;
+    let server = setup.servers["srv"].clone();
+    let pid = tool(&setup, "mcp__srv__pid");
+    // The first death is restarted at once…
+    kill(&call(&pid, json!({})).await.unwrap().content);
+    wait_for(&server, |s| s.state == "up" && s.restarts == 1).await;
+    // …the second soon after waits 2 s, longer than a call's timeout (1 s):
+    // a call fails at once, naming the server.
+    kill(&call(&pid, json!({})).await.unwrap().content);
+    wait_for(&server, |s| s.state == "unavailable").await;
+    let err = call(&pid, json!({})).await.unwrap_err();
+    insta::assert_snapshot!(without_error_id(&err), @"failed: MCP server srv is unavailable: it stopped or could not be started, and keel tries again in 2 s");
+    // After the wait it is back.
+    wait_for(&server, |s| s.state == "up" && s.restarts == 2).await;
+    assert!(call(&pid, json!({})).await.is_ok());
+}
+
+#[tokio::test]
+async fn a_confined_stdio_server_cannot_read_a_home_outside_the_workspace() {
+    let d = dirs();
+    let home = tempfile::tempdir().unwrap();
+    let ssh = home.path().join(".ssh");
+    std::fs::create_dir(&ssh).unwrap();
+    std::fs::write(ssh.join("id_ed25519"), "PRIVATE KEY").unwrap();
+    std::fs::write(d.ws.join("notes.txt"), "public").unwrap();
+    let store = store(&d);
+    let setup = connect(&d, &store, &stdio("srv", "")).await;
+    let read = tool(&setup, "mcp__srv__read");
+    let out = call(&read, json!({"path": d.ws.join("notes.txt")}))
+        .await
+        .unwrap();
+    assert_eq!((out.content.as_str(), out.is_error), ("public", false));
+    let out = call(&read, json!({"path": ssh.join("id_ed25519")}))
+        .await
+        .unwrap();
+    assert!(out.is_error, "{}", out.content);
+    assert!(out.content.contains("Permission denied"), "{}", out.content);
 }

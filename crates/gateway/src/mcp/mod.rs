@@ -12,6 +12,7 @@
 
 mod client;
 mod manifest;
+mod supervisor;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -25,8 +26,9 @@ use keel_store::{McpManifestRecord, Store};
 use crate::config::{ApprovalMode, Config, McpServerConfig};
 use crate::error::Result;
 
-pub use client::{McpTool, ServerConnection};
+pub use client::McpTool;
 pub use manifest::{registered_name, ManifestTool, McpManifest};
+pub use supervisor::{ServerConnection, StatusReport};
 
 /// How stdio servers are confined.
 #[derive(Debug, Clone)]
@@ -50,6 +52,9 @@ pub struct McpSetup {
     pub catalog: BTreeMap<String, McpServerTools>,
     /// One-line notices for start-up (servers down, unconfined servers).
     pub notices: Vec<String>,
+    /// Every configured server's connection, by name: kept alive (restarted
+    /// with backoff) while any of these or of `tools` is held.
+    pub servers: BTreeMap<String, Arc<ServerConnection>>,
 }
 
 /// The launcher policy stdio servers run under: `tools.shell_read_paths`
@@ -85,13 +90,15 @@ pub async fn connect_all(
         gated: Vec::new(),
         catalog: BTreeMap::new(),
         notices: Vec::new(),
+        servers: BTreeMap::new(),
     };
     for (name, server) in &config.mcp {
         let mut policy = stdio_policy(config, server);
         if let Some(launcher) = &launcher {
             policy.launcher = launcher.clone();
         }
-        let connection = client::connect(name, server, &config.workspace_root(), policy).await;
+        let connection =
+            client::connect(name, server, &config.workspace_root(), policy.clone()).await;
         let previous = committed
             .get(name)
             .map(McpManifest::from_record)
@@ -103,12 +110,12 @@ pub async fn connect_all(
                 if let Some(previous) = &previous {
                     manifest.log_changes_from(previous, name);
                 }
-                (Some(manifest), Some(connection))
+                (Some(manifest), Ok(connection))
             }
             Err(reason) => {
                 let notice = match &previous {
                     Some(_) => format!(
-                        "keel: MCP server {name} is unavailable ({reason}); its tools fail until keel restarts with it available"
+                        "keel: MCP server {name} is unavailable ({reason}); its tools fail until keel reaches it (it tries again with backoff)"
                     ),
                     None => format!(
                         "keel: MCP server {name} is unavailable ({reason}) and was never reached; agents cannot list its tools"
@@ -116,13 +123,23 @@ pub async fn connect_all(
                 };
                 tracing::warn!(server = %name, "{notice}");
                 setup.notices.push(notice);
-                (previous, None)
+                (previous, Err(reason))
             }
         };
-        if let Some(notice) = connection.as_ref().and_then(|c| c.notice()) {
+        if let Some(notice) = connection.as_ref().ok().and_then(|c| c.notice()) {
             setup.notices.push(notice);
         }
-        let connection = Arc::new(ServerConnection::new(name, server, connection));
+        let connection = Arc::new(ServerConnection::spawn(
+            supervisor::Target {
+                name: name.clone(),
+                config: server.clone(),
+                workspace: config.workspace_root(),
+                policy,
+                manifest: manifest.clone(),
+            },
+            connection,
+        ));
+        setup.servers.insert(name.clone(), connection.clone());
         let allowed = manifest.as_ref().map(|m| m.allowed(name, server));
         if let Some(allowed) = &allowed {
             for tool in allowed.values() {
