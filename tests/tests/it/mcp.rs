@@ -268,7 +268,7 @@ async fn a_server_down_at_start_keeps_its_last_manifest_and_its_calls_name_it() 
         .unwrap_err();
     insta::assert_snapshot!(without_error_id(&err), @"failed: MCP server srv is unavailable: it stopped or could not be started, and keel tries again in 2 s");
     // Its status says why, as the start-up notice did.
-    let status = setup.servers["srv"].status();
+    let status = setup.servers["srv"].connection.status();
     assert_eq!(status.state, "unavailable");
     let reason = status.reason.unwrap();
     assert!(setup.notices[1].contains(&reason), "{reason}");
@@ -496,7 +496,7 @@ async fn a_killed_stdio_server_is_restarted_and_a_call_during_the_restart_waits_
     let d = dirs();
     let store = store(&d);
     let setup = connect(&d, &store, &stdio("srv", "")).await;
-    let server = setup.servers["srv"].clone();
+    let server = setup.servers["srv"].connection.clone();
     assert_eq!(server.status().state, "up");
     let pid = tool(&setup, "mcp__srv__pid");
     let first = call(&pid, json!({})).await.unwrap().content;
@@ -533,7 +533,7 @@ async fn a_server_that_keeps_dying_is_restarted_with_backoff_and_calls_meanwhile
         ),
     )
     .await;
-    let server = setup.servers["srv"].clone();
+    let server = setup.servers["srv"].connection.clone();
     let pid = tool(&setup, "mcp__srv__pid");
     // The first death is restarted at once…
     kill(&call(&pid, json!({})).await.unwrap().content);
@@ -569,4 +569,133 @@ async fn a_confined_stdio_server_cannot_read_a_home_outside_the_workspace() {
         .unwrap();
     assert!(out.is_error, "{}", out.content);
     assert!(out.content.contains("Permission denied"), "{}", out.content);
+}
+
+/// Runs `keel ARGS --data-dir DATA`; (success, stdout, stderr).
+fn keel_in(data: &Path, args: &[&str]) -> (bool, String, String) {
+    let out = crate::keel()
+        .args(args)
+        .arg("--data-dir")
+        .arg(data)
+        .env("KEEL_LOG", "error")
+        .env_remove("KEEL_DATA_DIR")
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The binary: `keel mcp list` and `keel mcp call` before anything is
+/// committed and while `keel serve` runs, and `GET /api/mcp`.
+#[test]
+fn keel_mcp_list_and_call_and_the_api_show_the_servers() {
+    let d = dirs();
+    let servers = format!(
+        "{}tools = [\"echo\", \"fail\"]\napproval = \"never\"\n\
+         [mcp.ghost]\ncommand = \"/nonexistent/keel-mcp-ghost\"\ntimeout_secs = 1\n",
+        stdio("srv", "")
+    );
+    std::fs::write(d.data.join("keel.toml"), toml(&d, &servers)).unwrap();
+
+    let (ok, stdout, stderr) = keel_in(&d.data, &["mcp", "list"]);
+    assert!(ok, "{stdout}{stderr}");
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert!(
+        lines[0].starts_with("ghost (stdio): unavailable: "),
+        "{stdout}"
+    );
+    assert_eq!(lines[1], "  manifest: none committed (keel serve or keel chat commits it when they reach the server)");
+    assert_eq!(lines[2], "  tools: none (from the committed manifest)");
+    assert_eq!(
+        &lines[3..],
+        [
+            "srv (stdio): up",
+            "  manifest: none committed (keel serve or keel chat commits it when they reach the server)",
+            "  tools (2, listed now):",
+            "    echo  (mcp__srv__echo)  Returns its text.",
+            "    fail  (mcp__srv__fail)  Always fails.",
+        ]
+    );
+    // `list` committed nothing.
+    assert!(!d.data.join("keel.db").exists());
+
+    let (ok, stdout, stderr) = keel_in(
+        &d.data,
+        &["mcp", "call", "srv", "echo", r#"{"text": "hi"}"#],
+    );
+    assert!(ok, "{stderr}");
+    assert_eq!(stdout, "hi\n");
+    let (ok, stdout, stderr) = keel_in(&d.data, &["mcp", "call", "srv", "fail"]);
+    assert!(!ok);
+    assert_eq!(stdout, "it failed\n");
+    assert_eq!(stderr, "keel: the server answered with an error result\n");
+    let (ok, _, stderr) = keel_in(
+        &d.data,
+        &["mcp", "call", "srv", "add", r#"{"a": 1, "b": 2}"#],
+    );
+    assert!(!ok);
+    assert!(
+        stderr
+            .contains("MCP server srv has no tool add that agents may use (its tools: echo, fail)"),
+        "{stderr}"
+    );
+    let (ok, _, stderr) = keel_in(&d.data, &["mcp", "call", "nope", "echo"]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("no MCP server nope is configured (configured: ghost, srv)"),
+        "{stderr}"
+    );
+    let (ok, _, stderr) = keel_in(&d.data, &["mcp", "call", "srv", "echo", "[1]"]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("the arguments must be a JSON object"),
+        "{stderr}"
+    );
+    let (ok, _, stderr) = keel_in(&d.data, &["mcp", "call", "ghost", "echo"]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("MCP server ghost is unavailable: "),
+        "{stderr}"
+    );
+
+    // keel serve commits srv's manifest and reports both servers.
+    let mut served = crate::serve::Served::start(&d.data);
+    let body: serde_json::Value = crate::serve::runtime().block_on(async {
+        reqwest::get(served.url("/api/mcp"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    });
+    let servers = body["servers"].as_array().unwrap();
+    assert_eq!(servers.len(), 2, "{body}");
+    assert_eq!(
+        servers[0],
+        json!({"name": "ghost", "transport": "stdio", "status": "unavailable", "restarts": 0,
+               "delegatable": false, "manifest": null, "tools": []})
+    );
+    let srv = &servers[1];
+    assert_eq!(
+        (srv["name"].as_str(), srv["status"].as_str()),
+        (Some("srv"), Some("up"))
+    );
+    assert_eq!(srv["manifest"]["hash"].as_str().unwrap().len(), 64, "{srv}");
+    assert_eq!(
+        srv["tools"],
+        json!([
+            {"name": "echo", "registered_name": "mcp__srv__echo", "description": "Returns its text."},
+            {"name": "fail", "registered_name": "mcp__srv__fail", "description": "Always fails."},
+        ])
+    );
+    // While it runs, `keel mcp list` reads the committed manifest.
+    let (ok, stdout, _) = keel_in(&d.data, &["mcp", "list"]);
+    assert!(ok);
+    let hash = &srv["manifest"]["hash"].as_str().unwrap()[..12];
+    assert!(stdout.contains(&format!("ago, sha256 {hash}")), "{stdout}");
+    served.signal("TERM");
+    assert!(served.child.wait().unwrap().success());
 }

@@ -52,9 +52,35 @@ pub struct McpSetup {
     pub catalog: BTreeMap<String, McpServerTools>,
     /// One-line notices for start-up (servers down, unconfined servers).
     pub notices: Vec<String>,
-    /// Every configured server's connection, by name: kept alive (restarted
-    /// with backoff) while any of these or of `tools` is held.
-    pub servers: BTreeMap<String, Arc<ServerConnection>>,
+    /// Every configured server, by name: its connection is kept alive
+    /// (restarted with backoff) while it or one of `tools` is held.
+    pub servers: BTreeMap<String, McpServer>,
+}
+
+/// One configured server as `keel mcp list` and `GET /api/mcp` show it.
+#[derive(Clone)]
+pub struct McpServer {
+    /// `stdio` or `http`.
+    pub transport: &'static str,
+    /// Whether delegated agents may use its tools.
+    pub delegatable: bool,
+    /// Its connection and status.
+    pub connection: Arc<ServerConnection>,
+    /// Its allowed tools from the manifest in force (none: never reached).
+    pub tools: Vec<ServerTool>,
+    /// The SHA-256 of the manifest in force (`None`: never reached).
+    pub manifest_hash: Option<String>,
+}
+
+/// One allowed tool of a server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerTool {
+    /// Its MCP name.
+    pub name: String,
+    /// The name the model sees (`mcp__NAME__TOOL`).
+    pub registered: String,
+    /// Its description.
+    pub description: String,
 }
 
 /// The launcher policy stdio servers run under: `tools.shell_read_paths`
@@ -76,15 +102,33 @@ pub async fn connect_all(
     store: &Store,
     launcher: Option<PathBuf>,
 ) -> Result<McpSetup> {
+    let records = store.mcp_manifests().await?;
+    start(config, &records, Some(store), launcher).await
+}
+
+/// [`connect_all`] without committing anything: what `keel mcp list` and
+/// `keel mcp call` use, `records` being the committed manifests (read
+/// while another process may hold the database).
+pub async fn probe_all(
+    config: &Config,
+    records: &[McpManifestRecord],
+    launcher: Option<PathBuf>,
+) -> Result<McpSetup> {
+    start(config, records, None, launcher).await
+}
+
+/// Connects every server; commits the manifests to `store` when given.
+async fn start(
+    config: &Config,
+    records: &[McpManifestRecord],
+    store: Option<&Store>,
+    launcher: Option<PathBuf>,
+) -> Result<McpSetup> {
     // The MCP HTTP stack needs a process-wide crypto provider; another
     // caller may have installed one already.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let committed: BTreeMap<String, McpManifestRecord> = store
-        .mcp_manifests()
-        .await?
-        .into_iter()
-        .map(|r| (r.server.clone(), r))
-        .collect();
+    let committed: BTreeMap<String, &McpManifestRecord> =
+        records.iter().map(|r| (r.server.clone(), r)).collect();
     let mut setup = McpSetup {
         tools: Vec::new(),
         gated: Vec::new(),
@@ -101,12 +145,14 @@ pub async fn connect_all(
             client::connect(name, server, &config.workspace_root(), policy.clone()).await;
         let previous = committed
             .get(name)
-            .map(McpManifest::from_record)
+            .map(|r| McpManifest::from_record(r))
             .transpose()?;
         let (manifest, connection) = match connection {
             Ok((connection, manifest)) => {
-                let record = manifest.record(name, keel_core::time::now_ms())?;
-                store.commit_mcp_manifest(record).await?;
+                if let Some(store) = store {
+                    let record = manifest.record(name, keel_core::time::now_ms())?;
+                    store.commit_mcp_manifest(record).await?;
+                }
                 if let Some(previous) = &previous {
                     manifest.log_changes_from(previous, name);
                 }
@@ -139,8 +185,33 @@ pub async fn connect_all(
             },
             connection,
         ));
-        setup.servers.insert(name.clone(), connection.clone());
         let allowed = manifest.as_ref().map(|m| m.allowed(name, server));
+        let manifest_hash = match &manifest {
+            Some(m) => Some(m.record(name, 0)?.hash),
+            None => None,
+        };
+        setup.servers.insert(
+            name.clone(),
+            McpServer {
+                transport: if server.command.is_some() {
+                    "stdio"
+                } else {
+                    "http"
+                },
+                delegatable: server.delegatable,
+                connection: connection.clone(),
+                tools: allowed
+                    .iter()
+                    .flat_map(|a| a.iter())
+                    .map(|(mcp_name, t)| ServerTool {
+                        name: mcp_name.clone(),
+                        registered: t.registered.clone(),
+                        description: t.tool.description.clone(),
+                    })
+                    .collect(),
+                manifest_hash,
+            },
+        );
         if let Some(allowed) = &allowed {
             for tool in allowed.values() {
                 if server.approval == ApprovalMode::Always {
