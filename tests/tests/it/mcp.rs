@@ -18,13 +18,13 @@ use serde_json::json;
 const SERVER: &str = env!("CARGO_BIN_EXE_keel-mcp-test-server");
 const LAUNCHER: &str = env!("CARGO_BIN_EXE_keel-e2e");
 
-struct Dirs {
+pub(crate) struct Dirs {
     _dirs: [tempfile::TempDir; 2],
-    ws: PathBuf,
-    data: PathBuf,
+    pub(crate) ws: PathBuf,
+    pub(crate) data: PathBuf,
 }
 
-fn dirs() -> Dirs {
+pub(crate) fn dirs() -> Dirs {
     let dirs = [(); 2].map(|()| tempfile::tempdir().unwrap());
     let [ws, data] = [0, 1].map(|i| dirs[i].path().canonicalize().unwrap());
     Dirs {
@@ -34,19 +34,25 @@ fn dirs() -> Dirs {
     }
 }
 
-fn quoted(p: &Path) -> String {
+pub(crate) fn quoted(p: &Path) -> String {
     format!("{:?}", p.display().to_string())
 }
 
 /// A keel.toml with the workspace, read paths that include the test
 /// server's directory, and `servers`.
-fn toml(d: &Dirs, servers: &str) -> String {
+pub(crate) fn toml(d: &Dirs, servers: &str) -> String {
+    toml_reading(d, &[], servers)
+}
+
+/// [`toml`] with `reads` added to the read paths.
+pub(crate) fn toml_reading(d: &Dirs, reads: &[&Path], servers: &str) -> String {
     let mut read: Vec<String> = ToolsConfig::default()
         .shell_read_paths
         .iter()
         .map(|p| quoted(p))
         .collect();
     read.push(quoted(Path::new(SERVER).parent().unwrap()));
+    read.extend(reads.iter().map(|p| quoted(p)));
     format!(
         "data_dir = {}\nworkspace_root = {}\n[tools]\nshell_read_paths = [{}]\n{servers}",
         quoted(&d.data),
@@ -55,29 +61,30 @@ fn toml(d: &Dirs, servers: &str) -> String {
     )
 }
 
-fn stdio(name: &str, extra: &str) -> String {
+pub(crate) fn stdio(name: &str, extra: &str) -> String {
     format!("[mcp.{name}]\ncommand = {:?}\n{extra}", SERVER)
 }
 
-fn config(text: &str) -> Config {
+pub(crate) fn config(text: &str) -> Config {
     Config::from_toml_str_with_env(text, "keel.toml", &|k| std::env::var(k).ok()).unwrap()
 }
 
-fn store(d: &Dirs) -> Store {
+pub(crate) fn store(d: &Dirs) -> Store {
     Store::open(d.data.join("keel.db"), StoreOptions::default()).unwrap()
 }
 
-async fn connect(d: &Dirs, store: &Store, servers: &str) -> McpSetup {
-    connect_all(
-        &config(&toml(d, servers)),
-        store,
-        Some(PathBuf::from(LAUNCHER)),
-    )
-    .await
-    .unwrap()
+pub(crate) async fn connect(d: &Dirs, store: &Store, servers: &str) -> McpSetup {
+    connect_toml(store, &toml(d, servers)).await
 }
 
-fn tool(setup: &McpSetup, name: &str) -> Arc<dyn Tool> {
+/// Connects the servers of the keel.toml `text`.
+pub(crate) async fn connect_toml(store: &Store, text: &str) -> McpSetup {
+    connect_all(&config(text), store, Some(PathBuf::from(LAUNCHER)))
+        .await
+        .unwrap()
+}
+
+pub(crate) fn tool(setup: &McpSetup, name: &str) -> Arc<dyn Tool> {
     setup
         .tools
         .iter()
@@ -87,7 +94,7 @@ fn tool(setup: &McpSetup, name: &str) -> Arc<dyn Tool> {
 }
 
 /// A tool error's text without its error id (a fresh UUID each time).
-fn without_error_id(err: &ToolError) -> String {
+pub(crate) fn without_error_id(err: &ToolError) -> String {
     let text = err.to_string();
     match text.split_once(" (error id ") {
         Some((head, _)) => head.to_owned(),
@@ -96,7 +103,7 @@ fn without_error_id(err: &ToolError) -> String {
 }
 
 /// Sends SIGKILL to `pid` (a server's process).
-fn kill(pid: &str) {
+pub(crate) fn kill(pid: &str) {
     let status = std::process::Command::new("kill")
         .args(["-KILL", pid])
         .status()
@@ -105,7 +112,7 @@ fn kill(pid: &str) {
 }
 
 /// Waits (at most 20 s) until `server`'s status satisfies `pred`.
-async fn wait_for(
+pub(crate) async fn wait_for(
     server: &keel_gateway::mcp::ServerConnection,
     pred: impl Fn(&keel_gateway::mcp::StatusReport) -> bool,
 ) {
@@ -114,7 +121,7 @@ async fn wait_for(
         .unwrap_or_else(|_| panic!("server status stayed {:?}", server.status()));
 }
 
-async fn call(
+pub(crate) async fn call(
     tool: &Arc<dyn Tool>,
     args: serde_json::Value,
 ) -> Result<keel_core::ToolOutput, ToolError> {
@@ -572,7 +579,7 @@ async fn a_confined_stdio_server_cannot_read_a_home_outside_the_workspace() {
 }
 
 /// Runs `keel ARGS --data-dir DATA`; (success, stdout, stderr).
-fn keel_in(data: &Path, args: &[&str]) -> (bool, String, String) {
+pub(crate) fn keel_in(data: &Path, args: &[&str]) -> (bool, String, String) {
     let out = crate::keel()
         .args(args)
         .arg("--data-dir")
