@@ -27,6 +27,7 @@ pub struct TestServer {
     listed: Option<Vec<String>>,
     /// Notified when a `sleep` starts, and when one is cancelled.
     notify: Option<(Arc<tokio::sync::Notify>, Arc<tokio::sync::Notify>)>,
+    listed_file: Option<std::path::PathBuf>,
 }
 
 impl TestServer {
@@ -35,6 +36,16 @@ impl TestServer {
         Self {
             listed: listed.map(|v| v.split(',').map(str::to_owned).collect()),
             notify: None,
+            listed_file: None,
+        }
+    }
+
+    /// A server listing the tools `file` names (comma-separated), read
+    /// again at every listing, so a test can change them while it runs.
+    pub fn listing_from(file: std::path::PathBuf) -> Self {
+        Self {
+            listed_file: Some(file),
+            ..Self::default()
         }
     }
 
@@ -128,13 +139,18 @@ impl ServerHandler for TestServer {
         _request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
+        let from_file: Option<Vec<String>> = self.listed_file.as_ref().map(|f| {
+            std::fs::read_to_string(f)
+                .unwrap_or_default()
+                .trim()
+                .split(',')
+                .map(str::to_owned)
+                .collect()
+        });
+        let listed = from_file.as_ref().or(self.listed.as_ref());
         let tools = all_tools()
             .into_iter()
-            .filter(|t| {
-                self.listed
-                    .as_ref()
-                    .is_none_or(|l| l.iter().any(|n| n == t.name.as_ref()))
-            })
+            .filter(|t| listed.is_none_or(|l| l.iter().any(|n| n == t.name.as_ref())))
             .collect();
         Ok(ListToolsResult::with_all_items(tools))
     }

@@ -706,3 +706,68 @@ fn keel_mcp_list_and_call_and_the_api_show_the_servers() {
     served.signal("TERM");
     assert!(served.child.wait().unwrap().success());
 }
+
+/// The binary: a reload (`POST /api/admin/reload`) while the server lists
+/// fewer tools than at start-up fails for a definition naming the one that
+/// disappeared, and the catalog in force stays.
+#[test]
+fn a_reload_fails_for_a_definition_naming_a_tool_the_server_no_longer_lists() {
+    let d = dirs();
+    std::fs::create_dir_all(d.data.join("agents")).unwrap();
+    std::fs::write(
+        d.data.join("agents/helper.md"),
+        "---\nid: helper\ndescription: Helps.\nllm_profile: default\ntools: [mcp:srv/echo]\n---\nYou help.\n",
+    )
+    .unwrap();
+    let listed = d.ws.join("tools.txt");
+    std::fs::write(&listed, "echo,add").unwrap();
+    let server = stdio(
+        "srv",
+        &format!("args = [\"--tools-file\", {}]\n", quoted(&listed)),
+    );
+    std::fs::write(d.data.join("keel.toml"), toml(&d, &server)).unwrap();
+    let mut served = crate::serve::Served::start(&d.data);
+    crate::serve::runtime().block_on(async {
+        let http = reqwest::Client::new();
+        let reload = || async {
+            let r = http
+                .post(served.url("/api/admin/reload"))
+                .json(&json!({}))
+                .send()
+                .await
+                .unwrap();
+            (
+                r.status().as_u16(),
+                r.json::<serde_json::Value>().await.unwrap(),
+            )
+        };
+        let (status, report) = reload().await;
+        assert_eq!(status, 200, "{report}");
+        let generation = report["generation"].clone();
+        // The server stops listing echo.
+        std::fs::write(&listed, "add").unwrap();
+        let (status, problem) = reload().await;
+        assert_eq!(status, 422, "{problem}");
+        let errors = problem["errors"].to_string();
+        assert!(
+            errors.contains(
+                "helper.md:5:9: tools[0]: MCP server \\\"srv\\\" has no tool \\\"echo\\\""
+            ),
+            "{problem}"
+        );
+        let ready: serde_json::Value = http
+            .get(served.url("/api/ready"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(ready["catalog_generation"], generation);
+        // Listed again: the reload passes.
+        std::fs::write(&listed, "echo,add").unwrap();
+        assert_eq!(reload().await.0, 200);
+    });
+    served.signal("TERM");
+    assert!(served.child.wait().unwrap().success());
+}

@@ -237,6 +237,31 @@ async fn start(
     Ok(setup)
 }
 
+/// Narrows `catalog` (what a reload validates against) to the tools each
+/// server that is up still lists, so a definition naming a tool that
+/// disappeared fails the reload. A server that is down keeps its tools in
+/// force; a tool that appeared needs a restart (it has no registered tool).
+pub async fn narrow_to_listed(
+    servers: &BTreeMap<String, McpServer>,
+    catalog: &mut BTreeMap<String, McpServerTools>,
+) {
+    for (name, server) in servers {
+        let Some(listed) = server.connection.list_now().await else {
+            continue;
+        };
+        let Some(tools) = catalog.get_mut(name).and_then(|c| c.tools.as_mut()) else {
+            continue;
+        };
+        tools.retain(|tool, _| {
+            let kept = listed.contains(tool);
+            if !kept {
+                tracing::warn!(server = %name, tool = %tool, "MCP server {name} no longer lists {tool}; definitions naming it do not load");
+            }
+            kept
+        });
+    }
+}
+
 /// What the catalog knows of the configured servers from `records` (the
 /// committed manifests) alone: nothing is started or reached.
 pub fn catalog_servers(

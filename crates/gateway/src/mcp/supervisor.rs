@@ -140,6 +140,26 @@ impl ServerConnection {
         let _stopped = rx.wait_for(|s| pred(&s.report())).await;
     }
 
+    /// The names of the tools the server lists now (bounded by its
+    /// timeout); `None` when it is not up or does not answer (logged).
+    pub(crate) async fn list_now(&self) -> Option<std::collections::BTreeSet<String>> {
+        let peer = match &self.status.borrow().state {
+            State::Up(peer) if !peer.is_transport_closed() => peer.clone(),
+            _ => return None,
+        };
+        match tokio::time::timeout(self.timeout, peer.list_all_tools()).await {
+            Ok(Ok(tools)) => Some(tools.into_iter().map(|t| t.name.to_string()).collect()),
+            Ok(Err(e)) => {
+                tracing::warn!(server = %self.name, error = %e, "MCP server did not list its tools");
+                None
+            }
+            Err(_) => {
+                tracing::warn!(server = %self.name, "MCP server did not list its tools within its timeout");
+                None
+            }
+        }
+    }
+
     /// A live session, waiting for a restart that is under way or due
     /// before `deadline`; else the state that ended the wait (a `Down`
     /// whose next attempt comes after `deadline`, with its reason).
