@@ -6,7 +6,8 @@
 //! `cancelled` to `marker` when the client cancels it), `big {bytes}`,
 //! `fail` (an `isError` result), `image`, and `write {path}` and
 //! `connect {addr}` (writes a file, opens a TCP connection: for the sandbox
-//! tests). A list of names limits which are listed, so a
+//! tests), `read {path}` (reads a file) and `pid` (its process id: for the
+//! restart tests). A list of names limits which are listed, so a
 //! test can change the manifest between two starts.
 
 use std::sync::Arc;
@@ -26,6 +27,7 @@ pub struct TestServer {
     listed: Option<Vec<String>>,
     /// Notified when a `sleep` starts, and when one is cancelled.
     notify: Option<(Arc<tokio::sync::Notify>, Arc<tokio::sync::Notify>)>,
+    listed_file: Option<std::path::PathBuf>,
 }
 
 impl TestServer {
@@ -34,6 +36,16 @@ impl TestServer {
         Self {
             listed: listed.map(|v| v.split(',').map(str::to_owned).collect()),
             notify: None,
+            listed_file: None,
+        }
+    }
+
+    /// A server listing the tools `file` names (comma-separated), read
+    /// again at every listing, so a test can change them while it runs.
+    pub fn listing_from(file: std::path::PathBuf) -> Self {
+        Self {
+            listed_file: Some(file),
+            ..Self::default()
         }
     }
 
@@ -100,6 +112,12 @@ fn all_tools() -> Vec<Tool> {
             "Opens a TCP connection.",
             schema(json!({"addr": {"type": "string"}}), &["addr"]),
         ),
+        Tool::new(
+            "read",
+            "Reads a file.",
+            schema(json!({"path": {"type": "string"}}), &["path"]),
+        ),
+        Tool::new("pid", "Returns its process id.", schema(json!({}), &[])),
     ]
 }
 
@@ -121,13 +139,18 @@ impl ServerHandler for TestServer {
         _request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
+        let from_file: Option<Vec<String>> = self.listed_file.as_ref().map(|f| {
+            std::fs::read_to_string(f)
+                .unwrap_or_default()
+                .trim()
+                .split(',')
+                .map(str::to_owned)
+                .collect()
+        });
+        let listed = from_file.as_ref().or(self.listed.as_ref());
         let tools = all_tools()
             .into_iter()
-            .filter(|t| {
-                self.listed
-                    .as_ref()
-                    .is_none_or(|l| l.iter().any(|n| n == t.name.as_ref()))
-            })
+            .filter(|t| listed.is_none_or(|l| l.iter().any(|n| n == t.name.as_ref())))
             .collect();
         Ok(ListToolsResult::with_all_items(tools))
     }
@@ -194,6 +217,18 @@ impl ServerHandler for TestServer {
                     }
                 }
             }
+            "read" => {
+                let path = arg(&request, "path")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default();
+                match std::fs::read_to_string(path) {
+                    Ok(content) => text(content),
+                    Err(e) => {
+                        Ok(CallToolResult::error(vec![ContentBlock::text(e.to_string())]).into())
+                    }
+                }
+            }
+            "pid" => text(std::process::id().to_string()),
             other => Err(ErrorData::invalid_params(format!("no tool {other}"), None)),
         }
     }

@@ -255,6 +255,7 @@ fn ci() -> Result<(), String> {
         println!("ci: {SKIP_BROWSER_TEST}=1: the browser test is left out");
     }
     interop_prerequisites()?;
+    mcp_servers_prerequisites()?;
     let nextest = succeeds(cargo_cmd(&["nextest", "--version"]).current_dir(root()));
     let deny = succeeds(cargo_cmd(&["deny", "--version"]).current_dir(root()));
     type Step = (&'static str, Box<dyn Fn() -> Result<(), String>>);
@@ -398,6 +399,29 @@ fn schemathesis() -> Result<(), String> {
             "1",
         ]))
     })
+}
+
+/// Fails unless the MCP servers keel-e2e's `mcp_external` tests run
+/// (`.ci/mcp-servers` installs them) are there, or the tests are left out
+/// on purpose with `KEEL_SKIP_EXTERNAL_MCP=1`.
+fn mcp_servers_prerequisites() -> Result<(), String> {
+    if std::env::var("KEEL_SKIP_EXTERNAL_MCP").as_deref() == Ok("1") {
+        println!("ci: KEEL_SKIP_EXTERNAL_MCP=1: the external MCP server tests are left out");
+        return Ok(());
+    }
+    let dir = std::env::var_os("KEEL_MCP_SERVERS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target").join("mcp-servers"));
+    let everything =
+        dir.join("npm/node_modules/@modelcontextprotocol/server-everything/dist/index.js");
+    if everything.is_file() && dir.join("venv/bin/python").is_file() {
+        return Ok(());
+    }
+    Err(format!(
+        "the MCP client tests need the MCP servers in {}; run .ci/mcp-servers (.ci/run does), \
+         or set KEEL_SKIP_EXTERNAL_MCP=1 to leave those tests out",
+        dir.display()
+    ))
 }
 
 /// Fails unless the official OpenAI and AG-UI Python clients are importable.

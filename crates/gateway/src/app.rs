@@ -49,6 +49,8 @@ pub struct App {
     /// Sessions whose inbox had work when this process started; see
     /// [`App::deliver_recovered`].
     pub recovered: Vec<SessionId>,
+    /// The `[mcp.NAME]` servers, by name: their connections and tools.
+    pub mcp: std::collections::BTreeMap<String, crate::mcp::McpServer>,
 }
 
 /// Creates the data directory (and missing parents) readable by its owner
@@ -133,6 +135,7 @@ impl App {
         }
         let mut registry = builtin_registry(&tools)?;
         let mcp = crate::mcp::connect_all(config, &store, None).await?;
+        let mcp_servers = mcp.servers;
         for tool in mcp.tools {
             registry.register(tool).map_err(|e| {
                 ConfigError::single(
@@ -224,6 +227,7 @@ impl App {
             generation: activation.generation,
             lock,
             recovered: activation.recovery.sessions_with_inbox_work,
+            mcp: mcp_servers,
         })
     }
 }

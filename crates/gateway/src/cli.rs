@@ -139,6 +139,38 @@ pub enum Command {
         #[command(subcommand)]
         command: AgentsCommand,
     },
+    /// The configured MCP servers (docs/MCP.md).
+    Mcp {
+        /// What to do with them.
+        #[command(subcommand)]
+        command: McpCommand,
+    },
+}
+
+/// `keel mcp …`.
+#[derive(Debug, Subcommand)]
+pub enum McpCommand {
+    /// Reach every configured server now and list its status, committed
+    /// manifest and tools (commits nothing; works while keel serve runs).
+    List {
+        /// Data directory and configuration.
+        #[command(flatten)]
+        data: DataArgs,
+    },
+    /// Call one tool of a server and print what a model would read (no
+    /// approval is asked: you are the one calling).
+    Call {
+        /// Data directory and configuration.
+        #[command(flatten)]
+        data: DataArgs,
+        /// The server (`[mcp.NAME]`).
+        name: String,
+        /// The tool, by its MCP name (as `keel mcp list` shows it).
+        tool: String,
+        /// Its arguments, a JSON object.
+        #[arg(default_value = "{}")]
+        json: String,
+    },
 }
 
 /// `keel agents …`.
@@ -248,6 +280,27 @@ pub fn main() -> ExitCode {
                         skills,
                     },
             } => crate::agents::check(&dir, config.as_deref(), skills.as_deref()).await,
+            Command::Mcp {
+                command: McpCommand::List { data },
+            } => crate::mcp_cmd::list(data.config.as_deref(), data.data_dir.as_deref()).await,
+            Command::Mcp {
+                command:
+                    McpCommand::Call {
+                        data,
+                        name,
+                        tool,
+                        json,
+                    },
+            } => {
+                crate::mcp_cmd::call(
+                    data.config.as_deref(),
+                    data.data_dir.as_deref(),
+                    &name,
+                    &tool,
+                    &json,
+                )
+                .await
+            }
         }
     });
     match result {

@@ -21,6 +21,7 @@ pub mod doctor;
 mod error;
 pub mod export;
 pub mod mcp;
+pub mod mcp_cmd;
 mod profiles;
 pub mod prune;
 pub mod serve;

@@ -24,6 +24,8 @@ mod failpoints;
 mod foreign;
 #[cfg(target_os = "linux")]
 mod mcp;
+#[cfg(target_os = "linux")]
+mod mcp_external;
 #[cfg(unix)]
 mod prune;
 #[cfg(unix)]

@@ -18,13 +18,13 @@ use serde_json::json;
 const SERVER: &str = env!("CARGO_BIN_EXE_keel-mcp-test-server");
 const LAUNCHER: &str = env!("CARGO_BIN_EXE_keel-e2e");
 
-struct Dirs {
+pub(crate) struct Dirs {
     _dirs: [tempfile::TempDir; 2],
-    ws: PathBuf,
-    data: PathBuf,
+    pub(crate) ws: PathBuf,
+    pub(crate) data: PathBuf,
 }
 
-fn dirs() -> Dirs {
+pub(crate) fn dirs() -> Dirs {
     let dirs = [(); 2].map(|()| tempfile::tempdir().unwrap());
     let [ws, data] = [0, 1].map(|i| dirs[i].path().canonicalize().unwrap());
     Dirs {
@@ -34,19 +34,25 @@ fn dirs() -> Dirs {
     }
 }
 
-fn quoted(p: &Path) -> String {
+pub(crate) fn quoted(p: &Path) -> String {
     format!("{:?}", p.display().to_string())
 }
 
 /// A keel.toml with the workspace, read paths that include the test
 /// server's directory, and `servers`.
-fn toml(d: &Dirs, servers: &str) -> String {
+pub(crate) fn toml(d: &Dirs, servers: &str) -> String {
+    toml_reading(d, &[], servers)
+}
+
+/// [`toml`] with `reads` added to the read paths.
+pub(crate) fn toml_reading(d: &Dirs, reads: &[&Path], servers: &str) -> String {
     let mut read: Vec<String> = ToolsConfig::default()
         .shell_read_paths
         .iter()
         .map(|p| quoted(p))
         .collect();
     read.push(quoted(Path::new(SERVER).parent().unwrap()));
+    read.extend(reads.iter().map(|p| quoted(p)));
     format!(
         "data_dir = {}\nworkspace_root = {}\n[tools]\nshell_read_paths = [{}]\n{servers}",
         quoted(&d.data),
@@ -55,29 +61,30 @@ fn toml(d: &Dirs, servers: &str) -> String {
     )
 }
 
-fn stdio(name: &str, extra: &str) -> String {
+pub(crate) fn stdio(name: &str, extra: &str) -> String {
     format!("[mcp.{name}]\ncommand = {:?}\n{extra}", SERVER)
 }
 
-fn config(text: &str) -> Config {
+pub(crate) fn config(text: &str) -> Config {
     Config::from_toml_str_with_env(text, "keel.toml", &|k| std::env::var(k).ok()).unwrap()
 }
 
-fn store(d: &Dirs) -> Store {
+pub(crate) fn store(d: &Dirs) -> Store {
     Store::open(d.data.join("keel.db"), StoreOptions::default()).unwrap()
 }
 
-async fn connect(d: &Dirs, store: &Store, servers: &str) -> McpSetup {
-    connect_all(
-        &config(&toml(d, servers)),
-        store,
-        Some(PathBuf::from(LAUNCHER)),
-    )
-    .await
-    .unwrap()
+pub(crate) async fn connect(d: &Dirs, store: &Store, servers: &str) -> McpSetup {
+    connect_toml(store, &toml(d, servers)).await
 }
 
-fn tool(setup: &McpSetup, name: &str) -> Arc<dyn Tool> {
+/// Connects the servers of the keel.toml `text`.
+pub(crate) async fn connect_toml(store: &Store, text: &str) -> McpSetup {
+    connect_all(&config(text), store, Some(PathBuf::from(LAUNCHER)))
+        .await
+        .unwrap()
+}
+
+pub(crate) fn tool(setup: &McpSetup, name: &str) -> Arc<dyn Tool> {
     setup
         .tools
         .iter()
@@ -86,7 +93,35 @@ fn tool(setup: &McpSetup, name: &str) -> Arc<dyn Tool> {
         .clone()
 }
 
-async fn call(
+/// A tool error's text without its error id (a fresh UUID each time).
+pub(crate) fn without_error_id(err: &ToolError) -> String {
+    let text = err.to_string();
+    match text.split_once(" (error id ") {
+        Some((head, _)) => head.to_owned(),
+        None => text,
+    }
+}
+
+/// Sends SIGKILL to `pid` (a server's process).
+pub(crate) fn kill(pid: &str) {
+    let status = std::process::Command::new("kill")
+        .args(["-KILL", pid])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill -KILL {pid}");
+}
+
+/// Waits (at most 20 s) until `server`'s status satisfies `pred`.
+pub(crate) async fn wait_for(
+    server: &keel_gateway::mcp::ServerConnection,
+    pred: impl Fn(&keel_gateway::mcp::StatusReport) -> bool,
+) {
+    tokio::time::timeout(Duration::from_secs(20), server.wait_for(pred))
+        .await
+        .unwrap_or_else(|_| panic!("server status stayed {:?}", server.status()));
+}
+
+pub(crate) async fn call(
     tool: &Arc<dyn Tool>,
     args: serde_json::Value,
 ) -> Result<keel_core::ToolOutput, ToolError> {
@@ -110,6 +145,8 @@ async fn a_stdio_server_is_listed_committed_and_called() {
             "mcp__srv__echo",
             "mcp__srv__fail",
             "mcp__srv__image",
+            "mcp__srv__pid",
+            "mcp__srv__read",
             "mcp__srv__sleep",
             "mcp__srv__write"
         ]
@@ -216,7 +253,9 @@ async fn a_server_down_at_start_keeps_its_last_manifest_and_its_calls_name_it() 
     let first = connect(&d, &store, &stdio("srv", "")).await;
     assert!(first.notices.is_empty(), "{:?}", first.notices);
     drop(first);
-    let down = "[mcp.srv]\ncommand = \"/nonexistent/keel-mcp-server\"\n\
+    // A call's timeout (1 s) ends before the next attempt (2 s after the
+    // failed one): it fails at once.
+    let down = "[mcp.srv]\ncommand = \"/nonexistent/keel-mcp-server\"\ntimeout_secs = 1\n\
                 [mcp.ghost]\ncommand = \"/nonexistent/keel-mcp-ghost\"\n";
     let setup = connect(&d, &store, down).await;
     assert_eq!(setup.notices.len(), 2, "{:?}", setup.notices);
@@ -227,14 +266,19 @@ async fn a_server_down_at_start_keeps_its_last_manifest_and_its_calls_name_it() 
     );
     assert!(setup.notices[0].contains("ghost") && setup.notices[0].contains("never reached"));
     // srv's tools are still there, from the committed manifest…
-    assert_eq!(setup.tools.len(), 8);
-    assert_eq!(setup.catalog["srv"].tools.as_ref().unwrap().len(), 8);
+    assert_eq!(setup.tools.len(), 10);
+    assert_eq!(setup.catalog["srv"].tools.as_ref().unwrap().len(), 10);
     // …and fail at call time naming the server; ghost was never seen.
     assert_eq!(setup.catalog["ghost"].tools, None);
     let err = call(&tool(&setup, "mcp__srv__echo"), json!({"text": "x"}))
         .await
         .unwrap_err();
-    insta::assert_snapshot!(err, @"failed: MCP server srv is unavailable: keel could not reach it when it started; its tools work again once keel restarts with the server available");
+    insta::assert_snapshot!(without_error_id(&err), @"failed: MCP server srv is unavailable: it stopped or could not be started, and keel tries again in 2 s");
+    // Its status says why, as the start-up notice did.
+    let status = setup.servers["srv"].connection.status();
+    assert_eq!(status.state, "unavailable");
+    let reason = status.reason.unwrap();
+    assert!(setup.notices[1].contains(&reason), "{reason}");
     assert_eq!(store.mcp_manifests().await.unwrap().len(), 1);
 }
 
@@ -452,4 +496,278 @@ fn a_scripted_turn_calls_an_mcp_tool_and_agents_check_validates_offline() {
         stdout.contains("helper.md:5:9: tools[0]: MCP server \"srv\" has no tool \"ehco\" in its last manifest; did you mean \"echo\"?"),
         "{stdout}"
     );
+}
+
+#[tokio::test]
+async fn a_killed_stdio_server_is_restarted_and_a_call_during_the_restart_waits_for_it() {
+    let d = dirs();
+    let store = store(&d);
+    let setup = connect(&d, &store, &stdio("srv", "")).await;
+    let server = setup.servers["srv"].connection.clone();
+    assert_eq!(server.status().state, "up");
+    let pid = tool(&setup, "mcp__srv__pid");
+    let first = call(&pid, json!({})).await.unwrap().content;
+    kill(&first);
+    // Once keel has seen it die (or already restarted it), the next call
+    // waits for the new process and reaches it.
+    wait_for(&server, |s| s.state != "up" || s.restarts > 0).await;
+    let second = call(&pid, json!({})).await.unwrap().content;
+    assert_ne!(first, second);
+    let status = server.status();
+    assert_eq!((status.state, status.restarts), ("up", 1));
+    assert!(
+        status.reason.unwrap().contains("session ended"),
+        "{:?}",
+        server.status()
+    );
+    let out = call(&tool(&setup, "mcp__srv__echo"), json!({"text": "back"}))
+        .await
+        .unwrap();
+    assert_eq!(out.content, "back");
+}
+
+#[tokio::test]
+async fn a_server_that_keeps_dying_is_restarted_with_backoff_and_calls_meanwhile_name_it() {
+    let d = dirs();
+    let store = store(&d);
+    let setup = connect(
+        &d,
+        &store,
+        &stdio(
+            "srv",
+            "timeout_secs = 1
+",
+        ),
+    )
+    .await;
+    let server = setup.servers["srv"].connection.clone();
+    let pid = tool(&setup, "mcp__srv__pid");
+    // The first death is restarted at once…
+    kill(&call(&pid, json!({})).await.unwrap().content);
+    wait_for(&server, |s| s.state == "up" && s.restarts == 1).await;
+    // …the second soon after waits 2 s, longer than a call's timeout (1 s):
+    // a call fails at once, naming the server.
+    kill(&call(&pid, json!({})).await.unwrap().content);
+    wait_for(&server, |s| s.state == "unavailable").await;
+    let err = call(&pid, json!({})).await.unwrap_err();
+    insta::assert_snapshot!(without_error_id(&err), @"failed: MCP server srv is unavailable: it stopped or could not be started, and keel tries again in 2 s");
+    // After the wait it is back.
+    wait_for(&server, |s| s.state == "up" && s.restarts == 2).await;
+    assert!(call(&pid, json!({})).await.is_ok());
+}
+
+#[tokio::test]
+async fn a_confined_stdio_server_cannot_read_a_home_outside_the_workspace() {
+    let d = dirs();
+    let home = tempfile::tempdir().unwrap();
+    let ssh = home.path().join(".ssh");
+    std::fs::create_dir(&ssh).unwrap();
+    std::fs::write(ssh.join("id_ed25519"), "PRIVATE KEY").unwrap();
+    std::fs::write(d.ws.join("notes.txt"), "public").unwrap();
+    let store = store(&d);
+    let setup = connect(&d, &store, &stdio("srv", "")).await;
+    let read = tool(&setup, "mcp__srv__read");
+    let out = call(&read, json!({"path": d.ws.join("notes.txt")}))
+        .await
+        .unwrap();
+    assert_eq!((out.content.as_str(), out.is_error), ("public", false));
+    let out = call(&read, json!({"path": ssh.join("id_ed25519")}))
+        .await
+        .unwrap();
+    assert!(out.is_error, "{}", out.content);
+    assert!(out.content.contains("Permission denied"), "{}", out.content);
+}
+
+/// Runs `keel ARGS --data-dir DATA`; (success, stdout, stderr).
+pub(crate) fn keel_in(data: &Path, args: &[&str]) -> (bool, String, String) {
+    let out = crate::keel()
+        .args(args)
+        .arg("--data-dir")
+        .arg(data)
+        .env("KEEL_LOG", "error")
+        .env_remove("KEEL_DATA_DIR")
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The binary: `keel mcp list` and `keel mcp call` before anything is
+/// committed and while `keel serve` runs, and `GET /api/mcp`.
+#[test]
+fn keel_mcp_list_and_call_and_the_api_show_the_servers() {
+    let d = dirs();
+    let servers = format!(
+        "{}tools = [\"echo\", \"fail\"]\napproval = \"never\"\n\
+         [mcp.ghost]\ncommand = \"/nonexistent/keel-mcp-ghost\"\ntimeout_secs = 1\n",
+        stdio("srv", "")
+    );
+    std::fs::write(d.data.join("keel.toml"), toml(&d, &servers)).unwrap();
+
+    let (ok, stdout, stderr) = keel_in(&d.data, &["mcp", "list"]);
+    assert!(ok, "{stdout}{stderr}");
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert!(
+        lines[0].starts_with("ghost (stdio): unavailable: "),
+        "{stdout}"
+    );
+    assert_eq!(lines[1], "  manifest: none committed (keel serve or keel chat commits it when they reach the server)");
+    assert_eq!(lines[2], "  tools: none (from the committed manifest)");
+    assert_eq!(
+        &lines[3..],
+        [
+            "srv (stdio): up",
+            "  manifest: none committed (keel serve or keel chat commits it when they reach the server)",
+            "  tools (2, listed now):",
+            "    echo  (mcp__srv__echo)  Returns its text.",
+            "    fail  (mcp__srv__fail)  Always fails.",
+        ]
+    );
+    // `list` committed nothing.
+    assert!(!d.data.join("keel.db").exists());
+
+    let (ok, stdout, stderr) = keel_in(
+        &d.data,
+        &["mcp", "call", "srv", "echo", r#"{"text": "hi"}"#],
+    );
+    assert!(ok, "{stderr}");
+    assert_eq!(stdout, "hi\n");
+    let (ok, stdout, stderr) = keel_in(&d.data, &["mcp", "call", "srv", "fail"]);
+    assert!(!ok);
+    assert_eq!(stdout, "it failed\n");
+    assert_eq!(stderr, "keel: the server answered with an error result\n");
+    let (ok, _, stderr) = keel_in(
+        &d.data,
+        &["mcp", "call", "srv", "add", r#"{"a": 1, "b": 2}"#],
+    );
+    assert!(!ok);
+    assert!(
+        stderr
+            .contains("MCP server srv has no tool add that agents may use (its tools: echo, fail)"),
+        "{stderr}"
+    );
+    let (ok, _, stderr) = keel_in(&d.data, &["mcp", "call", "nope", "echo"]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("no MCP server nope is configured (configured: ghost, srv)"),
+        "{stderr}"
+    );
+    let (ok, _, stderr) = keel_in(&d.data, &["mcp", "call", "srv", "echo", "[1]"]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("the arguments must be a JSON object"),
+        "{stderr}"
+    );
+    let (ok, _, stderr) = keel_in(&d.data, &["mcp", "call", "ghost", "echo"]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("MCP server ghost is unavailable: "),
+        "{stderr}"
+    );
+
+    // keel serve commits srv's manifest and reports both servers.
+    let mut served = crate::serve::Served::start(&d.data);
+    let body: serde_json::Value = crate::serve::runtime().block_on(async {
+        reqwest::get(served.url("/api/mcp"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    });
+    let servers = body["servers"].as_array().unwrap();
+    assert_eq!(servers.len(), 2, "{body}");
+    assert_eq!(
+        servers[0],
+        json!({"name": "ghost", "transport": "stdio", "status": "unavailable", "restarts": 0,
+               "delegatable": false, "manifest": null, "tools": []})
+    );
+    let srv = &servers[1];
+    assert_eq!(
+        (srv["name"].as_str(), srv["status"].as_str()),
+        (Some("srv"), Some("up"))
+    );
+    assert_eq!(srv["manifest"]["hash"].as_str().unwrap().len(), 64, "{srv}");
+    assert_eq!(
+        srv["tools"],
+        json!([
+            {"name": "echo", "registered_name": "mcp__srv__echo", "description": "Returns its text."},
+            {"name": "fail", "registered_name": "mcp__srv__fail", "description": "Always fails."},
+        ])
+    );
+    // While it runs, `keel mcp list` reads the committed manifest.
+    let (ok, stdout, _) = keel_in(&d.data, &["mcp", "list"]);
+    assert!(ok);
+    let hash = &srv["manifest"]["hash"].as_str().unwrap()[..12];
+    assert!(stdout.contains(&format!("ago, sha256 {hash}")), "{stdout}");
+    served.signal("TERM");
+    assert!(served.child.wait().unwrap().success());
+}
+
+/// The binary: a reload (`POST /api/admin/reload`) while the server lists
+/// fewer tools than at start-up fails for a definition naming the one that
+/// disappeared, and the catalog in force stays.
+#[test]
+fn a_reload_fails_for_a_definition_naming_a_tool_the_server_no_longer_lists() {
+    let d = dirs();
+    std::fs::create_dir_all(d.data.join("agents")).unwrap();
+    std::fs::write(
+        d.data.join("agents/helper.md"),
+        "---\nid: helper\ndescription: Helps.\nllm_profile: default\ntools: [mcp:srv/echo]\n---\nYou help.\n",
+    )
+    .unwrap();
+    let listed = d.ws.join("tools.txt");
+    std::fs::write(&listed, "echo,add").unwrap();
+    let server = stdio(
+        "srv",
+        &format!("args = [\"--tools-file\", {}]\n", quoted(&listed)),
+    );
+    std::fs::write(d.data.join("keel.toml"), toml(&d, &server)).unwrap();
+    let mut served = crate::serve::Served::start(&d.data);
+    crate::serve::runtime().block_on(async {
+        let http = reqwest::Client::new();
+        let reload = || async {
+            let r = http
+                .post(served.url("/api/admin/reload"))
+                .json(&json!({}))
+                .send()
+                .await
+                .unwrap();
+            (
+                r.status().as_u16(),
+                r.json::<serde_json::Value>().await.unwrap(),
+            )
+        };
+        let (status, report) = reload().await;
+        assert_eq!(status, 200, "{report}");
+        let generation = report["generation"].clone();
+        // The server stops listing echo.
+        std::fs::write(&listed, "add").unwrap();
+        let (status, problem) = reload().await;
+        assert_eq!(status, 422, "{problem}");
+        let errors = problem["errors"].to_string();
+        assert!(
+            errors.contains(
+                "helper.md:5:9: tools[0]: MCP server \\\"srv\\\" has no tool \\\"echo\\\""
+            ),
+            "{problem}"
+        );
+        let ready: serde_json::Value = http
+            .get(served.url("/api/ready"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(ready["catalog_generation"], generation);
+        // Listed again: the reload passes.
+        std::fs::write(&listed, "echo,add").unwrap();
+        assert_eq!(reload().await.0, 200);
+    });
+    served.signal("TERM");
+    assert!(served.child.wait().unwrap().success());
 }

@@ -20,6 +20,7 @@ use rmcp::{ServiceError, ServiceExt};
 use std::sync::Arc;
 
 use super::manifest::{AllowedTool, ManifestTool, McpManifest};
+use super::supervisor::{ServerConnection, Unavailable};
 use super::StdioConfinement;
 use crate::config::McpServerConfig;
 
@@ -29,9 +30,9 @@ const BASE_ENV: [&str; 4] = ["PATH", "HOME", "LANG", "TERM"];
 
 /// A live session with one server.
 pub struct Connected {
-    service: RunningService<RoleClient, ()>,
+    pub(crate) service: RunningService<RoleClient, ()>,
     /// A stdio server's private temporary directory (its `TMPDIR`).
-    _tmp: Option<tempfile::TempDir>,
+    pub(crate) _tmp: Option<tempfile::TempDir>,
     notice: Option<String>,
 }
 
@@ -194,27 +195,6 @@ fn http_config(
     Ok(StreamableHttpClientTransportConfig::with_uri(url).custom_headers(headers))
 }
 
-/// One configured server as its tools see it: its session when keel
-/// reached it at activation, else none (its tools then fail naming it).
-pub struct ServerConnection {
-    name: String,
-    timeout: Duration,
-    max_output_bytes: usize,
-    connected: Option<Connected>,
-}
-
-impl ServerConnection {
-    /// `name`'s connection with its call bounds from `config`.
-    pub(crate) fn new(name: &str, config: &McpServerConfig, connected: Option<Connected>) -> Self {
-        Self {
-            name: name.to_owned(),
-            timeout: Duration::from_secs(config.timeout_secs),
-            max_output_bytes: config.max_output_bytes,
-            connected,
-        }
-    }
-}
-
 /// One MCP tool as a keel tool, registered as `mcp__SERVER__TOOL`.
 pub struct McpTool {
     connection: Arc<ServerConnection>,
@@ -295,13 +275,6 @@ impl Tool for McpTool {
         args: serde_json::Value,
         ctx: &ToolExecutionContext,
     ) -> Result<ToolOutput, ToolError> {
-        let server = &self.connection.name;
-        let Some(connected) = &self.connection.connected else {
-            return Err(ToolError::Failed(format!(
-                "MCP server {server} is unavailable: keel could not reach it when it started; \
-                 its tools work again once keel restarts with the server available"
-            )));
-        };
         let arguments = match args {
             serde_json::Value::Object(map) => map,
             serde_json::Value::Null => serde_json::Map::new(),
@@ -311,30 +284,62 @@ impl Tool for McpTool {
                 )))
             }
         };
+        let connection = &self.connection;
+        // The timeout bounds the whole call, a wait for a restart included.
+        let deadline = tokio::time::Instant::now() + connection.timeout;
+        let session = tokio::select! {
+            () = ctx.cancellation.cancelled() => return Err(ToolError::Cancelled),
+            session = tokio::time::timeout_at(deadline, connection.session(deadline)) => session,
+        };
+        let peer = match session {
+            Ok(Ok(peer)) => peer,
+            Ok(Err(Unavailable { retry_in, reason })) => {
+                let when = match retry_in {
+                    Some(d) => format!("keel tries again in {} s", d.as_millis().div_ceil(1000)),
+                    None => "keel does not try again until it restarts".to_owned(),
+                };
+                return Err(self.failure(
+                    &format!("is unavailable: it stopped or could not be started, and {when}"),
+                    &reason,
+                ));
+            }
+            Err(_) => {
+                return Err(self.failure(
+                    &format!(
+                        "is restarting and was not back within the call's timeout ({} s)",
+                        connection.timeout.as_secs()
+                    ),
+                    &"restart still under way",
+                ))
+            }
+        };
         let params = CallToolRequestParams::new(self.tool.name.clone()).with_arguments(arguments);
         // Dropping the call (cancelled or timed out) sends MCP's
         // notifications/cancelled to the server.
-        let call = connected.service.peer().call_tool(params);
+        let call = peer.call_tool(params);
         let outcome = tokio::select! {
             () = ctx.cancellation.cancelled() => return Err(ToolError::Cancelled),
-            outcome = tokio::time::timeout(self.connection.timeout, call) => outcome,
+            outcome = tokio::time::timeout_at(deadline, call) => outcome,
         };
         match outcome {
             Err(_) => Err(ToolError::TimedOut(
-                u64::try_from(self.connection.timeout.as_millis()).unwrap_or(u64::MAX),
+                u64::try_from(connection.timeout.as_millis()).unwrap_or(u64::MAX),
             )),
             Ok(Err(ServiceError::McpError(e))) => {
                 Err(self.failure(&format!("refused the call ({})", e.code.0), &e.message))
             }
-            Ok(Err(e)) => Err(self.failure("failed to answer; it may have stopped", &e)),
-            Ok(Ok(result)) => Ok(output(result, self.connection.max_output_bytes)),
+            Ok(Err(e)) => Err(self.failure(
+                "failed to answer; it may have stopped (keel restarts it)",
+                &e,
+            )),
+            Ok(Ok(result)) => Ok(output(result, connection.max_output_bytes)),
         }
     }
 }
 
 /// What the model reads of a result: its text; an image, audio or a
 /// resource as a line saying what it is; `isError` as an error result.
-fn output(result: CallToolResult, max_bytes: usize) -> ToolOutput {
+pub(crate) fn output(result: CallToolResult, max_bytes: usize) -> ToolOutput {
     let mut parts: Vec<String> = Vec::new();
     for block in &result.content {
         parts.push(match block {

@@ -203,6 +203,9 @@ impl Shared {
                 "keel started without agent definitions; there is no catalog to reload".to_owned(),
             ));
         };
+        // A tool gone from a server's manifest fails the definitions naming it.
+        let mut inputs = inputs;
+        crate::mcp::narrow_to_listed(&self.app.mcp, &mut inputs.mcp).await;
         let reloading = handle.clone();
         let outcome = tokio::task::spawn_blocking(move || reloading.reload(&inputs))
             .await

@@ -12,7 +12,7 @@ use utoipa::{IntoResponses, Modify, OpenApi};
 use super::api;
 use super::frames;
 use super::problem::{Problem, PROBLEM_JSON};
-use super::routes::{approvals, dialogs, exports, runs, system};
+use super::routes::{approvals, dialogs, exports, mcp_servers, runs, system};
 
 /// The error answers every route documents (each a problem body).
 pub(crate) struct Errors;
@@ -85,6 +85,7 @@ impl Modify for BearerAuth {
         dialogs::checkpoints, dialogs::rollback, dialogs::fork, exports::export, exports::import,
         runs::list, runs::get_one, runs::events, runs::dialog_events, runs::dialog_inbox,
         runs::cancel, approvals::list, approvals::decide,
+        mcp_servers::list,
     ),
     components(schemas(Problem, frames::ClientFrame, frames::ServerFrame, api::Order)),
     modifiers(&BearerAuth),

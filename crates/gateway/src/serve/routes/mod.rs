@@ -4,7 +4,8 @@
 //! - `dialogs`: dialogs, messages, sending, stop, checkpoints;
 //! - `exports`: a dialog's export and import as portable JSON;
 //! - `runs`: sub-agent runs and their events;
-//! - `system`: health, readiness, the OpenAPI document, catalog reload.
+//! - `system`: health, readiness, the OpenAPI document, catalog reload;
+//! - `mcp_servers`: the MCP servers keel is a client of.
 //!
 //! The web page (`/` and `/assets/…`, see `web`) is outside `/api` and
 //! needs no token: it asks the user for one when the API answers 401.
@@ -12,6 +13,7 @@
 pub(crate) mod approvals;
 pub(crate) mod dialogs;
 pub(crate) mod exports;
+pub(crate) mod mcp_servers;
 pub(crate) mod runs;
 pub(crate) mod system;
 
@@ -35,6 +37,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
     let api = Router::new()
         .route("/openapi.json", get(system::openapi))
         .route("/admin/reload", post(system::reload))
+        .route("/mcp", get(mcp_servers::list))
         .route("/dialogs", get(dialogs::list).post(dialogs::create))
         .route(
             "/dialogs/import",
