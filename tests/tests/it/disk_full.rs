@@ -126,6 +126,21 @@ impl Chat {
     }
 }
 
+/// `len` letters that compress poorly (keel stores long messages
+/// compressed: a repeated letter would fit in any disk).
+fn incompressible(len: usize) -> String {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let i = u8::try_from(x % 52).unwrap();
+            char::from(if i < 26 { b'a' + i } else { b'A' + i - 26 })
+        })
+        .collect()
+}
+
 #[test]
 fn a_full_disk_fails_the_turn_with_a_typed_notice_reads_go_on_and_writes_resume() {
     let Some(disk) = SmallDisk::mount("4m") else {
@@ -145,7 +160,7 @@ fn a_full_disk_fails_the_turn_with_a_typed_notice_reads_go_on_and_writes_resume(
     let filler = fill(disk.path());
     // An input bigger than any room the WAL has left: the user's message is
     // committed before the model is called, and that commit fails.
-    let big = "x".repeat(300_000);
+    let big = incompressible(400_000);
     let failed = chat.send(&big, |l| l.starts_with("error:"));
     let error = failed.last().unwrap();
     insta::assert_snapshot!(error, @"error: storage: disk full: the database cannot grow (database or disk is full); free space on its disk, then retry");
@@ -227,7 +242,7 @@ fn a_full_disk_at_the_turn_commit_discards_the_answer_with_a_typed_error_and_kee
         &script,
         format!(
             "responses:\n- text: answered before\n- text: {}\n- text: answered after\n",
-            "y".repeat(300_000)
+            incompressible(400_000)
         ),
     )
     .unwrap();

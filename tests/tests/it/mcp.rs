@@ -455,16 +455,28 @@ fn a_scripted_turn_calls_an_mcp_tool_and_agents_check_validates_offline() {
     );
     assert!(stdout.contains("The server said hello."), "{stdout}");
     // The server's answer is the tool message the model read next.
-    let db = rusqlite::Connection::open(d.data.join("keel.db")).unwrap();
-    let tool_result: String = db
-        .query_row(
-            "SELECT content FROM messages WHERE role = 'tool'",
-            [],
-            |r| r.get(0),
-        )
-        .unwrap();
+    let tool_result = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap()
+        .block_on(async {
+            let store =
+                keel_store::Store::open(d.data.join("keel.db"), Default::default()).unwrap();
+            let dialog = store
+                .latest_active_dialog("cli", "local")
+                .await
+                .unwrap()
+                .expect("the chat's dialog");
+            let messages = store
+                .load_messages(dialog.id, keel_store::MessageFilter::default())
+                .await
+                .unwrap();
+            messages
+                .iter()
+                .find(|m| m.message.role == keel_core::Role::Tool)
+                .map(|m| m.message.text())
+                .unwrap()
+        });
     assert!(tool_result.contains("hello from mcp"), "{tool_result}");
-    drop(db);
 
     // Offline: the server cannot start any more, the manifest decides.
     let gone = toml(

@@ -168,53 +168,7 @@ impl AgentCoordinator {
             }
             other => other,
         };
-        let outcome = match result {
-            Err(_elapsed) => {
-                // Foreground descendants derive from this token: stop them too.
-                context.cancel("the parent run timed out", false);
-                TerminalOutcome::TimedOut {
-                    deadline_at_ms: context.deadline_at_ms,
-                }
-            }
-            Ok(Ok(Executed { out, prior, .. })) => {
-                let mut usage = prior.usage;
-                usage.add(out.usage);
-                TerminalOutcome::Completed {
-                    result: out.final_text(),
-                    usage,
-                    tool_calls: out.tool_calls.saturating_add(prior.tool_calls),
-                    iterations: out.iterations.saturating_add(prior.iterations),
-                }
-            }
-            // Recorded with what the run's own calls spent.
-            Ok(Err(Stop::Agent(e @ EngineError::BudgetExhausted { .. }))) => {
-                let own = context.spend.own();
-                TerminalOutcome::BudgetExhausted {
-                    error: e.to_string(),
-                    usage: own.usage,
-                    cost: context.spend.priced().then_some(own.cost),
-                }
-            }
-            Ok(Err(Stop::Agent(EngineError::Cancelled))) | Ok(Err(Stop::Superseded)) => {
-                TerminalOutcome::Cancelled {
-                    reason: context.cancel_cause().reason,
-                }
-            }
-            // The run's error is what the delegating model reads: internal
-            // detail goes to the log under an id.
-            Ok(Err(Stop::Agent(e))) if e.is_internal() => TerminalOutcome::Failed {
-                error: internal_message(&e),
-                usage: None,
-            },
-            Ok(Err(Stop::Agent(e))) => TerminalOutcome::Failed {
-                error: e.to_string(),
-                usage: None,
-            },
-            Ok(Err(Stop::Setup(e))) => TerminalOutcome::Failed {
-                error: e,
-                usage: None,
-            },
-        };
+        let outcome = outcome_of(&context, result);
         // Structured concurrency: a run ends after its foreground children
         // (cancelled with it when it was cancelled or timed out).
         let children: Vec<watch::Receiver<bool>> = self
@@ -449,5 +403,60 @@ impl AgentCoordinator {
         )
         .map_err(|e| format!("tool set refused: {e}"))?;
         Ok((registry, prompt))
+    }
+}
+
+/// The terminal outcome of a run from what its execution returned
+/// (`Err`: its deadline passed).
+fn outcome_of(
+    context: &AgentExecutionContext,
+    result: Result<Result<Executed, Stop>, tokio::time::error::Elapsed>,
+) -> TerminalOutcome {
+    match result {
+        Err(_elapsed) => {
+            // Foreground descendants derive from this token: stop them too.
+            context.cancel("the parent run timed out", false);
+            TerminalOutcome::TimedOut {
+                deadline_at_ms: context.deadline_at_ms,
+            }
+        }
+        Ok(Ok(Executed { out, prior, .. })) => {
+            let mut usage = prior.usage;
+            usage.add(out.usage);
+            TerminalOutcome::Completed {
+                result: out.final_text(),
+                usage,
+                tool_calls: out.tool_calls.saturating_add(prior.tool_calls),
+                iterations: out.iterations.saturating_add(prior.iterations),
+            }
+        }
+        // Recorded with what the run's own calls spent.
+        Ok(Err(Stop::Agent(e @ EngineError::BudgetExhausted { .. }))) => {
+            let own = context.spend.own();
+            TerminalOutcome::BudgetExhausted {
+                error: e.to_string(),
+                usage: own.usage,
+                cost: context.spend.priced().then_some(own.cost),
+            }
+        }
+        Ok(Err(Stop::Agent(EngineError::Cancelled))) | Ok(Err(Stop::Superseded)) => {
+            TerminalOutcome::Cancelled {
+                reason: context.cancel_cause().reason,
+            }
+        }
+        // The run's error is what the delegating model reads: internal
+        // detail goes to the log under an id.
+        Ok(Err(Stop::Agent(e))) if e.is_internal() => TerminalOutcome::Failed {
+            error: internal_message(&e),
+            usage: None,
+        },
+        Ok(Err(Stop::Agent(e))) => TerminalOutcome::Failed {
+            error: e.to_string(),
+            usage: None,
+        },
+        Ok(Err(Stop::Setup(e))) => TerminalOutcome::Failed {
+            error: e,
+            usage: None,
+        },
     }
 }
