@@ -958,6 +958,8 @@ pub struct Approval {
     pub turn_id: Uuid,
     /// The agent that asked.
     pub agent: String,
+    /// The model's id of the call (its line in the conversation).
+    pub tool_call_id: String,
     /// The tool.
     pub tool: String,
     /// The arguments, as the model sent them.
@@ -985,6 +987,7 @@ impl From<&keel_store::ApprovalRecord> for Approval {
             session_id: a.session_id.as_uuid(),
             turn_id: a.turn_id.as_uuid(),
             agent: a.agent_id.to_string(),
+            tool_call_id: a.tool_call_id.clone(),
             tool: a.tool_name.clone(),
             arguments: serde_json::from_str(&a.arguments)
                 .unwrap_or_else(|_| serde_json::Value::String(a.arguments.clone())),

@@ -32,9 +32,13 @@ use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::watch;
 use uuid::Uuid;
 
+use super::interrupts::{read_resume, resume, Answer};
+pub use super::interrupts::{Interrupt, InterruptMetadata, PausedCall, APPROVAL_REASON};
 use super::transcript::{Said, Speaker};
-use super::{chat_id, checked_texts, Conversation, Conversations, Fed, Scope};
-use crate::serve::api::{AgentRun, TokenUsage as KeelUsage, TurnOrigin};
+use super::{
+    chat_id, checked_texts, paused_for, Conversation, Conversations, Fed, Scope, TurnFeed,
+};
+use crate::serve::api::{AgentRun, Approval, TokenUsage as KeelUsage, TurnOrigin};
 use crate::serve::frames::ServerFrame;
 use crate::serve::problem::ApiError;
 use crate::serve::Shared;
@@ -66,6 +70,12 @@ pub struct TokenUsage {
 pub enum Outcome {
     /// It completed.
     Success,
+    /// It paused: tool calls wait for a person's decision, which a
+    /// resuming run (`resume`) gives.
+    Interrupt {
+        /// One per call waiting (at least one).
+        interrupts: Vec<Interrupt>,
+    },
     /// It was stopped before it completed (nothing of it was saved).
     Cancelled,
 }
@@ -219,7 +229,7 @@ pub enum AgUiEvent {
     },
 }
 
-fn run_error(code: &str, message: impl Into<String>) -> AgUiEvent {
+pub(super) fn run_error(code: &str, message: impl Into<String>) -> AgUiEvent {
     AgUiEvent::RunError {
         message: message.into(),
         code: code.to_owned(),
@@ -261,7 +271,7 @@ impl IntoResponse for AgUiError {
     }
 }
 
-fn bad(message: impl Into<String>) -> AgUiError {
+pub(super) fn bad(message: impl Into<String>) -> AgUiError {
     ApiError::BadRequest(message.into()).into()
 }
 
@@ -280,6 +290,8 @@ pub struct RunEncoder {
     text_open: Option<String>,
     /// The text message of the last model call, if it had text.
     last_text: Option<String>,
+    /// The calls the turn paused for, once its commit is known to hold any.
+    paused: Vec<Approval>,
     finished: bool,
 }
 
@@ -294,8 +306,15 @@ impl RunEncoder {
             step_open: false,
             text_open: None,
             last_text: None,
+            paused: Vec::new(),
             finished: false,
         }
+    }
+
+    /// Says the turn paused for `approvals`: its `TurnCommitted` ends the
+    /// run with their calls and the interrupt outcome.
+    pub fn pause(&mut self, approvals: Vec<Approval>) {
+        self.paused = approvals;
     }
 
     /// Whether the run ended.
@@ -417,10 +436,32 @@ impl RunEncoder {
                 self.finished = true;
                 let mut keel = self.keel;
                 keel.checkpoint_id = *checkpoint_id;
+                // The calls that wait ran not: they are shown, then asked about.
+                for a in &self.paused {
+                    out.push(AgUiEvent::ToolCallStart {
+                        tool_call_id: a.tool_call_id.clone(),
+                        tool_call_name: a.tool.clone(),
+                        parent_message_id: self.last_text.clone(),
+                    });
+                    out.push(AgUiEvent::ToolCallArgs {
+                        tool_call_id: a.tool_call_id.clone(),
+                        delta: a.arguments.to_string(),
+                    });
+                    out.push(AgUiEvent::ToolCallEnd {
+                        tool_call_id: a.tool_call_id.clone(),
+                    });
+                }
+                let outcome = if self.paused.is_empty() {
+                    Outcome::Success
+                } else {
+                    Outcome::Interrupt {
+                        interrupts: self.paused.iter().map(Interrupt::from).collect(),
+                    }
+                };
                 out.push(AgUiEvent::RunFinished {
                     thread_id: self.thread_id.clone(),
                     run_id: self.run_id.clone(),
-                    outcome: Outcome::Success,
+                    outcome,
                     usage: vec![token_usage(usage)],
                     metadata: Some(Metadata { keel }),
                 });
@@ -483,7 +524,7 @@ fn activity(run: &AgentRun) -> AgUiEvent {
     }
 }
 
-fn sse(event: &AgUiEvent) -> Event {
+pub(super) fn sse(event: &AgUiEvent) -> Event {
     Event::default().data(serde_json::to_string(event).unwrap_or_default())
 }
 
@@ -494,8 +535,16 @@ fn sse(event: &AgUiEvent) -> Event {
 struct Input {
     thread_id: String,
     run_id: String,
-    history: Vec<Said>,
-    input: String,
+    ask: Ask,
+}
+
+/// A new turn, or the answers to the interrupts a run ended with.
+#[derive(Debug)]
+enum Ask {
+    /// The history and the new input.
+    Turn { history: Vec<Said>, input: String },
+    /// `resume`: one answer per interrupt.
+    Resume(Vec<Answer>),
 }
 
 fn string_field(body: &Map<String, Value>, name: &str) -> Result<String, AgUiError> {
@@ -535,18 +584,23 @@ fn read_input(body: &[u8]) -> Result<Input, AgUiError> {
         None | Some(Value::Null | Value::Object(_)) => {}
         Some(_) => return Err(bad("`state` must be an object")),
     }
-    if body
-        .get("resume")
-        .and_then(Value::as_array)
-        .is_some_and(|r| !r.is_empty())
-    {
-        return Err(bad(
-            "`resume` answers interrupts, and keel raises none: there is nothing to resume",
-        ));
-    }
     let Some(Value::Array(messages)) = body.get("messages") else {
         return Err(bad("`messages` must be an array"));
     };
+    match body.get("resume") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(resume)) if resume.is_empty() => {}
+        // The run continues the dialog the interrupts belong to, which
+        // holds the history: `messages` is not read.
+        Some(Value::Array(resume)) => {
+            return Ok(Input {
+                thread_id,
+                run_id,
+                ask: Ask::Resume(read_resume(resume)?),
+            })
+        }
+        Some(_) => return Err(bad("`resume` must be an array")),
+    }
     let mut history = Vec::with_capacity(messages.len());
     for (i, m) in messages.iter().enumerate() {
         let at = format!("messages[{i}]");
@@ -593,8 +647,7 @@ fn read_input(body: &[u8]) -> Result<Input, AgUiError> {
     Ok(Input {
         thread_id,
         run_id,
-        history,
-        input,
+        ask: Ask::Turn { history, input },
     })
 }
 
@@ -620,7 +673,7 @@ impl Threads {
     }
 
     /// Records that `thread` now lives in `dialog`, for its followers.
-    fn moved(&self, thread: &str, dialog: SessionId) {
+    pub(super) fn moved(&self, thread: &str, dialog: SessionId) {
         if let Some(followers) = self.dialogs.lock().get(thread) {
             followers.send_if_modified(|d| {
                 let changed = *d != Some(dialog);
@@ -727,14 +780,20 @@ async fn run(
         )
         .into());
     }
+    let (history, text) = match input.ask {
+        Ask::Resume(answers) => {
+            return resume(shared, agent, input.thread_id, input.run_id, answers).await
+        }
+        Ask::Turn { history, input } => (history, input),
+    };
     let conversation = Conversation {
         scope: Scope::Chat {
             channel: CHANNEL,
             chat_id: input.thread_id.clone(),
         },
         agent,
-        history: input.history,
-        input: input.input,
+        history,
+        input: text,
     };
     let placed = shared.conversations.place(&shared, &conversation).await?;
     // Sub-agent runs of the dialog are published from now on.
@@ -754,32 +813,55 @@ async fn run(
         turn_origin: TurnOrigin::User,
     };
     let encoder = RunEncoder::new(&input.thread_id, &input.run_id, keel);
-    let first = sse(&encoder.start());
-    let events = futures::stream::unfold(
-        (feed, encoder, VecDeque::<AgUiEvent>::new()),
-        |(mut feed, mut encoder, mut queued)| async move {
+    let first = vec![encoder.start()];
+    Ok(sse_response(run_events(shared, feed, encoder, first)))
+}
+
+/// A run's events: `first`, then the turn's frames encoded. A turn that
+/// paused for approvals ends with the interrupt outcome.
+pub(super) fn run_events(
+    shared: Arc<Shared>,
+    feed: TurnFeed,
+    encoder: RunEncoder,
+    first: Vec<AgUiEvent>,
+) -> impl Stream<Item = Event> + Send + 'static {
+    futures::stream::unfold(
+        (shared, feed, encoder, VecDeque::from(first)),
+        |(shared, mut feed, mut encoder, mut queued)| async move {
             loop {
                 if let Some(event) = queued.pop_front() {
-                    return Some((sse(&event), (feed, encoder, queued)));
+                    return Some((sse(&event), (shared, feed, encoder, queued)));
                 }
                 if encoder.finished() {
                     return None;
                 }
-                queued.extend(match feed.next().await {
+                let next = feed.next().await;
+                if let Some(Fed::Frame(frame)) = &next {
+                    if let ServerFrame::TurnCommitted { turn_id, .. } = frame.as_ref() {
+                        // The pause is committed with the turn: what waits is read now.
+                        match paused_for(&shared, feed.dialog, *turn_id).await {
+                            Ok(paused) => {
+                                encoder.pause(paused.iter().map(Approval::from).collect())
+                            }
+                            Err(e) => {
+                                encoder.finished = true;
+                                queued.push_back(AgUiError::from(e).body());
+                                continue;
+                            }
+                        }
+                    }
+                }
+                queued.extend(match next {
                     Some(Fed::Frame(frame)) => encoder.encode(&frame),
                     Some(Fed::Lost) => encoder.abandon(true),
                     None => encoder.abandon(false),
                 });
             }
         },
-    );
-    Ok(sse_response(futures::StreamExt::chain(
-        futures::stream::once(async move { first }),
-        events,
-    )))
+    )
 }
 
-fn sse_response(events: impl Stream<Item = Event> + Send + 'static) -> Response {
+pub(super) fn sse_response(events: impl Stream<Item = Event> + Send + 'static) -> Response {
     use futures::StreamExt;
     Sse::new(events.map(Ok::<Event, Infallible>))
         .keep_alive(KeepAlive::default())
