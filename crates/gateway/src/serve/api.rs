@@ -412,6 +412,10 @@ pub struct ChatMessage {
     /// A user message whose turn ended without an answer (it failed, was
     /// stopped or was cut off by a crash); the next turn sees it.
     pub unanswered: bool,
+    /// A tool message whose call failed or did not run (denied, expired,
+    /// superseded); absent when not.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub is_error: bool,
     /// When it was stored.
     pub created_at: Timestamp,
 }
@@ -446,6 +450,7 @@ impl From<&StoredMessage> for ChatMessage {
             tool_name: m.message.tool_name.clone(),
             turn_origin: m.message.origin.into(),
             unanswered: m.input_state == Some(InputState::Unanswered),
+            is_error: m.message.is_error,
             created_at: Timestamp(m.created_at_ms),
         }
     }
