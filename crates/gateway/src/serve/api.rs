@@ -667,6 +667,10 @@ pub struct AgentRun {
     pub error: Option<String>,
     /// Tokens used, once known.
     pub usage: Option<TokenUsage>,
+    /// What its model calls cost in USD, when recorded (a run a budget
+    /// stopped on a priced profile).
+    #[serde(default)]
+    pub cost_usd: Option<f64>,
     /// Tool calls made.
     pub tool_calls: u32,
     /// Model calls made.
@@ -707,6 +711,7 @@ impl AgentRun {
             result: r.result.clone().filter(|_| full_result),
             error: r.error.clone(),
             usage: r.usage.map(TokenUsage::from),
+            cost_usd: r.cost,
             tool_calls: r.tool_calls_count,
             iterations: r.iterations,
             model: format!("{}/{}", r.spec.provider_profile, r.spec.model_id),

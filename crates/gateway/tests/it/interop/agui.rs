@@ -512,6 +512,7 @@ fn a_thread_stream_makes_each_continuation_turn_a_run_of_its_own() {
         result: None,
         error: None,
         usage: None,
+        cost_usd: None,
         tool_calls: 0,
         iterations: 1,
         model: "default/scripted".into(),
