@@ -659,7 +659,15 @@ fn read_input(body: &[u8]) -> Result<Input, AgUiError> {
 #[derive(Debug, Default)]
 pub(crate) struct Threads {
     dialogs: Mutex<HashMap<String, watch::Sender<Option<SessionId>>>>,
+    /// Dialogs a resume is deciding, until it knows its continuation turn.
+    resuming: Mutex<HashMap<SessionId, usize>>,
+    /// The continuation turns resumes answer (the newest ones): a thread
+    /// stream leaves them out, their requests stream them.
+    claimed: Mutex<VecDeque<Uuid>>,
 }
+
+/// Most continuation turns [`Threads`] remembers as a resume's.
+const CLAIMED: usize = 256;
 
 impl Threads {
     /// The watch of `thread`, made if nobody follows it yet.
@@ -670,6 +678,35 @@ impl Threads {
             .entry(thread.to_owned())
             .or_insert_with(|| watch::channel(None).0)
             .clone()
+    }
+
+    /// A resume of `dialog` starts deciding: its continuation is its own.
+    pub(super) fn begin_resume(&self, dialog: SessionId) {
+        *self.resuming.lock().entry(dialog).or_default() += 1;
+    }
+
+    /// The resume of `dialog` knows its continuation turn (`Some`), or
+    /// gave up (`None`).
+    pub(super) fn end_resume(&self, dialog: SessionId, turn: Option<Uuid>) {
+        if let Some(turn) = turn {
+            let mut claimed = self.claimed.lock();
+            if claimed.len() == CLAIMED {
+                claimed.pop_front();
+            }
+            claimed.push_back(turn);
+        }
+        let mut resuming = self.resuming.lock();
+        if let Some(n) = resuming.get_mut(&dialog) {
+            *n -= 1;
+            if *n == 0 {
+                resuming.remove(&dialog);
+            }
+        }
+    }
+
+    /// Whether continuation `turn` of `dialog` is a resume's run.
+    fn resumed(&self, dialog: SessionId, turn: Uuid) -> bool {
+        self.claimed.lock().contains(&turn) || self.resuming.lock().contains_key(&dialog)
     }
 
     /// Records that `thread` now lives in `dialog`, for its followers.
@@ -693,6 +730,8 @@ pub struct ThreadFollower {
     dialog: SessionId,
     run: Option<RunEncoder>,
     waiting: BTreeMap<Uuid, AgentRun>,
+    /// A continuation another request streams (a resume's).
+    skipped: Option<Uuid>,
 }
 
 impl ThreadFollower {
@@ -703,7 +742,13 @@ impl ThreadFollower {
             dialog,
             run: None,
             waiting: BTreeMap::new(),
+            skipped: None,
         }
+    }
+
+    /// Leaves turn `turn` out: a resume's request streams it.
+    pub fn skip(&mut self, turn: Uuid) {
+        self.skipped = Some(turn);
     }
 
     /// Whether a run is open (the dialog must not change under it).
@@ -713,6 +758,9 @@ impl ThreadFollower {
 
     /// The events of one frame of the dialog.
     pub fn encode(&mut self, frame: &ServerFrame) -> Vec<AgUiEvent> {
+        if self.skipped.is_some() && frame.turn_id() == self.skipped {
+            return Vec::new();
+        }
         if let ServerFrame::TurnStarted {
             turn_id,
             turn_origin: TurnOrigin::AgentContinuation,
@@ -938,6 +986,7 @@ async fn follow(
         None => None,
     };
     let closing = shared.closing.clone();
+    let threads = shared.clone();
     let (tx, rx) = tokio::sync::mpsc::channel::<AgUiEvent>(64);
     tokio::spawn(async move {
         loop {
@@ -965,7 +1014,14 @@ async fn follow(
                 } => {
                     let Some((follower, _)) = &mut current else { continue };
                     match frame {
-                        Ok(frame) => follower.encode(&frame),
+                        Ok(frame) => {
+                            if let ServerFrame::TurnStarted { turn_id, turn_origin: TurnOrigin::AgentContinuation, .. } = frame.as_ref() {
+                                if threads.conversations.threads().resumed(follower.dialog, *turn_id) {
+                                    follower.skip(*turn_id);
+                                }
+                            }
+                            follower.encode(&frame)
+                        }
                         Err(RecvError::Lagged(_)) => follower.abandon(true),
                         Err(RecvError::Closed) => return,
                     }

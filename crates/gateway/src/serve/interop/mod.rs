@@ -614,6 +614,25 @@ pub(crate) struct Resuming {
     guard: DialogGuard,
     frames: broadcast::Receiver<SharedFrame>,
     keeper: broadcast::Receiver<SharedFrame>,
+    mark: ResumeMark,
+}
+
+/// While held, the dialog's next continuation is a resume's (thread
+/// streams leave it out); dropped once that turn is known, or when the
+/// resume gives up.
+struct ResumeMark {
+    shared: Arc<Shared>,
+    dialog: SessionId,
+    turn: Option<Uuid>,
+}
+
+impl Drop for ResumeMark {
+    fn drop(&mut self) {
+        self.shared
+            .conversations
+            .threads()
+            .end_resume(self.dialog, self.turn);
+    }
 }
 
 impl Conversations {
@@ -631,11 +650,18 @@ impl Conversations {
         // The resumed turn is a continuation: it reaches the hub only
         // through the dialog's forwarder.
         shared.turns.follow_continuations(dialog).await;
+        self.threads().begin_resume(dialog);
+        let mark = ResumeMark {
+            shared: shared.clone(),
+            dialog,
+            turn: None,
+        };
         Ok(Resuming {
             dialog,
             guard,
             frames,
             keeper,
+            mark,
         })
     }
 }
@@ -650,8 +676,10 @@ impl Resuming {
             guard,
             mut frames,
             mut keeper,
+            mark,
         } = self;
         let closing = shared.closing.clone();
+        let mut mark = Some(mark);
         tokio::spawn(async move {
             let _held = guard;
             let mut turn = None;
@@ -659,7 +687,13 @@ impl Resuming {
                 tokio::select! {
                     frame = keeper.recv() => match frame {
                         Ok(f) => match (f.as_ref(), turn) {
-                            (ServerFrame::TurnStarted { turn_id, turn_origin: api::TurnOrigin::AgentContinuation, .. }, None) => turn = Some(*turn_id),
+                            (ServerFrame::TurnStarted { turn_id, turn_origin: api::TurnOrigin::AgentContinuation, .. }, None) => {
+                                turn = Some(*turn_id);
+                                // Thread streams leave this turn out from now on.
+                                if let Some(mut known) = mark.take() {
+                                    known.turn = turn;
+                                }
+                            }
                             (f, Some(t)) if f.turn_id() == Some(t) && f.ends_turn() => return,
                             _ => {}
                         },

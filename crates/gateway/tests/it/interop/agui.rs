@@ -691,6 +691,15 @@ async fn a_gated_call_ends_the_run_with_an_interrupt_and_a_resume_decides_it() {
                 ..ScriptedResponse::default()
             },
             ScriptedResponse::text("I did not write other.txt."),
+            ScriptedResponse {
+                tool_calls: vec![ScriptedToolCall {
+                    id: Some("call_z".into()),
+                    name: "write_file".into(),
+                    arguments: json!({"path": "last.txt", "content": "no"}),
+                }],
+                ..ScriptedResponse::default()
+            },
+            ScriptedResponse::text("Decided elsewhere."),
         ]),
         ..Setup::default()
     })
@@ -733,6 +742,11 @@ async fn a_gated_call_ends_the_run_with_an_interrupt_and_a_resume_decides_it() {
     let pending = t.json(&format!("/api/dialogs/{dialog}/approvals")).await;
     assert_eq!(pending["items"][0]["id"], id);
     assert_eq!(pending["items"][0]["tool_call_id"], "call_w");
+    // A client following the thread: resumed continuations are the resume
+    // requests' runs, not the stream's.
+    let followed = t.get("/ag-ui/threads/hitl").await;
+    assert_eq!(followed.status(), 200);
+    let mut thread = followed.bytes_stream();
 
     // Refused before anything is decided: an answer of another thread, an
     // answer naming nothing, a payload that is no decision.
@@ -884,4 +898,62 @@ async fn a_gated_call_ends_the_run_with_an_interrupt_and_a_resume_decides_it() {
         .await;
     assert_eq!(approvals["items"][1]["status"], "denied");
     assert_eq!(approvals["items"][2]["status"], "denied");
+
+    // Decided elsewhere (REST): the continuation is a run of the thread stream,
+    // and the first one there: the resumed ones above were left out.
+    let last = json!([
+        {"id": "m1", "role": "user", "content": "write a note"},
+        {"id": "a1", "role": "assistant", "content": "Writing."},
+        {"id": "a2", "role": "assistant", "content": "I wrote note.txt."},
+        {"id": "m2", "role": "user", "content": "and another"},
+        {"id": "a3", "role": "assistant", "content": "I did not write other.txt."},
+        {"id": "m3", "role": "user", "content": "one more"}
+    ]);
+    let (_, events) = run(&t, "/ag-ui", input("hitl", "run-5", last)).await;
+    assert_eq!(events[0]["metadata"]["keel"]["dialogId"], dialog.as_str());
+    let z = events.last().unwrap()["outcome"]["interrupts"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let r = t
+        .post(&format!("/api/approvals/{z}"), json!({"decision": "deny"}))
+        .await;
+    assert_eq!(r.status(), 200);
+    let seen = read_run(&mut thread).await;
+    let said: String = seen
+        .iter()
+        .filter(|e| e["type"] == "TEXT_MESSAGE_CONTENT")
+        .map(|e| e["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(said, "Decided elsewhere.", "{seen:?}");
+    assert_eq!(
+        seen[0]["metadata"]["keel"]["turnOrigin"],
+        "agent_continuation"
+    );
+}
+
+/// Reads a thread stream up to the end of its next run.
+async fn read_run(
+    body: &mut (impl futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin),
+) -> Vec<Value> {
+    use futures::StreamExt;
+    let mut text = String::new();
+    let mut seen: Vec<Value> = Vec::new();
+    while !seen.iter().any(|e| e["type"] == "RUN_FINISHED") {
+        // A guard against a hang, not a wait: the run arrives or the test fails.
+        let chunk = tokio::time::timeout(std::time::Duration::from_secs(10), body.next())
+            .await
+            .unwrap_or_else(|_| panic!("no run on the thread stream: {seen:?}"))
+            .expect("the thread stream ended")
+            .unwrap();
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+        let complete = text.rfind("\n\n").map_or(0, |i| i + 2);
+        seen.extend(
+            sse_data(&text[..complete])
+                .iter()
+                .map(|d| serde_json::from_str::<Value>(d).unwrap()),
+        );
+        text.drain(..complete);
+    }
+    seen
 }
