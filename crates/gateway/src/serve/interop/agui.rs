@@ -8,7 +8,9 @@
 //! its text as `TEXT_MESSAGE_START/CONTENT/END`, `STEP_FINISHED`; each
 //! tool call keel ran as `TOOL_CALL_START/ARGS/END` and its
 //! `TOOL_CALL_RESULT`; sub-agent runs as `ACTIVITY_SNAPSHOT`s; then
-//! `RUN_FINISHED` once the turn is saved, or `RUN_ERROR`.
+//! `RUN_FINISHED` once the turn is saved (with the interrupt outcome when
+//! it paused for approvals, which a `resume` input answers: `interrupts`),
+//! or `RUN_ERROR`.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::convert::Infallible;
