@@ -84,6 +84,9 @@ text_enum!(
         Running = "running",
         /// Waiting for foreground children; holds no step permit.
         WaitingChildren = "waiting_children",
+        /// A background run waiting for a person to decide on a tool call;
+        /// it holds no permit and no runner until the decision resumes it.
+        WaitingApproval = "waiting_approval",
         /// Finished with a result.
         Completed = "completed",
         /// Finished with an error.
@@ -105,7 +108,10 @@ impl RunStatus {
     pub fn is_terminal(self) -> bool {
         !matches!(
             self,
-            RunStatus::Queued | RunStatus::Running | RunStatus::WaitingChildren
+            RunStatus::Queued
+                | RunStatus::Running
+                | RunStatus::WaitingChildren
+                | RunStatus::WaitingApproval
         )
     }
 }

@@ -29,6 +29,7 @@ use keel_store::{
 };
 use rusqlite::{params, Connection, OpenFlags};
 
+mod approval;
 mod inbox;
 
 /// Turns of the long session (figures 1–3).
@@ -972,6 +973,11 @@ fn main() {
         rt.block_on(compaction(dir.path()));
         return;
     }
+    // `-- approval` runs the approval figure alone.
+    if std::env::args().skip(1).any(|a| a == "approval") {
+        rt.block_on(approval::decision_latency(dir.path()));
+        return;
+    }
     // `-- inbox` runs the two inbox figures alone.
     if std::env::args().skip(1).any(|a| a == "inbox") {
         rt.block_on(async {
@@ -1001,6 +1007,8 @@ fn main() {
     println!("#   vs the store's own claim (8 at a time) -> continuation commit of as many events; median of 5 rounds each.");
     println!("# inbox_delivery_only: the engine delivering the same 8 x 16 completions already committed terminal in the inbox");
     println!("#   (wake each dialog -> continuations committed, 0 pending, 0 dead-lettered), vs the same store rate.");
+    println!("# approval_resume: decide_approval returned (decision committed) -> the approved tool started, for a root");
+    println!("#   turn's gated call and a background run's, vs a user turn's send() -> its first streamed text.");
     rt.block_on(async {
         long_session(dir.path()).await;
         turn_overhead(
@@ -1024,5 +1032,6 @@ fn main() {
         compaction(dir.path()).await;
         inbox::continuation_latency(dir.path()).await;
         inbox::delivery_rate(dir.path()).await;
+        approval::decision_latency(dir.path()).await;
     });
 }

@@ -7,8 +7,10 @@
 //! the model calls a gated tool the agent loop runs the other calls of the
 //! batch and ends the turn "waiting for approval" (see
 //! [`crate::TurnOutput::awaiting_approval`]); the session manager commits the
-//! pause and resumes the turn once a person decided. Sub-agent runs cannot
-//! ask yet: their gate refuses a gated call with [`SUB_AGENT_REFUSAL`].
+//! pause and resumes the turn once a person decided. A background run's gate
+//! pauses too: the coordinator commits the run as `waiting_approval` and
+//! resumes it after the decision. A foreground run's caller waits on it, so
+//! its gate refuses a gated call with [`SUB_AGENT_REFUSAL`].
 
 use std::collections::BTreeSet;
 
@@ -66,9 +68,10 @@ impl ApprovalPolicy {
 /// What a turn does with a gated call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum GateMode {
-    /// A root turn: pause, durably, until a person decides.
+    /// A root turn or a background run: pause, durably, until a person
+    /// decides.
     Pause,
-    /// A sub-agent run: do not run it, and say why.
+    /// A foreground sub-agent run: do not run it, and say why.
     Refuse,
 }
 
@@ -89,9 +92,14 @@ impl ApprovalGate {
     }
 }
 
-/// What a sub-agent reads for a gated call it made: it was not run.
+/// What a foreground sub-agent reads for a gated call it made: it was not
+/// run (its caller waits on it, so it cannot wait for a person).
 pub(crate) const SUB_AGENT_REFUSAL: &str = "error: this tool needs a person's approval, which \
-     sub-agent runs cannot ask for yet; it was not run";
+     a foreground sub-agent run cannot wait for (a background run can); it was not run";
+
+/// What the model reads for an approved call whose run a crash interrupted.
+pub(crate) const OUTCOME_UNKNOWN: &str = "error: keel stopped while this approved tool call ran; \
+     its outcome is unknown and it was not run again";
 
 /// The reason a pending approval gets when the user sends new input,
 /// unless `tools.approval_supersede_reason` says another.

@@ -556,8 +556,13 @@ impl Chat {
             SessionEvent::ApprovalRequested(a) => {
                 self.line_break();
                 let args = one_line(&a.arguments, 80);
+                // A background run's call says which run asks.
+                let who = a
+                    .run_id
+                    .map(|run| format!("{} (run {}) asks: ", a.agent_id, short(run)))
+                    .unwrap_or_default();
                 self.say(&format!(
-                    "[approval {}] {}({args}) — allow? [y]es / [n]o / [a]lways",
+                    "[approval {}] {who}{}({args}) — allow? [y]es / [n]o / [a]lways",
                     short(a.id),
                     a.tool_name
                 ));

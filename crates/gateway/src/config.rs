@@ -1050,6 +1050,7 @@ impl Config {
             max_children_per_call: narrow(o.max_children_per_call),
             max_pending_inbox_events_per_session: narrow(o.max_pending_inbox_events_per_session),
             approval: self.approval_policy(),
+            approval_timeout: Duration::from_secs(self.tools.approval_timeout_secs),
             ..CoordinatorConfig::default()
         }
     }

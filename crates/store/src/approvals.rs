@@ -11,7 +11,7 @@
 //! the history and settles the rows in one transaction. A user message sent
 //! while rows are pending supersedes them through the same commit.
 
-use keel_core::{text_enum, AgentId, ApprovalId, SessionId, ToolCall, TurnId};
+use keel_core::{text_enum, AgentId, ApprovalId, RunId, SessionId, ToolCall, TurnId};
 use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::counters::next_revision;
@@ -94,8 +94,11 @@ pub struct ApprovalRecord {
     pub id: ApprovalId,
     /// The dialog (root session) it belongs to.
     pub session_id: SessionId,
-    /// The turn that asked.
+    /// The root turn that asked, or whose delegation tree the asking run
+    /// belongs to.
     pub turn_id: TurnId,
+    /// The background run that asked (`None`: the root turn did).
+    pub run_id: Option<RunId>,
     /// The agent that asked.
     pub agent_id: AgentId,
     /// The model's id of the call.
@@ -154,18 +157,21 @@ pub struct DecideApproval {
 /// What a session's worker must do about approvals.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ApprovalSchedule {
-    /// Approvals still waiting for a person.
+    /// Approvals of root turns still waiting for a person.
     pub pending: u64,
-    /// Pending approvals past their expiry.
+    /// Pending approvals (of turns or runs) past their expiry.
     pub expired: u64,
     /// The earliest expiry of a pending approval (Unix ms).
     pub next_expiry_at_ms: Option<i64>,
-    /// The oldest turn whose approvals are all decided but not settled.
+    /// The oldest root turn whose approvals are all decided but not settled.
     pub resumable: Option<TurnId>,
+    /// Background runs waiting for approval whose approvals are all decided.
+    pub resumable_runs: Vec<RunId>,
 }
 
 const COLUMNS: &str = "id, session_id, turn_id, agent_id, tool_call_id, tool_name, arguments, \
-     status, always, reason, revision, created_at, expires_at, decided_at, executing_at, settled_at";
+     status, always, reason, revision, created_at, expires_at, decided_at, executing_at, settled_at, \
+     run_id";
 
 fn from_row(r: &rusqlite::Row<'_>) -> Result<ApprovalRecord> {
     Ok(ApprovalRecord {
@@ -185,10 +191,14 @@ fn from_row(r: &rusqlite::Row<'_>) -> Result<ApprovalRecord> {
         decided_at_ms: r.get(13)?,
         executing_at_ms: r.get(14)?,
         settled_at_ms: r.get(15)?,
+        run_id: r
+            .get::<_, Option<String>>(16)?
+            .map(|id| parse("tool_approvals.run_id", &id))
+            .transpose()?,
     })
 }
 
-fn query(
+pub(crate) fn query(
     conn: &Connection,
     filter: &str,
     args: impl rusqlite::Params,
@@ -413,20 +423,28 @@ impl Store {
                 let s = session_id.to_string();
                 let (pending, expired, next): (i64, i64, Option<i64>) = c
                     .prepare_cached(
-                        "SELECT count(*), coalesce(sum(expires_at <= ?2), 0), min(expires_at) \
-                         FROM tool_approvals WHERE session_id = ?1 AND status = 'pending'",
+                        "SELECT coalesce(sum(run_id IS NULL), 0), coalesce(sum(expires_at <= ?2), 0), \
+                         min(expires_at) FROM tool_approvals WHERE session_id = ?1 AND status = 'pending'",
                     )?
                     .query_row(params![s, now_ms], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
                 let resumable: Option<String> = c
                     .prepare_cached(
-                        "SELECT turn_id FROM tool_approvals a WHERE session_id = ?1 \
+                        "SELECT turn_id FROM tool_approvals a WHERE session_id = ?1 AND run_id IS NULL \
                          AND settled_at IS NULL AND status <> 'pending' \
                          AND NOT EXISTS (SELECT 1 FROM tool_approvals b WHERE b.session_id = a.session_id \
-                             AND b.turn_id = a.turn_id AND b.status = 'pending') \
+                             AND b.turn_id = a.turn_id AND b.run_id IS NULL AND b.status = 'pending') \
                          ORDER BY created_at, id LIMIT 1",
                     )?
                     .query_row([&s], |r| r.get(0))
                     .optional()?;
+                let runs = c
+                    .prepare_cached(
+                        "SELECT r.id FROM agent_runs r WHERE r.root_session_id = ?1 \
+                         AND r.status = 'waiting_approval' AND NOT EXISTS (SELECT 1 FROM tool_approvals a \
+                             WHERE a.run_id = r.id AND a.status = 'pending') ORDER BY r.updated_at, r.id",
+                    )?
+                    .query_map([&s], |r| r.get::<_, String>(0))?
+                    .collect::<rusqlite::Result<Vec<_>>>()?;
                 Ok(ApprovalSchedule {
                     pending: non_negative("pending approvals", pending)?,
                     expired: non_negative("expired approvals", expired)?,
@@ -434,6 +452,10 @@ impl Store {
                     resumable: resumable
                         .map(|t| parse("tool_approvals.turn_id", &t))
                         .transpose()?,
+                    resumable_runs: runs
+                        .iter()
+                        .map(|id| parse("agent_runs.id", id))
+                        .collect::<Result<_>>()?,
                 })
             })
             .await
@@ -460,7 +482,7 @@ impl Store {
             .await
     }
 
-    /// The approvals of `turn_id` not yet settled, oldest first.
+    /// The approvals of root turn `turn_id` not yet settled, oldest first.
     pub async fn unsettled_approvals(
         &self,
         session_id: SessionId,
@@ -470,7 +492,8 @@ impl Store {
             .read(move |c| {
                 query(
                     c,
-                    "WHERE session_id = ?1 AND turn_id = ?2 AND settled_at IS NULL ORDER BY created_at, id",
+                    "WHERE session_id = ?1 AND turn_id = ?2 AND run_id IS NULL AND settled_at IS NULL \
+                     ORDER BY created_at, id",
                     params![session_id.to_string(), turn_id.to_string()],
                 )
             })

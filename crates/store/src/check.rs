@@ -21,7 +21,7 @@ use crate::counters::recount_tx;
 use crate::error::{Result, StoreError};
 use crate::messages::visible_inputs;
 use crate::migrations::{self, SCHEMA_VERSION};
-use crate::runs::NONTERMINAL_RUN;
+use crate::runs::{EXECUTING_RUN, NONTERMINAL_RUN};
 use crate::util::{parse, sha256_hex};
 use crate::Store;
 
@@ -724,7 +724,7 @@ fn runs(conn: &Connection, options: &CheckOptions, report: &mut InvariantReport)
         conn,
         &format!(
             "SELECT id, status, runtime_generation FROM agent_runs \
-         WHERE status IN {NONTERMINAL_RUN} ORDER BY id"
+         WHERE status IN {EXECUTING_RUN} ORDER BY id"
         ),
         |r| {
             Ok((
@@ -755,6 +755,24 @@ fn runs(conn: &Connection, options: &CheckOptions, report: &mut InvariantReport)
                  no process will finish, recover or list it"
             ),
         );
+    }
+    // A run waiting for approval resumes from its pause row and its
+    // approvals; a pause row outlives nothing else.
+    let pauses = query_rows(
+        conn,
+        "SELECT r.id, 'has no pause row' FROM agent_runs r WHERE r.status = 'waiting_approval' \
+           AND NOT EXISTS (SELECT 1 FROM agent_run_pauses p WHERE p.run_id = r.id) \
+         UNION ALL \
+         SELECT r.id, 'has no approval to wait for' FROM agent_runs r \
+         WHERE r.status = 'waiting_approval' AND NOT EXISTS (SELECT 1 FROM tool_approvals a \
+           WHERE a.run_id = r.id AND a.settled_at IS NULL) \
+         UNION ALL \
+         SELECT p.run_id, 'has a pause row but is not waiting for approval' FROM agent_run_pauses p \
+         JOIN agent_runs r ON r.id = p.run_id WHERE r.status <> 'waiting_approval' ORDER BY 1",
+        |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)),
+    )?;
+    for (run, what) in pauses {
+        report.push(Invariant::Runs, false, format!("run {run} {what}"));
     }
     for (run, status, run_generation) in open {
         let live = run_generation == generation && options.owner_alive;

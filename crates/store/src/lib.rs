@@ -138,8 +138,8 @@ pub use purge::{DialogUsage, PurgeReport};
 pub use queued::QueuedInput;
 pub use runs::{
     AcceptGroup, AcceptRun, AcceptedGroup, AcceptedRun, CancelReport, CompletionHandling,
-    GroupRecord, GroupStatus, NewGroup, NewRun, RecoveryReport, RunCursor, RunRecord,
-    TerminalCommit, TerminalOutcome,
+    GroupRecord, GroupStatus, NewGroup, NewRun, PausedRunCommit, RecoveryReport, ResumedRun,
+    RunCursor, RunRecord, TerminalCommit, TerminalOutcome,
 };
 pub use runtime::{describe_process, Activation, RuntimeLock};
 pub use sessions::{DialogCursor, DialogQuery, NewSession, SessionRecord, TimelineId};

@@ -261,7 +261,8 @@ impl Store {
         let mut report = PurgeReport::default();
         let key = id.clone();
         // Deleting a dialog withdraws its queued inputs; older builds left
-        // them. Its tool approvals (and the grants they made) go with it.
+        // them. Its tool approvals (and the grants they made) go with it,
+        // with what a run waiting for one had done.
         self.db
             .write(move |c| {
                 require_deleted(c, &key)?;
@@ -271,6 +272,7 @@ impl Store {
                     [&key],
                 )?;
                 c.execute("DELETE FROM tool_approvals WHERE session_id = ?1", [&key])?;
+                c.execute("DELETE FROM agent_run_pauses WHERE session_id = ?1", [&key])?;
                 Ok(())
             })
             .await?;

@@ -196,7 +196,8 @@ fn runtime(store: Store, sub: Arc<dyn Provider>, marks: Arc<Marks>) -> Arc<Sessi
     )
 }
 
-fn percentile(samples: &mut [Duration], p: f64) -> Duration {
+/// The `p` quantile of `samples` (sorted in place).
+pub(crate) fn percentile(samples: &mut [Duration], p: f64) -> Duration {
     samples.sort();
     let i = ((samples.len() as f64 - 1.0) * p).round() as usize;
     samples[i]

@@ -25,9 +25,15 @@ pub(crate) struct TreeBudget {
 impl TreeBudget {
     /// A budget of `limit` runs, none used.
     pub(crate) fn new(limit: u32) -> Self {
+        Self::with_used(limit, 0)
+    }
+
+    /// A budget of `limit` runs of which `used` exist already (a tree a
+    /// resumed run belongs to).
+    pub(crate) fn with_used(limit: u32, used: u32) -> Self {
         Self {
             limit,
-            used: AtomicU32::new(0),
+            used: AtomicU32::new(used),
         }
     }
 

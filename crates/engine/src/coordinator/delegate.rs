@@ -461,7 +461,10 @@ impl AgentCoordinator {
     }
 
     /// Records a run as pending (for the reaper) and active (for cancel).
-    fn register(&self, context: &Arc<AgentExecutionContext>) -> super::runner::ActiveGuard {
+    pub(super) fn register(
+        &self,
+        context: &Arc<AgentExecutionContext>,
+    ) -> super::runner::ActiveGuard {
         self.pending.lock().insert(
             context.run_id,
             PendingRun {
@@ -526,6 +529,7 @@ impl AgentCoordinator {
                     definition: p.definition,
                     provider: p.provider,
                     input: input_text(&p.task, p.context_json.as_deref()),
+                    resume: None,
                     // Children of the root wait for a run permit; deeper runs
                     // execute under their top-level ancestor's permit.
                     quota: if caller.is_root() {
@@ -623,6 +627,7 @@ impl AgentCoordinator {
                 provider: p.provider,
                 input: input_text(&p.task, p.context_json.as_deref()),
                 quota: Quota::Held(permit),
+                resume: None,
             })
             .collect();
         self.spawn_all(launches).await?;

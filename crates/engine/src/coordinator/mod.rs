@@ -25,6 +25,7 @@
 
 mod context;
 mod delegate;
+mod pause;
 mod providers;
 mod runner;
 mod signals;
@@ -68,6 +69,9 @@ pub enum RunEvent {
     WaitingForQuota,
     /// The run is marked running; its first step is a provider-permit wait.
     Started,
+    /// A background run committed its pause for approval and its runner
+    /// ended (it holds no permit until a decision resumes it).
+    WaitingApproval,
     /// The terminal commit returned (by the runner, after releasing its
     /// permit, or by the reaper); `won` is false for a dropped late result.
     Committed {
@@ -104,13 +108,16 @@ pub struct CoordinatorConfig {
     /// The runtime generation that owns runs started by this process.
     pub runtime_generation: u64,
     /// Tools keel.toml gates behind a person's approval; a run's gate is
-    /// this and its definition's `approval:` (sub-agent runs cannot ask
-    /// yet, so a gated call is refused, not run).
+    /// this and its definition's `approval:` (a background run waits for a
+    /// decision, a foreground run's gated call is refused, not run).
     pub approval: crate::ApprovalPolicy,
+    /// How long a background run's approval waits before it expires as a
+    /// denial.
+    pub approval_timeout: Duration,
 }
 
 impl Default for CoordinatorConfig {
-    /// Depth 3, 16 runs per tree, 8 tasks per call, inbox 64, 2 KiB previews, reaper every 5 s, generation 1.
+    /// Depth 3, 16 runs per tree, 8 tasks per call, inbox 64, 2 KiB previews, reaper every 5 s, generation 1, approvals expire after 24 h.
     fn default() -> Self {
         Self {
             max_tree_depth: 3,
@@ -121,6 +128,7 @@ impl Default for CoordinatorConfig {
             reaper_interval: Duration::from_secs(5),
             runtime_generation: 1,
             approval: crate::ApprovalPolicy::none(),
+            approval_timeout: Duration::from_secs(24 * 3600),
         }
     }
 }
@@ -170,6 +178,8 @@ pub struct AgentCoordinator {
     supervisor: Supervisor,
     active: Mutex<HashMap<RunId, ActiveRun>>,
     pending: Mutex<HashMap<RunId, PendingRun>>,
+    /// Runs resuming after their approvals were decided.
+    resuming: Mutex<HashMap<RunId, pause::Resuming>>,
     session_tokens: Mutex<HashMap<SessionId, CancellationToken>>,
     shutdown: CancellationToken,
     observer: Mutex<Option<Arc<dyn RunObserver>>>,
@@ -222,6 +232,7 @@ impl AgentCoordinator {
             supervisor: Supervisor::new(),
             active: Mutex::new(HashMap::new()),
             pending: Mutex::new(HashMap::new()),
+            resuming: Mutex::new(HashMap::new()),
             session_tokens: Mutex::new(HashMap::new()),
             shutdown: CancellationToken::new(),
             observer: Mutex::new(None),
@@ -389,11 +400,12 @@ impl AgentCoordinator {
         Ok(AgentRunView::from(&record))
     }
 
-    /// Cancels the running background runs of a root session (`/stop`) and
-    /// waits until each is terminal. Their completions are recorded as
+    /// Cancels the background runs of a root session (`/stop`) — running,
+    /// resuming or waiting for approval — and waits until each is terminal. Their completions are recorded as
     /// consumed (no continuation turn starts for them) and their
     /// unconsumed signals are superseded. Returns the runs it cancelled.
     pub async fn stop_background_runs(&self, session: SessionId) -> Result<Vec<RunId>> {
+        let resumes = self.cancel_resumes(session);
         let running: Vec<(Arc<AgentExecutionContext>, watch::Receiver<bool>)> = self
             .active
             .lock()
@@ -406,13 +418,15 @@ impl AgentCoordinator {
             .collect();
         let mut cancelled = Vec::with_capacity(running.len());
         for (context, _) in &running {
-            context.cancel("stopped by the user", true);
+            context.cancel(pause::STOPPED_REASON, true);
             cancelled.push(context.run_id);
         }
         for (_, mut done) in running {
             let _ = done.wait_for(|finished| *finished).await;
         }
+        cancelled.extend(self.stop_waiting_runs(session, resumes).await?);
         cancelled.sort();
+        cancelled.dedup();
         Ok(cancelled)
     }
 

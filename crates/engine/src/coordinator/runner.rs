@@ -40,6 +40,19 @@ pub(crate) struct Launch {
     pub(crate) provider: Arc<dyn Provider>,
     pub(crate) input: String,
     pub(crate) quota: Quota,
+    /// A run that paused for approval and goes on (already running under
+    /// this execution): `input` is unused.
+    pub(crate) resume: Option<super::pause::Resume>,
+}
+
+/// What the agent loop of a run produced, with what came before it when
+/// the run resumed after a pause.
+pub(crate) struct Executed {
+    pub(crate) out: TurnOutput,
+    /// The conversation the loop started from (empty for a fresh run).
+    pub(crate) history: Vec<Message>,
+    /// Spend, model calls and tool calls before the loop started.
+    pub(crate) prior: super::pause::Prior,
 }
 
 /// Keeps a run in the coordinator's active map while its runner lives; on
@@ -93,7 +106,7 @@ impl Drop for ActiveGuard {
 }
 
 /// Why the loop did not produce an output.
-enum Stop {
+pub(crate) enum Stop {
     Agent(EngineError),
     Setup(String),
     /// The run was no longer queued (ended by cancel_session or the reaper).
@@ -114,6 +127,7 @@ impl AgentCoordinator {
             provider,
             input,
             quota,
+            resume,
         } = launch;
         let (mut permit, wait) = match quota {
             Quota::Held(p) => (Some(p), false),
@@ -124,9 +138,36 @@ impl AgentCoordinator {
         let deadline = tokio::time::Instant::now() + Duration::from_millis(remaining);
         let result = tokio::time::timeout_at(
             deadline,
-            self.execute(&context, &definition, provider, input, wait, &mut permit),
+            self.execute(
+                &context,
+                &definition,
+                provider,
+                input,
+                resume,
+                wait,
+                &mut permit,
+            ),
         )
         .await;
+        // A background run whose model called a gated tool waits for a
+        // person with no runner: its quota and guard are released here.
+        let result = match result {
+            Ok(Ok(executed)) if !executed.out.awaiting_approval.is_empty() => {
+                match self.commit_pause(&context, executed).await {
+                    Ok(approvals) => {
+                        self.pending.lock().remove(&context.run_id);
+                        drop(permit);
+                        drop(guard);
+                        self.announce_pause(context.root_session_id, approvals)
+                            .await;
+                        self.notify(&context, RunEvent::WaitingApproval);
+                        return self.store.get_run(context.run_id).await.ok().flatten();
+                    }
+                    Err(stop) => Ok(Err(stop)),
+                }
+            }
+            other => other,
+        };
         let outcome = match result {
             Err(_elapsed) => {
                 // Foreground descendants derive from this token: stop them too.
@@ -135,12 +176,16 @@ impl AgentCoordinator {
                     deadline_at_ms: context.deadline_at_ms,
                 }
             }
-            Ok(Ok(out)) => TerminalOutcome::Completed {
-                result: out.final_text(),
-                usage: out.usage,
-                tool_calls: out.tool_calls,
-                iterations: out.iterations,
-            },
+            Ok(Ok(Executed { out, prior, .. })) => {
+                let mut usage = prior.usage;
+                usage.add(out.usage);
+                TerminalOutcome::Completed {
+                    result: out.final_text(),
+                    usage,
+                    tool_calls: out.tool_calls.saturating_add(prior.tool_calls),
+                    iterations: out.iterations.saturating_add(prior.iterations),
+                }
+            }
             // Recorded with what the run's own calls spent.
             Ok(Err(Stop::Agent(e @ EngineError::BudgetExhausted { .. }))) => {
                 let own = context.spend.own();
@@ -232,15 +277,17 @@ impl AgentCoordinator {
         record
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn execute(
         &self,
         context: &Arc<AgentExecutionContext>,
         definition: &AgentDefinition,
         provider: Arc<dyn Provider>,
         input: String,
+        resume: Option<super::pause::Resume>,
         wait_for_quota: bool,
         permit: &mut Option<RunPermit>,
-    ) -> Result<TurnOutput, Stop> {
+    ) -> Result<Executed, Stop> {
         if wait_for_quota {
             self.notify(context, RunEvent::WaitingForQuota);
             let p = self
@@ -253,14 +300,16 @@ impl AgentCoordinator {
         if context.cancellation.is_cancelled() {
             return Err(Stop::Agent(EngineError::Cancelled));
         }
-        match self
-            .store
-            .mark_run_running(context.run_id, context.execution_id.clone(), now_ms())
-            .await
-        {
-            Ok(true) => self.changed(context.root_session_id).await,
-            Ok(false) => return Err(Stop::Superseded),
-            Err(e) => return Err(Stop::Agent(e.into())),
+        if resume.is_none() {
+            match self
+                .store
+                .mark_run_running(context.run_id, context.execution_id.clone(), now_ms())
+                .await
+            {
+                Ok(true) => self.changed(context.root_session_id).await,
+                Ok(false) => return Err(Stop::Superseded),
+                Err(e) => return Err(Stop::Agent(e.into())),
+            }
         }
         let (tools, system_prompt) = self
             .run_tools(definition, context.mode)
@@ -282,34 +331,76 @@ impl AgentCoordinator {
         }
         .union(&self.config.approval);
         if !policy.is_empty() {
-            // A run cannot ask a person yet: its gated calls are refused.
+            // A background run waits for a person; a foreground one has a
+            // caller waiting on it, so its gated calls are refused.
+            let mode = match context.mode {
+                ExecutionMode::Background => crate::approval::GateMode::Pause,
+                ExecutionMode::Foreground => crate::approval::GateMode::Refuse,
+            };
+            let granted = match mode {
+                crate::approval::GateMode::Pause => self
+                    .store
+                    .approval_grants(context.root_session_id)
+                    .await
+                    .map_err(|e| Stop::Agent(e.into()))?,
+                crate::approval::GateMode::Refuse => Vec::new(),
+            };
             extensions.insert(Arc::new(crate::approval::ApprovalGate {
                 policy,
-                granted: Default::default(),
-                mode: crate::approval::GateMode::Refuse,
+                granted: granted.into_iter().collect(),
+                mode,
             }));
+        }
+        let tools = Arc::new(tools);
+        let tool_context = ToolExecutionContext {
+            session_id: Some(context.root_session_id),
+            turn_id: context.root_turn_id,
+            run_id: Some(context.run_id),
+            origin: Default::default(),
+            cancellation: context.cancellation.clone(),
+            extensions,
+        };
+        let (history, input, prior) = match resume {
+            None => (
+                Vec::new(),
+                vec![Message::user(input)],
+                super::pause::Prior::default(),
+            ),
+            Some(resume) => {
+                let history = self
+                    .take_up_decisions(&tools, &tool_context, resume.history, &resume.decided)
+                    .await;
+                (history, Vec::new(), resume.prior)
+            }
+        };
+        if context.cancellation.is_cancelled() {
+            return Err(Stop::Agent(EngineError::Cancelled));
         }
         let request = TurnRequest {
             provider,
-            tools: Arc::new(tools),
+            tools,
             system_prompt: Some(system_prompt),
-            history: Vec::new(),
-            input: vec![Message::user(input)],
-            max_iterations: definition.limits.max_iterations,
+            history: history.iter().cloned().map(Arc::new).collect(),
+            input,
+            // A resumed run has what its model calls before the pause left.
+            max_iterations: definition
+                .limits
+                .max_iterations
+                .saturating_sub(prior.iterations)
+                .max(1),
             max_output_tokens: Some(definition.limits.max_output_tokens),
-            context: ToolExecutionContext {
-                session_id: Some(context.root_session_id),
-                turn_id: context.root_turn_id,
-                run_id: Some(context.run_id),
-                origin: Default::default(),
-                cancellation: context.cancellation.clone(),
-                extensions,
-            },
+            context: tool_context,
         };
-        self.agent_loop
+        let out = self
+            .agent_loop
             .run(request, None)
             .await
-            .map_err(Stop::Agent)
+            .map_err(Stop::Agent)?;
+        Ok(Executed {
+            out,
+            history,
+            prior,
+        })
     }
 
     /// The run's tool set and system prompt: the definition's tools from the

@@ -12,30 +12,29 @@
 //! the model go on. A call marked started whose result never committed (a
 //! crash) is never run again: the model reads that its outcome is unknown.
 //! Expiry is a timer of the worker (the schedule's earliest expiry), and a
-//! new user message settles the approvals still pending as denied
-//! ("superseded by new input") before its input enters the history.
+//! new user message settles the root turn's approvals still pending as
+//! denied ("superseded by new input") before its input enters the history.
+//! A background run's approvals are decided the same way; once all are,
+//! the worker hands the run to the coordinator, which resumes it (see
+//! `coordinator/pause.rs`).
 //!
 //! [`Store::approval_schedule`]: keel_store::Store::approval_schedule
 
 use std::sync::Arc;
 
 use keel_core::{
-    ApprovalId, Message, SessionId, ToolCall, ToolExecutionContext, TurnId, TurnOrigin,
+    ApprovalId, Message, RunId, SessionId, ToolCall, ToolExecutionContext, TurnId, TurnOrigin,
 };
 use keel_store::{ApprovalRecord, ApprovalStatus, DecideApproval, DecideOutcome, Decision};
 use tokio_util::sync::CancellationToken;
 
 use super::worker::WorkerShared;
 use super::SessionManager;
-use crate::approval::denial_text;
+use crate::approval::{denial_text, OUTCOME_UNKNOWN};
 use crate::clock;
 use crate::error::{EngineError, Result};
 use crate::events::SessionEvent;
 use crate::session::AgentSession;
-
-/// What the model reads for an approved call whose run a crash interrupted.
-const OUTCOME_UNKNOWN: &str = "error: keel stopped while this approved tool call ran; its outcome \
-     is unknown and it was not run again";
 
 impl SessionManager {
     /// The approvals of a dialog, oldest first (only those waiting for a
@@ -129,7 +128,9 @@ impl SessionManager {
     /// calls' results in one transaction.
     pub(super) async fn supersede_approvals(&self, guard: &mut AgentSession) -> Result<()> {
         let session = guard.id();
-        let pending = self.store.list_approvals(session, true).await?;
+        // A background run's approvals are not the conversation's: they stay.
+        let mut pending = self.store.list_approvals(session, true).await?;
+        pending.retain(|a| a.run_id.is_none());
         if pending.is_empty() {
             return Ok(());
         }
@@ -154,6 +155,22 @@ impl SessionManager {
                 self.events
                     .publish(session, SessionEvent::ApprovalDecided(Box::new(record)));
             }
+        }
+        Ok(())
+    }
+
+    /// Hands the background runs `runs`, whose approvals are all decided,
+    /// to the coordinator, which resumes each in a task of its own.
+    pub(super) async fn resume_runs(&self, session: SessionId, runs: &[RunId]) -> Result<()> {
+        let Some(coordinator) = &self.bundle.coordinator else {
+            return Ok(());
+        };
+        let dialog = self
+            .dialog_ledgers
+            .get(&self.store, session, self.config.max_cost_usd_per_dialog)
+            .await?;
+        for run in runs {
+            coordinator.resume_run(session, *run, Some(Arc::clone(&dialog)));
         }
         Ok(())
     }

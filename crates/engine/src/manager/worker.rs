@@ -635,6 +635,13 @@ impl SessionManager {
             Ordering::Release,
         );
         state.next_approval_at = schedule.next_expiry_at_ms;
+        if !schedule.resumable_runs.is_empty() {
+            // Background runs resume in tasks of their own: the worker goes on.
+            if let Err(e) = self.resume_runs(session, &schedule.resumable_runs).await {
+                tracing::warn!(session_id = %session, error = %e, "resuming runs after their approvals failed; retried in a second");
+                state.next_approval_at = Some(now.saturating_add(1000));
+            }
+        }
         if let Some(turn) = schedule.resumable {
             let _busy = Busy::start(&shared.busy);
             if let Err(e) = self.resume_approved(session, shared, turn).await {

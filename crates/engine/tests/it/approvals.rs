@@ -493,3 +493,61 @@ async fn a_decision_for_a_deleted_dialog_is_not_found_and_runs_nothing() {
         .unwrap();
     assert_eq!(schedule, Default::default(), "no timer, no resume for it");
 }
+
+#[tokio::test]
+async fn a_decision_racing_a_stop_runs_the_call_exactly_once_and_one_racing_a_delete_at_most_once()
+{
+    for delete in [false, true] {
+        let s = Setup {
+            provider: ScriptedProvider::new(Vec::<ScriptedResponse>::new()).with_fallback(
+                Arc::new(|_: &keel_core::ChatRequest| ScriptedResponse::text("ok")),
+            ),
+            ..Setup::new()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let manager = s.manager(open_store(dir.path()), SessionManagerConfig::default());
+        let id = manager.create(spec("d")).await.unwrap();
+        let mut feed = manager.events().subscribe(id).await.unwrap();
+        let asked = pause(&s, &manager, id, &mut feed).await;
+        let decide = manager.decide_approval(asked, Some(id), Decision::Approve, None);
+        let end = async {
+            if delete {
+                manager.delete_dialog(id).await
+            } else {
+                manager.stop(id).await.map(|_| ())
+            }
+        };
+        let (decided, ended) = tokio::join!(decide, end);
+        ended.unwrap();
+        if delete {
+            // Either order: the decision came first (and its call may run),
+            // or the dialog was gone and nothing runs.
+            if decided.is_err() {
+                assert_eq!(s.writes.load(Ordering::SeqCst), 0);
+            }
+            assert!(s.writes.load(Ordering::SeqCst) <= 1);
+            continue;
+        }
+        // A stop ends the running turn, not a decision: the call runs once,
+        // before the next user turn, and its result is in the history once.
+        decided.unwrap();
+        manager
+            .send(id, Message::user("next"))
+            .await
+            .unwrap()
+            .outcome()
+            .await
+            .unwrap();
+        assert_eq!(s.writes.load(Ordering::SeqCst), 1);
+        let results = manager
+            .store()
+            .load_messages(id, keel_store::MessageFilter::default())
+            .await
+            .unwrap()
+            .iter()
+            .filter(|m| m.message.role == Role::Tool && m.message.text().starts_with("write ran"))
+            .count();
+        assert_eq!(results, 1);
+        assert!(manager.approvals(id, true).await.unwrap().is_empty());
+    }
+}

@@ -150,6 +150,7 @@ impl RunObserver for Observer {
         let text = match event {
             RunEvent::WaitingForQuota => format!("{agent}:waiting_quota"),
             RunEvent::Started => format!("{agent}:started"),
+            RunEvent::WaitingApproval => format!("{agent}:waiting_approval"),
             RunEvent::Committed { status, won } => format!("{agent}:committed:{status}:{won}"),
         };
         let _ = self.0.send(text);
@@ -1245,7 +1246,7 @@ async fn cancel_during_a_tool_batch() {
 }
 
 #[tokio::test]
-async fn a_gated_call_in_a_sub_agent_run_is_refused_not_run() {
+async fn a_gated_call_in_a_foreground_run_is_refused_not_run() {
     let mut h = setup(
         vec![agent("worker")
             .tools(&["block"])
@@ -1279,7 +1280,9 @@ async fn a_gated_call_in_a_sub_agent_run_is_refused_not_run() {
         .unwrap()
         .text();
     assert!(
-        refusal.contains("needs a person's approval, which sub-agent runs cannot ask for yet"),
+        refusal.contains(
+            "needs a person's approval, which a foreground sub-agent run cannot wait for"
+        ),
         "{refusal}"
     );
     while let Ok(e) = h.events.try_recv() {

@@ -134,6 +134,10 @@ struct Options {
     bg_frontmatter: &'static str,
     /// What `bg` answers before falling back to echoing its task.
     sub_script: Vec<ScriptedResponse>,
+    /// Tools `bg` may be given (`tools:` in `bg_frontmatter`).
+    tools: Vec<Arc<dyn keel_core::Tool>>,
+    /// The data directory and dialog of a restart (fresh ones when `None`).
+    reopen: Option<(tempfile::TempDir, SessionId)>,
 }
 
 impl Default for Options {
@@ -145,6 +149,8 @@ impl Default for Options {
             builtin: false,
             bg_frontmatter: "",
             sub_script: Vec::new(),
+            tools: Vec::new(),
+            reopen: None,
         }
     }
 }
@@ -152,9 +158,16 @@ impl Default for Options {
 /// A root agent on `root` that may delegate to `bg` (answered by `sub`),
 /// and one dialog with its feed.
 async fn inbox(root: ScriptedProvider, options: Options) -> Inbox {
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, reopened) = match options.reopen {
+        Some((dir, session)) => (dir, Some(session)),
+        None => (tempfile::tempdir().unwrap(), None),
+    };
     let store = Store::open(dir.path().join("keel.db"), StoreOptions::default()).unwrap();
-    let tools = Arc::new(ToolRegistry::new());
+    let mut registry = ToolRegistry::new();
+    for tool in options.tools {
+        registry.register(tool).unwrap();
+    }
+    let tools = Arc::new(registry);
     let mut inputs = CatalogInputs::new(["default"], Arc::clone(&tools));
     inputs.root_delegates = vec![AgentId::parse("bg").unwrap()];
     let bg = format!(
@@ -204,7 +217,10 @@ async fn inbox(root: ScriptedProvider, options: Options) -> Inbox {
             ..SessionManagerConfig::default()
         },
     );
-    let session = manager.create(spec("d1")).await.unwrap();
+    let session = match reopened {
+        Some(session) => session,
+        None => manager.create(spec("d1")).await.unwrap(),
+    };
     let feed = manager.events().subscribe(session).await.unwrap();
     Inbox {
         _dir: dir,
@@ -1215,4 +1231,346 @@ async fn stop_releases_an_admitted_signal_and_cancels_its_run() {
         2,
         "no continuation ran"
     );
+}
+
+/// A tool a sub-agent may be given, which counts its runs.
+struct Write(Arc<AtomicUsize>);
+
+#[async_trait]
+impl keel_core::Tool for Write {
+    fn name(&self) -> &str {
+        "write"
+    }
+    fn description(&self) -> &str {
+        "writes"
+    }
+    fn parameters(&self) -> serde_json::Value {
+        json!({"type": "object"})
+    }
+    fn delegation_policy(&self) -> keel_core::DelegationPolicy {
+        keel_core::DelegationPolicy::Delegatable
+    }
+    async fn execute(
+        &self,
+        args: serde_json::Value,
+        _: &keel_core::ToolExecutionContext,
+    ) -> Result<keel_core::ToolOutput, keel_core::ToolError> {
+        let n = self.0.fetch_add(1, Ordering::SeqCst) + 1;
+        Ok(keel_core::ToolOutput::text(format!("wrote {args} ({n})")))
+    }
+}
+
+/// `bg` may call `write`, which needs approval; its first model call calls it.
+fn gated_bg(writes: &Arc<AtomicUsize>) -> Options {
+    Options {
+        bg_frontmatter: "tools: [write]\napproval: [write]\n",
+        sub_script: vec![ScriptedResponse::tool_call("write", json!({"path": "a"}))],
+        tools: vec![Arc::new(Write(Arc::clone(writes)))],
+        ..Options::default()
+    }
+}
+
+impl Inbox {
+    /// Waits until the feed showed `turns` turn ends and `asked` approval
+    /// requests (in any order); returns them.
+    async fn until(
+        &mut self,
+        turns: usize,
+        asked: usize,
+    ) -> (Vec<(TurnOrigin, bool)>, Vec<keel_store::ApprovalRecord>) {
+        let (mut ends, mut approvals) = (Vec::new(), Vec::new());
+        while ends.len() < turns || approvals.len() < asked {
+            let event = tokio::time::timeout(HANG, self.feed.recv())
+                .await
+                .expect("a turn end or an approval request")
+                .unwrap();
+            match event.as_ref() {
+                SessionEvent::TurnCommitted { origin, .. } => ends.push((*origin, true)),
+                SessionEvent::TurnFailed { origin, .. } => ends.push((*origin, false)),
+                SessionEvent::ApprovalRequested(a) => approvals.push((**a).clone()),
+                _ => {}
+            }
+        }
+        (ends, approvals)
+    }
+
+    async fn run(&self, id: RunId) -> keel_store::RunRecord {
+        self.store.get_run(id).await.unwrap().unwrap()
+    }
+}
+
+#[tokio::test]
+async fn a_background_run_waits_for_approval_holding_no_permit_then_resumes_once() {
+    use keel_core::RunStatus;
+    let writes = Arc::new(AtomicUsize::new(0));
+    let root = ScriptedProvider::new([
+        background(&["write it"]),
+        ScriptedResponse::text("started"),
+        ScriptedResponse::text("hello from another dialog"),
+        background(&["other"]),
+        ScriptedResponse::text("started another"),
+        ScriptedResponse::text("the other is done"),
+        ScriptedResponse::text("the write is done"),
+    ]);
+    let mut h = inbox(
+        root,
+        Options {
+            gate: GateLimits::uniform(1),
+            ..gated_bg(&writes)
+        },
+    )
+    .await;
+    h.manager.submit_turn(h.session, "go").await.unwrap();
+    let (ends, asked) = h.until(1, 1).await;
+    assert_eq!(ends, [(TurnOrigin::User, true)]);
+    let asked = asked[0].clone();
+    assert_eq!(
+        (asked.tool_name.as_str(), asked.agent_id.as_str()),
+        ("write", "bg")
+    );
+    assert_eq!(asked.arguments, r#"{"path":"a"}"#);
+    let run_id = asked.run_id.expect("the run asked, not the root turn");
+    assert_eq!(h.run(run_id).await.status, RunStatus::WaitingApproval);
+    assert_eq!(
+        writes.load(Ordering::SeqCst),
+        0,
+        "nothing runs until decided"
+    );
+    // Every limit is 1 and the run waits: another dialog answers, the root
+    // still answers, and another background run is admitted, runs and is
+    // delivered.
+    let elsewhere = h.manager.create(spec("d2")).await.unwrap();
+    let report = h
+        .manager
+        .send(elsewhere, Message::user("hi"))
+        .await
+        .unwrap()
+        .outcome()
+        .await
+        .unwrap();
+    assert_eq!(report.output.final_text(), "hello from another dialog");
+    h.manager.submit_turn(h.session, "more").await.unwrap();
+    let (ends, _) = h.until(2, 0).await;
+    assert_eq!(
+        ends,
+        [
+            (TurnOrigin::User, true),
+            (TurnOrigin::AgentContinuation, true)
+        ]
+    );
+    let other = h.committed(1).await;
+    assert_ne!(other, [run_id]);
+    assert_eq!(h.run(run_id).await.status, RunStatus::WaitingApproval);
+    // The decision resumes the run where it stopped: the call runs once and
+    // the run's model reads its result.
+    h.manager
+        .decide_approval(
+            asked.id,
+            Some(h.session),
+            keel_store::Decision::Approve,
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(h.committed(1).await, [run_id]);
+    let (ends, _) = h.until(1, 0).await;
+    assert_eq!(ends, [(TurnOrigin::AgentContinuation, true)]);
+    assert_eq!(writes.load(Ordering::SeqCst), 1);
+    let run = h.run(run_id).await;
+    assert_eq!(run.status, RunStatus::Completed);
+    assert_eq!(run.result.as_deref(), Some("result of: write it"));
+    assert_eq!((run.iterations, run.tool_calls_count), (2, 1));
+    let requests = h.sub.inner.requests();
+    let resumed = requests.last().unwrap();
+    let roles: Vec<Role> = resumed.messages.iter().map(|m| m.role).collect();
+    assert_eq!(
+        roles,
+        [Role::System, Role::User, Role::Assistant, Role::Tool],
+        "the resumed run goes on from its own conversation"
+    );
+    assert_eq!(resumed.messages[3].text(), r#"wrote {"path":"a"} (1)"#);
+    // Deciding again is refused; nothing runs twice.
+    let again = h
+        .manager
+        .decide_approval(
+            asked.id,
+            Some(h.session),
+            keel_store::Decision::Approve,
+            None,
+        )
+        .await;
+    assert!(
+        matches!(again, Err(keel_engine::EngineError::ApprovalDecided { .. })),
+        "{again:?}"
+    );
+    assert_eq!(writes.load(Ordering::SeqCst), 1);
+    let check = h
+        .store
+        .check_invariants(keel_store::CheckOptions {
+            owner_alive: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(check.findings.is_empty(), "{:?}", check.findings);
+}
+
+#[tokio::test]
+async fn a_denied_call_of_a_background_run_is_not_run_and_its_model_reads_the_reason() {
+    let writes = Arc::new(AtomicUsize::new(0));
+    let root = ScriptedProvider::new([
+        background(&["write it"]),
+        ScriptedResponse::text("started"),
+        ScriptedResponse::text("the run is done"),
+    ]);
+    let mut h = inbox(root, gated_bg(&writes)).await;
+    h.manager.submit_turn(h.session, "go").await.unwrap();
+    let (_, asked) = h.until(1, 1).await;
+    h.manager
+        .decide_approval(
+            asked[0].id,
+            None,
+            keel_store::Decision::Deny,
+            Some("not that file".into()),
+        )
+        .await
+        .unwrap();
+    h.committed(1).await;
+    assert_eq!(writes.load(Ordering::SeqCst), 0);
+    let requests = h.sub.inner.requests();
+    let result = requests.last().unwrap().messages.last().unwrap().text();
+    assert!(result.contains("reason: not that file"), "{result}");
+}
+
+#[tokio::test]
+async fn a_waiting_run_survives_a_restart_and_a_decision_after_it_resumes_it_once() {
+    use keel_core::RunStatus;
+    let writes = Arc::new(AtomicUsize::new(0));
+    let root =
+        ScriptedProvider::new([background(&["write it"]), ScriptedResponse::text("started")]);
+    let mut h = inbox(root, gated_bg(&writes)).await;
+    h.manager.submit_turn(h.session, "go").await.unwrap();
+    let (_, asked) = h.until(1, 1).await;
+    let (dir, session, run_id) = (h._dir, h.session, asked[0].run_id.unwrap());
+    drop((h.manager, h.feed, h.store));
+    // A new runtime generation interrupts what older ones were running, not
+    // a run waiting for a person.
+    let store = Store::open(dir.path().join("keel.db"), StoreOptions::default()).unwrap();
+    let report = store
+        .recover_older_generations(2, keel_core::time::now_ms())
+        .await
+        .unwrap();
+    assert!(report.interrupted_runs.is_empty(), "{report:?}");
+    let open = store.sessions_with_open_approvals().await.unwrap();
+    assert_eq!(open, [session]);
+    drop(store);
+    let root = ScriptedProvider::new([ScriptedResponse::text("the write is done")]);
+    let mut h = inbox(
+        root,
+        Options {
+            config: CoordinatorConfig {
+                runtime_generation: 2,
+                ..CoordinatorConfig::default()
+            },
+            sub_script: Vec::new(),
+            reopen: Some((dir, session)),
+            ..gated_bg(&writes)
+        },
+    )
+    .await;
+    for s in open {
+        h.manager.wake_inbox(s);
+    }
+    assert_eq!(h.run(run_id).await.status, RunStatus::WaitingApproval);
+    h.manager
+        .decide_approval(
+            asked[0].id,
+            Some(session),
+            keel_store::Decision::Approve,
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(h.committed(1).await, [run_id]);
+    let (ends, _) = h.until(1, 0).await;
+    assert_eq!(ends, [(TurnOrigin::AgentContinuation, true)]);
+    assert_eq!(writes.load(Ordering::SeqCst), 1);
+    let run = h.run(run_id).await;
+    assert_eq!(
+        (run.status, run.spec.runtime_generation),
+        (RunStatus::Completed, 2)
+    );
+}
+
+#[tokio::test]
+async fn stop_ends_a_waiting_run_and_supersedes_its_approval() {
+    use keel_core::RunStatus;
+    let writes = Arc::new(AtomicUsize::new(0));
+    let root =
+        ScriptedProvider::new([background(&["write it"]), ScriptedResponse::text("started")]);
+    let mut h = inbox(root, gated_bg(&writes)).await;
+    h.manager.submit_turn(h.session, "go").await.unwrap();
+    let (_, asked) = h.until(1, 1).await;
+    let run_id = asked[0].run_id.unwrap();
+    let report = h.manager.stop(h.session).await.unwrap();
+    assert_eq!(report.runs_cancelled, [run_id]);
+    assert_eq!(h.run(run_id).await.status, RunStatus::Cancelled);
+    let approval = h.store.get_approval(asked[0].id).await.unwrap().unwrap();
+    assert_eq!(approval.status, keel_store::ApprovalStatus::Superseded);
+    let late = h
+        .manager
+        .decide_approval(asked[0].id, None, keel_store::Decision::Approve, None)
+        .await;
+    assert!(
+        matches!(late, Err(keel_engine::EngineError::ApprovalDecided { .. })),
+        "{late:?}"
+    );
+    assert_eq!(writes.load(Ordering::SeqCst), 0);
+    assert_eq!(h.root.inner.requests().len(), 2, "no continuation ran");
+    let check = h
+        .store
+        .check_invariants(keel_store::CheckOptions {
+            owner_alive: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(check.findings.is_empty(), "{:?}", check.findings);
+}
+
+#[tokio::test]
+async fn a_decision_racing_a_stop_or_a_delete_runs_the_call_at_most_once() {
+    use keel_core::RunStatus;
+    for delete in [false, true] {
+        let writes = Arc::new(AtomicUsize::new(0));
+        let root =
+            ScriptedProvider::new([background(&["write it"]), ScriptedResponse::text("started")]);
+        let mut h = inbox(root, gated_bg(&writes)).await;
+        h.manager.submit_turn(h.session, "go").await.unwrap();
+        let (_, asked) = h.until(1, 1).await;
+        let run_id = asked[0].run_id.unwrap();
+        let decide =
+            h.manager
+                .decide_approval(asked[0].id, None, keel_store::Decision::Approve, None);
+        let end = async {
+            if delete {
+                h.manager.delete_dialog(h.session).await.map(|_| ())
+            } else {
+                h.manager.stop(h.session).await.map(|_| ())
+            }
+        };
+        let (decided, ended) = tokio::join!(decide, end);
+        ended.unwrap();
+        let run = h.run(run_id).await;
+        assert!(run.status.is_terminal(), "{delete}: {:?}", run.status);
+        let ran = writes.load(Ordering::SeqCst);
+        assert!(ran <= 1, "{delete}: ran {ran} times");
+        if decided.is_err() {
+            assert_eq!(ran, 0, "{delete}: refused, and ran");
+        }
+        if run.status == RunStatus::Cancelled && decided.is_err() {
+            let a = h.store.get_approval(asked[0].id).await.unwrap().unwrap();
+            assert_ne!(a.status, keel_store::ApprovalStatus::Pending);
+        }
+    }
 }

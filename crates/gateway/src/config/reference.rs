@@ -546,8 +546,8 @@ pub fn reference() -> Vec<KeyDoc> {
             "A table `NAME = \"always\"` or `NAME = \"never\"`: whether calls of the tool NAME wait \
              for a person's approval (unset: `shell` and `write_file` follow \
              `tools.approval_default`, other tools run unasked). NAME is one of: {}. Applies to \
-             root turns; \
-             a sub-agent run refuses a gated call (it cannot ask yet).",
+             root turns and background runs (which wait for the decision); a foreground \
+             sub-agent run refuses a gated call (its caller waits on it).",
             APPROVABLE_TOOLS.join(", ")
         ),
     );
@@ -805,8 +805,8 @@ fn mcp_rows(rows: &mut Rows) {
         "approval",
         "`\"always\"`",
         "Whether calls of the server's tools wait for a person's approval (`always`) or run \
-         unasked (`never`); see docs/PROTOCOL.md, Approvals. Sub-agent runs cannot ask yet, so \
-         a gated tool called inside one is refused."
+         unasked (`never`); see docs/PROTOCOL.md, Approvals. A foreground sub-agent run cannot \
+         wait for a decision, so a gated tool called inside one is refused."
             .into(),
     );
     text(

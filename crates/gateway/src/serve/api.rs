@@ -104,6 +104,8 @@ wire_enum!(
         Running,
         /// Waiting for its foreground children.
         WaitingChildren,
+        /// A background run waiting for a person to decide on a tool call.
+        WaitingApproval,
         /// Finished with a result.
         Completed,
         /// Finished with an error.
@@ -734,7 +736,7 @@ pub struct RunListQuery {
     pub session_id: Option<String>,
     /// Only runs in these statuses, comma-separated (`running,queued`).
     #[param(
-        pattern = r"^(queued|running|waiting_children|completed|failed|timed_out|cancelled|interrupted|budget_exhausted)(,(queued|running|waiting_children|completed|failed|timed_out|cancelled|interrupted|budget_exhausted))*$"
+        pattern = r"^(queued|running|waiting_children|waiting_approval|completed|failed|timed_out|cancelled|interrupted|budget_exhausted)(,(queued|running|waiting_children|waiting_approval|completed|failed|timed_out|cancelled|interrupted|budget_exhausted))*$"
     )]
     pub status: Option<String>,
     /// Only runs of this agent.
@@ -964,8 +966,12 @@ pub struct Approval {
     pub id: Uuid,
     /// The dialog it belongs to.
     pub session_id: Uuid,
-    /// The turn that asked.
+    /// The root turn that asked, or whose delegation tree the asking run
+    /// belongs to.
     pub turn_id: Uuid,
+    /// The background run that asked (absent: the root turn did).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<Uuid>,
     /// The agent that asked.
     pub agent: String,
     /// The model's id of the call (its line in the conversation).
@@ -996,6 +1002,7 @@ impl From<&keel_store::ApprovalRecord> for Approval {
             id: a.id.as_uuid(),
             session_id: a.session_id.as_uuid(),
             turn_id: a.turn_id.as_uuid(),
+            run_id: a.run_id.map(|r| r.as_uuid()),
             agent: a.agent_id.to_string(),
             tool_call_id: a.tool_call_id.clone(),
             tool: a.tool_name.clone(),

@@ -5,7 +5,7 @@
 // cards come from `approval_requested` live and from the pending list on
 // load, and leave on `approval_decided`.
 import { h, replace } from './dom.js';
-import { clock } from './format.js';
+import { clock, short } from './format.js';
 
 const short = (id) => String(id).slice(-8);
 
@@ -84,7 +84,10 @@ export class ApprovalsView {
       h('div', { class: 'approval-head' },
         h('span', { class: 'approval-title', text: 'Approval needed' }),
         h('code', { class: 'approval-tool', text: a.tool }),
-        h('span', { class: 'approval-who', text: `asked by ${a.agent}` }),
+        h('span', {
+          class: 'approval-who',
+          text: a.run_id ? `asked by ${a.agent} (run ${short(a.run_id)})` : `asked by ${a.agent}`,
+        }),
         h('span', { class: 'approval-id', title: `approval ${a.id}, turn ${a.turn_id}`, text: `#${short(a.id)}` }),
         a.created_at ? h('span', { class: 'approval-time', text: clock(a.created_at) }) : null),
       h('pre', { class: 'approval-args', text: args }),

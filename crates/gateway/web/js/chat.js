@@ -149,7 +149,8 @@ export class Chat {
 
   /** A decided approval (`approval_decided`) of the shown dialog. */
   approvalDecided(approval) {
-    if (approval.status !== 'superseded') this.resumeNext = true;
+    // A background run's decision resumes the run, not a turn.
+    if (approval.status !== 'superseded' && !approval.run_id) this.resumeNext = true;
   }
 
   get running() {

@@ -54,6 +54,7 @@ export const TERMINAL = new Set(['completed', 'failed', 'timed_out', 'cancelled'
 export function statusLabel(status) {
   return {
     waiting_children: 'waiting for children',
+    waiting_approval: 'waiting for approval',
     timed_out: 'timed out',
     dead_letter: 'dead-lettered',
     consumed: 'delivered',

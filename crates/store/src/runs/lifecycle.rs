@@ -327,6 +327,7 @@ pub(super) fn terminal_tx(
             run.spec.id
         )));
     }
+    super::end_run_approvals_tx(conn, &run.spec.id, revision, now_ms)?;
     let ok = status == RunStatus::Completed;
     let mut event_id = None;
     if run.completion_slot_reserved {

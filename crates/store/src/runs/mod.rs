@@ -13,9 +13,11 @@
 //! - `types`: the records, requests and reports;
 //! - `rows`: row ↔ record mapping and the inserts;
 //! - `lifecycle`: accept, transitions, terminal commit, cancellation;
+//! - `pauses`: background runs waiting for approval (pause, resume);
 //! - `recovery`: what a new runtime generation does with the older ones' runs.
 
 mod lifecycle;
+mod pauses;
 mod recovery;
 mod rows;
 mod types;
@@ -25,6 +27,8 @@ use keel_core::{GroupId, RunId, SessionId};
 use crate::error::Result;
 use crate::{Page, Store};
 
+pub(crate) use pauses::end_run_approvals_tx;
+pub use pauses::{PausedRunCommit, ResumedRun};
 pub(crate) use recovery::recover_tx;
 pub(crate) use rows::get_run_tx;
 pub use types::{
@@ -37,7 +41,13 @@ use rows::get_group_tx;
 pub(crate) use rows::query_runs;
 
 /// Run statuses that can still change, as an SQL list.
-pub(crate) const NONTERMINAL_RUN: &str = "('queued', 'running', 'waiting_children')";
+pub(crate) const NONTERMINAL_RUN: &str =
+    "('queued', 'running', 'waiting_children', 'waiting_approval')";
+
+/// Non-terminal statuses of a run some execution is working on: what a
+/// stopped runtime generation leaves interrupted. A run waiting for
+/// approval has no execution and survives restarts.
+pub(crate) const EXECUTING_RUN: &str = "('queued', 'running', 'waiting_children')";
 
 impl Store {
     /// One run.

@@ -8,7 +8,7 @@ use rusqlite::{params, Connection};
 use super::lifecycle::{finish_group, terminal_tx};
 use super::rows::{query_groups, query_runs, require_group, require_run, u32_col};
 use super::types::{CompletionHandling, RecoveryReport, TerminalOutcome};
-use super::NONTERMINAL_RUN;
+use super::{EXECUTING_RUN, NONTERMINAL_RUN};
 use crate::counters::{reconcile_tx, Revisions};
 use crate::error::Result;
 use crate::util::{parse, to_i64};
@@ -28,7 +28,7 @@ pub(crate) fn recover_tx(
     // 1–3: old-generation runs end as interrupted, converting their reservations.
     let stale = query_runs(
         conn,
-        &format!("WHERE runtime_generation < ?1 AND status IN {NONTERMINAL_RUN} ORDER BY rowid"),
+        &format!("WHERE runtime_generation < ?1 AND status IN {EXECUTING_RUN} ORDER BY rowid"),
         [generation],
     )?;
     for run in stale {

@@ -233,7 +233,7 @@ fn a_newer_database_is_refused_and_left_untouched() {
         let conn = Connection::open(db_path(&dir)).unwrap();
         // A newer keel's database: keel's application id ("keel"), a later version.
         conn.execute_batch(
-            "CREATE TABLE future (x); PRAGMA user_version = 13; PRAGMA application_id = 1801807212;",
+            "CREATE TABLE future (x); PRAGMA user_version = 14; PRAGMA application_id = 1801807212;",
         )
         .unwrap();
     }
@@ -242,11 +242,11 @@ fn a_newer_database_is_refused_and_left_untouched() {
     assert_eq!(
         err,
         StoreError::NewerSchema {
-            found: 13,
-            supported: 12
+            found: 14,
+            supported: 13
         }
     );
-    insta::assert_snapshot!(err, @"database schema version 13 is newer than this build supports (12); refusing to open it");
+    insta::assert_snapshot!(err, @"database schema version 14 is newer than this build supports (13); refusing to open it");
     assert_eq!(std::fs::read(db_path(&dir)).unwrap(), bytes_before);
     assert!(!dir.path().join("keel.db-wal").exists());
 }

@@ -200,6 +200,8 @@ pub(super) async fn resume(
             Ok(id) => store.get_approval(id).await.map_err(ApiError::from)?,
             Err(_) => None,
         };
+        // A background run's approval is no interrupt of a run: not answered here.
+        let record = record.filter(|r| r.run_id.is_none());
         let session = match &record {
             Some(r) => store
                 .get_session(r.session_id)
@@ -238,12 +240,14 @@ pub(super) async fn resume(
     };
     super::check_agent(&dialog, agent.as_ref())?;
     let resuming = shared.conversations.resuming(&shared, dialog.id).await?;
-    let pending = shared
+    let mut pending = shared
         .app
         .manager
         .approvals(dialog.id, true)
         .await
         .map_err(ApiError::from)?;
+    // What the paused root turn waits for; a background run's approvals wait apart.
+    pending.retain(|a| a.run_id.is_none());
     let missing: Vec<String> = pending
         .iter()
         .filter(|p| !known.iter().any(|(_, r)| r.id == p.id))

@@ -736,8 +736,9 @@ impl Resuming {
     }
 }
 
-/// The approvals still pending of `turn` in `dialog`: what the turn paused
-/// for, read once its pause is committed.
+/// The approvals still pending of root turn `turn` in `dialog`: what the
+/// turn paused for, read once its pause is committed (a background run of
+/// its tree asks on its own: those are not the turn's).
 pub(crate) async fn paused_for(
     shared: &Shared,
     dialog: SessionId,
@@ -749,7 +750,7 @@ pub(crate) async fn paused_for(
         .approvals(dialog, true)
         .await?
         .into_iter()
-        .filter(|a| a.turn_id.as_uuid() == turn)
+        .filter(|a| a.turn_id.as_uuid() == turn && a.run_id.is_none())
         .collect())
 }
 
