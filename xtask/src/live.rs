@@ -1,6 +1,8 @@
 //! A live `keel serve` for the checks that drive it from outside
-//! (schemathesis, the official OpenAI and AG-UI clients): the debug binary
-//! on an ephemeral loopback port, with a token and a fresh data directory
+//! (schemathesis, the official OpenAI and AG-UI clients, the MCP
+//! conformance suite): the debug binary on an ephemeral loopback port,
+//! with a token (or, for clients that cannot send one, none) and a fresh
+//! data directory
 //! (a copy of a fixture when given). SIGTERM stops it, and must end it with
 //! exit 0.
 
@@ -16,12 +18,12 @@ pub(crate) struct LiveServer {
     data: PathBuf,
     /// `http://127.0.0.1:<port>`.
     pub(crate) url: String,
-    /// The bearer token it requires.
+    /// The bearer token it requires (empty when it requires none).
     pub(crate) token: String,
 }
 
 impl LiveServer {
-    fn start(name: &str, fixture: Option<&Path>) -> Result<Self, String> {
+    fn start(name: &str, fixture: Option<&Path>, token: bool) -> Result<Self, String> {
         let keel = build_keel()?;
         let data = std::env::temp_dir().join(format!("keel-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&data);
@@ -34,11 +36,19 @@ impl LiveServer {
                 )
             })?;
         }
-        let token = format!("ci-{}", std::process::id());
-        let mut child = Command::new(keel)
+        let mut command = Command::new(keel);
+        command
             .args(["serve", "--bind", "127.0.0.1:0", "--data-dir"])
             .arg(&data)
-            .env("KEEL_TOKEN", &token)
+            .env_remove("KEEL_TOKEN");
+        let token = if token {
+            let token = format!("ci-{}", std::process::id());
+            command.env("KEEL_TOKEN", &token);
+            token
+        } else {
+            String::new()
+        };
+        let mut child = command
             .stdout(Stdio::piped())
             .spawn()
             .map_err(|e| format!("cannot start keel serve: {e}"))?;
@@ -92,7 +102,19 @@ pub(crate) fn with_live_server(
     fixture: Option<&Path>,
     check: impl FnOnce(&LiveServer) -> Result<(), String>,
 ) -> Result<(), String> {
-    let server = LiveServer::start(name, fixture)?;
+    let server = LiveServer::start(name, fixture, true)?;
+    let result = check(&server);
+    let stopped = server.stop();
+    result.and(stopped)
+}
+
+/// [`with_live_server`] without a token (loopback only), for clients that
+/// cannot send one (the MCP conformance suite).
+pub(crate) fn with_open_live_server(
+    name: &str,
+    check: impl FnOnce(&LiveServer) -> Result<(), String>,
+) -> Result<(), String> {
+    let server = LiveServer::start(name, None, false)?;
     let result = check(&server);
     let stopped = server.stop();
     result.and(stopped)

@@ -21,6 +21,7 @@ commands:
                              run benchmarks (all when no name is given)
   fuzz <target> [--seconds N]  run a cargo-fuzz target (catalog)
   interop                    the official OpenAI and AG-UI Python clients against a live keel serve
+  mcp-server-conformance     the MCP conformance suite's server scenarios against a live /mcp
   soak [--kills N] [--seconds S] [--release] [--seed X]
                              keel serve under WebSocket load, SIGKILLed N times (at
                              most S s of load each), keel doctor after every restart";
@@ -36,6 +37,13 @@ fn main() -> ExitCode {
         Some("fuzz") => fuzz(&args[1..]),
         Some("interop") => interop_prerequisites().and_then(|()| interop_clients()),
         Some("soak") => soak(&args[1..]),
+        Some("mcp-server-conformance") => match mcp_conformance() {
+            Some(bin) => mcp_server_conformance(&bin),
+            None => Err(format!(
+                "@modelcontextprotocol/conformance {MCP_CONFORMANCE_VERSION} is not installed; \
+                 .ci/run installs it"
+            )),
+        },
         Some("-h" | "--help" | "help") => {
             println!("{USAGE}");
             Ok(())
@@ -329,6 +337,16 @@ fn ci() -> Result<(), String> {
         steps.push(("web (browser test)", Box::new(web_test)));
     }
     steps.push(("interop clients", Box::new(interop_clients)));
+    match mcp_conformance() {
+        Some(bin) => steps.push((
+            "mcp conformance (server)",
+            Box::new(move || mcp_server_conformance(&bin)),
+        )),
+        None => println!(
+            "ci: the MCP conformance suite is not installed, skipping its server scenarios \
+             (.ci/run installs it)"
+        ),
+    }
     if deny {
         steps.push((
             "deny",
@@ -404,6 +422,45 @@ fn interop_clients() -> Result<(), String> {
             .env("KEEL_URL", &server.url)
             .env("KEEL_TOKEN", &server.token))
     })
+}
+
+/// The version of npm's `@modelcontextprotocol/conformance` CI runs (the
+/// last that runs on Node 20); `.ci/run` installs it.
+const MCP_CONFORMANCE_VERSION: &str = "0.1.13";
+
+/// The MCP conformance suite's command, when the pinned version is
+/// installed where `.ci/run` puts it (`~/.cache/keel/mcp-conformance`).
+fn mcp_conformance() -> Option<PathBuf> {
+    let home = std::env::var_os("HOME")?;
+    let bin = Path::new(&home).join(".cache/keel/mcp-conformance/node_modules/.bin/conformance");
+    let version = Command::new(&bin).arg("--version").output().ok()?;
+    (String::from_utf8_lossy(&version.stdout).trim() == MCP_CONFORMANCE_VERSION).then_some(bin)
+}
+
+/// Runs the MCP conformance suite's server scenarios (the active suite,
+/// and server-sse-polling of the pending one) against `/mcp` of a live
+/// `keel serve` without a token (the suite cannot send one). The
+/// scenarios that need the SDK test server's fixture tools, resources and
+/// prompts are the expected failures listed in
+/// tests/mcp-conformance/server-expected-failures.yml, with why: a new
+/// failure, or a listed one that passes, fails the step.
+fn mcp_server_conformance(bin: &Path) -> Result<(), String> {
+    let dir = root().join("tests").join("mcp-conformance");
+    let out = std::env::temp_dir().join(format!("keel-mcp-conformance-{}", std::process::id()));
+    let result = live::with_open_live_server("mcp-conformance", |server| {
+        let url = format!("{}/mcp", server.url);
+        run(Command::new(bin)
+            .args(["server", "--url", &url, "--expected-failures"])
+            .arg(dir.join("server-expected-failures.yml"))
+            .arg("--output-dir")
+            .arg(&out))?;
+        run(Command::new(bin)
+            .args(["server", "--url", &url, "--scenario", "server-sse-polling"])
+            .arg("--output-dir")
+            .arg(&out))
+    });
+    let _ = std::fs::remove_dir_all(&out);
+    result
 }
 
 /// Every `crates/<dir>/benches/<name>.rs`, as (name, package `keel-<dir>`), sorted by name.

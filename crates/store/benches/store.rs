@@ -548,6 +548,88 @@ async fn bytes_per_turn(path: &Path) {
     println!("BENCH bytes_per_turn corpus=prose+code ratio={ratio1000:.2}{line}");
 }
 
+/// What compression costs: the replay of a 1000-turn realistic dialog
+/// whose long messages are stored compressed vs the same rows rewritten as
+/// text (both read through the store), and the zstd time of a turn's two
+/// messages against its whole commit.
+async fn compression(dir: &Path) {
+    let packed = dir.join("compressed.db");
+    let store = Store::open(&packed, StoreOptions::default()).expect("open");
+    let s = store
+        .create_session(session("compression"))
+        .await
+        .expect("session")
+        .id;
+    let (mut commit, mut zstd_time) = (Duration::ZERO, Duration::ZERO);
+    for n in 1..=1000u64 {
+        let (turn, _) = realistic_turn(s, n);
+        // What the store compresses: each message's JSON.
+        let start = Instant::now();
+        for m in &turn.messages {
+            let json = serde_json::to_string(&m.message).expect("json");
+            std::hint::black_box(zstd::bulk::compress(json.as_bytes(), 3).expect("zstd"));
+        }
+        zstd_time += start.elapsed();
+        let start = Instant::now();
+        store.commit_turn(turn).await.expect("turn");
+        commit += start.elapsed();
+    }
+    drop(store);
+    let plain = dir.join("plain.db");
+    std::fs::copy(&packed, &plain).expect("copy");
+    let _ = std::fs::copy(dir.join("compressed.db-wal"), dir.join("plain.db-wal"));
+    {
+        let conn = Connection::open(&plain).expect("raw");
+        let rows: Vec<(i64, Vec<u8>)> = conn
+            .prepare("SELECT rowid, content FROM messages WHERE typeof(content) = 'blob'")
+            .expect("prepare")
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .expect("query")
+            .map(|r| r.expect("row"))
+            .collect();
+        for (rowid, frame) in &rows {
+            let text = String::from_utf8(zstd::stream::decode_all(&frame[..]).expect("frame"))
+                .expect("utf-8");
+            conn.execute(
+                "UPDATE messages SET content = ?1 WHERE rowid = ?2",
+                rusqlite::params![text, rowid],
+            )
+            .expect("rewrite");
+        }
+        conn.execute_batch("VACUUM").expect("vacuum");
+    }
+    let (a, b) = (
+        Store::open(&packed, StoreOptions::default()).expect("open"),
+        Store::open(&plain, StoreOptions::default()).expect("open"),
+    );
+    let (mut t_packed, mut t_plain) = (Vec::new(), Vec::new());
+    for _ in 0..21 {
+        for (store, times) in [(&a, &mut t_packed), (&b, &mut t_plain)] {
+            let start = Instant::now();
+            let n = store
+                .load_messages(s, MessageFilter::default())
+                .await
+                .expect("load")
+                .len();
+            assert_eq!(n, 2000);
+            times.push(start.elapsed());
+        }
+    }
+    t_packed.sort();
+    t_plain.sort();
+    let (p, q) = (t_packed[10], t_plain[10]);
+    println!(
+        "BENCH compression turns=1000 replay_compressed_us={:.0} replay_text_us={:.0} replay_ratio={:.2} \
+         commit_avg_us={:.1} zstd_avg_us={:.1} commit_ratio_vs_without_zstd={:.3} target_replay<=1.2 target_commit<=1.1",
+        p.as_secs_f64() * 1e6,
+        q.as_secs_f64() * 1e6,
+        p.as_secs_f64() / q.as_secs_f64(),
+        commit.as_secs_f64() * 1e6 / 1000.0,
+        zstd_time.as_secs_f64() * 1e6 / 1000.0,
+        commit.as_secs_f64() / (commit.as_secs_f64() - zstd_time.as_secs_f64()).max(1e-9),
+    );
+}
+
 /// File size after a WAL checkpoint that truncates the log.
 fn file_bytes(store_path: &Path) -> u64 {
     let conn = rusqlite::Connection::open(store_path).expect("open");
@@ -650,7 +732,16 @@ async fn replay(path: &Path) {
             .prepare_cached("SELECT content FROM messages WHERE timeline_id = ?1 ORDER BY seq")
             .expect("prepare");
         let msgs: Vec<Message> = stmt
-            .query_map([root_timeline.as_str()], |r| r.get::<_, String>(0))
+            .query_map([root_timeline.as_str()], |r| {
+                // Text, or a compressed frame (long messages).
+                Ok(match r.get_ref(0)? {
+                    rusqlite::types::ValueRef::Blob(b) => {
+                        String::from_utf8(zstd::stream::decode_all(b).expect("frame"))
+                            .expect("utf-8")
+                    }
+                    _ => r.get::<_, String>(0)?,
+                })
+            })
             .expect("query")
             .map(|c| serde_json::from_str(&c.expect("row")).expect("json"))
             .collect();
@@ -954,5 +1045,8 @@ fn main() {
     }
     if wanted("purge") {
         rt.block_on(purge(dir.path()));
+    }
+    if wanted("compression") {
+        rt.block_on(compression(dir.path()));
     }
 }

@@ -553,7 +553,8 @@ fn walk_timelines(
                     Ok((
                         r.get::<_, i64>(0)?,
                         r.get::<_, String>(1)?,
-                        r.get::<_, String>(2)?,
+                        // Compressed or not; unreadable is a finding below.
+                        crate::compress::unpack("messages.content", r.get_ref(2)?),
                     ))
                 })?
                 .collect::<rusqlite::Result<Vec<_>>>()?;
@@ -566,7 +567,10 @@ fn walk_timelines(
                     );
                 }
                 walk.last_seq = seq;
-                let message: Message = match serde_json::from_str(&content) {
+                let decoded = content
+                    .map_err(|e| e.to_string())
+                    .and_then(|c| serde_json::from_str::<Message>(&c).map_err(|e| e.to_string()));
+                let message: Message = match decoded {
                     Ok(m) => m,
                     Err(e) => {
                         report.add(Invariant::History, format!("{at}: unreadable message: {e}"));

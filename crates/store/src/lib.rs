@@ -85,6 +85,7 @@ mod approvals;
 mod backup;
 mod check;
 mod checkpoints;
+mod compress;
 mod constraints;
 mod counters;
 mod db;

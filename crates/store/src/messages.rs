@@ -200,7 +200,8 @@ pub(crate) fn head_timeline(conn: &Connection, session: &SessionId) -> Result<St
 pub(crate) struct EncodedMessage {
     slot: String,
     role: &'static str,
-    content: String,
+    /// The message's JSON, packed ([`crate::compress::pack`]).
+    content: rusqlite::types::Value,
     tool_call_id: Option<String>,
     tool_name: Option<String>,
     visibility: &'static str,
@@ -219,9 +220,9 @@ pub(crate) fn encode(messages: &[NewMessage]) -> Result<Vec<EncodedMessage>> {
             Ok(EncodedMessage {
                 slot: m.slot.clone(),
                 role: m.message.role.as_str(),
-                content: serde_json::to_string(&m.message).map_err(|e| {
+                content: crate::compress::pack(serde_json::to_string(&m.message).map_err(|e| {
                     StoreError::InvalidInput(format!("message does not serialize: {e}"))
-                })?,
+                })?),
                 tool_call_id: m.message.tool_call_id.clone(),
                 tool_name: m.message.tool_name.clone(),
                 visibility: m.message.visibility.as_str(),
@@ -381,9 +382,10 @@ const LOAD_RANGE_ASC_SQL: &str =
 
 fn stored_from_row(r: &rusqlite::Row<'_>) -> Result<StoredMessage> {
     let seq: i64 = r.get(0)?;
-    let content: String = r.get(2)?;
-    let message: Message = serde_json::from_str(&content)
-        .map_err(|e| StoreError::corrupt(&format!("messages.content (seq {seq})"), e))?;
+    let what = || format!("messages.content (seq {seq})");
+    let content = crate::compress::unpack(&what(), r.get_ref(2)?)?;
+    let message: Message =
+        serde_json::from_str(&content).map_err(|e| StoreError::corrupt(&what(), e))?;
     Ok(StoredMessage {
         seq,
         slot: r.get(1)?,

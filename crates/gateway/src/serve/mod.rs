@@ -14,7 +14,7 @@
 //!   buffers; `projection` publishes sub-agent changes in revision order;
 //! - `ws` and `sse` are the two streaming transports;
 //! - `interop` speaks the ecosystem's protocols (OpenAI chat completions
-//!   under `/v1`, AG-UI under `/ag-ui`) over the same turns;
+//!   under `/v1`, AG-UI under `/ag-ui`, MCP under `/mcp`) over the same turns;
 //! - `web` serves the web page at `/`, its files compiled into the binary.
 //!
 //! Shutdown: stop accepting connections, refuse new turns, let running
@@ -168,6 +168,8 @@ pub(crate) struct Shared {
     turns: Arc<TurnRunner>,
     /// Conversations of the OpenAI and AG-UI endpoints.
     conversations: interop::Conversations,
+    /// Open sessions of `/mcp`.
+    mcp_sessions: interop::mcp::Sessions,
     /// Cancelled once running turns are drained: WebSockets close, streams end.
     closing: CancellationToken,
     /// WebSocket connections, which a shutdown waits for.
@@ -210,6 +212,7 @@ impl Shared {
                 // The catalog just put in force (a reload after this one
                 // reports its own).
                 let catalog = handle.current();
+                self.mcp_sessions.tools_changed();
                 Ok(ReloadReport {
                     generation: catalog.generation(),
                     agents: catalog.ids().map(|id| id.as_str().to_owned()).collect(),
@@ -273,6 +276,7 @@ impl Server {
             projections,
             turns,
             conversations: interop::Conversations::new(),
+            mcp_sessions: interop::mcp::Sessions::default(),
             closing: CancellationToken::new(),
             sockets: TaskTracker::new(),
             socket_idle: options.connections.idle_timeout,

@@ -288,6 +288,14 @@ impl TurnRunner {
         self.running.lock().len()
     }
 
+    /// Cancels `turn` if this runner runs it (it commits nothing of its
+    /// answer); whether it did.
+    pub fn cancel(&self, turn: uuid::Uuid) -> bool {
+        let running = self.running.lock();
+        let token = running.iter().find(|(t, _)| t.as_uuid() == turn);
+        token.map(|(_, token)| token.cancel()).is_some()
+    }
+
     /// Whether new turns are refused (a shutdown began).
     pub fn is_draining(&self) -> bool {
         self.tracker.is_closed()

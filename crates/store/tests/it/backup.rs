@@ -94,7 +94,8 @@ async fn a_backup_under_eight_writers_is_clean_and_holds_every_turn_acknowledged
             .unwrap();
         // Enough to need many bounded steps (a step copies 256 pages).
         for n in 1..=PREFILL {
-            let filler = incompressible(4000, (i as u64) << 32 | n);
+            // 5 bits of entropy per byte: ~6 KB a turn once compressed.
+            let filler = incompressible(10_000, (i as u64) << 32 | n);
             store.commit_turn(turn(s.id, n, &filler)).await.unwrap();
         }
         sessions.push(s.id);

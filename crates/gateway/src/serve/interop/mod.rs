@@ -29,6 +29,7 @@
 
 pub mod agui;
 mod interrupts;
+pub mod mcp;
 pub mod openai;
 pub mod transcript;
 
@@ -339,6 +340,12 @@ impl Conversations {
             _guard: self.lock_of(dialog).lock_owned().await,
             released: self.released.clone(),
         }
+    }
+
+    /// Whether a request holds `dialog`'s lock now.
+    pub(crate) fn busy(&self, dialog: SessionId) -> bool {
+        let lock = self.locks.lock().get(&dialog).and_then(Weak::upgrade);
+        lock.is_some_and(|l| l.try_lock().is_err())
     }
 
     /// `dialog`'s lock, if no request holds it.

@@ -29,8 +29,8 @@ use super::problem::{ApiError, ApiResult};
 use super::Shared;
 
 /// Every route, each answering only requests meant for this server (see
-/// `origin`); `/api` behind the bearer token when one is configured, but
-/// for the probes `/api/health` and `/api/ready`.
+/// `origin`); `/api` and `/mcp` behind the bearer token when one is
+/// configured, but for the probes `/api/health` and `/api/ready`.
 pub(crate) fn router(shared: Arc<Shared>) -> Router {
     let api = Router::new()
         .route("/openapi.json", get(system::openapi))
@@ -86,10 +86,18 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         // nothing but liveness and readiness.
         .route("/health", get(system::health))
         .route("/ready", get(system::ready));
+    // MCP's Streamable HTTP (keel as an MCP server), behind the token like `/api`.
+    let mcp = Router::new()
+        .route_service("/mcp", super::interop::mcp::service(shared.clone()))
+        .layer(axum::middleware::from_fn_with_state(
+            shared.clone(),
+            super::auth::require_token,
+        ));
     Router::new()
         .route("/", get(super::web::index))
         .route("/assets/{build}/{*path}", get(super::web::asset))
         .nest("/api", api)
+        .merge(mcp)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(
