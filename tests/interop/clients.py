@@ -12,7 +12,9 @@ AG-UI run takes the scripted answers, every later model call is the echo.
   own exceptions.
 - `ag-ui-protocol`: a run's input is built with its RunAgentInput model;
   every event keel emits parses with its Event models; the stream keeps the
-  protocol's ordering rules; a bad input is a 4xx whose body is a RUN_ERROR.
+  protocol's ordering rules; a gated call ends a run with an interrupt
+  outcome and a resume entry decides it; a bad input is a 4xx whose body
+  is a RUN_ERROR.
 """
 
 import json
@@ -30,7 +32,10 @@ from ag_ui.core import (
     EventType,
     FunctionCall,
     RunAgentInput,
+    ResumeEntry,
     RunErrorEvent,
+    RunFinishedInterruptOutcome,
+    RunFinishedSuccessOutcome,
     ToolCall,
     ToolMessage,
     UserMessage,
@@ -88,12 +93,13 @@ def agui_post(body, path="/ag-ui"):
         return e.code, json.loads(e.read())
 
 
-def check_order(events):
-    """AG-UI's ordering rules on one run's stream."""
+def check_order(events, earlier=()):
+    """AG-UI's ordering rules on one run's stream (`earlier`: the calls of the
+    interrupted run this one resumes, which it may answer)."""
     assert events and events[0].type == EventType.RUN_STARTED, events[:1]
     ends = [i for i, e in enumerate(events) if e.type in (EventType.RUN_FINISHED, EventType.RUN_ERROR)]
     assert ends == [len(events) - 1], f"one RUN_FINISHED or RUN_ERROR, last: {ends}"
-    messages, calls, steps = {}, {}, set()
+    messages, calls, steps = {}, {c: "ended" for c in earlier}, set()
     for e in events:
         t = e.type
         if t == EventType.TEXT_MESSAGE_START:
@@ -125,10 +131,14 @@ def check_order(events):
             assert not steps, f"steps left open: {steps}"
             assert all(s == "closed" for s in messages.values()), messages
             assert all(s in ("ended", "answered") for s in calls.values()), calls
-            assert all(s == "answered" for s in calls.values()), f"keel answers its own calls: {calls}"
+            waiting = set()
+            if e.outcome is not None and e.outcome.type == "interrupt":
+                waiting = {i.tool_call_id for i in e.outcome.interrupts}
+            unanswered = {c for c, s in calls.items() if s != "answered"}
+            assert unanswered == waiting, f"keel answers its own calls, or asks about them: {calls}"
 
 
-def run_input(thread, messages):
+def run_input(thread, messages, resume=None):
     return RunAgentInput(
         thread_id=thread,
         run_id=str(uuid.uuid4()),
@@ -138,6 +148,7 @@ def run_input(thread, messages):
         tools=[],
         context=[],
         forwarded_props={},
+        resume=resume,
     ).model_dump_json(by_alias=True)
 
 
@@ -217,6 +228,45 @@ def agui_tools_sub_agents_and_order():
     assert events[0].metadata["keel"]["dialogId"] == dialog
     users = [m for m in dialog_messages(dialog) if m["role"] == "user"]
     assert [m["text"] for m in users] == ["Research the launch.", "Thanks."], users
+
+
+def agui_interrupt_and_resume():
+    """A gated write_file ends the run with an interrupt (the official types
+    parse it); a resume entry denies it and the run is the continuation, in
+    which the model read the reason."""
+    thread = "py-hitl"
+    sent = [UserMessage(id="u1", content="Write the plan.")]
+    status, events = agui_post(run_input(thread, sent))
+    assert status == 200, events
+    check_order(events)
+    finished = events[-1]
+    assert finished.type == EventType.RUN_FINISHED and isinstance(finished.outcome, RunFinishedInterruptOutcome), finished
+    [interrupt] = finished.outcome.interrupts
+    [call] = [e for e in events if e.type == EventType.TOOL_CALL_START]
+    assert call.tool_call_name == "write_file" and interrupt.tool_call_id == call.tool_call_id, (call, interrupt)
+    assert interrupt.reason == "tool_approval" and interrupt.response_schema["required"] == ["decision"], interrupt
+    assert interrupt.metadata["keel"]["arguments"] == {"path": "plan.md", "content": "Launch on Monday."}, interrupt
+    dialog = events[0].metadata["keel"]["dialogId"]
+    [pending] = keel_api(f"/api/dialogs/{dialog}/approvals")["items"]
+    assert pending["id"] == interrupt.id and pending["status"] == "pending", pending
+
+    answer = [
+        ResumeEntry(interrupt_id=interrupt.id, status="resolved", payload={"decision": "deny", "reason": "not today"})
+    ]
+    resume = run_input(thread, history_of(events, sent), resume=answer)
+    status, events = agui_post(resume)
+    assert status == 200, events
+    check_order(events, earlier=[call.tool_call_id])
+    assert events[0].metadata["keel"]["turnOrigin"] == "agent_continuation", events[0]
+    [result] = [e for e in events if e.type == EventType.TOOL_CALL_RESULT]
+    assert result.tool_call_id == call.tool_call_id and "(reason: not today)" in result.content, result
+    text = "".join(e.delta for e in events if e.type == EventType.TEXT_MESSAGE_CONTENT)
+    assert text == "I did not write plan.md.", text
+    assert isinstance(events[-1].outcome, RunFinishedSuccessOutcome), events[-1]
+    [decided] = keel_api(f"/api/dialogs/{dialog}/approvals?status=all")["items"]
+    assert decided["status"] == "denied" and decided["reason"] == "not today", decided
+    status, error = agui_post(resume)
+    assert status == 409 and RunErrorEvent.model_validate(error).code == "conflict", (status, error)
 
 
 def agui_bad_input():
@@ -328,6 +378,7 @@ def openai_errors_raise_the_clients_exceptions():
 
 CHECKS = [
     agui_tools_sub_agents_and_order,  # first: it takes the scripted answers
+    agui_interrupt_and_resume,  # second: it takes the scripted answers left
     agui_bad_input,
     openai_models,
     openai_completion_and_stream,

@@ -102,6 +102,9 @@ pub struct Message {
     /// What started the turn this message belongs to.
     #[serde(default)]
     pub origin: TurnOrigin,
+    /// For a tool message: the call failed or did not run (a denial).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub is_error: bool,
 }
 
 impl Message {
@@ -114,6 +117,7 @@ impl Message {
             tool_name: None,
             visibility: ClientVisibility::Visible,
             origin: TurnOrigin::User,
+            is_error: false,
         }
     }
 
@@ -152,6 +156,12 @@ impl Message {
         m.tool_call_id = Some(call_id.into());
         m.tool_name = Some(tool_name.into());
         m
+    }
+
+    /// Marks a tool message as a failure (`failed`) or not.
+    pub fn failed(mut self, failed: bool) -> Self {
+        self.is_error = failed;
+        self
     }
 
     /// Marks the message hidden from clients.
@@ -225,7 +235,9 @@ mod tests {
                 tool_name: None,
                 visibility: ClientVisibility::Visible,
                 origin: TurnOrigin::User,
+                is_error: false,
             },
+            Message::tool_result("call_2", "write_file", "denied: …").failed(true),
         ];
         insta::assert_json_snapshot!(msgs);
         let json = serde_json::to_string(&msgs).unwrap();

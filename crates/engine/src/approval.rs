@@ -101,14 +101,18 @@ pub(crate) const SUB_AGENT_REFUSAL: &str = "error: this tool needs a person's ap
 pub(crate) const OUTCOME_UNKNOWN: &str = "error: keel stopped while this approved tool call ran; \
      its outcome is unknown and it was not run again";
 
-/// The reason a pending approval gets when the user sends new input.
+/// The reason a pending approval gets when the user sends new input,
+/// unless `tools.approval_supersede_reason` says another.
 pub const SUPERSEDED_REASON: &str = "superseded by new input";
 
 /// What the model reads as the result of a call that was not approved.
 pub(crate) fn denial_text(status: &str, reason: Option<&str>) -> String {
     let why = match status {
         "expired" => "nobody decided in time".to_owned(),
-        "superseded" => SUPERSEDED_REASON.to_owned(),
+        "superseded" => reason
+            .filter(|r| !r.trim().is_empty())
+            .unwrap_or(SUPERSEDED_REASON)
+            .to_owned(),
         _ => reason
             .filter(|r| !r.trim().is_empty())
             .map_or_else(|| "no reason given".to_owned(), str::to_owned),

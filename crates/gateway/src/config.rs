@@ -345,6 +345,9 @@ pub struct ToolsConfig {
     pub approval_default: ApprovalMode,
     /// Seconds a tool call waits for a decision before it expires as a denial.
     pub approval_timeout_secs: u64,
+    /// The reason a pending approval is denied with (the model reads it)
+    /// when the user sends new input.
+    pub approval_supersede_reason: String,
     /// `[tools.approval]`: per tool, whether its calls need approval.
     pub approval: BTreeMap<String, ApprovalMode>,
 }
@@ -385,6 +388,8 @@ pub const APPROVABLE_TOOLS: [&str; 14] = [
 pub const DEFAULT_APPROVAL_TIMEOUT_SECS: u64 = 24 * 3600;
 /// Largest `tools.approval_timeout_secs` (30 days).
 pub const MAX_APPROVAL_TIMEOUT_SECS: u64 = 30 * 24 * 3600;
+/// Longest `tools.approval_supersede_reason`, in bytes.
+pub const MAX_SUPERSEDE_REASON_BYTES: usize = 500;
 
 impl Default for ToolsConfig {
     fn default() -> Self {
@@ -398,6 +403,7 @@ impl Default for ToolsConfig {
             shell_unsandboxed: false,
             approval_default: ApprovalMode::Always,
             approval_timeout_secs: DEFAULT_APPROVAL_TIMEOUT_SECS,
+            approval_supersede_reason: keel_engine::SUPERSEDED_REASON.to_owned(),
             approval: BTreeMap::new(),
         }
     }
@@ -940,6 +946,7 @@ impl Config {
             inbox: self.inbox_policy(),
             turn_timeout: Some(Duration::from_secs(s.turn_timeout_secs)),
             approval_timeout: Duration::from_secs(self.tools.approval_timeout_secs),
+            supersede_reason: self.tools.approval_supersede_reason.clone(),
             max_cost_usd_per_root_turn: self.orchestration.max_cost_usd_per_root_turn,
             max_cost_usd_per_dialog: s.max_cost_usd_per_dialog,
             ..SessionManagerConfig::default()

@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::worker::WorkerShared;
 use super::SessionManager;
-use crate::approval::{denial_text, OUTCOME_UNKNOWN, SUPERSEDED_REASON};
+use crate::approval::{denial_text, OUTCOME_UNKNOWN};
 use crate::clock;
 use crate::error::{EngineError, Result};
 use crate::events::SessionEvent;
@@ -124,7 +124,7 @@ impl SessionManager {
     }
 
     /// Before new user input enters the history: denies the approvals still
-    /// pending ("superseded by new input"), their denials committed as the
+    /// pending (with `supersede_reason`), their denials committed as the
     /// calls' results in one transaction.
     pub(super) async fn supersede_approvals(&self, guard: &mut AgentSession) -> Result<()> {
         let session = guard.id();
@@ -134,24 +134,21 @@ impl SessionManager {
         if pending.is_empty() {
             return Ok(());
         }
+        let reason = &self.config.supersede_reason;
         let results = pending
             .iter()
             .map(|a| {
                 Message::tool_result(
                     a.tool_call_id.clone(),
                     a.tool_name.clone(),
-                    denial_text("superseded", None),
+                    denial_text("superseded", Some(reason)),
                 )
+                .failed(true)
             })
             .collect();
         let ids: Vec<ApprovalId> = pending.iter().map(|a| a.id).collect();
         guard
-            .commit_approval_results(
-                &self.store,
-                results,
-                ids.clone(),
-                Some(SUPERSEDED_REASON.to_owned()),
-            )
+            .commit_approval_results(&self.store, results, ids.clone(), Some(reason.clone()))
             .await?;
         for id in ids {
             if let Ok(Some(record)) = self.store.get_approval(id).await {
@@ -197,7 +194,7 @@ impl SessionManager {
             let agent = self.bundle.session_agent(guard.record.agent_id.as_ref())?;
             let mut results = Vec::with_capacity(records.len());
             for a in &records {
-                let content = match a.status {
+                let (content, failed) = match a.status {
                     ApprovalStatus::Approved => {
                         if self
                             .store
@@ -218,22 +215,22 @@ impl SessionManager {
                                 cancellation: CancellationToken::new(),
                                 extensions: Default::default(),
                             };
-                            self.bundle
+                            let output = self
+                                .bundle
                                 .agent_loop
                                 .execute_tool(&agent.tools, &call, &ctx)
-                                .await
-                                .content
+                                .await;
+                            (output.content, output.is_error)
                         } else {
-                            OUTCOME_UNKNOWN.to_owned()
+                            (OUTCOME_UNKNOWN.to_owned(), true)
                         }
                     }
-                    other => denial_text(other.as_str(), a.reason.as_deref()),
+                    other => (denial_text(other.as_str(), a.reason.as_deref()), true),
                 };
-                results.push(Message::tool_result(
-                    a.tool_call_id.clone(),
-                    a.tool_name.clone(),
-                    content,
-                ));
+                results.push(
+                    Message::tool_result(a.tool_call_id.clone(), a.tool_name.clone(), content)
+                        .failed(failed),
+                );
             }
             let ids = records.iter().map(|a| a.id).collect();
             guard

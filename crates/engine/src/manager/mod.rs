@@ -106,6 +106,10 @@ pub struct SessionManagerConfig {
     /// How long a tool call waits for a person's decision before it
     /// expires as a denial (`tools.approval_timeout_secs`, 24 h by default).
     pub approval_timeout: Duration,
+    /// The reason a pending approval is denied with, and the model reads,
+    /// when the user sends new input (`tools.approval_supersede_reason`;
+    /// [`crate::SUPERSEDED_REASON`] by default).
+    pub supersede_reason: String,
     /// USD one root turn and its foreground tree may spend
     /// (`orchestration.max_cost_usd_per_root_turn`); `None`: no limit.
     pub max_cost_usd_per_root_turn: Option<keel_core::Usd>,
@@ -127,6 +131,7 @@ impl Default for SessionManagerConfig {
             inbox: InboxPolicy::default(),
             turn_timeout: None,
             approval_timeout: Duration::from_secs(24 * 3600),
+            supersede_reason: crate::approval::SUPERSEDED_REASON.to_owned(),
             max_cost_usd_per_root_turn: None,
             max_cost_usd_per_dialog: None,
         }

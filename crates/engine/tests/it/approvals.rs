@@ -316,9 +316,24 @@ async fn an_undecided_approval_expires_on_the_workers_timer_as_a_denial() {
 
 #[tokio::test]
 async fn a_new_user_message_supersedes_a_pending_approval() {
+    supersedes_with(SessionManagerConfig::default(), "superseded by new input").await;
+}
+
+#[tokio::test]
+async fn the_supersede_reason_the_model_reads_is_the_configured_one() {
+    let config = SessionManagerConfig {
+        supersede_reason: "the user changed the subject".to_owned(),
+        ..SessionManagerConfig::default()
+    };
+    supersedes_with(config, "the user changed the subject").await;
+}
+
+/// A new message while a call waits: it is denied with `reason`, which the
+/// model reads before the message, and nothing runs.
+async fn supersedes_with(config: SessionManagerConfig, reason: &str) {
     let s = Setup::new();
     let dir = tempfile::tempdir().unwrap();
-    let manager = s.manager(open_store(dir.path()), SessionManagerConfig::default());
+    let manager = s.manager(open_store(dir.path()), config);
     let id = manager.create(spec("d")).await.unwrap();
     let mut feed = manager.events().subscribe(id).await.unwrap();
     let asked = pause(&s, &manager, id, &mut feed).await;
@@ -334,7 +349,7 @@ async fn a_new_user_message_supersedes_a_pending_approval() {
     let all = manager.approvals(id, false).await.unwrap();
     assert_eq!(all[0].id, asked);
     assert_eq!(all[0].status, ApprovalStatus::Superseded);
-    assert_eq!(all[0].reason.as_deref(), Some("superseded by new input"));
+    assert_eq!(all[0].reason.as_deref(), Some(reason));
     // The model read the denial before the new message, in order.
     let request = s.provider.requests().last().unwrap().clone();
     let tail: Vec<(Role, String)> = request
@@ -346,7 +361,24 @@ async fn a_new_user_message_supersedes_a_pending_approval() {
         .collect();
     assert_eq!(tail[0], (Role::User, "forget it".to_owned()));
     assert_eq!(tail[1].0, Role::Tool);
-    assert!(tail[1].1.contains("superseded by new input"));
+    assert!(
+        tail[1].1.ends_with(&format!("(reason: {reason})")),
+        "{}",
+        tail[1].1
+    );
+    // The denial is stored as a failed call (the web page shows it so).
+    let page = keel_store::MessagePage {
+        visible_only: true,
+        newest_first: true,
+        cursor: None,
+        limit: 10,
+    };
+    let stored = manager.store().load_message_page(id, page).await.unwrap();
+    let denial = stored
+        .iter()
+        .find(|m| m.message.role == Role::Tool)
+        .unwrap();
+    assert!(denial.message.is_error);
     let late = manager
         .decide_approval(asked, Some(id), Decision::Approve, None)
         .await

@@ -98,6 +98,7 @@ shell_network = false
 shell_unsandboxed = false
 approval_default = "always"
 approval_timeout_secs = 86400
+approval_supersede_reason = "superseded by new input"
 
 # Per tool: "always" (every call waits for a person) or "never".
 [tools.approval]
@@ -527,6 +528,15 @@ pub fn reference() -> Vec<KeyDoc> {
         format!(
             "Seconds a tool call waits for a decision before it expires as a denial, \
              1..={MAX_APPROVAL_TIMEOUT_SECS}."
+        ),
+    );
+    code(
+        &mut rows,
+        "tools.approval_supersede_reason",
+        format!(
+            "The reason a pending approval is denied with when the user sends new input; the \
+             model reads it as the call's result. 1..={MAX_SUPERSEDE_REASON_BYTES} bytes, not \
+             blank."
         ),
     );
     code(

@@ -305,6 +305,22 @@ fn tools(config: &Config, out: &mut Problems) {
         1,
         super::MAX_APPROVAL_TIMEOUT_SECS,
     );
+    let reason = &t.approval_supersede_reason;
+    if reason.trim().is_empty() {
+        out.push(
+            "tools.approval_supersede_reason",
+            "is blank; the model reads it as the reason of the denial",
+        );
+    } else if reason.len() > super::MAX_SUPERSEDE_REASON_BYTES {
+        out.push(
+            "tools.approval_supersede_reason",
+            format!(
+                "is {} bytes, above the hard cap {}",
+                reason.len(),
+                super::MAX_SUPERSEDE_REASON_BYTES
+            ),
+        );
+    }
     for name in t.approval.keys() {
         if !super::APPROVABLE_TOOLS.contains(&name.as_str()) {
             out.push(

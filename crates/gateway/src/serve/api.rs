@@ -414,6 +414,10 @@ pub struct ChatMessage {
     /// A user message whose turn ended without an answer (it failed, was
     /// stopped or was cut off by a crash); the next turn sees it.
     pub unanswered: bool,
+    /// A tool message whose call failed or did not run (denied, expired,
+    /// superseded); absent when not.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub is_error: bool,
     /// When it was stored.
     pub created_at: Timestamp,
 }
@@ -448,6 +452,7 @@ impl From<&StoredMessage> for ChatMessage {
             tool_name: m.message.tool_name.clone(),
             turn_origin: m.message.origin.into(),
             unanswered: m.input_state == Some(InputState::Unanswered),
+            is_error: m.message.is_error,
             created_at: Timestamp(m.created_at_ms),
         }
     }
@@ -664,6 +669,10 @@ pub struct AgentRun {
     pub error: Option<String>,
     /// Tokens used, once known.
     pub usage: Option<TokenUsage>,
+    /// What its model calls cost in USD, when recorded (a run a budget
+    /// stopped on a priced profile).
+    #[serde(default)]
+    pub cost_usd: Option<f64>,
     /// Tool calls made.
     pub tool_calls: u32,
     /// Model calls made.
@@ -704,6 +713,7 @@ impl AgentRun {
             result: r.result.clone().filter(|_| full_result),
             error: r.error.clone(),
             usage: r.usage.map(TokenUsage::from),
+            cost_usd: r.cost,
             tool_calls: r.tool_calls_count,
             iterations: r.iterations,
             model: format!("{}/{}", r.spec.provider_profile, r.spec.model_id),
@@ -964,6 +974,8 @@ pub struct Approval {
     pub run_id: Option<Uuid>,
     /// The agent that asked.
     pub agent: String,
+    /// The model's id of the call (its line in the conversation).
+    pub tool_call_id: String,
     /// The tool.
     pub tool: String,
     /// The arguments, as the model sent them.
@@ -992,6 +1004,7 @@ impl From<&keel_store::ApprovalRecord> for Approval {
             turn_id: a.turn_id.as_uuid(),
             run_id: a.run_id.map(|r| r.as_uuid()),
             agent: a.agent_id.to_string(),
+            tool_call_id: a.tool_call_id.clone(),
             tool: a.tool_name.clone(),
             arguments: serde_json::from_str(&a.arguments)
                 .unwrap_or_else(|_| serde_json::Value::String(a.arguments.clone())),

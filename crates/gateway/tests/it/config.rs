@@ -136,6 +136,35 @@ fn approval_policy_gates_enabled_shell_and_write_file_unless_relaxed() {
         c.session_manager_config().approval_timeout,
         std::time::Duration::from_secs(86400)
     );
+    assert_eq!(
+        c.session_manager_config().supersede_reason,
+        "superseded by new input"
+    );
+    let c = parse(
+        "[tools]
+approval_supersede_reason = \"the user moved on\"\n",
+    )
+    .unwrap();
+    assert_eq!(
+        c.session_manager_config().supersede_reason,
+        "the user moved on"
+    );
+}
+
+#[test]
+fn a_blank_or_long_supersede_reason_is_a_located_error() {
+    let err = parse("[tools]\napproval_supersede_reason = \"  \"\n").unwrap_err();
+    insta::assert_snapshot!("supersede_reason_blank", err.to_string());
+    let long = "x".repeat(501);
+    let err = parse(&format!(
+        "[tools]\napproval_supersede_reason = \"{long}\"\n"
+    ))
+    .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("tools.approval_supersede_reason: is 501 bytes, above the hard cap 500"),
+        "{err}"
+    );
 }
 
 #[test]

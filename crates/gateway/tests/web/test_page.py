@@ -521,7 +521,9 @@ def scenario_approval_card(r):
     """A gated write_file shows an approval card, live and after a reload, with
     its HTML arguments as inert text; a refused decision shows the server's
     detail; Approve runs the call and the model's continuation streams in;
-    Deny with a reason does not run it, and the model reads the reason."""
+    Deny with a reason does not run it, the model reads the reason, and the
+    call's line says it was denied; the turns after a decision are labelled
+    so, not as background results."""
     page = r.page
     with tempfile.TemporaryDirectory(prefix="keel-web-approval-") as tmp:
         data = pathlib.Path(tmp) / "data"
@@ -578,6 +580,8 @@ def scenario_approval_card(r):
             expect(continuation.locator(".md")).to_contain_text("I wrote notes.html")
             expect(page.locator("article.msg.assistant.streaming")).to_have_count(0)
             expect(continuation.locator(".md")).to_contain_text("it is in the workspace now.")
+            # It goes on after a decision, not after background results.
+            expect(continuation.first.locator(".turn-label")).to_have_text("Approval decided")
             # The call's result is in the history, shown on its tool line.
             tool = page.locator("details.tool[data-state=ok]", has_text="write_file")
             expect(tool).to_have_count(1)
@@ -600,6 +604,10 @@ def scenario_approval_card(r):
             expect(continuation.last.locator(".md")).to_have_text("Understood: I left other.html alone.")
             denied = page.locator("details.tool", has_text="other.html")
             expect(denied.locator(".tool-output")).to_contain_text("not <b>now</b>")
+            # The denied call's line says so: it did not run, it is not "done".
+            expect(denied).to_have_attribute("data-state", "error")
+            expect(denied.locator(".tool-state")).to_have_text("denied")
+            expect(continuation.last.locator(".turn-label")).to_have_text("Approval decided")
             assert page.locator("#messages b, #approvals b, #messages script").count() == 0
             assert not (workspace / "other.html").exists(), "a denied call ran"
             assert r.dialogs == [], f"dialogs fired: {r.dialogs}"

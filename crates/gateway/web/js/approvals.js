@@ -7,8 +7,6 @@
 import { h, replace } from './dom.js';
 import { clock, short } from './format.js';
 
-const short = (id) => String(id).slice(-8);
-
 export class ApprovalsView {
   /** `onDecide(approval, decision, reason)` resolves when the server took it, rejects with its problem. */
   constructor(container, onDecide) {

@@ -1,12 +1,16 @@
 // The conversation: the dialog's visible history and the turns streaming
 // into it. A turn is one <article>: its text (Markdown, sanitized) and its
-// tool calls as collapsible lines. Turns that answer background results
-// (turn_origin agent_continuation) carry a light label, not a user bubble.
+// tool calls as collapsible lines. Continuation turns (turn_origin
+// agent_continuation) carry a light label, not a user bubble: the one that
+// goes on after approvals were decided (it follows the calls' results)
+// says so, the others answer background results.
 import { h, replace } from './dom.js';
 import { renderMarkdown } from './markdown.js';
 import { clock } from './format.js';
 
 const CONTINUATION = 'agent_continuation';
+const BACKGROUND_LABEL = 'Background results arrived';
+const APPROVAL_LABEL = 'Approval decided';
 
 function toolLine(name, args) {
   const argText = typeof args === 'string' ? args : JSON.stringify(args ?? {});
@@ -34,7 +38,9 @@ function toolLine(name, args) {
     finish(text, isError) {
       this.finished = true;
       el.dataset.state = isError ? 'error' : 'ok';
-      state.textContent = isError ? 'error' : 'done';
+      // A call nobody approved did not run: it was denied, not broken.
+      const denied = isError && (text ?? '').startsWith('denied:');
+      state.textContent = denied ? 'denied' : isError ? 'error' : 'done';
       output.textContent = text ?? '';
     },
   };
@@ -42,10 +48,12 @@ function toolLine(name, args) {
 
 /** One assistant turn being shown: text blocks and tool lines in order. */
 class TurnView {
-  constructor(origin, time) {
+  /** `resumed`: a continuation that goes on after approvals were decided. */
+  constructor(origin, time, resumed = false) {
     this.el = h('article', { class: 'msg assistant', data: { origin } });
     if (origin === CONTINUATION) {
-      this.el.append(h('div', { class: 'turn-label', text: 'Background results arrived' }));
+      const text = resumed ? APPROVAL_LABEL : BACKGROUND_LABEL;
+      this.el.append(h('div', { class: 'turn-label', text }));
     }
     this.body = h('div', { class: 'msg-body' });
     this.el.append(this.body);
@@ -135,6 +143,14 @@ export class Chat {
     this.live = new Map();
     this.byTurn = new Map();
     this.failedTurns = new Map();
+    // An approval was decided: the next continuation turn resumes its turn.
+    this.resumeNext = false;
+  }
+
+  /** A decided approval (`approval_decided`) of the shown dialog. */
+  approvalDecided(approval) {
+    // A background run's decision resumes the run, not a turn.
+    if (approval.status !== 'superseded' && !approval.run_id) this.resumeNext = true;
   }
 
   get running() {
@@ -149,6 +165,7 @@ export class Chat {
       nodes.push(h('button', { type: 'button', class: 'quiet earlier', text: 'Show earlier messages', on: { click: onEarlier } }));
     }
     let turn = null;
+    let previous = null;
     const turns = [];
     for (const m of messages) {
       if (m.role === 'user') {
@@ -157,7 +174,9 @@ export class Chat {
       } else if (m.role === 'assistant') {
         const origin = m.turn_origin ?? 'user';
         if (!turn || (origin === CONTINUATION && turn.origin !== CONTINUATION)) {
-          turn = new TurnView(origin, m.created_at);
+          // Only a paused turn's decided calls end in results the model has
+          // not answered yet; a background continuation follows an answer.
+          turn = new TurnView(origin, m.created_at, previous === 'tool');
           turn.origin = origin;
           nodes.push(turn.el);
           turns.push(turn);
@@ -168,6 +187,7 @@ export class Chat {
         const line = turn.tools.get(m.tool_call_id);
         if (line) line.finish(m.text, m.is_error === true);
       }
+      previous = m.role;
     }
     // Saved calls without a result wait (for an approval); they do not run.
     for (const view of turns) {
@@ -189,6 +209,7 @@ export class Chat {
 
   /** Clears everything (another dialog is shown). */
   reset() {
+    this.resumeNext = false;
     this.live.clear();
     this.byTurn.clear();
     this.failedTurns.clear();
@@ -236,7 +257,9 @@ export class Chat {
     switch (f.type) {
       case 'turn_started':
         if (view) return;
-        view = new TurnView(f.turn_origin, new Date().toISOString());
+        view = new TurnView(f.turn_origin, new Date().toISOString(),
+          f.turn_origin === CONTINUATION && this.resumeNext);
+        this.resumeNext = false;
         view.streaming(true);
         this.live.set(f.turn_id, view);
         this.add(view.el);

@@ -8,6 +8,12 @@ export function count(n) {
   return `${(n / 1e6).toFixed(1)}M`;
 }
 
+/** USD → "$0.0042", "$1.25". */
+export function usd(n) {
+  if (n === null || n === undefined) return '';
+  return `$${n.toFixed(n < 0.995 ? 4 : 2)}`;
+}
+
 /** Milliseconds → "850 ms", "4.2 s", "3 min 5 s". */
 export function duration(ms) {
   if (ms === null || ms === undefined || ms < 0) return '';

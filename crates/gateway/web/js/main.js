@@ -500,6 +500,7 @@ function onFrame(f) {
       break;
     case 'approval_decided':
       approvals.decided(f.approval);
+      chat.approvalDecided(f.approval);
       break;
     case 'resync':
       state.revision = 0;

@@ -1,12 +1,16 @@
 // The dialog's sub-agent work: the run tree (agent, mode, status, duration,
-// tokens; batches grouped; cancel for runs that have not ended), signal
-// cards, and the inbox (pending / delivered / dead-lettered events).
+// what it spent: tokens, and cost where recorded; batches grouped; cancel
+// for runs that have not ended), signal cards, and the inbox (pending /
+// delivered / dead-lettered events).
 import { h, replace } from './dom.js';
-import { count, duration, runDuration, short, statusLabel, clock, TERMINAL } from './format.js';
+import { count, duration, runDuration, short, statusLabel, clock, usd, TERMINAL } from './format.js';
 
-function tokens(run) {
-  if (!run.usage) return '';
-  return `${count(run.usage.prompt_tokens + run.usage.completion_tokens)} tok`;
+/** What a run spent: "1.2k tok", "1.2k tok · $0.0042" once its cost is recorded. */
+function spent(run) {
+  const parts = [];
+  if (run.usage) parts.push(`${count(run.usage.prompt_tokens + run.usage.completion_tokens)} tok`);
+  if (run.cost_usd !== null && run.cost_usd !== undefined) parts.push(usd(run.cost_usd));
+  return parts.join(' · ');
 }
 
 function runNode(run, children, { onCancel, onResult, open }) {
@@ -18,7 +22,7 @@ function runNode(run, children, { onCancel, onResult, open }) {
     h('span', { class: `badge mode-${run.mode}`, text: run.mode === 'background' ? 'bg' : 'fg', title: run.mode }),
     h('span', { class: 'run-status', text: statusLabel(run.status) }),
     dur,
-    h('span', { class: 'run-tokens', text: tokens(run) }));
+    h('span', { class: 'run-tokens', text: spent(run) }));
   if (!ended) {
     line.append(h('button', {
       type: 'button', class: 'mini danger', text: 'Cancel',
@@ -33,6 +37,7 @@ function runNode(run, children, { onCancel, onResult, open }) {
       h('dt', { text: 'model' }), h('dd', { text: run.model }),
       h('dt', { text: 'calls' }), h('dd', { text: `${run.iterations} model · ${run.tool_calls} tool` }),
       run.usage && [h('dt', { text: 'tokens' }), h('dd', { text: `${count(run.usage.prompt_tokens)} in · ${count(run.usage.completion_tokens)} out` })],
+      run.cost_usd != null && [h('dt', { text: 'cost' }), h('dd', { text: usd(run.cost_usd) })],
       h('dt', { text: 'started' }), h('dd', { text: clock(run.created_at) })),
     run.error && h('p', { class: 'run-error', text: run.error }),
     run.result_preview && h('div', { class: 'run-result' },

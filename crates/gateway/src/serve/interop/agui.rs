@@ -8,7 +8,9 @@
 //! its text as `TEXT_MESSAGE_START/CONTENT/END`, `STEP_FINISHED`; each
 //! tool call keel ran as `TOOL_CALL_START/ARGS/END` and its
 //! `TOOL_CALL_RESULT`; sub-agent runs as `ACTIVITY_SNAPSHOT`s; then
-//! `RUN_FINISHED` once the turn is saved, or `RUN_ERROR`.
+//! `RUN_FINISHED` once the turn is saved (with the interrupt outcome when
+//! it paused for approvals, which a `resume` input answers: `interrupts`),
+//! or `RUN_ERROR`.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::convert::Infallible;
@@ -32,9 +34,13 @@ use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::watch;
 use uuid::Uuid;
 
+use super::interrupts::{read_resume, resume, Answer};
+pub use super::interrupts::{Interrupt, InterruptMetadata, PausedCall, APPROVAL_REASON};
 use super::transcript::{Said, Speaker};
-use super::{chat_id, checked_texts, Conversation, Conversations, Fed, Scope};
-use crate::serve::api::{AgentRun, TokenUsage as KeelUsage, TurnOrigin};
+use super::{
+    chat_id, checked_texts, paused_for, Conversation, Conversations, Fed, Scope, TurnFeed,
+};
+use crate::serve::api::{AgentRun, Approval, TokenUsage as KeelUsage, TurnOrigin};
 use crate::serve::frames::ServerFrame;
 use crate::serve::problem::ApiError;
 use crate::serve::Shared;
@@ -66,6 +72,12 @@ pub struct TokenUsage {
 pub enum Outcome {
     /// It completed.
     Success,
+    /// It paused: tool calls wait for a person's decision, which a
+    /// resuming run (`resume`) gives.
+    Interrupt {
+        /// One per call waiting (at least one).
+        interrupts: Vec<Interrupt>,
+    },
     /// It was stopped before it completed (nothing of it was saved).
     Cancelled,
 }
@@ -219,7 +231,7 @@ pub enum AgUiEvent {
     },
 }
 
-fn run_error(code: &str, message: impl Into<String>) -> AgUiEvent {
+pub(super) fn run_error(code: &str, message: impl Into<String>) -> AgUiEvent {
     AgUiEvent::RunError {
         message: message.into(),
         code: code.to_owned(),
@@ -261,7 +273,7 @@ impl IntoResponse for AgUiError {
     }
 }
 
-fn bad(message: impl Into<String>) -> AgUiError {
+pub(super) fn bad(message: impl Into<String>) -> AgUiError {
     ApiError::BadRequest(message.into()).into()
 }
 
@@ -280,6 +292,8 @@ pub struct RunEncoder {
     text_open: Option<String>,
     /// The text message of the last model call, if it had text.
     last_text: Option<String>,
+    /// The calls the turn paused for, once its commit is known to hold any.
+    paused: Vec<Approval>,
     finished: bool,
 }
 
@@ -294,8 +308,15 @@ impl RunEncoder {
             step_open: false,
             text_open: None,
             last_text: None,
+            paused: Vec::new(),
             finished: false,
         }
+    }
+
+    /// Says the turn paused for `approvals`: its `TurnCommitted` ends the
+    /// run with their calls and the interrupt outcome.
+    pub fn pause(&mut self, approvals: Vec<Approval>) {
+        self.paused = approvals;
     }
 
     /// Whether the run ended.
@@ -417,10 +438,32 @@ impl RunEncoder {
                 self.finished = true;
                 let mut keel = self.keel;
                 keel.checkpoint_id = *checkpoint_id;
+                // The calls that wait ran not: they are shown, then asked about.
+                for a in &self.paused {
+                    out.push(AgUiEvent::ToolCallStart {
+                        tool_call_id: a.tool_call_id.clone(),
+                        tool_call_name: a.tool.clone(),
+                        parent_message_id: self.last_text.clone(),
+                    });
+                    out.push(AgUiEvent::ToolCallArgs {
+                        tool_call_id: a.tool_call_id.clone(),
+                        delta: a.arguments.to_string(),
+                    });
+                    out.push(AgUiEvent::ToolCallEnd {
+                        tool_call_id: a.tool_call_id.clone(),
+                    });
+                }
+                let outcome = if self.paused.is_empty() {
+                    Outcome::Success
+                } else {
+                    Outcome::Interrupt {
+                        interrupts: self.paused.iter().map(Interrupt::from).collect(),
+                    }
+                };
                 out.push(AgUiEvent::RunFinished {
                     thread_id: self.thread_id.clone(),
                     run_id: self.run_id.clone(),
-                    outcome: Outcome::Success,
+                    outcome,
                     usage: vec![token_usage(usage)],
                     metadata: Some(Metadata { keel }),
                 });
@@ -483,7 +526,7 @@ fn activity(run: &AgentRun) -> AgUiEvent {
     }
 }
 
-fn sse(event: &AgUiEvent) -> Event {
+pub(super) fn sse(event: &AgUiEvent) -> Event {
     Event::default().data(serde_json::to_string(event).unwrap_or_default())
 }
 
@@ -494,8 +537,16 @@ fn sse(event: &AgUiEvent) -> Event {
 struct Input {
     thread_id: String,
     run_id: String,
-    history: Vec<Said>,
-    input: String,
+    ask: Ask,
+}
+
+/// A new turn, or the answers to the interrupts a run ended with.
+#[derive(Debug)]
+enum Ask {
+    /// The history and the new input.
+    Turn { history: Vec<Said>, input: String },
+    /// `resume`: one answer per interrupt.
+    Resume(Vec<Answer>),
 }
 
 fn string_field(body: &Map<String, Value>, name: &str) -> Result<String, AgUiError> {
@@ -535,18 +586,23 @@ fn read_input(body: &[u8]) -> Result<Input, AgUiError> {
         None | Some(Value::Null | Value::Object(_)) => {}
         Some(_) => return Err(bad("`state` must be an object")),
     }
-    if body
-        .get("resume")
-        .and_then(Value::as_array)
-        .is_some_and(|r| !r.is_empty())
-    {
-        return Err(bad(
-            "`resume` answers interrupts, and keel raises none: there is nothing to resume",
-        ));
-    }
     let Some(Value::Array(messages)) = body.get("messages") else {
         return Err(bad("`messages` must be an array"));
     };
+    match body.get("resume") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(resume)) if resume.is_empty() => {}
+        // The run continues the dialog the interrupts belong to, which
+        // holds the history: `messages` is not read.
+        Some(Value::Array(resume)) => {
+            return Ok(Input {
+                thread_id,
+                run_id,
+                ask: Ask::Resume(read_resume(resume)?),
+            })
+        }
+        Some(_) => return Err(bad("`resume` must be an array")),
+    }
     let mut history = Vec::with_capacity(messages.len());
     for (i, m) in messages.iter().enumerate() {
         let at = format!("messages[{i}]");
@@ -593,8 +649,7 @@ fn read_input(body: &[u8]) -> Result<Input, AgUiError> {
     Ok(Input {
         thread_id,
         run_id,
-        history,
-        input,
+        ask: Ask::Turn { history, input },
     })
 }
 
@@ -606,7 +661,15 @@ fn read_input(body: &[u8]) -> Result<Input, AgUiError> {
 #[derive(Debug, Default)]
 pub(crate) struct Threads {
     dialogs: Mutex<HashMap<String, watch::Sender<Option<SessionId>>>>,
+    /// Dialogs a resume is deciding, until it knows its continuation turn.
+    resuming: Mutex<HashMap<SessionId, usize>>,
+    /// The continuation turns resumes answer (the newest ones): a thread
+    /// stream leaves them out, their requests stream them.
+    claimed: Mutex<VecDeque<Uuid>>,
 }
+
+/// Most continuation turns [`Threads`] remembers as a resume's.
+const CLAIMED: usize = 256;
 
 impl Threads {
     /// The watch of `thread`, made if nobody follows it yet.
@@ -619,8 +682,37 @@ impl Threads {
             .clone()
     }
 
+    /// A resume of `dialog` starts deciding: its continuation is its own.
+    pub(super) fn begin_resume(&self, dialog: SessionId) {
+        *self.resuming.lock().entry(dialog).or_default() += 1;
+    }
+
+    /// The resume of `dialog` knows its continuation turn (`Some`), or
+    /// gave up (`None`).
+    pub(super) fn end_resume(&self, dialog: SessionId, turn: Option<Uuid>) {
+        if let Some(turn) = turn {
+            let mut claimed = self.claimed.lock();
+            if claimed.len() == CLAIMED {
+                claimed.pop_front();
+            }
+            claimed.push_back(turn);
+        }
+        let mut resuming = self.resuming.lock();
+        if let Some(n) = resuming.get_mut(&dialog) {
+            *n -= 1;
+            if *n == 0 {
+                resuming.remove(&dialog);
+            }
+        }
+    }
+
+    /// Whether continuation `turn` of `dialog` is a resume's run.
+    fn resumed(&self, dialog: SessionId, turn: Uuid) -> bool {
+        self.claimed.lock().contains(&turn) || self.resuming.lock().contains_key(&dialog)
+    }
+
     /// Records that `thread` now lives in `dialog`, for its followers.
-    fn moved(&self, thread: &str, dialog: SessionId) {
+    pub(super) fn moved(&self, thread: &str, dialog: SessionId) {
         if let Some(followers) = self.dialogs.lock().get(thread) {
             followers.send_if_modified(|d| {
                 let changed = *d != Some(dialog);
@@ -640,6 +732,8 @@ pub struct ThreadFollower {
     dialog: SessionId,
     run: Option<RunEncoder>,
     waiting: BTreeMap<Uuid, AgentRun>,
+    /// A continuation another request streams (a resume's).
+    skipped: Option<Uuid>,
 }
 
 impl ThreadFollower {
@@ -650,7 +744,13 @@ impl ThreadFollower {
             dialog,
             run: None,
             waiting: BTreeMap::new(),
+            skipped: None,
         }
+    }
+
+    /// Leaves turn `turn` out: a resume's request streams it.
+    pub fn skip(&mut self, turn: Uuid) {
+        self.skipped = Some(turn);
     }
 
     /// Whether a run is open (the dialog must not change under it).
@@ -660,6 +760,9 @@ impl ThreadFollower {
 
     /// The events of one frame of the dialog.
     pub fn encode(&mut self, frame: &ServerFrame) -> Vec<AgUiEvent> {
+        if self.skipped.is_some() && frame.turn_id() == self.skipped {
+            return Vec::new();
+        }
         if let ServerFrame::TurnStarted {
             turn_id,
             turn_origin: TurnOrigin::AgentContinuation,
@@ -727,14 +830,20 @@ async fn run(
         )
         .into());
     }
+    let (history, text) = match input.ask {
+        Ask::Resume(answers) => {
+            return resume(shared, agent, input.thread_id, input.run_id, answers).await
+        }
+        Ask::Turn { history, input } => (history, input),
+    };
     let conversation = Conversation {
         scope: Scope::Chat {
             channel: CHANNEL,
             chat_id: input.thread_id.clone(),
         },
         agent,
-        history: input.history,
-        input: input.input,
+        history,
+        input: text,
     };
     let placed = shared.conversations.place(&shared, &conversation).await?;
     // Sub-agent runs of the dialog are published from now on.
@@ -754,32 +863,55 @@ async fn run(
         turn_origin: TurnOrigin::User,
     };
     let encoder = RunEncoder::new(&input.thread_id, &input.run_id, keel);
-    let first = sse(&encoder.start());
-    let events = futures::stream::unfold(
-        (feed, encoder, VecDeque::<AgUiEvent>::new()),
-        |(mut feed, mut encoder, mut queued)| async move {
+    let first = vec![encoder.start()];
+    Ok(sse_response(run_events(shared, feed, encoder, first)))
+}
+
+/// A run's events: `first`, then the turn's frames encoded. A turn that
+/// paused for approvals ends with the interrupt outcome.
+pub(super) fn run_events(
+    shared: Arc<Shared>,
+    feed: TurnFeed,
+    encoder: RunEncoder,
+    first: Vec<AgUiEvent>,
+) -> impl Stream<Item = Event> + Send + 'static {
+    futures::stream::unfold(
+        (shared, feed, encoder, VecDeque::from(first)),
+        |(shared, mut feed, mut encoder, mut queued)| async move {
             loop {
                 if let Some(event) = queued.pop_front() {
-                    return Some((sse(&event), (feed, encoder, queued)));
+                    return Some((sse(&event), (shared, feed, encoder, queued)));
                 }
                 if encoder.finished() {
                     return None;
                 }
-                queued.extend(match feed.next().await {
+                let next = feed.next().await;
+                if let Some(Fed::Frame(frame)) = &next {
+                    if let ServerFrame::TurnCommitted { turn_id, .. } = frame.as_ref() {
+                        // The pause is committed with the turn: what waits is read now.
+                        match paused_for(&shared, feed.dialog, *turn_id).await {
+                            Ok(paused) => {
+                                encoder.pause(paused.iter().map(Approval::from).collect())
+                            }
+                            Err(e) => {
+                                encoder.finished = true;
+                                queued.push_back(AgUiError::from(e).body());
+                                continue;
+                            }
+                        }
+                    }
+                }
+                queued.extend(match next {
                     Some(Fed::Frame(frame)) => encoder.encode(&frame),
                     Some(Fed::Lost) => encoder.abandon(true),
                     None => encoder.abandon(false),
                 });
             }
         },
-    );
-    Ok(sse_response(futures::StreamExt::chain(
-        futures::stream::once(async move { first }),
-        events,
-    )))
+    )
 }
 
-fn sse_response(events: impl Stream<Item = Event> + Send + 'static) -> Response {
+pub(super) fn sse_response(events: impl Stream<Item = Event> + Send + 'static) -> Response {
     use futures::StreamExt;
     Sse::new(events.map(Ok::<Event, Infallible>))
         .keep_alive(KeepAlive::default())
@@ -856,6 +988,7 @@ async fn follow(
         None => None,
     };
     let closing = shared.closing.clone();
+    let threads = shared.clone();
     let (tx, rx) = tokio::sync::mpsc::channel::<AgUiEvent>(64);
     tokio::spawn(async move {
         loop {
@@ -883,7 +1016,14 @@ async fn follow(
                 } => {
                     let Some((follower, _)) = &mut current else { continue };
                     match frame {
-                        Ok(frame) => follower.encode(&frame),
+                        Ok(frame) => {
+                            if let ServerFrame::TurnStarted { turn_id, turn_origin: TurnOrigin::AgentContinuation, .. } = frame.as_ref() {
+                                if threads.conversations.threads().resumed(follower.dialog, *turn_id) {
+                                    follower.skip(*turn_id);
+                                }
+                            }
+                            follower.encode(&frame)
+                        }
                         Err(RecvError::Lagged(_)) => follower.abandon(true),
                         Err(RecvError::Closed) => return,
                     }

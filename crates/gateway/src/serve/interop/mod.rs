@@ -28,6 +28,7 @@
 //! read again.
 
 pub mod agui;
+mod interrupts;
 pub mod mcp;
 pub mod openai;
 pub mod transcript;
@@ -45,7 +46,7 @@ use tokio::sync::broadcast::{self, error::RecvError};
 use tokio::sync::{Mutex as AsyncMutex, OwnedMutexGuard};
 use uuid::Uuid;
 
-use super::api::MAX_TEXT_CHARS;
+use super::api::{self, MAX_TEXT_CHARS};
 use super::frames::ServerFrame;
 use super::hub::SharedFrame;
 use super::problem::{ApiError, ApiResult};
@@ -609,6 +610,155 @@ impl Conversations {
             done: false,
         })
     }
+}
+
+/// A dialog held for a request that resumes its paused turn: locked, and
+/// its frames (continuation turns included) subscribed before any decision
+/// is committed, so the turn the decisions start is not missed.
+pub(crate) struct Resuming {
+    /// The dialog.
+    pub dialog: SessionId,
+    guard: DialogGuard,
+    frames: broadcast::Receiver<SharedFrame>,
+    keeper: broadcast::Receiver<SharedFrame>,
+    mark: ResumeMark,
+}
+
+/// While held, the dialog's next continuation is a resume's (thread
+/// streams leave it out); dropped once that turn is known, or when the
+/// resume gives up.
+struct ResumeMark {
+    shared: Arc<Shared>,
+    dialog: SessionId,
+    turn: Option<Uuid>,
+}
+
+impl Drop for ResumeMark {
+    fn drop(&mut self) {
+        self.shared
+            .conversations
+            .threads()
+            .end_resume(self.dialog, self.turn);
+    }
+}
+
+impl Conversations {
+    /// Locks `dialog` for a request that will decide its pending approvals
+    /// and subscribes to its frames.
+    pub(crate) async fn resuming(
+        &self,
+        shared: &Arc<Shared>,
+        dialog: SessionId,
+    ) -> ApiResult<Resuming> {
+        let guard = self.lock(dialog).await;
+        shared.projections.watch(dialog).await?;
+        let frames = shared.hub.subscribe(dialog);
+        let keeper = shared.hub.subscribe(dialog);
+        // The resumed turn is a continuation: it reaches the hub only
+        // through the dialog's forwarder.
+        shared.turns.follow_continuations(dialog).await;
+        self.threads().begin_resume(dialog);
+        let mark = ResumeMark {
+            shared: shared.clone(),
+            dialog,
+            turn: None,
+        };
+        Ok(Resuming {
+            dialog,
+            guard,
+            frames,
+            keeper,
+            mark,
+        })
+    }
+}
+
+impl Resuming {
+    /// The frames of the continuation turn the committed decisions start
+    /// (`None` when the server closes first). The dialog stays locked until
+    /// that turn ended, whether or not the client still reads.
+    pub(crate) async fn feed(self, shared: &Shared) -> Option<TurnFeed> {
+        let Resuming {
+            dialog,
+            guard,
+            mut frames,
+            mut keeper,
+            mark,
+        } = self;
+        let closing = shared.closing.clone();
+        let mut mark = Some(mark);
+        tokio::spawn(async move {
+            let _held = guard;
+            let mut turn = None;
+            loop {
+                tokio::select! {
+                    frame = keeper.recv() => match frame {
+                        Ok(f) => match (f.as_ref(), turn) {
+                            (ServerFrame::TurnStarted { turn_id, turn_origin: api::TurnOrigin::AgentContinuation, .. }, None) => {
+                                turn = Some(*turn_id);
+                                // Thread streams leave this turn out from now on.
+                                if let Some(mut known) = mark.take() {
+                                    known.turn = turn;
+                                }
+                            }
+                            (f, Some(t)) if f.turn_id() == Some(t) && f.ends_turn() => return,
+                            _ => {}
+                        },
+                        Err(RecvError::Lagged(_)) => {}
+                        Err(RecvError::Closed) => return,
+                    },
+                    () = closing.cancelled() => return,
+                }
+            }
+        });
+        loop {
+            let frame = tokio::select! {
+                () = shared.closing.cancelled() => return None,
+                frame = frames.recv() => frame,
+            };
+            match frame {
+                Ok(f) => {
+                    if let ServerFrame::TurnStarted {
+                        turn_id,
+                        turn_origin: api::TurnOrigin::AgentContinuation,
+                        ..
+                    } = f.as_ref()
+                    {
+                        let turn = *turn_id;
+                        return Some(TurnFeed {
+                            dialog,
+                            forked_from: None,
+                            turn,
+                            frames,
+                            runs: None,
+                            ready: VecDeque::from([Fed::Frame(f)]),
+                            done: false,
+                        });
+                    }
+                }
+                Err(RecvError::Lagged(_)) => {}
+                Err(RecvError::Closed) => return None,
+            }
+        }
+    }
+}
+
+/// The approvals still pending of root turn `turn` in `dialog`: what the
+/// turn paused for, read once its pause is committed (a background run of
+/// its tree asks on its own: those are not the turn's).
+pub(crate) async fn paused_for(
+    shared: &Shared,
+    dialog: SessionId,
+    turn: Uuid,
+) -> ApiResult<Vec<keel_store::ApprovalRecord>> {
+    Ok(shared
+        .app
+        .manager
+        .approvals(dialog, true)
+        .await?
+        .into_iter()
+        .filter(|a| a.turn_id.as_uuid() == turn && a.run_id.is_none())
+        .collect())
 }
 
 /// Whether a dialog runs `agent` (`None`: the root agent).

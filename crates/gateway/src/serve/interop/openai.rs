@@ -25,7 +25,10 @@ use serde_json::{Map, Value};
 use uuid::Uuid;
 
 use super::transcript::Said;
-use super::{chat_id, checked_texts, Conversation, Conversations, Fed, Scope, TurnFeed};
+use super::{
+    chat_id, checked_texts, paused_for, Conversation, Conversations, Fed, Scope, TurnFeed,
+};
+use crate::serve::api::{Approval, Timestamp};
 use crate::serve::frames::ServerFrame;
 use crate::serve::problem::ApiError;
 use crate::serve::Shared;
@@ -539,7 +542,7 @@ impl Usage {
 
 /// Where keel keeps what a completion said (an extension field; clients
 /// that do not know it ignore it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct KeelRef {
     /// The dialog the conversation lives in.
     pub dialog_id: Uuid,
@@ -547,6 +550,41 @@ pub struct KeelRef {
     pub turn_id: Uuid,
     /// The dialog it was forked from, when the history was edited.
     pub forked_from: Option<Uuid>,
+    /// The turn's tool calls that wait for a person's approval (the turn
+    /// paused for them); absent when none waits.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub awaiting_approval: Vec<AwaitingApproval>,
+}
+
+/// A tool call that waits for a person's approval.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AwaitingApproval {
+    /// The approval: `POST /api/approvals/{id}` decides it.
+    pub id: Uuid,
+    /// The tool.
+    pub tool: String,
+    /// Its arguments, as the model sent them.
+    pub arguments: Value,
+    /// When it expires as a denial, if nobody decides.
+    pub expires_at: Timestamp,
+}
+
+/// What the turn `keel` names paused for, read once its commit is seen.
+async fn awaiting(shared: &Shared, keel: &KeelRef) -> OpenAiResult<Vec<AwaitingApproval>> {
+    let dialog = SessionId::from(keel.dialog_id);
+    Ok(paused_for(shared, dialog, keel.turn_id)
+        .await?
+        .iter()
+        .map(|a| {
+            let a = Approval::from(a);
+            AwaitingApproval {
+                id: a.id,
+                tool: a.tool,
+                arguments: a.arguments,
+                expires_at: a.expires_at,
+            }
+        })
+        .collect())
 }
 
 /// The assistant's message.
@@ -685,6 +723,7 @@ impl Answering {
                 dialog_id: feed.dialog.as_uuid(),
                 turn_id: feed.turn,
                 forked_from: feed.forked_from.map(|d| d.as_uuid()),
+                awaiting_approval: Vec::new(),
             },
         }
     }
@@ -702,7 +741,7 @@ impl Answering {
                 logprobs: None,
             }],
             usage: None,
-            keel: finish.map(|_| self.keel),
+            keel: finish.map(|_| self.keel.clone()),
         }
     }
 }
@@ -712,7 +751,11 @@ fn data(value: &impl Serialize) -> Event {
 }
 
 /// Waits for the whole answer.
-async fn answer_whole(mut feed: TurnFeed, answering: Answering) -> OpenAiResult<ChatCompletion> {
+async fn answer_whole(
+    shared: &Shared,
+    mut feed: TurnFeed,
+    mut answering: Answering,
+) -> OpenAiResult<ChatCompletion> {
     let mut text = String::new();
     let mut finish = None;
     while let Some(fed) = feed.next().await {
@@ -725,6 +768,7 @@ async fn answer_whole(mut feed: TurnFeed, answering: Answering) -> OpenAiResult<
                 finish = Some(finish_reason.clone());
             }
             ServerFrame::TurnCommitted { usage, .. } => {
+                answering.keel.awaiting_approval = awaiting(shared, &answering.keel).await?;
                 return Ok(ChatCompletion {
                     id: answering.id,
                     object: "chat.completion".to_owned(),
@@ -757,6 +801,7 @@ async fn answer_whole(mut feed: TurnFeed, answering: Answering) -> OpenAiResult<
 /// delta, the finish chunk once the turn is saved, the usage chunk when
 /// asked for, then `[DONE]`; an error object when the turn was not saved.
 fn answer_streamed(
+    shared: Arc<Shared>,
     feed: TurnFeed,
     answering: Answering,
     include_usage: bool,
@@ -769,6 +814,7 @@ fn answer_streamed(
         None,
     ));
     struct Flow {
+        shared: Arc<Shared>,
         feed: TurnFeed,
         answering: Answering,
         include_usage: bool,
@@ -777,6 +823,7 @@ fn answer_streamed(
         ended: bool,
     }
     let flow = Flow {
+        shared,
         feed,
         answering,
         include_usage,
@@ -813,6 +860,10 @@ fn answer_streamed(
                 }
                 ServerFrame::TurnCommitted { usage, .. } => {
                     flow.ended = true;
+                    match awaiting(&flow.shared, &flow.answering.keel).await {
+                        Ok(waiting) => flow.answering.keel.awaiting_approval = waiting,
+                        Err(e) => return Some((data(&e.body), flow)),
+                    }
                     // `after` is a stack: pushed in reverse order.
                     flow.after.push(Event::default().data("[DONE]"));
                     if flow.include_usage {
@@ -866,11 +917,14 @@ async fn completions(
     let answering = Answering::of(&feed, ask.model);
     let mut response = if ask.stream {
         use futures::StreamExt;
-        Sse::new(answer_streamed(feed, answering, ask.include_usage).map(Ok::<Event, Infallible>))
-            .keep_alive(KeepAlive::default())
-            .into_response()
+        Sse::new(
+            answer_streamed(shared.clone(), feed, answering, ask.include_usage)
+                .map(Ok::<Event, Infallible>),
+        )
+        .keep_alive(KeepAlive::default())
+        .into_response()
     } else {
-        Json(answer_whole(feed, answering).await?).into_response()
+        Json(answer_whole(&shared, feed, answering).await?).into_response()
     };
     response.headers_mut().insert(DIALOG_HEADER, dialog);
     Ok(response)

@@ -8,11 +8,24 @@ use keel_gateway::serve::interop::agui::{AgUiEvent, KeelRef, RunEncoder, ThreadF
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use super::{check_agui_order, dialogs, messages, post_raw, redacted, sse_data, BadCase};
+use super::{
+    check_agui_order, check_agui_run, dialogs, messages, post_raw, redacted, sse_data, BadCase,
+};
 use crate::serve::{background_filing, scripted, Setup, TestServer};
 
 /// Runs `input` on `path`; returns the status and the events (or the error body).
 async fn run(t: &TestServer, path: &str, input: Value) -> (u16, Vec<Value>) {
+    run_after(t, path, input, &[]).await
+}
+
+/// [`run`] for a run that may answer the tool calls `earlier` of the run
+/// it continues.
+async fn run_after(
+    t: &TestServer,
+    path: &str,
+    input: Value,
+    earlier: &[String],
+) -> (u16, Vec<Value>) {
     let (status, _, text) = post_raw(
         t,
         path,
@@ -27,7 +40,7 @@ async fn run(t: &TestServer, path: &str, input: Value) -> (u16, Vec<Value>) {
         .iter()
         .map(|d| serde_json::from_str(d).unwrap())
         .collect();
-    check_agui_order(&events);
+    check_agui_run(&events, earlier);
     // Every event reads back as a keel AG-UI event and writes the same JSON.
     for e in &events {
         let typed: AgUiEvent = serde_json::from_value(e.clone()).unwrap();
@@ -300,10 +313,31 @@ async fn bad_input_is_a_run_error_body_and_changes_nothing() {
         ),
         ("state not an object", with("state", json!([1])), vec![]),
         (
-            "resume",
+            "resume without a decision",
             with(
                 "resume",
                 json!([{"interruptId": "i", "status": "resolved"}]),
+            ),
+            vec![],
+        ),
+        (
+            "resume of an unknown status",
+            with("resume", json!([{"interruptId": "i", "status": "later"}])),
+            vec![],
+        ),
+        (
+            "resume answering one twice",
+            with(
+                "resume",
+                json!([{"interruptId": "i", "status": "cancelled"}, {"interruptId": "i", "status": "cancelled"}]),
+            ),
+            vec![],
+        ),
+        (
+            "resume naming nothing",
+            with(
+                "resume",
+                json!([{"interruptId": "i", "status": "cancelled"}]),
             ),
             vec![],
         ),
@@ -478,6 +512,7 @@ fn a_thread_stream_makes_each_continuation_turn_a_run_of_its_own() {
         result: None,
         error: None,
         usage: None,
+        cost_usd: None,
         tool_calls: 0,
         iterations: 1,
         model: "default/scripted".into(),
@@ -607,4 +642,318 @@ async fn a_continuation_answering_a_background_result_is_its_own_run_on_the_thre
         finished["usage"][0]["totalTokens"].as_u64().unwrap() > 0,
         "{finished}"
     );
+}
+
+/// A resume entry answering interrupt `id`.
+fn answer(id: &Value, status: &str, payload: Value) -> Value {
+    json!({"interruptId": id, "status": status, "payload": payload})
+}
+
+fn resume_input(thread: &str, run: &str, resume: Value) -> Value {
+    let mut body = input(thread, run, json!([]));
+    body["resume"] = resume;
+    body
+}
+
+#[tokio::test]
+async fn a_gated_call_ends_the_run_with_an_interrupt_and_a_resume_decides_it() {
+    let ws_dir = tempfile::tempdir().unwrap();
+    let workspace = ws_dir.path().canonicalize().unwrap();
+    let t = TestServer::start(Setup {
+        config: format!(
+            "workspace_root = {:?}\n[tools]\nenable_write = true\n",
+            workspace.display().to_string()
+        ),
+        provider: scripted(vec![
+            ScriptedResponse {
+                text: Some("Writing.".into()),
+                tool_calls: vec![ScriptedToolCall {
+                    id: Some("call_w".into()),
+                    name: "write_file".into(),
+                    arguments: json!({"path": "note.txt", "content": "hi"}),
+                }],
+                ..ScriptedResponse::default()
+            },
+            ScriptedResponse::text("I wrote note.txt."),
+            ScriptedResponse {
+                tool_calls: vec![
+                    ScriptedToolCall {
+                        id: Some("call_x".into()),
+                        name: "write_file".into(),
+                        arguments: json!({"path": "other.txt", "content": "no"}),
+                    },
+                    ScriptedToolCall {
+                        id: Some("call_y".into()),
+                        name: "write_file".into(),
+                        arguments: json!({"path": "third.txt", "content": "no"}),
+                    },
+                ],
+                ..ScriptedResponse::default()
+            },
+            ScriptedResponse::text("I did not write other.txt."),
+            ScriptedResponse {
+                tool_calls: vec![ScriptedToolCall {
+                    id: Some("call_z".into()),
+                    name: "write_file".into(),
+                    arguments: json!({"path": "last.txt", "content": "no"}),
+                }],
+                ..ScriptedResponse::default()
+            },
+            ScriptedResponse::text("Decided elsewhere."),
+        ]),
+        ..Setup::default()
+    })
+    .await;
+    let first = json!([{"id": "m1", "role": "user", "content": "write a note"}]);
+    let (status, events) = run(&t, "/ag-ui", input("hitl", "run-1", first)).await;
+    assert_eq!(status, 200);
+    insta::assert_yaml_snapshot!(shape(&events), @r#"
+    - RUN_STARTED
+    - STEP_STARTED model_call_1
+    - TEXT_MESSAGE_START
+    - "TEXT_MESSAGE_CONTENT \"Writing.\""
+    - TEXT_MESSAGE_END
+    - STEP_FINISHED model_call_1
+    - TOOL_CALL_START write_file
+    - "TOOL_CALL_ARGS {\"content\":\"hi\",\"path\":\"note.txt\"}"
+    - TOOL_CALL_END
+    - RUN_FINISHED
+    "#);
+    let finished = events.last().unwrap();
+    let start = events
+        .iter()
+        .find(|e| e["type"] == "TOOL_CALL_START")
+        .unwrap();
+    assert_eq!(start["parentMessageId"], events[2]["messageId"]);
+    let interrupt = &finished["outcome"]["interrupts"][0];
+    let id = interrupt["id"].clone();
+    let mut shown = redacted(finished);
+    shown["outcome"]["interrupts"][0]["expiresAt"] = json!("[time]");
+    shown["usage"] = json!("[usage]");
+    insta::assert_json_snapshot!("agui_interrupt_outcome", shown);
+    assert!(
+        !workspace.join("note.txt").exists(),
+        "nothing runs undecided"
+    );
+    let dialog = events[0]["metadata"]["keel"]["dialogId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let pending = t.json(&format!("/api/dialogs/{dialog}/approvals")).await;
+    assert_eq!(pending["items"][0]["id"], id);
+    assert_eq!(pending["items"][0]["tool_call_id"], "call_w");
+    // A client following the thread: resumed continuations are the resume
+    // requests' runs, not the stream's.
+    let followed = t.get("/ag-ui/threads/hitl").await;
+    assert_eq!(followed.status(), 200);
+    let mut thread = followed.bytes_stream();
+
+    // Refused before anything is decided: an answer of another thread, an
+    // answer naming nothing, a payload that is no decision.
+    let refusals = [
+        (
+            "another thread",
+            resume_input(
+                "elsewhere",
+                "r",
+                json!([answer(&id, "resolved", json!({"decision": "approve"}))]),
+            ),
+        ),
+        (
+            "nothing named",
+            resume_input(
+                "hitl",
+                "r",
+                json!([answer(
+                    &json!("nope"),
+                    "resolved",
+                    json!({"decision": "approve"})
+                )]),
+            ),
+        ),
+        (
+            "not a decision",
+            resume_input(
+                "hitl",
+                "r",
+                json!([answer(&id, "resolved", json!({"decision": "maybe"}))]),
+            ),
+        ),
+    ];
+    let mut seen = Vec::new();
+    for (name, body) in refusals {
+        let (status, body) = run(&t, "/ag-ui", body).await;
+        seen.push(json!({"case": name, "status": status, "body": redacted(&body[0])}));
+    }
+    insta::assert_json_snapshot!("agui_resume_refusals", seen);
+    let pending = t.json(&format!("/api/dialogs/{dialog}/approvals")).await;
+    assert_eq!(pending["items"][0]["status"], "pending");
+
+    // Approved: the run is the continuation, with the call's result first.
+    let earlier = ["call_w".to_owned()];
+    let approve = resume_input(
+        "hitl",
+        "run-2",
+        json!([answer(&id, "resolved", json!({"decision": "approve"}))]),
+    );
+    let (status, events) = run_after(&t, "/ag-ui", approve.clone(), &earlier).await;
+    assert_eq!(status, 200, "{events:?}");
+    insta::assert_yaml_snapshot!(shape(&events), @r#"
+    - RUN_STARTED
+    - TOOL_CALL_RESULT
+    - STEP_STARTED model_call_1
+    - TEXT_MESSAGE_START
+    - "TEXT_MESSAGE_CONTENT \"I \""
+    - "TEXT_MESSAGE_CONTENT \"wrote \""
+    - "TEXT_MESSAGE_CONTENT \"note.txt.\""
+    - TEXT_MESSAGE_END
+    - STEP_FINISHED model_call_1
+    - RUN_FINISHED
+    "#);
+    assert_eq!(events[0]["runId"], "run-2");
+    assert_eq!(events[0]["metadata"]["keel"]["dialogId"], dialog.as_str());
+    assert_eq!(
+        events[0]["metadata"]["keel"]["turnOrigin"],
+        "agent_continuation"
+    );
+    assert_eq!(events[1]["toolCallId"], "call_w");
+    assert!(
+        events[1]["content"]
+            .as_str()
+            .unwrap()
+            .contains("wrote 2 bytes"),
+        "{}",
+        events[1]
+    );
+    assert_eq!(
+        events.last().unwrap()["outcome"],
+        json!({"type": "success"})
+    );
+    assert_eq!(
+        std::fs::read_to_string(workspace.join("note.txt")).unwrap(),
+        "hi"
+    );
+    // Answering it again runs nothing twice.
+    let (status, again) = run(&t, "/ag-ui", approve).await;
+    assert_eq!(status, 409, "{again:?}");
+    let approvals = t
+        .json(&format!("/api/dialogs/{dialog}/approvals?status=all"))
+        .await;
+    assert_eq!(approvals["items"][0]["status"], "approved");
+
+    // Abandoned: a denial the model reads, and the call does not run.
+    let next = json!([
+        {"id": "m1", "role": "user", "content": "write a note"},
+        {"id": "a1", "role": "assistant", "content": "Writing."},
+        {"id": "a2", "role": "assistant", "content": "I wrote note.txt."},
+        {"id": "m2", "role": "user", "content": "and another"}
+    ]);
+    let (_, events) = run(&t, "/ag-ui", input("hitl", "run-3", next)).await;
+    assert_eq!(events[0]["metadata"]["keel"]["dialogId"], dialog.as_str());
+    let interrupts = &events.last().unwrap()["outcome"]["interrupts"];
+    let (x, y) = (interrupts[0]["id"].clone(), interrupts[1]["id"].clone());
+    // Every interrupt of the run needs an answer; omission is no abandonment.
+    let partial = resume_input("hitl", "r", json!([answer(&x, "cancelled", Value::Null)]));
+    let (status, body) = run(&t, "/ag-ui", partial).await;
+    assert_eq!(status, 400);
+    let message = body[0]["message"].as_str().unwrap();
+    assert!(
+        message.contains("must answer every interrupt") && message.contains(y.as_str().unwrap()),
+        "{message}"
+    );
+    let both = resume_input(
+        "hitl",
+        "run-4",
+        json!([
+            answer(&x, "cancelled", Value::Null),
+            answer(
+                &y,
+                "resolved",
+                json!({"decision": "deny", "reason": "not now"})
+            )
+        ]),
+    );
+    let calls = ["call_x".to_owned(), "call_y".to_owned()];
+    let (status, events) = run_after(&t, "/ag-ui", both, &calls).await;
+    assert_eq!(status, 200, "{events:?}");
+    let results: Vec<(&str, &str)> = events
+        .iter()
+        .filter(|e| e["type"] == "TOOL_CALL_RESULT")
+        .map(|e| {
+            (
+                e["toolCallId"].as_str().unwrap(),
+                e["content"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(results.len(), 2, "{results:?}");
+    assert_eq!(results[0].0, "call_x");
+    assert!(results[0].1.contains("the client abandoned the interrupt"));
+    assert_eq!(results[1].0, "call_y");
+    assert!(results[1].1.contains("(reason: not now)"), "{results:?}");
+    assert!(!workspace.join("other.txt").exists());
+    assert!(!workspace.join("third.txt").exists());
+    let approvals = t
+        .json(&format!("/api/dialogs/{dialog}/approvals?status=all"))
+        .await;
+    assert_eq!(approvals["items"][1]["status"], "denied");
+    assert_eq!(approvals["items"][2]["status"], "denied");
+
+    // Decided elsewhere (REST): the continuation is a run of the thread stream,
+    // and the first one there: the resumed ones above were left out.
+    let last = json!([
+        {"id": "m1", "role": "user", "content": "write a note"},
+        {"id": "a1", "role": "assistant", "content": "Writing."},
+        {"id": "a2", "role": "assistant", "content": "I wrote note.txt."},
+        {"id": "m2", "role": "user", "content": "and another"},
+        {"id": "a3", "role": "assistant", "content": "I did not write other.txt."},
+        {"id": "m3", "role": "user", "content": "one more"}
+    ]);
+    let (_, events) = run(&t, "/ag-ui", input("hitl", "run-5", last)).await;
+    assert_eq!(events[0]["metadata"]["keel"]["dialogId"], dialog.as_str());
+    let z = events.last().unwrap()["outcome"]["interrupts"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let r = t
+        .post(&format!("/api/approvals/{z}"), json!({"decision": "deny"}))
+        .await;
+    assert_eq!(r.status(), 200);
+    let seen = read_run(&mut thread).await;
+    let said: String = seen
+        .iter()
+        .filter(|e| e["type"] == "TEXT_MESSAGE_CONTENT")
+        .map(|e| e["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(said, "Decided elsewhere.", "{seen:?}");
+    assert_eq!(
+        seen[0]["metadata"]["keel"]["turnOrigin"],
+        "agent_continuation"
+    );
+}
+
+/// Reads a thread stream up to the end of its next run.
+async fn read_run(
+    body: &mut (impl futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin),
+) -> Vec<Value> {
+    use futures::StreamExt;
+    let mut text = String::new();
+    let mut seen: Vec<Value> = Vec::new();
+    while !seen.iter().any(|e| e["type"] == "RUN_FINISHED") {
+        // A guard against a hang, not a wait: the run arrives or the test fails.
+        let chunk = tokio::time::timeout(std::time::Duration::from_secs(10), body.next())
+            .await
+            .unwrap_or_else(|_| panic!("no run on the thread stream: {seen:?}"))
+            .expect("the thread stream ended")
+            .unwrap();
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+        let complete = text.rfind("\n\n").map_or(0, |i| i + 2);
+        seen.extend(
+            sse_data(&text[..complete])
+                .iter()
+                .map(|d| serde_json::from_str::<Value>(d).unwrap()),
+        );
+        text.drain(..complete);
+    }
+    seen
 }

@@ -95,6 +95,13 @@ pub async fn dialogs(t: &TestServer, channel: &str, chat: &str) -> Vec<String> {
 /// pairs; everything is closed before `RUN_FINISHED`; exactly one
 /// `RUN_FINISHED` or `RUN_ERROR` ends the run, and it comes last.
 pub fn check_agui_order(events: &[Value]) {
+    check_agui_run(events, &[]);
+}
+
+/// [`check_agui_order`] for a run that continues an interrupted one: the
+/// tool calls `earlier` were started and ended by that run, and may be
+/// answered in this one.
+pub fn check_agui_run(events: &[Value], earlier: &[String]) {
     let kind = |e: &Value| e["type"].as_str().unwrap().to_owned();
     assert_eq!(events.first().map(kind).as_deref(), Some("RUN_STARTED"));
     let terminal: Vec<usize> = events
@@ -105,7 +112,7 @@ pub fn check_agui_order(events: &[Value]) {
         .collect();
     assert_eq!(terminal, [events.len() - 1], "one terminal event, last");
     let mut messages: HashMap<String, &str> = HashMap::new();
-    let mut calls: HashMap<String, &str> = HashMap::new();
+    let mut calls: HashMap<String, &str> = earlier.iter().map(|c| (c.clone(), "ended")).collect();
     let mut steps: HashSet<String> = HashSet::new();
     for e in events {
         let id = |k: &str| e[k].as_str().unwrap().to_owned();

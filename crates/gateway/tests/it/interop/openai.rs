@@ -670,3 +670,102 @@ async fn bad_requests_are_openai_errors_and_change_nothing() {
         assert!(dialogs(&t, "openai", chat).await.is_empty());
     }
 }
+
+#[tokio::test]
+async fn a_turn_that_paused_for_approval_names_the_call_that_waits() {
+    let ws_dir = tempfile::tempdir().unwrap();
+    let workspace = ws_dir.path().canonicalize().unwrap();
+    let write = |path: &str| ScriptedResponse {
+        text: Some("On it.".into()),
+        tool_calls: vec![ScriptedToolCall {
+            id: None,
+            name: "write_file".into(),
+            arguments: json!({"path": path, "content": "hi"}),
+        }],
+        ..ScriptedResponse::default()
+    };
+    let t = TestServer::start(Setup {
+        config: format!(
+            "workspace_root = {:?}\n[tools]\nenable_write = true\n",
+            workspace.display().to_string()
+        ),
+        provider: scripted(vec![
+            write("a.txt"),
+            ScriptedResponse::text("Wrote a.txt."),
+            write("b.txt"),
+        ]),
+        ..Setup::default()
+    })
+    .await;
+    let (status, _, body) = complete(
+        &t,
+        json!({"model": "keel:root", "messages": [user("write a")], "user": "hitl"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["message"]["content"], "On it.");
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    let mut keel = redacted(&body["keel"]);
+    keel["awaiting_approval"][0]["expires_at"] = json!("[time]");
+    insta::assert_json_snapshot!(keel, @r#"
+    {
+      "awaiting_approval": [
+        {
+          "arguments": {
+            "content": "hi",
+            "path": "a.txt"
+          },
+          "expires_at": "[time]",
+          "id": "[uuid]",
+          "tool": "write_file"
+        }
+      ],
+      "dialog_id": "[uuid]",
+      "forked_from": null,
+      "turn_id": "[uuid]"
+    }
+    "#);
+    assert!(!workspace.join("a.txt").exists(), "nothing runs undecided");
+    let id = body["keel"]["awaiting_approval"][0]["id"].as_str().unwrap();
+    let dialog = body["keel"]["dialog_id"].as_str().unwrap();
+    let pending = t.json(&format!("/api/dialogs/{dialog}/approvals")).await;
+    assert_eq!(pending["items"][0]["id"], id);
+    let r = t
+        .post(
+            &format!("/api/approvals/{id}"),
+            json!({"decision": "approve"}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+
+    // Streamed: the finish chunk names it.
+    let history = json!([user("write a"), assistant("On it."), user("write b")]);
+    let (status, _, text) = post_raw(
+        &t,
+        "/v1/chat/completions",
+        json!({"model": "keel:root", "messages": history, "user": "hitl", "stream": true})
+            .to_string(),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 200);
+    let chunks: Vec<Value> = sse_data(&text)
+        .iter()
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let finish = chunks
+        .iter()
+        .find(|c| c["choices"][0]["finish_reason"].is_string())
+        .unwrap();
+    assert_eq!(finish["choices"][0]["finish_reason"], "stop");
+    assert_eq!(finish["keel"]["awaiting_approval"][0]["tool"], "write_file");
+    assert_eq!(
+        finish["keel"]["awaiting_approval"][0]["arguments"]["path"],
+        "b.txt"
+    );
+    assert!(chunks
+        .iter()
+        .filter(|c| c["choices"][0]["finish_reason"].is_null())
+        .all(|c| c.get("keel").is_none()));
+}
