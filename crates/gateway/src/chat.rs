@@ -174,6 +174,9 @@ struct Chat {
     out: std::io::Stdout,
     /// The approval last asked inline: `y`, `n` or `a` answers it.
     asking: Option<ApprovalId>,
+    /// A root turn's approval was decided since the last turn started: the
+    /// next continuation goes on after it, not after background results.
+    decided: bool,
 }
 
 /// Line state of the turn output being printed.
@@ -239,6 +242,7 @@ pub async fn run(
         interactive: std::io::stdin().is_terminal(),
         out: std::io::stdout(),
         asking: None,
+        decided: false,
     };
     let mut interrupts = interrupts()?;
     // Listening now: results an earlier process left are delivered.
@@ -586,6 +590,7 @@ impl Chat {
                 if self.asking == Some(a.id) {
                     self.asking = None;
                 }
+                self.decided |= a.run_id.is_none();
             }
             // A title shows in /info and /sessions; it is not announced.
             SessionEvent::RunUpdated { .. }
@@ -604,8 +609,13 @@ impl Chat {
             at_line_start: true,
         };
         if origin == TurnOrigin::AgentContinuation {
-            self.say("[background results arrived]");
+            self.say(if self.decided {
+                "[approval decided]"
+            } else {
+                "[background results arrived]"
+            });
         }
+        self.decided = false;
     }
 
     fn show_turn_event(&mut self, event: &TurnEvent) {

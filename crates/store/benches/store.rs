@@ -835,6 +835,7 @@ async fn inbox(path: &Path, raw_txn_rate: f64) {
                         usage: keel_core::Usage::default(),
                         tool_calls: 0,
                         iterations: 1,
+                        cost: None,
                     },
                     CompletionHandling::Deliver,
                     2,

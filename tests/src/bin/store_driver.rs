@@ -229,6 +229,7 @@ async fn drive(data: &std::path::Path) {
                 usage: Default::default(),
                 tool_calls: 0,
                 iterations: 1,
+                cost: None,
             },
             CompletionHandling::Deliver,
             now(),

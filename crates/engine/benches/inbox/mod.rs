@@ -401,6 +401,7 @@ async fn fill_inbox(store: &Store, sessions: &[SessionId], now_ms: i64) {
                         usage: keel_core::Usage::default(),
                         tool_calls: 0,
                         iterations: 1,
+                        cost: None,
                     },
                     CompletionHandling::Deliver,
                     now_ms,

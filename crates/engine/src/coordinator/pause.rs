@@ -40,6 +40,8 @@ pub(super) const STOPPED_REASON: &str = "stopped by the user";
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Prior {
     pub(crate) usage: Usage,
+    /// What those calls cost (0 unpriced).
+    pub(crate) cost: Usd,
     pub(crate) iterations: u32,
     pub(crate) tool_calls: u32,
 }
@@ -359,6 +361,7 @@ impl AgentCoordinator {
                 history: resumed.messages,
                 prior: Prior {
                     usage: resumed.usage,
+                    cost: spent.cost,
                     iterations: resumed.iterations,
                     tool_calls: resumed
                         .tool_calls

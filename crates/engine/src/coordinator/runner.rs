@@ -423,11 +423,17 @@ fn outcome_of(
         Ok(Ok(Executed { out, prior, .. })) => {
             let mut usage = prior.usage;
             usage.add(out.usage);
+            // Its own calls' cost, those before a pause included.
+            let cost = context
+                .spend
+                .priced()
+                .then(|| context.spend.own().cost.saturating_add(prior.cost));
             TerminalOutcome::Completed {
                 result: out.final_text(),
                 usage,
                 tool_calls: out.tool_calls.saturating_add(prior.tool_calls),
                 iterations: out.iterations.saturating_add(prior.iterations),
+                cost,
             }
         }
         // Recorded with what the run's own calls spent.

@@ -669,8 +669,8 @@ pub struct AgentRun {
     pub error: Option<String>,
     /// Tokens used, once known.
     pub usage: Option<TokenUsage>,
-    /// What its model calls cost in USD, when recorded (a run a budget
-    /// stopped on a priced profile).
+    /// What its model calls cost in USD, when recorded (a run on a priced
+    /// profile that completed or that a budget stopped).
     #[serde(default)]
     pub cost_usd: Option<f64>,
     /// Tool calls made.

@@ -271,6 +271,7 @@ pub(super) fn terminal_tx(
             usage,
             tool_calls,
             iterations,
+            ..
         } => (
             Some(result.clone()),
             None,
@@ -293,7 +294,9 @@ pub(super) fn terminal_tx(
         }
     };
     let cost = match outcome {
-        TerminalOutcome::BudgetExhausted { cost, .. } => cost.map(Usd::get),
+        TerminalOutcome::BudgetExhausted { cost, .. } | TerminalOutcome::Completed { cost, .. } => {
+            cost.map(Usd::get)
+        }
         _ => None,
     };
     let root = &run.spec.root_session_id;

@@ -238,6 +238,8 @@ pub enum TerminalOutcome {
         tool_calls: u32,
         /// Loop iterations made.
         iterations: u32,
+        /// What its model calls cost, when its profile has prices.
+        cost: Option<Usd>,
     },
     /// Finished with an error.
     Failed {

@@ -30,6 +30,7 @@ fn completed(text: &str) -> TerminalOutcome {
         usage: Usage::new(10, 5),
         tool_calls: 2,
         iterations: 3,
+        cost: None,
     }
 }
 
@@ -86,6 +87,7 @@ async fn usage_above_i64_saturates() {
         usage: Usage::new(u64::MAX, u64::MAX - 1),
         tool_calls: 0,
         iterations: 1,
+        cost: None,
     };
     let commit = store
         .commit_terminal(run.id, exec, outcome, CompletionHandling::Deliver, 140)

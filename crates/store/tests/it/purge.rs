@@ -121,6 +121,7 @@ async fn runs(store: &Store, root: SessionId) {
                     usage: Usage::new(1, 1),
                     tool_calls: 0,
                     iterations: 1,
+                    cost: None,
                 },
                 CompletionHandling::Deliver,
                 110,

@@ -182,6 +182,7 @@ async fn rows_of_every_kind(store: &Store) -> Rows {
         usage: Usage::default(),
         tool_calls: 0,
         iterations: 1,
+        cost: None,
     };
     let commit = store
         .commit_terminal(

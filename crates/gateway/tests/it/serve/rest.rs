@@ -591,6 +591,7 @@ async fn run_with_events(
                 usage: Usage::new(1, 1),
                 tool_calls: 0,
                 iterations: 1,
+                cost: None,
             },
             keel_store::CompletionHandling::Deliver,
             300,
