@@ -259,6 +259,17 @@ fn doctor(keel: &Path, data: &Path) -> usize {
         .max(1)
 }
 
+/// A message row's JSON: the text, or its zstd frame decompressed (keel
+/// stores long messages compressed).
+fn content_text(r: &rusqlite::Row<'_>) -> rusqlite::Result<String> {
+    Ok(match r.get_ref(0)? {
+        rusqlite::types::ValueRef::Blob(frame) => {
+            String::from_utf8(zstd::stream::decode_all(frame).unwrap()).unwrap()
+        }
+        _ => r.get(0)?,
+    })
+}
+
 /// How often each user message text the soak wrote (sends and steers, all
 /// starting with `life `) is stored, in every dialog and branch. Sub-agent
 /// tasks are user messages too, but the script repeats them in every life.
@@ -270,7 +281,7 @@ fn stored_user_texts(db: &Path) -> HashMap<String, usize> {
         .prepare("SELECT content FROM messages WHERE role = 'user'")
         .unwrap();
     let mut counts = HashMap::new();
-    let rows = stmt.query_map([], |r| r.get::<_, String>(0)).unwrap();
+    let rows = stmt.query_map([], content_text).unwrap();
     for content in rows {
         let message: keel_core::Message = serde_json::from_str(&content.unwrap()).unwrap();
         let text = message.text();
@@ -314,11 +325,14 @@ fn audit_signals(db: &Path, acknowledged: &HashSet<String>) -> SignalAudit {
     let mut in_history: HashMap<(String, String), usize> = HashMap::new();
     let mut into_running = 0;
     let mut stmt = conn
-        .prepare("SELECT content FROM messages WHERE role = 'user' AND content LIKE '%Signal from run %'")
+        .prepare("SELECT content FROM messages WHERE role = 'user'")
         .unwrap();
-    for content in stmt.query_map([], |r| r.get::<_, String>(0)).unwrap() {
+    for content in stmt.query_map([], content_text).unwrap() {
         let message: keel_core::Message = serde_json::from_str(&content.unwrap()).unwrap();
         let text = message.text();
+        if !text.contains("Signal from run ") {
+            continue;
+        }
         let running = text.starts_with("[Sub-agent news while you work.");
         let mut lines = text.lines();
         while let Some(line) = lines.next() {
