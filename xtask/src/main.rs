@@ -494,19 +494,12 @@ fn mcp_server_conformance(bin: &Path) -> Result<(), String> {
     result
 }
 
-/// Client scenarios keel's MCP client passes (each driven by
-/// tests/mcp-conformance/client.sh through `keel mcp`).
-const MCP_CLIENT_SCENARIOS: [&str; 2] = ["tools_call", "sse-retry"];
-
-/// Client scenarios keel's client fails, and why (docs/MCP.md says the
-/// same): a listed one that passes fails the step, so the list stays true.
-const MCP_CLIENT_EXPECTED_FAILURES: [(&str, &str); 1] = [(
-    "initialize",
-    "rmcp 3.11 asks for protocol version 2026-07-28, newer than suite 0.1.13 knows",
-)];
+/// Client scenarios keel's MCP client claims (no OAuth, no elicitation),
+/// each driven by tests/mcp-conformance/client.sh through `keel mcp`.
+const MCP_CLIENT_SCENARIOS: [&str; 3] = ["initialize", "tools_call", "sse-retry"];
 
 /// Runs the MCP conformance suite's client scenarios that keel's client
-/// claims (no OAuth, no elicitation) against its test servers.
+/// claims against the suite's test servers; each must pass.
 fn mcp_client_conformance(bin: &Path) -> Result<(), String> {
     let keel = build_keel()?;
     let driver = root()
@@ -529,15 +522,6 @@ fn mcp_client_conformance(bin: &Path) -> Result<(), String> {
         if let Err(e) = run(&mut scenario(name)) {
             result = Err(format!("client scenario {name}: {e}"));
             break;
-        }
-    }
-    if result.is_ok() {
-        for (name, why) in MCP_CLIENT_EXPECTED_FAILURES {
-            if succeeds(&mut scenario(name)) {
-                result = Err(format!(
-                    "client scenario {name} passes now: remove it from the expected failures ({why})"
-                ));
-            }
         }
     }
     let _ = std::fs::remove_dir_all(&out);

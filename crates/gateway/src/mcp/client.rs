@@ -30,7 +30,7 @@ const BASE_ENV: [&str; 4] = ["PATH", "HOME", "LANG", "TERM"];
 
 /// A live session with one server.
 pub struct Connected {
-    pub(crate) service: RunningService<RoleClient, ()>,
+    pub(crate) service: RunningService<RoleClient, rmcp::model::ClientConfig>,
     /// A stdio server's private temporary directory (its `TMPDIR`).
     pub(crate) _tmp: Option<tempfile::TempDir>,
     notice: Option<String>,
@@ -57,13 +57,13 @@ pub(crate) async fn connect(
             (Some(command), _) => {
                 let (transport, tmp, notice) =
                     spawn_stdio(name, command, config, workspace, policy)?;
-                let service = ().serve(transport).await.map_err(|e| e.to_string())?;
+                let service = hello().serve(transport).await.map_err(|e| e.to_string())?;
                 (service, Some(tmp), notice)
             }
             (None, Some(url)) => {
                 let transport =
                     StreamableHttpClientTransport::from_config(http_config(url, config)?);
-                let service = ().serve(transport).await.map_err(|e| e.to_string())?;
+                let service = hello().serve(transport).await.map_err(|e| e.to_string())?;
                 (service, None, None)
             }
             (None, None) => return Err("neither `command` nor `url` is set".to_owned()),
@@ -99,6 +99,17 @@ pub(crate) async fn connect(
             config.timeout_secs
         )),
     }
+}
+
+/// What keel's `initialize` says: keel and its version, and the newest
+/// protocol version that has that handshake (rmcp's newest, a draft,
+/// replaced it, and servers answering `initialize` do not know it).
+fn hello() -> rmcp::model::ClientConfig {
+    rmcp::model::ClientConfig::new(
+        rmcp::model::ClientCapabilities::default(),
+        rmcp::model::Implementation::new("keel", env!("CARGO_PKG_VERSION")),
+    )
+    .with_protocol_version(rmcp::model::ProtocolVersion::LATEST_WITH_INITIALIZE)
 }
 
 /// The child process of a stdio server: under the sandbox launcher when the
