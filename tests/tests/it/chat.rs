@@ -693,6 +693,9 @@ responses:
         "{out}"
     );
     assert!(out.contains("keel> wrote a.txt"), "{out}");
+    // The turn after a decision says so, not that background results came.
+    assert_eq!(out.matches("[approval decided]").count(), 2, "{out}");
+    assert!(!out.contains("[background results arrived]"), "{out}");
     assert_eq!(
         std::fs::read_to_string(dir.path().join("a.txt")).unwrap(),
         "one"
