@@ -21,6 +21,9 @@ use rustix::io::Errno;
 
 use crate::error::EngineError;
 
+/// Retries of an open whose `..` a concurrent rename raced (EAGAIN).
+const OPEN_RETRIES: usize = 16;
+
 /// A directory file tools may not leave, holding paths they may not touch.
 #[derive(Debug, Clone)]
 pub(crate) struct Workspace {
@@ -98,14 +101,25 @@ impl Workspace {
         if !follow_last {
             flags |= OFlags::NOFOLLOW;
         }
-        let fd = rustix::fs::openat2(
-            &*self.root_fd,
-            rel,
-            flags,
-            Mode::empty(),
-            ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
-        )
-        .map_err(OpenError::from)?;
+        let open = || {
+            rustix::fs::openat2(
+                &*self.root_fd,
+                rel,
+                flags,
+                Mode::empty(),
+                ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
+            )
+        };
+        // With RESOLVE_BENEATH the kernel answers EAGAIN when a rename or
+        // mount anywhere raced a `..` of the path; openat2(2) says retry.
+        let mut opened = open();
+        for _ in 0..OPEN_RETRIES {
+            if !matches!(opened, Err(Errno::AGAIN)) {
+                break;
+            }
+            opened = open();
+        }
+        let fd = opened.map_err(OpenError::from)?;
         let real = real_path(&fd)?;
         self.check_allowed(&real)?;
         let stat = rustix::fs::fstat(&fd).map_err(OpenError::from)?;
