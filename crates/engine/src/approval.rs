@@ -120,6 +120,35 @@ pub(crate) fn denial_text(status: &str, reason: Option<&str>) -> String {
     format!("denied: the user did not approve this call, so it was not run (reason: {why})")
 }
 
+/// The tool result a decided approval gives its model: the approved
+/// call's output when this execution `started` it, that its outcome is
+/// unknown when a crash interrupted an earlier start, else the denial —
+/// marked failed unless the call ran and succeeded.
+pub(crate) async fn decided_result(
+    agent_loop: &crate::AgentLoop,
+    tools: &keel_core::ToolRegistry,
+    ctx: &keel_core::ToolExecutionContext,
+    a: &keel_store::ApprovalRecord,
+    started: bool,
+) -> keel_core::Message {
+    let (content, failed) = match a.status {
+        keel_store::ApprovalStatus::Approved if started => {
+            // Stored from a JSON value, so it parses.
+            let call = keel_core::ToolCall {
+                id: a.tool_call_id.clone(),
+                name: a.tool_name.clone(),
+                arguments: serde_json::from_str(&a.arguments).unwrap_or(serde_json::Value::Null),
+            };
+            let output = agent_loop.execute_tool(tools, &call, ctx).await;
+            (output.content, output.is_error)
+        }
+        keel_store::ApprovalStatus::Approved => (OUTCOME_UNKNOWN.to_owned(), true),
+        other => (denial_text(other.as_str(), a.reason.as_deref()), true),
+    };
+    keel_core::Message::tool_result(a.tool_call_id.clone(), a.tool_name.clone(), content)
+        .failed(failed)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

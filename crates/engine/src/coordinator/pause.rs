@@ -19,8 +19,8 @@ use std::sync::Arc;
 
 use keel_core::time::now_ms;
 use keel_core::{
-    ApprovalId, CancellationToken, Message, RunId, SessionId, ToolCall, ToolExecutionContext,
-    ToolRegistry, Usage, Usd,
+    ApprovalId, CancellationToken, Message, RunId, SessionId, ToolExecutionContext, ToolRegistry,
+    Usage, Usd,
 };
 use keel_store::{ApprovalRecord, ApprovalStatus, NewApproval, PausedRunCommit, TerminalOutcome};
 use parking_lot::Mutex;
@@ -29,7 +29,7 @@ use tokio::sync::watch;
 use super::context::{AgentExecutionContext, TreeBudget};
 use super::runner::{Executed, Launch, Quota, Stop};
 use super::AgentCoordinator;
-use crate::approval::{denial_text, OUTCOME_UNKNOWN};
+use crate::approval::decided_result;
 use crate::budget::{BudgetScope, Ledger, Spend, SpendMeter};
 use crate::events::SessionEvent;
 
@@ -184,30 +184,7 @@ impl AgentCoordinator {
         decided: &[Decided],
     ) -> Vec<Message> {
         for d in decided {
-            let a = &d.record;
-            let content = match a.status {
-                ApprovalStatus::Approved if d.started => {
-                    // Stored from a JSON value, so it parses.
-                    let arguments =
-                        serde_json::from_str(&a.arguments).unwrap_or(serde_json::Value::Null);
-                    let call = ToolCall {
-                        id: a.tool_call_id.clone(),
-                        name: a.tool_name.clone(),
-                        arguments,
-                    };
-                    self.agent_loop
-                        .execute_tool(tools, &call, ctx)
-                        .await
-                        .content
-                }
-                ApprovalStatus::Approved => OUTCOME_UNKNOWN.to_owned(),
-                other => denial_text(other.as_str(), a.reason.as_deref()),
-            };
-            history.push(Message::tool_result(
-                a.tool_call_id.clone(),
-                a.tool_name.clone(),
-                content,
-            ));
+            history.push(decided_result(&self.agent_loop, tools, ctx, &d.record, d.started).await);
         }
         history
     }

@@ -22,15 +22,13 @@
 
 use std::sync::Arc;
 
-use keel_core::{
-    ApprovalId, Message, RunId, SessionId, ToolCall, ToolExecutionContext, TurnId, TurnOrigin,
-};
+use keel_core::{ApprovalId, Message, RunId, SessionId, ToolExecutionContext, TurnId, TurnOrigin};
 use keel_store::{ApprovalRecord, ApprovalStatus, DecideApproval, DecideOutcome, Decision};
 use tokio_util::sync::CancellationToken;
 
 use super::worker::WorkerShared;
 use super::SessionManager;
-use crate::approval::{denial_text, OUTCOME_UNKNOWN};
+use crate::approval::{decided_result, denial_text};
 use crate::clock;
 use crate::error::{EngineError, Result};
 use crate::events::SessionEvent;
@@ -193,43 +191,23 @@ impl SessionManager {
             let mut guard = entry.lock().await;
             let agent = self.bundle.session_agent(guard.record.agent_id.as_ref())?;
             let mut results = Vec::with_capacity(records.len());
+            let ctx = ToolExecutionContext {
+                session_id: Some(session),
+                turn_id: Some(turn),
+                run_id: None,
+                origin: TurnOrigin::User,
+                cancellation: CancellationToken::new(),
+                extensions: Default::default(),
+            };
             for a in &records {
-                let (content, failed) = match a.status {
-                    ApprovalStatus::Approved => {
-                        if self
-                            .store
-                            .begin_approved_execution(a.id, clock::now_ms())
-                            .await?
-                        {
-                            let call = ToolCall {
-                                id: a.tool_call_id.clone(),
-                                name: a.tool_name.clone(),
-                                arguments: serde_json::from_str(&a.arguments)
-                                    .unwrap_or(serde_json::Value::Null),
-                            };
-                            let ctx = ToolExecutionContext {
-                                session_id: Some(session),
-                                turn_id: Some(turn),
-                                run_id: None,
-                                origin: TurnOrigin::User,
-                                cancellation: CancellationToken::new(),
-                                extensions: Default::default(),
-                            };
-                            let output = self
-                                .bundle
-                                .agent_loop
-                                .execute_tool(&agent.tools, &call, &ctx)
-                                .await;
-                            (output.content, output.is_error)
-                        } else {
-                            (OUTCOME_UNKNOWN.to_owned(), true)
-                        }
-                    }
-                    other => (denial_text(other.as_str(), a.reason.as_deref()), true),
-                };
+                // Marked started before it runs: a crash never runs it twice.
+                let started = a.status == ApprovalStatus::Approved
+                    && self
+                        .store
+                        .begin_approved_execution(a.id, clock::now_ms())
+                        .await?;
                 results.push(
-                    Message::tool_result(a.tool_call_id.clone(), a.tool_name.clone(), content)
-                        .failed(failed),
+                    decided_result(&self.bundle.agent_loop, &agent.tools, &ctx, a, started).await,
                 );
             }
             let ids = records.iter().map(|a| a.id).collect();

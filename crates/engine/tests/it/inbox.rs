@@ -1438,8 +1438,10 @@ async fn a_denied_call_of_a_background_run_is_not_run_and_its_model_reads_the_re
     h.committed(1).await;
     assert_eq!(writes.load(Ordering::SeqCst), 0);
     let requests = h.sub.inner.requests();
-    let result = requests.last().unwrap().messages.last().unwrap().text();
+    let denied = requests.last().unwrap().messages.last().unwrap();
+    let result = denied.text();
     assert!(result.contains("reason: not that file"), "{result}");
+    assert!(denied.is_error, "a denial is a failed call, as in a root turn");
 }
 
 #[tokio::test]
