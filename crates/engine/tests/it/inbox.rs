@@ -1441,7 +1441,10 @@ async fn a_denied_call_of_a_background_run_is_not_run_and_its_model_reads_the_re
     let denied = requests.last().unwrap().messages.last().unwrap();
     let result = denied.text();
     assert!(result.contains("reason: not that file"), "{result}");
-    assert!(denied.is_error, "a denial is a failed call, as in a root turn");
+    assert!(
+        denied.is_error,
+        "a denial is a failed call, as in a root turn"
+    );
 }
 
 #[tokio::test]
