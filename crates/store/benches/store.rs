@@ -514,9 +514,42 @@ fn database_bytes(path: &Path) -> (i64, i64, i64) {
     (file, pages, unused)
 }
 
+/// Where the bytes are: each table's and index's pages per turn, with the
+/// share of them unused (SQLite's dbstat), largest first.
+fn bytes_by_object(path: &Path, turns: u64) -> String {
+    let conn = rusqlite::Connection::open(path).expect("open");
+    let mut stmt = conn
+        .prepare(
+            "SELECT name, sum(pgsize), sum(unused) FROM dbstat GROUP BY name \
+             HAVING sum(pgsize) > 16384 ORDER BY sum(pgsize) DESC",
+        )
+        .expect("dbstat");
+    let rows = stmt
+        .query_map([], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, i64>(1)?,
+                r.get::<_, i64>(2)?,
+            ))
+        })
+        .expect("query");
+    let mut out = String::new();
+    for row in rows {
+        let (name, size, unused) = row.expect("row");
+        out.push_str(&format!(
+            " {name}={:.0}B/turn({:.0}%unused)",
+            size as f64 / turns as f64,
+            unused as f64 * 100.0 / size as f64
+        ));
+    }
+    out
+}
+
 /// Database bytes per turn (growth over the empty database) against the
-/// raw bytes of the text the turns stored, at turn 10, 100 and 1000.
-async fn bytes_per_turn(path: &Path) {
+/// raw bytes of the text the turns stored, at turn 10, 100 and 1000;
+/// with `keep`, retention keeps that many turn checkpoints, applied every
+/// 10 turns as the background pass does (prune, blob sweep, page reclaim).
+async fn bytes_per_turn(path: &Path, keep: Option<usize>) {
     let store = Store::open(path, StoreOptions::default()).expect("open");
     let s = store
         .create_session(session("bytes"))
@@ -531,6 +564,15 @@ async fn bytes_per_turn(path: &Path) {
         let (turn, bytes) = realistic_turn(s, n);
         raw += bytes;
         store.commit_turn(turn).await.expect("turn");
+        if let (Some(keep), true) = (keep, n % 10 == 0) {
+            let policy = keel_store::PrunePolicy {
+                keep_latest: Some(keep),
+                older_than_ms: None,
+            };
+            store.prune_checkpoints(s, policy).await.expect("prune");
+            store.sweep_state_blobs().await.expect("sweep");
+            while store.reclaim_pages(1024).await.expect("reclaim") == 1024 {}
+        }
         if n == 10 || n == 100 || n == 1000 {
             let (file, pages, unused) = database_bytes(path);
             let per_turn = (file - empty) as f64 / n as f64;
@@ -545,88 +587,116 @@ async fn bytes_per_turn(path: &Path) {
             ));
         }
     }
-    println!("BENCH bytes_per_turn corpus=prose+code ratio={ratio1000:.2}{line}");
+    let keep = keep.map_or("off".to_owned(), |k| k.to_string());
+    println!(
+        "BENCH bytes_per_turn corpus=prose+code retention_keep={keep} ratio={ratio1000:.2}{line}"
+    );
+    println!(
+        "BENCH bytes_by_object retention_keep={keep} turn=1000{}",
+        bytes_by_object(path, 1000)
+    );
 }
 
-/// What compression costs: the replay of a 1000-turn realistic dialog
-/// whose long messages are stored compressed vs the same rows rewritten as
-/// text (both read through the store), and the zstd time of a turn's two
-/// messages against its whole commit.
+/// Median of `times`.
+fn median(mut times: Vec<Duration>) -> Duration {
+    times.sort();
+    times[times.len() / 2]
+}
+
+/// What compression costs, each figure against a baseline in the same
+/// run: the same 1000 realistic turns committed into two stores turn by
+/// turn, one compressing and one not (`set_compression`), then both
+/// replayed alternately (`load_messages`, 21 times each).
 async fn compression(dir: &Path) {
-    let packed = dir.join("compressed.db");
-    let store = Store::open(&packed, StoreOptions::default()).expect("open");
-    let s = store
+    let (packed, plain) = (dir.join("compressed.db"), dir.join("plain.db"));
+    let a = Store::open(&packed, StoreOptions::default()).expect("open");
+    let b = Store::open(&plain, StoreOptions::default()).expect("open");
+    let sa = a
         .create_session(session("compression"))
         .await
         .expect("session")
         .id;
-    let (mut commit, mut zstd_time) = (Duration::ZERO, Duration::ZERO);
+    let sb = b
+        .create_session(session("compression"))
+        .await
+        .expect("session")
+        .id;
+    let (mut commit_packed, mut commit_plain) = (Vec::new(), Vec::new());
     for n in 1..=1000u64 {
-        let (turn, _) = realistic_turn(s, n);
-        // What the store compresses: each message's JSON.
-        let start = Instant::now();
-        for m in &turn.messages {
-            let json = serde_json::to_string(&m.message).expect("json");
-            std::hint::black_box(zstd::bulk::compress(json.as_bytes(), 3).expect("zstd"));
+        for (store, s, on) in [(&a, sa, true), (&b, sb, false)] {
+            let (turn, _) = realistic_turn(s, n);
+            keel_store::testing::set_compression(on);
+            let start = Instant::now();
+            store.commit_turn(turn).await.expect("turn");
+            let took = start.elapsed();
+            if on {
+                commit_packed.push(took);
+            } else {
+                commit_plain.push(took);
+            }
         }
-        zstd_time += start.elapsed();
-        let start = Instant::now();
-        store.commit_turn(turn).await.expect("turn");
-        commit += start.elapsed();
     }
-    drop(store);
-    let plain = dir.join("plain.db");
-    std::fs::copy(&packed, &plain).expect("copy");
-    let _ = std::fs::copy(dir.join("compressed.db-wal"), dir.join("plain.db-wal"));
-    {
-        let conn = Connection::open(&plain).expect("raw");
-        let rows: Vec<(i64, Vec<u8>)> = conn
-            .prepare("SELECT rowid, content FROM messages WHERE typeof(content) = 'blob'")
+    keel_store::testing::set_compression(true);
+    let mean = |t: &[Duration]| t.iter().sum::<Duration>().as_secs_f64() * 1e6 / t.len() as f64;
+    let (mean_packed, mean_plain) = (mean(&commit_packed), mean(&commit_plain));
+    let (cp, cq) = (median(commit_packed), median(commit_plain));
+    let (t_packed, t_plain) = {
+        let (mut tp, mut tq) = (Vec::new(), Vec::new());
+        for _ in 0..21 {
+            for (store, s, times) in [(&a, sa, &mut tp), (&b, sb, &mut tq)] {
+                let start = Instant::now();
+                let n = store
+                    .load_messages(s, MessageFilter::default())
+                    .await
+                    .expect("load")
+                    .len();
+                assert_eq!(n, 2000);
+                times.push(start.elapsed());
+            }
+        }
+        (median(tp), median(tq))
+    };
+    drop((a, b));
+    let decompress_only = {
+        let conn = Connection::open(&packed).expect("raw");
+        let frames: Vec<Vec<u8>> = conn
+            .prepare("SELECT content FROM messages WHERE typeof(content) = 'blob'")
             .expect("prepare")
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .query_map([], |r| r.get(0))
             .expect("query")
             .map(|r| r.expect("row"))
             .collect();
-        for (rowid, frame) in &rows {
-            let text = String::from_utf8(zstd::stream::decode_all(&frame[..]).expect("frame"))
-                .expect("utf-8");
-            conn.execute(
-                "UPDATE messages SET content = ?1 WHERE rowid = ?2",
-                rusqlite::params![text, rowid],
-            )
-            .expect("rewrite");
-        }
-        conn.execute_batch("VACUUM").expect("vacuum");
-    }
-    let (a, b) = (
-        Store::open(&packed, StoreOptions::default()).expect("open"),
-        Store::open(&plain, StoreOptions::default()).expect("open"),
-    );
-    let (mut t_packed, mut t_plain) = (Vec::new(), Vec::new());
-    for _ in 0..21 {
-        for (store, times) in [(&a, &mut t_packed), (&b, &mut t_plain)] {
+        let mut d = zstd::bulk::Decompressor::new().expect("dctx");
+        let mut buf = Vec::with_capacity(1 << 16);
+        let mut times = Vec::new();
+        for _ in 0..21 {
             let start = Instant::now();
-            let n = store
-                .load_messages(s, MessageFilter::default())
-                .await
-                .expect("load")
-                .len();
-            assert_eq!(n, 2000);
+            for f in &frames {
+                buf.clear();
+                d.decompress_to_buffer(&f[..], &mut buf).expect("frame");
+                std::hint::black_box(&buf);
+            }
             times.push(start.elapsed());
         }
-    }
-    t_packed.sort();
-    t_plain.sort();
-    let (p, q) = (t_packed[10], t_plain[10]);
+        median(times)
+    };
+    println!(
+        "BENCH compression_floor zstd_decompress_only_us={:.0} (the frames of the replay, one reused context)",
+        decompress_only.as_secs_f64() * 1e6
+    );
     println!(
         "BENCH compression turns=1000 replay_compressed_us={:.0} replay_text_us={:.0} replay_ratio={:.2} \
-         commit_avg_us={:.1} zstd_avg_us={:.1} commit_ratio_vs_without_zstd={:.3} target_replay<=1.2 target_commit<=1.1",
-        p.as_secs_f64() * 1e6,
-        q.as_secs_f64() * 1e6,
-        p.as_secs_f64() / q.as_secs_f64(),
-        commit.as_secs_f64() * 1e6 / 1000.0,
-        zstd_time.as_secs_f64() * 1e6 / 1000.0,
-        commit.as_secs_f64() / (commit.as_secs_f64() - zstd_time.as_secs_f64()).max(1e-9),
+         commit_median_compressed_us={:.1} commit_median_text_us={:.1} commit_ratio={:.3} \
+         commit_mean_compressed_us={mean_packed:.1} commit_mean_text_us={mean_plain:.1} file_compressed={} file_text={} \
+         target_replay<=1.2 target_commit<=1.1",
+        t_packed.as_secs_f64() * 1e6,
+        t_plain.as_secs_f64() * 1e6,
+        t_packed.as_secs_f64() / t_plain.as_secs_f64(),
+        cp.as_secs_f64() * 1e6,
+        cq.as_secs_f64() * 1e6,
+        cp.as_secs_f64() / cq.as_secs_f64(),
+        file_bytes(&packed),
+        file_bytes(&plain),
     );
 }
 
@@ -1042,7 +1112,8 @@ fn main() {
         rt.block_on(retention(&p("retention.db")));
     }
     if wanted("bytes") {
-        rt.block_on(bytes_per_turn(&p("bytes.db")));
+        rt.block_on(bytes_per_turn(&p("bytes.db"), None));
+        rt.block_on(bytes_per_turn(&p("bytes-retained.db"), Some(100)));
     }
     if wanted("purge") {
         rt.block_on(purge(dir.path()));

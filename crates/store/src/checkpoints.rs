@@ -171,11 +171,26 @@ pub(crate) fn put_state_tx(
     if session.state_hash.as_deref() == Some(hash.as_str()) {
         return Ok(hash);
     }
-    conn.prepare_cached("INSERT OR IGNORE INTO state_blobs (hash, bytes) VALUES (?1, ?2)")?
-        .execute(params![hash, bytes])?;
+    let (codec, stored) = crate::compress::pack_bytes(bytes);
+    conn.prepare_cached(
+        "INSERT OR IGNORE INTO state_blobs (hash, bytes, codec) VALUES (?1, ?2, ?3)",
+    )?
+    .execute(params![hash, stored, codec])?;
     conn.prepare_cached("UPDATE sessions SET state_hash = ?1 WHERE id = ?2")?
         .execute(params![hash, session.id.to_string()])?;
     Ok(hash)
+}
+
+/// The bytes of the state blob `hash` (decompressed), if it exists.
+pub(crate) fn read_state_blob(conn: &Connection, hash: &str) -> Result<Option<Vec<u8>>> {
+    let row: Option<(Vec<u8>, i64)> = conn
+        .prepare_cached("SELECT bytes, codec FROM state_blobs WHERE hash = ?1")?
+        .query_row([hash], |r| Ok((r.get(0)?, r.get(1)?)))
+        .optional()?;
+    row.map(|(stored, codec)| {
+        crate::compress::unpack_bytes(&format!("state_blobs.bytes ({hash})"), codec, stored)
+    })
+    .transpose()
 }
 
 /// Inserts a checkpoint row; `parent` defaults to the session's newest checkpoint.
@@ -503,15 +518,7 @@ impl Store {
 
     /// The bytes of a state blob.
     pub async fn get_state_blob(&self, hash: String) -> Result<Option<Vec<u8>>> {
-        self.db
-            .read(move |c| {
-                Ok(
-                    c.prepare_cached("SELECT bytes FROM state_blobs WHERE hash = ?1")?
-                        .query_row([&hash], |r| r.get(0))
-                        .optional()?,
-                )
-            })
-            .await
+        self.db.read(move |c| read_state_blob(c, &hash)).await
     }
 
     /// Sessions with more than `keep` turn checkpoints: those retention may prune.

@@ -1251,7 +1251,7 @@ mod tests {
         // pages or so: it stays within a few thresholds (a new database is
         // migrated aside, so its WAL starts empty).
         assert!(
-            file_len(&wal) <= at_open + 32 * 4096,
+            file_len(&wal) <= at_open + 32 * u64::from(crate::identify::PAGE_SIZE),
             "the WAL grew to {} bytes ({at_open} after the migrations)",
             file_len(&wal)
         );

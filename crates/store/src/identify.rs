@@ -19,6 +19,9 @@ use rusqlite::{Connection, OpenFlags};
 use crate::error::{Result, StoreError};
 use crate::migrations::{self, SCHEMA_VERSION};
 
+/// Page size of a database keel creates.
+pub(crate) const PAGE_SIZE: u32 = 8192;
+
 /// `PRAGMA application_id` of a keel database ("keel" in ASCII).
 pub(crate) const APPLICATION_ID: i32 = 0x6B65_656C;
 
@@ -348,9 +351,13 @@ pub(crate) fn create(path: &Path) -> Result<()> {
             .open(&tmp)
             .map_err(|e| io("create a temporary file", e))?;
         let mut conn = Connection::open(&tmp)?;
-        // Freed pages go back in steps (`Store::reclaim_pages`); the mode
-        // can only be chosen before the first table exists.
-        conn.execute_batch("PRAGMA auto_vacuum = INCREMENTAL")?;
+        // Freed pages go back in steps (`Store::reclaim_pages`). 8 KiB pages:
+        // a compressed message row is ~1 KB, and a 4 KiB page left a
+        // quarter of itself unused at the end. Both can only be chosen
+        // before the first table exists (older databases keep theirs).
+        conn.execute_batch(&format!(
+            "PRAGMA page_size = {PAGE_SIZE}; PRAGMA auto_vacuum = INCREMENTAL"
+        ))?;
         migrations::migrate(&mut conn)?;
         conn.pragma_update(None, "application_id", APPLICATION_ID)?;
         conn.close().map_err(|(_, e)| StoreError::from(e))?;

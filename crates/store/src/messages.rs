@@ -383,9 +383,11 @@ const LOAD_RANGE_ASC_SQL: &str =
 fn stored_from_row(r: &rusqlite::Row<'_>) -> Result<StoredMessage> {
     let seq: i64 = r.get(0)?;
     let what = || format!("messages.content (seq {seq})");
-    let content = crate::compress::unpack(&what(), r.get_ref(2)?)?;
-    let message: Message =
-        serde_json::from_str(&content).map_err(|e| StoreError::corrupt(&what(), e))?;
+    // Parsed straight from the row's bytes (a frame is decompressed into a
+    // reused buffer): no copy into a String; serde_json validates UTF-8.
+    let message: Message = crate::compress::with_text(&what(), r.get_ref(2)?, |bytes| {
+        serde_json::from_slice(bytes).map_err(|e| StoreError::corrupt(&what(), e))
+    })?;
     Ok(StoredMessage {
         seq,
         slot: r.get(1)?,

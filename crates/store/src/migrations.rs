@@ -7,7 +7,7 @@ use rusqlite::{Connection, TransactionBehavior};
 use crate::error::{Result, StoreError};
 
 /// The schema version this build reads and writes.
-pub const SCHEMA_VERSION: u32 = 13;
+pub const SCHEMA_VERSION: u32 = 14;
 
 /// The steps, in order: `MIGRATIONS[k - 1]` takes a database from version `k - 1` to `k`.
 pub const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
@@ -24,6 +24,7 @@ pub const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
     include_str!("migrations/0011_spend_budgets.sql"),
     include_str!("migrations/0012_mcp_manifests.sql"),
     include_str!("migrations/0013_run_approvals.sql"),
+    include_str!("migrations/0014_state_blob_codec.sql"),
 ];
 
 /// A step whose SQL contains this line runs with foreign keys off: it

@@ -312,7 +312,7 @@ pub(super) fn terminal_tx(
         ))?
         .execute(params![
             status.as_str(),
-            result,
+            crate::compress::pack_opt(result.as_deref()),
             error,
             usage.map(|u| saturating_i64(u.prompt_tokens)),
             usage.map(|u| saturating_i64(u.completion_tokens)),

@@ -69,7 +69,7 @@ pub(super) fn run_from_row(r: &Row<'_>) -> Result<RunRecord> {
         spec,
         group_id: parse_opt("agent_runs.group_id", r.get(1)?)?,
         status: parse("agent_runs.status", &s(24)?)?,
-        result: r.get(25)?,
+        result: crate::compress::unpack_opt("agent_runs.result", r.get_ref(25)?)?,
         error: r.get(26)?,
         usage,
         cost: r.get(29)?,

@@ -149,7 +149,7 @@ async fn a_backup_under_eight_writers_is_clean_and_holds_every_turn_acknowledged
 
     assert!(report.check.is_clean(), "{:?}", report.check.findings);
     assert!(steps > 3, "copied in bounded steps, not one: {steps}");
-    assert!(report.pages > 1000 && report.bytes >= report.pages * 4096 / 2);
+    assert!(report.pages > 500 && report.bytes >= report.pages * 8192 / 2);
     let copy = Store::open(&dest, fast_options()).unwrap();
     for (i, &session) in sessions.iter().enumerate() {
         let held = history_len(&copy, session).await;

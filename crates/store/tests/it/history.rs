@@ -787,8 +787,18 @@ async fn retention_finds_sessions_over_the_limit_and_gives_pages_back() {
     let busy = store.create_session(new_session("busy", 1)).await.unwrap();
     let quiet = store.create_session(new_session("quiet", 1)).await.unwrap();
     for n in 1..=40 {
-        // A large, distinct state per turn, so pruned checkpoints free whole pages.
-        let state = format!("{n:04}").repeat(4096);
+        // A large, distinct state per turn that does not compress (32 KiB
+        // of pseudo-random hex, ~16 KiB stored), so pruned checkpoints free
+        // whole pages.
+        let mut x = u64::from(n);
+        let state: String = (0..4096)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                format!("{:08x}", x >> 32)
+            })
+            .collect();
         store
             .commit_turn(turn(busy.id, n, &state, true))
             .await
@@ -839,7 +849,10 @@ async fn retention_finds_sessions_over_the_limit_and_gives_pages_back() {
         }
         reclaimed += n;
     }
-    assert!(reclaimed > 38, "each 16 KiB state held pages: {reclaimed}");
+    assert!(
+        reclaimed > 38,
+        "each ~16 KiB stored state held pages: {reclaimed}"
+    );
     assert!(
         pages(&conn) <= before - i64::try_from(reclaimed).unwrap(),
         "the database shrank by what was reclaimed"

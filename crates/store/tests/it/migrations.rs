@@ -233,7 +233,7 @@ fn a_newer_database_is_refused_and_left_untouched() {
         let conn = Connection::open(db_path(&dir)).unwrap();
         // A newer keel's database: keel's application id ("keel"), a later version.
         conn.execute_batch(
-            "CREATE TABLE future (x); PRAGMA user_version = 14; PRAGMA application_id = 1801807212;",
+            "CREATE TABLE future (x); PRAGMA user_version = 15; PRAGMA application_id = 1801807212;",
         )
         .unwrap();
     }
@@ -242,11 +242,11 @@ fn a_newer_database_is_refused_and_left_untouched() {
     assert_eq!(
         err,
         StoreError::NewerSchema {
-            found: 14,
-            supported: 13
+            found: 15,
+            supported: 14
         }
     );
-    insta::assert_snapshot!(err, @"database schema version 14 is newer than this build supports (13); refusing to open it");
+    insta::assert_snapshot!(err, @"database schema version 15 is newer than this build supports (14); refusing to open it");
     assert_eq!(std::fs::read(db_path(&dir)).unwrap(), bytes_before);
     assert!(!dir.path().join("keel.db-wal").exists());
 }
@@ -518,5 +518,136 @@ fn every_check_constraint_rejects_a_bad_row() {
             ("lease_until", "NULL"),
             ("attempt_count", "-1"),
         ],
+    );
+}
+
+/// Storage class and codec of what a v14 store wrote (raw SQL: what readers cannot see).
+fn stored_forms(conn: &Connection, session: &SessionId, seq: i64, hash: &str) -> (String, i64) {
+    let class: String = conn
+        .query_row(
+            "SELECT typeof(content) FROM messages WHERE session_id = ?1 AND seq = ?2",
+            params![session.to_string(), seq],
+            |r| r.get(0),
+        )
+        .unwrap();
+    let codec: i64 = conn
+        .query_row(
+            "SELECT codec FROM state_blobs WHERE hash = ?1",
+            [hash],
+            |r| r.get(0),
+        )
+        .unwrap();
+    (class, codec)
+}
+
+#[tokio::test]
+async fn an_uncompressed_v13_database_upgrades_without_a_rewrite_and_reads_identically() {
+    let dir = tempfile::tempdir().unwrap();
+    let session = SessionId::new();
+    let long = "keel keeps every message durable and reads old rows as they were. ".repeat(40);
+    let old_state = format!(r#"{{"memory":"{}"}}"#, "remember this. ".repeat(40));
+    let old_hash = "b".repeat(64);
+    {
+        let mut conn = Connection::open(db_path(&dir)).unwrap();
+        migrate_to(&mut conn, 13).unwrap();
+        seed_fixture(&conn, 13, &session);
+        conn.execute(
+            "INSERT INTO messages (timeline_id, seq, session_id, slot, role, content, created_at) \
+             VALUES ('tl-root', 3, ?1, 'default', 'user', ?2, 15)",
+            params![session.to_string(), message_json(&long)],
+        )
+        .unwrap();
+        conn.execute(
+            "UPDATE sessions SET message_count = 3 WHERE id = ?1",
+            [session.to_string()],
+        )
+        .unwrap();
+        conn.execute(
+            "INSERT INTO state_blobs (hash, bytes) VALUES (?1, ?2)",
+            params![old_hash, old_state.as_bytes()],
+        )
+        .unwrap();
+        conn.execute(
+            "UPDATE agent_runs SET result = ?1 WHERE root_session_id = ?2",
+            params![long, session.to_string()],
+        )
+        .unwrap();
+    }
+    let store = Store::open(db_path(&dir), fast_options()).unwrap();
+    let texts: Vec<String> = store
+        .load_messages(session, MessageFilter::default())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.message.text())
+        .collect();
+    assert_eq!(texts, ["hello", "again", long.as_str()]);
+    assert_eq!(
+        store.get_state_blob(old_hash.clone()).await.unwrap(),
+        Some(old_state.clone().into_bytes())
+    );
+    let runs = store.list_runs(session, None, 10).await.unwrap();
+    assert_eq!(runs.items[0].result.as_deref(), Some(long.as_str()));
+    {
+        let conn = Connection::open(db_path(&dir)).unwrap();
+        assert_eq!(
+            stored_forms(&conn, &session, 3, &old_hash),
+            ("text".to_owned(), 0),
+            "nothing is rewritten on upgrade"
+        );
+    }
+
+    // What the upgraded store writes is compressed and reads back the same.
+    let turn = keel_store::TurnCommit {
+        session_id: session,
+        messages: vec![user(&long)],
+        state: old_state.replace("remember", "recall").into_bytes(),
+        checkpoint: None,
+        visible_user_inputs: 1,
+        answers: Vec::new(),
+        expected_head: None,
+        now_ms: 40,
+    };
+    let new_state = turn.state.clone();
+    let committed = store.commit_turn(turn).await.unwrap();
+    assert_eq!(committed.seqs, [4]);
+    let loaded = store
+        .load_messages(session, MessageFilter::default())
+        .await
+        .unwrap();
+    assert_eq!(loaded[3].message.text(), long);
+    assert_eq!(
+        store
+            .get_state_blob(committed.state_hash.clone())
+            .await
+            .unwrap(),
+        Some(new_state)
+    );
+    let conn = Connection::open(db_path(&dir)).unwrap();
+    assert_eq!(
+        stored_forms(&conn, &session, 4, &committed.state_hash),
+        ("blob".to_owned(), 1)
+    );
+
+    // A compressed state whose frame is damaged is corruption, never other bytes.
+    conn.execute(
+        "UPDATE state_blobs SET bytes = substr(bytes, 1, length(bytes) - 5) WHERE hash = ?1",
+        [&committed.state_hash],
+    )
+    .unwrap();
+    let err = store
+        .get_state_blob(committed.state_hash.clone())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Corruption { .. }), "{err}");
+    drop((conn, store));
+    let report =
+        keel_store::check_database(&db_path(&dir), &keel_store::CheckOptions::default()).unwrap();
+    let details: Vec<&str> = report.findings.iter().map(|f| f.detail.as_str()).collect();
+    assert!(
+        details
+            .iter()
+            .any(|d| d.contains("current state does not restore") && d.contains("compressed")),
+        "the checker names the damaged frame: {details:?}"
     );
 }
