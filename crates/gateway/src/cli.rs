@@ -84,6 +84,18 @@ pub enum Command {
         #[command(flatten)]
         data: DataArgs,
     },
+    /// Compress rows stored before compression and rebuild the database file compactly (refused while a keel runs on it)
+    ///
+    /// Message bodies, run results and state blobs written uncompressed
+    /// are compressed in bounded batches (each its own transaction), then
+    /// the file is rebuilt with SQLite's VACUUM: pages left half empty by
+    /// deletes are packed, and an older database gets 8 KiB pages. Needs
+    /// free disk space about the size of the database.
+    CompactStorage {
+        /// Data directory and configuration.
+        #[command(flatten)]
+        data: DataArgs,
+    },
     /// Copy a data directory's database to DEST while keel runs (the copy is checked before it is kept)
     ///
     /// One consistent snapshot, copied in bounded steps so turns keep
@@ -247,6 +259,9 @@ pub fn main() -> ExitCode {
             }
             Command::Prune { data } => {
                 crate::prune::run(data.config.as_deref(), data.data_dir.as_deref()).await
+            }
+            Command::CompactStorage { data } => {
+                crate::prune::compact(data.config.as_deref(), data.data_dir.as_deref()).await
             }
             Command::Backup { data, dest } => {
                 crate::backup::backup(data.config.as_deref(), data.data_dir.as_deref(), &dest).await

@@ -85,6 +85,7 @@ mod approvals;
 mod backup;
 mod check;
 mod checkpoints;
+mod compact;
 mod compress;
 mod constraints;
 mod counters;
@@ -120,6 +121,7 @@ pub use check::{
 pub use checkpoints::{
     CheckpointCursor, CheckpointRecord, CheckpointSource, NewCheckpoint, PrunePolicy, PruneReport,
 };
+pub use compact::{compact_database, CompactReport};
 pub use counters::{CounterRepair, InboxCounts, InboxUsage};
 pub use db::{CommitStats, StoreOptions, Synchronous};
 pub use error::{Result, StoreError};

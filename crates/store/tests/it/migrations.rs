@@ -540,39 +540,106 @@ fn stored_forms(conn: &Connection, session: &SessionId, seq: i64, hash: &str) ->
     (class, codec)
 }
 
+/// A v13 database (before state blobs could be compressed) holding long
+/// rows stored as text / raw bytes: a message at seq 3, a run's result and
+/// the state blob `"b" * 64`. Returns (long text, the state's bytes, its hash).
+fn seed_uncompressed_v13(dir: &tempfile::TempDir, session: &SessionId) -> (String, String, String) {
+    let long = "keel keeps every message durable and reads old rows as they were. ".repeat(40);
+    let old_state = format!(r#"{{"memory":"{}"}}"#, "remember this. ".repeat(40));
+    let old_hash = "b".repeat(64);
+    let mut conn = Connection::open(db_path(dir)).unwrap();
+    migrate_to(&mut conn, 13).unwrap();
+    seed_fixture(&conn, 13, session);
+    conn.execute(
+        "INSERT INTO messages (timeline_id, seq, session_id, slot, role, content, created_at) \
+         VALUES ('tl-root', 3, ?1, 'default', 'user', ?2, 15)",
+        params![session.to_string(), message_json(&long)],
+    )
+    .unwrap();
+    conn.execute(
+        "UPDATE sessions SET message_count = 3 WHERE id = ?1",
+        [session.to_string()],
+    )
+    .unwrap();
+    conn.execute(
+        "INSERT INTO state_blobs (hash, bytes) VALUES (?1, ?2)",
+        params![old_hash, old_state.as_bytes()],
+    )
+    .unwrap();
+    conn.execute(
+        "UPDATE agent_runs SET result = ?1 WHERE root_session_id = ?2",
+        params![long, session.to_string()],
+    )
+    .unwrap();
+    (long, old_state, old_hash)
+}
+
+/// The long rows [`seed_uncompressed_v13`] wrote, as the store reads them.
+async fn read_long_rows(
+    store: &Store,
+    session: SessionId,
+    hash: &str,
+) -> (Vec<String>, Option<Vec<u8>>, Option<String>) {
+    let texts = store
+        .load_messages(session, MessageFilter::default())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.message.text())
+        .collect();
+    let state = store.get_state_blob(hash.to_owned()).await.unwrap();
+    let runs = store.list_runs(session, None, 10).await.unwrap();
+    (texts, state, runs.items[0].result.clone())
+}
+
+#[tokio::test]
+async fn compact_storage_compresses_old_rows_in_batches_and_they_read_identically() {
+    let dir = tempfile::tempdir().unwrap();
+    let session = SessionId::new();
+    let (long, state, hash) = seed_uncompressed_v13(&dir, &session);
+    let store = Store::open(db_path(&dir), fast_options()).unwrap();
+    let before = read_long_rows(&store, session, &hash).await;
+    assert_eq!(before.0[2], long);
+    drop(store);
+    let lock = keel_store::RuntimeLock::acquire(&db_path(&dir), "test").unwrap();
+    // A batch of one row: every batch is its own transaction.
+    let report = keel_store::compact_database(&db_path(&dir), &lock, 1).unwrap();
+    assert_eq!(
+        (report.messages, report.run_results, report.state_blobs),
+        (1, 1, 1),
+        "the short rows stay as they are: {report:?}"
+    );
+    assert_eq!(report.page_size_after, 8192);
+    drop(lock);
+    {
+        let conn = Connection::open(db_path(&dir)).unwrap();
+        assert_eq!(
+            stored_forms(&conn, &session, 3, &hash),
+            ("blob".to_owned(), 1)
+        );
+        let mode: String = conn
+            .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(mode, "wal");
+    }
+    let store = Store::open(db_path(&dir), fast_options()).unwrap();
+    assert_eq!(read_long_rows(&store, session, &hash).await, before);
+    assert_eq!(before.1, Some(state.into_bytes()));
+    // A second run finds nothing left to compress.
+    drop(store);
+    let lock = keel_store::RuntimeLock::acquire(&db_path(&dir), "test").unwrap();
+    let again = keel_store::compact_database(&db_path(&dir), &lock, 1).unwrap();
+    assert_eq!(
+        (again.messages, again.run_results, again.state_blobs),
+        (0, 0, 0)
+    );
+}
+
 #[tokio::test]
 async fn an_uncompressed_v13_database_upgrades_without_a_rewrite_and_reads_identically() {
     let dir = tempfile::tempdir().unwrap();
     let session = SessionId::new();
-    let long = "keel keeps every message durable and reads old rows as they were. ".repeat(40);
-    let old_state = format!(r#"{{"memory":"{}"}}"#, "remember this. ".repeat(40));
-    let old_hash = "b".repeat(64);
-    {
-        let mut conn = Connection::open(db_path(&dir)).unwrap();
-        migrate_to(&mut conn, 13).unwrap();
-        seed_fixture(&conn, 13, &session);
-        conn.execute(
-            "INSERT INTO messages (timeline_id, seq, session_id, slot, role, content, created_at) \
-             VALUES ('tl-root', 3, ?1, 'default', 'user', ?2, 15)",
-            params![session.to_string(), message_json(&long)],
-        )
-        .unwrap();
-        conn.execute(
-            "UPDATE sessions SET message_count = 3 WHERE id = ?1",
-            [session.to_string()],
-        )
-        .unwrap();
-        conn.execute(
-            "INSERT INTO state_blobs (hash, bytes) VALUES (?1, ?2)",
-            params![old_hash, old_state.as_bytes()],
-        )
-        .unwrap();
-        conn.execute(
-            "UPDATE agent_runs SET result = ?1 WHERE root_session_id = ?2",
-            params![long, session.to_string()],
-        )
-        .unwrap();
-    }
+    let (long, old_state, old_hash) = seed_uncompressed_v13(&dir, &session);
     let store = Store::open(db_path(&dir), fast_options()).unwrap();
     let texts: Vec<String> = store
         .load_messages(session, MessageFilter::default())
