@@ -11,7 +11,7 @@ use keel_engine::AgentLoop;
 use keel_engine::ExecutionGate;
 use keel_engine::NoHooks;
 use keel_engine::{AgentCoordinator, CoordinatorConfig, ProfileProviders, ProviderFactory};
-use keel_engine::{RetentionPolicy, RuntimeBundle, SessionManager};
+use keel_engine::{RuntimeBundle, SessionManager};
 use keel_store::{describe_process, Activation, RuntimeLock, Store};
 
 use crate::config::{Config, ConfigError, LoadedConfig};
@@ -213,10 +213,9 @@ impl App {
         let manager = SessionManager::new(store.clone(), bundle, config.session_manager_config());
 
         manager.spawn_evictor(config.cleanup_interval());
-        let retention = config.retention_policy();
-        if retention != RetentionPolicy::default() {
-            manager.spawn_retention(config.cleanup_interval(), retention);
-        }
+        // Always: with retention off the pass still reclaims free pages and
+        // trains the compression dictionary.
+        manager.spawn_retention(config.cleanup_interval(), config.retention_policy());
         Ok(Self {
             config: loaded,
             store,

@@ -564,6 +564,13 @@ async fn bytes_per_turn(path: &Path, keep: Option<usize>) {
         let (turn, bytes) = realistic_turn(s, n);
         raw += bytes;
         store.commit_turn(turn).await.expect("turn");
+        if n % 10 == 0 {
+            // As the background pass does.
+            store
+                .train_dictionary_if_due(n as i64)
+                .await
+                .expect("train");
+        }
         if let (Some(keep), true) = (keep, n % 10 == 0) {
             let policy = keel_store::PrunePolicy {
                 keep_latest: Some(keep),
@@ -594,6 +601,91 @@ async fn bytes_per_turn(path: &Path, keep: Option<usize>) {
     println!(
         "BENCH bytes_by_object retention_keep={keep} turn=1000{}",
         bytes_by_object(path, 1000)
+    );
+}
+
+/// Whether a shared dictionary would pay: one trained (zstd's trainer, 16
+/// KiB) on 100 turns of the bytes-per-turn corpus's shape cut from the
+/// first half of its texts, then the frames of 900 turns cut from the
+/// second half with and without it (bytes, and the median time to
+/// decompress them all).
+fn dictionary() {
+    // Trained on the first half of each text, measured on the second (the
+    // corpus's excerpts overlap: the same text on both sides would flatter it).
+    let half = |t: &'static str, second: bool| {
+        let mut at = t.len() / 2;
+        while !t.is_char_boundary(at) {
+            at += 1;
+        }
+        if second {
+            &t[at..]
+        } else {
+            &t[..at]
+        }
+    };
+    let turn_values = |n: u64, second: bool| {
+        let i = n as usize;
+        let (prose, code) = (half(PROSE, second), half(CODE, second));
+        let question = excerpt(prose, i * 7_919, 300);
+        let answer = if n % 2 == 0 {
+            excerpt(prose, i * 104_729, 1_900)
+        } else {
+            excerpt(code, i * 104_729, 1_900)
+        };
+        let (turn, _) = realistic_turn(SessionId::new(), n);
+        vec![
+            serde_json::to_vec(&Message::user(question)).expect("json"),
+            serde_json::to_vec(&Message::assistant(answer)).expect("json"),
+            turn.state,
+        ]
+    };
+    let training: Vec<Vec<u8>> = (1..=100).flat_map(|n| turn_values(n, false)).collect();
+    let dict = zstd::dict::from_samples(&training, 16 * 1024).expect("train");
+    let values: Vec<Vec<u8>> = (101..=1000).flat_map(|n| turn_values(n, true)).collect();
+    let mut plain = zstd::bulk::Compressor::new(3).expect("cctx");
+    let mut with = zstd::bulk::Compressor::with_dictionary(3, &dict).expect("cctx");
+    let (mut bytes_plain, mut bytes_dict) = (0usize, 0usize);
+    let (mut frames_plain, mut frames_dict) = (Vec::new(), Vec::new());
+    for v in &values {
+        let (a, b) = (
+            plain.compress(v).expect("zstd"),
+            with.compress(v).expect("zstd"),
+        );
+        bytes_plain += a.len().min(v.len());
+        bytes_dict += b.len().min(v.len());
+        frames_plain.push(a);
+        frames_dict.push(b);
+    }
+    let time = |frames: &[Vec<u8>], d: &mut zstd::bulk::Decompressor<'_>| {
+        let mut buf = Vec::with_capacity(1 << 16);
+        let mut times = Vec::new();
+        for _ in 0..11 {
+            let start = Instant::now();
+            for f in frames {
+                buf.clear();
+                d.decompress_to_buffer(&f[..], &mut buf).expect("frame");
+            }
+            times.push(start.elapsed());
+        }
+        median(times)
+    };
+    let t_plain = time(
+        &frames_plain,
+        &mut zstd::bulk::Decompressor::new().expect("dctx"),
+    );
+    let t_dict = time(
+        &frames_dict,
+        &mut zstd::bulk::Decompressor::with_dictionary(&dict).expect("dctx"),
+    );
+    let raw: usize = values.iter().map(Vec::len).sum();
+    println!(
+        "BENCH dictionary values={} raw={raw} zstd3={bytes_plain} zstd3_with_16k_dict={bytes_dict} saved_per_turn={:.0} \
+         dict_bytes={} decompress_us={:.0} decompress_with_dict_us={:.0}",
+        values.len(),
+        (bytes_plain as f64 - bytes_dict as f64) / 900.0,
+        dict.len(),
+        t_plain.as_secs_f64() * 1e6,
+        t_dict.as_secs_f64() * 1e6,
     );
 }
 
@@ -629,6 +721,12 @@ async fn compression(dir: &Path) {
             let start = Instant::now();
             store.commit_turn(turn).await.expect("turn");
             let took = start.elapsed();
+            if on && n % 10 == 0 {
+                store
+                    .train_dictionary_if_due(n as i64)
+                    .await
+                    .expect("train");
+            }
             if on {
                 commit_packed.push(took);
             } else {
@@ -666,13 +764,22 @@ async fn compression(dir: &Path) {
             .expect("query")
             .map(|r| r.expect("row"))
             .collect();
+        // The database's dictionary (trained during the run), for the frames made with it.
+        let dict: Vec<u8> = conn
+            .query_row("SELECT bytes FROM zstd_dictionaries", [], |r| r.get(0))
+            .expect("a dictionary was trained");
         let mut d = zstd::bulk::Decompressor::new().expect("dctx");
+        let mut dd = zstd::bulk::Decompressor::with_dictionary(&dict).expect("dctx");
         let mut buf = Vec::with_capacity(1 << 16);
         let mut times = Vec::new();
         for _ in 0..21 {
             let start = Instant::now();
             for f in &frames {
                 buf.clear();
+                let d = match zstd::zstd_safe::get_dict_id_from_frame(f) {
+                    Some(_) => &mut dd,
+                    None => &mut d,
+                };
                 d.decompress_to_buffer(&f[..], &mut buf).expect("frame");
                 std::hint::black_box(&buf);
             }
@@ -696,7 +803,7 @@ async fn compression(dir: &Path) {
         median(times)
     };
     println!(
-        "BENCH compression_floor zstd_decompress_only_us={:.0} (the frames of the replay, one reused context) \
+        "BENCH compression_floor zstd_decompress_only_us={:.0} (the frames of the replay, reused contexts, the dictionary prepared) \
          zstd_compress_turn_median_us={:.1} (a turn's two messages and its state, level 3, one reused context)",
         decompress_only.as_secs_f64() * 1e6,
         compress_only.as_secs_f64() * 1e6
@@ -1147,5 +1254,8 @@ fn main() {
     }
     if wanted("compression") {
         rt.block_on(compression(dir.path()));
+    }
+    if wanted("dictionary") {
+        dictionary();
     }
 }

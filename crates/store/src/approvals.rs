@@ -252,7 +252,7 @@ impl Store {
                 "a paused turn has at least one approval".into(),
             ));
         }
-        let encoded = encode(&commit.turn.messages)?;
+        let encoded = encode(self.path(), &commit.turn.messages)?;
         let args: Vec<String> = commit
             .approvals
             .iter()
@@ -536,7 +536,7 @@ impl Store {
         &self,
         commit: ApprovalResultCommit,
     ) -> Result<TurnCommitted> {
-        let encoded = encode(&commit.turn.messages)?;
+        let encoded = encode(self.path(), &commit.turn.messages)?;
         self.db
             .write_cached(move |c, cache| {
                 let turn = commit_turn_tx(c, &commit.turn, &encoded, Some(cache))?;

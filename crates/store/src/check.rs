@@ -250,6 +250,11 @@ pub(crate) fn check_tx(conn: &Connection, options: &CheckOptions) -> Result<Inva
         // The other checks read today's tables.
         return Ok(report);
     }
+    // Frames name the dictionary they were made with: a backup or another
+    // file checked here may hold ones this process has not loaded.
+    if let Err(e) = crate::compress::register_dictionaries(conn) {
+        report.add(Invariant::History, format!("a compression dictionary: {e}"));
+    }
     // A damaged row stops one check, not the others: its error is a finding.
     let checks: [(Invariant, CheckFn); 7] = [
         (Invariant::History, histories),

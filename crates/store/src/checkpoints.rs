@@ -171,7 +171,7 @@ pub(crate) fn put_state_tx(
     if session.state_hash.as_deref() == Some(hash.as_str()) {
         return Ok(hash);
     }
-    let (codec, stored) = crate::compress::pack_bytes(bytes);
+    let (codec, stored) = crate::compress::pack_bytes(bytes, crate::compress::db_of(conn));
     conn.prepare_cached(
         "INSERT OR IGNORE INTO state_blobs (hash, bytes, codec) VALUES (?1, ?2, ?3)",
     )?

@@ -69,14 +69,15 @@ pub fn compact_database(path: &Path, lock: &RuntimeLock, batch: usize) -> Result
     let mut conn = Connection::open(&path)?;
     conn.pragma_update(None, "foreign_keys", "ON")?;
     let page_size_before = page_size(&conn)?;
+    compress::load_dictionaries(&conn, &path)?;
     let mut report = CompactReport {
         bytes_before,
         page_size_before,
         ..CompactReport::default()
     };
-    report.messages = recompress_text(&mut conn, "messages", "content", batch)?;
-    report.run_results = recompress_text(&mut conn, "agent_runs", "result", batch)?;
-    report.state_blobs = recompress_blobs(&mut conn, batch)?;
+    report.messages = recompress_text(&mut conn, &path, "messages", "content", batch)?;
+    report.run_results = recompress_text(&mut conn, &path, "agent_runs", "result", batch)?;
+    report.state_blobs = recompress_blobs(&mut conn, &path, batch)?;
     // Page size and auto-vacuum mode change only in a VACUUM, and the page
     // size only outside WAL mode.
     let mode: String = conn.query_row("PRAGMA journal_mode=DELETE", [], |r| r.get(0))?;
@@ -116,7 +117,13 @@ fn file_bytes(path: &Path) -> u64 {
 
 /// Stores `table.column`'s long text values compressed, `batch` rows a
 /// transaction, walking the table by rowid; returns how many changed.
-fn recompress_text(conn: &mut Connection, table: &str, column: &str, batch: usize) -> Result<u64> {
+fn recompress_text(
+    conn: &mut Connection,
+    db: &Path,
+    table: &str,
+    column: &str,
+    batch: usize,
+) -> Result<u64> {
     let select = format!(
         "SELECT rowid, {column} FROM {table} WHERE rowid > ?1 AND typeof({column}) = 'text' \
          AND length(CAST({column} AS BLOB)) >= ?2 ORDER BY rowid LIMIT ?3"
@@ -135,7 +142,7 @@ fn recompress_text(conn: &mut Connection, table: &str, column: &str, batch: usiz
             rows.collect::<rusqlite::Result<_>>()?
         };
         for (rowid, text) in &rows {
-            if let Value::Blob(frame) = compress::pack(text.clone()) {
+            if let Value::Blob(frame) = compress::pack(text.clone(), Some(db)) {
                 // What is stored must read back as what was there.
                 if compress::unpack(&what, ValueRef::Blob(&frame))? != *text {
                     return Err(StoreError::corrupt(&what, "a frame did not round-trip"));
@@ -153,7 +160,7 @@ fn recompress_text(conn: &mut Connection, table: &str, column: &str, batch: usiz
 }
 
 /// Stores raw state blobs compressed where smaller, `batch` a transaction.
-fn recompress_blobs(conn: &mut Connection, batch: usize) -> Result<u64> {
+fn recompress_blobs(conn: &mut Connection, db: &Path, batch: usize) -> Result<u64> {
     let (mut after, mut changed) = (i64::MIN, 0u64);
     loop {
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
@@ -167,7 +174,7 @@ fn recompress_blobs(conn: &mut Connection, batch: usize) -> Result<u64> {
             rows.collect::<rusqlite::Result<_>>()?
         };
         for (rowid, bytes) in &rows {
-            let (codec, stored) = compress::pack_bytes(bytes);
+            let (codec, stored) = compress::pack_bytes(bytes, Some(db));
             if codec == compress::ZSTD {
                 if compress::unpack_bytes("state_blobs.bytes", codec, stored.clone())? != *bytes {
                     return Err(StoreError::corrupt(
@@ -187,5 +194,73 @@ fn recompress_blobs(conn: &mut Connection, batch: usize) -> Result<u64> {
             Some((rowid, _)) if rows.len() == batch => after = *rowid,
             _ => return Ok(changed),
         }
+    }
+}
+
+/// Bytes of values a database holds before its dictionary is trained (8×
+/// the dictionary: less teaches it too little).
+const TRAIN_AFTER_BYTES: usize = 8 * compress::DICTIONARY_BYTES;
+/// Newest message bodies and state blobs read to train on.
+const TRAIN_SAMPLES: i64 = 2000;
+
+impl crate::Store {
+    /// Trains the database's zstd dictionary when it has none and holds
+    /// enough to learn from (its newest messages and states), off the turn
+    /// path (the retention pass calls it; training runs on a blocking
+    /// thread, only the insert on the writer). Returns the new
+    /// dictionary's id, `None` when not due.
+    pub async fn train_dictionary_if_due(&self, now_ms: i64) -> Result<Option<u32>> {
+        let db = self.path().to_path_buf();
+        if compress::current_dictionary(&db).is_some() {
+            return Ok(None);
+        }
+        let samples = self
+            .db
+            .read(|c| {
+                let mut out = Vec::new();
+                let mut stmt =
+                    c.prepare_cached("SELECT content FROM messages ORDER BY rowid DESC LIMIT ?1")?;
+                let mut rows = stmt.query([TRAIN_SAMPLES])?;
+                while let Some(r) = rows.next()? {
+                    let text = compress::unpack("messages.content", r.get_ref(0)?)?;
+                    out.push(text.into_bytes());
+                }
+                let mut stmt = c.prepare_cached(
+                    "SELECT bytes, codec FROM state_blobs ORDER BY rowid DESC LIMIT ?1",
+                )?;
+                let mut rows = stmt.query([TRAIN_SAMPLES / 4])?;
+                while let Some(r) = rows.next()? {
+                    out.push(compress::unpack_bytes(
+                        "state_blobs.bytes",
+                        r.get(1)?,
+                        r.get(0)?,
+                    )?);
+                }
+                Ok(out)
+            })
+            .await?;
+        if samples.iter().map(Vec::len).sum::<usize>() < TRAIN_AFTER_BYTES {
+            return Ok(None);
+        }
+        // A thread of its own: training takes milliseconds of CPU.
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name("keel-store-dict".into())
+            .spawn(move || {
+                // The receiver only goes away when the caller stopped waiting.
+                let _ = tx.send(compress::train_dictionary(&samples));
+            })
+            .map_err(|e| StoreError::Sqlite(format!("cannot start the dictionary trainer: {e}")))?;
+        let (id, bytes) = rx
+            .await
+            .map_err(|_| StoreError::Sqlite("the dictionary trainer stopped".into()))??;
+        self.db
+            .write(move |c| compress::store_dictionary(c, &db, id, &bytes, now_ms))
+            .await?;
+        tracing::info!(
+            dictionary = id,
+            "trained the database's compression dictionary"
+        );
+        Ok(Some(id))
     }
 }

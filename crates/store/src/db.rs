@@ -633,6 +633,7 @@ impl Db {
         }
         restrict_to_owner(path)?;
         let mut conn = open_writer(path, &opts)?;
+        crate::compress::load_dictionaries(&conn, path)?;
         let checkpoint_due = watch_wal(&mut conn, opts.wal_autocheckpoint_pages)?;
         let retry_delays = Arc::new(opts.retry_delays.clone());
         let mut threads = Vec::new();

@@ -898,7 +898,7 @@ impl Store {
         &self,
         commit: ContinuationCommit,
     ) -> Result<ContinuationCommitted> {
-        let encoded = encode(&commit.turn.messages)?;
+        let encoded = encode(self.path(), &commit.turn.messages)?;
         let committed = self
             .db
             .write_cached(move |c, cache| {
@@ -932,7 +932,7 @@ impl Store {
     /// history and marks them told, in one transaction. Events already
     /// marked make the whole commit fail (another notice told of them).
     pub async fn commit_dead_letter_notice(&self, commit: NoticeCommit) -> Result<TurnCommitted> {
-        let encoded = encode(&commit.turn.messages)?;
+        let encoded = encode(self.path(), &commit.turn.messages)?;
         self.db
             .write_cached(move |c, cache| {
                 let turn = commit_turn_tx(c, &commit.turn, &encoded, Some(cache))?;

@@ -152,7 +152,7 @@ pub use spend::DialogSpend;
 /// at older schema versions, or run a migration list of the test's own.
 #[cfg(feature = "testing")]
 pub mod testing {
-    pub use crate::compress::set_compression;
+    pub use crate::compress::{forget_dictionaries, set_compression};
     pub use crate::migrations::{migrate_to, migrate_with, user_version, MIGRATIONS};
 }
 

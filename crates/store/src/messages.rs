@@ -210,7 +210,7 @@ pub(crate) struct EncodedMessage {
 }
 
 /// Validates and serializes messages before they reach the writer.
-pub(crate) fn encode(messages: &[NewMessage]) -> Result<Vec<EncodedMessage>> {
+pub(crate) fn encode(db: &std::path::Path, messages: &[NewMessage]) -> Result<Vec<EncodedMessage>> {
     messages
         .iter()
         .map(|m| {
@@ -220,9 +220,12 @@ pub(crate) fn encode(messages: &[NewMessage]) -> Result<Vec<EncodedMessage>> {
             Ok(EncodedMessage {
                 slot: m.slot.clone(),
                 role: m.message.role.as_str(),
-                content: crate::compress::pack(serde_json::to_string(&m.message).map_err(|e| {
-                    StoreError::InvalidInput(format!("message does not serialize: {e}"))
-                })?),
+                content: crate::compress::pack(
+                    serde_json::to_string(&m.message).map_err(|e| {
+                        StoreError::InvalidInput(format!("message does not serialize: {e}"))
+                    })?,
+                    Some(db),
+                ),
                 tool_call_id: m.message.tool_call_id.clone(),
                 tool_name: m.message.tool_name.clone(),
                 visibility: m.message.visibility.as_str(),
@@ -589,7 +592,7 @@ impl Store {
         for m in &mut messages {
             m.input_state = Some(InputState::Open);
         }
-        let encoded = encode(&messages)?;
+        let encoded = encode(self.path(), &messages)?;
         let visible = messages
             .iter()
             .filter(|m| m.message.is_visible_user_input())
@@ -650,7 +653,7 @@ impl Store {
         messages: Vec<NewMessage>,
         now_ms: i64,
     ) -> Result<Vec<i64>> {
-        let encoded = encode(&messages)?;
+        let encoded = encode(self.path(), &messages)?;
         self.db
             .write_cached(move |c, cache| {
                 let head = head_state(c, cache, &session_id)?;
@@ -677,7 +680,7 @@ impl Store {
 
     /// Commits a turn (messages + state + optional checkpoint + counters) in one transaction.
     pub async fn commit_turn(&self, turn: TurnCommit) -> Result<TurnCommitted> {
-        let encoded = encode(&turn.messages)?;
+        let encoded = encode(self.path(), &turn.messages)?;
         let committed = self
             .db
             .write_cached(move |c, cache| {

@@ -24,7 +24,7 @@ pub const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
     include_str!("migrations/0011_spend_budgets.sql"),
     include_str!("migrations/0012_mcp_manifests.sql"),
     include_str!("migrations/0013_run_approvals.sql"),
-    include_str!("migrations/0014_state_blob_codec.sql"),
+    include_str!("migrations/0014_compression.sql"),
 ];
 
 /// A step whose SQL contains this line runs with foreign keys off: it

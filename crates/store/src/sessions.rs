@@ -351,7 +351,7 @@ impl Store {
                 turn.session_id, session.id
             )));
         }
-        let encoded = encode(&turn.messages)?;
+        let encoded = encode(self.path(), &turn.messages)?;
         self.db
             .write(move |c| {
                 insert_session_tx(c, &session, None, None)?;

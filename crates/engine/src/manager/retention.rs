@@ -37,13 +37,16 @@ pub struct RetentionReport {
     pub purged: PurgeReport,
     /// Database pages given back to the file system.
     pub pages_reclaimed: u64,
+    /// The compression dictionary trained in this pass, if one was due.
+    pub dictionary: Option<u32>,
 }
 
 /// One pass over `store` at `now_ms`: purges the dialogs deleted before
 /// `policy.purge_deleted_after`, prunes every session with more turn
 /// checkpoints than `policy.keep_checkpoints` (each batch its own
-/// transaction), then reclaims free pages in bounded steps. Safe to
-/// interrupt at any point.
+/// transaction), reclaims free pages in bounded steps, and trains the
+/// database's compression dictionary once it is due. Safe to interrupt at
+/// any point.
 pub async fn apply_retention(
     store: &Store,
     policy: RetentionPolicy,
@@ -84,6 +87,12 @@ pub async fn apply_retention(
         if n < u64::from(RECLAIM_STEP) {
             break;
         }
+    }
+    // A failed training costs only bytes (values compress without it) and
+    // must not stop retention: logged, and tried again next pass.
+    match store.train_dictionary_if_due(now_ms).await {
+        Ok(id) => report.dictionary = id,
+        Err(e) => tracing::warn!(error = %e, "training the compression dictionary failed"),
     }
     Ok(report)
 }

@@ -312,7 +312,7 @@ pub(super) fn terminal_tx(
         ))?
         .execute(params![
             status.as_str(),
-            crate::compress::pack_opt(result.as_deref()),
+            crate::compress::pack_opt(result.as_deref(), crate::compress::db_of(conn)),
             error,
             usage.map(|u| saturating_i64(u.prompt_tokens)),
             usage.map(|u| saturating_i64(u.completion_tokens)),

@@ -5,6 +5,7 @@
 mod backup;
 mod check;
 mod common;
+mod compression;
 mod history;
 mod mcp;
 mod migrations;
