@@ -68,8 +68,10 @@ pub(crate) struct Dictionary {
 /// Every dictionary this process has loaded, by its zstd id.
 static BY_ID: LazyLock<RwLock<HashMap<u32, Arc<Dictionary>>>> = LazyLock::new(Default::default);
 /// The dictionary new values of each database file are compressed with.
-static CURRENT: LazyLock<RwLock<HashMap<PathBuf, (u32, Arc<Dictionary>)>>> =
-    LazyLock::new(Default::default);
+static CURRENT: LazyLock<RwLock<HashMap<PathBuf, Newest>>> = LazyLock::new(Default::default);
+
+/// A database's newest dictionary: its id and itself.
+type Newest = (u32, Arc<Dictionary>);
 
 /// Prepares `bytes` (a dictionary whose header names `id`) and registers it.
 fn register(id: u32, bytes: &[u8]) -> Result<Arc<Dictionary>> {
@@ -109,7 +111,7 @@ pub(crate) fn load_dictionaries(conn: &Connection, db: &Path) -> Result<()> {
 
 /// Registers every dictionary of `conn`'s database for reading; returns
 /// the newest.
-pub(crate) fn register_dictionaries(conn: &Connection) -> Result<Option<(u32, Arc<Dictionary>)>> {
+pub(crate) fn register_dictionaries(conn: &Connection) -> Result<Option<Newest>> {
     let mut stmt =
         conn.prepare("SELECT id, bytes FROM zstd_dictionaries ORDER BY created_at, rowid")?;
     let rows = stmt.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, Vec<u8>>(1)?)))?;

@@ -790,7 +790,7 @@ async fn retention_finds_sessions_over_the_limit_and_gives_pages_back() {
         // A large, distinct state per turn that does not compress (32 KiB
         // of pseudo-random hex, ~16 KiB stored), so pruned checkpoints free
         // whole pages.
-        let mut x = u64::from(n);
+        let mut x: u64 = n;
         let state: String = (0..4096)
             .map(|_| {
                 x = x
