@@ -67,6 +67,9 @@ pub async fn run(config_file: Option<&Path>, data_dir: Option<&Path>) -> Result<
         );
     }
     println!("{} pages given back", r.pages_reclaimed);
+    if let Some(id) = r.dictionary {
+        println!("trained the database's compression dictionary ({id})");
+    }
     drop(store);
     drop(lock);
     Ok(ExitCode::SUCCESS)
