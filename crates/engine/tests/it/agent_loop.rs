@@ -240,40 +240,85 @@ async fn cancellation_during_a_tool_batch() {
     );
 }
 
-/// Records every hook call, in order.
-#[derive(Default)]
-struct Recorder(parking_lot::Mutex<Vec<String>>);
+/// Records the spans of target `keel_trace` as they close: the OTel name
+/// and every field recorded on them.
+#[derive(Default, Clone)]
+struct SpanRecorder(
+    Arc<parking_lot::Mutex<Vec<(String, std::collections::BTreeMap<String, String>)>>>,
+);
 
-impl keel_engine::TurnHooks for Recorder {
-    fn on_turn_start(&self, input: &[Message]) {
-        self.0.lock().push(format!("start {}", input[0].text()));
+#[derive(Default)]
+struct Fields(std::collections::BTreeMap<String, String>);
+
+impl tracing::field::Visit for Fields {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0.insert(field.name().to_owned(), format!("{value:?}"));
     }
-    fn on_turn_end(&self, result: Result<&keel_engine::TurnOutput, &EngineError>) {
-        let r = match result {
-            Ok(out) => format!("end ok {}", out.final_text()),
-            Err(e) => format!("end err {e}"),
-        };
-        self.0.lock().push(r);
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        self.0.insert(field.name().to_owned(), value.to_owned());
     }
-    fn before_tool(&self, call: &keel_core::ToolCall) {
-        self.0.lock().push(format!("before {}", call.name));
+}
+
+impl<S> tracing_subscriber::Layer<S> for SpanRecorder
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    fn on_new_span(
+        &self,
+        attrs: &tracing::span::Attributes<'_>,
+        id: &tracing::span::Id,
+        ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        let mut fields = Fields::default();
+        attrs.record(&mut fields);
+        if let Some(span) = ctx.span(id) {
+            span.extensions_mut().insert(fields);
+        }
     }
-    fn after_tool(&self, call: &keel_core::ToolCall, output: &ToolOutput) {
-        self.0
-            .lock()
-            .push(format!("after {} error={}", call.name, output.is_error));
+    fn on_record(
+        &self,
+        id: &tracing::span::Id,
+        values: &tracing::span::Record<'_>,
+        ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        if let Some(span) = ctx.span(id) {
+            if let Some(fields) = span.extensions_mut().get_mut::<Fields>() {
+                values.record(fields);
+            }
+        }
+    }
+    fn on_close(&self, id: tracing::span::Id, ctx: tracing_subscriber::layer::Context<'_, S>) {
+        let Some(span) = ctx.span(&id) else { return };
+        if span.metadata().target() != keel_engine::TRACE_TARGET {
+            return;
+        }
+        let fields = span
+            .extensions_mut()
+            .remove::<Fields>()
+            .unwrap_or_default()
+            .0;
+        let name = fields.get("otel.name").cloned().unwrap_or_default();
+        self.0.lock().push((name, fields));
     }
 }
 
 #[tokio::test]
-async fn hooks_see_turn_start_tools_and_end_in_order() {
-    let recorder = Arc::new(Recorder::default());
-    let agent_loop = AgentLoop::new(recorder.clone(), Arc::new(keel_engine::OpenGate));
+async fn a_turn_emits_chat_and_tool_spans_with_usage_finish_reason_and_outcome() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let recorder = SpanRecorder::default();
+    let subscriber = tracing_subscriber::registry().with(recorder.clone());
+    let _guard = tracing::subscriber::set_default(subscriber);
     let provider = ScriptedProvider::new([
-        ScriptedResponse::tool_call("nope", json!({})),
-        ScriptedResponse::text("fine"),
+        ScriptedResponse {
+            usage: Some(keel_core::Usage::new(7, 3)),
+            ..ScriptedResponse::tool_call("nope", json!({}))
+        },
+        ScriptedResponse {
+            usage: Some(keel_core::Usage::new(11, 2)),
+            ..ScriptedResponse::text("fine")
+        },
     ]);
-    agent_loop
+    AgentLoop::default()
         .run(request(provider, ToolRegistry::new(), 4), None)
         .await
         .unwrap();
@@ -281,19 +326,36 @@ async fn hooks_see_turn_start_tools_and_end_in_order() {
         keel_core::ScriptedErrorKind::Server,
         "down",
     )]);
-    agent_loop
+    AgentLoop::default()
         .run(request(failing, ToolRegistry::new(), 4), None)
         .await
         .unwrap_err();
+    let spans = recorder.0.lock().clone();
+    let names: Vec<&str> = spans.iter().map(|(n, _)| n.as_str()).collect();
+    let model = "scripted";
     assert_eq!(
-        *recorder.0.lock(),
+        names,
         [
-            "start now",
-            "before nope",
-            "after nope error=true",
-            "end ok fine",
-            "start now",
-            "end err provider server error 500: down",
+            format!("chat {model}").as_str(),
+            "execute_tool nope",
+            &format!("chat {model}"),
+            &format!("chat {model}"),
         ]
     );
+    let field = |i: usize, k: &str| spans[i].1.get(k).cloned().unwrap_or_default();
+    assert_eq!(field(0, "gen_ai.operation.name"), "chat");
+    assert_eq!(field(0, "gen_ai.usage.input_tokens"), "7");
+    assert_eq!(field(0, "gen_ai.usage.output_tokens"), "3");
+    assert_eq!(field(0, "gen_ai.response.finish_reasons"), "tool_call");
+    assert!(!field(0, "keel.time_to_first_token_ms").is_empty());
+    assert_eq!(field(1, "gen_ai.tool.name"), "nope");
+    assert_eq!(field(1, "keel.tool.outcome"), "error");
+    assert_eq!(field(1, "otel.status_code"), "ERROR");
+    assert_eq!(field(2, "gen_ai.response.finish_reasons"), "stop");
+    assert_eq!(field(3, "otel.status_code"), "ERROR");
+    // Content is not recorded by default.
+    assert!(spans
+        .iter()
+        .all(|(_, f)| !f.contains_key("gen_ai.output.messages")
+            && !f.contains_key("gen_ai.tool.call.arguments")));
 }
