@@ -75,8 +75,10 @@ const KEPT_RUN_SPANS: usize = 1024;
 /// The span contexts of background runs, by run, until a continuation
 /// links to them (bounded: the oldest go first). Run ids are unique, so one
 /// map serves every coordinator of the process.
-static RUN_SPANS: LazyLock<Mutex<(HashMap<RunId, SpanHandle>, VecDeque<RunId>)>> =
-    LazyLock::new(Mutex::default);
+static RUN_SPANS: LazyLock<Mutex<KeptRunSpans>> = LazyLock::new(Mutex::default);
+
+/// Kept span contexts by run, and the runs in the order they were kept.
+type KeptRunSpans = (HashMap<RunId, SpanHandle>, VecDeque<RunId>);
 
 /// Open approval-wait spans, by approval, until each is settled.
 static APPROVAL_SPANS: LazyLock<Mutex<HashMap<ApprovalId, Span>>> = LazyLock::new(Mutex::default);

@@ -240,72 +240,10 @@ async fn cancellation_during_a_tool_batch() {
     );
 }
 
-/// Records the spans of target `keel_trace` as they close: the OTel name
-/// and every field recorded on them.
-#[derive(Default, Clone)]
-struct SpanRecorder(
-    Arc<parking_lot::Mutex<Vec<(String, std::collections::BTreeMap<String, String>)>>>,
-);
-
-#[derive(Default)]
-struct Fields(std::collections::BTreeMap<String, String>);
-
-impl tracing::field::Visit for Fields {
-    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-        self.0.insert(field.name().to_owned(), format!("{value:?}"));
-    }
-    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
-        self.0.insert(field.name().to_owned(), value.to_owned());
-    }
-}
-
-impl<S> tracing_subscriber::Layer<S> for SpanRecorder
-where
-    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
-{
-    fn on_new_span(
-        &self,
-        attrs: &tracing::span::Attributes<'_>,
-        id: &tracing::span::Id,
-        ctx: tracing_subscriber::layer::Context<'_, S>,
-    ) {
-        let mut fields = Fields::default();
-        attrs.record(&mut fields);
-        if let Some(span) = ctx.span(id) {
-            span.extensions_mut().insert(fields);
-        }
-    }
-    fn on_record(
-        &self,
-        id: &tracing::span::Id,
-        values: &tracing::span::Record<'_>,
-        ctx: tracing_subscriber::layer::Context<'_, S>,
-    ) {
-        if let Some(span) = ctx.span(id) {
-            if let Some(fields) = span.extensions_mut().get_mut::<Fields>() {
-                values.record(fields);
-            }
-        }
-    }
-    fn on_close(&self, id: tracing::span::Id, ctx: tracing_subscriber::layer::Context<'_, S>) {
-        let Some(span) = ctx.span(&id) else { return };
-        if span.metadata().target() != keel_engine::TRACE_TARGET {
-            return;
-        }
-        let fields = span
-            .extensions_mut()
-            .remove::<Fields>()
-            .unwrap_or_default()
-            .0;
-        let name = fields.get("otel.name").cloned().unwrap_or_default();
-        self.0.lock().push((name, fields));
-    }
-}
-
 #[tokio::test]
 async fn a_turn_emits_chat_and_tool_spans_with_usage_finish_reason_and_outcome() {
     use tracing_subscriber::layer::SubscriberExt;
-    let recorder = SpanRecorder::default();
+    let recorder = crate::common::SpanRecorder::default();
     let subscriber = tracing_subscriber::registry().with(recorder.clone());
     let _guard = tracing::subscriber::set_default(subscriber);
     let provider = ScriptedProvider::new([
