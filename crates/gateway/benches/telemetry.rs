@@ -36,9 +36,9 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
 /// Blocks of turns per side (interleaved).
-const BLOCKS: usize = 15;
+const BLOCKS: usize = 60;
 /// Turns of one side in one block.
-const BLOCK_TURNS: u32 = 100;
+const BLOCK_TURNS: u32 = 50;
 /// Blocks run first and not counted (warm caches, the first exports).
 const WARMUP_BLOCKS: usize = 2;
 
@@ -221,14 +221,16 @@ fn main() {
         ids
     });
     println!(
-        "# {BLOCKS} blocks of {BLOCK_TURNS} turns per side, interleaved ({WARMUP_BLOCKS} warm-up blocks not counted);"
+        "# {BLOCKS} blocks of {BLOCK_TURNS} turns per side, interleaved, each block starting with the next side ({WARMUP_BLOCKS} warm-up blocks not counted);"
     );
     println!("# a turn: one model call (zero latency), its open and final commits; 4 spans when recorded.");
     let mut per_turn: Vec<Vec<f64>> = vec![Vec::new(); sides.len()];
     let mut n = 0u32;
     for block in 0..BLOCKS + WARMUP_BLOCKS {
-        for (i, (_, dispatch)) in sides.iter().enumerate() {
-            let _default = tracing::dispatcher::set_default(dispatch);
+        // Each block starts with another side, so none always runs first.
+        for k in 0..sides.len() {
+            let i = (block + k) % sides.len();
+            let _default = tracing::dispatcher::set_default(&sides[i].1);
             let start = Instant::now();
             runtime.block_on(async {
                 for t in 0..BLOCK_TURNS {
