@@ -255,6 +255,7 @@ fn ci() -> Result<(), String> {
         println!("ci: {SKIP_BROWSER_TEST}=1: the browser test is left out");
     }
     interop_prerequisites()?;
+    telemetry_prerequisites()?;
     mcp_servers_prerequisites()?;
     let nextest = succeeds(cargo_cmd(&["nextest", "--version"]).current_dir(root()));
     let deny = succeeds(cargo_cmd(&["deny", "--version"]).current_dir(root()));
@@ -439,6 +440,19 @@ fn interop_prerequisites() -> Result<(), String> {
     Err(
         "the interop check needs the openai and ag-ui-protocol Python packages; .ci/run \
          installs them"
+            .to_owned(),
+    )
+}
+
+/// Fails unless the `opentelemetry-proto` Python package, which keel-e2e's
+/// OTLP receiver (tests/telemetry) decodes exports with, is importable.
+fn telemetry_prerequisites() -> Result<(), String> {
+    let import = "from opentelemetry.proto.collector.trace.v1 import trace_service_pb2";
+    if succeeds(Command::new("python3").args(["-c", import])) {
+        return Ok(());
+    }
+    Err(
+        "the telemetry tests need the opentelemetry-proto Python package; .ci/run installs it"
             .to_owned(),
     )
 }

@@ -803,10 +803,7 @@ async fn delegation_overhead(dir: &Path) {
         prices: None,
     };
     let bundle = RuntimeBundle::new(root)
-        .with_loop(keel_engine::AgentLoop::new(
-            Arc::new(keel_engine::NoHooks),
-            gate,
-        ))
+        .with_loop(keel_engine::AgentLoop::new(gate))
         .with_coordinator(coordinator);
     let config = SessionManagerConfig {
         auto_title_after: 0,

@@ -16,12 +16,14 @@ use keel_core::{
     StreamEvent, ToolCall, ToolError, ToolExecutionContext, ToolOutput, ToolRegistry, Usage,
 };
 use tokio::sync::mpsc;
+use tracing::Instrument;
 
 use crate::approval::{ApprovalGate, GateMode, SUB_AGENT_REFUSAL};
 use crate::budget::SpendMeter;
 use crate::context::estimate_request_tokens;
 use crate::error::{EngineError, Result};
 use crate::mailbox::TurnMailbox;
+use crate::trace;
 
 /// Something the loop reports while a turn runs.
 #[derive(Debug, Clone, PartialEq)]
@@ -52,22 +54,6 @@ pub enum TurnEvent {
 
 /// Where turn events go; dropped receivers are ignored.
 pub type EventSink = mpsc::UnboundedSender<TurnEvent>;
-
-/// Observation points of a turn. All methods default to doing nothing.
-pub trait TurnHooks: Send + Sync {
-    /// Before the first provider call.
-    fn on_turn_start(&self, _input: &[Message]) {}
-    /// After the loop ended, with its outcome.
-    fn on_turn_end(&self, _result: Result<&TurnOutput, &EngineError>) {}
-    /// Before a tool call runs.
-    fn before_tool(&self, _call: &ToolCall) {}
-    /// After a tool call ran.
-    fn after_tool(&self, _call: &ToolCall, _output: &ToolOutput) {}
-}
-
-/// Hooks that do nothing.
-pub struct NoHooks;
-impl TurnHooks for NoHooks {}
 
 /// What a running turn did so far that a rerun would repeat; the loop
 /// reads it from the turn's extensions, when there.
@@ -152,22 +138,22 @@ impl TurnOutput {
     }
 }
 
-/// Runs turns.
+/// Runs turns. What a turn does is observable as `tracing` spans (see
+/// `trace.rs`): a downstream crate observes turns with a subscriber layer.
 pub struct AgentLoop {
-    hooks: Arc<dyn TurnHooks>,
     gate: Arc<dyn StepGate>,
 }
 
 impl Default for AgentLoop {
     fn default() -> Self {
-        Self::new(Arc::new(NoHooks), Arc::new(OpenGate))
+        Self::new(Arc::new(OpenGate))
     }
 }
 
 impl AgentLoop {
-    /// A loop with `hooks`, taking step permits from `gate`.
-    pub fn new(hooks: Arc<dyn TurnHooks>, gate: Arc<dyn StepGate>) -> Self {
-        Self { hooks, gate }
+    /// A loop taking step permits from `gate`.
+    pub fn new(gate: Arc<dyn StepGate>) -> Self {
+        Self { gate }
     }
 
     /// The gate every provider and tool step of this loop goes through.
@@ -177,17 +163,6 @@ impl AgentLoop {
 
     /// Runs one turn to its end.
     pub async fn run(
-        &self,
-        request: TurnRequest,
-        events: Option<&EventSink>,
-    ) -> Result<TurnOutput> {
-        self.hooks.on_turn_start(&request.input);
-        let result = self.run_inner(request, events).await;
-        self.hooks.on_turn_end(result.as_ref());
-        result
-    }
-
-    async fn run_inner(
         &self,
         request: TurnRequest,
         events: Option<&EventSink>,
@@ -241,7 +216,15 @@ impl AgentLoop {
             let reservation = meter.as_ref().map(|m| m.reserve(estimate())).transpose()?;
             let response = {
                 let _permit = self.gate.provider_step(&context).await?;
-                stream_response(provider.as_ref(), &chat, &context, &emit).await?
+                let span = trace::chat_span(provider.name(), provider.model(), max_output_tokens);
+                let response = stream_response(provider.as_ref(), &chat, &context, &emit, &span)
+                    .instrument(span.clone())
+                    .await;
+                match &response {
+                    Ok(r) => trace::record_response(&span, r),
+                    Err(e) => trace::record_error(&span, e),
+                }
+                response?
             };
             if let (Some(meter), Some(reservation)) = (&meter, reservation) {
                 // Unrecorded spend would let a restart reset a dialog budget:
@@ -344,7 +327,22 @@ impl AgentLoop {
         ctx: &ToolExecutionContext,
         emit: &impl Fn(TurnEvent),
     ) -> ToolOutput {
-        self.hooks.before_tool(call);
+        let span = trace::tool_span(call);
+        let output = self
+            .execute_in_span(tools, call, ctx, emit)
+            .instrument(span.clone())
+            .await;
+        trace::record_tool_output(&span, &output);
+        output
+    }
+
+    async fn execute_in_span(
+        &self,
+        tools: &ToolRegistry,
+        call: &ToolCall,
+        ctx: &ToolExecutionContext,
+        emit: &impl Fn(TurnEvent),
+    ) -> ToolOutput {
         if let Some(progress) = ctx.extensions.get::<Arc<TurnProgress>>() {
             progress.acted.store(true, Ordering::Release);
         }
@@ -380,7 +378,6 @@ impl AgentLoop {
                 }
             }
         };
-        self.hooks.after_tool(call, &output);
         emit(TurnEvent::ToolFinished {
             call_id: call.id.clone(),
             name: call.name.clone(),
@@ -395,8 +392,11 @@ async fn stream_response(
     chat: &ChatRequest,
     ctx: &ToolExecutionContext,
     emit: &impl Fn(TurnEvent),
+    span: &tracing::Span,
 ) -> Result<keel_core::ProviderResponse> {
     let cancel = &ctx.cancellation;
+    // Time to first token, measured only for a recorded span.
+    let mut started = (!span.is_disabled()).then(std::time::Instant::now);
     let mut stream = tokio::select! {
         biased;
         _ = cancel.cancelled() => return Err(EngineError::Cancelled),
@@ -413,6 +413,10 @@ async fn stream_response(
             None => return acc.finish().map_err(provider_error),
             Some(Err(e)) => return Err(provider_error(e)),
             Some(Ok(event)) => {
+                if let Some(at) = started.take() {
+                    let ms = u64::try_from(at.elapsed().as_millis()).unwrap_or(u64::MAX);
+                    span.record("keel.time_to_first_token_ms", trace::int(ms));
+                }
                 acc.push(event.clone()).map_err(provider_error)?;
                 emit(TurnEvent::Stream(event));
             }

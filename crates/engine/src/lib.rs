@@ -40,11 +40,11 @@ mod manager;
 mod session;
 mod state;
 mod tools;
+mod trace;
 
 pub use address::DialogAddress;
 pub use agent_loop::{
-    AgentLoop, EventSink, NoHooks, OpenGate, StepGate, StepPermit, TurnEvent, TurnHooks,
-    TurnOutput, TurnRequest,
+    AgentLoop, EventSink, OpenGate, StepGate, StepPermit, TurnEvent, TurnOutput, TurnRequest,
 };
 pub use approval::{ApprovalPolicy, SUPERSEDED_REASON};
 pub use budget::Spend;
@@ -78,4 +78,7 @@ pub use tools::{
     builtin_registry, check_sandbox_support, grant_skills, register_memory_tools,
     run_sandbox_launcher, BuiltinToolsConfig, LandlockPolicy, ShellConfig, ShellConfinement,
     DEFAULT_SHELL_READ_PATHS, SANDBOX_LAUNCHER_ARG,
+};
+pub use trace::{
+    install_span_linker, set_record_content, SpanHandle, SpanLinker, TARGET as TRACE_TARGET,
 };

@@ -9,7 +9,6 @@ use keel_core::{Provider, ScriptedProvider, SessionId, ToolRegistry, TurnId};
 use keel_engine::builtin_registry;
 use keel_engine::AgentLoop;
 use keel_engine::ExecutionGate;
-use keel_engine::NoHooks;
 use keel_engine::{AgentCoordinator, CoordinatorConfig, ProfileProviders, ProviderFactory};
 use keel_engine::{RuntimeBundle, SessionManager};
 use keel_store::{describe_process, Activation, RuntimeLock, Store};
@@ -206,7 +205,7 @@ impl App {
             )?,
             None => RuntimeBundle::new(profiles.build(&AgentCatalog::empty(0))?.root),
         };
-        let mut bundle = bundle.with_loop(AgentLoop::new(Arc::new(NoHooks), gate));
+        let mut bundle = bundle.with_loop(AgentLoop::new(gate));
         if let Some(c) = &coordinator {
             bundle = bundle.with_coordinator(c.clone());
         }

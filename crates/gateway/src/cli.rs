@@ -212,7 +212,19 @@ pub fn main() -> ExitCode {
         return keel_engine::run_sandbox_launcher(args);
     }
     let cli = Cli::parse();
-    init_tracing();
+    // `keel serve` exports traces when `[telemetry]` says so; the exporter
+    // starts before the runtime (its HTTP client owns a runtime of its own).
+    let telemetry = match &cli.command {
+        Command::Serve { data, .. } => match start_telemetry(data) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("keel: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+        _ => None,
+    };
+    init_tracing(telemetry.as_ref());
     #[cfg(feature = "failpoints")]
     match keel_store::failpoints::configure_from_env() {
         Ok(names) if !names.is_empty() => tracing::warn!(?names, "failpoints set"),
@@ -318,6 +330,20 @@ pub fn main() -> ExitCode {
             }
         }
     });
+    // Tasks still running end with the runtime (their spans too); then
+    // the last spans are exported, a bounded wait.
+    drop(runtime);
+    if let Some(telemetry) = telemetry {
+        if let Err(e) = telemetry.shutdown() {
+            eprintln!("keel: {e}");
+        }
+        let lost = crate::telemetry::dropped_spans();
+        if lost > 0 {
+            eprintln!(
+                "keel: telemetry: {lost} span(s) were not exported (the export queue was full or the collector did not take them)"
+            );
+        }
+    }
     match result {
         Ok(code) => code,
         Err(e) => {
@@ -327,11 +353,39 @@ pub fn main() -> ExitCode {
     }
 }
 
-fn init_tracing() {
-    use tracing_subscriber::EnvFilter;
+/// The trace exporter `[telemetry]` of the serve command's configuration
+/// asks for (`None`: off). A configuration that does not load is reported
+/// by the command itself.
+fn start_telemetry(data: &DataArgs) -> Result<Option<crate::telemetry::Telemetry>, String> {
+    let Ok(loaded) = crate::config::Config::load(data.config.as_deref(), data.data_dir.as_deref())
+    else {
+        return Ok(None);
+    };
+    let env = |name: &str| std::env::var(name).ok();
+    match crate::telemetry::ExportSettings::resolve(&loaded.config.telemetry, &env) {
+        Some(settings) => crate::telemetry::Telemetry::start(&settings).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// Logs (`KEEL_LOG`, default `warn`) to stderr; the engine's spans go only
+/// to the trace exporter, when there is one.
+fn init_tracing(telemetry: Option<&crate::telemetry::Telemetry>) {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::{EnvFilter, Layer};
     let filter = EnvFilter::try_from_env("KEEL_LOG").unwrap_or_else(|_| EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let off = format!("{}=off", keel_engine::TRACE_TARGET);
+    let filter = match off.parse() {
+        Ok(directive) => filter.add_directive(directive),
+        Err(_) => filter,
+    };
+    let logs = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
-        .try_init();
+        .with_filter(filter);
+    let registry = tracing_subscriber::registry().with(logs);
+    let _ = match telemetry {
+        Some(t) => registry.with(t.layer()).try_init(),
+        None => registry.try_init(),
+    };
 }

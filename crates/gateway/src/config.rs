@@ -176,6 +176,8 @@ pub struct Config {
     /// MCP servers by name (`[mcp.NAME]`).
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub mcp: BTreeMap<String, McpServerConfig>,
+    /// `[telemetry]`: OpenTelemetry export of traces (off by default).
+    pub telemetry: TelemetryConfig,
 }
 
 impl Default for Config {
@@ -195,6 +197,7 @@ impl Default for Config {
             orchestration: OrchestrationConfig::default(),
             server: ServerConfig::default(),
             mcp: BTreeMap::new(),
+            telemetry: TelemetryConfig::default(),
         }
     }
 }
@@ -521,6 +524,39 @@ impl Default for ServerConfig {
             header_timeout_secs: DEFAULT_HEADER_TIMEOUT_SECS,
             body_timeout_secs: DEFAULT_BODY_TIMEOUT_SECS,
             idle_timeout_secs: DEFAULT_IDLE_TIMEOUT_SECS,
+        }
+    }
+}
+
+/// `[telemetry]`: where `keel serve` exports its traces (OTLP over
+/// HTTP/protobuf) and what they hold.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TelemetryConfig {
+    /// Base URL of the OTLP/HTTP collector (`/v1/traces` is appended);
+    /// unset: `OTEL_EXPORTER_OTLP_*`, else no export.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub otlp_endpoint: Option<String>,
+    /// Environment variable holding extra export headers (`k=v,k2=v2`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub headers_env: Option<String>,
+    /// `service.name` of the exported spans; unset: `OTEL_SERVICE_NAME`, else `keel`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service_name: Option<String>,
+    /// Share of root traces recorded, 0.0..=1.0.
+    pub sampling_ratio: f64,
+    /// Whether spans carry message content (inputs, answers, tool arguments and results).
+    pub record_content: bool,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        Self {
+            otlp_endpoint: None,
+            headers_env: None,
+            service_name: None,
+            sampling_ratio: 1.0,
+            record_content: false,
         }
     }
 }

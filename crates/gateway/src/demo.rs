@@ -17,7 +17,6 @@ use keel_core::{
 use keel_engine::AgentLoop;
 use keel_engine::AgentProfile;
 use keel_engine::DialogAddress;
-use keel_engine::NoHooks;
 use keel_engine::TurnEvent;
 use keel_engine::{builtin_registry, BuiltinToolsConfig};
 use keel_engine::{AgentCoordinator, CoordinatorConfig, ProfileProviders, RunEvent, RunObserver};
@@ -357,7 +356,7 @@ async fn build(
         ..Default::default()
     };
     let bundle = RuntimeBundle::new(root)
-        .with_loop(AgentLoop::new(Arc::new(NoHooks), gate))
+        .with_loop(AgentLoop::new(gate))
         .with_coordinator(coordinator.clone());
     Ok(Runtime {
         manager: SessionManager::new(store, bundle, config),

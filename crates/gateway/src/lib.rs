@@ -1,7 +1,7 @@
 //! The `keel` binary's library: configuration, the HTTP/WebSocket server,
 //! the terminal chat with its slash commands, the offline demo, `doctor`,
-//! `prune`, `backup`/`restore`, `export`/`import`, `agents check` and the MCP
-//! client.
+//! `prune`, `backup`/`restore`, `export`/`import`, `agents check`, the MCP
+//! client and the trace exporter.
 //!
 //! Architecture invariant: keel-gateway is the only crate that talks to
 //! users — the terminal, HTTP, WebSocket and wire DTOs (converted from
@@ -25,6 +25,7 @@ pub mod mcp_cmd;
 mod profiles;
 pub mod prune;
 pub mod serve;
+pub mod telemetry;
 pub mod terminal;
 
 pub use error::{io_err, AppError, Result};

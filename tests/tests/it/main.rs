@@ -32,6 +32,8 @@ mod prune;
 mod serve;
 #[cfg(target_os = "linux")]
 mod slowloris;
+#[cfg(unix)]
+mod telemetry;
 
 /// A command running the `keel` binary.
 ///

@@ -149,10 +149,7 @@ fn runtime(store: Store, marks: Arc<Marks>) -> Arc<SessionManager> {
         prices: None,
     };
     let bundle = RuntimeBundle::new(profile)
-        .with_loop(keel_engine::AgentLoop::new(
-            Arc::new(keel_engine::NoHooks),
-            gate,
-        ))
+        .with_loop(keel_engine::AgentLoop::new(gate))
         .with_coordinator(coordinator);
     SessionManager::new(
         store,

@@ -181,10 +181,7 @@ fn runtime(store: Store, sub: Arc<dyn Provider>, marks: Arc<Marks>) -> Arc<Sessi
         prices: None,
     };
     let bundle = RuntimeBundle::new(profile)
-        .with_loop(keel_engine::AgentLoop::new(
-            Arc::new(keel_engine::NoHooks),
-            gate,
-        ))
+        .with_loop(keel_engine::AgentLoop::new(gate))
         .with_coordinator(coordinator);
     SessionManager::new(
         store,

@@ -15,6 +15,7 @@ use keel_store::{
     AcceptGroup, AcceptRun, NewGroup, NewRun, RunRecord, StoreError, TerminalOutcome,
 };
 use parking_lot::Mutex;
+use tracing::Instrument;
 
 use super::context::{AgentExecutionContext, CallerContext, TreeBudget};
 use super::runner::{Launch, Quota};
@@ -23,6 +24,7 @@ use super::{AgentCoordinator, PendingRun};
 use crate::budget::{BudgetScope, Ledger, Spend, SpendMeter};
 use crate::error::{EngineError, Result};
 use crate::gate::RunPermit;
+use crate::trace;
 
 /// Longest task text, in bytes.
 pub(crate) const MAX_TASK_BYTES: usize = 32 * 1024;
@@ -403,9 +405,21 @@ impl AgentCoordinator {
                 break;
             };
             let guard = self.register(&context);
+            let background = context.mode == ExecutionMode::Background;
+            let span = trace::run_span(
+                context.root_session_id,
+                context.run_id,
+                context.agent_id.as_str(),
+                background,
+                false,
+            );
+            trace::record_input_text(&span, &launch.input);
+            if background {
+                trace::keep_run_span(context.run_id, &span);
+            }
             match self
                 .supervisor
-                .spawn(async move { me.run_to_end(launch, guard).await })
+                .spawn(async move { me.run_to_end(launch, guard).await }.instrument(span))
             {
                 Ok(handle) => handles.push((context, handle)),
                 Err(_) => {

@@ -45,7 +45,7 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::agent_loop::{AgentLoop, NoHooks, StepGate};
+use crate::agent_loop::{AgentLoop, StepGate};
 use crate::events::SessionEvents;
 use crate::gate::ExecutionGate;
 
@@ -227,7 +227,7 @@ impl AgentCoordinator {
             providers,
             tools,
             gate,
-            agent_loop: AgentLoop::new(Arc::new(NoHooks), step_gate),
+            agent_loop: AgentLoop::new(step_gate),
             config,
             supervisor: Supervisor::new(),
             active: Mutex::new(HashMap::new()),

@@ -25,6 +25,7 @@ use keel_core::{
 use keel_store::{ApprovalRecord, ApprovalStatus, NewApproval, PausedRunCommit, TerminalOutcome};
 use parking_lot::Mutex;
 use tokio::sync::watch;
+use tracing::Instrument;
 
 use super::context::{AgentExecutionContext, TreeBudget};
 use super::runner::{Executed, Launch, Quota, Stop};
@@ -32,6 +33,7 @@ use super::AgentCoordinator;
 use crate::approval::decided_result;
 use crate::budget::{BudgetScope, Ledger, Spend, SpendMeter};
 use crate::events::SessionEvent;
+use crate::trace;
 
 /// The cancellation reason of runs `/stop` ended.
 pub(super) const STOPPED_REASON: &str = "stopped by the user";
@@ -347,7 +349,21 @@ impl AgentCoordinator {
                 decided,
             }),
         };
-        Arc::clone(&self).run_to_end(launch, guard).await;
+        // The resumed execution's span links to the run's first one (when
+        // this process recorded it) and stands in for it from now on.
+        let span = trace::run_span(
+            session,
+            run_id,
+            launch.context.agent_id.as_str(),
+            true,
+            true,
+        );
+        trace::link_runs(&span, &[run_id]);
+        trace::keep_run_span(run_id, &span);
+        Arc::clone(&self)
+            .run_to_end(launch, guard)
+            .instrument(span)
+            .await;
     }
 
     /// Ends a resumed run that cannot go on, as failed.

@@ -14,6 +14,7 @@ use keel_core::{
 };
 use keel_store::{CompletionHandling, RunRecord, TerminalOutcome};
 use tokio::sync::watch;
+use tracing::Instrument;
 
 use super::context::AgentExecutionContext;
 use super::signals::EmitSignalTool;
@@ -22,6 +23,7 @@ use super::{ActiveRun, AgentCoordinator, RunEvent};
 use crate::agent_loop::{TurnOutput, TurnRequest};
 use crate::error::{internal_message, EngineError};
 use crate::gate::{RunPermit, StepScope};
+use crate::trace;
 
 /// How a run obtains its run quota.
 pub(crate) enum Quota {
@@ -169,6 +171,18 @@ impl AgentCoordinator {
             other => other,
         };
         let outcome = outcome_of(&context, result);
+        let usage = match &outcome {
+            TerminalOutcome::Completed { usage, .. } => Some(*usage),
+            TerminalOutcome::BudgetExhausted { usage, .. } => Some(*usage),
+            TerminalOutcome::Failed { usage, .. } => *usage,
+            _ => None,
+        };
+        trace::record_run_end(
+            &tracing::Span::current(),
+            outcome.status().as_str(),
+            matches!(outcome, TerminalOutcome::Completed { .. }),
+            usage.as_ref(),
+        );
         // Structured concurrency: a run ends after its foreground children
         // (cancelled with it when it was cancelled or timed out).
         let children: Vec<watch::Receiver<bool>> = self
@@ -198,6 +212,7 @@ impl AgentCoordinator {
                 handling,
                 now_ms(),
             )
+            .instrument(trace::store_span("commit_terminal", 1))
             .await;
         let (record, won) = match committed {
             Ok(commit) => {

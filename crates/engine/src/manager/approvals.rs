@@ -25,6 +25,7 @@ use std::sync::Arc;
 use keel_core::{ApprovalId, Message, RunId, SessionId, ToolExecutionContext, TurnId, TurnOrigin};
 use keel_store::{ApprovalRecord, ApprovalStatus, DecideApproval, DecideOutcome, Decision};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::worker::WorkerShared;
 use super::SessionManager;
@@ -33,6 +34,7 @@ use crate::clock;
 use crate::error::{EngineError, Result};
 use crate::events::SessionEvent;
 use crate::session::AgentSession;
+use crate::trace;
 
 impl SessionManager {
     /// The approvals of a dialog, oldest first (only those waiting for a
@@ -79,6 +81,11 @@ impl SessionManager {
         };
         match outcome {
             DecideOutcome::Decided(record) => {
+                let outcome = match decision {
+                    Decision::Deny => "denied",
+                    Decision::Approve | Decision::ApproveAlways => "approved",
+                };
+                trace::settle_approval(id, outcome);
                 let session = record.session_id;
                 self.events.publish(
                     session,
@@ -88,6 +95,7 @@ impl SessionManager {
                 Ok(record)
             }
             DecideOutcome::Expired(record) => {
+                trace::settle_approval(id, "expired");
                 let session = record.session_id;
                 self.events.publish(
                     session,
@@ -149,6 +157,7 @@ impl SessionManager {
             .commit_approval_results(&self.store, results, ids.clone(), Some(reason.clone()))
             .await?;
         for id in ids {
+            trace::settle_approval(id, "superseded");
             if let Ok(Some(record)) = self.store.get_approval(id).await {
                 self.events
                     .publish(session, SessionEvent::ApprovalDecided(Box::new(record)));
@@ -215,17 +224,20 @@ impl SessionManager {
                 .commit_approval_results(&self.store, results, ids, None)
                 .await?;
         }
+        let turn_id = TurnId::new();
+        let span = trace::turn_span(session, turn_id, TurnOrigin::AgentContinuation);
         let end = self
             .run_turn(
                 session,
                 shared,
-                TurnId::new(),
+                turn_id,
                 TurnOrigin::AgentContinuation,
                 Vec::new(),
                 CancellationToken::new(),
                 None,
                 false,
             )
+            .instrument(span)
             .await;
         if let Err(e) = &end.result {
             tracing::info!(session_id = %session, error = %e, "the turn after an approval failed; the tool results are in the history");

@@ -127,7 +127,7 @@ impl RuntimeBundle {
         self
     }
 
-    /// Runs turns with `agent_loop` (hooks, step gate).
+    /// Runs turns with `agent_loop` (its step gate).
     pub fn with_loop(mut self, agent_loop: AgentLoop) -> Self {
         self.agent_loop = Arc::new(agent_loop);
         self

@@ -15,10 +15,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_core::{Message, SessionId, TurnId, TurnOrigin};
+use keel_core::{Message, RunId, SessionId, TurnId, TurnOrigin};
 use keel_store::{ClaimRequest, EventType, InboxEvent, LeasedEvents, ReleaseRequest};
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::worker::WorkerShared;
 use super::SessionManager;
@@ -26,6 +27,7 @@ use crate::clock;
 use crate::error::{internal_message, EngineError};
 use crate::events::SessionEvent;
 use crate::fence::{fence, FENCE_NOTE};
+use crate::trace;
 
 /// How a session's inbox is delivered.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -154,17 +156,28 @@ impl SessionManager {
         let trigger = Message::user(trigger_text(&live, policy.result_bytes))
             .hidden()
             .with_origin(TurnOrigin::AgentContinuation);
+        let turn_id = TurnId::new();
+        let span = trace::turn_span(session, turn_id, TurnOrigin::AgentContinuation);
+        // The runs whose results the turn reads: linked, and named (their
+        // span context does not survive a restart).
+        let runs: Vec<RunId> = live.iter().filter_map(|e| e.run_id).collect();
+        if !span.is_disabled() {
+            let ids: Vec<String> = runs.iter().map(RunId::to_string).collect();
+            span.record("keel.run.ids", ids.join(","));
+        }
+        trace::link_runs(&span, &runs);
         let end = self
             .run_turn(
                 session,
                 shared,
-                TurnId::new(),
+                turn_id,
                 TurnOrigin::AgentContinuation,
                 vec![trigger],
                 CancellationToken::new(),
                 Some(answers.clone()),
                 false,
             )
+            .instrument(span)
             .await;
         if let Err(e) = &end.result {
             // Stopped is no failed delivery: the events wait, untouched.

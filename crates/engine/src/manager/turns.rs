@@ -29,6 +29,7 @@ use keel_store::{LeasedEvents, NewApproval};
 use tokio::sync::OwnedMutexGuard;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::{SessionManager, TurnReport};
 use crate::agent_loop::{EventSink, TurnEvent, TurnOutput, TurnProgress, TurnRequest};
@@ -39,6 +40,7 @@ use crate::error::{EngineError, Result};
 use crate::mailbox::TurnMailbox;
 use crate::session::{AgentSession, FinishedTurn};
 use crate::tools::memory::{has_memory_tools, TurnMemory};
+use crate::trace;
 use keel_store::InputState;
 
 /// How a turn starts.
@@ -80,6 +82,9 @@ impl SessionManager {
         // Each turn runs the definition in force when it starts (a reload
         // may have changed or removed it); the turn keeps it to its end.
         guard.agent = self.bundle.session_agent(guard.record.agent_id.as_ref())?;
+        let span = tracing::Span::current();
+        trace::record_agent(&span, guard.agent.name.as_str());
+        trace::record_input(&span, &start.input);
         let slot = guard.writable_slot()?;
         // A root turn that may act asks before the tools its agent gates
         // (continuations only read, and never ask).
@@ -103,6 +108,7 @@ impl SessionManager {
             let queued = start.queued.then_some(start.turn_id);
             guard
                 .open_turn(&self.store, &slot, &start.input, queued)
+                .instrument(trace::store_span("open_turn", start.input.len()))
                 .await?
         } else {
             Vec::new()
@@ -256,9 +262,9 @@ impl PendingTurn {
         };
         let agent_loop = manager.bundle.agent_loop.clone();
         let sink = start.events.clone();
-        self.task = Some(tokio::spawn(async move {
-            agent_loop.run(request, sink.as_ref()).await
-        }));
+        self.task = Some(tokio::spawn(
+            async move { agent_loop.run(request, sink.as_ref()).await }.in_current_span(),
+        ));
         Ok(())
     }
 
@@ -345,7 +351,10 @@ impl PendingTurn {
             })
             .collect();
         let approval_ids = approvals.iter().map(|a| a.id).collect();
+        let waits: Vec<(ApprovalId, keel_core::ToolCall)> =
+            approvals.iter().map(|a| (a.id, a.call.clone())).collect();
         let paused = (!approvals.is_empty()).then_some((self.turn_id, approvals));
+        let rows = output.messages.len().saturating_sub(self.committed_inputs);
         let checkpoint = match guard
             .commit_turn(
                 &self.manager.store,
@@ -360,9 +369,15 @@ impl PendingTurn {
                 },
                 auto,
             )
+            .instrument(trace::store_span("commit_turn", rows))
             .await
         {
-            Ok(c) => c,
+            Ok(c) => {
+                for (id, call) in &waits {
+                    trace::open_approval(*id, call);
+                }
+                c
+            }
             Err(e) => {
                 if let Some(sink) = &self.events {
                     let _ = sink.send(TurnEvent::SystemNotice {

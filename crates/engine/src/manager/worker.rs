@@ -27,6 +27,7 @@ use keel_core::{Message, RunId, SessionId, TurnId, TurnOrigin};
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use keel_store::LeasedEvents;
 
@@ -36,6 +37,7 @@ use crate::clock;
 use crate::error::{internal_message, EngineError, Result};
 use crate::events::SessionEvent;
 use crate::mailbox::{Refused, TurnMailbox, WakeSource};
+use crate::trace;
 
 /// A user turn accepted by [`SessionManager::send`]: its id at once, its
 /// outcome when it ends.
@@ -618,6 +620,7 @@ impl SessionManager {
             match self.store.expire_approvals(session, now).await {
                 Ok(expired) => {
                     for record in expired {
+                        trace::settle_approval(record.id, "expired");
                         self.events
                             .publish(session, SessionEvent::ApprovalDecided(Box::new(record)));
                     }
@@ -666,6 +669,7 @@ impl SessionManager {
         state: &mut WorkerState,
         task: UserTask,
     ) {
+        let span = trace::turn_span(session, task.turn_id, TurnOrigin::User);
         let end = self
             .run_turn(
                 session,
@@ -677,6 +681,7 @@ impl SessionManager {
                 None,
                 task.queued,
             )
+            .instrument(span)
             .await;
         let result = end.result;
         if result.is_ok() {
@@ -797,6 +802,10 @@ impl SessionManager {
             Some(deadline) => deadline.explain(e),
             None => e,
         });
+        trace::record_end(
+            &tracing::Span::current(),
+            result.as_ref().map(|r| &r.output.usage),
+        );
         let leftovers = mailbox.close(result.is_err());
         *shared.active.lock() = None;
         if !leftovers.agent.is_empty() {

@@ -240,40 +240,23 @@ async fn cancellation_during_a_tool_batch() {
     );
 }
 
-/// Records every hook call, in order.
-#[derive(Default)]
-struct Recorder(parking_lot::Mutex<Vec<String>>);
-
-impl keel_engine::TurnHooks for Recorder {
-    fn on_turn_start(&self, input: &[Message]) {
-        self.0.lock().push(format!("start {}", input[0].text()));
-    }
-    fn on_turn_end(&self, result: Result<&keel_engine::TurnOutput, &EngineError>) {
-        let r = match result {
-            Ok(out) => format!("end ok {}", out.final_text()),
-            Err(e) => format!("end err {e}"),
-        };
-        self.0.lock().push(r);
-    }
-    fn before_tool(&self, call: &keel_core::ToolCall) {
-        self.0.lock().push(format!("before {}", call.name));
-    }
-    fn after_tool(&self, call: &keel_core::ToolCall, output: &ToolOutput) {
-        self.0
-            .lock()
-            .push(format!("after {} error={}", call.name, output.is_error));
-    }
-}
-
 #[tokio::test]
-async fn hooks_see_turn_start_tools_and_end_in_order() {
-    let recorder = Arc::new(Recorder::default());
-    let agent_loop = AgentLoop::new(recorder.clone(), Arc::new(keel_engine::OpenGate));
+async fn a_turn_emits_chat_and_tool_spans_with_usage_finish_reason_and_outcome() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let recorder = crate::common::SpanRecorder::default();
+    let subscriber = tracing_subscriber::registry().with(recorder.clone());
+    let _guard = tracing::subscriber::set_default(subscriber);
     let provider = ScriptedProvider::new([
-        ScriptedResponse::tool_call("nope", json!({})),
-        ScriptedResponse::text("fine"),
+        ScriptedResponse {
+            usage: Some(keel_core::Usage::new(7, 3)),
+            ..ScriptedResponse::tool_call("nope", json!({}))
+        },
+        ScriptedResponse {
+            usage: Some(keel_core::Usage::new(11, 2)),
+            ..ScriptedResponse::text("fine")
+        },
     ]);
-    agent_loop
+    AgentLoop::default()
         .run(request(provider, ToolRegistry::new(), 4), None)
         .await
         .unwrap();
@@ -281,19 +264,36 @@ async fn hooks_see_turn_start_tools_and_end_in_order() {
         keel_core::ScriptedErrorKind::Server,
         "down",
     )]);
-    agent_loop
+    AgentLoop::default()
         .run(request(failing, ToolRegistry::new(), 4), None)
         .await
         .unwrap_err();
+    let spans = recorder.0.lock().clone();
+    let names: Vec<&str> = spans.iter().map(|(n, _)| n.as_str()).collect();
+    let model = "scripted";
     assert_eq!(
-        *recorder.0.lock(),
+        names,
         [
-            "start now",
-            "before nope",
-            "after nope error=true",
-            "end ok fine",
-            "start now",
-            "end err provider server error 500: down",
+            format!("chat {model}").as_str(),
+            "execute_tool nope",
+            &format!("chat {model}"),
+            &format!("chat {model}"),
         ]
     );
+    let field = |i: usize, k: &str| spans[i].1.get(k).cloned().unwrap_or_default();
+    assert_eq!(field(0, "gen_ai.operation.name"), "chat");
+    assert_eq!(field(0, "gen_ai.usage.input_tokens"), "7");
+    assert_eq!(field(0, "gen_ai.usage.output_tokens"), "3");
+    assert_eq!(field(0, "gen_ai.response.finish_reasons"), "tool_call");
+    assert!(!field(0, "keel.time_to_first_token_ms").is_empty());
+    assert_eq!(field(1, "gen_ai.tool.name"), "nope");
+    assert_eq!(field(1, "keel.tool.outcome"), "error");
+    assert_eq!(field(1, "otel.status_code"), "ERROR");
+    assert_eq!(field(2, "gen_ai.response.finish_reasons"), "stop");
+    assert_eq!(field(3, "otel.status_code"), "ERROR");
+    // Content is not recorded by default.
+    assert!(spans
+        .iter()
+        .all(|(_, f)| !f.contains_key("gen_ai.output.messages")
+            && !f.contains_key("gen_ai.tool.call.arguments")));
 }

@@ -227,6 +227,49 @@ async fn a_gated_call_waits_for_approval_then_runs_once_and_the_model_goes_on() 
 }
 
 #[tokio::test]
+async fn an_approval_wait_is_a_span_from_the_pause_to_the_decision() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let recorder = SpanRecorder::default();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(recorder.clone()));
+    let s = Setup::new();
+    let dir = tempfile::tempdir().unwrap();
+    let manager = s.manager(open_store(dir.path()), SessionManagerConfig::default());
+    let id = manager.create(spec("d")).await.unwrap();
+    let mut feed = manager.events().subscribe(id).await.unwrap();
+    let asked = pause(&s, &manager, id, &mut feed).await;
+    let open = |name: &str| recorder.spans().iter().filter(|(n, _)| n == name).count();
+    assert_eq!(open("await_approval write"), 0, "the wait is still open");
+    s.provider.push([ScriptedResponse::text("written")]);
+    manager
+        .decide_approval(asked, Some(id), Decision::Deny, None)
+        .await
+        .unwrap();
+    continued(&mut feed).await;
+    let spans = recorder.spans();
+    let wait = spans
+        .iter()
+        .find(|(n, _)| n == "await_approval write")
+        .expect("the wait ended with the decision");
+    assert_eq!(wait.1["keel.approval.outcome"], "denied");
+    assert_eq!(wait.1["keel.approval.id"], asked.to_string());
+    assert_eq!(wait.1["gen_ai.tool.name"], "write");
+    let origins: Vec<&str> = spans
+        .iter()
+        .filter(|(n, _)| n == "invoke_agent root")
+        .map(|(_, f)| f["keel.turn.origin"].as_str())
+        .collect();
+    assert_eq!(origins, ["user", "agent_continuation"]);
+    // Each turn's commit appends one message: the call, then the answer.
+    let rows: Vec<&str> = spans
+        .iter()
+        .filter(|(n, _)| n == "keel.store commit_turn")
+        .map(|(_, f)| f["keel.store.rows"].as_str())
+        .collect();
+    assert_eq!(rows, ["1", "1"]);
+}
+
+#[tokio::test]
 async fn approve_always_is_sticky_for_the_dialog_and_deny_tells_the_model_why() {
     let s = Setup::new();
     let dir = tempfile::tempdir().unwrap();

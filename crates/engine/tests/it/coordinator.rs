@@ -23,7 +23,7 @@ use keel_engine::{
     AgentCoordinator, CallerContext, CoordinatorConfig, DelegateRequest, DelegateResponse,
     DelegateTask, EngineError, ProfileProviders, RunEvent, RunObserver,
 };
-use keel_engine::{AgentLoop, NoHooks, TurnRequest};
+use keel_engine::{AgentLoop, TurnRequest};
 use keel_engine::{ExecutionGate, GateCounters, GateLimits};
 use keel_store::{CompletionHandling, RunRecord, Store, StoreOptions, TerminalOutcome};
 use serde_json::json;
@@ -688,7 +688,7 @@ async fn nested_foreground_three_levels_completes_with_every_limit_at_one() {
     for t in h.coord.root_tools() {
         registry.register(t).unwrap();
     }
-    let agent_loop = AgentLoop::new(Arc::new(NoHooks), h.gate.clone());
+    let agent_loop = AgentLoop::new(h.gate.clone());
     let out = tokio::time::timeout(
         HANG,
         agent_loop.run(

@@ -24,7 +24,7 @@ use keel_engine::{AgentLoop, EngineError, TurnRequest};
 use keel_engine::{
     ExecutionGate, GateCounters, GateLimits, GateScope, StepKind, StepPermitGuard, StepScope,
 };
-use keel_engine::{NoHooks, OpenGate, StepGate};
+use keel_engine::{OpenGate, StepGate};
 use serde_json::json;
 use tokio::sync::oneshot;
 
@@ -760,7 +760,7 @@ mod gate_step_gate_impl {
             session: None,
             agent: Some(agent("root")),
         });
-        let agent_loop = AgentLoop::new(Arc::new(NoHooks), Arc::clone(&gate) as Arc<dyn StepGate>);
+        let agent_loop = AgentLoop::new(Arc::clone(&gate) as Arc<dyn StepGate>);
 
         let out = agent_loop
             .run(turn(batch_of_three(), &probe, context), None)
@@ -779,7 +779,7 @@ mod gate_step_gate_impl {
     async fn open_gate_runs_the_same_batch_concurrently() {
         // Shows the high-water probe above would see overlap if the gate allowed it.
         let probe = Probe::new(None);
-        let agent_loop = AgentLoop::new(Arc::new(NoHooks), Arc::new(OpenGate));
+        let agent_loop = AgentLoop::new(Arc::new(OpenGate));
         let out = agent_loop
             .run(
                 turn(batch_of_three(), &probe, ToolExecutionContext::default()),
@@ -866,7 +866,7 @@ mod gate_step_gate_impl {
             ..ToolExecutionContext::default()
         };
         let probe = Probe::new(None);
-        let agent_loop = AgentLoop::new(Arc::new(NoHooks), Arc::clone(&gate) as Arc<dyn StepGate>);
+        let agent_loop = AgentLoop::new(Arc::clone(&gate) as Arc<dyn StepGate>);
         let provider = batch_of_three();
         let mut running = pin!(agent_loop.run(turn(provider.clone(), &probe, context), None));
         assert!(poll!(&mut running).is_pending());

@@ -6,8 +6,7 @@ use std::sync::Arc;
 
 use keel_core::{AgentId, ScriptedProvider, ScriptedResponse, ToolRegistry};
 use keel_engine::{
-    AgentLoop, ExecutionGate, GateLimits, NoHooks, RuntimeBundle, SessionManager,
-    SessionManagerConfig,
+    AgentLoop, ExecutionGate, GateLimits, RuntimeBundle, SessionManager, SessionManagerConfig,
 };
 use tokio::sync::Semaphore;
 
@@ -79,8 +78,7 @@ fn stalled_manager(
     );
     root.provider = provider.clone();
     assert_eq!(root.name, AgentId::root());
-    let bundle =
-        RuntimeBundle::new(root).with_loop(AgentLoop::new(Arc::new(NoHooks), gate.clone()));
+    let bundle = RuntimeBundle::new(root).with_loop(AgentLoop::new(gate.clone()));
     let manager = SessionManager::new(
         open_store(dir),
         bundle,

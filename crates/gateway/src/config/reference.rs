@@ -152,6 +152,15 @@ max_output_bytes = 65536
 [mcp.docs]
 url = "https://mcp.example.com/mcp"
 headers_env = { Authorization = "DOCS_TOKEN" }
+
+# Traces to an OpenTelemetry collector (docs/TELEMETRY.md); off unless an
+# endpoint is set here or in OTEL_EXPORTER_OTLP_ENDPOINT.
+[telemetry]
+otlp_endpoint = "http://127.0.0.1:4318"
+headers_env = "KEEL_OTLP_HEADERS"
+service_name = "keel"
+sampling_ratio = 1.0
+record_content = false
 "#;
 
 /// Every key of `keel.toml`, in file order, with its default and meaning.
@@ -725,6 +734,7 @@ pub fn reference() -> Vec<KeyDoc> {
         ),
     );
     mcp_rows(&mut rows);
+    telemetry_rows(&mut rows);
     let defaults = flatten_keys(&Config::default());
     rows.0
         .into_iter()
@@ -737,6 +747,58 @@ pub fn reference() -> Vec<KeyDoc> {
             KeyDoc { key, default, doc }
         })
         .collect()
+}
+
+/// The `[telemetry]` rows (docs/TELEMETRY.md tells the rest).
+fn telemetry_rows(rows: &mut Rows) {
+    let text = |rows: &mut Rows, key: &str, default: &str, doc: String| {
+        rows.0.push((key.to_owned(), Some(default.to_owned()), doc));
+    };
+    let code = |rows: &mut Rows, key: &str, doc: String| {
+        rows.0.push((key.to_owned(), None, doc));
+    };
+    text(
+        rows,
+        "telemetry.otlp_endpoint",
+        "unset: `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` / `OTEL_EXPORTER_OTLP_ENDPOINT`, else off",
+        "Base URL of an OTLP/HTTP (protobuf) collector, e.g. `http://127.0.0.1:4318`; \
+         `keel serve` exports its traces to `<URL>/v1/traces` (docs/TELEMETRY.md). It wins \
+         over the `OTEL_EXPORTER_OTLP_*` endpoint variables, which alone also turn export \
+         on; `OTEL_SDK_DISABLED=true` turns it off. An unreachable collector never slows \
+         a turn: spans wait in a bounded queue and those that do not fit are dropped and \
+         counted."
+            .into(),
+    );
+    text(
+        rows,
+        "telemetry.headers_env",
+        "unset: no extra headers",
+        "Environment variable holding headers sent with every export (`key=value,key2=value2`, \
+         e.g. a collector's API key), besides `OTEL_EXPORTER_OTLP_HEADERS`."
+            .into(),
+    );
+    text(
+        rows,
+        "telemetry.service_name",
+        "unset: `OTEL_SERVICE_NAME`, else `keel`",
+        "The `service.name` resource attribute of the exported spans \
+         (`OTEL_RESOURCE_ATTRIBUTES` adds others)."
+            .into(),
+    );
+    code(
+        rows,
+        "telemetry.sampling_ratio",
+        "Share of traces recorded, 0.0..=1.0, decided per root turn or background run \
+         (its model calls, tool calls and foreground runs follow it)."
+            .into(),
+    );
+    code(
+        rows,
+        "telemetry.record_content",
+        "Whether spans carry message content: a turn's input, model answers, tool arguments \
+         and results. Off, spans hold names, ids, token counts, durations and outcomes only."
+            .into(),
+    );
 }
 
 /// The `[mcp.NAME]` rows (no server exists by default).

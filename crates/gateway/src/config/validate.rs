@@ -28,7 +28,34 @@ pub(super) fn problems(config: &Config, env: &dyn Fn(&str) -> Option<String>) ->
     cost_budgets(config, &mut out);
     server(&config.server, &mut out);
     mcp(config, env, &mut out);
+    telemetry(&config.telemetry, &mut out);
     out.0
+}
+
+fn telemetry(t: &TelemetryConfig, out: &mut Problems) {
+    if let Some(endpoint) = &t.otlp_endpoint {
+        let scheme_ok = endpoint.starts_with("http://") || endpoint.starts_with("https://");
+        if !scheme_ok || endpoint.parse::<http::Uri>().is_err() {
+            out.push(
+                "telemetry.otlp_endpoint",
+                format!("{endpoint:?} is not an http:// or https:// URL"),
+            );
+        }
+    }
+    if let Some(name) = &t.headers_env {
+        out.env_name("telemetry.headers_env", name);
+    }
+    if let Some(name) = &t.service_name {
+        if name.trim().is_empty() {
+            out.push("telemetry.service_name", "an empty service name");
+        }
+    }
+    if !(0.0..=1.0).contains(&t.sampling_ratio) {
+        out.push(
+            "telemetry.sampling_ratio",
+            format!("{} is not within 0.0..=1.0", t.sampling_ratio),
+        );
+    }
 }
 
 /// Configured directories that do not exist (checked only when loading a file).

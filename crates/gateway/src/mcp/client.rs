@@ -286,6 +286,36 @@ impl Tool for McpTool {
         args: serde_json::Value,
         ctx: &ToolExecutionContext,
     ) -> Result<ToolOutput, ToolError> {
+        use tracing::Instrument;
+        // The MCP request, a child of the engine's `execute_tool` span
+        // (named after OpenTelemetry's MCP conventions).
+        let span = tracing::info_span!(
+            target: keel_engine::TRACE_TARGET,
+            "tools/call",
+            otel.name = format!("tools/call {}", self.tool.name),
+            otel.kind = "client",
+            otel.status_code = tracing::field::Empty,
+            mcp.method.name = "tools/call",
+            gen_ai.tool.name = %self.tool.name,
+            keel.mcp.server = %self.connection.name,
+            error.type = tracing::field::Empty,
+        );
+        let result = self.call(args, ctx).instrument(span.clone()).await;
+        if result.is_err() && !span.is_disabled() {
+            span.record("otel.status_code", "ERROR");
+            span.record("error.type", "tool_error");
+        }
+        result
+    }
+}
+
+impl McpTool {
+    /// One `tools/call` request, bounded by the server's timeout.
+    async fn call(
+        &self,
+        args: serde_json::Value,
+        ctx: &ToolExecutionContext,
+    ) -> Result<ToolOutput, ToolError> {
         let arguments = match args {
             serde_json::Value::Object(map) => map,
             serde_json::Value::Null => serde_json::Map::new(),

@@ -168,3 +168,73 @@ pub fn manager_with(
     root.provider = provider;
     SessionManager::new(store, RuntimeBundle::new(root), config)
 }
+
+/// Records the spans of target `keel_trace` as they close: the OTel name
+/// and every field recorded on them.
+#[derive(Default, Clone)]
+pub struct SpanRecorder(pub std::sync::Arc<parking_lot::Mutex<Vec<ClosedSpan>>>);
+
+/// A closed span: its OTel name and fields.
+pub type ClosedSpan = (String, std::collections::BTreeMap<String, String>);
+
+#[derive(Default)]
+pub struct Fields(pub std::collections::BTreeMap<String, String>);
+
+impl tracing::field::Visit for Fields {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0.insert(field.name().to_owned(), format!("{value:?}"));
+    }
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        self.0.insert(field.name().to_owned(), value.to_owned());
+    }
+}
+
+impl<S> tracing_subscriber::Layer<S> for SpanRecorder
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    fn on_new_span(
+        &self,
+        attrs: &tracing::span::Attributes<'_>,
+        id: &tracing::span::Id,
+        ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        let mut fields = Fields::default();
+        attrs.record(&mut fields);
+        if let Some(span) = ctx.span(id) {
+            span.extensions_mut().insert(fields);
+        }
+    }
+    fn on_record(
+        &self,
+        id: &tracing::span::Id,
+        values: &tracing::span::Record<'_>,
+        ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        if let Some(span) = ctx.span(id) {
+            if let Some(fields) = span.extensions_mut().get_mut::<Fields>() {
+                values.record(fields);
+            }
+        }
+    }
+    fn on_close(&self, id: tracing::span::Id, ctx: tracing_subscriber::layer::Context<'_, S>) {
+        let Some(span) = ctx.span(&id) else { return };
+        if span.metadata().target() != keel_engine::TRACE_TARGET {
+            return;
+        }
+        let fields = span
+            .extensions_mut()
+            .remove::<Fields>()
+            .unwrap_or_default()
+            .0;
+        let name = fields.get("otel.name").cloned().unwrap_or_default();
+        self.0.lock().push((name, fields));
+    }
+}
+
+impl SpanRecorder {
+    /// The closed spans, in the order they closed.
+    pub fn spans(&self) -> Vec<ClosedSpan> {
+        self.0.lock().clone()
+    }
+}
