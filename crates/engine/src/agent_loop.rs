@@ -380,6 +380,7 @@ impl AgentLoop {
                 }
             }
         };
+        crate::metrics::tool_call(tools.get(&call.name).map(|t| t.name()), output.is_error);
         self.hooks.after_tool(call, &output);
         emit(TurnEvent::ToolFinished {
             call_id: call.id.clone(),
