@@ -28,7 +28,7 @@ impl Served {
     }
 
     /// Starts it with `env` set (and `KEEL_TOKEN` only if `env` sets it).
-    fn start_with(data: &Path, env: &[(&str, &str)]) -> Served {
+    pub(crate) fn start_with(data: &Path, env: &[(&str, &str)]) -> Served {
         let mut child = keel()
             .args(["serve", "--bind", "127.0.0.1:0", "--data-dir"])
             .arg(data)
