@@ -76,11 +76,12 @@ pub struct TraceSpan {
     pub model_calls: Option<u32>,
     /// A run's tool calls.
     pub tool_calls: Option<u32>,
-    /// A run's task, its first [`TASK_PREVIEW_BYTES`] bytes.
+    /// A run's task, its first 200 bytes (`TASK_PREVIEW_BYTES`).
     pub task: Option<String>,
     /// Why a run did not complete.
     pub error: Option<String>,
     /// The runs it started, oldest first.
+    #[schema(no_recursion)]
     pub children: Vec<TraceSpan>,
 }
 

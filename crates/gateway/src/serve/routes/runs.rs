@@ -253,7 +253,7 @@ pub(crate) async fn cancel(
 }
 
 /// The trace of a run: it and every run below it, with times, tokens and status.
-#[utoipa::path(get, path = "/api/agent-runs/{id}/trace", tag = "agent-runs",
+#[utoipa::path(get, path = "/api/agent-runs/{id}/trace", tag = "agent-runs", operation_id = "run_trace",
     params(("id" = uuid::Uuid, Path, description = "The run's id")),
     responses((status = 200, description = "The run's tree", body = Trace), Errors))]
 pub(crate) async fn trace(
