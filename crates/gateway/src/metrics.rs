@@ -378,3 +378,79 @@ impl Stream for MeteredStream {
         next
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_core::{Message, ScriptedProvider, ScriptedResponse};
+
+    fn sample(text: &str, line_start: &str) -> Option<f64> {
+        text.lines()
+            .find(|l| l.starts_with(line_start))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    }
+
+    /// One test: the recorder is the process's, so its counts are shared.
+    #[tokio::test]
+    async fn a_registered_dropped_span_count_and_metered_calls_reach_the_text() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(dir.path().join("keel.db"), Default::default()).expect("store");
+        let gate = ExecutionGate::new(Default::default());
+        let before = render(&store, &gate).await.expect("a recorder");
+        assert!(
+            !before.contains("keel_telemetry_dropped_spans_total"),
+            "{before}"
+        );
+        register_dropped_spans(|| 7);
+
+        let provider = MeteredProvider::wrap(
+            "unit",
+            Arc::new(ScriptedProvider::new(vec![
+                ScriptedResponse::text("one two"),
+                ScriptedResponse::text("three four"),
+            ])),
+        );
+        let request = ChatRequest::new([Message::user("hi")]);
+        provider
+            .complete(&request, CancellationToken::new())
+            .await
+            .expect("a completion");
+        // A stream dropped before its end is a cancelled call.
+        let mut stream = provider
+            .stream(&request, CancellationToken::new())
+            .await
+            .expect("a stream");
+        use futures::StreamExt;
+        stream.next().await.expect("a first event").expect("ok");
+        drop(stream);
+
+        let text = render(&store, &gate).await.expect("a recorder");
+        assert_eq!(
+            sample(&text, "keel_telemetry_dropped_spans_total "),
+            Some(7.0),
+            "{text}"
+        );
+        let calls = |outcome: &str| {
+            sample(
+                &text,
+                &format!("keel_model_calls_total{{profile=\"unit\",outcome=\"{outcome}\"}}"),
+            )
+        };
+        assert_eq!(calls("ok"), Some(1.0), "{text}");
+        assert_eq!(calls("cancelled"), Some(1.0), "{text}");
+        assert_eq!(
+            sample(
+                &text,
+                "keel_model_time_to_first_token_seconds_count{profile=\"unit\"}"
+            ),
+            Some(1.0),
+            "{text}"
+        );
+        assert_eq!(
+            sample(&text, "keel_inbox_pending_events "),
+            Some(0.0),
+            "{text}"
+        );
+    }
+}
