@@ -8,6 +8,7 @@ mod common;
 mod history;
 mod mcp;
 mod migrations;
+mod observe;
 mod orchestration;
 mod projection;
 mod purge;
