@@ -31,7 +31,7 @@ use super::problem::{ApiError, ApiResult};
 use super::Shared;
 
 /// Every route, each answering only requests meant for this server (see
-/// `origin`); `/api` and `/mcp` behind the bearer token when one is
+/// `origin`); `/api`, `/mcp` and `/metrics` behind the bearer token when one is
 /// configured, but for the probes `/api/health` and `/api/ready`.
 pub(crate) fn router(shared: Arc<Shared>) -> Router {
     let api = Router::new()
