@@ -378,6 +378,7 @@ impl AgentLoop {
                 }
             }
         };
+        crate::metrics::tool_call(tools.get(&call.name).map(|t| t.name()), output.is_error);
         emit(TurnEvent::ToolFinished {
             call_id: call.id.clone(),
             name: call.name.clone(),

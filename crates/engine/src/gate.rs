@@ -181,16 +181,19 @@ impl ExecutionGate {
     pub fn new(limits: GateLimits) -> Self {
         let limits = effective(limits);
         let runs = Pool::new(
+            "runs",
             limits.max_concurrent_runs,
             limits.max_concurrent_runs_per_session,
             HashMap::new(),
         );
         let provider = Pool::new(
+            "provider",
             limits.max_concurrent_provider_steps,
             limits.max_concurrent_provider_steps_per_session,
             limits.max_concurrent_provider_steps_per_agent.clone(),
         );
         let tools = Pool::new(
+            "tool",
             limits.max_concurrent_tool_steps,
             limits.max_concurrent_tool_steps_per_session,
             limits.max_concurrent_tool_steps_per_agent.clone(),
@@ -384,6 +387,8 @@ fn effective(limits: GateLimits) -> GateLimits {
 /// One kind of admission (runs, provider steps or tool steps): a global
 /// semaphore plus keyed per-session and per-agent semaphores.
 struct Pool {
+    /// The `pool` label of its wait metrics.
+    name: &'static str,
     global: Arc<Semaphore>,
     capacity: usize,
     per_session: usize,
@@ -393,8 +398,14 @@ struct Pool {
 }
 
 impl Pool {
-    fn new(capacity: usize, per_session: usize, per_agent: HashMap<AgentId, usize>) -> Self {
+    fn new(
+        name: &'static str,
+        capacity: usize,
+        per_session: usize,
+        per_agent: HashMap<AgentId, usize>,
+    ) -> Self {
         Self {
+            name,
             global: Arc::new(Semaphore::new(capacity)),
             capacity,
             per_session,
@@ -423,7 +434,7 @@ impl Pool {
         let session = match session {
             Some(key) => Some(
                 self.sessions
-                    .acquire(key, self.per_session, Stage::Session, cancel)
+                    .acquire(key, self.per_session, Stage::Session, self.name, cancel)
                     .await?,
             ),
             None => None,
@@ -431,12 +442,12 @@ impl Pool {
         let agent = match agent.and_then(|a| self.per_agent.get(a).map(|&n| (a, n))) {
             Some((key, limit)) => Some(
                 self.agents
-                    .acquire(key.clone(), limit, Stage::Agent, cancel)
+                    .acquire(key.clone(), limit, Stage::Agent, self.name, cancel)
                     .await?,
             ),
             None => None,
         };
-        let global = GlobalPermit::new(wait(&self.global, cancel).await?);
+        let global = GlobalPermit::new(wait(&self.global, self.name, cancel).await?);
         Ok(Admission {
             _global: global,
             _agent: agent,
@@ -472,18 +483,30 @@ impl Pool {
 }
 
 /// Waits for one permit of `semaphore` unless `cancel` fires first (a token
-/// that is already cancelled wins even when a permit is free).
+/// that is already cancelled wins even when a permit is free). A wait that
+/// was needed is counted for `pool`.
 async fn wait(
     semaphore: &Arc<Semaphore>,
+    pool: &'static str,
     cancel: &CancellationToken,
 ) -> Result<OwnedSemaphorePermit> {
-    tokio::select! {
+    if cancel.is_cancelled() {
+        return Err(EngineError::Cancelled);
+    }
+    // A free permit means nobody queues (tokio's semaphore is fair).
+    if let Ok(permit) = Arc::clone(semaphore).try_acquire_owned() {
+        return Ok(permit);
+    }
+    let started = std::time::Instant::now();
+    let permit = tokio::select! {
         biased;
         _ = cancel.cancelled() => Err(EngineError::Cancelled),
         // The gate never closes its semaphores; a closed one would mean the
         // gate is going away, which callers treat like cancellation.
         permit = Arc::clone(semaphore).acquire_owned() => permit.map_err(|_| EngineError::Cancelled),
-    }
+    }?;
+    crate::metrics::gate_waited(pool, started.elapsed());
+    Ok(permit)
 }
 
 /// Everything one admission holds.
@@ -571,10 +594,11 @@ impl<K: Eq + Hash + Clone> Keyed<K> {
         key: K,
         limit: usize,
         stage: Stage,
+        pool: &'static str,
         cancel: &CancellationToken,
     ) -> Result<KeyedPermit<K>> {
         let lease = self.lease(key, limit);
-        let permit = wait(&lease.semaphore, cancel).await?;
+        let permit = wait(&lease.semaphore, pool, cancel).await?;
         Ok(KeyedPermit::new(permit, lease, stage))
     }
 

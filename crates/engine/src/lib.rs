@@ -37,6 +37,7 @@ mod fence;
 mod gate;
 mod mailbox;
 mod manager;
+mod metrics;
 mod session;
 mod state;
 mod tools;

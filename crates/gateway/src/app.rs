@@ -50,6 +50,8 @@ pub struct App {
     pub recovered: Vec<SessionId>,
     /// The `[mcp.NAME]` servers, by name: their connections and tools.
     pub mcp: std::collections::BTreeMap<String, crate::mcp::McpServer>,
+    /// The execution gate every run and step is admitted through.
+    pub gate: Arc<ExecutionGate>,
 }
 
 /// Creates the data directory (and missing parents) readable by its owner
@@ -113,6 +115,11 @@ impl App {
                 Some(p) => p.clone(),
                 None => config.build_provider(&name)?,
             };
+            // Metered under the profile the name resolves to (`default` may name another).
+            let label = config
+                .resolve_profile(&name)
+                .map_or(name.as_str(), |(r, _)| r);
+            let provider = crate::metrics::MeteredProvider::wrap(label, provider);
             if let Some(prices) = config.profile_prices(&name) {
                 providers = providers.with_prices(name.clone(), prices);
             }
@@ -122,6 +129,10 @@ impl App {
             Some(p) => p.clone(),
             None => config.build_provider(DEFAULT_PROFILE)?,
         };
+        let root_label = config
+            .resolve_profile(DEFAULT_PROFILE)
+            .map_or(DEFAULT_PROFILE, |(r, _)| r);
+        let root_provider = crate::metrics::MeteredProvider::wrap(root_label, root_provider);
         let mut notices = Vec::new();
         if scripted.is_none() {
             notices.extend(config.offline_notice().map(str::to_owned));
@@ -205,7 +216,7 @@ impl App {
             )?,
             None => RuntimeBundle::new(profiles.build(&AgentCatalog::empty(0))?.root),
         };
-        let mut bundle = bundle.with_loop(AgentLoop::new(gate));
+        let mut bundle = bundle.with_loop(AgentLoop::new(gate.clone()));
         if let Some(c) = &coordinator {
             bundle = bundle.with_coordinator(c.clone());
         }
@@ -226,6 +237,7 @@ impl App {
             lock,
             recovered: activation.recovery.sessions_with_inbox_work,
             mcp: mcp_servers,
+            gate,
         })
     }
 }

@@ -145,6 +145,18 @@ pub enum Command {
         /// The export (a file `keel export` wrote).
         file: PathBuf,
     },
+    /// Print the trace of a sub-agent run, or of a root turn's runs, as a tree
+    ///
+    /// Each run with its offset, duration, tokens, model and tool call
+    /// counts and status, read from the database (it takes no lock, so it
+    /// works while `keel serve` runs); the web page shows the same tree.
+    Trace {
+        /// Data directory and configuration.
+        #[command(flatten)]
+        data: DataArgs,
+        /// A run's id, or the id of a root turn that started runs.
+        id: String,
+    },
     /// Agent definitions.
     Agents {
         /// What to do with them.
@@ -295,6 +307,9 @@ pub fn main() -> ExitCode {
                     out.as_deref(),
                 )
                 .await
+            }
+            Command::Trace { data, id } => {
+                crate::trace_cmd::run(data.config.as_deref(), data.data_dir.as_deref(), &id).await
             }
             Command::Import { data, file } => {
                 crate::export::import(data.config.as_deref(), data.data_dir.as_deref(), &file).await

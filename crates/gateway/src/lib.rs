@@ -22,10 +22,12 @@ mod error;
 pub mod export;
 pub mod mcp;
 pub mod mcp_cmd;
+pub mod metrics;
 mod profiles;
 pub mod prune;
 pub mod serve;
 pub mod telemetry;
 pub mod terminal;
+pub mod trace_cmd;
 
 pub use error::{io_err, AppError, Result};

@@ -907,6 +907,7 @@ fn run_batch(
     join: Join<'_>,
 ) -> Result<()> {
     cache.begin_attempt();
+    let started = Instant::now();
     exec(conn, "BEGIN IMMEDIATE")?;
     let result = data_version(conn).and_then(|version| {
         cache.check_data_version(version);
@@ -924,6 +925,7 @@ fn run_batch(
     if result.is_err() && !conn.is_autocommit() {
         let _ = conn.execute_batch("ROLLBACK");
     }
+    crate::metrics::transaction(started.elapsed(), batch.len());
     result
 }
 

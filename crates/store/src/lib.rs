@@ -97,7 +97,9 @@ mod identify;
 mod inbox;
 mod mcp;
 mod messages;
+mod metrics;
 mod migrations;
+mod observe;
 mod projection;
 mod purge;
 mod queued;
@@ -136,6 +138,7 @@ pub use messages::{
     StoredMessage, TurnCommit, TurnCommitted, DEFAULT_SLOT,
 };
 pub use migrations::SCHEMA_VERSION;
+pub use observe::{InboxGauges, MAX_TRACE_RUNS};
 pub use projection::{AgentChanges, EventCursor, RunQuery};
 pub use purge::{DialogUsage, PurgeReport};
 pub use queued::QueuedInput;

@@ -27,6 +27,8 @@ mod mcp;
 #[cfg(target_os = "linux")]
 mod mcp_external;
 #[cfg(unix)]
+mod metrics;
+#[cfg(unix)]
 mod prune;
 #[cfg(unix)]
 mod serve;

@@ -589,6 +589,7 @@ impl AgentCoordinator {
         handling: keel_store::CompletionHandling,
     ) {
         if commit.won {
+            crate::metrics::run_ended(commit.run.spec.agent_id.as_str(), commit.run.status);
             self.changed(root).await;
             if commit.event_id.is_some() && handling == keel_store::CompletionHandling::Deliver {
                 self.wake(root);

@@ -737,6 +737,7 @@ impl SessionManager {
         }
         self.events
             .publish(session, SessionEvent::TurnStarted { turn_id, origin });
+        let started_at = std::time::Instant::now();
         // Armed once the turn starts on the worker (time in the queue does
         // not count), for user and continuation turns alike.
         let deadline = self
@@ -839,6 +840,7 @@ impl SessionManager {
                 input_kept,
             },
         };
+        crate::metrics::turn_ended(origin, &result, started_at.elapsed());
         self.events.publish(session, outcome);
         TurnEnd {
             result,

@@ -1,4 +1,4 @@
-//! Bearer-token authentication of `/api` and `/mcp`: when a token is configured,
+//! Bearer-token authentication of `/api`, `/mcp` and `/metrics`: when a token is configured,
 //! every request must present it (`Authorization: Bearer <token>`; a
 //! browser's WebSocket, which cannot set headers, may pass
 //! `?access_token=<token>` to `/api/ws`, form-urlencoded as the web page's

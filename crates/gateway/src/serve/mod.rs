@@ -34,6 +34,7 @@ pub mod problem;
 mod projection;
 mod routes;
 mod sse;
+pub mod trace;
 mod turns;
 pub mod web;
 mod ws;
@@ -352,6 +353,12 @@ pub async fn run(
 ) -> Result<ExitCode, AppError> {
     // Before the options: the default connection bound derives from it.
     fd_limit::raise();
+    // Before the store opens, so its first commits are measured too.
+    let metrics_upkeep = CancellationToken::new();
+    crate::metrics::start(metrics_upkeep.clone());
+    // The trace exporter's drops (zero while `[telemetry]` exports nothing).
+    crate::metrics::register_dropped_spans(crate::telemetry::dropped_spans);
+    let _stop_upkeep = metrics_upkeep.drop_guard();
     let app = App::open("keel serve", config, data_dir, None).await?;
     for notice in &app.notices {
         eprintln!("{notice}");

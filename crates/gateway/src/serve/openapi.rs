@@ -79,12 +79,12 @@ impl Modify for BearerAuth {
             /api/ws speaks the ClientFrame and ServerFrame schemas (see docs/PROTOCOL.md)."
     ),
     paths(
-        system::health, system::ready, system::openapi, system::reload,
+        system::health, system::ready, system::openapi, system::reload, system::metrics,
         dialogs::list, dialogs::create, dialogs::get_one, dialogs::update, dialogs::delete,
         dialogs::messages, dialogs::send, dialogs::stop, dialogs::steer, dialogs::usage,
         dialogs::checkpoints, dialogs::rollback, dialogs::fork, exports::export, exports::import,
         runs::list, runs::get_one, runs::events, runs::dialog_events, runs::dialog_inbox,
-        runs::cancel, approvals::list, approvals::decide,
+        runs::cancel, runs::trace, runs::turn_trace, approvals::list, approvals::decide,
         mcp_servers::list,
     ),
     components(schemas(Problem, frames::ClientFrame, frames::ServerFrame, api::Order)),

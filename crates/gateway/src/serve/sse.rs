@@ -66,7 +66,12 @@ pub(crate) async fn send_streamed(
 
 fn sse_response(events: impl Stream<Item = Event> + Send + 'static) -> Response {
     use futures::StreamExt;
-    Sse::new(events.map(Ok::<Event, Infallible>))
-        .keep_alive(KeepAlive::default())
-        .into_response()
+    // Counted while the stream lives (it owns the gauge).
+    let client = crate::metrics::ClientGauge::sse();
+    Sse::new(events.map(move |e| {
+        let _open = &client;
+        Ok::<Event, Infallible>(e)
+    }))
+    .keep_alive(KeepAlive::default())
+    .into_response()
 }

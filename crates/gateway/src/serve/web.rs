@@ -57,6 +57,7 @@ pub const ASSETS: &[Asset] = &[
     asset!("js/runs.js", JS),
     asset!("js/timeline.js", JS),
     asset!("js/approvals.js", JS),
+    asset!("js/trace.js", JS),
     asset!("vendor/marked.esm.js", JS),
     asset!("vendor/purify.min.js", JS),
     asset!("vendor/LICENSE-marked.txt", TEXT),

@@ -92,6 +92,7 @@ pub(crate) async fn upgrade(
             tracker.track_future(async move {
                 // The socket keeps its connection's slot until it closes.
                 let _busy = busy;
+                let _client = crate::metrics::ClientGauge::websocket();
                 connection.serve(socket, queue).await;
             })
         })

@@ -330,6 +330,37 @@ def scenario_delegation(r):
     r.shot("signal-card")
 
 
+def scenario_trace_waterfall(r):
+    """A run's Trace button opens its waterfall; the turn's trace shows the
+    turn with its three runs as bars; HTML in a delegated task stays text."""
+    page = r.page
+    writer = page.locator("#run-tree li.run[data-agent=writer]")
+    writer.locator(".run-line").get_by_role("button", name=re.compile("^Trace")).click()
+    dialog = page.locator("#trace-dialog")
+    expect(dialog).to_be_visible()
+    rows = dialog.locator(".waterfall li.trace-row")
+    expect(rows).to_have_count(1)
+    expect(rows.first).to_have_attribute("data-status", "completed")
+    dialog.get_by_role("button", name="Whole turn").click()
+    expect(dialog.locator("#trace-title")).to_contain_text("turn")
+    # The turn, then its runs: the batch of two and the background run.
+    expect(rows).to_have_count(4)
+    expect(rows.first).to_have_attribute("data-kind", "turn")
+    for agent in ["researcher", "writer", "archivist"]:
+        expect(dialog.locator(".trace-row[data-kind=run] .trace-name", has_text=agent)).to_have_count(1)
+    expect(dialog.locator(".trace-row[data-status=cancelled]")).to_have_count(1)
+    widths = dialog.locator("[data-role=bar]").evaluate_all(
+        "els => els.map(e => e.getBoundingClientRect().width)")
+    assert len(widths) == 3 and all(w > 0 for w in widths), widths
+    task = dialog.locator(".trace-task", has_text="<img src=x")
+    expect(task).to_have_count(1)
+    assert dialog.locator("img, [onerror]").count() == 0, "the task became an element"
+    assert page.evaluate("window.__xss") is None, "a task's HTML ran"
+    r.shot("trace-waterfall")
+    dialog.get_by_role("button", name="Close").click()
+    expect(dialog).to_be_hidden()
+
+
 def scenario_jump_to_latest(r):
     """What arrives while the reader is further up does not move the view;
     a button offers to jump to it, and from there the view follows again."""
@@ -626,6 +657,7 @@ SCENARIOS = [
     scenario_steer,
     scenario_jump_to_latest,
     scenario_delegation,
+    scenario_trace_waterfall,
     scenario_reload_restores,
     scenario_dialogs,
     scenario_fork,

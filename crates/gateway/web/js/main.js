@@ -8,6 +8,7 @@ import { RunsView } from './runs.js';
 import { renderTimeline } from './timeline.js';
 import { renderDialogs } from './dialogs.js';
 import { ApprovalsView } from './approvals.js';
+import { TraceView } from './trace.js';
 import { count } from './format.js';
 
 const PAGE = 100;
@@ -38,6 +39,14 @@ const runs = new RunsView({
   inbox: $('inbox'),
   onCancel: cancelRun,
   onResult: loadResult,
+  onTrace: (run) => state.current && traces.openRun(state.current.id, run),
+});
+const traces = new TraceView({
+  dialog: $('trace-dialog'),
+  title: $('trace-title'),
+  body: $('trace-body'),
+  turnButton: $('trace-turn'),
+  load: (path) => attempt('Reading the trace', () => api('GET', path)),
 });
 const approvals = new ApprovalsView($('approvals'), decideApproval);
 const socket = new Socket({ onFrame, onState });

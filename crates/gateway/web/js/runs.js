@@ -1,7 +1,7 @@
 // The dialog's sub-agent work: the run tree (agent, mode, status, duration,
-// what it spent: tokens, and cost where recorded; batches grouped; cancel
-// for runs that have not ended), signal cards, and the inbox (pending /
-// delivered / dead-lettered events).
+// what it spent: tokens, and cost where recorded; batches grouped; a trace
+// of each run; cancel for runs that have not ended), signal cards, and the
+// inbox (pending / delivered / dead-lettered events).
 import { h, replace } from './dom.js';
 import { count, duration, runDuration, short, statusLabel, clock, usd, TERMINAL } from './format.js';
 
@@ -13,7 +13,7 @@ function spent(run) {
   return parts.join(' · ');
 }
 
-function runNode(run, children, { onCancel, onResult, open }) {
+function runNode(run, children, { onCancel, onResult, onTrace, open }) {
   const ended = TERMINAL.has(run.status);
   const dur = h('span', { class: 'run-duration', data: { role: 'duration' }, text: duration(runDuration(run)) });
   const line = h('div', { class: 'run-line' },
@@ -23,6 +23,11 @@ function runNode(run, children, { onCancel, onResult, open }) {
     h('span', { class: 'run-status', text: statusLabel(run.status) }),
     dur,
     h('span', { class: 'run-tokens', text: spent(run) }));
+  line.append(h('button', {
+    type: 'button', class: 'mini', text: 'Trace', data: { action: 'trace' },
+    'aria-label': `Trace of the ${run.agent} run ${short(run.id)}`,
+    on: { click: () => onTrace(run) },
+  }));
   if (!ended) {
     line.append(h('button', {
       type: 'button', class: 'mini danger', text: 'Cancel',
@@ -83,9 +88,9 @@ function level(runs, parent, ctx) {
 }
 
 export class RunsView {
-  constructor({ tree, count, empty, signals, signalsEmpty, inbox, onCancel, onResult }) {
+  constructor({ tree, count, empty, signals, signalsEmpty, inbox, onCancel, onResult, onTrace }) {
     Object.assign(this, { tree, count, empty, signals, signalsEmpty, inbox });
-    this.ctx = { onCancel, onResult, open: new Set() };
+    this.ctx = { onCancel, onResult, onTrace, open: new Set() };
     this.runs = new Map();
     this.events = new Map();
     setInterval(() => this.tick(), 1000);

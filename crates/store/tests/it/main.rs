@@ -9,6 +9,7 @@ mod compression;
 mod history;
 mod mcp;
 mod migrations;
+mod observe;
 mod orchestration;
 mod projection;
 mod purge;

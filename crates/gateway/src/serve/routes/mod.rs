@@ -31,7 +31,7 @@ use super::problem::{ApiError, ApiResult};
 use super::Shared;
 
 /// Every route, each answering only requests meant for this server (see
-/// `origin`); `/api` and `/mcp` behind the bearer token when one is
+/// `origin`); `/api`, `/mcp` and `/metrics` behind the bearer token when one is
 /// configured, but for the probes `/api/health` and `/api/ready`.
 pub(crate) fn router(shared: Arc<Shared>) -> Router {
     let api = Router::new()
@@ -77,6 +77,8 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/agent-runs/{id}", get(runs::get_one))
         .route("/agent-runs/{id}/events", get(runs::events))
         .route("/agent-runs/{id}/cancel", post(runs::cancel))
+        .route("/agent-runs/{id}/trace", get(runs::trace))
+        .route("/dialogs/{id}/turns/{turn_id}/trace", get(runs::turn_trace))
         .route("/ws", get(super::ws::upgrade))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -89,6 +91,10 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         // nothing but liveness and readiness.
         .route("/health", get(system::health))
         .route("/ready", get(system::ready));
+    // Prometheus scrapes, behind the token like `/api`.
+    let metrics = Router::new().route("/metrics", get(system::metrics)).layer(
+        axum::middleware::from_fn_with_state(shared.clone(), super::auth::require_token),
+    );
     // MCP's Streamable HTTP (keel as an MCP server), behind the token like `/api`.
     let mcp = Router::new()
         .route_service("/mcp", super::interop::mcp::service(shared.clone()))
@@ -100,6 +106,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/", get(super::web::index))
         .route("/assets/{build}/{*path}", get(super::web::asset))
         .nest("/api", api)
+        .merge(metrics)
         .merge(mcp)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)

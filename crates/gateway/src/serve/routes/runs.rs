@@ -17,6 +17,7 @@ use crate::serve::api::{
 };
 use crate::serve::openapi::Errors;
 use crate::serve::problem::{ApiError, ApiPath, ApiQuery, ApiResult};
+use crate::serve::trace::{run_trace, turn_trace as trace_of_turn, Trace};
 use crate::serve::Shared;
 
 /// The statuses of a comma-separated `status` filter.
@@ -249,4 +250,41 @@ pub(crate) async fn cancel(
     shared.projections.refresh(root).await;
     let ended = shared.run(&id).await?;
     Ok(Json(AgentRun::from_record(&ended, true)))
+}
+
+/// The trace of a run: it and every run below it, with times, tokens and status.
+#[utoipa::path(get, path = "/api/agent-runs/{id}/trace", tag = "agent-runs", operation_id = "run_trace",
+    params(("id" = uuid::Uuid, Path, description = "The run's id")),
+    responses((status = 200, description = "The run's tree", body = Trace), Errors))]
+pub(crate) async fn trace(
+    State(shared): State<Arc<Shared>>,
+    ApiPath(id): ApiPath<String>,
+) -> ApiResult<Json<Trace>> {
+    let run_id: RunId = parse_id("run", &id)?;
+    let runs = shared.app.store.run_tree(run_id).await?;
+    run_trace(run_id, &runs)
+        .map(Json)
+        .ok_or_else(|| ApiError::NotFound(format!("run {run_id} not found")))
+}
+
+/// The trace of a root turn: the sub-agent runs it started, at every depth.
+#[utoipa::path(get, path = "/api/dialogs/{id}/turns/{turn_id}/trace", tag = "agent-runs",
+    params(("id" = uuid::Uuid, Path, description = "The dialog's id"),
+           ("turn_id" = uuid::Uuid, Path, description = "A turn of this dialog")),
+    responses((status = 200, description = "The turn's runs as a tree", body = Trace), Errors))]
+pub(crate) async fn turn_trace(
+    State(shared): State<Arc<Shared>>,
+    ApiPath((id, turn)): ApiPath<(String, String)>,
+) -> ApiResult<Json<Trace>> {
+    let record = shared.dialog(&id).await?;
+    let turn: TurnId = parse_id("turn", &turn)?;
+    let runs = shared.app.store.turn_runs(Some(record.id), turn).await?;
+    if runs.is_empty() {
+        // Only runs carry their turn's id; a turn without one leaves no trace.
+        return Err(ApiError::NotFound(format!(
+            "no sub-agent run of turn {turn} is stored in dialog {}",
+            record.id
+        )));
+    }
+    Ok(Json(trace_of_turn(turn, &runs)))
 }

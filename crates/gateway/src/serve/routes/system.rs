@@ -65,3 +65,22 @@ pub(crate) async fn reload(State(shared): State<Arc<Shared>>) -> ApiResult<Json<
     );
     Ok(Json(report))
 }
+
+/// keel's metrics in the Prometheus text format (docs/OPERATIONS.md), behind
+/// the token when one is set.
+#[utoipa::path(get, path = "/metrics", tag = "system",
+    responses((status = 200, description = "The metrics", content_type = "text/plain", body = String), Errors))]
+pub(crate) async fn metrics(State(shared): State<Arc<Shared>>) -> ApiResult<impl IntoResponse> {
+    let text = crate::metrics::render(&shared.app.store, &shared.app.gate)
+        .await
+        .ok_or_else(|| {
+            ApiError::Unavailable("this process has no Prometheus recorder".to_owned())
+        })?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    ))
+}
