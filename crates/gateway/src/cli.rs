@@ -257,94 +257,7 @@ pub fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let result = runtime.block_on(async move {
-        match cli.command {
-            Command::Demo { data_dir } => crate::demo::run(data_dir).await,
-            Command::Chat {
-                data,
-                chat,
-                agent,
-                script,
-            } => {
-                crate::chat::run(
-                    data.config.as_deref(),
-                    data.data_dir.as_deref(),
-                    chat,
-                    agent,
-                    script,
-                )
-                .await
-            }
-            Command::Serve { data, bind } => {
-                crate::serve::run(data.config.as_deref(), data.data_dir.as_deref(), bind).await
-            }
-            Command::Doctor { data, repair } => {
-                crate::doctor::run(data.config.as_deref(), data.data_dir.as_deref(), repair).await
-            }
-            Command::Prune { data } => {
-                crate::prune::run(data.config.as_deref(), data.data_dir.as_deref()).await
-            }
-            Command::CompactStorage { data } => {
-                crate::prune::compact(data.config.as_deref(), data.data_dir.as_deref()).await
-            }
-            Command::Backup { data, dest } => {
-                crate::backup::backup(data.config.as_deref(), data.data_dir.as_deref(), &dest).await
-            }
-            Command::Restore { data, src, force } => {
-                crate::backup::restore(
-                    data.config.as_deref(),
-                    data.data_dir.as_deref(),
-                    &src,
-                    force,
-                )
-                .await
-            }
-            Command::Export { data, dialog, out } => {
-                crate::export::export(
-                    data.config.as_deref(),
-                    data.data_dir.as_deref(),
-                    &dialog,
-                    out.as_deref(),
-                )
-                .await
-            }
-            Command::Trace { data, id } => {
-                crate::trace_cmd::run(data.config.as_deref(), data.data_dir.as_deref(), &id).await
-            }
-            Command::Import { data, file } => {
-                crate::export::import(data.config.as_deref(), data.data_dir.as_deref(), &file).await
-            }
-            Command::Agents {
-                command:
-                    AgentsCommand::Check {
-                        dir,
-                        config,
-                        skills,
-                    },
-            } => crate::agents::check(&dir, config.as_deref(), skills.as_deref()).await,
-            Command::Mcp {
-                command: McpCommand::List { data },
-            } => crate::mcp_cmd::list(data.config.as_deref(), data.data_dir.as_deref()).await,
-            Command::Mcp {
-                command:
-                    McpCommand::Call {
-                        data,
-                        name,
-                        tool,
-                        json,
-                    },
-            } => {
-                crate::mcp_cmd::call(
-                    data.config.as_deref(),
-                    data.data_dir.as_deref(),
-                    &name,
-                    &tool,
-                    &json,
-                )
-                .await
-            }
-        }
-    });
+    let result = runtime.block_on(dispatch(cli.command));
     // Tasks still running end with the runtime (their spans too); then
     // the last spans are exported, a bounded wait.
     drop(runtime);
@@ -364,6 +277,96 @@ pub fn main() -> ExitCode {
         Err(e) => {
             eprintln!("keel: {e:#}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs one command to its exit status.
+async fn dispatch(command: Command) -> crate::error::Result<ExitCode> {
+    match command {
+        Command::Demo { data_dir } => crate::demo::run(data_dir).await,
+        Command::Chat {
+            data,
+            chat,
+            agent,
+            script,
+        } => {
+            crate::chat::run(
+                data.config.as_deref(),
+                data.data_dir.as_deref(),
+                chat,
+                agent,
+                script,
+            )
+            .await
+        }
+        Command::Serve { data, bind } => {
+            crate::serve::run(data.config.as_deref(), data.data_dir.as_deref(), bind).await
+        }
+        Command::Doctor { data, repair } => {
+            crate::doctor::run(data.config.as_deref(), data.data_dir.as_deref(), repair).await
+        }
+        Command::Prune { data } => {
+            crate::prune::run(data.config.as_deref(), data.data_dir.as_deref()).await
+        }
+        Command::CompactStorage { data } => {
+            crate::prune::compact(data.config.as_deref(), data.data_dir.as_deref()).await
+        }
+        Command::Backup { data, dest } => {
+            crate::backup::backup(data.config.as_deref(), data.data_dir.as_deref(), &dest).await
+        }
+        Command::Restore { data, src, force } => {
+            crate::backup::restore(
+                data.config.as_deref(),
+                data.data_dir.as_deref(),
+                &src,
+                force,
+            )
+            .await
+        }
+        Command::Export { data, dialog, out } => {
+            crate::export::export(
+                data.config.as_deref(),
+                data.data_dir.as_deref(),
+                &dialog,
+                out.as_deref(),
+            )
+            .await
+        }
+        Command::Trace { data, id } => {
+            crate::trace_cmd::run(data.config.as_deref(), data.data_dir.as_deref(), &id).await
+        }
+        Command::Import { data, file } => {
+            crate::export::import(data.config.as_deref(), data.data_dir.as_deref(), &file).await
+        }
+        Command::Agents {
+            command:
+                AgentsCommand::Check {
+                    dir,
+                    config,
+                    skills,
+                },
+        } => crate::agents::check(&dir, config.as_deref(), skills.as_deref()).await,
+        Command::Mcp {
+            command: McpCommand::List { data },
+        } => crate::mcp_cmd::list(data.config.as_deref(), data.data_dir.as_deref()).await,
+        Command::Mcp {
+            command:
+                McpCommand::Call {
+                    data,
+                    name,
+                    tool,
+                    json,
+                },
+        } => {
+            crate::mcp_cmd::call(
+                data.config.as_deref(),
+                data.data_dir.as_deref(),
+                &name,
+                &tool,
+                &json,
+            )
+            .await
         }
     }
 }
