@@ -127,7 +127,7 @@ impl Channel {
 struct Inner {
     dialogs: HashMap<SessionId, Channel>,
     /// The newest id given out.
-    next_id: u64,
+    issued: u64,
     /// Every dialog without a channel has no frame with an id above this in
     /// this process (ids of forgotten channels are at or below it).
     forgotten: u64,
@@ -169,7 +169,7 @@ impl Hub {
             limits,
             inner: Mutex::new(Inner {
                 dialogs: HashMap::new(),
-                next_id: base,
+                issued: base,
                 forgotten: base,
                 since_sweep: 0,
             }),
@@ -189,7 +189,7 @@ impl Hub {
     fn attach_at(&self, session: SessionId, from: Resume, now: Instant) -> Attach {
         let mut inner = self.inner.lock();
         let (capacity, limits) = (self.capacity, self.limits);
-        let (forgotten, next_id) = (inner.forgotten, inner.next_id);
+        let (forgotten, issued) = (inner.forgotten, inner.issued);
         let channel = inner
             .dialogs
             .entry(session)
@@ -222,7 +222,7 @@ impl Hub {
                 }
                 None => (None, Vec::new()),
             },
-            Resume::After(id) if id > next_id => {
+            Resume::After(id) if id > issued => {
                 let why =
                     "this event id is unknown to this server (it restarted?); re-read the messages";
                 (Some(gap(id, why)), after(0))
@@ -253,8 +253,8 @@ impl Hub {
     fn publish_at(&self, session: SessionId, mut frame: ServerFrame, now: Instant) -> Option<u64> {
         let mut inner = self.inner.lock();
         let event_id = frame.turn_id().map(|_| {
-            inner.next_id += 1;
-            inner.next_id
+            inner.issued += 1;
+            inner.issued
         });
         if let Some(id) = event_id {
             frame.set_event_id(id);
