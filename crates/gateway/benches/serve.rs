@@ -50,6 +50,11 @@ fn main() {
             report(&format!("serve_in_process round={round}"), &base);
             let unkept = over_websocket(false).await;
             report(&format!("serve_websocket_no_replay round={round}"), &unkept.run);
+            println!(
+                "BENCH serve_server_no_replay round={round} rss_end_mib={:.1} rss_peak_mib={:.1}",
+                unkept.rss_kib as f64 / 1024.0,
+                unkept.hwm_kib as f64 / 1024.0
+            );
             let served = over_websocket(true).await;
             window_costs.push(served.server_cpu_per_turn / unkept.server_cpu_per_turn);
             report(&format!("serve_websocket round={round}"), &served.run);

@@ -450,11 +450,14 @@ impl ServerFrame {
         }
     }
 
-    /// About what a turn frame occupies in memory, in bytes (its texts and a
-    /// fixed part), for the replay window's byte bound.
+    /// About what a kept turn frame occupies in memory, in bytes (the frame,
+    /// its shared allocation and window entry, and its texts), for the
+    /// replay window's byte bound.
     pub(crate) fn approx_bytes(&self) -> usize {
-        const FIXED: usize = 160;
-        FIXED
+        // The frame itself, the Arc's counts, the window's entry and the
+        // allocator's overhead of the frame and its text.
+        let fixed = std::mem::size_of::<ServerFrame>() + 16 + 48 + 32;
+        fixed
             + match self {
                 ServerFrame::TextDelta { text, .. } | ServerFrame::Notice { text, .. } => {
                     text.len()

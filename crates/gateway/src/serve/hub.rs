@@ -416,9 +416,10 @@ mod tests {
 
     #[test]
     fn an_id_older_than_the_kept_bytes_or_unknown_gets_a_gap() {
-        // Room for about two frames.
-        let hub = hub(400);
         let (session, turn) = (SessionId::new(), Uuid::new_v4());
+        // Room for two and a half frames.
+        let one = delta(session, turn, "a").approx_bytes();
+        let hub = hub(one * 5 / 2);
         let start = hub
             .publish_at(session, started(session, turn), Instant::now())
             .unwrap();
