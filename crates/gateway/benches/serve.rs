@@ -4,7 +4,11 @@
 //! through `SessionManager::submit_turn` in the same run. Prints `BENCH
 //! serve_… key=value` lines: turns/s and their ratio, p50/p99 turn latency,
 //! errors, "database is locked" lines in the server's log, and the
-//! server's resident memory at the end.
+//! server's resident memory at the end. Each round also runs the served
+//! side with the replay window off (`server.stream_replay_secs = 0`): the
+//! ratio of server CPU per turn is what keeping the window costs. Last, the
+//! catch-up rate: frames per second a client reconnecting with
+//! `Last-Event-ID` gets replayed from a committed turn of 5000 deltas.
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
@@ -40,10 +44,19 @@ fn main() {
             "# {CLIENTS} clients x {TURNS} turns, offline provider; {ROUNDS} rounds of in-process then keel serve"
         );
         let mut ratios = Vec::new();
+        let mut window_costs = Vec::new();
         for round in 1..=ROUNDS {
             let base = in_process().await;
             report(&format!("serve_in_process round={round}"), &base);
-            let served = over_websocket().await;
+            let unkept = over_websocket(false).await;
+            report(&format!("serve_websocket_no_replay round={round}"), &unkept.run);
+            println!(
+                "BENCH serve_server_no_replay round={round} rss_end_mib={:.1} rss_peak_mib={:.1}",
+                unkept.rss_kib as f64 / 1024.0,
+                unkept.hwm_kib as f64 / 1024.0
+            );
+            let served = over_websocket(true).await;
+            window_costs.push(served.server_cpu_per_turn / unkept.server_cpu_per_turn);
             report(&format!("serve_websocket round={round}"), &served.run);
             println!(
                 "BENCH serve_server round={round} errors={} database_locked_lines={} rss_end_mib={:.1} rss_peak_mib={:.1}",
@@ -61,7 +74,93 @@ fn main() {
             ratios[0],
             ratios[ratios.len() - 1]
         );
+        window_costs.sort_by(f64::total_cmp);
+        println!(
+            "BENCH serve_replay_window server_cpu_per_turn_ratio_median={:.3} min={:.3} max={:.3} (goal <= 1.05)",
+            window_costs[window_costs.len() / 2],
+            window_costs[0],
+            window_costs[window_costs.len() - 1]
+        );
+        catch_up().await;
     });
+}
+
+/// Words of the answer the catch-up bench replays.
+const CATCH_UP_WORDS: usize = 5000;
+/// Replays the catch-up bench reads.
+const CATCH_UP_READS: usize = 20;
+
+/// A committed turn of [`CATCH_UP_WORDS`] deltas, then [`CATCH_UP_READS`]
+/// clients reconnecting with the id of its first frame: replayed frames per second.
+async fn catch_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let words: Vec<String> = (0..CATCH_UP_WORDS).map(|i| format!("w{i}")).collect();
+    std::fs::create_dir_all(dir.path().join("scripts")).unwrap();
+    std::fs::write(
+        dir.path().join("scripts/long.yaml"),
+        format!("responses:\n  - text: \"{}\"\n", words.join(" ")),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("keel.toml"),
+        "default_profile = \"long\"\n[providers.long]\nkind = \"scripted\"\nscript = \"scripts/long.yaml\"\n\
+         [session]\nauto_title_after_n_messages = 0\n[server]\nstream_replay_bytes = 16777216\n",
+    )
+    .unwrap();
+    let (child, addr) = start_server(dir.path());
+    let http = reqwest::Client::new();
+    let dialog: serde_json::Value = http
+        .post(format!("http://{addr}/api/dialogs"))
+        .json(&serde_json::json!({}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = dialog["id"].as_str().unwrap().to_owned();
+    let body = http
+        .post(format!("http://{addr}/api/dialogs/{id}/messages"))
+        .header("accept", "text/event-stream")
+        .json(&serde_json::json!({"text": "go"}))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let first = body
+        .lines()
+        .find_map(|l| l.strip_prefix("id: "))
+        .unwrap()
+        .to_owned();
+    let sent = body.lines().filter(|l| l.starts_with("id: ")).count();
+    let mut rates = Vec::new();
+    for _ in 0..CATCH_UP_READS {
+        let started = Instant::now();
+        let replayed = http
+            .get(format!("http://{addr}/api/dialogs/{id}/stream"))
+            .header("last-event-id", &first)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let elapsed = started.elapsed();
+        let frames = replayed.lines().filter(|l| l.starts_with("id: ")).count();
+        assert_eq!(frames, sent - 1, "every frame after the first, once");
+        rates.push(frames as f64 / elapsed.as_secs_f64());
+    }
+    stop_server(child, dir.path());
+    rates.sort_by(f64::total_cmp);
+    println!(
+        "BENCH serve_catch_up frames={} frames_per_s_median={:.0} min={:.0} max={:.0}",
+        sent - 1,
+        rates[rates.len() / 2],
+        rates[0],
+        rates[rates.len() - 1]
+    );
 }
 
 /// Latencies and errors of one side.
@@ -161,6 +260,8 @@ async fn collect(
 
 struct Served {
     run: Run,
+    /// Server CPU seconds per turn.
+    server_cpu_per_turn: f64,
     locked_lines: usize,
     rss_kib: u64,
     hwm_kib: u64,
@@ -195,8 +296,16 @@ fn memory_kib(pid: u32) -> (u64, u64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
-async fn over_websocket() -> Served {
+/// The turns over WebSocket; `replay`: with the default replay window, else none.
+async fn over_websocket(replay: bool) -> Served {
     let dir = tempfile::tempdir().unwrap();
+    if !replay {
+        std::fs::write(
+            dir.path().join("keel.toml"),
+            "[server]\nstream_replay_secs = 0\n",
+        )
+        .unwrap();
+    }
     let (child, addr) = start_server(dir.path());
     let http = reqwest::Client::new();
     let mut sessions = Vec::new();
@@ -291,6 +400,7 @@ async fn over_websocket() -> Served {
     let (rss_kib, hwm_kib) = memory_kib(child.id());
     let log = stop_server(child, dir.path());
     Served {
+        server_cpu_per_turn: server_cpu / run.latencies.len().max(1) as f64,
         run,
         locked_lines: log
             .lines()

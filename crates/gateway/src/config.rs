@@ -133,6 +133,14 @@ pub const DEFAULT_BODY_TIMEOUT_SECS: u64 = 60;
 pub const DEFAULT_IDLE_TIMEOUT_SECS: u64 = 60;
 /// Largest `server.header_timeout_secs`, `body_timeout_secs` and `idle_timeout_secs` (1 h).
 pub const MAX_CLIENT_TIMEOUT_SECS: u64 = 3600;
+/// Default `server.stream_replay_secs` (5 min).
+pub const DEFAULT_STREAM_REPLAY_SECS: u64 = 300;
+/// Largest `server.stream_replay_secs` (1 h).
+pub const MAX_STREAM_REPLAY_SECS: u64 = 3600;
+/// Default `server.stream_replay_bytes` (1 MiB).
+pub const DEFAULT_STREAM_REPLAY_BYTES: u64 = 1024 * 1024;
+/// Largest `server.stream_replay_bytes` (64 MiB).
+pub const MAX_STREAM_REPLAY_BYTES: u64 = 64 * 1024 * 1024;
 /// Largest `server.max_connections`.
 pub const MAX_CONNECTIONS_CAP: usize = 1_000_000;
 
@@ -511,6 +519,10 @@ pub struct ServerConfig {
     pub body_timeout_secs: u64,
     /// Seconds a connection may stay open with no request in flight.
     pub idle_timeout_secs: u64,
+    /// Seconds a dialog's turn frames are kept for clients that reconnect.
+    pub stream_replay_secs: u64,
+    /// Bytes of turn frames kept per dialog for clients that reconnect.
+    pub stream_replay_bytes: u64,
 }
 
 impl Default for ServerConfig {
@@ -524,6 +536,8 @@ impl Default for ServerConfig {
             header_timeout_secs: DEFAULT_HEADER_TIMEOUT_SECS,
             body_timeout_secs: DEFAULT_BODY_TIMEOUT_SECS,
             idle_timeout_secs: DEFAULT_IDLE_TIMEOUT_SECS,
+            stream_replay_secs: DEFAULT_STREAM_REPLAY_SECS,
+            stream_replay_bytes: DEFAULT_STREAM_REPLAY_BYTES,
         }
     }
 }

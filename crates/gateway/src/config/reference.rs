@@ -134,6 +134,8 @@ max_connections = 768
 header_timeout_secs = 10
 body_timeout_secs = 60
 idle_timeout_secs = 60
+stream_replay_secs = 300
+stream_replay_bytes = 1048576
 
 # An MCP server keel starts as a child process and talks to over stdio.
 [mcp.files]
@@ -731,6 +733,23 @@ pub fn reference() -> Vec<KeyDoc> {
              1..={MAX_CLIENT_TIMEOUT_SECS}. A WebSocket or a streamed answer is in flight; a \
              WebSocket that sends nothing for this long, not even the pong to the ping the \
              server sends halfway, is closed with 1008."
+        ),
+    );
+    code(
+        &mut rows,
+        "server.stream_replay_secs",
+        format!(
+            "Seconds each dialog's turn frames are kept, 0..={MAX_STREAM_REPLAY_SECS}, so a \
+             client that reconnects (`Last-Event-ID`, `resume_from`) gets every frame it missed; \
+             asking for older ones gets a `replay_gap`. 0 keeps nothing."
+        ),
+    );
+    code(
+        &mut rows,
+        "server.stream_replay_bytes",
+        format!(
+            "Bytes (about) of turn frames kept per dialog, 4096..={MAX_STREAM_REPLAY_BYTES}; the \
+             oldest go first."
         ),
     );
     mcp_rows(&mut rows);

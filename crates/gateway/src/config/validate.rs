@@ -593,4 +593,16 @@ fn server(s: &ServerConfig, out: &mut Problems) {
     ] {
         out.range(key, secs, 1, MAX_CLIENT_TIMEOUT_SECS);
     }
+    out.range(
+        "server.stream_replay_secs",
+        s.stream_replay_secs,
+        0,
+        MAX_STREAM_REPLAY_SECS,
+    );
+    out.range(
+        "server.stream_replay_bytes",
+        s.stream_replay_bytes,
+        4096,
+        MAX_STREAM_REPLAY_BYTES,
+    );
 }

@@ -26,6 +26,14 @@ pub enum ClientFrame {
         /// The last revision the client saw (after a reconnect).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         since_revision: Option<u64>,
+        /// The `event_id` of the last turn frame the client saw: every turn
+        /// frame after it is sent first (or a `replay_gap`), then live ones.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        resume_from: Option<u64>,
+        /// Without `resume_from`: first send the frames so far of the turn
+        /// running now, if any (a page that reloaded mid-answer).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        join: bool,
     },
     /// Stop receiving a dialog's frames.
     Unsubscribe {
@@ -159,6 +167,9 @@ pub enum ServerFrame {
     TurnStarted {
         /// The dialog.
         session_id: Uuid,
+        /// Its place in the dialog's stream (see `resume_from`), set when published.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        event_id: Option<u64>,
         /// The turn.
         turn_id: Uuid,
         /// What started it.
@@ -168,6 +179,9 @@ pub enum ServerFrame {
     TextDelta {
         /// The dialog.
         session_id: Uuid,
+        /// Its place in the dialog's stream (see `resume_from`), set when published.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        event_id: Option<u64>,
         /// The turn.
         turn_id: Uuid,
         /// The text.
@@ -177,6 +191,9 @@ pub enum ServerFrame {
     ToolStarted {
         /// The dialog.
         session_id: Uuid,
+        /// Its place in the dialog's stream (see `resume_from`), set when published.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        event_id: Option<u64>,
         /// The turn.
         turn_id: Uuid,
         /// The call.
@@ -191,6 +208,9 @@ pub enum ServerFrame {
     ToolFinished {
         /// The dialog.
         session_id: Uuid,
+        /// Its place in the dialog's stream (see `resume_from`), set when published.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        event_id: Option<u64>,
         /// The turn.
         turn_id: Uuid,
         /// The call.
@@ -207,6 +227,9 @@ pub enum ServerFrame {
     ModelCallFinished {
         /// The dialog.
         session_id: Uuid,
+        /// Its place in the dialog's stream (see `resume_from`), set when published.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        event_id: Option<u64>,
         /// The turn.
         turn_id: Uuid,
         /// Why the model stopped: `stop`, `tool_calls`, `length`,
@@ -217,6 +240,9 @@ pub enum ServerFrame {
     Notice {
         /// The dialog.
         session_id: Uuid,
+        /// Its place in the dialog's stream (see `resume_from`), set when published.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        event_id: Option<u64>,
         /// The turn.
         turn_id: Uuid,
         /// The text.
@@ -226,6 +252,9 @@ pub enum ServerFrame {
     TurnCommitted {
         /// The dialog.
         session_id: Uuid,
+        /// Its place in the dialog's stream (see `resume_from`), set when published.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        event_id: Option<u64>,
         /// The turn.
         turn_id: Uuid,
         /// What started it.
@@ -239,6 +268,9 @@ pub enum ServerFrame {
     TurnFailed {
         /// The dialog.
         session_id: Uuid,
+        /// Its place in the dialog's stream (see `resume_from`), set when published.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        event_id: Option<u64>,
         /// The turn.
         turn_id: Uuid,
         /// What started it.
@@ -315,6 +347,18 @@ pub enum ServerFrame {
         /// Why.
         reason: String,
     },
+    /// Turn frames the client asked for (`resume_from`, `Last-Event-ID`)
+    /// are no longer kept (`server.stream_replay_secs`,
+    /// `server.stream_replay_bytes`) or are unknown to this server: re-read
+    /// the messages; every frame still kept follows, then live ones.
+    ReplayGap {
+        /// The dialog.
+        session_id: Uuid,
+        /// The event id the client asked to resume after.
+        after_event_id: u64,
+        /// Why, for a person.
+        reason: String,
+    },
     /// A request failed; the connection stays open.
     Error {
         /// The request's `id`, when it had one and could be read.
@@ -353,6 +397,7 @@ impl ServerFrame {
             ServerFrame::ApprovalRequested { .. } => "approval_requested",
             ServerFrame::ApprovalDecided { .. } => "approval_decided",
             ServerFrame::Resync { .. } => "resync",
+            ServerFrame::ReplayGap { .. } => "replay_gap",
             ServerFrame::Error { .. } => "error",
         }
     }
@@ -370,6 +415,69 @@ impl ServerFrame {
             | ServerFrame::TurnFailed { turn_id, .. } => Some(*turn_id),
             _ => None,
         }
+    }
+
+    /// A turn frame's place in its dialog's stream, once published.
+    pub fn event_id(&self) -> Option<u64> {
+        match self {
+            ServerFrame::TurnStarted { event_id, .. }
+            | ServerFrame::TextDelta { event_id, .. }
+            | ServerFrame::ToolStarted { event_id, .. }
+            | ServerFrame::ToolFinished { event_id, .. }
+            | ServerFrame::ModelCallFinished { event_id, .. }
+            | ServerFrame::Notice { event_id, .. }
+            | ServerFrame::TurnCommitted { event_id, .. }
+            | ServerFrame::TurnFailed { event_id, .. } => *event_id,
+            _ => None,
+        }
+    }
+
+    /// Sets a turn frame's `event_id` (other frames have none); whether it had a place for one.
+    pub(crate) fn set_event_id(&mut self, id: u64) -> bool {
+        match self {
+            ServerFrame::TurnStarted { event_id, .. }
+            | ServerFrame::TextDelta { event_id, .. }
+            | ServerFrame::ToolStarted { event_id, .. }
+            | ServerFrame::ToolFinished { event_id, .. }
+            | ServerFrame::ModelCallFinished { event_id, .. }
+            | ServerFrame::Notice { event_id, .. }
+            | ServerFrame::TurnCommitted { event_id, .. }
+            | ServerFrame::TurnFailed { event_id, .. } => {
+                *event_id = Some(id);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// About what a kept turn frame occupies in memory, in bytes (the frame,
+    /// its shared allocation and window entry, and its texts), for the
+    /// replay window's byte bound.
+    pub(crate) fn approx_bytes(&self) -> usize {
+        // The frame itself, the Arc's counts, the window's entry and the
+        // allocator's overhead of the frame and its text.
+        let fixed = std::mem::size_of::<ServerFrame>() + 16 + 48 + 32;
+        fixed
+            + match self {
+                ServerFrame::TextDelta { text, .. } | ServerFrame::Notice { text, .. } => {
+                    text.len()
+                }
+                ServerFrame::ToolStarted {
+                    call_id,
+                    name,
+                    arguments,
+                    ..
+                } => call_id.len() + name.len() + arguments.to_string().len(),
+                ServerFrame::ToolFinished {
+                    call_id,
+                    name,
+                    output,
+                    ..
+                } => call_id.len() + name.len() + output.len(),
+                ServerFrame::ModelCallFinished { finish_reason, .. } => finish_reason.len(),
+                ServerFrame::TurnFailed { message, .. } => message.len(),
+                _ => 0,
+            }
     }
 
     /// The revision of an agent frame.

@@ -61,6 +61,7 @@ pub use turns::DrainReport;
 
 use api::ReloadReport;
 use hub::Hub;
+pub use hub::ReplayLimits;
 use problem::{ApiError, ApiResult};
 use projection::{Projections, RunRefresher};
 use turns::TurnRunner;
@@ -110,6 +111,9 @@ pub struct ServeOptions {
     pub limits: Limits,
     /// Bounds on connections and on how long a request may take to arrive.
     pub connections: ConnectionLimits,
+    /// How long and how much of each dialog's turn frames are kept for
+    /// clients that reconnect.
+    pub replay: ReplayLimits,
 }
 
 impl ServeOptions {
@@ -153,6 +157,10 @@ impl ServeOptions {
                 header_timeout: Duration::from_secs(server.header_timeout_secs),
                 body_timeout: Duration::from_secs(server.body_timeout_secs),
                 idle_timeout: Duration::from_secs(server.idle_timeout_secs),
+            },
+            replay: ReplayLimits {
+                window: Duration::from_secs(server.stream_replay_secs),
+                max_bytes: usize::try_from(server.stream_replay_bytes).unwrap_or(usize::MAX),
             },
         })
     }
@@ -258,7 +266,7 @@ impl Server {
         let addr = listener
             .local_addr()
             .map_err(io_err("cannot read the listening address"))?;
-        let hub = Arc::new(Hub::new(options.limits.hub_capacity));
+        let hub = Arc::new(Hub::new(options.limits.hub_capacity, options.replay));
         let projections = Arc::new(Projections::new(app.store.clone(), hub.clone()));
         if let Some(coordinator) = &app.coordinator {
             coordinator.set_observer(Arc::new(RunRefresher {

@@ -13,6 +13,7 @@ use super::api;
 use super::frames;
 use super::problem::{Problem, PROBLEM_JSON};
 use super::routes::{approvals, dialogs, exports, mcp_servers, runs, system};
+use super::sse;
 
 /// The error answers every route documents (each a problem body).
 pub(crate) struct Errors;
@@ -81,7 +82,7 @@ impl Modify for BearerAuth {
     paths(
         system::health, system::ready, system::openapi, system::reload, system::metrics,
         dialogs::list, dialogs::create, dialogs::get_one, dialogs::update, dialogs::delete,
-        dialogs::messages, dialogs::send, dialogs::stop, dialogs::steer, dialogs::usage,
+        dialogs::messages, dialogs::send, sse::stream, dialogs::stop, dialogs::steer, dialogs::usage,
         dialogs::checkpoints, dialogs::rollback, dialogs::fork, exports::export, exports::import,
         runs::list, runs::get_one, runs::events, runs::dialog_events, runs::dialog_inbox,
         runs::cancel, runs::trace, runs::turn_trace, approvals::list, approvals::decide,

@@ -1,27 +1,133 @@
-//! A send whose answer streams as server-sent events: the turn's frames,
-//! each an event named by its `type` with the frame as JSON data, ending
-//! after `turn_committed` or `turn_failed`. A reader too slow for the
-//! dialog's buffer gets a `resync` event where frames were dropped.
+//! Turn frames as server-sent events: each an event named by its `type`,
+//! the frame as JSON data, its `event_id` as the SSE `id:`.
+//!
+//! - A streamed send carries one turn's frames and ends after its
+//!   `turn_committed` or `turn_failed`.
+//! - `GET /api/dialogs/{id}/stream` joins the dialog's stream: with
+//!   `Last-Event-ID` (or `?last_event_id=`) every turn frame after that id
+//!   first — of the running turn and of turns that ended meanwhile — else the
+//!   running turn's frames so far; then live frames, until a turn ends with
+//!   none running.
+//!
+//! A reader too slow for the dialog's buffer is caught up from the replay
+//! window, past which it gets a `replay_gap`.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
 
+use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::stream::{self, Stream};
 use keel_core::SessionId;
+use serde::Deserialize;
 use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::broadcast::Receiver;
+use utoipa::IntoParams;
+use uuid::Uuid;
 
 use super::api::IfBusy;
 use super::frames::ServerFrame;
-use super::hub::SharedFrame;
-use super::problem::ApiResult;
+use super::hub::{Resume, SharedFrame};
+use super::openapi::Errors;
+use super::problem::{ApiError, ApiPath, ApiQuery, ApiResult};
 use super::Shared;
 
 fn event(frame: &ServerFrame) -> Event {
-    Event::default()
+    let event = Event::default()
         .event(frame.kind())
-        .data(serde_json::to_string(frame).unwrap_or_default())
+        .data(serde_json::to_string(frame).unwrap_or_default());
+    match frame.event_id() {
+        Some(id) => event.id(id.to_string()),
+        None => event,
+    }
+}
+
+/// One SSE reader of a dialog's turn frames.
+struct Follow {
+    shared: Arc<Shared>,
+    session: SessionId,
+    /// Frames to send before reading the receiver (a replay).
+    pending: VecDeque<SharedFrame>,
+    receiver: Receiver<SharedFrame>,
+    /// The newest event id sent.
+    last: Option<u64>,
+    /// Only this turn's frames, ending with it (a streamed send).
+    turn: Option<Uuid>,
+}
+
+impl Follow {
+    /// The next frame to send, `None` at the end of the stream.
+    async fn next(&mut self) -> Option<SharedFrame> {
+        loop {
+            let frame = match self.pending.pop_front() {
+                Some(frame) => frame,
+                None => match self.receiver.recv().await {
+                    Ok(frame) => frame,
+                    // Caught up from the window, which the dropped frames are in.
+                    Err(RecvError::Lagged(_)) => {
+                        let from = self.last.map_or(Resume::Join, Resume::After);
+                        let attach = self.shared.hub.attach(self.session, from);
+                        self.receiver = attach.receiver;
+                        self.pending.extend(attach.gap.map(Arc::new));
+                        self.pending.extend(attach.replay);
+                        continue;
+                    }
+                    Err(RecvError::Closed) => return None,
+                },
+            };
+            // Turn frames only (and gaps), each once.
+            match frame.event_id() {
+                // After a gap, whatever follows is new to the client.
+                None if matches!(frame.as_ref(), ServerFrame::ReplayGap { .. }) => {
+                    self.last = None;
+                    return Some(frame);
+                }
+                None => continue,
+                Some(id) if self.last.is_some_and(|last| id <= last) => continue,
+                Some(_) => {}
+            }
+            if self.turn.is_some() && frame.turn_id() != self.turn {
+                continue;
+            }
+            self.last = frame.event_id().or(self.last);
+            return Some(frame);
+        }
+    }
+
+    /// Whether the stream ends after `frame`: a streamed send's turn ended;
+    /// or a turn ended (or a gap was said), nothing is left to replay and no
+    /// other turn runs or waits. (Only then: between a turn's last frame and
+    /// its end nothing may run, yet its end is still to come.)
+    fn ends_after(&self, frame: &ServerFrame) -> bool {
+        if self.turn.is_some() {
+            return frame.ends_turn();
+        }
+        let gap = matches!(frame, ServerFrame::ReplayGap { .. });
+        if !frame.ends_turn() && !gap {
+            return false;
+        }
+        // The ended turn may still be seen as running.
+        self.pending.is_empty() && !self.shared.turns.has_turn(self.session, frame.turn_id())
+    }
+
+    /// Whether nothing is to be sent now or later (nothing replayed, no
+    /// turn running or waiting to).
+    fn idle(&self) -> bool {
+        self.pending.is_empty() && !self.shared.turns.has_turn(self.session, None)
+    }
+
+    fn into_response(self) -> Response {
+        let frames = stream::unfold(Some(self), |follow| async move {
+            let mut follow = follow?;
+            let frame = follow.next().await?;
+            let next = (!follow.ends_after(&frame)).then_some(follow);
+            Some((event(&frame), next))
+        });
+        sse_response(frames)
+    }
 }
 
 /// Starts a turn and answers with its frames as an SSE stream.
@@ -35,33 +141,85 @@ pub(crate) async fn send_streamed(
     // A steer streams the rest of the turn it went into.
     let receiver = shared.hub.subscribe(session);
     let turn = shared.turns.send(session, text, if_busy).await?.0.as_uuid();
-    let frames = stream::unfold(Some(receiver), move |receiver| {
-        let shared = shared.clone();
-        async move {
-            let mut receiver = receiver?;
-            loop {
-                let frame: SharedFrame = match receiver.recv().await {
-                    Ok(frame) => frame,
-                    Err(RecvError::Lagged(_)) => {
-                        let resync = shared
-                            .resync(
-                                session,
-                                "the stream was read too slowly; frames were dropped",
-                            )
-                            .await;
-                        return Some((event(&resync), Some(receiver)));
-                    }
-                    Err(RecvError::Closed) => return None,
-                };
-                if frame.turn_id() != Some(turn) {
-                    continue;
-                }
-                let next = (!frame.ends_turn()).then_some(receiver);
-                return Some((event(&frame), next));
-            }
-        }
-    });
-    Ok(sse_response(frames))
+    let follow = Follow {
+        shared,
+        session,
+        pending: VecDeque::new(),
+        receiver,
+        last: None,
+        turn: Some(turn),
+    };
+    Ok(follow.into_response())
+}
+
+/// Query of `GET /api/dialogs/{id}/stream`.
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub(crate) struct StreamQuery {
+    /// The `event_id` of the last frame seen, for clients that cannot send
+    /// the `Last-Event-ID` header (the header wins).
+    last_event_id: Option<u64>,
+}
+
+/// The `Last-Event-ID` header, when there is one.
+fn last_event_id(headers: &HeaderMap) -> ApiResult<Option<u64>> {
+    let Some(value) = headers.get("last-event-id") else {
+        return Ok(None);
+    };
+    let text = value.to_str().unwrap_or_default().trim();
+    // An empty id is how a server resets it: nothing was seen.
+    if text.is_empty() {
+        return Ok(None);
+    }
+    text.parse().map(Some).map_err(|_| {
+        ApiError::BadRequest(format!(
+            "Last-Event-ID {text:?} is not an event id this server gave (a number)"
+        ))
+    })
+}
+
+/// Joins the dialog's turn stream (SSE): with `Last-Event-ID`, every turn
+/// frame after it first, or a `replay_gap` when they are no longer kept;
+/// without, the running turn's frames so far. Then live frames, until a turn
+/// ends and none runs (at once when nothing runs and nothing is replayed).
+#[utoipa::path(get, path = "/api/dialogs/{id}/stream", tag = "dialogs",
+    params(("id" = uuid::Uuid, Path, description = "The dialog's id"), StreamQuery,
+        ("Last-Event-ID" = Option<u64>, Header, description = "The `event_id` of the last frame seen")),
+    responses(
+        (status = 200, description = "Turn frames (`turn_started`, `text_delta`, … `turn_committed` or `turn_failed`, `replay_gap`) as server-sent events named by their `type`, each with its `event_id` as `id`", content_type = "text/event-stream", body = String),
+        Errors))]
+pub(crate) async fn stream(
+    State(shared): State<Arc<Shared>>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(query): ApiQuery<StreamQuery>,
+    headers: HeaderMap,
+) -> ApiResult<Response> {
+    let session = shared.dialog(&id).await?.id;
+    let from = last_event_id(&headers)?
+        .or(query.last_event_id)
+        .map_or(Resume::Join, Resume::After);
+    let attach = shared.hub.attach(session, from);
+    let follow = Follow {
+        shared,
+        session,
+        pending: attach
+            .gap
+            .map(Arc::new)
+            .into_iter()
+            .chain(attach.replay)
+            .collect(),
+        receiver: attach.receiver,
+        last: match from {
+            Resume::After(id) => Some(id),
+            _ => None,
+        },
+        turn: None,
+    };
+    if follow.idle() {
+        return Ok(sse_response(stream::empty()));
+    }
+    Ok(follow.into_response())
 }
 
 fn sse_response(events: impl Stream<Item = Event> + Send + 'static) -> Response {

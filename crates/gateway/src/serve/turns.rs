@@ -41,7 +41,8 @@ pub struct TurnRunner {
     /// Cancelled when a shutdown's grace period runs out: every turn still
     /// running or waiting for its dialog is cancelled.
     cancel_all: CancellationToken,
-    running: Mutex<HashMap<TurnId, CancellationToken>>,
+    /// Turns sent and not ended yet (running or queued), with their dialog.
+    running: Mutex<HashMap<TurnId, (SessionId, CancellationToken)>>,
     /// Dialogs whose continuation turns are forwarded to the hub.
     followed: Mutex<HashSet<SessionId>>,
     /// User turns no connection started (resumed after a restart), which
@@ -63,17 +64,20 @@ fn event_frame(session: SessionId, turn: TurnId, event: TurnEvent) -> Option<Ser
     let turn_id = turn.as_uuid();
     Some(match event {
         TurnEvent::Stream(StreamEvent::TextDelta { text }) => ServerFrame::TextDelta {
+            event_id: None,
             session_id,
             turn_id,
             text,
         },
         TurnEvent::Stream(StreamEvent::Finish { reason }) => ServerFrame::ModelCallFinished {
+            event_id: None,
             session_id,
             turn_id,
             finish_reason: finish_reason_text(&reason),
         },
         TurnEvent::Stream(_) => return None,
         TurnEvent::ToolStarted { call } => ServerFrame::ToolStarted {
+            event_id: None,
             session_id,
             turn_id,
             call_id: call.id,
@@ -85,6 +89,7 @@ fn event_frame(session: SessionId, turn: TurnId, event: TurnEvent) -> Option<Ser
             name,
             output,
         } => ServerFrame::ToolFinished {
+            event_id: None,
             session_id,
             turn_id,
             call_id,
@@ -93,6 +98,7 @@ fn event_frame(session: SessionId, turn: TurnId, event: TurnEvent) -> Option<Ser
             is_error: output.is_error,
         },
         TurnEvent::SystemNotice { text } => ServerFrame::Notice {
+            event_id: None,
             session_id,
             turn_id,
             text,
@@ -212,6 +218,7 @@ impl TurnRunner {
                     self.hub.publish(
                         session,
                         ServerFrame::TurnStarted {
+                            event_id: None,
                             session_id,
                             turn_id: turn_id.as_uuid(),
                             turn_origin: (*origin).into(),
@@ -235,6 +242,7 @@ impl TurnRunner {
                     self.hub.publish(
                         session,
                         ServerFrame::TurnCommitted {
+                            event_id: None,
                             session_id,
                             turn_id: turn_id.as_uuid(),
                             turn_origin: (*origin).into(),
@@ -258,6 +266,7 @@ impl TurnRunner {
                     self.hub.publish(
                         session,
                         ServerFrame::TurnFailed {
+                            event_id: None,
                             session_id,
                             turn_id: turn_id.as_uuid(),
                             turn_origin: (*origin).into(),
@@ -293,7 +302,21 @@ impl TurnRunner {
     pub fn cancel(&self, turn: uuid::Uuid) -> bool {
         let running = self.running.lock();
         let token = running.iter().find(|(t, _)| t.as_uuid() == turn);
-        token.map(|(_, token)| token.cancel()).is_some()
+        token.map(|(_, (_, token))| token.cancel()).is_some()
+    }
+
+    /// Whether a turn of `session` other than `except` was sent and has not
+    /// ended (running or queued), or runs now (a continuation).
+    pub fn has_turn(&self, session: SessionId, except: Option<uuid::Uuid>) -> bool {
+        let other = |t: &TurnId| Some(t.as_uuid()) != except;
+        self.manager
+            .running_turn(session)
+            .is_some_and(|t| other(&t))
+            || self
+                .running
+                .lock()
+                .iter()
+                .any(|(t, (s, _))| *s == session && other(t))
     }
 
     /// Whether new turns are refused (a shutdown began).
@@ -381,7 +404,9 @@ impl TurnRunner {
         let mut cancel_sent = false;
         // Whether a failed turn left the user's message stored, unanswered.
         let mut input_kept = false;
-        self.running.lock().insert(turn, turn_token.clone());
+        self.running
+            .lock()
+            .insert(turn, (session, turn_token.clone()));
         let origin = TurnOrigin::User;
         let _ = started.send(Ok(turn));
         let cancel = self.cancel_all.clone();
@@ -393,6 +418,7 @@ impl TurnRunner {
                             self.hub.publish(
                                 session,
                                 ServerFrame::TurnStarted {
+                                    event_id: None,
                                     session_id: session.as_uuid(),
                                     turn_id: turn.as_uuid(),
                                     turn_origin: origin,
@@ -425,6 +451,7 @@ impl TurnRunner {
         self.running.lock().remove(&turn);
         let end = match &result {
             Ok(report) => ServerFrame::TurnCommitted {
+                event_id: None,
                 session_id: session.as_uuid(),
                 turn_id: turn.as_uuid(),
                 turn_origin: origin,
@@ -432,6 +459,7 @@ impl TurnRunner {
                 usage: report.output.usage.into(),
             },
             Err(e) => ServerFrame::TurnFailed {
+                event_id: None,
                 session_id: session.as_uuid(),
                 turn_id: turn.as_uuid(),
                 turn_origin: origin,

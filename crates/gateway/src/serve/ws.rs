@@ -22,7 +22,7 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio::task::AbortHandle;
 
 use super::frames::{ClientFrame, ServerFrame, MAX_REQUEST_ID_BYTES};
-use super::hub::SharedFrame;
+use super::hub::{Resume, SharedFrame};
 use super::problem::{ApiError, ApiResult};
 use super::routes::{checked_text, decode_cursor, page_limit};
 use super::Shared;
@@ -259,7 +259,17 @@ impl Connection {
                 id,
                 session_id,
                 since_revision,
-            } => self.subscribe(id, session_id.into(), since_revision).await,
+                resume_from,
+                join,
+            } => {
+                let resume = match (resume_from, join) {
+                    (Some(after), _) => Resume::After(after),
+                    (None, true) => Resume::Join,
+                    (None, false) => Resume::Live,
+                };
+                self.subscribe(id, session_id.into(), since_revision, resume)
+                    .await
+            }
             ClientFrame::Unsubscribe { id, session_id } => {
                 if let Some(handle) = self.subscriptions.lock().remove(&session_id.into()) {
                     handle.abort();
@@ -275,7 +285,7 @@ impl Connection {
                 let session = shared.dialog_by_id(session_id.into()).await?.id;
                 let text = checked_text(text)?;
                 if !self.subscriptions.lock().contains_key(&session) {
-                    self.subscribe(None, session, None).await?;
+                    self.subscribe(None, session, None, Resume::Live).await?;
                 }
                 let if_busy = if_busy.unwrap_or_default();
                 let (turn, steered) = shared.turns.send(session, text, if_busy).await?;
@@ -342,12 +352,14 @@ impl Connection {
     }
 
     /// Subscribes to `session`: the answer, the replay of changes at or
-    /// after `since` (or a `resync` when there are too many), then live frames.
+    /// after `since` (or a `resync` when there are too many), the turn
+    /// frames `resume` asks for (or a `replay_gap`), then live frames.
     async fn subscribe(
         self: &Arc<Self>,
         id: Option<String>,
         session: SessionId,
         since: Option<u64>,
+        resume: Resume,
     ) -> ApiResult<Vec<ServerFrame>> {
         let shared = &self.shared;
         shared.dialog_by_id(session).await?;
@@ -359,7 +371,8 @@ impl Connection {
                 "a connection may subscribe to at most {MAX_SUBSCRIPTIONS} dialogs"
             )));
         }
-        let receiver = shared.hub.subscribe(session);
+        let attach = shared.hub.attach(session, resume);
+        let receiver = attach.receiver;
         shared.turns.follow_continuations(session).await;
         let watched_from = shared.projections.watch(session).await?;
         let session_id = session.as_uuid();
@@ -379,16 +392,19 @@ impl Connection {
                 ),
             },
         };
-        // The answer and the replay are queued before any live frame.
+        // The answer and the replays are queued before any live frame.
         let answers = std::iter::once(ServerFrame::Subscribed {
             id,
             session_id,
             revision,
         })
-        .chain(replay);
+        .chain(replay)
+        .chain(attach.gap)
+        .map(Arc::new)
+        .chain(attach.replay);
         for frame in answers {
             self.out
-                .send(Arc::new(frame))
+                .send(frame)
                 .await
                 .map_err(|_| ApiError::Conflict("the connection closed".to_owned()))?;
         }
@@ -417,17 +433,21 @@ fn coalesce(frames: Vec<SharedFrame>) -> Vec<SharedFrame> {
                 session_id,
                 turn_id,
                 text,
+                ..
             }),
             ServerFrame::TextDelta {
                 turn_id: next_turn,
                 text: next,
+                event_id,
                 ..
             },
         ) = (out.last().map(|f| f.as_ref()), frame.as_ref())
         {
             if turn_id == next_turn {
+                // The merged frame stands for the last one: its id is where to resume.
                 let merged = ServerFrame::TextDelta {
                     session_id: *session_id,
+                    event_id: *event_id,
                     turn_id: *turn_id,
                     text: format!("{text}{next}"),
                 };

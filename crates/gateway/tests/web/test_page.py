@@ -525,6 +525,41 @@ def scenario_reconnect(r):
     expect(page.locator("#run-tree li.run")).to_have_count(3)
 
 
+RESUMED_ANSWER = ("This answer keeps streaming while the page reloads and then carries on from "
+                  "where it was without losing or repeating a single word of it until the very last one.")
+
+# Records every text the streaming answer shows, from now on.
+WATCH_STREAMING = """() => {
+  window.__streamed = [];
+  new MutationObserver(() => {
+    const md = document.querySelector('article.msg.assistant.streaming .md');
+    if (md) window.__streamed.push(md.textContent.trim());
+  }).observe(document.getElementById('messages'), { subtree: true, childList: true, characterData: true });
+}"""
+
+
+def scenario_reload_mid_answer(r):
+    """A reload in the middle of a streamed answer rejoins it: the answer goes on from
+    where it was, to the end, no word repeated or missing."""
+    page = r.page
+    r.send("Stream it across a reload")
+    streaming = page.locator("article.msg.assistant.streaming .md")
+    expect(streaming).to_contain_text("while the page reloads")
+    page.reload()
+    expect(page.locator("#connection")).to_have_attribute("data-state", "open")
+    page.evaluate(WATCH_STREAMING)
+    # Joined mid-answer: what streamed before the reload is shown again.
+    expect(streaming).to_contain_text("This answer keeps streaming")
+    r.shot("rejoined")
+    expect(page.locator("article.msg.assistant.streaming")).to_have_count(0)
+    expect(r.assistant().locator(".md")).to_have_text(RESUMED_ANSWER)
+    seen = page.evaluate("window.__streamed")
+    assert seen, "nothing streamed after the reload"
+    assert all(RESUMED_ANSWER.startswith(t) for t in seen), \
+        f"a streamed text is not a prefix of the answer: {[t for t in seen if not RESUMED_ANSWER.startswith(t)][:1]}"
+    assert max(seen, key=len) == RESUMED_ANSWER, f"the stream ended at {max(seen, key=len)!r}"
+
+
 def scenario_token_prompt(r):
     """A server with a token: the page asks for it, refuses a wrong one, keeps the right one for the tab."""
     page = r.page
@@ -662,6 +697,7 @@ SCENARIOS = [
     scenario_dialogs,
     scenario_fork,
     scenario_narrow_screen,
+    scenario_reload_mid_answer,
     scenario_reconnect,
     scenario_token_prompt,
     scenario_approval_card,

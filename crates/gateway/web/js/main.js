@@ -19,6 +19,9 @@ const state = {
   agents: [],
   current: null,
   revision: 0,
+  // The event id of the last turn frame of the shown dialog: a reconnect
+  // resumes after it; without one the page joins the running turn.
+  lastEvent: null,
   history: [],
   earlier: null,
   checkpoints: [],
@@ -184,6 +187,7 @@ async function select(id) {
   if (previous && socket.open) socket.request({ type: 'unsubscribe', session_id: previous.id }).catch(() => {});
   clearDialog();
   state.revision = 0;
+  state.lastEvent = null;
   showDialog(dialog);
   localStorage.setItem(LAST_DIALOG, id);
   history.replaceState(null, '', `#d=${id}`);
@@ -444,7 +448,8 @@ async function subscribe() {
   const dialog = state.current;
   if (!dialog || !socket.open) return;
   try {
-    const answer = await socket.request({ type: 'subscribe', session_id: dialog.id, since_revision: state.revision });
+    const resume = state.lastEvent === null ? { join: true } : { resume_from: state.lastEvent };
+    const answer = await socket.request({ type: 'subscribe', session_id: dialog.id, since_revision: state.revision, ...resume });
     if (state.current?.id === dialog.id) state.revision = Math.max(state.revision, answer.revision);
   } catch (e) {
     if (e.code !== 'closed') notify(`Live updates are off: ${e.message}`);
@@ -476,8 +481,7 @@ function onState(s, attempt) {
       h('span', { text: `The live connection dropped. Reconnecting${attempt > 1 ? ` (attempt ${attempt})` : ''}…` }),
       h('button', { type: 'button', class: 'mini', text: 'Retry now', on: { click: () => socket.reconnect() } }));
     banner.hidden = false;
-    // Turns that were streaming lost frames: history is re-read on reconnect.
-    chat.live.clear();
+    // Turns that were streaming resume after the last frame seen on reconnect.
     updateComposer();
   }
 }
@@ -494,6 +498,7 @@ function onFrame(f) {
   }
   if (!state.current || f.session_id !== state.current.id) return;
   if (typeof f.revision === 'number' && f.type !== 'resync') state.revision = Math.max(state.revision, f.revision);
+  if (typeof f.event_id === 'number') state.lastEvent = Math.max(state.lastEvent ?? 0, f.event_id);
   switch (f.type) {
     case 'agent_run_updated':
       if (runs.run(f.run)) renderRuns();
@@ -513,6 +518,12 @@ function onFrame(f) {
       break;
     case 'resync':
       state.revision = 0;
+      resync();
+      break;
+    case 'replay_gap':
+      // The frames missed are gone: what is shown is re-read; the running
+      // turn's frames (if still kept) follow this one.
+      chat.live.clear();
       resync();
       break;
     case 'turn_started':

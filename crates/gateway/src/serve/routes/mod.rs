@@ -57,6 +57,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
             "/dialogs/{id}/messages",
             get(dialogs::messages).post(dialogs::send),
         )
+        .route("/dialogs/{id}/stream", get(super::sse::stream))
         .route("/dialogs/{id}/stop", post(dialogs::stop))
         .route("/dialogs/{id}/steer", post(dialogs::steer))
         .route("/dialogs/{id}/usage", get(dialogs::usage))

@@ -372,21 +372,25 @@ async fn bad_input_is_a_run_error_body_and_changes_nothing() {
 fn turn_frames(session: Uuid, turn: Uuid, origin: TurnOrigin) -> Vec<ServerFrame> {
     vec![
         ServerFrame::TurnStarted {
+            event_id: None,
             session_id: session,
             turn_id: turn,
             turn_origin: origin,
         },
         ServerFrame::TextDelta {
+            event_id: None,
             session_id: session,
             turn_id: turn,
             text: "Results are in.".into(),
         },
         ServerFrame::ModelCallFinished {
+            event_id: None,
             session_id: session,
             turn_id: turn,
             finish_reason: "stop".into(),
         },
         ServerFrame::TurnCommitted {
+            event_id: None,
             session_id: session,
             turn_id: turn,
             turn_origin: origin,
@@ -425,6 +429,7 @@ fn a_stopped_turn_closes_what_it_opened_and_finishes_cancelled() {
     events.extend(encoder.encode(&frames[0]));
     events.extend(encoder.encode(&frames[1]));
     events.extend(encoder.encode(&ServerFrame::TurnFailed {
+        event_id: None,
         session_id: dialog,
         turn_id: turn,
         turn_origin: TurnOrigin::User,
@@ -463,6 +468,7 @@ fn a_failed_or_lost_turn_is_one_run_error() {
     let mut events = vec![failed.start()];
     events.extend(failed.encode(&frames[1]));
     events.extend(failed.encode(&ServerFrame::TurnFailed {
+        event_id: None,
         session_id: dialog,
         turn_id: turn,
         turn_origin: TurnOrigin::User,

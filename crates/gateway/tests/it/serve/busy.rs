@@ -37,6 +37,8 @@ async fn each_busy_policy_with_a_turn_running_and_with_none() {
         id: None,
         session_id: id,
         since_revision: None,
+        resume_from: None,
+        join: false,
     })
     .await;
     ws.until(|f| matches!(f, ServerFrame::Subscribed { .. }))

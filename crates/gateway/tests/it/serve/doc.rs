@@ -92,6 +92,7 @@ fn every_frame_in_protocol_md_is_a_frame_and_every_frame_has_an_example() {
             "error",
             "model_call_finished",
             "notice",
+            "replay_gap",
             "resync",
             "steered",
             "stopped",

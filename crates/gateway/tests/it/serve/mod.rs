@@ -8,6 +8,7 @@ mod hostile;
 mod mcp;
 mod origin;
 mod rest;
+mod resume;
 mod shutdown;
 mod stop;
 mod web;

@@ -780,6 +780,8 @@ async fn a_dialogs_agent_switches_by_patch_only_while_no_turn_runs() {
         id: None,
         session_id: id.parse().unwrap(),
         since_revision: None,
+        resume_from: None,
+        join: false,
     })
     .await;
     ws.until(|f| matches!(f, ServerFrame::Subscribed { .. }))

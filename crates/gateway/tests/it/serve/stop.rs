@@ -236,6 +236,8 @@ async fn a_run_is_listed_read_and_cancelled() {
         id: None,
         session_id: id,
         since_revision: None,
+        resume_from: None,
+        join: false,
     })
     .await;
     // Frames of one connection are handled concurrently: subscribed first.

@@ -57,6 +57,8 @@ async fn two_clients_on_one_dialog_see_the_same_turn() {
         id: Some("b1".into()),
         session_id: id,
         since_revision: None,
+        resume_from: None,
+        join: false,
     })
     .await;
     assert!(
@@ -128,6 +130,8 @@ async fn agent_updates_carry_increasing_revisions_and_replay_on_reconnect() {
         id: None,
         session_id: id,
         since_revision: None,
+        resume_from: None,
+        join: false,
     })
     .await;
     let ServerFrame::Subscribed {
@@ -223,6 +227,8 @@ async fn agent_updates_carry_increasing_revisions_and_replay_on_reconnect() {
             id: None,
             session_id: id,
             since_revision: Some(1),
+            resume_from: None,
+            join: false,
         })
         .await;
     let ServerFrame::Subscribed { revision: now, .. } = again.frame().await else {
@@ -248,6 +254,8 @@ async fn agent_updates_carry_increasing_revisions_and_replay_on_reconnect() {
             id: None,
             session_id: id,
             since_revision: Some(now + 100),
+            resume_from: None,
+            join: false,
         })
         .await;
     let frames = again
@@ -278,6 +286,8 @@ async fn a_client_that_reads_too_slowly_gets_a_resync_and_memory_stays_bounded()
         id: None,
         session_id: id,
         since_revision: None,
+        resume_from: None,
+        join: false,
     })
     .await;
     assert!(matches!(slow.frame().await, ServerFrame::Subscribed { .. }));
@@ -663,6 +673,7 @@ async fn a_turn_past_its_deadline_fails_timed_out_and_the_queued_turn_runs() {
     );
     insta::assert_json_snapshot!(failed, {
         ".session_id" => "[dialog]",
+        ".event_id" => "[event]",
         ".turn_id" => "[turn]",
     });
     // The queued turn waits for the model like the first; now it answers.
@@ -736,6 +747,8 @@ async fn a_watching_client_sees_turns_resumed_after_a_restart_exactly_once() {
         id: None,
         session_id: id,
         since_revision: None,
+        resume_from: None,
+        join: false,
     })
     .await;
     ws.until(|f| matches!(f, ServerFrame::Subscribed { .. }))
