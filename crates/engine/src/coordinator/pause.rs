@@ -19,8 +19,8 @@ use std::sync::Arc;
 
 use keel_core::time::now_ms;
 use keel_core::{
-    ApprovalId, CancellationToken, Message, RunId, SessionId, ToolExecutionContext, ToolRegistry,
-    Usage, Usd,
+    ApprovalId, CancellationToken, Message, RunId, SessionId, ToolCall, ToolExecutionContext,
+    ToolRegistry, Usage, Usd,
 };
 use keel_store::{ApprovalRecord, ApprovalStatus, NewApproval, PausedRunCommit, TerminalOutcome};
 use parking_lot::Mutex;
@@ -116,6 +116,8 @@ impl AgentCoordinator {
             })
             .collect();
         let ids: Vec<ApprovalId> = approvals.iter().map(|a| a.id).collect();
+        let waits: Vec<(ApprovalId, ToolCall)> =
+            approvals.iter().map(|a| (a.id, a.call.clone())).collect();
         history.extend(out.messages);
         let mut usage = prior.usage;
         usage.add(out.usage);
@@ -133,7 +135,13 @@ impl AgentCoordinator {
             now_ms: now,
         };
         match self.store.commit_paused_run(commit).await {
-            Ok(true) => Ok(ids),
+            Ok(true) => {
+                // Each wait is a span under the run's, until its decision.
+                for (id, call) in &waits {
+                    trace::open_approval(*id, call);
+                }
+                Ok(ids)
+            }
             Ok(false) => Err(Stop::Superseded),
             Err(e) => Err(Stop::Agent(e.into())),
         }
@@ -455,6 +463,7 @@ impl AgentCoordinator {
             );
             if commit.won {
                 for a in approvals.iter().filter(|a| a.run_id == Some(run.spec.id)) {
+                    trace::settle_approval(a.id, "superseded");
                     self.publish_approval(session, a.id).await;
                 }
                 stopped.push(run.spec.id);

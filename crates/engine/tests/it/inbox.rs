@@ -1579,3 +1579,70 @@ async fn a_decision_racing_a_stop_or_a_delete_runs_the_call_at_most_once() {
         }
     }
 }
+
+#[tokio::test]
+async fn a_waiting_runs_approval_is_a_span_until_its_decision_or_its_stop() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let recorder = crate::common::SpanRecorder::default();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(recorder.clone()));
+    let waits = || {
+        recorder
+            .spans()
+            .into_iter()
+            .filter(|(n, _)| n == "await_approval write")
+            .map(|(_, f)| {
+                (
+                    f["keel.approval.id"].clone(),
+                    f["keel.approval.outcome"].clone(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let writes = Arc::new(AtomicUsize::new(0));
+    let root = ScriptedProvider::new([
+        background(&["write it"]),
+        ScriptedResponse::text("started"),
+        ScriptedResponse::text("the write is done"),
+        background(&["write again"]),
+        ScriptedResponse::text("started again"),
+    ]);
+    let mut h = inbox(
+        root,
+        Options {
+            sub_script: vec![
+                ScriptedResponse::tool_call("write", json!({"path": "a"})),
+                ScriptedResponse::text("wrote a"),
+                ScriptedResponse::tool_call("write", json!({"path": "b"})),
+            ],
+            ..gated_bg(&writes)
+        },
+    )
+    .await;
+    h.manager.submit_turn(h.session, "go").await.unwrap();
+    let (_, asked) = h.until(1, 1).await;
+    assert_eq!(waits(), [], "the run's wait is open while it waits");
+    h.manager
+        .decide_approval(
+            asked[0].id,
+            Some(h.session),
+            keel_store::Decision::Approve,
+            None,
+        )
+        .await
+        .unwrap();
+    let (ends, _) = h.until(1, 0).await;
+    assert_eq!(ends, [(TurnOrigin::AgentContinuation, true)]);
+    assert_eq!(waits(), [(asked[0].id.to_string(), "approved".to_owned())]);
+    // A run stopped while it waits ends its wait as superseded.
+    h.manager.submit_turn(h.session, "again").await.unwrap();
+    let (_, again) = h.until(1, 1).await;
+    h.manager.stop(h.session).await.unwrap();
+    assert_eq!(
+        waits(),
+        [
+            (asked[0].id.to_string(), "approved".to_owned()),
+            (again[0].id.to_string(), "superseded".to_owned())
+        ]
+    );
+}
