@@ -2,8 +2,8 @@
 //! report through the `metrics` facade (named functions in their own
 //! `metrics` modules); this module installs the recorder that renders the
 //! Prometheus text format, meters every model call by its profile
-//! ([`MeteredProvider`]), counts the WebSocket and SSE clients
-//! ([`ClientGauge`]), and reads what is a state rather than an event — the
+//! (`MeteredProvider`), counts the WebSocket and SSE clients
+//! (`ClientGauge`), and reads what is a state rather than an event — the
 //! inbox, the gate's permits, dropped telemetry — at scrape time.
 //! docs/OPERATIONS.md documents each name in [`METRICS`]; a test keeps the
 //! two equal.
