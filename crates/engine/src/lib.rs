@@ -33,6 +33,7 @@ mod coordinator;
 mod error;
 mod events;
 mod export;
+mod export_runs;
 mod fence;
 mod gate;
 mod mailbox;
@@ -58,8 +59,8 @@ pub use coordinator::{
 pub use error::{EngineError, Result};
 pub use events::{SessionEvent, SessionEvents, SessionSubscription, SubscriptionError};
 pub use export::{
-    DialogExport, ExportedDialog, ExportedMessage, DIALOG_FORMAT, DIALOG_FORMAT_VERSION,
-    MAX_DIALOG_EXPORT_BYTES,
+    DialogExport, ExportedDialog, ExportedMessage, ExportedModel, ExportedRun, ExportedRunTimes,
+    DIALOG_FORMAT, DIALOG_FORMAT_VERSION, MAX_DIALOG_EXPORT_BYTES,
 };
 pub use gate::{
     ExecutionGate, GateCounters, GateLimits, GateScope, RunPermit, StepKind, StepPermitGuard,

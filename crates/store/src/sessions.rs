@@ -337,13 +337,16 @@ impl Store {
             .await
     }
 
-    /// Creates `session` and commits `turn` to it in one transaction, so a
-    /// dialog brought in from elsewhere exists whole or not at all.
-    /// `turn.session_id` must be `session.id`; its messages get seqs 1, 2, ….
+    /// Creates `session`, commits `turn` to it and writes its ended `runs`
+    /// (parents first, already carrying their new ids and `session.id` as
+    /// root) in one transaction, so a dialog brought in from elsewhere
+    /// exists whole or not at all. `turn.session_id` must be `session.id`;
+    /// its messages get seqs 1, 2, ….
     pub async fn import_session(
         &self,
         session: NewSession,
         turn: TurnCommit,
+        runs: Vec<crate::RunRecord>,
     ) -> Result<TurnCommitted> {
         if turn.session_id != session.id {
             return Err(StoreError::Conflict(format!(
@@ -355,7 +358,20 @@ impl Store {
         self.db
             .write(move |c| {
                 insert_session_tx(c, &session, None, None)?;
-                commit_turn_tx(c, &turn, &encoded, None)
+                let committed = commit_turn_tx(c, &turn, &encoded, None)?;
+                if let Some(bad) = runs.iter().find(|r| r.spec.root_session_id != session.id) {
+                    return Err(StoreError::Conflict(format!(
+                        "imported run {} belongs to session {}, not {}",
+                        bad.spec.id, bad.spec.root_session_id, session.id
+                    )));
+                }
+                if !runs.is_empty() {
+                    let revision = crate::counters::next_revision(c, &session.id, session.now_ms)?;
+                    for run in &runs {
+                        crate::runs::insert_imported_run_tx(c, run, revision)?;
+                    }
+                }
+                Ok(committed)
             })
             .await
     }

@@ -11,16 +11,18 @@ use crate::error::{EngineError, Result};
 use crate::export::DialogExport;
 
 impl SessionManager {
-    /// The dialog's current history, hidden messages included, and its state.
+    /// The dialog's current history, hidden messages included, its state
+    /// and its sub-agent runs.
     pub async fn export_dialog(&self, id: SessionId) -> Result<DialogExport> {
         let session = self.session(id).await?;
         let guard = session.lock().await;
-        Ok(DialogExport::of(&guard))
+        let runs = self.store.session_runs(id).await?;
+        Ok(DialogExport::of(&guard, &runs))
     }
 
     /// Recreates an export as a new dialog of the same chat, with new ids,
-    /// in one transaction (with a checkpoint at its end); nothing is written
-    /// when any part of it is refused.
+    /// in one transaction (with a checkpoint at its end, and its runs as
+    /// ended runs); nothing is written when any part of it is refused.
     pub async fn import_dialog(&self, export: DialogExport) -> Result<SessionId> {
         let agent = export
             .dialog
@@ -71,7 +73,8 @@ impl SessionManager {
             now_ms: now,
         };
         let id = session.id;
-        self.store.import_session(session, turn).await?;
+        let runs = crate::export_runs::imported_runs(&export.runs, id)?;
+        self.store.import_session(session, turn, runs).await?;
         tracing::info!(session_id = %id, "dialog imported");
         Ok(id)
     }

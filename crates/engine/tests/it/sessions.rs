@@ -212,7 +212,9 @@ async fn export_import_export_round_trips_equal_modulo_ids() {
         .set_memory(id, "k", "v".into(), serde_json::Value::Null)
         .await
         .unwrap();
+    crate::exports::ended_runs(h.manager.store(), id).await;
     let first = h.manager.export_dialog(id).await.unwrap();
+    assert_eq!(first.runs.len(), 2);
     let json = first.to_json().unwrap();
     let copy = h
         .manager
@@ -225,6 +227,20 @@ async fn export_import_export_round_trips_equal_modulo_ids() {
     assert_ne!(second.dialog.dialog_id, first.dialog.dialog_id);
     second.dialog.id.clone_from(&first.dialog.id);
     second.dialog.dialog_id.clone_from(&first.dialog.dialog_id);
+    // Runs get new ids, and their links follow them.
+    let ids: std::collections::HashMap<String, String> = second
+        .runs
+        .iter()
+        .zip(&first.runs)
+        .map(|(new, old)| (new.id.clone(), old.id.clone()))
+        .collect();
+    assert!(ids.iter().all(|(new, old)| new != old));
+    let old_id = |id: &str| ids.get(id).cloned().unwrap_or_else(|| id.to_owned());
+    for run in &mut second.runs {
+        run.id = old_id(&run.id);
+        run.parent_run_id = run.parent_run_id.as_deref().map(old_id);
+        run.caller_scope = old_id(&run.caller_scope);
+    }
     assert_eq!(second, first);
     // The copy is a dialog like any other: it replays the same context and
     // has a checkpoint to roll back to.

@@ -1,0 +1,148 @@
+//! What a dialog export holds beyond its history: runs, checkpoints, branches.
+
+use keel_core::{AgentId, Delivery, ExecutionMode, RunId, RunStatus, SessionId, Usage};
+use keel_engine::SessionManagerConfig;
+use keel_store::{AcceptRun, CompletionHandling, NewRun, Store, TerminalOutcome};
+
+use crate::common::*;
+
+fn run(root: SessionId, parent: Option<RunId>, task: &str) -> NewRun {
+    let id = RunId::new();
+    NewRun {
+        id,
+        root_session_id: root,
+        root_turn_id: None,
+        parent_run_id: parent,
+        caller_agent_id: AgentId::parse(if parent.is_some() { "helper" } else { "root" }).unwrap(),
+        caller_scope_id: parent.map_or_else(|| "root-turn".into(), |p| p.to_string()),
+        idempotency_key: None,
+        agent_id: AgentId::parse("helper").unwrap(),
+        definition_hash: "d".repeat(64),
+        provider_profile: "default".into(),
+        provider_name: "scripted".into(),
+        model_id: "scripted-1".into(),
+        mode: ExecutionMode::Foreground,
+        depth: if parent.is_some() { 2 } else { 1 },
+        plan_item_id: None,
+        execution_id: format!("exec-{id}"),
+        task: task.into(),
+        context_json: None,
+        budget_json: "{}".into(),
+        signal_contract_json: None,
+        signal_delivery: None,
+        completion_delivery: Some(Delivery::Queue),
+        failure_delivery: Some(Delivery::Queue),
+        runtime_generation: 1,
+        deadline_at_ms: 10_000_000,
+    }
+}
+
+async fn accept(store: &Store, run: NewRun, now_ms: i64) -> RunId {
+    let id = run.id;
+    store
+        .accept_run(AcceptRun {
+            run,
+            inbox_capacity: 16,
+            now_ms,
+        })
+        .await
+        .unwrap();
+    id
+}
+
+async fn complete(store: &Store, id: RunId, result: &str, now_ms: i64) {
+    let commit = store
+        .commit_terminal(
+            id,
+            format!("exec-{id}"),
+            TerminalOutcome::Completed {
+                result: result.into(),
+                usage: Usage::new(12, 3),
+                tool_calls: 1,
+                iterations: 2,
+                cost: None,
+            },
+            CompletionHandling::Quiet,
+            now_ms,
+        )
+        .await
+        .unwrap();
+    assert!(commit.won);
+}
+
+/// A run of `root` that completed with a child that completed too.
+pub(crate) async fn ended_runs(store: &Store, root: SessionId) -> (RunId, RunId) {
+    let parent = accept(store, run(root, None, "find the plan"), 1_000).await;
+    let child = accept(store, run(root, Some(parent), "read the notes"), 1_100).await;
+    complete(store, child, "the notes say yes", 1_200).await;
+    complete(store, parent, "the plan is yes", 1_300).await;
+    (parent, child)
+}
+
+#[tokio::test]
+async fn runs_are_exported_whole_and_imported_as_ended_runs_with_new_ids() {
+    let h = harness(SessionManagerConfig::default());
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    let store = h.manager.store();
+    let (parent, child) = ended_runs(store, id).await;
+    let unfinished = accept(store, run(id, None, "still going"), 1_400).await;
+    let export = h.manager.export_dialog(id).await.unwrap();
+    let tasks: Vec<_> = export.runs.iter().map(|r| r.task.as_str()).collect();
+    assert_eq!(tasks, ["find the plan", "still going", "read the notes"]);
+    let exported_child = &export.runs[2];
+    assert_eq!(exported_child.id, child.to_string());
+    assert_eq!(exported_child.parent_run_id, Some(parent.to_string()));
+    assert_eq!(exported_child.status, RunStatus::Completed);
+    assert_eq!(exported_child.result.as_deref(), Some("the notes say yes"));
+    assert_eq!(exported_child.usage, Some(Usage::new(12, 3)));
+    assert_eq!(export.runs[1].status, RunStatus::Queued);
+
+    let copy = h.manager.import_dialog(export).await.unwrap();
+    let runs = store.session_runs(copy).await.unwrap();
+    assert_eq!(runs.len(), 3);
+    let by_task = |t: &str| runs.iter().find(|r| r.spec.task == t).unwrap();
+    let (p, c, u) = (
+        by_task("find the plan"),
+        by_task("read the notes"),
+        by_task("still going"),
+    );
+    for r in [p, c, u] {
+        assert_eq!(r.spec.root_session_id, copy);
+        assert!(![parent, child, unfinished].contains(&r.spec.id));
+        assert!(r.status.is_terminal(), "{:?}", r.status);
+        assert!(!r.completion_slot_reserved);
+    }
+    assert_eq!(c.spec.parent_run_id, Some(p.spec.id));
+    assert_eq!(c.spec.caller_scope_id, p.spec.id.to_string());
+    assert_eq!(c.result.as_deref(), Some("the notes say yes"));
+    assert_eq!((c.tool_calls_count, c.iterations), (1, 2));
+    assert_eq!(u.status, RunStatus::Interrupted);
+    assert_eq!(
+        u.error.as_deref(),
+        Some("the run had not ended when its dialog was exported")
+    );
+    // The original's runs are untouched.
+    assert_eq!(store.session_runs(id).await.unwrap().len(), 3);
+}
+
+#[tokio::test]
+async fn an_import_whose_run_names_a_missing_parent_writes_nothing() {
+    let h = harness(SessionManagerConfig::default());
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    ended_runs(h.manager.store(), id).await;
+    let mut export = h.manager.export_dialog(id).await.unwrap();
+    export.runs.remove(0);
+    let before = h
+        .manager
+        .list_dialogs("test", "chat", 10, None)
+        .await
+        .unwrap();
+    let err = h.manager.import_dialog(export).await.unwrap_err();
+    assert!(err.to_string().contains("does not hold"), "{err}");
+    let after = h
+        .manager
+        .list_dialogs("test", "chat", 10, None)
+        .await
+        .unwrap();
+    assert_eq!(after.items.len(), before.items.len());
+}
