@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use keel_core::{ExecutionMode, Message, RunStatus, Usage};
 
 use crate::error::{EngineError, Result};
+use crate::export_tree::{ExportedCheckpoint, ExportedTimeline};
 use crate::session::AgentSession;
 use crate::state::SessionState;
 
@@ -41,6 +42,16 @@ pub struct DialogExport {
     /// Every sub-agent run of the dialog, parents before their children.
     #[serde(default)]
     pub runs: Vec<ExportedRun>,
+    /// Every timeline of the dialog, parents first: the current branch and
+    /// the branches rollbacks left behind (empty in an older keel's file).
+    #[serde(default)]
+    pub timelines: Vec<ExportedTimeline>,
+    /// The timeline the dialog continues on.
+    #[serde(default)]
+    pub head_timeline: Option<String>,
+    /// Every checkpoint of the dialog, oldest first.
+    #[serde(default)]
+    pub checkpoints: Vec<ExportedCheckpoint>,
 }
 
 /// One sub-agent run of the dialog: what was asked, of whom, and how it ended.
@@ -191,10 +202,15 @@ fn not_an_export(e: serde_json::Error) -> EngineError {
 }
 
 impl DialogExport {
-    /// Materializes `session` and its `runs`.
-    pub(crate) fn of(session: &AgentSession, runs: &[keel_store::RunRecord]) -> Self {
+    /// Materializes `session`, its `runs` and its history `tree`.
+    pub(crate) fn of(
+        session: &AgentSession,
+        runs: &[keel_store::RunRecord],
+        tree: &keel_store::DialogTree,
+    ) -> Result<Self> {
         let record = &session.record;
-        Self {
+        let (timelines, checkpoints) = crate::export_tree::exported_tree(tree)?;
+        Ok(Self {
             format: DIALOG_FORMAT.to_owned(),
             version: DIALOG_FORMAT_VERSION,
             dialog: ExportedDialog {
@@ -216,7 +232,10 @@ impl DialogExport {
                 .collect(),
             state: session.state.clone(),
             runs: runs.iter().map(ExportedRun::of).collect(),
-        }
+            timelines,
+            head_timeline: Some(tree.head.clone()),
+            checkpoints,
+        })
     }
 
     /// Parses an export file, refusing another format, a newer version or
@@ -335,6 +354,9 @@ mod tests {
                 .collect(),
             state: SessionState::default(),
             runs: Vec::new(),
+            timelines: Vec::new(),
+            head_timeline: None,
+            checkpoints: Vec::new(),
         }
     }
 

@@ -34,6 +34,7 @@ mod error;
 mod events;
 mod export;
 mod export_runs;
+mod export_tree;
 mod fence;
 mod gate;
 mod mailbox;
@@ -62,6 +63,7 @@ pub use export::{
     DialogExport, ExportedDialog, ExportedMessage, ExportedModel, ExportedRun, ExportedRunTimes,
     DIALOG_FORMAT, DIALOG_FORMAT_VERSION, MAX_DIALOG_EXPORT_BYTES,
 };
+pub use export_tree::{ExportedCheckpoint, ExportedTimeline};
 pub use gate::{
     ExecutionGate, GateCounters, GateLimits, GateScope, RunPermit, StepKind, StepPermitGuard,
     StepScope,

@@ -359,18 +359,7 @@ impl Store {
             .write(move |c| {
                 insert_session_tx(c, &session, None, None)?;
                 let committed = commit_turn_tx(c, &turn, &encoded, None)?;
-                if let Some(bad) = runs.iter().find(|r| r.spec.root_session_id != session.id) {
-                    return Err(StoreError::Conflict(format!(
-                        "imported run {} belongs to session {}, not {}",
-                        bad.spec.id, bad.spec.root_session_id, session.id
-                    )));
-                }
-                if !runs.is_empty() {
-                    let revision = crate::counters::next_revision(c, &session.id, session.now_ms)?;
-                    for run in &runs {
-                        crate::runs::insert_imported_run_tx(c, run, revision)?;
-                    }
-                }
+                crate::runs::import_runs_tx(c, &session, &runs)?;
                 Ok(committed)
             })
             .await

@@ -146,3 +146,39 @@ async fn an_import_whose_run_names_a_missing_parent_writes_nothing() {
         .unwrap();
     assert_eq!(after.items.len(), before.items.len());
 }
+
+/// `export` with every id replaced by its kind and position (`run-1`,
+/// `timeline-2`, `checkpoint-3`, …) and references following them, so two
+/// exports compare equal modulo ids.
+pub(crate) fn normalized(mut export: keel_engine::DialogExport) -> keel_engine::DialogExport {
+    use std::collections::HashMap;
+    export.dialog.id = Some("dialog".into());
+    export.dialog.dialog_id = Some("dialog-id".into());
+    let mut names: HashMap<String, String> = HashMap::new();
+    for (i, r) in export.runs.iter().enumerate() {
+        names.insert(r.id.clone(), format!("run-{}", i + 1));
+    }
+    for (i, t) in export.timelines.iter().enumerate() {
+        names.insert(t.id.clone(), format!("timeline-{}", i + 1));
+    }
+    for (i, c) in export.checkpoints.iter().enumerate() {
+        names.insert(c.id.clone(), format!("checkpoint-{}", i + 1));
+    }
+    let name = |id: &str| names.get(id).cloned().unwrap_or_else(|| id.to_owned());
+    for r in &mut export.runs {
+        r.id = name(&r.id);
+        r.parent_run_id = r.parent_run_id.as_deref().map(name);
+        r.caller_scope = name(&r.caller_scope);
+    }
+    for t in &mut export.timelines {
+        t.id = name(&t.id);
+        t.parent = t.parent.as_deref().map(name);
+    }
+    export.head_timeline = export.head_timeline.as_deref().map(name);
+    for c in &mut export.checkpoints {
+        c.id = name(&c.id);
+        c.parent_id = c.parent_id.as_deref().map(name);
+        c.timeline = name(&c.timeline);
+    }
+    export
+}

@@ -13,11 +13,7 @@ use crate::Store;
 /// Writes `run` (already given its new ids, parents first) as a terminal row
 /// of its root session: it holds no completion slot, belongs to no group and
 /// no runtime generation's recovery ever picks it up.
-pub(crate) fn insert_imported_run_tx(
-    conn: &Connection,
-    run: &RunRecord,
-    revision: i64,
-) -> Result<()> {
+fn insert_imported_run_tx(conn: &Connection, run: &RunRecord, revision: i64) -> Result<()> {
     if !run.status.is_terminal() {
         return Err(StoreError::InvalidInput(format!(
             "an imported run must have ended, and run {} is {}",
@@ -82,6 +78,29 @@ pub(crate) fn insert_imported_run_tx(
         run.created_at_ms,
         run.updated_at_ms,
     ])?;
+    Ok(())
+}
+
+/// Writes the ended `runs` of imported session `session` (parents first),
+/// all under one new client revision.
+pub(crate) fn import_runs_tx(
+    conn: &Connection,
+    session: &crate::NewSession,
+    runs: &[RunRecord],
+) -> Result<()> {
+    if let Some(bad) = runs.iter().find(|r| r.spec.root_session_id != session.id) {
+        return Err(StoreError::Conflict(format!(
+            "imported run {} belongs to session {}, not {}",
+            bad.spec.id, bad.spec.root_session_id, session.id
+        )));
+    }
+    if runs.is_empty() {
+        return Ok(());
+    }
+    let revision = crate::counters::next_revision(conn, &session.id, session.now_ms)?;
+    for run in runs {
+        insert_imported_run_tx(conn, run, revision)?;
+    }
     Ok(())
 }
 

@@ -29,7 +29,7 @@ use keel_core::{GroupId, RunId, SessionId};
 use crate::error::Result;
 use crate::{Page, Store};
 
-pub(crate) use import::insert_imported_run_tx;
+pub(crate) use import::import_runs_tx;
 pub(crate) use pauses::end_run_approvals_tx;
 pub use pauses::{PausedRunCommit, ResumedRun};
 pub(crate) use recovery::recover_tx;
