@@ -182,3 +182,116 @@ pub(crate) fn normalized(mut export: keel_engine::DialogExport) -> keel_engine::
     }
     export
 }
+
+/// A dialog with a rollback: turns 1–3, back to after turn 1, then turn 4
+/// on the new branch, and runs; returns it.
+async fn dialog_with_a_rollback(h: &Harness) -> SessionId {
+    replies(&h.provider, &["a", "b", "c", "d"]);
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    h.manager.submit_turn(id, "1").await.unwrap();
+    let at = h.manager.latest_checkpoint(id).await.unwrap().unwrap();
+    h.manager.submit_turn(id, "2").await.unwrap();
+    h.manager.submit_turn(id, "3").await.unwrap();
+    h.manager.rollback(id, at.id).await.unwrap();
+    h.manager.submit_turn(id, "4").await.unwrap();
+    ended_runs(h.manager.store(), id).await;
+    id
+}
+
+async fn texts_at(store: &Store, cp: keel_core::CheckpointId) -> Vec<String> {
+    store
+        .load_messages_at_checkpoint(cp, keel_store::MessageFilter::default())
+        .await
+        .unwrap()
+        .iter()
+        .map(|m| m.message.text())
+        .collect()
+}
+
+#[tokio::test]
+async fn an_imported_dialog_lists_the_same_checkpoints_and_restores_each_to_the_same_history() {
+    let h = harness(SessionManagerConfig::default());
+    let id = dialog_with_a_rollback(&h).await;
+    let export = h.manager.export_dialog(id).await.unwrap();
+    assert_eq!(
+        export.timelines.len(),
+        2,
+        "the branch left behind is exported"
+    );
+    let copy = h.manager.import_dialog(export).await.unwrap();
+    let store = h.manager.store();
+    let (old, new) = (
+        h.manager.list_checkpoints(id).await.unwrap(),
+        h.manager.list_checkpoints(copy).await.unwrap(),
+    );
+    assert_eq!(old.len(), 5, "{old:?}");
+    assert_eq!(new.len(), old.len());
+    for (o, n) in old.iter().zip(&new) {
+        assert_ne!(o.id, n.id);
+        assert_eq!(
+            (o.source, o.turn_index, o.seq),
+            (n.source, n.turn_index, n.seq)
+        );
+        assert_eq!(texts_at(store, n.id).await, texts_at(store, o.id).await);
+    }
+    assert_eq!(visible_texts(&h.manager, copy).await, ["1", "a", "4", "d"]);
+    // Restoring the tip of the abandoned branch gives both the same history
+    // and state.
+    let tip = |cps: &[keel_store::CheckpointRecord]| {
+        cps.iter()
+            .find(|c| c.turn_index == 3)
+            .map(|c| c.id)
+            .unwrap()
+    };
+    h.manager.rollback(id, tip(&old)).await.unwrap();
+    h.manager.rollback(copy, tip(&new)).await.unwrap();
+    let expected = ["1", "a", "2", "b", "3", "c"];
+    assert_eq!(visible_texts(&h.manager, id).await, expected);
+    assert_eq!(visible_texts(&h.manager, copy).await, expected);
+    let (a, b) = (h.manager.get(id).unwrap(), h.manager.get(copy).unwrap());
+    assert_eq!(a.lock().await.state(), b.lock().await.state());
+    assert_eq!(h.manager.record(copy).await.unwrap().message_count, 3);
+}
+
+#[tokio::test]
+async fn an_export_of_a_dialog_with_a_rollback_and_runs_is_stable() {
+    let h = harness(SessionManagerConfig::default());
+    let id = dialog_with_a_rollback(&h).await;
+    let export = crate::exports::normalized(h.manager.export_dialog(id).await.unwrap());
+    let json: serde_json::Value = serde_json::from_str(&export.to_json().unwrap()).unwrap();
+    insta::assert_json_snapshot!(json, {
+        ".checkpoints[].created_at_ms" => "[time]",
+        ".state.memory.*.created_at_ms" => "[time]",
+    });
+}
+
+#[tokio::test]
+async fn a_tree_that_does_not_hold_together_is_refused_and_writes_nothing() {
+    let h = harness(SessionManagerConfig::default());
+    let id = dialog_with_a_rollback(&h).await;
+    let export = normalized(h.manager.export_dialog(id).await.unwrap());
+    let mut gap = export.clone();
+    gap.timelines[0].messages.remove(1);
+    let mut orphan = export.clone();
+    orphan.timelines[1].parent = Some("nowhere".into());
+    let mut no_head = export.clone();
+    no_head.head_timeline = Some("nowhere".into());
+    let mut bad_checkpoint = export.clone();
+    bad_checkpoint.checkpoints[1].parent_id = Some("later".into());
+    let before = h
+        .manager
+        .list_dialogs("test", "chat", 10, None)
+        .await
+        .unwrap();
+    let mut errors = Vec::new();
+    for e in [gap, orphan, no_head, bad_checkpoint] {
+        errors.push(h.manager.import_dialog(e).await.unwrap_err().to_string());
+    }
+    let after = h
+        .manager
+        .list_dialogs("test", "chat", 10, None)
+        .await
+        .unwrap();
+    assert_eq!(after.items.len(), before.items.len());
+    insta::assert_debug_snapshot!(errors);
+}
