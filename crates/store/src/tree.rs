@@ -221,6 +221,14 @@ fn import_tree_tx(
             .ok_or_else(|| invalid(format!("no timeline {key:?} in the file")))
     };
     for cp in &tree.checkpoints {
+        let tid = timeline(&cp.timeline)?;
+        let last = crate::messages::last_seq(c, tid)?;
+        if cp.seq < 0 || cp.seq > last {
+            return Err(invalid(format!(
+                "a checkpoint of timeline {:?} is at seq {}, and the timeline ends at {last}",
+                cp.timeline, cp.seq
+            )));
+        }
         let hash = put_blob_tx(c, &cp.state)?;
         c.prepare_cached(
             "INSERT INTO checkpoints (id, session_id, timeline_id, seq, parent_checkpoint_id, \
@@ -230,7 +238,7 @@ fn import_tree_tx(
         .execute(params![
             cp.id.to_string(),
             session.id.to_string(),
-            timeline(&cp.timeline)?,
+            tid,
             cp.seq,
             cp.parent.map(|p| p.to_string()),
             to_i64("turn_index", cp.turn_index)?,

@@ -278,13 +278,15 @@ async fn a_tree_that_does_not_hold_together_is_refused_and_writes_nothing() {
     no_head.head_timeline = Some("nowhere".into());
     let mut bad_checkpoint = export.clone();
     bad_checkpoint.checkpoints[1].parent_id = Some("later".into());
+    let mut past_the_end = export.clone();
+    past_the_end.checkpoints[4].seq = 40;
     let before = h
         .manager
         .list_dialogs("test", "chat", 10, None)
         .await
         .unwrap();
     let mut errors = Vec::new();
-    for e in [gap, orphan, no_head, bad_checkpoint] {
+    for e in [gap, orphan, no_head, bad_checkpoint, past_the_end] {
         errors.push(h.manager.import_dialog(e).await.unwrap_err().to_string());
     }
     let after = h
@@ -294,4 +296,68 @@ async fn a_tree_that_does_not_hold_together_is_refused_and_writes_nothing() {
         .unwrap();
     assert_eq!(after.items.len(), before.items.len());
     insta::assert_debug_snapshot!(errors);
+}
+
+#[tokio::test]
+async fn a_fork_exports_the_history_it_inherited_and_imports_standing_alone() {
+    let h = harness(SessionManagerConfig::default());
+    replies(&h.provider, &["a", "b", "c"]);
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    h.manager.submit_turn(id, "1").await.unwrap();
+    let at = h.manager.latest_checkpoint(id).await.unwrap().unwrap();
+    h.manager.submit_turn(id, "2").await.unwrap();
+    let fork = h.manager.fork(at.id, None).await.unwrap();
+    h.manager.submit_turn(fork, "3").await.unwrap();
+    let export = h.manager.export_dialog(fork).await.unwrap();
+    assert_eq!(export.timelines.len(), 1);
+    assert_eq!(export.timelines[0].parent, None);
+    let seqs: Vec<i64> = export.timelines[0].messages.iter().map(|m| m.seq).collect();
+    assert_eq!(seqs, [1, 2, 3, 4], "the inherited history is in the file");
+    // The fork point's parent is in the source dialog, not in the file.
+    assert_eq!(export.checkpoints[0].source, "fork");
+    assert_eq!(export.checkpoints[0].parent_id, None);
+    let copy = h.manager.import_dialog(export).await.unwrap();
+    assert_eq!(visible_texts(&h.manager, copy).await, ["1", "a", "3", "c"]);
+    let store = h.manager.store();
+    let (old, new) = (
+        h.manager.list_checkpoints(fork).await.unwrap(),
+        h.manager.list_checkpoints(copy).await.unwrap(),
+    );
+    assert_eq!(new.len(), old.len());
+    for (o, n) in old.iter().zip(&new) {
+        assert_eq!(texts_at(store, n.id).await, texts_at(store, o.id).await);
+    }
+    assert_eq!(new.last().unwrap().parent_id, None);
+}
+
+#[tokio::test]
+async fn a_file_without_timelines_imports_its_history_with_one_checkpoint() {
+    let h = harness(SessionManagerConfig::default());
+    let id = dialog_with_a_rollback(&h).await;
+    // What an older keel wrote: no timelines, head or checkpoints.
+    let mut json: serde_json::Value = serde_json::from_str(
+        &h.manager
+            .export_dialog(id)
+            .await
+            .unwrap()
+            .to_json()
+            .unwrap(),
+    )
+    .unwrap();
+    for field in ["timelines", "head_timeline", "checkpoints", "runs"] {
+        json.as_object_mut().unwrap().remove(field);
+    }
+    let old = keel_engine::DialogExport::from_value(json).unwrap();
+    let copy = h.manager.import_dialog(old).await.unwrap();
+    assert_eq!(visible_texts(&h.manager, copy).await, ["1", "a", "4", "d"]);
+    let cps = h.manager.list_checkpoints(copy).await.unwrap();
+    assert_eq!(cps.len(), 1);
+    assert_eq!(cps[0].source, keel_store::CheckpointSource::Manual);
+    assert!(h
+        .manager
+        .store()
+        .session_runs(copy)
+        .await
+        .unwrap()
+        .is_empty());
 }
