@@ -251,6 +251,12 @@ async fn an_imported_dialog_lists_the_same_checkpoints_and_restores_each_to_the_
     let (a, b) = (h.manager.get(id).unwrap(), h.manager.get(copy).unwrap());
     assert_eq!(a.lock().await.state(), b.lock().await.state());
     assert_eq!(h.manager.record(copy).await.unwrap().message_count, 3);
+    // The database the import wrote keeps every invariant the checker knows.
+    let report = store
+        .check_invariants(keel_store::CheckOptions::default())
+        .await
+        .unwrap();
+    assert!(report.is_clean(), "{:?}", report.findings);
 }
 
 #[tokio::test]
