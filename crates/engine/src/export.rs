@@ -9,9 +9,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use keel_core::Message;
+use keel_core::{ExecutionMode, Message, RunStatus, Usage};
 
 use crate::error::{EngineError, Result};
+use crate::export_tree::{ExportedCheckpoint, ExportedTimeline};
 use crate::session::AgentSession;
 use crate::state::SessionState;
 
@@ -38,6 +39,119 @@ pub struct DialogExport {
     /// Turn index, cost, slots (positions are the messages' `seq`s), memory.
     #[serde(default)]
     pub state: SessionState,
+    /// Every sub-agent run of the dialog, parents before their children.
+    #[serde(default)]
+    pub runs: Vec<ExportedRun>,
+    /// Every timeline of the dialog, parents first: the current branch and
+    /// the branches rollbacks left behind (empty in an older keel's file).
+    #[serde(default)]
+    pub timelines: Vec<ExportedTimeline>,
+    /// The timeline the dialog continues on.
+    #[serde(default)]
+    pub head_timeline: Option<String>,
+    /// Every checkpoint of the dialog, oldest first.
+    #[serde(default)]
+    pub checkpoints: Vec<ExportedCheckpoint>,
+}
+
+/// One sub-agent run of the dialog: what was asked, of whom, and how it ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExportedRun {
+    /// Its id in the exported dialog (an import gives it a new one).
+    pub id: String,
+    /// The run that delegated it (`None`: the dialog's own agent did).
+    #[serde(default)]
+    pub parent_run_id: Option<String>,
+    /// The agent that ran it.
+    pub agent: String,
+    /// The agent that delegated it.
+    pub caller_agent: String,
+    /// The delegating scope (the parent run's id or the root turn's).
+    #[serde(default)]
+    pub caller_scope: String,
+    /// The task text.
+    pub task: String,
+    /// Extra context given with the task (JSON), if any.
+    #[serde(default)]
+    pub context_json: Option<String>,
+    /// Foreground or background.
+    pub mode: ExecutionMode,
+    /// Delegation depth (1 for a child of the dialog's agent).
+    #[serde(default = "one")]
+    pub depth: u32,
+    /// Status when exported (an import turns a run that had not ended into
+    /// `interrupted`).
+    pub status: RunStatus,
+    /// Full result of a completed run.
+    #[serde(default)]
+    pub result: Option<String>,
+    /// Error of a run that did not complete.
+    #[serde(default)]
+    pub error: Option<String>,
+    /// Tokens used, once known.
+    #[serde(default)]
+    pub usage: Option<Usage>,
+    /// Cost in USD, once known.
+    #[serde(default)]
+    pub cost: Option<f64>,
+    /// Tool calls made.
+    #[serde(default)]
+    pub tool_calls: u32,
+    /// Loop iterations made.
+    #[serde(default)]
+    pub iterations: u32,
+    /// Attempt number.
+    #[serde(default = "one")]
+    pub attempt: u32,
+    /// Provider profile, provider and model it ran on.
+    #[serde(default)]
+    pub model: ExportedModel,
+    /// Hash of the agent definition it ran.
+    #[serde(default)]
+    pub definition_hash: String,
+    /// Budget (JSON).
+    #[serde(default)]
+    pub budget_json: String,
+    /// Bound plan item, if any.
+    #[serde(default)]
+    pub plan_item_id: Option<String>,
+    /// When it was accepted, started, finished, last changed and due (ms).
+    pub times: ExportedRunTimes,
+}
+
+/// Where a run's model calls went.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ExportedModel {
+    /// Provider profile name.
+    #[serde(default)]
+    pub profile: String,
+    /// Provider name.
+    #[serde(default)]
+    pub provider: String,
+    /// Model id.
+    #[serde(default)]
+    pub model: String,
+}
+
+/// A run's timestamps (ms since the epoch).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExportedRunTimes {
+    /// Accepted.
+    pub created_at_ms: i64,
+    /// Started, if it did.
+    #[serde(default)]
+    pub started_at_ms: Option<i64>,
+    /// Ended, if it did.
+    #[serde(default)]
+    pub finished_at_ms: Option<i64>,
+    /// Last changed.
+    pub updated_at_ms: i64,
+    /// Deadline.
+    pub deadline_at_ms: i64,
+}
+
+fn one() -> u32 {
+    1
 }
 
 /// The exported dialog's identity; an import keeps the names and gives it new ids.
@@ -88,10 +202,15 @@ fn not_an_export(e: serde_json::Error) -> EngineError {
 }
 
 impl DialogExport {
-    /// Materializes `session`.
-    pub(crate) fn of(session: &AgentSession) -> Self {
+    /// Materializes `session`, its `runs` and its history `tree`.
+    pub(crate) fn of(
+        session: &AgentSession,
+        runs: &[keel_store::RunRecord],
+        tree: &keel_store::DialogTree,
+    ) -> Result<Self> {
         let record = &session.record;
-        Self {
+        let (timelines, checkpoints) = crate::export_tree::exported_tree(tree)?;
+        Ok(Self {
             format: DIALOG_FORMAT.to_owned(),
             version: DIALOG_FORMAT_VERSION,
             dialog: ExportedDialog {
@@ -112,7 +231,11 @@ impl DialogExport {
                 })
                 .collect(),
             state: session.state.clone(),
-        }
+            runs: runs.iter().map(ExportedRun::of).collect(),
+            timelines,
+            head_timeline: Some(tree.head.clone()),
+            checkpoints,
+        })
     }
 
     /// Parses an export file, refusing another format, a newer version or
@@ -230,6 +353,10 @@ mod tests {
                 })
                 .collect(),
             state: SessionState::default(),
+            runs: Vec::new(),
+            timelines: Vec::new(),
+            head_timeline: None,
+            checkpoints: Vec::new(),
         }
     }
 

@@ -33,6 +33,8 @@ mod coordinator;
 mod error;
 mod events;
 mod export;
+mod export_runs;
+mod export_tree;
 mod fence;
 mod gate;
 mod mailbox;
@@ -58,9 +60,10 @@ pub use coordinator::{
 pub use error::{EngineError, Result};
 pub use events::{SessionEvent, SessionEvents, SessionSubscription, SubscriptionError};
 pub use export::{
-    DialogExport, ExportedDialog, ExportedMessage, DIALOG_FORMAT, DIALOG_FORMAT_VERSION,
-    MAX_DIALOG_EXPORT_BYTES,
+    DialogExport, ExportedDialog, ExportedMessage, ExportedModel, ExportedRun, ExportedRunTimes,
+    DIALOG_FORMAT, DIALOG_FORMAT_VERSION, MAX_DIALOG_EXPORT_BYTES,
 };
+pub use export_tree::{ExportedCheckpoint, ExportedTimeline};
 pub use gate::{
     ExecutionGate, GateCounters, GateLimits, GateScope, RunPermit, StepKind, StepPermitGuard,
     StepScope,

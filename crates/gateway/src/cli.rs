@@ -120,7 +120,7 @@ pub enum Command {
         #[arg(long)]
         force: bool,
     },
-    /// Write one dialog (history, hidden messages, state and memory) as versioned JSON
+    /// Write one dialog (history, hidden messages, state, memory, branches, checkpoints, runs) as versioned JSON
     ///
     /// The `keel.dialog` format of docs/EXPORT.md. Needs the data directory
     /// unused; while `keel serve` runs, use GET /api/dialogs/{id}/export.

@@ -337,7 +337,7 @@ fn fork_tx(
     Ok((created, record))
 }
 
-fn list_tx(conn: &Connection, session: &SessionId) -> Result<Vec<CheckpointRecord>> {
+pub(crate) fn list_tx(conn: &Connection, session: &SessionId) -> Result<Vec<CheckpointRecord>> {
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE session_id = ?1 ORDER BY rowid DESC"
     ))?;

@@ -107,6 +107,7 @@ mod runs;
 mod runtime;
 mod sessions;
 mod spend;
+mod tree;
 mod util;
 
 use std::path::Path;
@@ -150,6 +151,7 @@ pub use runs::{
 pub use runtime::{describe_process, Activation, RuntimeLock};
 pub use sessions::{DialogCursor, DialogQuery, NewSession, SessionRecord, TimelineId};
 pub use spend::DialogSpend;
+pub use tree::{DialogTree, ImportCheckpoint, ImportTimeline, ImportTree, TreeTimeline};
 
 /// Test seams, compiled only with the `testing` feature: build databases
 /// at older schema versions, or run a migration list of the test's own.

@@ -337,13 +337,16 @@ impl Store {
             .await
     }
 
-    /// Creates `session` and commits `turn` to it in one transaction, so a
-    /// dialog brought in from elsewhere exists whole or not at all.
-    /// `turn.session_id` must be `session.id`; its messages get seqs 1, 2, ….
+    /// Creates `session`, commits `turn` to it and writes its ended `runs`
+    /// (parents first, already carrying their new ids and `session.id` as
+    /// root) in one transaction, so a dialog brought in from elsewhere
+    /// exists whole or not at all. `turn.session_id` must be `session.id`;
+    /// its messages get seqs 1, 2, ….
     pub async fn import_session(
         &self,
         session: NewSession,
         turn: TurnCommit,
+        runs: Vec<crate::RunRecord>,
     ) -> Result<TurnCommitted> {
         if turn.session_id != session.id {
             return Err(StoreError::Conflict(format!(
@@ -355,7 +358,9 @@ impl Store {
         self.db
             .write(move |c| {
                 insert_session_tx(c, &session, None, None)?;
-                commit_turn_tx(c, &turn, &encoded, None)
+                let committed = commit_turn_tx(c, &turn, &encoded, None)?;
+                crate::runs::import_runs_tx(c, &session, &runs)?;
+                Ok(committed)
             })
             .await
     }

@@ -5,9 +5,38 @@
 use crate::backup::{acknowledged_turn, new_dialog, run, shown};
 use crate::serve::{runtime, Served};
 
+/// `export` with its dialog's ids cleared and every run, timeline and
+/// checkpoint id replaced by its kind and position (links following them):
+/// two exports of copies of one dialog are equal under it.
 fn without_ids(mut export: serde_json::Value) -> serde_json::Value {
-    export["dialog"]["id"] = serde_json::Value::Null;
-    export["dialog"]["dialog_id"] = serde_json::Value::Null;
+    use serde_json::Value;
+    export["dialog"]["id"] = Value::Null;
+    export["dialog"]["dialog_id"] = Value::Null;
+    let mut names = std::collections::HashMap::new();
+    for kind in ["runs", "timelines", "checkpoints"] {
+        for (i, item) in export[kind].as_array().into_iter().flatten().enumerate() {
+            if let Some(id) = item["id"].as_str() {
+                names.insert(id.to_owned(), format!("{kind}-{}", i + 1));
+            }
+        }
+    }
+    let rename = |v: &mut Value| {
+        if let Some(name) = v.as_str().and_then(|s| names.get(s)) {
+            *v = Value::String(name.clone());
+        }
+    };
+    rename(&mut export["head_timeline"]);
+    for (kind, fields) in [
+        ("runs", &["id", "parent_run_id", "caller_scope"][..]),
+        ("timelines", &["id", "parent"][..]),
+        ("checkpoints", &["id", "parent_id", "timeline"][..]),
+    ] {
+        for item in export[kind].as_array_mut().into_iter().flatten() {
+            for field in fields {
+                rename(&mut item[*field]);
+            }
+        }
+    }
     export
 }
 

@@ -11,16 +11,20 @@ use crate::error::{EngineError, Result};
 use crate::export::DialogExport;
 
 impl SessionManager {
-    /// The dialog's current history, hidden messages included, and its state.
+    /// The dialog's current history, hidden messages included, its state
+    /// and its sub-agent runs.
     pub async fn export_dialog(&self, id: SessionId) -> Result<DialogExport> {
         let session = self.session(id).await?;
         let guard = session.lock().await;
-        Ok(DialogExport::of(&guard))
+        let runs = self.store.session_runs(id).await?;
+        let tree = self.store.dialog_tree(id).await?;
+        DialogExport::of(&guard, &runs, &tree)
     }
 
     /// Recreates an export as a new dialog of the same chat, with new ids,
-    /// in one transaction (with a checkpoint at its end); nothing is written
-    /// when any part of it is refused.
+    /// in one transaction: its timelines, checkpoints and runs (as ended
+    /// runs), or for an older file its history with a checkpoint at its
+    /// end; nothing is written when any part of it is refused.
     pub async fn import_dialog(&self, export: DialogExport) -> Result<SessionId> {
         let agent = export
             .dialog
@@ -35,8 +39,6 @@ impl SessionManager {
             &export.dialog.chat_id,
             &new_dialog_id(),
         )?;
-        let state = export.remapped_state()?;
-        let messages = export.ordered_messages();
         let now = keel_core::time::now_ms();
         let session = NewSession {
             id: SessionId::new(),
@@ -49,6 +51,29 @@ impl SessionManager {
             delivery_context: None,
             now_ms: now,
         };
+        let id = session.id;
+        let runs = crate::export_runs::imported_runs(&export.runs, id)?;
+        match export.import_tree()? {
+            Some(tree) => {
+                self.store.import_session_tree(session, tree, runs).await?;
+            }
+            None => self.import_flat(&export, session, runs).await?,
+        }
+        tracing::info!(session_id = %id, "dialog imported");
+        Ok(id)
+    }
+
+    /// Imports a file without timelines (an older keel's): its history
+    /// renumbered 1, 2, … with one checkpoint at its end.
+    async fn import_flat(
+        &self,
+        export: &DialogExport,
+        session: NewSession,
+        runs: Vec<keel_store::RunRecord>,
+    ) -> Result<()> {
+        let state = export.remapped_state()?;
+        let messages = export.ordered_messages();
+        let now = session.now_ms;
         let visible = messages
             .iter()
             .filter(|(_, m)| m.is_visible_user_input())
@@ -70,10 +95,8 @@ impl SessionManager {
             expected_head: None,
             now_ms: now,
         };
-        let id = session.id;
-        self.store.import_session(session, turn).await?;
-        tracing::info!(session_id = %id, "dialog imported");
-        Ok(id)
+        self.store.import_session(session, turn, runs).await?;
+        Ok(())
     }
 }
 

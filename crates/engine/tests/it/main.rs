@@ -8,6 +8,7 @@ mod budgets;
 mod common;
 mod compaction;
 mod coordinator;
+mod exports;
 mod gate;
 mod housekeeping;
 mod inbox;

@@ -14,8 +14,10 @@
 //! - `rows`: row ↔ record mapping and the inserts;
 //! - `lifecycle`: accept, transitions, terminal commit, cancellation;
 //! - `pauses`: background runs waiting for approval (pause, resume);
+//! - `import`: whole runs read for an export and written back by an import;
 //! - `recovery`: what a new runtime generation does with the older ones' runs.
 
+mod import;
 mod lifecycle;
 mod pauses;
 mod recovery;
@@ -27,6 +29,7 @@ use keel_core::{GroupId, RunId, SessionId};
 use crate::error::Result;
 use crate::{Page, Store};
 
+pub(crate) use import::import_runs_tx;
 pub(crate) use pauses::end_run_approvals_tx;
 pub use pauses::{PausedRunCommit, ResumedRun};
 pub(crate) use recovery::recover_tx;

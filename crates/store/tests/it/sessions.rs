@@ -189,7 +189,7 @@ async fn import_session_creates_the_session_with_its_history_in_one_step() {
     let (_dir, store) = temp_store();
     let s = new_session("imported", 100);
     let committed = store
-        .import_session(s.clone(), import_turn(&s))
+        .import_session(s.clone(), import_turn(&s), Vec::new())
         .await
         .unwrap();
     assert_eq!(committed.seqs, [1, 2]);
@@ -217,13 +217,16 @@ async fn a_failed_import_leaves_no_session_behind() {
         timeline: elsewhere.head_timeline_id,
         last_seq: 7,
     });
-    assert!(store.import_session(s.clone(), turn).await.is_err());
+    assert!(store
+        .import_session(s.clone(), turn, Vec::new())
+        .await
+        .is_err());
     assert!(store.get_session(s.id).await.unwrap().is_none());
     // A history for another session is refused before anything is written.
     let mut other = import_turn(&s);
     other.session_id = keel_core::SessionId::new();
     assert!(matches!(
-        store.import_session(s.clone(), other).await,
+        store.import_session(s.clone(), other, Vec::new()).await,
         Err(StoreError::Conflict(_))
     ));
     assert!(store.get_session(s.id).await.unwrap().is_none());

@@ -13,7 +13,7 @@ use crate::serve::openapi::Errors;
 use crate::serve::problem::{ApiJson, ApiPath, ApiResult};
 use crate::serve::Shared;
 
-/// The dialog as a `keel.dialog` export: its current history, hidden messages included, and its state.
+/// The dialog as a `keel.dialog` export: its current history (hidden messages included), state, timelines, checkpoints and sub-agent runs.
 #[utoipa::path(get, path = "/api/dialogs/{id}/export", tag = "dialogs",
     params(("id" = uuid::Uuid, Path, description = "The dialog's id")),
     responses((status = 200, description = "The export (format keel.dialog, docs/EXPORT.md)",

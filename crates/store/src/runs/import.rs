@@ -1,0 +1,121 @@
+//! Runs brought in with an imported dialog: every run of a root session
+//! read whole, and terminal runs written back as rows of a new session.
+
+use keel_core::SessionId;
+use rusqlite::{params, Connection};
+
+use super::rows::{delivery_text, query_runs};
+use super::types::RunRecord;
+use crate::error::{Result, StoreError};
+use crate::util::to_i64;
+use crate::Store;
+
+/// Writes `run` (already given its new ids, parents first) as a terminal row
+/// of its root session: it holds no completion slot, belongs to no group and
+/// no runtime generation's recovery ever picks it up.
+fn insert_imported_run_tx(conn: &Connection, run: &RunRecord, revision: i64) -> Result<()> {
+    if !run.status.is_terminal() {
+        return Err(StoreError::InvalidInput(format!(
+            "an imported run must have ended, and run {} is {}",
+            run.spec.id, run.status
+        )));
+    }
+    let spec = &run.spec;
+    let db = crate::compress::db_of(conn);
+    conn.prepare_cached(
+        "INSERT INTO agent_runs (id, group_id, root_session_id, root_turn_id, parent_run_id, \
+         caller_agent_id, caller_scope_id, idempotency_key, agent_id, definition_hash, \
+         provider_profile, provider_name, model_id, mode, depth, plan_item_id, execution_id, \
+         task, context_json, budget_json, signal_contract_json, signal_delivery, \
+         completion_delivery, failure_delivery, status, result, error, prompt_tokens, \
+         completion_tokens, cost, tool_calls_count, iterations, runtime_generation, attempt, \
+         completion_slot_reserved, deadline_at, revision, started_at, finished_at, created_at, \
+         updated_at) \
+         VALUES (?1, NULL, ?2, NULL, ?3, ?4, ?5, NULL, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, \
+         ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31, \
+         0, ?32, ?33, ?34, ?35, ?36, ?37)",
+    )?
+    .execute(params![
+        spec.id.to_string(),
+        spec.root_session_id.to_string(),
+        spec.parent_run_id.map(|p| p.to_string()),
+        spec.caller_agent_id.as_str(),
+        spec.caller_scope_id,
+        spec.agent_id.as_str(),
+        spec.definition_hash,
+        spec.provider_profile,
+        spec.provider_name,
+        spec.model_id,
+        spec.mode.as_str(),
+        spec.depth,
+        spec.plan_item_id,
+        spec.execution_id,
+        spec.task,
+        spec.context_json,
+        spec.budget_json,
+        spec.signal_contract_json,
+        delivery_text(spec.signal_delivery),
+        delivery_text(spec.completion_delivery),
+        delivery_text(spec.failure_delivery),
+        run.status.as_str(),
+        crate::compress::pack_opt(run.result.as_deref(), db),
+        run.error,
+        run.usage
+            .map(|u| to_i64("prompt_tokens", u.prompt_tokens))
+            .transpose()?,
+        run.usage
+            .map(|u| to_i64("completion_tokens", u.completion_tokens))
+            .transpose()?,
+        run.cost,
+        run.tool_calls_count,
+        run.iterations,
+        to_i64("runtime_generation", spec.runtime_generation)?,
+        run.attempt,
+        spec.deadline_at_ms,
+        revision,
+        run.started_at_ms,
+        run.finished_at_ms,
+        run.created_at_ms,
+        run.updated_at_ms,
+    ])?;
+    Ok(())
+}
+
+/// Writes the ended `runs` of imported session `session` (parents first),
+/// all under one new client revision.
+pub(crate) fn import_runs_tx(
+    conn: &Connection,
+    session: &crate::NewSession,
+    runs: &[RunRecord],
+) -> Result<()> {
+    if let Some(bad) = runs.iter().find(|r| r.spec.root_session_id != session.id) {
+        return Err(StoreError::Conflict(format!(
+            "imported run {} belongs to session {}, not {}",
+            bad.spec.id, bad.spec.root_session_id, session.id
+        )));
+    }
+    if runs.is_empty() {
+        return Ok(());
+    }
+    let revision = crate::counters::next_revision(conn, &session.id, session.now_ms)?;
+    for run in runs {
+        insert_imported_run_tx(conn, run, revision)?;
+    }
+    Ok(())
+}
+
+impl Store {
+    /// Every run of root session `root`, oldest first (parents before
+    /// their children), for an export.
+    pub async fn session_runs(&self, root: SessionId) -> Result<Vec<RunRecord>> {
+        self.db
+            .read(move |c| {
+                query_runs(
+                    c,
+                    "WHERE root_session_id = ?1 ORDER BY depth, created_at, id",
+                    [root.to_string()],
+                )
+            })
+            .await
+    }
+}
