@@ -306,6 +306,7 @@ impl AgentSession {
             source,
         });
         let turn = TurnCommit {
+            calls: None,
             session_id: self.record.id,
             messages: messages
                 .iter()
