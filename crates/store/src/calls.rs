@@ -130,7 +130,7 @@ pub(crate) fn insert_calls_tx(
     Ok(())
 }
 
-fn read_calls(conn: &Connection, sql: &str, key: String) -> Result<Vec<CallSpan>> {
+fn read_calls(conn: &Connection, sql: &str, key: String) -> Result<Vec<(String, CallSpan)>> {
     let mut stmt = conn.prepare_cached(sql)?;
     let mut rows = stmt.query([key])?;
     let mut out = Vec::new();
@@ -146,34 +146,45 @@ fn read_calls(conn: &Connection, sql: &str, key: String) -> Result<Vec<CallSpan>
                 .map(|n| non_negative(what, n))
                 .transpose()
         };
-        out.push(CallSpan {
-            kind,
-            name: r.get(1)?,
-            call_id: r.get(2)?,
-            started_at_ms: r.get(3)?,
-            ended_at_ms: r.get(4)?,
-            input_tokens: count(5, "call_spans.input_tokens")?,
-            output_tokens: count(6, "call_spans.output_tokens")?,
-            status: r.get(7)?,
-        });
+        out.push((
+            r.get(8)?,
+            CallSpan {
+                kind,
+                name: r.get(1)?,
+                call_id: r.get(2)?,
+                started_at_ms: r.get(3)?,
+                ended_at_ms: r.get(4)?,
+                input_tokens: count(5, "call_spans.input_tokens")?,
+                output_tokens: count(6, "call_spans.output_tokens")?,
+                status: r.get(7)?,
+            },
+        ));
     }
     Ok(out)
 }
 
 const SELECT: &str = "SELECT kind, name, call_id, started_at, ended_at, input_tokens, \
-                      output_tokens, status FROM call_spans";
+                      output_tokens, status, session_id FROM call_spans";
 
 impl Store {
-    /// The stored calls of root turn `turn`, in the order they started (a
-    /// paused and resumed run's across its commits).
-    pub async fn turn_calls(&self, turn: TurnId) -> Result<Vec<CallSpan>> {
+    /// The stored calls of root turn `turn` (of dialog `session` only,
+    /// when given), in the order they started.
+    pub async fn turn_calls(
+        &self,
+        session: Option<SessionId>,
+        turn: TurnId,
+    ) -> Result<Vec<CallSpan>> {
         self.db
             .read(move |c| {
-                read_calls(
+                let mut calls = read_calls(
                     c,
                     &format!("{SELECT} WHERE turn_id = ?1 ORDER BY started_at, seq"),
                     turn.to_string(),
-                )
+                )?;
+                if let Some(s) = session {
+                    calls.retain(|(owner, _)| *owner == s.to_string());
+                }
+                Ok(calls.into_iter().map(|(_, span)| span).collect())
             })
             .await
     }
@@ -188,7 +199,7 @@ impl Store {
                 for run in &runs {
                     let calls = read_calls(c, &sql, run.to_string())?;
                     if !calls.is_empty() {
-                        out.insert(*run, calls);
+                        out.insert(*run, calls.into_iter().map(|(_, span)| span).collect());
                     }
                 }
                 Ok(out)

@@ -1195,7 +1195,7 @@ async fn a_turns_model_and_tool_calls_are_stored_with_its_commit() {
     let ticket = h.manager.send(id, Message::user("q")).await.unwrap();
     let turn = ticket.turn_id();
     ticket.outcome().await.unwrap();
-    let calls = h.manager.store().turn_calls(turn).await.unwrap();
+    let calls = h.manager.store().turn_calls(Some(id), turn).await.unwrap();
     let rows: Vec<_> = calls
         .iter()
         .map(|c| {

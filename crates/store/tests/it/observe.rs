@@ -151,8 +151,18 @@ async fn a_turns_calls_are_committed_with_it_in_order_and_capped() {
         .commit_turn(turn_with(root, turn, spans.clone()))
         .await
         .unwrap();
-    assert_eq!(store.turn_calls(turn).await.unwrap(), spans);
-    assert!(store.turn_calls(TurnId::new()).await.unwrap().is_empty());
+    assert_eq!(store.turn_calls(None, turn).await.unwrap(), spans);
+    assert_eq!(store.turn_calls(Some(root), turn).await.unwrap(), spans);
+    assert!(store
+        .turn_calls(Some(SessionId::new()), turn)
+        .await
+        .unwrap()
+        .is_empty());
+    assert!(store
+        .turn_calls(None, TurnId::new())
+        .await
+        .unwrap()
+        .is_empty());
     // More than the cap: the first MAX_CALL_SPANS are kept.
     let many: Vec<_> = (0..MAX_CALL_SPANS as i64 + 10)
         .map(|i| call(CallKind::Tool, "t", 100 + i))
@@ -163,7 +173,7 @@ async fn a_turns_calls_are_committed_with_it_in_order_and_capped() {
         .await
         .unwrap();
     assert_eq!(
-        store.turn_calls(capped).await.unwrap(),
+        store.turn_calls(None, capped).await.unwrap(),
         many[..MAX_CALL_SPANS]
     );
     // A span that ends before it starts is refused, and with it the turn.
