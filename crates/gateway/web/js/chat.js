@@ -278,6 +278,15 @@ export class Chat {
         break;
       case 'turn_committed':
         view?.streaming(false);
+        if (view && this.onTrace) {
+          // The committed turn's calls are stored: its trace can be read.
+          const turn = f.turn_id;
+          view.el.append(h('button', {
+            type: 'button', class: 'mini trace-turn', text: 'Trace',
+            title: `Trace of turn ${turn}`, data: { action: 'trace-turn', turnId: turn },
+            on: { click: () => this.onTrace(turn) },
+          }));
+        }
         this.live.delete(f.turn_id);
         break;
       case 'turn_failed': {

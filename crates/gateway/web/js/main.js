@@ -48,6 +48,7 @@ const traces = new TraceView({
   turnButton: $('trace-turn'),
   load: (path) => attempt('Reading the trace', () => api('GET', path)),
 });
+chat.onTrace = (turn) => state.current && traces.openTurnId(state.current.id, turn);
 const approvals = new ApprovalsView($('approvals'), decideApproval);
 const socket = new Socket({ onFrame, onState });
 
