@@ -119,7 +119,7 @@ pub(crate) fn insert_calls_tx(
             Value::Text(s.status.clone()),
         ]);
     }
-    let row = format!("({})", vec!["?"; COLUMNS].join(", "));
+    let row = format!("({})", ["?"; COLUMNS].join(", "));
     let sql = format!(
         "INSERT INTO call_spans (session_id, turn_id, run_id, seq, kind, name, call_id, \
          started_at, ended_at, input_tokens, output_tokens, status) VALUES {}",
