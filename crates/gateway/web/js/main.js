@@ -217,7 +217,7 @@ async function loadMessages() {
   if (!page || load !== state.loads || state.current?.id !== dialog.id) return;
   state.history = page.items.reverse();
   state.earlier = page.next_cursor;
-  chat.showHistory(state.history, Boolean(state.earlier), loadEarlier);
+  chat.showHistory(state.history, Boolean(state.earlier), loadEarlier, state.current?.id);
 }
 
 async function loadEarlier() {
@@ -227,7 +227,7 @@ async function loadEarlier() {
   if (!page || state.current?.id !== dialog.id) return;
   state.history = page.items.reverse().concat(state.history);
   state.earlier = page.next_cursor;
-  chat.showHistory(state.history, Boolean(state.earlier), loadEarlier);
+  chat.showHistory(state.history, Boolean(state.earlier), loadEarlier, state.current?.id);
 }
 
 async function send() {
