@@ -588,6 +588,7 @@ async fn turn_overhead(
                     state.turn_index = i + 1;
                     state.cost.requests = u64::from(i) + 1;
                     TurnCommit {
+                        calls: None,
                         session_id: raw,
                         messages: pair
                             .iter()

@@ -15,6 +15,7 @@ use keel_core::{
     ChatRequest, DelegationPolicy, Message, Provider, ProviderError, ResponseAccumulator,
     StreamEvent, ToolCall, ToolError, ToolExecutionContext, ToolOutput, ToolRegistry, Usage,
 };
+use keel_store::{CallKind, CallSpan};
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
@@ -120,6 +121,10 @@ pub struct TurnOutput {
     pub iterations: u32,
     /// Tool calls executed.
     pub tool_calls: u32,
+    /// The timing of each model call and tool call, in the order they
+    /// started (the first [`keel_store::MAX_CALL_SPANS`]; stored with the
+    /// turn's or run's commit for its trace view).
+    pub calls: Vec<CallSpan>,
     /// Calls of the last assistant message that wait for a person's
     /// approval: the turn ended after running the others (never set for a
     /// turn without an approval gate).
@@ -203,6 +208,7 @@ impl AgentLoop {
         let mut new_messages = input;
         let mut usage = Usage::default();
         let mut tool_calls = 0u32;
+        let mut spans: Vec<CallSpan> = Vec::new();
         for iteration in 1..=max_iterations {
             if let Some(mailbox) = &mailbox {
                 for m in mailbox.drain() {
@@ -216,12 +222,16 @@ impl AgentLoop {
             let reservation = meter.as_ref().map(|m| m.reserve(estimate())).transpose()?;
             let response = {
                 let _permit = self.gate.provider_step(&context).await?;
+                let started_at_ms = keel_core::time::now_ms();
                 let span = trace::chat_span(provider.name(), provider.model(), max_output_tokens);
                 let response = stream_response(provider.as_ref(), &chat, &context, &emit, &span)
                     .instrument(span.clone())
                     .await;
                 match &response {
-                    Ok(r) => trace::record_response(&span, r),
+                    Ok(r) => {
+                        trace::record_response(&span, r);
+                        push_span(&mut spans, model_span(provider.model(), started_at_ms, r));
+                    }
                     Err(e) => trace::record_error(&span, e),
                 }
                 response?
@@ -252,6 +262,7 @@ impl AgentLoop {
                     usage,
                     iterations: iteration,
                     tool_calls,
+                    calls: spans,
                     awaiting_approval: Vec::new(),
                 });
             }
@@ -268,26 +279,21 @@ impl AgentLoop {
             };
             tool_calls = tool_calls.saturating_add(u32::try_from(calls.len()).unwrap_or(u32::MAX));
             let results = futures::future::join_all(calls.iter().map(|call| async {
-                if gated(call) {
-                    // A sub-agent run cannot ask a person (yet): not run.
-                    let output = ToolOutput {
-                        content: SUB_AGENT_REFUSAL.to_owned(),
-                        is_error: true,
-                    };
-                    emit(TurnEvent::ToolFinished {
-                        call_id: call.id.clone(),
-                        name: call.name.clone(),
-                        output: output.clone(),
-                    });
-                    return output;
-                }
-                self.run_tool(&tools, call, &context, &emit).await
+                let started_at_ms = keel_core::time::now_ms();
+                let output = self
+                    .tool_or_refusal(&tools, call, gated(call), &context, &emit)
+                    .await;
+                (started_at_ms, keel_core::time::now_ms(), output)
             }))
             .await;
             if cancel.is_cancelled() {
                 return Err(EngineError::Cancelled);
             }
-            for (call, output) in calls.iter().zip(results) {
+            for (call, (started_at_ms, ended_at_ms, output)) in calls.iter().zip(results) {
+                push_span(
+                    &mut spans,
+                    tool_span(call, started_at_ms, ended_at_ms, output.is_error),
+                );
                 // Failures reach the model as text starting with "error:".
                 let result =
                     Message::tool_result(call.id.clone(), call.name.clone(), output.content);
@@ -300,6 +306,7 @@ impl AgentLoop {
                     usage,
                     iterations: iteration,
                     tool_calls,
+                    calls: spans,
                     awaiting_approval: waiting,
                 });
             }
@@ -307,6 +314,31 @@ impl AgentLoop {
         Err(EngineError::MaxIterations {
             limit: max_iterations,
         })
+    }
+
+    /// Runs `call`, or refuses it when it is `gated` (a sub-agent run
+    /// cannot ask a person yet).
+    async fn tool_or_refusal(
+        &self,
+        tools: &ToolRegistry,
+        call: &ToolCall,
+        gated: bool,
+        ctx: &ToolExecutionContext,
+        emit: &impl Fn(TurnEvent),
+    ) -> ToolOutput {
+        if !gated {
+            return self.run_tool(tools, call, ctx, emit).await;
+        }
+        let output = ToolOutput {
+            content: SUB_AGENT_REFUSAL.to_owned(),
+            is_error: true,
+        };
+        emit(TurnEvent::ToolFinished {
+            call_id: call.id.clone(),
+            name: call.name.clone(),
+            output: output.clone(),
+        });
+        output
     }
 
     /// Runs one call of `tools` outside a turn's batch (an approved call
@@ -422,6 +454,51 @@ async fn stream_response(
                 emit(TurnEvent::Stream(event));
             }
         }
+    }
+}
+
+/// Keeps the first [`keel_store::MAX_CALL_SPANS`] spans of a turn.
+fn push_span(spans: &mut Vec<CallSpan>, span: CallSpan) {
+    if spans.len() < keel_store::MAX_CALL_SPANS {
+        spans.push(span);
+    }
+}
+
+/// Longest finish reason stored on a model call's span, in bytes.
+const FINISH_REASON_BYTES: usize = 40;
+
+fn model_span(model: &str, started_at_ms: i64, r: &keel_core::ProviderResponse) -> CallSpan {
+    let ended_at_ms = keel_core::time::now_ms().max(started_at_ms);
+    let mut status = trace::finish_reason(&r.finish_reason).to_owned();
+    if status.len() > FINISH_REASON_BYTES {
+        let cut = (0..=FINISH_REASON_BYTES)
+            .rev()
+            .find(|&i| status.is_char_boundary(i))
+            .unwrap_or(0);
+        status.truncate(cut);
+    }
+    CallSpan {
+        kind: CallKind::Model,
+        name: model.to_owned(),
+        call_id: None,
+        started_at_ms,
+        ended_at_ms,
+        input_tokens: Some(r.usage.prompt_tokens),
+        output_tokens: Some(r.usage.completion_tokens),
+        status,
+    }
+}
+
+fn tool_span(call: &ToolCall, started_at_ms: i64, ended_at_ms: i64, is_error: bool) -> CallSpan {
+    CallSpan {
+        kind: CallKind::Tool,
+        name: call.name.clone(),
+        call_id: Some(call.id.clone()),
+        started_at_ms,
+        ended_at_ms: ended_at_ms.max(started_at_ms),
+        input_tokens: None,
+        output_tokens: None,
+        status: if is_error { "error" } else { "ok" }.to_owned(),
     }
 }
 

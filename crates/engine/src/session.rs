@@ -8,7 +8,7 @@ use keel_core::{CheckpointId, Message, Provider, SessionId, ToolRegistry};
 use keel_store::{
     ApprovalResultCommit, CheckpointSource, ContinuationCommit, InputState, LeasedEvents,
     MessageFilter, NewApproval, NewCheckpoint, NewMessage, NoticeCommit, OpenTurn,
-    PausedTurnCommit, SessionHead, SessionRecord, Store, TurnCommit,
+    PausedTurnCommit, SessionHead, SessionRecord, Store, TurnCalls, TurnCommit,
 };
 
 use crate::agent_loop::TurnOutput;
@@ -89,6 +89,8 @@ pub(crate) struct FinishedTurn<'a> {
     pub(crate) memory: Option<BTreeMap<String, MemoryEntry>>,
     /// The turn paused for these approvals (committed with it).
     pub(crate) paused: Option<(keel_core::TurnId, Vec<NewApproval>)>,
+    /// The root turn it is (its calls are stored under this id).
+    pub(crate) turn_id: keel_core::TurnId,
 }
 
 /// A session loaded in memory.
@@ -295,6 +297,22 @@ impl AgentSession {
         answers: &[i64],
         inbox: InboxEffect,
     ) -> Result<(Vec<i64>, Option<CheckpointId>)> {
+        self.commit_calls(store, messages, state, checkpoint, answers, inbox, None)
+            .await
+    }
+
+    /// [`Self::commit_with`], storing a root turn's `calls` with it.
+    #[allow(clippy::too_many_arguments)]
+    async fn commit_calls(
+        &mut self,
+        store: &Store,
+        messages: Vec<(String, Message)>,
+        state: SessionState,
+        checkpoint: Option<CheckpointSource>,
+        answers: &[i64],
+        inbox: InboxEffect,
+        calls: Option<TurnCalls>,
+    ) -> Result<(Vec<i64>, Option<CheckpointId>)> {
         let now = keel_core::time::now_ms();
         let visible_user_inputs = messages
             .iter()
@@ -306,6 +324,7 @@ impl AgentSession {
             source,
         });
         let turn = TurnCommit {
+            calls,
             session_id: self.record.id,
             messages: messages
                 .iter()
@@ -450,6 +469,7 @@ impl AgentSession {
             consumed,
             memory,
             paused,
+            turn_id,
         } = turn;
         let mut state = self.state.clone();
         if let Some(memory) = memory {
@@ -477,8 +497,20 @@ impl AgentSession {
             None if consumed.is_empty() => InboxEffect::None,
             None => InboxEffect::Consume(consumed),
         };
+        let calls = TurnCalls {
+            turn_id,
+            spans: output.calls.clone(),
+        };
         let (_, checkpoint) = self
-            .commit_with(store, messages, state, checkpoint, answers, inbox)
+            .commit_calls(
+                store,
+                messages,
+                state,
+                checkpoint,
+                answers,
+                inbox,
+                Some(calls),
+            )
             .await?;
         Ok(checkpoint)
     }

@@ -283,14 +283,10 @@ pub(crate) fn record_response(span: &Span, response: &keel_core::ProviderRespons
         int(response.usage.completion_tokens),
     );
     // The conventions' values (`tracing` has no array fields: one string).
-    let reason = match &response.finish_reason {
-        FinishReason::Stop => "stop",
-        FinishReason::ToolCalls => "tool_call",
-        FinishReason::Length => "length",
-        FinishReason::ContentFilter => "content_filter",
-        FinishReason::Other(other) => other.as_str(),
-    };
-    span.record("gen_ai.response.finish_reasons", reason);
+    span.record(
+        "gen_ai.response.finish_reasons",
+        finish_reason(&response.finish_reason),
+    );
     if record_content(span) {
         span.record("gen_ai.output.messages", response.message.text());
     }
@@ -381,5 +377,16 @@ pub(crate) fn settle_approval(id: ApprovalId, outcome: &'static str) {
     let span = APPROVAL_SPANS.lock().remove(&id);
     if let Some(span) = span {
         span.record("keel.approval.outcome", outcome);
+    }
+}
+
+/// A finish reason as the GenAI conventions name it.
+pub(crate) fn finish_reason(reason: &FinishReason) -> &str {
+    match reason {
+        FinishReason::Stop => "stop",
+        FinishReason::ToolCalls => "tool_call",
+        FinishReason::Length => "length",
+        FinishReason::ContentFilter => "content_filter",
+        FinishReason::Other(other) => other.as_str(),
     }
 }

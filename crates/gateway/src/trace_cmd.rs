@@ -1,6 +1,6 @@
-//! `keel trace TURN_OR_RUN_ID`: the tree of a run (it and the runs below
-//! it) or of a root turn (the runs it started), with offsets, durations,
-//! tokens, call counts and status — the trace view of the web page in the
+//! `keel trace TURN_OR_RUN_ID`: the tree of a run (its calls and the runs
+//! below it) or of a root turn (its calls and the runs it started), with
+//! offsets, durations, tokens, call outcomes and status — the trace view of the web page in the
 //! terminal, from the stored runs. It only reads and takes no lock, so it
 //! works while `keel serve` runs.
 
@@ -38,7 +38,7 @@ pub async fn run(
     let store = Store::open(&db, loaded.config.store_options()).map_err(database_err(&db))?;
     let trace = find(&store, uuid).await?.ok_or_else(|| {
         AppError::InvalidInput(format!(
-            "no run {uuid} and no run of a turn {uuid} is stored (only turns that started sub-agent runs have a trace)"
+            "no run {uuid} and no call or run of a turn {uuid} is stored"
         ))
     })?;
     print!("{}", render(&trace));
@@ -49,12 +49,22 @@ pub async fn run(
 async fn find(store: &Store, id: uuid::Uuid) -> Result<Option<Trace>> {
     let run = RunId::from(id);
     let tree = store.run_tree(run).await?;
-    if let Some(trace) = run_trace(run, &tree) {
-        return Ok(Some(trace));
+    if !tree.is_empty() {
+        let calls = store
+            .runs_calls(tree.iter().map(|r| r.spec.id).collect())
+            .await?;
+        return Ok(run_trace(run, &tree, &calls));
     }
     let turn = TurnId::from(id);
+    let calls = store.turn_calls(None, turn).await?;
     let runs = store.turn_runs(None, turn).await?;
-    Ok((!runs.is_empty()).then(|| turn_trace(turn, &runs)))
+    if runs.is_empty() && calls.is_empty() {
+        return Ok(None);
+    }
+    let run_calls = store
+        .runs_calls(runs.iter().map(|r| r.spec.id).collect())
+        .await?;
+    Ok(Some(turn_trace(turn, &calls, &runs, &run_calls)))
 }
 
 /// The tree as `keel trace` prints it: one line per span, offsets from the
@@ -67,8 +77,8 @@ pub fn render(trace: &Trace) -> String {
     children(&mut out, &trace.root.children, "", origin);
     let _ = writeln!(
         out,
-        "{} run(s), {} tokens in / {} out",
-        trace.runs, trace.usage.prompt_tokens, trace.usage.completion_tokens
+        "{} run(s), {} call(s), {} tokens in / {} out",
+        trace.runs, trace.calls, trace.usage.prompt_tokens, trace.usage.completion_tokens
     );
     out
 }
@@ -98,7 +108,16 @@ fn line(span: &TraceSpan, origin: i64) -> String {
     let mut s = match span.kind {
         SpanKind::Turn => format!("turn {} {}", span.id, neutralize(&span.name)),
         SpanKind::Run => format!("run {} {}", span.id, neutralize(&span.name)),
+        SpanKind::Model => format!("model {}", neutralize(&span.name)),
+        SpanKind::Tool => format!(
+            "tool {} {}",
+            neutralize(&span.name),
+            neutralize(span.call_id.as_deref().unwrap_or(""))
+        ),
     };
+    if let Some(outcome) = &span.outcome {
+        let _ = write!(s, " {}", neutralize(outcome));
+    }
     if let Some(mode) = &span.mode {
         let _ = write!(s, " {}", word(mode));
     }

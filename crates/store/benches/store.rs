@@ -265,6 +265,7 @@ fn appends(
 
 fn turn(s: SessionId, n: u64, checkpoint: bool) -> TurnCommit {
     TurnCommit {
+        calls: None,
         session_id: s,
         messages: vec![
             NewMessage::new(Message::user(format!(
@@ -1070,6 +1071,7 @@ async fn inbox(path: &Path, raw_txn_rate: f64) {
         let done = store
             .commit_continuation_turn(ContinuationCommit {
                 turn: TurnCommit {
+                    calls: None,
                     session_id: s.id,
                     messages: vec![
                         NewMessage::new(Message::user("[results]").hidden()),

@@ -47,6 +47,7 @@
 //! let committed = store
 //!     .commit_turn(TurnCommit {
 //!         session_id: session.id,
+//!         calls: None,
 //!         messages: vec![
 //!             NewMessage::new(Message::user("hi")),
 //!             NewMessage::new(Message::assistant("hello")),
@@ -83,6 +84,7 @@ macro_rules! failpoint {
 
 mod approvals;
 mod backup;
+mod calls;
 mod check;
 mod checkpoints;
 mod compact;
@@ -118,6 +120,7 @@ pub use approvals::{
     DecideOutcome, Decision, NewApproval, PausedTurnCommit,
 };
 pub use backup::{backup_database, restore_database, CopyProgress, CopyReport, RestoreReport};
+pub use calls::{CallKind, CallSpan, TurnCalls, MAX_CALL_SPANS};
 pub use check::{
     check_database, CheckOptions, CheckedCounts, Finding, Invariant, InvariantReport, StateDecoder,
 };

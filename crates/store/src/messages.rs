@@ -125,6 +125,9 @@ pub struct TurnCommit {
     pub expected_head: Option<SessionHead>,
     /// Commit time (ms).
     pub now_ms: i64,
+    /// The model and tool calls of the root turn this commit ends, stored
+    /// with it (at most [`crate::MAX_CALL_SPANS`]).
+    pub calls: Option<crate::TurnCalls>,
 }
 
 /// A turn's input, committed before the model is called.
@@ -478,6 +481,14 @@ pub(crate) fn commit_turn_tx(
     let seqs = append_tx(conn, &session.id, head, last, messages, turn.now_ms)?;
     let last = seqs.last().copied().unwrap_or(last);
     answer_inputs_tx(conn, head, &turn.answers)?;
+    if let Some(calls) = &turn.calls {
+        crate::calls::insert_calls_tx(
+            conn,
+            &session.id,
+            crate::calls::CallOwner::Turn(calls.turn_id),
+            &calls.spans,
+        )?;
+    }
     let state_hash = put_state_tx(conn, &session, &turn.state)?;
     let checkpoint = match &turn.checkpoint {
         Some(cp) => {

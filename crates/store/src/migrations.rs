@@ -7,7 +7,7 @@ use rusqlite::{Connection, TransactionBehavior};
 use crate::error::{Result, StoreError};
 
 /// The schema version this build reads and writes.
-pub const SCHEMA_VERSION: u32 = 14;
+pub const SCHEMA_VERSION: u32 = 15;
 
 /// The steps, in order: `MIGRATIONS[k - 1]` takes a database from version `k - 1` to `k`.
 pub const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
@@ -25,6 +25,7 @@ pub const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
     include_str!("migrations/0012_mcp_manifests.sql"),
     include_str!("migrations/0013_run_approvals.sql"),
     include_str!("migrations/0014_compression.sql"),
+    include_str!("migrations/0015_call_spans.sql"),
 ];
 
 /// A step whose SQL contains this line runs with foreign keys off: it

@@ -276,6 +276,24 @@ impl Store {
                 Ok(())
             })
             .await?;
+        // Its turns' and runs' call spans, in bounded batches.
+        loop {
+            let key = id.clone();
+            let n = self
+                .db
+                .write(move |c| {
+                    require_deleted(c, &key)?;
+                    Ok(c.execute(
+                        "DELETE FROM call_spans WHERE rowid IN \
+                         (SELECT rowid FROM call_spans WHERE session_id = ?1 LIMIT ?2)",
+                        params![key, ROW_BATCH],
+                    )? as u64)
+                })
+                .await?;
+            if n == 0 {
+                break;
+            }
+        }
         loop {
             let key = id.clone();
             let (runs, events) = self.db.write(move |c| runs_batch(c, &key)).await?;

@@ -41,6 +41,7 @@ fn now() -> i64 {
 
 fn turn(session: SessionId, messages: Vec<Message>, turn_index: u64) -> TurnCommit {
     TurnCommit {
+        calls: None,
         session_id: session,
         messages: messages.into_iter().map(NewMessage::new).collect(),
         state: format!("{{\"turn\":{turn_index}}}").into_bytes(),
@@ -245,6 +246,7 @@ async fn drive(data: &std::path::Path) {
     store
         .commit_continuation_turn(ContinuationCommit {
             turn: TurnCommit {
+                calls: None,
                 // Its trigger is hidden: no user input to count.
                 visible_user_inputs: 0,
                 ..turn(

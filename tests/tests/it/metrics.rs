@@ -263,7 +263,13 @@ fn metrics_after_a_scripted_dialog_hold_what_it_did_and_keel_trace_prints_its_tr
         assert_eq!(trace["root"]["kind"], "turn");
         assert_eq!(trace["root"]["id"], turn_one.as_str());
         insta::assert_json_snapshot!("turn_trace", redacted(trace.clone()));
-        let child = trace["root"]["children"][0]["id"]
+        // The turn's own calls are children too; the first run is a helper.
+        let child = trace["root"]["children"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["kind"] == "run")
+            .unwrap()["id"]
             .as_str()
             .unwrap()
             .to_owned();
@@ -281,6 +287,28 @@ fn metrics_after_a_scripted_dialog_hold_what_it_did_and_keel_trace_prints_its_tr
             run["root"]["usage"],
             json!({"prompt_tokens": 5, "completion_tokens": 1})
         );
+        // The run's one model call, with the tokens stored on the run.
+        assert_eq!(run["calls"], 1, "{run}");
+        assert_eq!(run["root"]["children"][0]["kind"], "model", "{run}");
+        assert_eq!(run["root"]["children"][0]["usage"], run["root"]["usage"]);
+        // A turn that started no run has a trace of its own calls.
+        let turn_three = third[0]["turn_id"].as_str().unwrap();
+        let plain: Value = http
+            .get(served.url(&format!("/api/dialogs/{dialog}/turns/{turn_three}/trace")))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(plain["runs"], 0, "{plain}");
+        assert_eq!(plain["root"]["kind"], "turn", "{plain}");
+        assert!(
+            plain["root"]["model_calls"].as_u64().unwrap() >= 1,
+            "{plain}"
+        );
+        assert_eq!(plain["root"]["children"][0]["kind"], "model", "{plain}");
         let metrics = http
             .get(served.url("/metrics"))
             .bearer_auth(TOKEN)

@@ -47,6 +47,7 @@ async fn turns(store: &Store, id: SessionId, n: u64) -> Vec<CheckpointId> {
         let cp = CheckpointId::new();
         store
             .commit_turn(TurnCommit {
+                calls: None,
                 session_id: id,
                 messages: vec![
                     NewMessage::new(Message::user(format!("q{id}-{i}").as_str())),

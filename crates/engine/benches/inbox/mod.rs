@@ -451,6 +451,7 @@ async fn store_claim_consume(store: &Store) -> f64 {
             consumed += store
                 .commit_continuation_turn(ContinuationCommit {
                     turn: TurnCommit {
+                        calls: None,
                         session_id: *id,
                         messages: vec![
                             NewMessage::new(Message::user("[results]").hidden()),

@@ -99,7 +99,7 @@ impl AgentCoordinator {
         executed: Executed,
     ) -> Result<Vec<ApprovalId>, Stop> {
         let Executed {
-            out,
+            mut out,
             mut history,
             prior,
         } = executed;
@@ -118,7 +118,7 @@ impl AgentCoordinator {
         let ids: Vec<ApprovalId> = approvals.iter().map(|a| a.id).collect();
         let waits: Vec<(ApprovalId, ToolCall)> =
             approvals.iter().map(|a| (a.id, a.call.clone())).collect();
-        history.extend(out.messages);
+        history.extend(std::mem::take(&mut out.messages));
         let mut usage = prior.usage;
         usage.add(out.usage);
         let commit = PausedRunCommit {
@@ -132,6 +132,7 @@ impl AgentCoordinator {
             tool_calls: prior.tool_calls.saturating_add(out.tool_calls),
             remaining_ms: context.deadline_at_ms.saturating_sub(now),
             approvals,
+            calls: out.calls,
             now_ms: now,
         };
         match self.store.commit_paused_run(commit).await {

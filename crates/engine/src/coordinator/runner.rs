@@ -170,6 +170,12 @@ impl AgentCoordinator {
             }
             other => other,
         };
+        // Its model and tool calls, stored with its end (a loop that failed
+        // returned none).
+        let calls = match &result {
+            Ok(Ok(executed)) => executed.out.calls.clone(),
+            _ => Vec::new(),
+        };
         let outcome = outcome_of(&context, result);
         let usage = match &outcome {
             TerminalOutcome::Completed { usage, .. } => Some(*usage),
@@ -205,12 +211,13 @@ impl AgentCoordinator {
         let status = outcome.status();
         let committed = self
             .store
-            .commit_terminal(
+            .commit_run_end(
                 context.run_id,
                 context.execution_id.clone(),
                 outcome,
                 handling,
                 now_ms(),
+                calls,
             )
             .instrument(trace::store_span("commit_terminal", 1))
             .await;

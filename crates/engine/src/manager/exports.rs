@@ -79,6 +79,7 @@ impl SessionManager {
             .filter(|(_, m)| m.is_visible_user_input())
             .count();
         let turn = TurnCommit {
+            calls: None,
             session_id: session.id,
             messages: messages
                 .iter()

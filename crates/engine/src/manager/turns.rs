@@ -366,6 +366,7 @@ impl PendingTurn {
                     consumed,
                     memory: self.memory.as_ref().and_then(|m| m.changes()),
                     paused,
+                    turn_id: self.turn_id,
                 },
                 auto,
             )

@@ -594,3 +594,44 @@ async fn a_decision_racing_a_stop_runs_the_call_exactly_once_and_one_racing_a_de
         assert!(manager.approvals(id, true).await.unwrap().is_empty());
     }
 }
+
+#[tokio::test]
+async fn a_paused_turn_stores_its_model_call_and_the_calls_that_ran_with_the_pause() {
+    let s = Setup::new();
+    let dir = tempfile::tempdir().unwrap();
+    let manager = s.manager(open_store(dir.path()), SessionManagerConfig::default());
+    let id = manager.create(spec("d")).await.unwrap();
+    s.provider.push([ScriptedResponse {
+        tool_calls: vec![
+            keel_core::ScriptedToolCall {
+                id: None,
+                name: "look".into(),
+                arguments: json!({}),
+            },
+            keel_core::ScriptedToolCall {
+                id: None,
+                name: "write".into(),
+                arguments: json!({"path": "a.txt"}),
+            },
+        ],
+        ..Default::default()
+    }]);
+    let ticket = manager
+        .send(id, Message::user("write a.txt"))
+        .await
+        .unwrap();
+    let turn = ticket.turn_id();
+    let report = ticket.outcome().await.unwrap();
+    assert_eq!(report.approvals.len(), 1);
+    let calls = manager.store().turn_calls(Some(id), turn).await.unwrap();
+    let kinds: Vec<_> = calls.iter().map(|c| (c.kind, c.name.as_str())).collect();
+    // The gated call waits for a person: not run, so not a span (yet).
+    let model = keel_core::Provider::model(&s.provider).to_owned();
+    assert_eq!(
+        kinds,
+        [
+            (keel_store::CallKind::Model, model.as_str()),
+            (keel_store::CallKind::Tool, "look"),
+        ]
+    );
+}

@@ -1187,3 +1187,45 @@ async fn retention_purges_dialogs_deleted_longer_ago_than_its_limit() {
         .unwrap();
     assert_eq!(again.purged, keel_store::PurgeReport::default());
 }
+
+#[tokio::test]
+async fn a_turns_model_and_tool_calls_are_stored_with_its_commit() {
+    let h = harness(SessionManagerConfig::default());
+    let mut call = ScriptedResponse::tool_call("<b>nope</b>", serde_json::json!({}));
+    call.usage = Some(keel_core::Usage::new(11, 2));
+    let mut answer = ScriptedResponse::text("done");
+    answer.usage = Some(keel_core::Usage::new(20, 3));
+    h.provider.push([call, answer]);
+    let id = h.manager.create(spec("d1")).await.unwrap();
+    let ticket = h.manager.send(id, Message::user("q")).await.unwrap();
+    let turn = ticket.turn_id();
+    ticket.outcome().await.unwrap();
+    let calls = h.manager.store().turn_calls(Some(id), turn).await.unwrap();
+    let rows: Vec<_> = calls
+        .iter()
+        .map(|c| {
+            (
+                c.kind,
+                c.name.as_str(),
+                c.call_id.is_some(),
+                c.input_tokens,
+                c.output_tokens,
+                c.status.as_str(),
+            )
+        })
+        .collect();
+    use keel_store::CallKind::{Model, Tool};
+    let model = keel_core::Provider::model(&h.provider).to_owned();
+    assert_eq!(
+        rows,
+        [
+            (Model, model.as_str(), false, Some(11), Some(2), "tool_call"),
+            (Tool, "<b>nope</b>", true, None, None, "error"),
+            (Model, model.as_str(), false, Some(20), Some(3), "stop"),
+        ]
+    );
+    assert!(calls
+        .windows(2)
+        .all(|w| w[0].started_at_ms <= w[1].started_at_ms));
+    assert!(calls.iter().all(|c| c.ended_at_ms >= c.started_at_ms));
+}

@@ -331,32 +331,49 @@ def scenario_delegation(r):
 
 
 def scenario_trace_waterfall(r):
-    """A run's Trace button opens its waterfall; the turn's trace shows the
-    turn with its three runs as bars; HTML in a delegated task stays text."""
+    """A run's Trace button opens its waterfall with its model calls; the
+    turn's trace shows the turn, its own model and tool calls and its three
+    runs as bars; an answer's Trace button opens its turn's; HTML in a
+    delegated task stays text."""
     page = r.page
     writer = page.locator("#run-tree li.run[data-agent=writer]")
     writer.locator(".run-line").get_by_role("button", name=re.compile("^Trace")).click()
     dialog = page.locator("#trace-dialog")
     expect(dialog).to_be_visible()
     rows = dialog.locator(".waterfall li.trace-row")
-    expect(rows).to_have_count(1)
+    expect(dialog.locator(".trace-row[data-kind=run]")).to_have_count(1)
     expect(rows.first).to_have_attribute("data-status", "completed")
+    expect(dialog.locator(".trace-row[data-kind=model]").first).to_be_visible()
     dialog.get_by_role("button", name="Whole turn").click()
     expect(dialog.locator("#trace-title")).to_contain_text("turn")
-    # The turn, then its runs: the batch of two and the background run.
-    expect(rows).to_have_count(4)
+    # The turn, its calls, and its runs: the batch of two and the background run.
+    expect(dialog.locator(".trace-row[data-kind=run]")).to_have_count(3)
     expect(rows.first).to_have_attribute("data-kind", "turn")
+    expect(dialog.locator(".trace-row[data-kind=model]").first).to_be_visible()
+    delegate = dialog.locator(".trace-row[data-kind=tool]").first
+    expect(delegate).to_be_visible()
+    expect(delegate.locator(".trace-call-id")).not_to_be_empty()
     for agent in ["researcher", "writer", "archivist"]:
         expect(dialog.locator(".trace-row[data-kind=run] .trace-name", has_text=agent)).to_have_count(1)
     expect(dialog.locator(".trace-row[data-status=cancelled]")).to_have_count(1)
+    calls = dialog.locator(".trace-row[data-kind=model], .trace-row[data-kind=tool]").count()
     widths = dialog.locator("[data-role=bar]").evaluate_all(
         "els => els.map(e => e.getBoundingClientRect().width)")
-    assert len(widths) == 3 and all(w > 0 for w in widths), widths
+    assert len(widths) == 3 + calls and all(w > 0 for w in widths), widths
     task = dialog.locator(".trace-task", has_text="<img src=x")
     expect(task).to_have_count(1)
     assert dialog.locator("img, [onerror]").count() == 0, "the task became an element"
     assert page.evaluate("window.__xss") is None, "a task's HTML ran"
     r.shot("trace-waterfall")
+    dialog.get_by_role("button", name="Close").click()
+    expect(dialog).to_be_hidden()
+    # An answer committed live carries a Trace button for its turn.
+    page.locator("article.msg.assistant .trace-turn").last.click()
+    expect(dialog).to_be_visible()
+    expect(rows.first).to_have_attribute("data-kind", "turn")
+    expect(dialog.locator(".trace-row[data-kind=model]").first).to_be_visible()
+    names = dialog.locator(".trace-name").evaluate_all("els => els.map(e => e.children.length)")
+    assert all(n == 0 for n in names), "a span name holds elements"
     dialog.get_by_role("button", name="Close").click()
     expect(dialog).to_be_hidden()
 

@@ -143,6 +143,11 @@ export class Chat {
     this.live = new Map();
     this.byTurn = new Map();
     this.failedTurns = new Map();
+    // Root turns committed while the page is open, by the seq of their
+    // answer's first message (per dialog: `dialog` is the one they are of).
+    this.turnBySeq = new Map();
+    this.committed = [];
+    this.dialog = null;
     // An approval was decided: the next continuation turn resumes its turn.
     this.resumeNext = false;
   }
@@ -158,7 +163,12 @@ export class Chat {
   }
 
   /** Shows the dialog's history (oldest first), replacing what is shown. */
-  showHistory(messages, hasEarlier, onEarlier) {
+  showHistory(messages, hasEarlier, onEarlier, dialog = null) {
+    if (dialog !== this.dialog) {
+      this.dialog = dialog;
+      this.turnBySeq.clear();
+      this.committed = [];
+    }
     const stick = this.atBottom();
     const nodes = [];
     if (hasEarlier) {
@@ -178,6 +188,7 @@ export class Chat {
           // not answered yet; a background continuation follows an answer.
           turn = new TurnView(origin, m.created_at, previous === 'tool');
           turn.origin = origin;
+          turn.firstSeq = m.seq;
           nodes.push(turn.el);
           turns.push(turn);
         }
@@ -189,6 +200,17 @@ export class Chat {
       }
       previous = m.role;
     }
+    // Answers committed while the page was open keep their turn's Trace
+    // button: the newest turns are the ones committed since the last load.
+    const pending = this.committed.splice(0);
+    for (let i = 0; i < pending.length && i < turns.length; i += 1) {
+      const view = turns[turns.length - pending.length + i];
+      if (view) this.turnBySeq.set(view.firstSeq, pending[i]);
+    }
+    for (const view of turns) {
+      const id = this.turnBySeq.get(view.firstSeq);
+      if (id) this.traceButton(view, id);
+    }
     // Saved calls without a result wait (for an approval); they do not run.
     for (const view of turns) {
       for (const line of view.tools.values()) if (!line.finished) line.waiting();
@@ -199,6 +221,16 @@ export class Chat {
     this.empty.hidden = nodes.length > 0;
     if (nodes.length === 0) this.container.append(this.empty);
     if (stick) this.scroll();
+  }
+
+  /** Adds a Trace button for root turn `turn` to an answer's view. */
+  traceButton(view, turn) {
+    if (!this.onTrace || view.el.querySelector('.trace-turn')) return;
+    view.el.append(h('button', {
+      type: 'button', class: 'mini trace-turn', text: 'Trace',
+      title: `Trace of turn ${turn}`, data: { action: 'trace-turn', turnId: turn },
+      on: { click: () => this.onTrace(turn) },
+    }));
   }
 
   /** Follows what arrived when the reader was at the end; else offers to jump there. */
@@ -278,6 +310,12 @@ export class Chat {
         break;
       case 'turn_committed':
         view?.streaming(false);
+        if (view) {
+          // The committed turn's calls are stored: its trace can be read.
+          this.traceButton(view, f.turn_id);
+          // The history shown next holds its answer as its newest turn.
+          this.committed.push(f.turn_id);
+        }
         this.live.delete(f.turn_id);
         break;
       case 'turn_failed': {

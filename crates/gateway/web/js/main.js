@@ -51,6 +51,7 @@ const traces = new TraceView({
   turnButton: $('trace-turn'),
   load: (path) => attempt('Reading the trace', () => api('GET', path)),
 });
+chat.onTrace = (turn) => state.current && traces.openTurnId(state.current.id, turn);
 const approvals = new ApprovalsView($('approvals'), decideApproval);
 const socket = new Socket({ onFrame, onState });
 
@@ -220,7 +221,7 @@ async function loadMessages() {
   if (!page || load !== state.loads || state.current?.id !== dialog.id) return;
   state.history = page.items.reverse();
   state.earlier = page.next_cursor;
-  chat.showHistory(state.history, Boolean(state.earlier), loadEarlier);
+  chat.showHistory(state.history, Boolean(state.earlier), loadEarlier, state.current?.id);
 }
 
 async function loadEarlier() {
@@ -230,7 +231,7 @@ async function loadEarlier() {
   if (!page || state.current?.id !== dialog.id) return;
   state.history = page.items.reverse().concat(state.history);
   state.earlier = page.next_cursor;
-  chat.showHistory(state.history, Boolean(state.earlier), loadEarlier);
+  chat.showHistory(state.history, Boolean(state.earlier), loadEarlier, state.current?.id);
 }
 
 async function send() {

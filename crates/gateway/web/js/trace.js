@@ -1,5 +1,6 @@
-// The trace view: a waterfall of a run's tree, or of every run a root turn
-// started (GET api/agent-runs/{id}/trace, api/dialogs/{id}/turns/{turn}/trace).
+// The trace view: a waterfall of a run's or a root turn's model calls, tool
+// calls and sub-agent runs (GET api/agent-runs/{id}/trace,
+// api/dialogs/{id}/turns/{turn}/trace).
 // One row per span, its bar placed on the time axis from the root's
 // creation to the last end; every string from the server is textContent.
 import { h, replace } from './dom.js';
@@ -33,6 +34,17 @@ function bar(span, { origin, length }) {
   const pct = (t) => `${(((t - origin) / length) * 100).toFixed(3)}%`;
   const track = h('div', { class: 'trace-track' });
   if (span.kind === 'turn') return track;
+  if (span.kind === 'model' || span.kind === 'tool') {
+    const call = h('div', {
+      class: `trace-bar trace-call call-${span.kind} outcome-${span.outcome === 'error' ? 'error' : 'ok'}`,
+      data: { role: 'bar' },
+      title: duration(span.duration_ms ?? 0),
+    });
+    call.style.setProperty('--from', pct(start));
+    call.style.setProperty('--to', pct(end));
+    track.append(call);
+    return track;
+  }
   // Waiting to start (queued for a run permit), then running.
   const queued = h('div', { class: 'trace-queued' });
   queued.style.setProperty('--from', pct(created));
@@ -55,9 +67,17 @@ function label(span) {
     if (span.duration_ms != null) facts.push(duration(span.duration_ms));
     if (span.usage) facts.push(`${count(span.usage.prompt_tokens)} in · ${count(span.usage.completion_tokens)} out`);
     facts.push(`${span.model_calls} model · ${span.tool_calls} tool`);
+  } else if (span.kind === 'model' || span.kind === 'tool') {
+    if (span.outcome) facts.push(span.outcome);
+    if (span.duration_ms != null) facts.push(duration(span.duration_ms));
+    if (span.usage) facts.push(`${count(span.usage.prompt_tokens)} in · ${count(span.usage.completion_tokens)} out`);
+  } else if (span.model_calls != null) {
+    if (span.duration_ms != null) facts.push(duration(span.duration_ms));
+    facts.push(`${span.model_calls} model · ${span.tool_calls} tool`);
   }
   return h('div', { class: 'trace-label' },
     h('span', { class: 'trace-name', text: span.kind === 'turn' ? `turn ${short(span.id)}` : span.name }),
+    span.call_id && h('span', { class: 'trace-call-id', text: span.call_id }),
     h('span', { class: 'trace-facts', text: facts.join(' · ') }),
     span.task && h('span', { class: 'trace-task', text: span.task }),
     span.error && h('span', { class: 'trace-error', text: span.error }));
@@ -76,6 +96,11 @@ export class TraceView {
     await this.show(dialogId, `agent-runs/${run.id}/trace`, `Trace of ${run.agent} · ${short(run.id)}`);
   }
 
+  /** Opens the trace of root turn `turn` of the dialog (an answer's button). */
+  async openTurnId(dialogId, turn) {
+    await this.show(dialogId, `dialogs/${dialogId}/turns/${turn}/trace`, `Trace of turn ${short(turn)}`);
+  }
+
   /** Opens the trace of the turn the shown run belongs to. */
   async openTurn() {
     const turn = this.current?.trace.root.turn_id;
@@ -92,7 +117,7 @@ export class TraceView {
     const rows = flatten(trace.root);
     const ax = axis(rows);
     replace(this.body,
-      h('p', { class: 'muted small', text: `${trace.runs} run(s) · ${count(trace.usage.prompt_tokens)} tokens in · ${count(trace.usage.completion_tokens)} out · ${duration(ax.length)} shown` }),
+      h('p', { class: 'muted small', text: `${trace.runs} run(s) · ${trace.calls} call(s) · ${count(trace.usage.prompt_tokens)} tokens in · ${count(trace.usage.completion_tokens)} out · ${duration(ax.length)} shown` }),
       h('ol', { class: 'waterfall', 'aria-label': 'Spans, in start order' },
         rows.map(({ span, depth }) => {
           const row = h('li', { class: `trace-row kind-${span.kind}`, data: { spanId: span.id, kind: span.kind, status: span.status ?? '' } },
@@ -100,7 +125,7 @@ export class TraceView {
           row.style.setProperty('--depth', String(depth));
           return row;
         })),
-      h('p', { class: 'muted small', text: 'Bars are runs (light: waiting for a permit). A turn\'s and a run\'s own model and tool calls are counted, not timed one by one.' }));
+      h('p', { class: 'muted small', text: 'Bars are runs (light: waiting for a permit) and their model and tool calls. A run whose loop failed shows no calls.' }));
     if (!this.dialog.open) this.dialog.showModal();
   }
 }

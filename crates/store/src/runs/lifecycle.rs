@@ -591,11 +591,35 @@ impl Store {
         handling: CompletionHandling,
         now_ms: i64,
     ) -> Result<TerminalCommit> {
+        self.commit_run_end(run_id, execution_id, outcome, handling, now_ms, Vec::new())
+            .await
+    }
+
+    /// [`Self::commit_terminal`], storing the run's model and tool `calls`
+    /// (at most [`crate::MAX_CALL_SPANS`]) in the same transaction when the
+    /// commit wins.
+    pub async fn commit_run_end(
+        &self,
+        run_id: RunId,
+        execution_id: String,
+        outcome: TerminalOutcome,
+        handling: CompletionHandling,
+        now_ms: i64,
+        calls: Vec<crate::CallSpan>,
+    ) -> Result<TerminalCommit> {
         let commit = self
             .db
             .write(move |c| {
                 let commit =
                     commit_terminal_tx(c, &run_id, &execution_id, &outcome, handling, now_ms)?;
+                if commit.won {
+                    crate::calls::insert_calls_tx(
+                        c,
+                        &commit.run.spec.root_session_id,
+                        crate::calls::CallOwner::Run(run_id),
+                        &calls,
+                    )?;
+                }
                 failpoint!("store::commit_terminal::before_commit");
                 Ok(commit)
             })

@@ -45,6 +45,8 @@ pub struct PausedRunCommit {
     pub remaining_ms: i64,
     /// One per gated call.
     pub approvals: Vec<NewApproval>,
+    /// Its model and tool calls so far (at most [`crate::MAX_CALL_SPANS`]).
+    pub calls: Vec<crate::CallSpan>,
     /// Now (Unix ms).
     pub now_ms: i64,
 }
@@ -129,6 +131,12 @@ fn commit_paused_tx(c: &Connection, p: &PausedRunCommit, messages: &str) -> Resu
             a.expires_at_ms
         ])?;
     }
+    crate::calls::insert_calls_tx(
+        c,
+        &session,
+        crate::calls::CallOwner::Run(p.run_id),
+        &p.calls,
+    )?;
     Ok(true)
 }
 

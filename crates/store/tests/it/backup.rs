@@ -18,6 +18,7 @@ const PREFILL: u64 = 100;
 
 fn turn(session: SessionId, n: u64, text: &str) -> TurnCommit {
     TurnCommit {
+        calls: None,
         session_id: session,
         messages: vec![
             NewMessage::new(Message::user(format!("q{n} {text}"))),

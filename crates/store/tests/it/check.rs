@@ -13,6 +13,7 @@ use crate::common::*;
 
 fn turn(session: keel_core::SessionId, messages: Vec<Message>, turn_index: u64) -> TurnCommit {
     TurnCommit {
+        calls: None,
         session_id: session,
         messages: messages.into_iter().map(NewMessage::new).collect(),
         state: format!("{{\"turn\":{turn_index}}}").into_bytes(),

@@ -33,6 +33,7 @@ fn prose_turn(session: SessionId, n: u64) -> TurnCommit {
         .map(|i| words[((n * 31 + i * 7 + i * i) % 16) as usize])
         .collect();
     TurnCommit {
+        calls: None,
         session_id: session,
         messages: vec![
             user(&format!("question {n}: how does keel keep a turn?")),

@@ -12,6 +12,7 @@ use crate::common::*;
 
 fn turn(session: SessionId, n: u64, state: &str, checkpoint: bool) -> TurnCommit {
     TurnCommit {
+        calls: None,
         session_id: session,
         messages: vec![user(&format!("q{n}")), assistant(&format!("a{n}"))],
         state: state.as_bytes().to_vec(),
@@ -562,6 +563,7 @@ fn open(session: SessionId, text: &str) -> OpenTurn {
 
 fn answer(session: SessionId, seqs: Vec<i64>, text: &str) -> TurnCommit {
     TurnCommit {
+        calls: None,
         session_id: session,
         messages: vec![assistant(text)],
         state: b"{}".to_vec(),

@@ -2,7 +2,10 @@
 //! trees of traces (a run and everything below it; every run of a turn).
 
 use keel_core::{ExecutionMode, RunId, SessionId, TurnId};
-use keel_store::{AcceptRun, CompletionHandling, InboxGauges, NewRun, TerminalOutcome};
+use keel_store::{
+    AcceptRun, CallKind, CompletionHandling, InboxGauges, NewRun, TerminalOutcome, TurnCalls,
+    TurnCommit, MAX_CALL_SPANS,
+};
 
 use crate::common::*;
 
@@ -102,4 +105,140 @@ async fn the_inbox_gauges_count_waiting_and_dead_lettered_events() {
             dead_lettered: 1,
         }
     );
+}
+
+fn call(kind: keel_store::CallKind, name: &str, at: i64) -> keel_store::CallSpan {
+    keel_store::CallSpan {
+        kind,
+        name: name.into(),
+        call_id: (kind == keel_store::CallKind::Tool).then(|| format!("call-{at}")),
+        started_at_ms: at,
+        ended_at_ms: at + 5,
+        input_tokens: (kind == keel_store::CallKind::Model).then_some(7),
+        output_tokens: (kind == keel_store::CallKind::Model).then_some(3),
+        status: "ok".into(),
+    }
+}
+
+fn turn_with(root: SessionId, turn: TurnId, spans: Vec<keel_store::CallSpan>) -> TurnCommit {
+    TurnCommit {
+        session_id: root,
+        messages: vec![user("hi")],
+        state: b"s".to_vec(),
+        checkpoint: None,
+        visible_user_inputs: 1,
+        answers: Vec::new(),
+        expected_head: None,
+        now_ms: 10,
+        calls: Some(TurnCalls {
+            turn_id: turn,
+            spans,
+        }),
+    }
+}
+
+#[tokio::test]
+async fn a_turns_calls_are_committed_with_it_in_order_and_capped() {
+    let (_dir, store) = temp_store();
+    let root = store.create_session(new_session("d", 1)).await.unwrap().id;
+    let turn = TurnId::new();
+    let spans = vec![
+        call(CallKind::Model, "mock/m", 10),
+        call(CallKind::Tool, "<b>shell</b>", 20),
+        call(CallKind::Model, "mock/m", 30),
+    ];
+    store
+        .commit_turn(turn_with(root, turn, spans.clone()))
+        .await
+        .unwrap();
+    assert_eq!(store.turn_calls(None, turn).await.unwrap(), spans);
+    assert_eq!(store.turn_calls(Some(root), turn).await.unwrap(), spans);
+    assert!(store
+        .turn_calls(Some(SessionId::new()), turn)
+        .await
+        .unwrap()
+        .is_empty());
+    assert!(store
+        .turn_calls(None, TurnId::new())
+        .await
+        .unwrap()
+        .is_empty());
+    // More than the cap: the first MAX_CALL_SPANS are kept.
+    let many: Vec<_> = (0..MAX_CALL_SPANS as i64 + 10)
+        .map(|i| call(CallKind::Tool, "t", 100 + i))
+        .collect();
+    let capped = TurnId::new();
+    store
+        .commit_turn(turn_with(root, capped, many.clone()))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.turn_calls(None, capped).await.unwrap(),
+        many[..MAX_CALL_SPANS]
+    );
+    // A span that ends before it starts is refused, and with it the turn.
+    let mut bad = call(CallKind::Model, "mock/m", 50);
+    bad.ended_at_ms = 40;
+    let err = store
+        .commit_turn(turn_with(root, TurnId::new(), vec![bad]))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, keel_store::StoreError::InvalidInput(_)),
+        "{err}"
+    );
+    assert_eq!(
+        store
+            .load_messages(root, keel_store::MessageFilter::default())
+            .await
+            .unwrap()
+            .len(),
+        2,
+        "the refused turn committed nothing"
+    );
+}
+
+#[tokio::test]
+async fn a_runs_calls_are_stored_by_the_winning_terminal_commit_only() {
+    let (_dir, store) = temp_store();
+    let root = SessionId::new();
+    let run = of_turn(root, TurnId::new(), None, ExecutionMode::Foreground);
+    store.accept_run(accept(run.clone(), 100)).await.unwrap();
+    let spans = vec![
+        call(CallKind::Model, "mock/m", 110),
+        call(CallKind::Tool, "t", 120),
+    ];
+    let outcome = || TerminalOutcome::Failed {
+        error: "boom".into(),
+        usage: None,
+    };
+    let won = store
+        .commit_run_end(
+            run.id,
+            run.execution_id.clone(),
+            outcome(),
+            CompletionHandling::Deliver,
+            130,
+            spans.clone(),
+        )
+        .await
+        .unwrap();
+    assert!(won.won);
+    // A late second commit wins nothing and stores no calls.
+    let late = store
+        .commit_run_end(
+            run.id,
+            run.execution_id.clone(),
+            outcome(),
+            CompletionHandling::Deliver,
+            140,
+            vec![call(CallKind::Model, "late/m", 135)],
+        )
+        .await
+        .unwrap();
+    assert!(!late.won);
+    let other = RunId::new();
+    let calls = store.runs_calls(vec![run.id, other]).await.unwrap();
+    assert_eq!(calls.get(&run.id), Some(&spans));
+    assert!(!calls.contains_key(&other));
 }

@@ -650,6 +650,7 @@ async fn claim_then_continuation_consumes_events_with_the_turn() {
     let answer = Message::assistant("summary").with_origin(TurnOrigin::AgentContinuation);
     let commit = ContinuationCommit {
         turn: TurnCommit {
+            calls: None,
             session_id: root,
             messages: vec![NewMessage::new(trigger), NewMessage::new(answer)],
             state: b"{}".to_vec(),
@@ -925,6 +926,7 @@ async fn unknown_enum_text_on_disk_is_corruption() {
 
 fn turn_of(root: SessionId, now_ms: i64) -> TurnCommit {
     TurnCommit {
+        calls: None,
         session_id: root,
         messages: vec![NewMessage::new(
             Message::user("[results]")
@@ -1134,6 +1136,7 @@ async fn a_dead_letter_is_told_once_by_a_notice_in_the_sessions_history() {
     assert_eq!(untold[0].last_error.as_deref(), Some("model down"));
     let notice = |now| NoticeCommit {
         turn: TurnCommit {
+            calls: None,
             session_id: root,
             messages: vec![NewMessage::new(
                 Message::system("a result could not be delivered").with_origin(TurnOrigin::System),

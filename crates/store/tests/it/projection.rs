@@ -12,6 +12,7 @@ use crate::common::*;
 
 fn turn(session: SessionId, n: u64) -> TurnCommit {
     TurnCommit {
+        calls: None,
         session_id: session,
         messages: vec![user(&format!("q{n}")), assistant(&format!("a{n}"))],
         state: format!("s{n}").into_bytes(),

@@ -8,11 +8,25 @@ use keel_core::{
 use keel_store::{
     AcceptRun, CheckOptions, CheckpointSource, CompletionHandling, DecideApproval, Decision,
     MessageFilter, NewApproval, NewCheckpoint, PausedTurnCommit, PurgeReport, Store, StoreError,
-    TerminalOutcome, TurnCommit,
+    TerminalOutcome, TurnCalls, TurnCommit,
 };
 use rusqlite::Connection;
 
 use crate::common::*;
+
+/// A model call of one millisecond at `at`.
+fn model_call(at: i64) -> keel_store::CallSpan {
+    keel_store::CallSpan {
+        kind: keel_store::CallKind::Model,
+        name: "mock/m".into(),
+        call_id: None,
+        started_at_ms: at,
+        ended_at_ms: at + 1,
+        input_tokens: Some(1),
+        output_tokens: Some(1),
+        status: "stop".into(),
+    }
+}
 
 /// Commits `n` turns of `per_turn` messages each, a checkpoint per turn.
 async fn turns(store: &Store, id: SessionId, n: u64, per_turn: usize) -> Vec<CheckpointId> {
@@ -23,6 +37,10 @@ async fn turns(store: &Store, id: SessionId, n: u64, per_turn: usize) -> Vec<Che
         messages.extend((1..per_turn).map(|k| assistant(&format!("answer {i}.{k} of {id}"))));
         store
             .commit_turn(TurnCommit {
+                calls: Some(TurnCalls {
+                    turn_id: TurnId::new(),
+                    spans: vec![model_call(10)],
+                }),
                 session_id: id,
                 messages,
                 state: format!("state {id} {i}").into_bytes(),
@@ -55,6 +73,7 @@ async fn approval(store: &Store, id: SessionId) {
     store
         .commit_paused_turn(PausedTurnCommit {
             turn: TurnCommit {
+                calls: None,
                 session_id: id,
                 messages: vec![
                     user("list the files"),
@@ -113,7 +132,7 @@ async fn runs(store: &Store, root: SessionId) {
     }
     for run in [&child, &parent] {
         store
-            .commit_terminal(
+            .commit_run_end(
                 run.id,
                 run.execution_id.clone(),
                 TerminalOutcome::Completed {
@@ -125,6 +144,7 @@ async fn runs(store: &Store, root: SessionId) {
                 },
                 CompletionHandling::Deliver,
                 110,
+                vec![model_call(105)],
             )
             .await
             .unwrap();
@@ -167,6 +187,10 @@ fn rows_of(db: &Connection, id: SessionId) -> Vec<(&'static str, i64)> {
         (
             "queued",
             "SELECT count(*) FROM queued_inputs WHERE session_id = ?1",
+        ),
+        (
+            "call spans",
+            "SELECT count(*) FROM call_spans WHERE session_id = ?1",
         ),
         (
             "approvals",
@@ -273,6 +297,12 @@ async fn a_purge_removes_the_expired_deleted_dialogs_and_every_row_of_theirs() {
     assert_eq!(blobs, 7, "the states only the purged dialog held");
     let db = Connection::open(db_path(&dir)).unwrap();
     assert_eq!(rows_of(&db, old), [], "no row of the purged dialog is left");
+    assert!(
+        rows_of(&db, live)
+            .iter()
+            .any(|(t, n)| *t == "call spans" && *n > 0),
+        "a live dialog's call spans stay"
+    );
     assert!(store.get_session(old).await.unwrap().is_none());
     assert_eq!(reads(&store, live).await, before_live);
     assert_eq!(reads(&store, recent).await, before_recent);
@@ -353,6 +383,7 @@ async fn dialog_usage_counts_its_own_rows_and_checkpoints() {
     // far fewer than its text.
     store
         .commit_turn(TurnCommit {
+            calls: None,
             session_id: a,
             messages: vec![user("q"), assistant(&"x".repeat(10_000))],
             state: b"s".to_vec(),

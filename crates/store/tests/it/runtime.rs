@@ -148,6 +148,7 @@ async fn a_superseded_generation_writes_nothing() {
 
 fn turn(session: keel_core::SessionId, head: Option<SessionHead>) -> TurnCommit {
     TurnCommit {
+        calls: None,
         session_id: session,
         messages: vec![user("q"), assistant("a")],
         state: b"{}".to_vec(),

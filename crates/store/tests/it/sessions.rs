@@ -173,6 +173,7 @@ async fn pagination_is_stable_under_inserts() {
 
 fn import_turn(session: &keel_store::NewSession) -> keel_store::TurnCommit {
     keel_store::TurnCommit {
+        calls: None,
         session_id: session.id,
         messages: vec![user("hi"), assistant("hello")],
         state: br#"{"turn":1}"#.to_vec(),

@@ -198,6 +198,7 @@ async fn rows_of_every_kind(store: &Store) -> Rows {
     let session = store.create_session(new_session("d", 30)).await.unwrap();
     store
         .commit_turn(TurnCommit {
+            calls: None,
             session_id: session.id,
             messages: vec![user("hi")],
             state: b"{}".to_vec(),

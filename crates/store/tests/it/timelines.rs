@@ -176,6 +176,7 @@ async fn apply(store: &Store, model: &mut Model, op: Op, now_ms: i64) -> Result<
             let new_cp = checkpoint.then(CheckpointId::new);
             let committed = store
                 .commit_turn(TurnCommit {
+                    calls: None,
                     session_id: id,
                     messages: texts
                         .iter()

@@ -24,6 +24,7 @@ fn manual(id: CheckpointId) -> NewCheckpoint {
 
 fn turn(session_id: SessionId, text: &str, checkpoint: Option<CheckpointId>) -> TurnCommit {
     TurnCommit {
+        calls: None,
         session_id,
         messages: vec![user(text), assistant(text)],
         state: text.as_bytes().to_vec(),

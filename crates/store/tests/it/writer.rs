@@ -68,6 +68,7 @@ async fn group_commit_batches_waiting_requests_and_isolates_failures() {
         .await
         .unwrap();
     let bad = TurnCommit {
+        calls: None,
         session_id: b.id,
         messages: vec![NewMessage::new(Message::user("written, then undone"))],
         state: b"s2".to_vec(),

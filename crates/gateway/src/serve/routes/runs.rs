@@ -262,12 +262,17 @@ pub(crate) async fn trace(
 ) -> ApiResult<Json<Trace>> {
     let run_id: RunId = parse_id("run", &id)?;
     let runs = shared.app.store.run_tree(run_id).await?;
-    run_trace(run_id, &runs)
+    let calls = shared
+        .app
+        .store
+        .runs_calls(runs.iter().map(|r| r.spec.id).collect())
+        .await?;
+    run_trace(run_id, &runs, &calls)
         .map(Json)
         .ok_or_else(|| ApiError::NotFound(format!("run {run_id} not found")))
 }
 
-/// The trace of a root turn: the sub-agent runs it started, at every depth.
+/// The trace of a root turn: its model and tool calls and its sub-agent runs, at every depth.
 #[utoipa::path(get, path = "/api/dialogs/{id}/turns/{turn_id}/trace", tag = "agent-runs",
     params(("id" = uuid::Uuid, Path, description = "The dialog's id"),
            ("turn_id" = uuid::Uuid, Path, description = "A turn of this dialog")),
@@ -278,13 +283,18 @@ pub(crate) async fn turn_trace(
 ) -> ApiResult<Json<Trace>> {
     let record = shared.dialog(&id).await?;
     let turn: TurnId = parse_id("turn", &turn)?;
-    let runs = shared.app.store.turn_runs(Some(record.id), turn).await?;
-    if runs.is_empty() {
-        // Only runs carry their turn's id; a turn without one leaves no trace.
+    let store = &shared.app.store;
+    let calls = store.turn_calls(Some(record.id), turn).await?;
+    let runs = store.turn_runs(Some(record.id), turn).await?;
+    if runs.is_empty() && calls.is_empty() {
+        // A turn still running, not committed, or not of this dialog.
         return Err(ApiError::NotFound(format!(
-            "no sub-agent run of turn {turn} is stored in dialog {}",
+            "no call or sub-agent run of turn {turn} is stored in dialog {}",
             record.id
         )));
     }
-    Ok(Json(trace_of_turn(turn, &runs)))
+    let run_calls = store
+        .runs_calls(runs.iter().map(|r| r.spec.id).collect())
+        .await?;
+    Ok(Json(trace_of_turn(turn, &calls, &runs, &run_calls)))
 }
