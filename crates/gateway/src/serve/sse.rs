@@ -25,7 +25,7 @@ use keel_core::SessionId;
 use serde::Deserialize;
 use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::broadcast::Receiver;
-use utoipa::IntoParams;
+use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
 use super::api::IfBusy;
@@ -152,6 +152,23 @@ pub(crate) async fn send_streamed(
     Ok(follow.into_response())
 }
 
+/// One server-sent event of a turn stream, as the OpenAPI document
+/// describes it: `event` is the frame's `type`, `data` the frame as JSON,
+/// `id` its `event_id` (frames that have one).
+#[derive(ToSchema)]
+#[expect(
+    dead_code,
+    reason = "documents the wire format; events are written by the SSE encoder"
+)]
+pub(crate) struct SseEvent {
+    /// The frame's `type`.
+    event: String,
+    /// The frame, as JSON.
+    data: String,
+    /// The frame's `event_id`, as decimal text.
+    id: Option<String>,
+}
+
 /// Query of `GET /api/dialogs/{id}/stream`.
 #[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
@@ -185,9 +202,9 @@ fn last_event_id(headers: &HeaderMap) -> ApiResult<Option<u64>> {
 /// ends and none runs (at once when nothing runs and nothing is replayed).
 #[utoipa::path(get, path = "/api/dialogs/{id}/stream", tag = "dialogs",
     params(("id" = uuid::Uuid, Path, description = "The dialog's id"), StreamQuery,
-        ("Last-Event-ID" = Option<u64>, Header, description = "The `event_id` of the last frame seen")),
+        ("Last-Event-ID" = Option<u64>, Header, nullable = false, description = "The `event_id` of the last frame seen")),
     responses(
-        (status = 200, description = "Turn frames (`turn_started`, `text_delta`, … `turn_committed` or `turn_failed`, `replay_gap`) as server-sent events named by their `type`, each with its `event_id` as `id`", content_type = "text/event-stream", body = String),
+        (status = 200, description = "Turn frames (`turn_started`, `text_delta`, … `turn_committed` or `turn_failed`, `replay_gap`) as server-sent events named by their `type`, each with its `event_id` as `id`", content_type = "text/event-stream", body = SseEvent),
         Errors))]
 pub(crate) async fn stream(
     State(shared): State<Arc<Shared>>,

@@ -194,7 +194,7 @@ pub(crate) async fn messages(
     params(("id" = uuid::Uuid, Path, description = "The dialog's id")),
     responses(
         (status = 202, description = "The turn started", body = TurnAccepted),
-        (status = 200, description = "The turn's frames (`turn_started`, `text_delta`, … `turn_committed` or `turn_failed`) as server-sent events named by their `type`", content_type = "text/event-stream", body = String),
+        (status = 200, description = "The turn's frames (`turn_started`, `text_delta`, … `turn_committed` or `turn_failed`) as server-sent events named by their `type`", content_type = "text/event-stream", body = crate::serve::sse::SseEvent),
         Errors))]
 pub(crate) async fn send(
     State(shared): State<Arc<Shared>>,
