@@ -189,11 +189,20 @@ fn last_event_id(headers: &HeaderMap) -> ApiResult<Option<u64>> {
     if text.is_empty() {
         return Ok(None);
     }
-    text.parse().map(Some).map_err(|_| {
-        ApiError::BadRequest(format!(
-            "Last-Event-ID {text:?} is not an event id this server gave (a number)"
-        ))
-    })
+    text.parse()
+        .ok()
+        .and_then(given_id)
+        .map(Some)
+        .ok_or_else(|| {
+            ApiError::BadRequest(format!(
+                "Last-Event-ID {text:?} is not an event id this server gave (a number)"
+            ))
+        })
+}
+
+/// `id` if it can be an event id (they fit an `int64`, as documented).
+fn given_id(id: u64) -> Option<u64> {
+    (i64::try_from(id).is_ok()).then_some(id)
 }
 
 /// Joins the dialog's turn stream (SSE): with `Last-Event-ID`, every turn
@@ -213,8 +222,17 @@ pub(crate) async fn stream(
     headers: HeaderMap,
 ) -> ApiResult<Response> {
     let session = shared.dialog(&id).await?.id;
+    let asked = match query.last_event_id {
+        Some(id) => Some(given_id(id).ok_or_else(|| {
+            ApiError::BadRequest(format!(
+                "last_event_id {id} is not an event id this server gave (at most {})",
+                i64::MAX
+            ))
+        })?),
+        None => None,
+    };
     let from = last_event_id(&headers)?
-        .or(query.last_event_id)
+        .or(asked)
         .map_or(Resume::Join, Resume::After);
     let attach = shared.hub.attach(session, from);
     let follow = Follow {

@@ -498,4 +498,25 @@ async fn an_id_past_the_replay_window_gets_a_replay_gap() {
         .await
         .unwrap();
     assert_eq!(bad.status(), 400);
+    // So is one past an int64, in the header or the query, as documented.
+    let past = i64::MAX as u64 + 1;
+    let header = s
+        .http
+        .get(format!("{}/api/dialogs/{dialog}/stream", s.base))
+        .header("last-event-id", past.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(header.status(), 400);
+    let query = s
+        .http
+        .get(format!(
+            "{}/api/dialogs/{dialog}/stream?last_event_id={past}",
+            s.base
+        ))
+        .header("last-event-id", "0")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(query.status(), 400);
 }
