@@ -380,7 +380,7 @@ fn start_telemetry(data: &DataArgs) -> Result<Option<crate::telemetry::Telemetry
         return Ok(None);
     };
     let env = |name: &str| std::env::var(name).ok();
-    match crate::telemetry::ExportSettings::resolve(&loaded.config.telemetry, &env) {
+    match crate::telemetry::ExportSettings::resolve(&loaded.config.telemetry, &env)? {
         Some(settings) => crate::telemetry::Telemetry::start(&settings).map(Some),
         None => Ok(None),
     }

@@ -66,10 +66,13 @@ impl ExportSettings {
     /// The settings of `config`, or `None` when export is off: no endpoint
     /// there nor in `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` /
     /// `OTEL_EXPORTER_OTLP_ENDPOINT`, or `OTEL_SDK_DISABLED=true`.
-    pub fn resolve(config: &TelemetryConfig, env: &dyn Fn(&str) -> Option<String>) -> Option<Self> {
+    pub fn resolve(
+        config: &TelemetryConfig,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Option<Self>, String> {
         let set = |name: &str| env(name).filter(|v| !v.trim().is_empty());
         if set("OTEL_SDK_DISABLED").is_some_and(|v| v.trim().eq_ignore_ascii_case("true")) {
-            return None;
+            return Ok(None);
         }
         let traces_url = config
             .otlp_endpoint
@@ -78,26 +81,29 @@ impl ExportSettings {
         let from_env = set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").is_some()
             || set("OTEL_EXPORTER_OTLP_ENDPOINT").is_some();
         if traces_url.is_none() && !from_env {
-            return None;
+            return Ok(None);
         }
-        let headers = config
-            .headers_env
-            .as_deref()
-            .and_then(set)
-            .map(|raw| parse_headers(&raw))
-            .unwrap_or_default();
+        // Headers often carry a collector's key: a variable named but not
+        // set is a mistake to say, not an export that every collector refuses.
+        let headers =
+            match config.headers_env.as_deref() {
+                None => Vec::new(),
+                Some(name) => parse_headers(&set(name).ok_or_else(|| {
+                    format!("telemetry.headers_env names ${name}, which is not set")
+                })?),
+            };
         let service_name = config
             .service_name
             .clone()
             .or_else(|| set("OTEL_SERVICE_NAME"))
             .unwrap_or_else(|| "keel".to_owned());
-        Some(Self {
+        Ok(Some(Self {
             traces_url,
             headers,
             service_name,
             sampling_ratio: config.sampling_ratio,
             record_content: config.record_content,
-        })
+        }))
     }
 }
 
@@ -303,7 +309,7 @@ mod tests {
     #[test]
     fn export_is_off_without_an_endpoint_and_on_with_one_from_config_or_env() {
         let none = TelemetryConfig::default();
-        assert_eq!(ExportSettings::resolve(&none, &env(&[])), None);
+        assert_eq!(ExportSettings::resolve(&none, &env(&[])), Ok(None));
         let configured = TelemetryConfig {
             otlp_endpoint: Some("http://127.0.0.1:4318/".into()),
             headers_env: Some("HDRS".into()),
@@ -316,6 +322,7 @@ mod tests {
                 ("OTEL_SERVICE_NAME", "svc"),
             ]),
         )
+        .unwrap()
         .unwrap();
         assert_eq!(
             on.traces_url.as_deref(),
@@ -334,6 +341,7 @@ mod tests {
             &none,
             &env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318")]),
         )
+        .unwrap()
         .unwrap();
         assert_eq!(
             from_env.traces_url, None,
@@ -341,6 +349,11 @@ mod tests {
         );
         assert_eq!(from_env.service_name, "keel");
         let disabled = ExportSettings::resolve(&configured, &env(&[("OTEL_SDK_DISABLED", "true")]));
-        assert_eq!(disabled, None);
+        assert_eq!(disabled, Ok(None));
+        // A headers variable named but not set is said, not ignored.
+        assert_eq!(
+            ExportSettings::resolve(&configured, &env(&[])),
+            Err("telemetry.headers_env names $HDRS, which is not set".to_owned())
+        );
     }
 }

@@ -27,7 +27,8 @@ pub(super) fn telemetry_rows(rows: &mut Rows) {
         "telemetry.headers_env",
         "unset: no extra headers",
         "Environment variable holding headers sent with every export (`key=value,key2=value2`, \
-         e.g. a collector's API key), besides `OTEL_EXPORTER_OTLP_HEADERS`."
+         e.g. a collector's API key), besides `OTEL_EXPORTER_OTLP_HEADERS`; `keel serve` \
+         refuses to start when the variable it names is not set."
             .into(),
     );
     text(
