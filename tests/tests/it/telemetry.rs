@@ -421,7 +421,10 @@ fn an_unreachable_collector_fails_no_turn_and_the_lost_spans_are_counted() {
         .port();
     let data = tempfile::tempdir().unwrap();
     data_dir(data.path(), port, false);
-    let mut served = Served::start(data.path());
+    let mut served = Served::start_with(
+        data.path(),
+        &[("KEEL_TEST_OTLP_HEADERS", "x-keel-test=yes")],
+    );
     let stored = drive(&served);
     assert_eq!(stored.turns.len(), 2);
     served.signal("TERM");
@@ -435,4 +438,22 @@ fn an_unreachable_collector_fails_no_turn_and_the_lost_spans_are_counted() {
         .unwrap_or_else(|| panic!("{line}"));
     assert!(n >= 7, "every span of the run is counted: {line}");
     assert!(served.child.wait().unwrap().success());
+}
+
+#[test]
+fn serve_refuses_to_start_when_the_headers_variable_is_not_set() {
+    let data = tempfile::tempdir().unwrap();
+    data_dir(data.path(), 9, false);
+    let out = crate::keel()
+        .args(["serve", "--data-dir"])
+        .arg(data.path())
+        .env_remove("KEEL_TEST_OTLP_HEADERS")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("telemetry.headers_env names $KEEL_TEST_OTLP_HEADERS, which is not set"),
+        "{stderr}"
+    );
 }
