@@ -102,6 +102,8 @@ mod messages;
 mod metrics;
 mod migrations;
 mod observe;
+#[cfg(feature = "testing")]
+mod outline;
 mod projection;
 mod purge;
 mod queued;
@@ -162,6 +164,7 @@ pub use tree::{DialogTree, ImportCheckpoint, ImportTimeline, ImportTree, TreeTim
 pub mod testing {
     pub use crate::compress::{forget_dictionaries, set_compression};
     pub use crate::migrations::{migrate_to, migrate_with, user_version, MIGRATIONS};
+    pub use crate::outline::schema_outline;
 }
 
 /// A page of a cursor-paginated listing.
