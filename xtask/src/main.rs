@@ -3,6 +3,7 @@
 
 mod deps;
 mod live;
+mod postgres;
 mod tidy;
 
 use std::path::{Path, PathBuf};
@@ -16,6 +17,7 @@ commands:
                              Python clients (cargo-deny and schemathesis when installed)
   web                        the web page's browser test (headless Chromium, Playwright)
   deps                       check the crate layering
+  postgres                   keel-store-postgres' tests on a real PostgreSQL (the ci step)
   tidy                       file and function sizes, dead public API, unread config keys
   bench [store|catalog|engine|serve|...]
                              run benchmarks (all when no name is given)
@@ -31,6 +33,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci(),
         Some("deps") => deps_cmd(),
+        Some("postgres") => postgres::run_alone(),
         Some("web") => web_prerequisites().and_then(|()| web_test()),
         Some("tidy") => tidy_cmd(),
         Some("bench") => bench(&args[1..]),
@@ -259,6 +262,7 @@ fn ci() -> Result<(), String> {
     mcp_servers_prerequisites()?;
     let nextest = succeeds(cargo_cmd(&["nextest", "--version"]).current_dir(root()));
     let deny = succeeds(cargo_cmd(&["deny", "--version"]).current_dir(root()));
+    let postgres = postgres::Postgres::detect();
     type Step = (&'static str, Box<dyn Fn() -> Result<(), String>>);
     let mut steps: Vec<Step> = vec![
         (
@@ -289,11 +293,14 @@ fn ci() -> Result<(), String> {
                     "nextest",
                     "run",
                     "--workspace",
+                    "--exclude=keel-store-postgres",
                     "--locked",
                     "--no-fail-fast",
                 ]))
             }),
         ));
+        let pg = postgres.clone();
+        steps.push(("postgres", Box::new(move || pg.step())));
         steps.push((
             "doctests",
             Box::new(|| {
@@ -384,6 +391,7 @@ fn ci() -> Result<(), String> {
         steps.len(),
         total.elapsed().as_secs_f64()
     );
+    println!("ci: {}", postgres.summary());
     Ok(())
 }
 

@@ -1,0 +1,4 @@
+//! keel-store-postgres on a real PostgreSQL (see `keel_store_postgres::testing`): one test binary.
+
+mod checks;
+mod schema;
