@@ -19,6 +19,7 @@ pub async fn schema_outline(client: &Client) -> Result<Vec<String>> {
         columns(client, &table, &mut lines).await?;
         keys(client, &table, &mut lines).await?;
         indexes(client, &table, &mut lines).await?;
+        foreign_keys(client, &table, &mut lines).await?;
     }
     lines.sort();
     Ok(lines)
@@ -123,6 +124,35 @@ async fn indexes(client: &Client, table: &str, lines: &mut Vec<String>) -> Resul
         lines.push(format!(
             "{table} index {name} ({}){unique}{partial}",
             cols.join(", ")
+        ));
+    }
+    Ok(())
+}
+
+async fn foreign_keys(client: &Client, table: &str, lines: &mut Vec<String>) -> Result<()> {
+    let rows = client
+        .query(
+            "SELECT c.confrelid::regclass::text, \
+                 array(SELECT a.attname::text FROM unnest(c.conkey) WITH ORDINALITY AS k(num, ord) \
+                       JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = k.num \
+                       ORDER BY k.ord), \
+                 array(SELECT a.attname::text FROM unnest(c.confkey) WITH ORDINALITY AS k(num, ord) \
+                       JOIN pg_attribute a ON a.attrelid = c.confrelid AND a.attnum = k.num \
+                       ORDER BY k.ord), \
+                 CASE c.confdeltype WHEN 'a' THEN 'no action' WHEN 'r' THEN 'restrict' \
+                      WHEN 'c' THEN 'cascade' WHEN 'n' THEN 'set null' ELSE 'set default' END \
+             FROM pg_constraint c \
+             WHERE c.conrelid = $1::text::regclass AND c.contype = 'f'",
+            &[&table],
+        )
+        .await?;
+    for r in rows {
+        let (to_table, from, to, on_delete): (String, Vec<String>, Vec<String>, String) =
+            (r.get(0), r.get(1), r.get(2), r.get(3));
+        lines.push(format!(
+            "{table} foreign key ({}) references {to_table} ({}) on delete {on_delete}",
+            from.join(", "),
+            to.join(", ")
         ));
     }
     Ok(())

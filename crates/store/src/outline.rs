@@ -3,7 +3,8 @@
 //!
 //! One line per fact, sorted: `T column C TYPE null|not null` (TYPE is
 //! `integer`, `real`, `text` or `blob`), `T primary key (C, …)`,
-//! `T unique (C, …)` and `T index NAME (C, …)[ unique][ partial]`, where
+//! `T unique (C, …)`, `T foreign key (C, …) references T2 (C, …) on
+//! delete ACTION` and `T index NAME (C, …)[ unique][ partial]`, where
 //! an expression key is `<expr>` and a descending one ends in ` DESC`.
 //! Columns of the primary key count as not null: keel never writes NULL
 //! there, and SQLite's `TEXT PRIMARY KEY` allows it only by a quirk.
@@ -28,6 +29,7 @@ pub fn schema_outline(path: &Path) -> Result<Vec<String>> {
     for table in &tables {
         columns(&conn, table, &mut lines)?;
         indexes(&conn, table, &mut lines)?;
+        foreign_keys(&conn, table, &mut lines)?;
     }
     lines.sort();
     Ok(lines)
@@ -95,6 +97,37 @@ fn indexes(conn: &Connection, table: &str, lines: &mut Vec<String>) -> Result<()
         let unique = if unique { " unique" } else { "" };
         let partial = if partial { " partial" } else { "" };
         lines.push(format!("{table} index {name} ({cols}){unique}{partial}"));
+    }
+    Ok(())
+}
+
+fn foreign_keys(conn: &Connection, table: &str, lines: &mut Vec<String>) -> Result<()> {
+    let rows: Vec<(i64, String, String, Option<String>, String)> = conn
+        .prepare(
+            "SELECT id, \"table\", \"from\", \"to\", on_delete \
+             FROM pragma_foreign_key_list(?1) ORDER BY id, seq",
+        )?
+        .query_map([table], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+        })?
+        .collect::<rusqlite::Result<_>>()?;
+    let mut i = 0;
+    while i < rows.len() {
+        let id = rows[i].0;
+        let group: Vec<_> = rows[i..].iter().take_while(|r| r.0 == id).collect();
+        i += group.len();
+        let from: Vec<&str> = group.iter().map(|r| r.2.as_str()).collect();
+        let to: Vec<&str> = group
+            .iter()
+            .map(|r| r.3.as_deref().unwrap_or("<primary key>"))
+            .collect();
+        lines.push(format!(
+            "{table} foreign key ({}) references {} ({}) on delete {}",
+            from.join(", "),
+            group[0].1,
+            to.join(", "),
+            group[0].4.to_ascii_lowercase()
+        ));
     }
     Ok(())
 }

@@ -111,3 +111,19 @@ async fn a_failing_step_is_rolled_back_and_reported_with_its_version() {
         .get(0);
     assert!(!t2, "the failed step's table was rolled back");
 }
+
+#[tokio::test]
+async fn two_migrators_at_once_apply_each_step_exactly_once() {
+    let db = require_postgres!();
+    let (a, b) = (db.connect().await, db.connect().await);
+    let (ra, rb) = tokio::join!(migrate(&a), migrate(&b));
+    let (ra, rb) = (ra.expect("first migrator"), rb.expect("second migrator"));
+    let mut applied: Vec<u32> = ra.applied.iter().chain(&rb.applied).copied().collect();
+    applied.sort_unstable();
+    assert_eq!(
+        applied,
+        (1..=SCHEMA_VERSION).collect::<Vec<_>>(),
+        "{ra:?} {rb:?}"
+    );
+    assert_eq!((ra.to, rb.to), (SCHEMA_VERSION, SCHEMA_VERSION));
+}
