@@ -30,6 +30,9 @@ pub enum PgStoreError {
         /// The value found.
         value: String,
     },
+    /// A connection string, TLS setup or pool setting that cannot work.
+    #[error("PostgreSQL configuration: {0}")]
+    Config(String),
     /// Any other error of the server or the connection.
     #[error("PostgreSQL: {0}")]
     Postgres(#[from] tokio_postgres::Error),

@@ -8,6 +8,7 @@
 //! - [`migrate`]: forward-only, one transaction per step together with the
 //!   one-row `schema_version` table, serialized by an advisory lock;
 //!   reports what it applied and refuses a newer database.
+//! - [`pool`]: deadpool-postgres with rustls (ring, the system's roots).
 //! - [`schema_outline`] / [`schema_definitions`], and the test harness
 //!   (module `testing`, feature `testing`): a database per test on
 //!   `KEEL_TEST_DATABASE_URL` or on a throwaway cluster.
@@ -44,6 +45,7 @@
 mod error;
 mod migrations;
 mod outline;
+mod pool;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -52,6 +54,10 @@ pub use migrations::{
     migrate, migrate_with, schema_version, MigrationReport, MIGRATIONS, SCHEMA_VERSION,
 };
 pub use outline::{schema_definitions, schema_outline};
+pub use pool::pool;
+
+/// Re-exported: the pool [`pool`] returns.
+pub use deadpool_postgres::Pool;
 
 /// Re-exported so callers need no tokio-postgres dependency of their own.
 pub use tokio_postgres;
