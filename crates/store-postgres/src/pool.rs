@@ -1,7 +1,9 @@
 //! The connection pool: deadpool-postgres over tokio-postgres, TLS by
 //! rustls (ring) with the system's trust anchors. The connection string's
-//! `sslmode` decides as libpq does for `disable`, `prefer` (the default:
-//! TLS when the server offers it) and `require`; a unix socket never uses TLS.
+//! `sslmode` is `disable`, `prefer` (the default: TLS when the server
+//! offers it) or `require`; unlike libpq's `require`, a TLS connection
+//! always verifies the server's certificate and name against those roots.
+//! A unix socket never uses TLS.
 
 use std::sync::Arc;
 
