@@ -726,6 +726,7 @@ async fn a_watching_client_sees_turns_resumed_after_a_restart_exactly_once() {
                 turn_id,
                 message: keel_core::Message::user(text),
                 queued_at_ms: 1,
+                webhook: None,
             })
             .await
             .unwrap();
