@@ -767,7 +767,7 @@ pub fn reference() -> Vec<KeyDoc> {
         &mut rows,
         "server.webhook_urls",
         format!(
-            "http(s) URLs (at most {MAX_WEBHOOK_URLS}) every committed turn that answers a              message is POSTed to, signed (see PROTOCOL.md, Webhooks), besides the `webhook`              a send names. Delivered at least once from the store's outbox."
+            "http(s) URLs (at most {MAX_WEBHOOK_URLS}) every committed turn that answers a message is POSTed to, signed (see PROTOCOL.md, Webhooks), besides the `webhook` a send names. Delivered at least once from the store's outbox."
         ),
     );
     code(
@@ -782,14 +782,14 @@ pub fn reference() -> Vec<KeyDoc> {
         &mut rows,
         "server.webhook_max_attempts",
         format!(
-            "Attempts at a webhook delivery, 1..={MAX_WEBHOOK_MAX_ATTEMPTS}, before it is              dead-lettered (`status: dead` in `/api/webhooks/deliveries`)."
+            "Attempts at a webhook delivery, 1..={MAX_WEBHOOK_MAX_ATTEMPTS}, before it is dead-lettered (`status: dead` in `/api/webhooks/deliveries`)."
         ),
     );
     code(
         &mut rows,
         "server.webhook_retry_base_ms",
         format!(
-            "Milliseconds before a failed delivery's first retry, 1..={MAX_WEBHOOK_RETRY_BASE_MS};              each further retry waits twice as long (at most 1 h)."
+            "Milliseconds before a failed delivery's first retry, 1..={MAX_WEBHOOK_RETRY_BASE_MS}; each further retry waits twice as long (at most 1 h)."
         ),
     );
     mcp_rows(&mut rows);

@@ -125,7 +125,7 @@ pub struct WebhookDeliveryPage {
 
 /// Lists the webhook outbox, oldest first: pending, delivered and dead
 /// deliveries with their attempts.
-#[utoipa::path(get, path = "/api/webhooks/deliveries", tag = "webhooks", params(DeliveryListQuery),
+#[utoipa::path(get, path = "/api/webhooks/deliveries", tag = "webhooks", operation_id = "list_webhook_deliveries", params(DeliveryListQuery),
     responses((status = 200, description = "A page of webhook deliveries", body = WebhookDeliveryPage), Errors))]
 pub(crate) async fn list(
     State(shared): State<Arc<Shared>>,
