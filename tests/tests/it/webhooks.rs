@@ -92,7 +92,10 @@ fn kill_9_with_a_delivery_in_flight_delivers_it_after_restart() {
             .unwrap();
         assert_eq!(r.status(), 202);
         // The attempt reached the receiver, which holds it unanswered.
-        tokio::time::timeout(wait, rx.recv()).await.unwrap().unwrap()
+        tokio::time::timeout(wait, rx.recv())
+            .await
+            .unwrap()
+            .unwrap()
     });
     served.signal("KILL");
     served.child.wait().unwrap();
@@ -104,7 +107,10 @@ fn kill_9_with_a_delivery_in_flight_delivers_it_after_restart() {
         .block_on(async { tokio::time::timeout(wait, rx.recv()).await })
         .expect("the pending delivery after the restart")
         .unwrap();
-    assert_eq!(again_id, first_id, "the same delivery, deduplicable by its id");
+    assert_eq!(
+        again_id, first_id,
+        "the same delivery, deduplicable by its id"
+    );
     assert_eq!(again_body, first_body);
     let body: serde_json::Value = serde_json::from_str(&again_body).unwrap();
     assert_eq!(body["data"]["answer"], "done");

@@ -56,7 +56,10 @@ async fn the_commit_answering_a_subscribed_input_creates_its_delivery() {
     let q = queued(s.id, Some("http://127.0.0.1:9/hook"));
     store.queue_input(q.clone()).await.unwrap();
     // The subscription rides with the queued input (a restart re-runs it).
-    assert_eq!(store.queued_inputs().await.unwrap(), [q.clone()]);
+    assert_eq!(
+        store.queued_inputs().await.unwrap(),
+        std::slice::from_ref(&q)
+    );
     assert!(store
         .due_webhook_deliveries(i64::MAX, 10)
         .await
