@@ -157,7 +157,8 @@ pub use sessions::{DialogCursor, DialogQuery, NewSession, SessionRecord, Timelin
 pub use spend::DialogSpend;
 pub use tree::{DialogTree, ImportCheckpoint, ImportTimeline, ImportTree, TreeTimeline};
 pub use webhooks::{
-    AttemptOutcome, DeliveryStatus, TurnCompletedBody, TurnCompletedData, WebhookDelivery,
+    AttemptOutcome, DeliveryStatus, RunCompletedBody, RunCompletedData, TurnCompletedBody,
+    TurnCompletedData, WebhookDelivery,
 };
 
 /// Test seams, compiled only with the `testing` feature: build databases

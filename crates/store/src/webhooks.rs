@@ -197,8 +197,9 @@ pub(crate) struct CommittedTurn<'a> {
 }
 
 /// Creates, in the commit's transaction, the deliveries of a committed
-/// turn: one per subscription of an input it answers (the subscription is
-/// used up) and one per server-wide URL. Returns how many.
+/// turn: one per subscription of an input it answers (marked used: it now
+/// stands for the turn's background runs) and one per server-wide URL.
+/// Returns how many.
 pub(crate) fn deliveries_tx(
     conn: &Connection,
     turn: &CommittedTurn<'_>,
@@ -207,12 +208,15 @@ pub(crate) fn deliveries_tx(
     let mut targets: Vec<(Option<TurnId>, String)> = Vec::new();
     {
         let mut find = conn.prepare_cached(
-            "DELETE FROM webhook_subscriptions WHERE timeline_id = ?1 AND input_seq = ?2 \
+            "UPDATE webhook_subscriptions SET used_at = ?3 \
+             WHERE timeline_id = ?1 AND input_seq = ?2 AND used_at IS NULL \
              RETURNING turn_id, url",
         )?;
         for seq in turn.answers {
             let found: Option<(String, String)> = find
-                .query_row(params![turn.timeline, seq], |r| Ok((r.get(0)?, r.get(1)?)))
+                .query_row(params![turn.timeline, seq, turn.now_ms], |r| {
+                    Ok((r.get(0)?, r.get(1)?))
+                })
                 .optional()?;
             if let Some((id, url)) = found {
                 let id = crate::util::parse("webhook_subscriptions.turn_id", &id)?;
@@ -265,6 +269,92 @@ pub(crate) fn deliveries_tx(
     Ok(targets.len())
 }
 
+/// The body of a `run.completed` delivery.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunCompletedBody {
+    /// Always `run.completed`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// When the run ended (ms since the epoch).
+    pub timestamp_ms: i64,
+    /// The run's final state.
+    pub data: RunCompletedData,
+}
+
+/// What a `run.completed` body says of the run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunCompletedData {
+    /// The run.
+    pub run_id: String,
+    /// The agent that ran.
+    pub agent: String,
+    /// The dialog whose turn started it.
+    pub dialog_id: String,
+    /// The turn that started it (whose send named the webhook).
+    pub turn_id: String,
+    /// How it ended (`completed`, `failed`, `timed_out`, `cancelled`, …).
+    pub status: String,
+    /// Its result, when it completed.
+    pub result: Option<String>,
+    /// Why it did not complete.
+    pub error: Option<String>,
+}
+
+/// Creates, in a background run's terminal transaction, a delivery to the
+/// webhook the send of its root turn named (if any). Returns how many.
+pub(crate) fn run_deliveries_tx(
+    conn: &Connection,
+    run: &crate::RunRecord,
+    status: &str,
+    result: Option<&str>,
+    error: Option<&str>,
+    now_ms: i64,
+) -> Result<usize> {
+    if run.spec.mode != keel_core::ExecutionMode::Background {
+        return Ok(0);
+    }
+    let Some(turn) = run.spec.root_turn_id else {
+        return Ok(0);
+    };
+    let url: Option<String> = conn
+        .prepare_cached("SELECT url FROM webhook_subscriptions WHERE turn_id = ?1")?
+        .query_row([turn.to_string()], |r| r.get(0))
+        .optional()?;
+    let Some(url) = url else {
+        return Ok(0);
+    };
+    let body = RunCompletedBody {
+        kind: "run.completed",
+        timestamp_ms: now_ms,
+        data: RunCompletedData {
+            run_id: run.spec.id.to_string(),
+            agent: run.spec.agent_id.as_str().to_owned(),
+            dialog_id: run.spec.root_session_id.to_string(),
+            turn_id: turn.to_string(),
+            status: status.to_owned(),
+            result: result.map(str::to_owned),
+            error: error.map(str::to_owned),
+        },
+    };
+    let body = serde_json::to_string(&body)
+        .map_err(|e| StoreError::InvalidInput(format!("webhook body: {e}")))?;
+    conn.prepare_cached(
+        "INSERT INTO webhook_deliveries (id, url, event, session_id, turn_id, run_id, body, \
+         status, next_attempt_at, created_at) \
+         VALUES (?1, ?2, 'run.completed', ?3, ?4, ?5, ?6, 'pending', ?7, ?7)",
+    )?
+    .execute(params![
+        format!("msg_{}", uuid::Uuid::now_v7().simple()),
+        url,
+        run.spec.root_session_id.to_string(),
+        turn.to_string(),
+        run.spec.id.to_string(),
+        body,
+        now_ms
+    ])?;
+    Ok(1)
+}
+
 impl Store {
     /// Sets the URLs every committed turn that answers input is delivered to.
     pub fn set_webhook_urls(&self, urls: Vec<String>) {
@@ -275,7 +365,7 @@ impl Store {
         self.hooks.urls.read().clone()
     }
 
-    /// Wakes [`Store::webhook_committed`]'s waiter (a delivery was committed).
+    /// Wakes [`Store::webhook_committed`]'s waiter (a delivery may have been committed).
     pub(crate) fn wake_webhooks(&self) {
         self.hooks.committed.notify_one();
     }

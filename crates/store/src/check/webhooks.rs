@@ -27,7 +27,7 @@ pub(super) fn webhooks(
              SELECT w.turn_id, 'its message was answered, but no delivery was made' \
              FROM webhook_subscriptions w JOIN messages m \
                ON m.timeline_id = w.timeline_id AND m.seq = w.input_seq \
-             WHERE m.input_state = 'answered' ORDER BY 1 LIMIT {MAX_NAMED}"
+             WHERE m.input_state = 'answered' AND w.used_at IS NULL ORDER BY 1 LIMIT {MAX_NAMED}"
         ),
         |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)),
     )?;

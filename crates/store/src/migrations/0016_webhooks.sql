@@ -3,6 +3,9 @@
 -- input's seq (Store::open_turn); the commit that answers the input turns it
 -- into a delivery (Store::commit_turn), with one delivery per configured
 -- server-wide URL, in the same transaction: no crash window loses one.
+-- The subscription stays (`used_at` set) so that the background runs that
+-- turn started notify the same URL when they end (in their terminal
+-- commit's transaction).
 CREATE TABLE webhook_subscriptions (
     turn_id TEXT PRIMARY KEY,
     session_id TEXT NOT NULL REFERENCES sessions(id),
@@ -10,7 +13,9 @@ CREATE TABLE webhook_subscriptions (
     timeline_id TEXT,
     input_seq INTEGER,
     created_at INTEGER NOT NULL,
-    CHECK ((timeline_id IS NULL) = (input_seq IS NULL))
+    used_at INTEGER,
+    CHECK ((timeline_id IS NULL) = (input_seq IS NULL)),
+    CHECK (used_at IS NULL OR timeline_id IS NOT NULL)
 );
 
 CREATE INDEX idx_webhook_subscriptions_input

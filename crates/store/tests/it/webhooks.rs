@@ -251,3 +251,74 @@ async fn a_pending_delivery_survives_reopening_the_database() {
     assert_eq!(due.len(), 1);
     assert_eq!(due[0].turn_id, Some(q.turn_id));
 }
+
+#[tokio::test]
+async fn a_background_run_of_a_hooked_turn_notifies_the_same_url_when_it_ends() {
+    use keel_core::{ExecutionMode, Usage};
+    use keel_store::{AcceptRun, CompletionHandling, TerminalOutcome};
+    let (_dir, store) = temp_store();
+    let s = store.create_session(new_session("w", 1)).await.unwrap();
+    let q = queued(s.id, Some("http://127.0.0.1:9/hook"));
+    store.queue_input(q.clone()).await.unwrap();
+    run_turn(&store, &q, "started a run").await;
+    let accept = |root_turn, mode| {
+        let mut run = new_run(s.id, mode);
+        run.root_turn_id = root_turn;
+        (
+            run.clone(),
+            AcceptRun {
+                run,
+                inbox_capacity: 4,
+                now_ms: 40,
+            },
+        )
+    };
+    let (hooked, a) = accept(Some(q.turn_id), ExecutionMode::Background);
+    store.accept_run(a).await.unwrap();
+    // A foreground run, and a background run of another turn, notify nothing.
+    let (fg, a) = accept(Some(q.turn_id), ExecutionMode::Foreground);
+    store.accept_run(a).await.unwrap();
+    let (other, a) = accept(Some(TurnId::new()), ExecutionMode::Background);
+    store.accept_run(a).await.unwrap();
+    for run in [&hooked, &fg, &other] {
+        let outcome = TerminalOutcome::Completed {
+            result: "found it".into(),
+            usage: Usage::new(1, 1),
+            tool_calls: 0,
+            iterations: 1,
+            cost: None,
+        };
+        let commit = store
+            .commit_terminal(
+                run.id,
+                run.execution_id.clone(),
+                outcome,
+                CompletionHandling::Deliver,
+                50,
+            )
+            .await
+            .unwrap();
+        assert!(commit.won);
+    }
+    let runs: Vec<_> = store
+        .list_webhook_deliveries(None, None, 10)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|d| d.event == "run.completed")
+        .collect();
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    let body: serde_json::Value = serde_json::from_str(&runs[0].body).unwrap();
+    assert_eq!(runs[0].url, "http://127.0.0.1:9/hook");
+    assert_eq!(body["type"], "run.completed");
+    assert_eq!(body["data"]["run_id"], hooked.id.to_string());
+    assert_eq!(body["data"]["turn_id"], q.turn_id.to_string());
+    assert_eq!(body["data"]["agent"], "researcher");
+    assert_eq!(body["data"]["status"], "completed");
+    assert_eq!(body["data"]["result"], "found it");
+    assert!(store
+        .check_invariants(keel_store::CheckOptions::default())
+        .await
+        .unwrap()
+        .is_clean());
+}
