@@ -62,12 +62,14 @@ pub struct WebhookDelivery {
     pub id: String,
     /// Where it is POSTed.
     pub url: String,
-    /// The event (`turn.completed`).
+    /// The event (`turn.completed`, `run.completed`).
     pub event: String,
     /// The dialog.
     pub session_id: SessionId,
-    /// The turn, for a turn event.
+    /// The turn (of a turn event, or the one that started the run).
     pub turn_id: Option<TurnId>,
+    /// The run, for a run event.
+    pub run_id: Option<keel_core::RunId>,
     /// The JSON body, rendered once.
     pub body: String,
     /// Where it stands.
@@ -129,7 +131,7 @@ pub enum AttemptOutcome {
 }
 
 const COLUMNS: &str = "seq, id, url, event, session_id, turn_id, body, status, attempts, \
-                       next_attempt_at, last_error, created_at, delivered_at";
+                       next_attempt_at, last_error, created_at, delivered_at, run_id";
 
 fn delivery_from_row(r: &rusqlite::Row<'_>) -> Result<WebhookDelivery> {
     let status: String = r.get(7)?;
@@ -149,6 +151,7 @@ fn delivery_from_row(r: &rusqlite::Row<'_>) -> Result<WebhookDelivery> {
         last_error: r.get(10)?,
         created_at_ms: r.get(11)?,
         delivered_at_ms: r.get(12)?,
+        run_id: crate::util::parse_opt("webhook_deliveries.run_id", r.get(13)?)?,
     })
 }
 

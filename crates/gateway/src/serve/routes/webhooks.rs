@@ -72,12 +72,14 @@ pub struct WebhookDeliveryView {
     pub id: String,
     /// Where it is POSTed.
     pub url: String,
-    /// The event: `turn.completed`.
+    /// The event: `turn.completed` or `run.completed`.
     pub event: String,
     /// The dialog.
     pub session_id: Uuid,
-    /// The turn.
+    /// The turn (of a `turn.completed`, or the one that started the run).
     pub turn_id: Option<Uuid>,
+    /// The run, of a `run.completed`.
+    pub run_id: Option<Uuid>,
     /// Where it stands.
     pub status: WebhookDeliveryStatus,
     /// Attempts made.
@@ -102,6 +104,7 @@ impl From<&WebhookDelivery> for WebhookDeliveryView {
             event: d.event.clone(),
             session_id: d.session_id.as_uuid(),
             turn_id: d.turn_id.map(|t| t.as_uuid()),
+            run_id: d.run_id.map(|r| r.as_uuid()),
             status: d.status.into(),
             attempts: d.attempts,
             next_attempt_at_ms: d.next_attempt_at_ms,

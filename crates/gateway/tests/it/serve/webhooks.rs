@@ -2,7 +2,8 @@
 //! Python's own `hmac` (not keel's code), a receiver down for the first 3
 //! attempts still gets each delivery once it is up (same `webhook-id` every
 //! attempt), a delivery is dead after `webhook_max_attempts`, the
-//! server-wide URLs get every turn, and refused URLs are 400.
+//! server-wide URLs get every turn, a background run of a hooked turn
+//! notifies the same URL, and refused URLs are 400.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -89,7 +90,15 @@ async fn next(rx: &mut mpsc::UnboundedReceiver<Received>) -> Received {
 fn setup(config: &str) -> Setup {
     Setup {
         webhook_secret: Some(SECRET),
-        config: format!("[server]\nwebhook_retry_base_ms = 1\n{config}"),
+        // Inline, so that keys the harness appends stay top-level.
+        config: format!(
+            "server = {{ webhook_retry_base_ms = 1{} }}\n",
+            if config.is_empty() {
+                String::new()
+            } else {
+                format!(", {config}")
+            }
+        ),
         ..Setup::default()
     }
 }
@@ -323,4 +332,38 @@ async fn refused_webhooks_are_400_and_start_no_turn() {
     assert_eq!(r.status(), 400);
     let p: Value = r.json().await.unwrap();
     insta::assert_snapshot!("webhook_without_secret", p["detail"].as_str().unwrap());
+}
+
+#[tokio::test]
+async fn a_background_run_started_by_a_hooked_turn_notifies_the_same_url() {
+    let (url, mut rx) = receiver(0).await;
+    let t = TestServer::start(Setup {
+        provider: super::scripted(super::background_filing("the archivist filed it")),
+        agents: true,
+        ..setup("")
+    })
+    .await;
+    let id = t.dialog("Delegating").await;
+    let turn = send(&t, &id, "file today's decisions", &url).await;
+    let mut events = Vec::new();
+    for _ in 0..2 {
+        let got = next(&mut rx).await;
+        assert!(python_verifies(&got));
+        events.push(serde_json::from_str::<Value>(&got.body).unwrap());
+    }
+    events.sort_by_key(|e| e["type"].as_str().unwrap().to_owned());
+    let (run, turn_done) = (&events[0], &events[1]);
+    assert_eq!(turn_done["type"], "turn.completed");
+    assert_eq!(turn_done["data"]["turn_id"], turn.as_str());
+    assert_eq!(run["type"], "run.completed");
+    assert_eq!(run["data"]["turn_id"], turn.as_str());
+    assert_eq!(run["data"]["agent"], "archivist");
+    assert_eq!(run["data"]["status"], "completed");
+    assert_eq!(run["data"]["result"], "filed");
+    insta::assert_json_snapshot!("webhook_run_completed", run, {
+        ".timestamp_ms" => "[ms]",
+        ".data.dialog_id" => "[dialog]",
+        ".data.turn_id" => "[turn]",
+        ".data.run_id" => "[run]",
+    });
 }
