@@ -351,6 +351,7 @@ async fn over_websocket(replay: bool) -> Served {
                         session_id,
                         text: format!("turn {t}"),
                         if_busy: None,
+                        webhook: None,
                     };
                     let text = serde_json::to_string(&frame).unwrap();
                     if ws.send(WsMessage::text(text)).await.is_err() {

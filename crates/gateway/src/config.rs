@@ -143,6 +143,18 @@ pub const DEFAULT_STREAM_REPLAY_BYTES: u64 = 1024 * 1024;
 pub const MAX_STREAM_REPLAY_BYTES: u64 = 64 * 1024 * 1024;
 /// Largest `server.max_connections`.
 pub const MAX_CONNECTIONS_CAP: usize = 1_000_000;
+/// Default `server.webhook_secret_env`.
+pub const DEFAULT_WEBHOOK_SECRET_ENV: &str = "KEEL_WEBHOOK_SECRET";
+/// Default `server.webhook_max_attempts`.
+pub const DEFAULT_WEBHOOK_MAX_ATTEMPTS: u32 = 8;
+/// Largest `server.webhook_max_attempts`.
+pub const MAX_WEBHOOK_MAX_ATTEMPTS: u32 = 100;
+/// Default `server.webhook_retry_base_ms` (1 s, doubled per attempt).
+pub const DEFAULT_WEBHOOK_RETRY_BASE_MS: u64 = 1000;
+/// Largest `server.webhook_retry_base_ms` (10 min).
+pub const MAX_WEBHOOK_RETRY_BASE_MS: u64 = 600_000;
+/// Most `server.webhook_urls`.
+pub const MAX_WEBHOOK_URLS: usize = 16;
 
 /// The whole of `keel.toml`. Every key is optional; see [`reference()`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -523,6 +535,14 @@ pub struct ServerConfig {
     pub stream_replay_secs: u64,
     /// Bytes of turn frames kept per dialog for clients that reconnect.
     pub stream_replay_bytes: u64,
+    /// URLs every committed turn is POSTed to (signed webhooks).
+    pub webhook_urls: Vec<String>,
+    /// Environment variable holding the secret webhooks are signed with.
+    pub webhook_secret_env: String,
+    /// Attempts at a webhook delivery before it is dead-lettered.
+    pub webhook_max_attempts: u32,
+    /// Milliseconds before a failed delivery's first retry (doubled per attempt).
+    pub webhook_retry_base_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -538,6 +558,10 @@ impl Default for ServerConfig {
             idle_timeout_secs: DEFAULT_IDLE_TIMEOUT_SECS,
             stream_replay_secs: DEFAULT_STREAM_REPLAY_SECS,
             stream_replay_bytes: DEFAULT_STREAM_REPLAY_BYTES,
+            webhook_urls: Vec::new(),
+            webhook_secret_env: DEFAULT_WEBHOOK_SECRET_ENV.to_owned(),
+            webhook_max_attempts: DEFAULT_WEBHOOK_MAX_ATTEMPTS,
+            webhook_retry_base_ms: DEFAULT_WEBHOOK_RETRY_BASE_MS,
         }
     }
 }

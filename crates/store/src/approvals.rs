@@ -258,10 +258,13 @@ impl Store {
             .iter()
             .map(|a| a.call.arguments.to_string())
             .collect();
-        self.db
+        let global = self.webhook_urls();
+        let answers = !commit.turn.answers.is_empty();
+        let committed = self
+            .db
             .write_cached(move |c, cache| {
                 let turn = if commit.consumed.is_empty() {
-                    commit_turn_tx(c, &commit.turn, &encoded, Some(cache))?
+                    commit_turn_tx(c, &commit.turn, &encoded, Some(cache), &global)?
                 } else {
                     let consumed = crate::inbox::ContinuationCommit {
                         turn: commit.turn.clone(),
@@ -293,7 +296,11 @@ impl Store {
                 }
                 Ok(turn)
             })
-            .await
+            .await?;
+        if answers {
+            self.wake_webhooks();
+        }
+        Ok(committed)
     }
 
     /// One approval, or `None`.
@@ -537,9 +544,12 @@ impl Store {
         commit: ApprovalResultCommit,
     ) -> Result<TurnCommitted> {
         let encoded = encode(self.path(), &commit.turn.messages)?;
-        self.db
+        let global = self.webhook_urls();
+        let answers = !commit.turn.answers.is_empty();
+        let committed = self
+            .db
             .write_cached(move |c, cache| {
-                let turn = commit_turn_tx(c, &commit.turn, &encoded, Some(cache))?;
+                let turn = commit_turn_tx(c, &commit.turn, &encoded, Some(cache), &global)?;
                 let session = &commit.turn.session_id;
                 let now = commit.turn.now_ms;
                 let revision = next_revision(c, session, now)?;
@@ -566,6 +576,10 @@ impl Store {
                 }
                 Ok(turn)
             })
-            .await
+            .await?;
+        if answers {
+            self.wake_webhooks();
+        }
+        Ok(committed)
     }
 }

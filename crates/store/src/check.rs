@@ -10,6 +10,7 @@
 
 mod calls;
 mod inputs;
+mod webhooks;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
@@ -76,11 +77,14 @@ pub enum Invariant {
     Completions,
     /// Every queued input waits for a turn of a live dialog that has not started.
     QueuedInputs,
+    /// Every webhook subscription waits for its input's answer, and every
+    /// delivery row is consistent (a readable body, attempts made).
+    Webhooks,
 }
 
 impl Invariant {
     /// Every invariant, in the order a report lists them.
-    pub const ALL: [Invariant; 10] = [
+    pub const ALL: [Invariant; 11] = [
         Invariant::Integrity,
         Invariant::ForeignKeys,
         Invariant::Schema,
@@ -91,6 +95,7 @@ impl Invariant {
         Invariant::Runs,
         Invariant::Completions,
         Invariant::QueuedInputs,
+        Invariant::Webhooks,
     ];
 
     /// A short name, for output.
@@ -106,6 +111,7 @@ impl Invariant {
             Invariant::Runs => "runs",
             Invariant::Completions => "completions",
             Invariant::QueuedInputs => "queued inputs",
+            Invariant::Webhooks => "webhooks",
         }
     }
 
@@ -144,6 +150,9 @@ impl Invariant {
             Invariant::QueuedInputs => {
                 "a message acknowledged while a turn ran will never be answered, or would be \
                  answered twice"
+            }
+            Invariant::Webhooks => {
+                "a webhook a client asked for will never be sent, or a delivery row cannot be sent"
             }
         }
     }
@@ -257,7 +266,7 @@ pub(crate) fn check_tx(conn: &Connection, options: &CheckOptions) -> Result<Inva
         report.add(Invariant::History, format!("a compression dictionary: {e}"));
     }
     // A damaged row stops one check, not the others: its error is a finding.
-    let checks: [(Invariant, CheckFn); 8] = [
+    let checks: [(Invariant, CheckFn); 9] = [
         (Invariant::History, histories),
         (Invariant::History, inputs::open_inputs),
         (Invariant::Counters, counters),
@@ -266,6 +275,7 @@ pub(crate) fn check_tx(conn: &Connection, options: &CheckOptions) -> Result<Inva
         (Invariant::Completions, completions),
         (Invariant::QueuedInputs, inputs::queued_inputs),
         (Invariant::Runs, calls::call_spans),
+        (Invariant::Webhooks, webhooks::webhooks),
     ];
     for (invariant, check) in checks {
         if let Err(e) = check(conn, options, &mut report) {

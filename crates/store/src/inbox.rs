@@ -800,7 +800,7 @@ pub(crate) fn continuation_tx(
         root = Some(r);
     }
     let root = root.ok_or_else(|| StoreError::InvalidInput("no events to consume".into()))?;
-    let turn = commit_turn_tx(conn, &c.turn, messages, Some(cache))?;
+    let turn = commit_turn_tx(conn, &c.turn, messages, Some(cache), &[])?;
     let revision = next_revision(conn, &root, c.turn.now_ms)?;
     let mut consumed = 0u64;
     for lease in &c.consumed {
@@ -935,7 +935,7 @@ impl Store {
         let encoded = encode(self.path(), &commit.turn.messages)?;
         self.db
             .write_cached(move |c, cache| {
-                let turn = commit_turn_tx(c, &commit.turn, &encoded, Some(cache))?;
+                let turn = commit_turn_tx(c, &commit.turn, &encoded, Some(cache), &[])?;
                 let revision = next_revision(c, &commit.turn.session_id, commit.turn.now_ms)?;
                 for id in &commit.event_ids {
                     let n = c.execute(

@@ -113,6 +113,7 @@ mod sessions;
 mod spend;
 mod tree;
 mod util;
+mod webhooks;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -157,6 +158,10 @@ pub use runtime::{describe_process, Activation, RuntimeLock};
 pub use sessions::{DialogCursor, DialogQuery, NewSession, SessionRecord, TimelineId};
 pub use spend::DialogSpend;
 pub use tree::{DialogTree, ImportCheckpoint, ImportTimeline, ImportTree, TreeTimeline};
+pub use webhooks::{
+    AttemptOutcome, DeliveryStatus, RunCompletedBody, RunCompletedData, TurnCompletedBody,
+    TurnCompletedData, WebhookDelivery,
+};
 
 /// Test seams, compiled only with the `testing` feature: build databases
 /// at older schema versions, or run a migration list of the test's own.
@@ -180,6 +185,7 @@ pub struct Page<T, C> {
 #[derive(Clone)]
 pub struct Store {
     db: Arc<db::Db>,
+    hooks: Arc<webhooks::Hooks>,
 }
 
 impl std::fmt::Debug for Store {
@@ -197,6 +203,7 @@ impl Store {
     pub fn open(path: impl AsRef<Path>, options: StoreOptions) -> Result<Self> {
         Ok(Self {
             db: Arc::new(db::Db::open(path.as_ref(), options)?),
+            hooks: Arc::default(),
         })
     }
 

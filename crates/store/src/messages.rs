@@ -455,7 +455,8 @@ fn check_head(session: &SessionId, expected: &SessionHead, head: &str, last: i64
     )))
 }
 
-/// The whole turn commit: messages, state, checkpoint, counters. With the
+/// The whole turn commit: messages, state, checkpoint, counters, and the
+/// webhook deliveries of the inputs it answers (and to `webhook_urls`). With the
 /// writer's `cache`, the last seq comes from it when it knows the session's
 /// head, and the new head state is staged in it.
 pub(crate) fn commit_turn_tx(
@@ -463,6 +464,7 @@ pub(crate) fn commit_turn_tx(
     turn: &TurnCommit,
     messages: &[EncodedMessage],
     cache: Option<&mut WriteCache>,
+    webhook_urls: &[String],
 ) -> Result<TurnCommitted> {
     let session = require_session(conn, &turn.session_id)?;
     let head = session.head_timeline_id.as_str();
@@ -481,6 +483,21 @@ pub(crate) fn commit_turn_tx(
     let seqs = append_tx(conn, &session.id, head, last, messages, turn.now_ms)?;
     let last = seqs.last().copied().unwrap_or(last);
     answer_inputs_tx(conn, head, &turn.answers)?;
+    if !turn.answers.is_empty() {
+        crate::webhooks::deliveries_tx(
+            conn,
+            &crate::webhooks::CommittedTurn {
+                session: &session.id,
+                timeline: head,
+                answers: &turn.answers,
+                turn_id: turn.calls.as_ref().map(|calls| calls.turn_id),
+                messages: &turn.messages,
+                last_seq: seqs.last().copied(),
+                now_ms: turn.now_ms,
+            },
+            webhook_urls,
+        )?;
+    }
     if let Some(calls) = &turn.calls {
         crate::calls::insert_calls_tx(
             conn,
@@ -580,6 +597,17 @@ fn open_turn_tx(
         messages,
         turn.now_ms,
     )?;
+    if let Some(queued) = &turn.queued {
+        // The subscription follows the turn's user message (the input it answers).
+        let input = turn
+            .messages
+            .iter()
+            .position(|m| m.message.role == keel_core::Role::User)
+            .and_then(|i| seqs.get(i));
+        if let Some(seq) = input {
+            crate::webhooks::bind_tx(conn, queued, &head.timeline, *seq)?;
+        }
+    }
     bump_activity(conn, session, turn.now_ms, visible_user_inputs)?;
     let last_seq = seqs.last().copied().unwrap_or(head.last_seq);
     cache.stage(
@@ -692,15 +720,20 @@ impl Store {
     /// Commits a turn (messages + state + optional checkpoint + counters) in one transaction.
     pub async fn commit_turn(&self, turn: TurnCommit) -> Result<TurnCommitted> {
         let encoded = encode(self.path(), &turn.messages)?;
+        let global = self.webhook_urls();
+        let answers = !turn.answers.is_empty();
         let committed = self
             .db
             .write_cached(move |c, cache| {
-                let committed = commit_turn_tx(c, &turn, &encoded, Some(cache))?;
+                let committed = commit_turn_tx(c, &turn, &encoded, Some(cache), &global)?;
                 failpoint!("store::commit_turn::before_commit");
                 Ok(committed)
             })
             .await?;
         failpoint!("store::commit_turn::after_commit");
+        if answers {
+            self.wake_webhooks();
+        }
         Ok(committed)
     }
 

@@ -215,6 +215,7 @@ fn remove_session_row(conn: &Connection, id: &str) -> Result<(bool, u64)> {
              OR EXISTS (SELECT 1 FROM checkpoints WHERE session_id = ?1) \
              OR EXISTS (SELECT 1 FROM agent_runs WHERE root_session_id = ?1) \
              OR EXISTS (SELECT 1 FROM queued_inputs WHERE session_id = ?1) \
+             OR EXISTS (SELECT 1 FROM webhook_subscriptions WHERE session_id = ?1) \
              OR EXISTS (SELECT 1 FROM tool_approvals WHERE session_id = ?1)",
         [id],
         |r| r.get(0),
@@ -267,6 +268,10 @@ impl Store {
             .write(move |c| {
                 require_deleted(c, &key)?;
                 c.execute("DELETE FROM queued_inputs WHERE session_id = ?1", [&key])?;
+                c.execute(
+                    "DELETE FROM webhook_subscriptions WHERE session_id = ?1",
+                    [&key],
+                )?;
                 c.execute(
                     "DELETE FROM tool_approval_grants WHERE session_id = ?1",
                     [&key],

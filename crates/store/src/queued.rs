@@ -25,6 +25,8 @@ pub struct QueuedInput {
     pub message: Message,
     /// When it was acknowledged (ms).
     pub queued_at_ms: i64,
+    /// The URL its turn's commit is delivered to (committed with the input).
+    pub webhook: Option<String>,
 }
 
 /// Removes the queued input of `turn_id` as its turn opens; an input that is
@@ -64,6 +66,15 @@ impl Store {
                     message,
                     input.queued_at_ms
                 ])?;
+                if let Some(url) = &input.webhook {
+                    crate::webhooks::subscribe_tx(
+                        c,
+                        &input.turn_id,
+                        &input.session_id,
+                        url,
+                        input.queued_at_ms,
+                    )?;
+                }
                 Ok(())
             })
             .await
@@ -74,6 +85,7 @@ impl Store {
     pub async fn discard_queued_input(&self, turn_id: TurnId) -> Result<bool> {
         self.db
             .write(move |c| {
+                crate::webhooks::unsubscribe_tx(c, &turn_id)?;
                 Ok(c.execute(
                     "DELETE FROM queued_inputs WHERE turn_id = ?1",
                     [turn_id.to_string()],
@@ -88,8 +100,9 @@ impl Store {
         self.db
             .read(|c| {
                 let mut stmt = c.prepare_cached(
-                    "SELECT q.session_id, q.turn_id, q.message, q.queued_at \
+                    "SELECT q.session_id, q.turn_id, q.message, q.queued_at, w.url \
                      FROM queued_inputs q JOIN sessions s ON s.id = q.session_id \
+                     LEFT JOIN webhook_subscriptions w ON w.turn_id = q.turn_id \
                      WHERE s.deleted_at IS NULL ORDER BY q.seq",
                 )?;
                 let mut rows = stmt.query([])?;
@@ -102,6 +115,7 @@ impl Store {
                         message: serde_json::from_str(&message)
                             .map_err(|e| StoreError::corrupt("queued_inputs.message", e))?,
                         queued_at_ms: r.get(3)?,
+                        webhook: r.get(4)?,
                     });
                 }
                 Ok(out)

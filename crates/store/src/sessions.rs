@@ -358,7 +358,7 @@ impl Store {
         self.db
             .write(move |c| {
                 insert_session_tx(c, &session, None, None)?;
-                let committed = commit_turn_tx(c, &turn, &encoded, None)?;
+                let committed = commit_turn_tx(c, &turn, &encoded, None, &[])?;
                 crate::runs::import_runs_tx(c, &session, &runs)?;
                 Ok(committed)
             })
@@ -482,6 +482,10 @@ impl Store {
                 )?;
                 c.execute(
                     "DELETE FROM queued_inputs WHERE session_id = ?1",
+                    [id.to_string()],
+                )?;
+                c.execute(
+                    "DELETE FROM webhook_subscriptions WHERE session_id = ?1",
                     [id.to_string()],
                 )?;
                 Ok(n == 1)

@@ -36,6 +36,8 @@ mod serve;
 mod slowloris;
 #[cfg(unix)]
 mod telemetry;
+#[cfg(unix)]
+mod webhooks;
 
 /// A command running the `keel` binary.
 ///

@@ -228,6 +228,18 @@ impl SessionManager {
     /// session's worker after the turns queued before it. Fails with
     /// [`EngineError::SessionBusy`] when the session's queue is full.
     pub async fn send(self: &Arc<Self>, session: SessionId, input: Message) -> Result<TurnTicket> {
+        self.send_with_webhook(session, input, None).await
+    }
+
+    /// [`Self::send`] whose input is committed with a webhook subscription:
+    /// the commit that answers it creates a delivery to `webhook` in the
+    /// store's outbox (the engine never calls it).
+    pub async fn send_with_webhook(
+        self: &Arc<Self>,
+        session: SessionId,
+        input: Message,
+        webhook: Option<String>,
+    ) -> Result<TurnTicket> {
         if input.role != keel_core::Role::User {
             return Err(EngineError::InvalidInput(
                 "a turn's input is a user message".into(),
@@ -249,6 +261,7 @@ impl SessionManager {
                 turn_id,
                 message: input.clone(),
                 queued_at_ms: keel_core::time::now_ms(),
+                webhook,
             })
             .await?;
         let cancel = CancellationToken::new();

@@ -363,6 +363,7 @@ async fn inputs_a_dead_process_acknowledged_run_in_order_on_resume() {
                 turn_id,
                 message: Message::user(text),
                 queued_at_ms: 1,
+                webhook: None,
             })
             .await
             .unwrap();

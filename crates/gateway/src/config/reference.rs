@@ -139,6 +139,10 @@ body_timeout_secs = 60
 idle_timeout_secs = 60
 stream_replay_secs = 300
 stream_replay_bytes = 1048576
+webhook_urls = []
+webhook_secret_env = "KEEL_WEBHOOK_SECRET"
+webhook_max_attempts = 8
+webhook_retry_base_ms = 1000
 
 # An MCP server keel starts as a child process and talks to over stdio.
 [mcp.files]
@@ -757,6 +761,35 @@ pub fn reference() -> Vec<KeyDoc> {
         format!(
             "Bytes (about) of turn frames kept per dialog, 4096..={MAX_STREAM_REPLAY_BYTES}; the \
              oldest go first."
+        ),
+    );
+    code(
+        &mut rows,
+        "server.webhook_urls",
+        format!(
+            "http(s) URLs (at most {MAX_WEBHOOK_URLS}) every committed turn that answers a message is POSTed to, signed (see PROTOCOL.md, Webhooks), besides the `webhook` a send names. Delivered at least once from the store's outbox."
+        ),
+    );
+    code(
+        &mut rows,
+        "server.webhook_secret_env",
+        "Environment variable holding the webhook signing secret (`whsec_` + base64, or any \
+         text, used as bytes). `keel serve` refuses to start with `webhook_urls` set and it \
+         unset; a send naming a `webhook` is refused (400) while it is unset."
+            .to_owned(),
+    );
+    code(
+        &mut rows,
+        "server.webhook_max_attempts",
+        format!(
+            "Attempts at a webhook delivery, 1..={MAX_WEBHOOK_MAX_ATTEMPTS}, before it is dead-lettered (`status: dead` in `/api/webhooks/deliveries`)."
+        ),
+    );
+    code(
+        &mut rows,
+        "server.webhook_retry_base_ms",
+        format!(
+            "Milliseconds before a failed delivery's first retry, 1..={MAX_WEBHOOK_RETRY_BASE_MS}; each further retry waits twice as long (at most 1 h)."
         ),
     );
     mcp_rows(&mut rows);

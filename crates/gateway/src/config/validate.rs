@@ -386,7 +386,10 @@ fn keel_secrets(config: &Config) -> BTreeSet<&str> {
                 .into_iter()
                 .filter_map(|kind| -> Option<&str> { kind.default_api_key_env() }),
         )
-        .chain([config.server.token_env.as_str()])
+        .chain([
+            config.server.token_env.as_str(),
+            config.server.webhook_secret_env.as_str(),
+        ])
         .collect()
 }
 
@@ -605,4 +608,28 @@ fn server(s: &ServerConfig, out: &mut Problems) {
         4096,
         MAX_STREAM_REPLAY_BYTES,
     );
+    out.env_name("server.webhook_secret_env", &s.webhook_secret_env);
+    out.range(
+        "server.webhook_max_attempts",
+        s.webhook_max_attempts,
+        1,
+        MAX_WEBHOOK_MAX_ATTEMPTS,
+    );
+    out.range(
+        "server.webhook_retry_base_ms",
+        s.webhook_retry_base_ms,
+        1,
+        MAX_WEBHOOK_RETRY_BASE_MS,
+    );
+    if s.webhook_urls.len() > MAX_WEBHOOK_URLS {
+        out.push(
+            "server.webhook_urls",
+            format!("at most {MAX_WEBHOOK_URLS} URLs"),
+        );
+    }
+    for url in &s.webhook_urls {
+        if let Err(e) = crate::serve::webhooks::parse_url(url) {
+            out.push("server.webhook_urls", format!("{url:?}: {e}"));
+        }
+    }
 }

@@ -504,6 +504,11 @@ pub struct SendMessage {
     /// What to do when a turn of the dialog is running (default `enqueue`).
     #[serde(default)]
     pub if_busy: IfBusy,
+    /// An http(s) URL the turn's final state is POSTed to, signed, once it
+    /// commits (see PROTOCOL.md, Webhooks). Not with `if_busy: steer`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(max_length = 2048)]
+    pub webhook: Option<String>,
 }
 
 /// Text for the dialog's running turn.

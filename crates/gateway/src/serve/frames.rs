@@ -55,6 +55,11 @@ pub enum ClientFrame {
         /// What to do when a turn of the dialog is running (default `enqueue`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         if_busy: Option<IfBusy>,
+        /// An http(s) URL the turn's final state is POSTed to, signed, once it
+        /// commits (see PROTOCOL.md, Webhooks). Not with `if_busy: steer`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        #[schema(max_length = 2048)]
+        webhook: Option<String>,
     },
     /// Cancel the dialog's running turn.
     Stop {

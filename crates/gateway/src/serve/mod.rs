@@ -37,6 +37,7 @@ mod sse;
 pub mod trace;
 mod turns;
 pub mod web;
+pub mod webhooks;
 mod ws;
 
 use std::net::SocketAddr;
@@ -114,6 +115,8 @@ pub struct ServeOptions {
     /// How long and how much of each dialog's turn frames are kept for
     /// clients that reconnect.
     pub replay: ReplayLimits,
+    /// Where and how committed turns are delivered as webhooks.
+    pub webhooks: webhooks::WebhookOptions,
 }
 
 impl ServeOptions {
@@ -144,7 +147,27 @@ impl ServeOptions {
                 ),
             ));
         }
+        let secret = env(&server.webhook_secret_env).filter(|s| !s.is_empty());
+        if secret.is_none() && !server.webhook_urls.is_empty() {
+            return Err(ConfigError::single(
+                config.source_label(),
+                "server.webhook_urls",
+                format!(
+                    "webhooks are configured but the environment variable {} \
+                     (server.webhook_secret_env) that signs them is unset: set it to a secret \
+                     the receivers share",
+                    server.webhook_secret_env
+                ),
+            ));
+        }
         Ok(Self {
+            webhooks: webhooks::WebhookOptions {
+                urls: server.webhook_urls.clone(),
+                secret: secret.as_deref().map(webhooks::secret_key),
+                secret_env: server.webhook_secret_env.clone(),
+                max_attempts: server.webhook_max_attempts,
+                retry_base: Duration::from_millis(server.webhook_retry_base_ms),
+            },
             bind: addr,
             token,
             allowed_origins: server.allowed_origins.clone(),
@@ -185,6 +208,10 @@ pub(crate) struct Shared {
     sockets: TaskTracker,
     /// How long a WebSocket may send nothing, not even a pong, before it is closed.
     socket_idle: std::time::Duration,
+    /// The webhook settings (a send's `webhook` is checked against them).
+    webhooks: webhooks::WebhookOptions,
+    /// The address the server listens on (no webhook may aim at it).
+    addr: SocketAddr,
 }
 
 impl Shared {
@@ -255,6 +282,10 @@ pub struct Server {
     grace: Duration,
     stop_accepting: CancellationToken,
     task: JoinHandle<()>,
+    /// Stops the webhook worker (after the turns drained, so their
+    /// deliveries are attempted; what is left is sent by the next start).
+    webhooks_stop: CancellationToken,
+    webhook_task: Option<JoinHandle<()>>,
 }
 
 impl Server {
@@ -292,7 +323,18 @@ impl Server {
             closing: CancellationToken::new(),
             sockets: TaskTracker::new(),
             socket_idle: options.connections.idle_timeout,
+            webhooks: options.webhooks.clone(),
+            addr,
         });
+        // Committed turns are delivered to the server-wide URLs; rows an
+        // earlier process left are picked up at once.
+        shared
+            .app
+            .store
+            .set_webhook_urls(options.webhooks.urls.clone());
+        let webhooks_stop = CancellationToken::new();
+        let webhook_task = webhooks::Worker::new(shared.app.store.clone(), options.webhooks)
+            .map(|worker| tokio::spawn(worker.run(webhooks_stop.clone())));
         let stop_accepting = CancellationToken::new();
         let task = tokio::spawn(connections::serve(
             listener,
@@ -314,6 +356,8 @@ impl Server {
             grace: options.shutdown_grace,
             stop_accepting,
             task,
+            webhooks_stop,
+            webhook_task,
         })
     }
 
@@ -344,6 +388,12 @@ impl Server {
         self.shared.sockets.wait().await;
         if let Err(e) = self.task.await {
             tracing::warn!(error = %e, "the server task failed");
+        }
+        self.webhooks_stop.cancel();
+        if let Some(task) = self.webhook_task {
+            if let Err(e) = task.await {
+                tracing::warn!(error = %e, "the webhook worker failed");
+            }
         }
         self.shared.app.manager.shutdown();
         if let Some(coordinator) = &self.shared.app.coordinator {

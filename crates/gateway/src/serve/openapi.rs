@@ -12,7 +12,7 @@ use utoipa::{IntoResponses, Modify, OpenApi};
 use super::api;
 use super::frames;
 use super::problem::{Problem, PROBLEM_JSON};
-use super::routes::{approvals, dialogs, exports, mcp_servers, runs, system};
+use super::routes::{approvals, dialogs, exports, mcp_servers, runs, system, webhooks};
 use super::sse;
 
 /// The error answers every route documents (each a problem body).
@@ -86,7 +86,7 @@ impl Modify for BearerAuth {
         dialogs::checkpoints, dialogs::rollback, dialogs::fork, exports::export, exports::import,
         runs::list, runs::get_one, runs::events, runs::dialog_events, runs::dialog_inbox,
         runs::cancel, runs::trace, runs::turn_trace, approvals::list, approvals::decide,
-        mcp_servers::list,
+        mcp_servers::list, webhooks::list,
     ),
     components(schemas(Problem, frames::ClientFrame, frames::ServerFrame, api::Order)),
     modifiers(&BearerAuth),
@@ -96,6 +96,7 @@ impl Modify for BearerAuth {
         (name = "checkpoints", description = "Checkpoints, rollback and fork"),
         (name = "agent-runs", description = "Sub-agent runs and their events"),
         (name = "system", description = "Health, readiness, the contract, catalog reload"),
+        (name = "webhooks", description = "The outbox of signed webhook deliveries"),
     )
 )]
 struct ApiDoc;

@@ -136,11 +136,17 @@ pub(crate) async fn send_streamed(
     session: SessionId,
     text: String,
     if_busy: IfBusy,
+    webhook: Option<String>,
 ) -> ApiResult<Response> {
     // Subscribed before the turn starts, so its first frame is not missed.
     // A steer streams the rest of the turn it went into.
     let receiver = shared.hub.subscribe(session);
-    let turn = shared.turns.send(session, text, if_busy).await?.0.as_uuid();
+    let turn = shared
+        .turns
+        .send(session, text, if_busy, webhook)
+        .await?
+        .0
+        .as_uuid();
     let follow = Follow {
         shared,
         session,

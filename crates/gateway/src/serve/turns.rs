@@ -333,6 +333,7 @@ impl TurnRunner {
         session: SessionId,
         text: String,
         if_busy: IfBusy,
+        webhook: Option<String>,
     ) -> ApiResult<(TurnId, bool)> {
         if self.is_draining() {
             return Err(ApiError::Unavailable(
@@ -355,15 +356,22 @@ impl TurnRunner {
                 }
             }
         }
-        self.start(session, text).await.map(|turn| (turn, false))
+        self.start(session, text, webhook)
+            .await
+            .map(|turn| (turn, false))
     }
 
     /// Starts the task that sends a user turn and follows it.
-    async fn start(self: &Arc<Self>, session: SessionId, text: String) -> ApiResult<TurnId> {
+    async fn start(
+        self: &Arc<Self>,
+        session: SessionId,
+        text: String,
+        webhook: Option<String>,
+    ) -> ApiResult<TurnId> {
         let (started_tx, started_rx) = oneshot::channel();
         let me = self.clone();
         self.tracker
-            .spawn(async move { me.run(session, text, started_tx).await });
+            .spawn(async move { me.run(session, text, webhook, started_tx).await });
         match started_rx.await {
             Ok(result) => result.map_err(ApiError::from),
             Err(_) => Err(ApiError::internal(&"the turn task ended before starting")),
@@ -374,6 +382,7 @@ impl TurnRunner {
         self: Arc<Self>,
         session: SessionId,
         text: String,
+        webhook: Option<String>,
         started: oneshot::Sender<Result<TurnId, EngineError>>,
     ) {
         // The turn runs on the session's worker; its events come from the
@@ -385,7 +394,9 @@ impl TurnRunner {
                 return;
             }
         };
-        let send = self.manager.send(session, Message::user(text));
+        let send = self
+            .manager
+            .send_with_webhook(session, Message::user(text), webhook);
         let ticket = tokio::select! {
             ticket = send => match ticket {
                 Ok(t) => t,

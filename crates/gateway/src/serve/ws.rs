@@ -281,14 +281,16 @@ impl Connection {
                 session_id,
                 text,
                 if_busy,
+                webhook,
             } => {
                 let session = shared.dialog_by_id(session_id.into()).await?.id;
                 let text = checked_text(text)?;
+                let if_busy = if_busy.unwrap_or_default();
+                let webhook = shared.checked_webhook(webhook, if_busy)?;
                 if !self.subscriptions.lock().contains_key(&session) {
                     self.subscribe(None, session, None, Resume::Live).await?;
                 }
-                let if_busy = if_busy.unwrap_or_default();
-                let (turn, steered) = shared.turns.send(session, text, if_busy).await?;
+                let (turn, steered) = shared.turns.send(session, text, if_busy, webhook).await?;
                 Ok(vec![ServerFrame::TurnAccepted {
                     id,
                     session_id,

@@ -331,6 +331,14 @@ pub(super) fn terminal_tx(
         )));
     }
     super::end_run_approvals_tx(conn, &run.spec.id, revision, now_ms)?;
+    crate::webhooks::run_deliveries_tx(
+        conn,
+        run,
+        status.as_str(),
+        result.as_deref(),
+        error.as_deref(),
+        now_ms,
+    )?;
     let ok = status == RunStatus::Completed;
     let mut event_id = None;
     if run.completion_slot_reserved {
@@ -625,6 +633,10 @@ impl Store {
             })
             .await?;
         failpoint!("store::commit_terminal::after_commit");
+        if commit.won {
+            // A background run of a hooked turn has a delivery now.
+            self.wake_webhooks();
+        }
         Ok(commit)
     }
 
@@ -635,8 +647,12 @@ impl Store {
         reason: String,
         now_ms: i64,
     ) -> Result<CancelReport> {
-        self.db
+        let report = self
+            .db
             .write(move |c| cancel_session_tx(c, &root_session_id, &reason, now_ms))
-            .await
+            .await?;
+        // Cancelled background runs of a hooked turn have deliveries now.
+        self.wake_webhooks();
+        Ok(report)
     }
 }

@@ -313,6 +313,7 @@ async fn queued_inputs_of_gone_dialogs_or_started_turns_are_found() {
         turn_id: keel_core::TurnId::new(),
         message: Message::user(text),
         queued_at_ms: 60,
+        webhook: None,
     };
     let waiting = queue(session, "later");
     let ran = queue(session, "ran already");

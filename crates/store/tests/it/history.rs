@@ -744,6 +744,7 @@ async fn a_queued_input_enters_the_history_when_its_turn_opens_and_only_then() {
         turn_id: keel_core::TurnId::new(),
         message: Message::user(text),
         queued_at_ms: 5,
+        webhook: None,
     };
     let first = queued(s.id, "sent while a turn ran");
     let second = queued(s.id, "and another");

@@ -18,5 +18,6 @@ mod sessions;
 mod spend;
 mod stored_enums;
 mod timelines;
+mod webhooks;
 mod write_cache;
 mod writer;

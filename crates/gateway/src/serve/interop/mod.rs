@@ -582,7 +582,7 @@ impl Conversations {
         let mut keeper = shared.hub.subscribe(dialog);
         let turn = shared
             .turns
-            .send(dialog, input, crate::serve::api::IfBusy::Enqueue)
+            .send(dialog, input, crate::serve::api::IfBusy::Enqueue, None)
             .await?
             .0
             .as_uuid();

@@ -5,7 +5,8 @@
 //! - `exports`: a dialog's export and import as portable JSON;
 //! - `runs`: sub-agent runs and their events;
 //! - `system`: health, readiness, the OpenAPI document, catalog reload;
-//! - `mcp_servers`: the MCP servers keel is a client of.
+//! - `mcp_servers`: the MCP servers keel is a client of;
+//! - `webhooks`: the webhook outbox, and the check of a send's `webhook`.
 //!
 //! The web page (`/` and `/assets/…`, see `web`) is outside `/api` and
 //! needs no token: it asks the user for one when the API answers 401.
@@ -16,6 +17,7 @@ pub(crate) mod exports;
 pub(crate) mod mcp_servers;
 pub(crate) mod runs;
 pub(crate) mod system;
+pub(crate) mod webhooks;
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -80,6 +82,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/agent-runs/{id}/cancel", post(runs::cancel))
         .route("/agent-runs/{id}/trace", get(runs::trace))
         .route("/dialogs/{id}/turns/{turn_id}/trace", get(runs::turn_trace))
+        .route("/webhooks/deliveries", get(webhooks::list))
         .route("/ws", get(super::ws::upgrade))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)

@@ -38,6 +38,7 @@ async fn a_gated_call_is_announced_listed_and_decided_once() {
         session_id: uuid(&id),
         text: "write a note".into(),
         if_busy: None,
+        webhook: None,
     })
     .await;
     let frames = ws

@@ -140,6 +140,7 @@ async fn the_websocket_send_frame_carries_the_busy_policy() {
         session_id: id,
         text: text.to_owned(),
         if_busy,
+        webhook: None,
     };
     ws.send(&send("one", None)).await;
     let frames = ws

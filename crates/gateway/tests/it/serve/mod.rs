@@ -12,6 +12,7 @@ mod resume;
 mod shutdown;
 mod stop;
 mod web;
+mod webhooks;
 mod ws;
 
 use std::path::Path;
@@ -39,6 +40,8 @@ pub struct Setup {
     pub config: String,
     /// Agent definitions copied from the demo.
     pub agents: bool,
+    /// The webhook signing secret (`KEEL_WEBHOOK_SECRET`).
+    pub webhook_secret: Option<&'static str>,
 }
 
 impl Default for Setup {
@@ -50,6 +53,7 @@ impl Default for Setup {
             grace: Duration::from_secs(30),
             config: String::new(),
             agents: false,
+            webhook_secret: None,
         }
     }
 }
@@ -94,13 +98,16 @@ impl TestServer {
                 .unwrap();
         // `[server]` of the config as `keel serve` reads it, on an ephemeral port.
         let token = setup.token;
+        let secret = setup.webhook_secret;
+        let env = |name: &str| match name {
+            "KEEL_WEBHOOK_SECRET" => secret.map(str::to_owned),
+            _ => token.map(str::to_owned),
+        };
         let options = ServeOptions {
             shutdown_grace: setup.grace,
             limits: setup.limits,
-            ..ServeOptions::from_config(&app.config, Some("127.0.0.1:0".parse().unwrap()), &|_| {
-                token.map(str::to_owned)
-            })
-            .unwrap()
+            ..ServeOptions::from_config(&app.config, Some("127.0.0.1:0".parse().unwrap()), &env)
+                .unwrap()
         };
         let store = app.store.clone();
         let server = Server::start(app, options).await.unwrap();

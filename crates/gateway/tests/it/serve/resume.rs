@@ -286,6 +286,7 @@ async fn a_websocket_client_cut_off_at_any_frame_resumes_with_exactly_the_commit
             session_id,
             text: "stream".into(),
             if_busy: None,
+            webhook: None,
         })
         .await;
         let (mut text, mut last, mut turn, mut deltas) = (String::new(), 0, None, 0);

@@ -31,6 +31,7 @@ async fn turn_in_flight(grace: Duration) -> (TestServer, Arc<Semaphore>, Session
         session_id: id.as_uuid(),
         text: "work".into(),
         if_busy: None,
+        webhook: None,
     })
     .await;
     ws.until(|f| matches!(f, ServerFrame::TextDelta { .. }))
@@ -101,6 +102,7 @@ async fn a_turn_running_at_shutdown_finishes_and_commits_within_the_grace_period
         session_id: id.as_uuid(),
         text: "more".into(),
         if_busy: None,
+        webhook: None,
     })
     .await;
     let refused = ws.until(|f| matches!(f, ServerFrame::Error { .. })).await;

@@ -25,6 +25,7 @@ async fn start_turn(ws: &mut Ws, session_id: Uuid) {
         session_id,
         text: "work".into(),
         if_busy: None,
+        webhook: None,
     })
     .await;
     ws.until(|f| matches!(f, ServerFrame::TextDelta { .. }))
@@ -248,6 +249,7 @@ async fn a_run_is_listed_read_and_cancelled() {
         session_id: id,
         text: "file today's decisions".into(),
         if_busy: None,
+        webhook: None,
     })
     .await;
     let status = |f: &ServerFrame| match f {

@@ -69,6 +69,7 @@ async fn two_clients_on_one_dialog_see_the_same_turn() {
         session_id: id,
         text: "hello".into(),
         if_busy: None,
+        webhook: None,
     })
     .await;
     let seen_a = a.until(ServerFrame::ends_turn).await;
@@ -161,6 +162,7 @@ async fn agent_updates_carry_increasing_revisions_and_replay_on_reconnect() {
                     session_id: id,
                     text: text.into(),
                     if_busy: None,
+                    webhook: None,
                 })
                 .await;
             }
@@ -397,6 +399,7 @@ async fn a_dialog_change_is_published_and_its_usage_counts_committed_turns() {
         session_id: uuid(&id),
         text: "hi".into(),
         if_busy: None,
+        webhook: None,
     })
     .await;
     let frames = ws
@@ -455,6 +458,7 @@ async fn steer_reaches_the_running_turn_and_says_when_none_runs() {
         session_id: id,
         text: "work".into(),
         if_busy: None,
+        webhook: None,
     })
     .await;
     let frames = ws
@@ -541,6 +545,7 @@ async fn a_subscriber_sees_the_continuation_that_answers_a_background_result() {
         session_id: id,
         text: "file it in the background".into(),
         if_busy: None,
+        webhook: None,
     })
     .await;
     let frames = ws
@@ -595,6 +600,7 @@ async fn a_stopped_turn_keeps_the_message_listed_as_unanswered() {
         session_id: id,
         text: "work".into(),
         if_busy: None,
+        webhook: None,
     })
     .await;
     ws.until(|f| matches!(f, ServerFrame::TextDelta { .. }))
@@ -662,6 +668,7 @@ async fn a_turn_past_its_deadline_fails_timed_out_and_the_queued_turn_runs() {
             session_id: id,
             text: text.into(),
             if_busy: None,
+            webhook: None,
         })
         .await;
     }
@@ -726,6 +733,7 @@ async fn a_watching_client_sees_turns_resumed_after_a_restart_exactly_once() {
                 turn_id,
                 message: keel_core::Message::user(text),
                 queued_at_ms: 1,
+                webhook: None,
             })
             .await
             .unwrap();
@@ -770,6 +778,7 @@ async fn a_watching_client_sees_turns_resumed_after_a_restart_exactly_once() {
         session_id: id,
         text: "three".into(),
         if_busy: None,
+        webhook: None,
     })
     .await;
     while commits(&frames) < 3 {
@@ -844,6 +853,7 @@ async fn a_turn_past_the_dialog_budget_fails_budget_exhausted_and_usage_shows_th
         session_id: uuid(&id),
         text: text.into(),
         if_busy: None,
+        webhook: None,
     };
     ws.send(&send("one")).await;
     ws.until(|f| matches!(f, ServerFrame::TurnCommitted { .. }))

@@ -1,0 +1,509 @@
+//! The webhook outbox: subscriptions a send names (committed with its
+//! queued input, bound to the input's seq when its turn opens) and the
+//! deliveries the commit answering that input creates in its own
+//! transaction — one per subscription and one per server-wide URL
+//! ([`Store::set_webhook_urls`]). The gateway's worker POSTs due rows
+//! ([`Store::due_webhook_deliveries`]) and records each attempt
+//! ([`Store::record_webhook_attempt`]); a row's `id` is stable, so a
+//! receiver deduplicates redeliveries by it.
+
+use keel_core::{Message, Role, SessionId, TurnId};
+use rusqlite::{params, Connection, OptionalExtension};
+use serde::Serialize;
+
+use crate::error::{Result, StoreError};
+use crate::Store;
+
+/// The server-wide webhook URLs and the wake-up of the delivery worker.
+#[derive(Debug, Default)]
+pub(crate) struct Hooks {
+    urls: parking_lot::RwLock<Vec<String>>,
+    committed: tokio::sync::Notify,
+}
+
+/// Where a delivery stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeliveryStatus {
+    /// Not delivered yet; another attempt is due at `next_attempt_at_ms`.
+    Pending,
+    /// A 2xx answered an attempt.
+    Delivered,
+    /// Every attempt failed; no more are made.
+    Dead,
+}
+
+impl DeliveryStatus {
+    /// The stored word.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Delivered => "delivered",
+            Self::Dead => "dead",
+        }
+    }
+
+    fn parse(s: &str) -> Result<Self> {
+        Ok(match s {
+            "pending" => Self::Pending,
+            "delivered" => Self::Delivered,
+            "dead" => Self::Dead,
+            other => return Err(StoreError::corrupt("webhook_deliveries.status", other)),
+        })
+    }
+}
+
+/// One row of the outbox.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WebhookDelivery {
+    /// Order of creation (the list cursor).
+    pub seq: i64,
+    /// The delivery id (`webhook-id`), stable across attempts.
+    pub id: String,
+    /// Where it is POSTed.
+    pub url: String,
+    /// The event (`turn.completed`, `run.completed`).
+    pub event: String,
+    /// The dialog.
+    pub session_id: SessionId,
+    /// The turn (of a turn event, or the one that started the run).
+    pub turn_id: Option<TurnId>,
+    /// The run, for a run event.
+    pub run_id: Option<keel_core::RunId>,
+    /// The JSON body, rendered once.
+    pub body: String,
+    /// Where it stands.
+    pub status: DeliveryStatus,
+    /// Attempts made.
+    pub attempts: u32,
+    /// When the next attempt is due (ms), while pending.
+    pub next_attempt_at_ms: Option<i64>,
+    /// Why the last attempt failed.
+    pub last_error: Option<String>,
+    /// When it was created (ms).
+    pub created_at_ms: i64,
+    /// When a 2xx answered (ms).
+    pub delivered_at_ms: Option<i64>,
+}
+
+/// The body of a `turn.completed` delivery.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TurnCompletedBody {
+    /// Always `turn.completed`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// When the turn committed (ms since the epoch).
+    pub timestamp_ms: i64,
+    /// The turn's final state.
+    pub data: TurnCompletedData,
+}
+
+/// What a `turn.completed` body says of the turn.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TurnCompletedData {
+    /// The dialog.
+    pub dialog_id: String,
+    /// The turn (null when the commit named none).
+    pub turn_id: Option<String>,
+    /// Always `committed`.
+    pub status: &'static str,
+    /// The seq of the answer's last message in the dialog's history.
+    pub last_seq: Option<i64>,
+    /// The answer's text (its last assistant message).
+    pub answer: String,
+}
+
+/// The outcome of one attempt ([`Store::record_webhook_attempt`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AttemptOutcome {
+    /// A 2xx answered.
+    Delivered,
+    /// It failed; retry at `retry_at_ms`, or dead-letter when `attempts`
+    /// reaches `max_attempts`.
+    Failed {
+        /// Why (kept as `last_error`).
+        error: String,
+        /// When the next attempt is due (ms).
+        retry_at_ms: i64,
+        /// Attempts after which the row is dead.
+        max_attempts: u32,
+    },
+}
+
+const COLUMNS: &str = "seq, id, url, event, session_id, turn_id, body, status, attempts, \
+                       next_attempt_at, last_error, created_at, delivered_at, run_id";
+
+fn delivery_from_row(r: &rusqlite::Row<'_>) -> Result<WebhookDelivery> {
+    let status: String = r.get(7)?;
+    let turn: Option<String> = r.get(5)?;
+    Ok(WebhookDelivery {
+        seq: r.get(0)?,
+        id: r.get(1)?,
+        url: r.get(2)?,
+        event: r.get(3)?,
+        session_id: crate::util::parse("webhook_deliveries.session_id", &r.get::<_, String>(4)?)?,
+        turn_id: crate::util::parse_opt("webhook_deliveries.turn_id", turn)?,
+        body: r.get(6)?,
+        status: DeliveryStatus::parse(&status)?,
+        attempts: u32::try_from(r.get::<_, i64>(8)?)
+            .map_err(|e| StoreError::corrupt("webhook_deliveries.attempts", e))?,
+        next_attempt_at_ms: r.get(9)?,
+        last_error: r.get(10)?,
+        created_at_ms: r.get(11)?,
+        delivered_at_ms: r.get(12)?,
+        run_id: crate::util::parse_opt("webhook_deliveries.run_id", r.get(13)?)?,
+    })
+}
+
+/// Commits the subscription of a queued input's turn.
+pub(crate) fn subscribe_tx(
+    conn: &Connection,
+    turn: &TurnId,
+    session: &SessionId,
+    url: &str,
+    now_ms: i64,
+) -> Result<()> {
+    conn.prepare_cached(
+        "INSERT INTO webhook_subscriptions (turn_id, session_id, url, created_at) \
+         VALUES (?1, ?2, ?3, ?4)",
+    )?
+    .execute(params![turn.to_string(), session.to_string(), url, now_ms])?;
+    Ok(())
+}
+
+/// Drops the subscription of a turn whose queued input was withdrawn.
+pub(crate) fn unsubscribe_tx(conn: &Connection, turn: &TurnId) -> Result<()> {
+    conn.prepare_cached("DELETE FROM webhook_subscriptions WHERE turn_id = ?1")?
+        .execute([turn.to_string()])?;
+    Ok(())
+}
+
+/// Binds a turn's subscription (if any) to its input's seq as the turn opens.
+pub(crate) fn bind_tx(conn: &Connection, turn: &TurnId, timeline: &str, seq: i64) -> Result<()> {
+    conn.prepare_cached(
+        "UPDATE webhook_subscriptions SET timeline_id = ?2, input_seq = ?3 \
+         WHERE turn_id = ?1 AND timeline_id IS NULL",
+    )?
+    .execute(params![turn.to_string(), timeline, seq])?;
+    Ok(())
+}
+
+/// What the commit of a turn tells [`deliveries_tx`].
+pub(crate) struct CommittedTurn<'a> {
+    pub session: &'a SessionId,
+    pub timeline: &'a str,
+    pub answers: &'a [i64],
+    pub turn_id: Option<TurnId>,
+    pub messages: &'a [crate::NewMessage],
+    pub last_seq: Option<i64>,
+    pub now_ms: i64,
+}
+
+/// Creates, in the commit's transaction, the deliveries of a committed
+/// turn: one per subscription of an input it answers (marked used: it now
+/// stands for the turn's background runs) and one per server-wide URL.
+/// Returns how many.
+pub(crate) fn deliveries_tx(
+    conn: &Connection,
+    turn: &CommittedTurn<'_>,
+    global: &[String],
+) -> Result<usize> {
+    let mut targets: Vec<(Option<TurnId>, String)> = Vec::new();
+    {
+        let mut find = conn.prepare_cached(
+            "UPDATE webhook_subscriptions SET used_at = ?3 \
+             WHERE timeline_id = ?1 AND input_seq = ?2 AND used_at IS NULL \
+             RETURNING turn_id, url",
+        )?;
+        for seq in turn.answers {
+            let found: Option<(String, String)> = find
+                .query_row(params![turn.timeline, seq, turn.now_ms], |r| {
+                    Ok((r.get(0)?, r.get(1)?))
+                })
+                .optional()?;
+            if let Some((id, url)) = found {
+                let id = crate::util::parse("webhook_subscriptions.turn_id", &id)?;
+                targets.push((Some(id), url));
+            }
+        }
+    }
+    let subscribed_turn = targets.first().and_then(|(t, _)| *t);
+    let turn_id = turn.turn_id.or(subscribed_turn);
+    if !turn.answers.is_empty() {
+        targets.extend(global.iter().map(|u| (turn_id, u.clone())));
+    }
+    if targets.is_empty() {
+        return Ok(0);
+    }
+    let answer = turn
+        .messages
+        .iter()
+        .rev()
+        .find(|m| m.message.role == Role::Assistant)
+        .map(|m| Message::text(&m.message))
+        .unwrap_or_default();
+    let mut insert = conn.prepare_cached(
+        "INSERT INTO webhook_deliveries (id, url, event, session_id, turn_id, body, status, \
+         next_attempt_at, created_at) VALUES (?1, ?2, 'turn.completed', ?3, ?4, ?5, 'pending', ?6, ?6)",
+    )?;
+    for (target_turn, url) in &targets {
+        let body = TurnCompletedBody {
+            kind: "turn.completed",
+            timestamp_ms: turn.now_ms,
+            data: TurnCompletedData {
+                dialog_id: turn.session.to_string(),
+                turn_id: target_turn.map(|t| t.to_string()),
+                status: "committed",
+                last_seq: turn.last_seq,
+                answer: answer.clone(),
+            },
+        };
+        let body = serde_json::to_string(&body)
+            .map_err(|e| StoreError::InvalidInput(format!("webhook body: {e}")))?;
+        insert.execute(params![
+            format!("msg_{}", uuid::Uuid::now_v7().simple()),
+            url,
+            turn.session.to_string(),
+            target_turn.map(|t| t.to_string()),
+            body,
+            turn.now_ms
+        ])?;
+    }
+    Ok(targets.len())
+}
+
+/// The body of a `run.completed` delivery.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunCompletedBody {
+    /// Always `run.completed`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// When the run ended (ms since the epoch).
+    pub timestamp_ms: i64,
+    /// The run's final state.
+    pub data: RunCompletedData,
+}
+
+/// What a `run.completed` body says of the run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunCompletedData {
+    /// The run.
+    pub run_id: String,
+    /// The agent that ran.
+    pub agent: String,
+    /// The dialog whose turn started it.
+    pub dialog_id: String,
+    /// The turn that started it (whose send named the webhook).
+    pub turn_id: String,
+    /// How it ended (`completed`, `failed`, `timed_out`, `cancelled`, …).
+    pub status: String,
+    /// Its result, when it completed.
+    pub result: Option<String>,
+    /// Why it did not complete.
+    pub error: Option<String>,
+}
+
+/// Creates, in a background run's terminal transaction, a delivery to the
+/// webhook the send of its root turn named (if any). Returns how many.
+pub(crate) fn run_deliveries_tx(
+    conn: &Connection,
+    run: &crate::RunRecord,
+    status: &str,
+    result: Option<&str>,
+    error: Option<&str>,
+    now_ms: i64,
+) -> Result<usize> {
+    if run.spec.mode != keel_core::ExecutionMode::Background {
+        return Ok(0);
+    }
+    let Some(turn) = run.spec.root_turn_id else {
+        return Ok(0);
+    };
+    let url: Option<String> = conn
+        .prepare_cached("SELECT url FROM webhook_subscriptions WHERE turn_id = ?1")?
+        .query_row([turn.to_string()], |r| r.get(0))
+        .optional()?;
+    let Some(url) = url else {
+        return Ok(0);
+    };
+    let body = RunCompletedBody {
+        kind: "run.completed",
+        timestamp_ms: now_ms,
+        data: RunCompletedData {
+            run_id: run.spec.id.to_string(),
+            agent: run.spec.agent_id.as_str().to_owned(),
+            dialog_id: run.spec.root_session_id.to_string(),
+            turn_id: turn.to_string(),
+            status: status.to_owned(),
+            result: result.map(str::to_owned),
+            error: error.map(str::to_owned),
+        },
+    };
+    let body = serde_json::to_string(&body)
+        .map_err(|e| StoreError::InvalidInput(format!("webhook body: {e}")))?;
+    conn.prepare_cached(
+        "INSERT INTO webhook_deliveries (id, url, event, session_id, turn_id, run_id, body, \
+         status, next_attempt_at, created_at) \
+         VALUES (?1, ?2, 'run.completed', ?3, ?4, ?5, ?6, 'pending', ?7, ?7)",
+    )?
+    .execute(params![
+        format!("msg_{}", uuid::Uuid::now_v7().simple()),
+        url,
+        run.spec.root_session_id.to_string(),
+        turn.to_string(),
+        run.spec.id.to_string(),
+        body,
+        now_ms
+    ])?;
+    Ok(1)
+}
+
+impl Store {
+    /// Sets the URLs every committed turn that answers input is delivered to.
+    pub fn set_webhook_urls(&self, urls: Vec<String>) {
+        *self.hooks.urls.write() = urls;
+    }
+
+    pub(crate) fn webhook_urls(&self) -> Vec<String> {
+        self.hooks.urls.read().clone()
+    }
+
+    /// Wakes [`Store::webhook_committed`]'s waiter (a delivery may have been committed).
+    pub(crate) fn wake_webhooks(&self) {
+        self.hooks.committed.notify_one();
+    }
+
+    /// Resolves once deliveries were committed since the last wait (a permit
+    /// is kept, so a commit between two waits is not missed).
+    pub async fn webhook_committed(&self) {
+        self.hooks.committed.notified().await;
+    }
+
+    /// Pending deliveries due at `now_ms`, oldest first, at most `limit`.
+    pub async fn due_webhook_deliveries(
+        &self,
+        now_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<WebhookDelivery>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.db
+            .read(move |c| {
+                let sql = format!(
+                    "SELECT {COLUMNS} FROM webhook_deliveries INDEXED BY idx_webhook_deliveries_due \
+                     WHERE status = 'pending' AND next_attempt_at <= ?1 \
+                     ORDER BY next_attempt_at, seq LIMIT ?2"
+                );
+                let mut stmt = c.prepare_cached(&sql)?;
+                let mut rows = stmt.query(params![now_ms, limit])?;
+                let mut out = Vec::new();
+                while let Some(r) = rows.next()? {
+                    out.push(delivery_from_row(r)?);
+                }
+                Ok(out)
+            })
+            .await
+    }
+
+    /// When the earliest pending delivery is due (ms), if any is pending.
+    pub async fn next_webhook_due(&self) -> Result<Option<i64>> {
+        self.db
+            .read(|c| {
+                Ok(c.query_row(
+                    "SELECT MIN(next_attempt_at) FROM webhook_deliveries WHERE status = 'pending'",
+                    [],
+                    |r| r.get(0),
+                )?)
+            })
+            .await
+    }
+
+    /// Records an attempt on the pending delivery `id`: delivered, retried
+    /// later, or dead once `max_attempts` were made. Returns the new status
+    /// (a row no longer pending is left as it is: `None`).
+    pub async fn record_webhook_attempt(
+        &self,
+        id: String,
+        outcome: AttemptOutcome,
+        now_ms: i64,
+    ) -> Result<Option<DeliveryStatus>> {
+        self.db
+            .write(move |c| {
+                let attempts: Option<i64> = c
+                    .query_row(
+                        "SELECT attempts FROM webhook_deliveries WHERE id = ?1 AND status = 'pending'",
+                        [&id],
+                        |r| r.get(0),
+                    )
+                    .optional()?;
+                let Some(attempts) = attempts else {
+                    return Ok(None);
+                };
+                let attempts = attempts + 1;
+                let status = match &outcome {
+                    AttemptOutcome::Delivered => {
+                        c.execute(
+                            "UPDATE webhook_deliveries SET status = 'delivered', attempts = ?2, \
+                             next_attempt_at = NULL, delivered_at = ?3 WHERE id = ?1",
+                            params![id, attempts, now_ms],
+                        )?;
+                        DeliveryStatus::Delivered
+                    }
+                    AttemptOutcome::Failed {
+                        error,
+                        retry_at_ms,
+                        max_attempts,
+                    } => {
+                        let dead = attempts >= i64::from(*max_attempts);
+                        c.execute(
+                            "UPDATE webhook_deliveries SET status = ?2, attempts = ?3, \
+                             next_attempt_at = ?4, last_error = ?5 WHERE id = ?1",
+                            params![
+                                id,
+                                if dead { "dead" } else { "pending" },
+                                attempts,
+                                if dead { None } else { Some(*retry_at_ms) },
+                                error
+                            ],
+                        )?;
+                        if dead {
+                            DeliveryStatus::Dead
+                        } else {
+                            DeliveryStatus::Pending
+                        }
+                    }
+                };
+                Ok(Some(status))
+            })
+            .await
+    }
+
+    /// Deliveries after `cursor` (a seq), oldest first, at most `limit`,
+    /// only those in `status` when given.
+    pub async fn list_webhook_deliveries(
+        &self,
+        status: Option<DeliveryStatus>,
+        cursor: Option<i64>,
+        limit: usize,
+    ) -> Result<Vec<WebhookDelivery>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.db
+            .read(move |c| {
+                let sql = format!(
+                    "SELECT {COLUMNS} FROM webhook_deliveries \
+                     WHERE seq > ?1 AND (?2 IS NULL OR status = ?2) ORDER BY seq LIMIT ?3"
+                );
+                let mut stmt = c.prepare_cached(&sql)?;
+                let mut rows = stmt.query(params![
+                    cursor.unwrap_or(0),
+                    status.map(DeliveryStatus::as_str),
+                    limit
+                ])?;
+                let mut out = Vec::new();
+                while let Some(r) = rows.next()? {
+                    out.push(delivery_from_row(r)?);
+                }
+                Ok(out)
+            })
+            .await
+    }
+}

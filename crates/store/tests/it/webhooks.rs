@@ -1,0 +1,324 @@
+//! The webhook outbox: a send's subscription commits with its queued
+//! input, the commit answering it creates the delivery in its own
+//! transaction (plus one per server-wide URL), and attempts move a row to
+//! delivered or, after the last one, dead.
+
+use keel_core::{Message, SessionId, TurnId};
+use keel_store::{
+    AttemptOutcome, DeliveryStatus, OpenTurn, QueuedInput, Store, StoreOptions, TurnCommit,
+};
+
+use crate::common::*;
+
+fn queued(session: SessionId, url: Option<&str>) -> QueuedInput {
+    QueuedInput {
+        session_id: session,
+        turn_id: TurnId::new(),
+        message: Message::user("hello"),
+        queued_at_ms: 10,
+        webhook: url.map(str::to_owned),
+    }
+}
+
+/// Opens the queued input's turn and commits its answer.
+async fn run_turn(store: &Store, q: &QueuedInput, answer: &str) -> Vec<i64> {
+    let seqs = store
+        .open_turn(OpenTurn {
+            session_id: q.session_id,
+            messages: vec![user("hello")],
+            expected_head: None,
+            queued: Some(q.turn_id),
+            now_ms: 20,
+        })
+        .await
+        .unwrap();
+    store
+        .commit_turn(TurnCommit {
+            calls: None,
+            session_id: q.session_id,
+            messages: vec![assistant(answer)],
+            state: b"{}".to_vec(),
+            checkpoint: None,
+            visible_user_inputs: 0,
+            answers: seqs.clone(),
+            expected_head: None,
+            now_ms: 30,
+        })
+        .await
+        .unwrap();
+    seqs
+}
+
+#[tokio::test]
+async fn the_commit_answering_a_subscribed_input_creates_its_delivery() {
+    let (_dir, store) = temp_store();
+    let s = store.create_session(new_session("w", 1)).await.unwrap();
+    let q = queued(s.id, Some("http://127.0.0.1:9/hook"));
+    store.queue_input(q.clone()).await.unwrap();
+    // The subscription rides with the queued input (a restart re-runs it).
+    assert_eq!(
+        store.queued_inputs().await.unwrap(),
+        std::slice::from_ref(&q)
+    );
+    assert!(store
+        .due_webhook_deliveries(i64::MAX, 10)
+        .await
+        .unwrap()
+        .is_empty());
+    let unhooked = queued(s.id, None);
+    store.queue_input(unhooked.clone()).await.unwrap();
+
+    run_turn(&store, &q, "the answer").await;
+    // The commit woke the worker (a permit is kept).
+    tokio::time::timeout(std::time::Duration::from_secs(5), store.webhook_committed())
+        .await
+        .unwrap();
+    let due = store.due_webhook_deliveries(30, 10).await.unwrap();
+    assert_eq!(due.len(), 1, "{due:?}");
+    let d = &due[0];
+    assert_eq!(d.url, "http://127.0.0.1:9/hook");
+    assert_eq!(d.turn_id, Some(q.turn_id));
+    assert_eq!(d.status, DeliveryStatus::Pending);
+    assert_eq!(d.next_attempt_at_ms, Some(30));
+    let body: serde_json::Value = serde_json::from_str(&d.body).unwrap();
+    assert_eq!(body["type"], "turn.completed");
+    assert_eq!(body["data"]["turn_id"], q.turn_id.to_string());
+    assert_eq!(body["data"]["dialog_id"], s.id.to_string());
+    assert_eq!(body["data"]["answer"], "the answer");
+    assert_eq!(body["data"]["status"], "committed");
+    // Not due before its time.
+    assert!(store
+        .due_webhook_deliveries(29, 10)
+        .await
+        .unwrap()
+        .is_empty());
+
+    // A turn without a subscription and no server-wide URL: nothing.
+    run_turn(&store, &unhooked, "quiet").await;
+    assert_eq!(
+        store
+            .list_webhook_deliveries(None, None, 10)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    assert!(store
+        .check_invariants(keel_store::CheckOptions::default())
+        .await
+        .unwrap()
+        .is_clean());
+}
+
+#[tokio::test]
+async fn server_wide_urls_get_every_answering_commit_and_a_withdrawn_input_none() {
+    let (_dir, store) = temp_store();
+    store.set_webhook_urls(vec![
+        "http://a.example/h".into(),
+        "http://b.example/h".into(),
+    ]);
+    let s = store.create_session(new_session("w", 1)).await.unwrap();
+    let q = queued(s.id, Some("http://c.example/h"));
+    store.queue_input(q.clone()).await.unwrap();
+    run_turn(&store, &q, "one").await;
+    let all = store.list_webhook_deliveries(None, None, 10).await.unwrap();
+    let mut urls: Vec<_> = all.iter().map(|d| d.url.as_str()).collect();
+    urls.sort_unstable();
+    assert_eq!(
+        urls,
+        [
+            "http://a.example/h",
+            "http://b.example/h",
+            "http://c.example/h"
+        ]
+    );
+    let ids: std::collections::HashSet<_> = all.iter().map(|d| d.id.clone()).collect();
+    assert_eq!(ids.len(), 3, "each delivery has its own id");
+    assert!(all.iter().all(|d| d.turn_id == Some(q.turn_id)));
+
+    // A withdrawn input takes its subscription with it.
+    let gone = queued(s.id, Some("http://c.example/h"));
+    store.queue_input(gone.clone()).await.unwrap();
+    assert!(store.discard_queued_input(gone.turn_id).await.unwrap());
+    assert!(store.queued_inputs().await.unwrap().is_empty());
+    assert!(store
+        .check_invariants(keel_store::CheckOptions::default())
+        .await
+        .unwrap()
+        .is_clean());
+}
+
+#[tokio::test]
+async fn attempts_retry_then_deliver_or_dead_letter_after_the_last() {
+    let (_dir, store) = temp_store();
+    let s = store.create_session(new_session("w", 1)).await.unwrap();
+    for _ in 0..2 {
+        let q = queued(s.id, Some("http://127.0.0.1:9/hook"));
+        store.queue_input(q.clone()).await.unwrap();
+        run_turn(&store, &q, "a").await;
+    }
+    let due = store.due_webhook_deliveries(30, 10).await.unwrap();
+    let (ok, bad) = (due[0].id.clone(), due[1].id.clone());
+    let fail = |at| AttemptOutcome::Failed {
+        error: "503".into(),
+        retry_at_ms: at,
+        max_attempts: 3,
+    };
+    assert_eq!(
+        store
+            .record_webhook_attempt(ok.clone(), fail(100), 40)
+            .await
+            .unwrap(),
+        Some(DeliveryStatus::Pending)
+    );
+    assert_eq!(
+        store.next_webhook_due().await.unwrap(),
+        Some(30),
+        "the other is due"
+    );
+    assert_eq!(
+        store
+            .record_webhook_attempt(ok.clone(), AttemptOutcome::Delivered, 100)
+            .await
+            .unwrap(),
+        Some(DeliveryStatus::Delivered)
+    );
+    // A delivered row takes no further attempt.
+    assert_eq!(
+        store
+            .record_webhook_attempt(ok.clone(), fail(200), 100)
+            .await
+            .unwrap(),
+        None
+    );
+    for (n, want) in [
+        (1, DeliveryStatus::Pending),
+        (2, DeliveryStatus::Pending),
+        (3, DeliveryStatus::Dead),
+    ] {
+        assert_eq!(
+            store
+                .record_webhook_attempt(bad.clone(), fail(100 + n), 50)
+                .await
+                .unwrap(),
+            Some(want),
+            "attempt {n}"
+        );
+    }
+    assert_eq!(store.next_webhook_due().await.unwrap(), None);
+    let dead = store
+        .list_webhook_deliveries(Some(DeliveryStatus::Dead), None, 10)
+        .await
+        .unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        (dead[0].attempts, dead[0].last_error.as_deref()),
+        (3, Some("503"))
+    );
+    let delivered = store
+        .list_webhook_deliveries(Some(DeliveryStatus::Delivered), None, 10)
+        .await
+        .unwrap();
+    assert_eq!(
+        (delivered[0].attempts, delivered[0].delivered_at_ms),
+        (2, Some(100))
+    );
+    // Paged by seq.
+    let first = store.list_webhook_deliveries(None, None, 1).await.unwrap();
+    let rest = store
+        .list_webhook_deliveries(None, Some(first[0].seq), 10)
+        .await
+        .unwrap();
+    assert_eq!(rest.len(), 1);
+    assert_ne!(rest[0].id, first[0].id);
+    assert!(store
+        .check_invariants(keel_store::CheckOptions::default())
+        .await
+        .unwrap()
+        .is_clean());
+}
+
+#[tokio::test]
+async fn a_pending_delivery_survives_reopening_the_database() {
+    let (dir, store) = temp_store();
+    let s = store.create_session(new_session("w", 1)).await.unwrap();
+    let q = queued(s.id, Some("http://127.0.0.1:9/hook"));
+    store.queue_input(q.clone()).await.unwrap();
+    run_turn(&store, &q, "kept").await;
+    drop(store);
+    let store = Store::open(db_path(&dir), StoreOptions::default()).unwrap();
+    let due = store.due_webhook_deliveries(i64::MAX, 10).await.unwrap();
+    assert_eq!(due.len(), 1);
+    assert_eq!(due[0].turn_id, Some(q.turn_id));
+}
+
+#[tokio::test]
+async fn a_background_run_of_a_hooked_turn_notifies_the_same_url_when_it_ends() {
+    use keel_core::{ExecutionMode, Usage};
+    use keel_store::{AcceptRun, CompletionHandling, TerminalOutcome};
+    let (_dir, store) = temp_store();
+    let s = store.create_session(new_session("w", 1)).await.unwrap();
+    let q = queued(s.id, Some("http://127.0.0.1:9/hook"));
+    store.queue_input(q.clone()).await.unwrap();
+    run_turn(&store, &q, "started a run").await;
+    let accept = |root_turn, mode| {
+        let mut run = new_run(s.id, mode);
+        run.root_turn_id = root_turn;
+        (
+            run.clone(),
+            AcceptRun {
+                run,
+                inbox_capacity: 4,
+                now_ms: 40,
+            },
+        )
+    };
+    let (hooked, a) = accept(Some(q.turn_id), ExecutionMode::Background);
+    store.accept_run(a).await.unwrap();
+    // A foreground run, and a background run of another turn, notify nothing.
+    let (fg, a) = accept(Some(q.turn_id), ExecutionMode::Foreground);
+    store.accept_run(a).await.unwrap();
+    let (other, a) = accept(Some(TurnId::new()), ExecutionMode::Background);
+    store.accept_run(a).await.unwrap();
+    for run in [&hooked, &fg, &other] {
+        let outcome = TerminalOutcome::Completed {
+            result: "found it".into(),
+            usage: Usage::new(1, 1),
+            tool_calls: 0,
+            iterations: 1,
+            cost: None,
+        };
+        let commit = store
+            .commit_terminal(
+                run.id,
+                run.execution_id.clone(),
+                outcome,
+                CompletionHandling::Deliver,
+                50,
+            )
+            .await
+            .unwrap();
+        assert!(commit.won);
+    }
+    let runs: Vec<_> = store
+        .list_webhook_deliveries(None, None, 10)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|d| d.event == "run.completed")
+        .collect();
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    let body: serde_json::Value = serde_json::from_str(&runs[0].body).unwrap();
+    assert_eq!(runs[0].url, "http://127.0.0.1:9/hook");
+    assert_eq!(body["type"], "run.completed");
+    assert_eq!(body["data"]["run_id"], hooked.id.to_string());
+    assert_eq!(body["data"]["turn_id"], q.turn_id.to_string());
+    assert_eq!(body["data"]["agent"], "researcher");
+    assert_eq!(body["data"]["status"], "completed");
+    assert_eq!(body["data"]["result"], "found it");
+    assert!(store
+        .check_invariants(keel_store::CheckOptions::default())
+        .await
+        .unwrap()
+        .is_clean());
+}
