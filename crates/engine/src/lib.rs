@@ -37,6 +37,7 @@ mod export_runs;
 mod export_tree;
 mod fence;
 mod gate;
+mod images;
 mod mailbox;
 mod manager;
 mod metrics;
@@ -45,6 +46,7 @@ mod state;
 mod tools;
 mod trace;
 
+pub use images::{resolve_images, ResolvingImages};
 pub use address::DialogAddress;
 pub use agent_loop::{
     AgentLoop, EventSink, OpenGate, StepGate, StepPermit, TurnEvent, TurnOutput, TurnRequest,
