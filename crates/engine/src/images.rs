@@ -87,6 +87,10 @@ impl Provider for ResolvingImages {
         self.inner.model()
     }
 
+    fn accepts_images(&self) -> bool {
+        self.inner.accepts_images()
+    }
+
     async fn stream(
         &self,
         request: &ChatRequest,

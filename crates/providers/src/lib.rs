@@ -18,6 +18,7 @@ mod http;
 mod openai;
 mod profile;
 mod script;
+mod text_only;
 
 pub use anthropic::{AnthropicProvider, ANTHROPIC_VERSION, DEFAULT_ANTHROPIC_MAX_TOKENS};
 pub use http::{
