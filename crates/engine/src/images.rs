@@ -27,9 +27,9 @@ impl ResolvingImages {
 }
 
 fn has_stored_image(m: &Message) -> bool {
-    m.content.iter().any(
-        |p| matches!(p, ContentPart::ImageRef { uri, .. } if stored_image_hash(uri).is_some()),
-    )
+    m.content
+        .iter()
+        .any(|p| matches!(p, ContentPart::ImageRef { uri, .. } if stored_image_hash(uri).is_some()))
 }
 
 /// `request` with every stored image as a `data:` URL; `None` when it has none.
@@ -56,7 +56,10 @@ pub async fn resolve_images(
             let image = match store.image(hash).await {
                 Ok(Some(image)) => image,
                 Ok(None) => {
-                    tracing::error!(image = hash, "a message refers to an image that is not stored");
+                    tracing::error!(
+                        image = hash,
+                        "a message refers to an image that is not stored"
+                    );
                     return Err(ProviderError::Unavailable(
                         "an image of the conversation is not stored".into(),
                     ));
@@ -147,7 +150,10 @@ mod tests {
             }
         );
         assert_eq!(*sent[0].messages[1], url, "a URL image passes through");
-        assert_eq!(*request.messages[0], stored_ref, "the caller's request keeps the reference");
+        assert_eq!(
+            *request.messages[0], stored_ref,
+            "the caller's request keeps the reference"
+        );
     }
 
     #[tokio::test]

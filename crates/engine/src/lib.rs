@@ -46,7 +46,6 @@ mod state;
 mod tools;
 mod trace;
 
-pub use images::{resolve_images, ResolvingImages};
 pub use address::DialogAddress;
 pub use agent_loop::{
     AgentLoop, EventSink, OpenGate, StepGate, StepPermit, TurnEvent, TurnOutput, TurnRequest,
@@ -70,6 +69,7 @@ pub use gate::{
     ExecutionGate, GateCounters, GateLimits, GateScope, RunPermit, StepKind, StepPermitGuard,
     StepScope,
 };
+pub use images::{resolve_images, ResolvingImages};
 pub use mailbox::{MailboxLimits, WakeSource, WakeupState};
 pub use manager::{
     apply_retention, AgentSet, AgentSetBuilder, InboxPolicy, NewSessionSpec, RetentionPolicy,

@@ -141,6 +141,14 @@ pub const MAX_STREAM_REPLAY_SECS: u64 = 3600;
 pub const DEFAULT_STREAM_REPLAY_BYTES: u64 = 1024 * 1024;
 /// Largest `server.stream_replay_bytes` (64 MiB).
 pub const MAX_STREAM_REPLAY_BYTES: u64 = 64 * 1024 * 1024;
+/// Default `server.image_max_bytes` (5 MiB).
+pub const DEFAULT_IMAGE_MAX_BYTES: u64 = 5 * 1024 * 1024;
+/// Largest `server.image_max_bytes` (20 MiB).
+pub const MAX_IMAGE_BYTES: u64 = 20 * 1024 * 1024;
+/// Default `server.images_per_message`.
+pub const DEFAULT_IMAGES_PER_MESSAGE: u64 = 8;
+/// Largest `server.images_per_message`.
+pub const MAX_IMAGES_PER_MESSAGE: u64 = 32;
 /// Largest `server.max_connections`.
 pub const MAX_CONNECTIONS_CAP: usize = 1_000_000;
 
@@ -523,6 +531,10 @@ pub struct ServerConfig {
     pub stream_replay_secs: u64,
     /// Bytes of turn frames kept per dialog for clients that reconnect.
     pub stream_replay_bytes: u64,
+    /// Largest image of a message, in bytes (decoded).
+    pub image_max_bytes: u64,
+    /// Most images of one message.
+    pub images_per_message: u64,
 }
 
 impl Default for ServerConfig {
@@ -538,6 +550,8 @@ impl Default for ServerConfig {
             idle_timeout_secs: DEFAULT_IDLE_TIMEOUT_SECS,
             stream_replay_secs: DEFAULT_STREAM_REPLAY_SECS,
             stream_replay_bytes: DEFAULT_STREAM_REPLAY_BYTES,
+            image_max_bytes: DEFAULT_IMAGE_MAX_BYTES,
+            images_per_message: DEFAULT_IMAGES_PER_MESSAGE,
         }
     }
 }

@@ -682,7 +682,9 @@ mod tests {
     #[test]
     fn inline_images_go_as_base64_and_urls_as_urls() {
         let blocks = content_blocks(&[
-            ContentPart::Text { text: "look".into() },
+            ContentPart::Text {
+                text: "look".into(),
+            },
             ContentPart::ImageRef {
                 uri: "data:image/png;base64,iVBORw0K".into(),
                 mime_type: Some("image/png".into()),

@@ -221,7 +221,7 @@ pub struct ProviderProfile {
     pub price_output_per_mtok: Option<Usd>,
     /// Whether the model takes images in user messages (default true);
     /// `false` marks it text-only: a message with images is refused.
-    #[serde(default = "default_images", skip_serializing_if = "Clone::clone")]
+    #[serde(default = "default_images")]
     pub images: bool,
 }
 

@@ -62,9 +62,13 @@ impl Store {
         let row = self
             .db
             .read(move |c| {
-                Ok(c.prepare_cached("SELECT media_type, bytes FROM images WHERE sha256 = ?1")?
-                    .query_row([&hash], |r| Ok((r.get::<_, String>(0)?, r.get::<_, Vec<u8>>(1)?)))
-                    .optional()?)
+                Ok(
+                    c.prepare_cached("SELECT media_type, bytes FROM images WHERE sha256 = ?1")?
+                        .query_row([&hash], |r| {
+                            Ok((r.get::<_, String>(0)?, r.get::<_, Vec<u8>>(1)?))
+                        })
+                        .optional()?,
+                )
             })
             .await?;
         let Some((media_type, bytes)) = row else {
@@ -121,7 +125,11 @@ mod tests {
         assert_eq!(first.media_type, "image/png");
         let again = store.put_image(PNG.to_vec()).await.expect("put again");
         assert_eq!(again.sha256, first.sha256);
-        let read = store.image(&first.sha256).await.expect("read").expect("stored");
+        let read = store
+            .image(&first.sha256)
+            .await
+            .expect("read")
+            .expect("stored");
         assert_eq!(read.bytes, PNG);
         assert_eq!(read.media_type, "image/png");
         let rows: i64 = store

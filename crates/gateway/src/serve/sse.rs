@@ -134,13 +134,18 @@ impl Follow {
 pub(crate) async fn send_streamed(
     shared: Arc<Shared>,
     session: SessionId,
-    text: String,
+    input: keel_core::Message,
     if_busy: IfBusy,
 ) -> ApiResult<Response> {
     // Subscribed before the turn starts, so its first frame is not missed.
     // A steer streams the rest of the turn it went into.
     let receiver = shared.hub.subscribe(session);
-    let turn = shared.turns.send(session, text, if_busy).await?.0.as_uuid();
+    let turn = shared
+        .turns
+        .send(session, input, if_busy)
+        .await?
+        .0
+        .as_uuid();
     let follow = Follow {
         shared,
         session,

@@ -324,14 +324,16 @@ impl TurnRunner {
         self.tracker.is_closed()
     }
 
-    /// Queues a user turn of `session` with `text` on the session's worker;
-    /// returns its id at once (it runs after the dialog's earlier turns).
-    /// `if_busy` says what happens instead when a turn is running: see
-    /// [`IfBusy`]. Returns the turn and whether the text steered it.
+    /// Queues a user turn of `session` with `input` (a user message, its
+    /// images already stored) on the session's worker; returns its id at
+    /// once (it runs after the dialog's earlier turns). `if_busy` says what
+    /// happens instead when a turn is running: see [`IfBusy`] (a steer
+    /// carries text only: a message with images is queued instead). Returns
+    /// the turn and whether the text steered it.
     pub async fn send(
         self: &Arc<Self>,
         session: SessionId,
-        text: String,
+        input: Message,
         if_busy: IfBusy,
     ) -> ApiResult<(TurnId, bool)> {
         if self.is_draining() {
@@ -350,20 +352,28 @@ impl TurnRunner {
                 self.manager.stop(session).await?;
             }
             IfBusy::Steer => {
-                if let SteerOutcome::Steered { turn_id } = self.manager.steer(session, &text)? {
-                    return Ok((turn_id, true));
+                let text_only = input
+                    .content
+                    .iter()
+                    .all(|p| matches!(p, keel_core::ContentPart::Text { .. }));
+                if text_only {
+                    if let SteerOutcome::Steered { turn_id } =
+                        self.manager.steer(session, &input.text())?
+                    {
+                        return Ok((turn_id, true));
+                    }
                 }
             }
         }
-        self.start(session, text).await.map(|turn| (turn, false))
+        self.start(session, input).await.map(|turn| (turn, false))
     }
 
     /// Starts the task that sends a user turn and follows it.
-    async fn start(self: &Arc<Self>, session: SessionId, text: String) -> ApiResult<TurnId> {
+    async fn start(self: &Arc<Self>, session: SessionId, input: Message) -> ApiResult<TurnId> {
         let (started_tx, started_rx) = oneshot::channel();
         let me = self.clone();
         self.tracker
-            .spawn(async move { me.run(session, text, started_tx).await });
+            .spawn(async move { me.run(session, input, started_tx).await });
         match started_rx.await {
             Ok(result) => result.map_err(ApiError::from),
             Err(_) => Err(ApiError::internal(&"the turn task ended before starting")),
@@ -373,7 +383,7 @@ impl TurnRunner {
     async fn run(
         self: Arc<Self>,
         session: SessionId,
-        text: String,
+        input: Message,
         started: oneshot::Sender<Result<TurnId, EngineError>>,
     ) {
         // The turn runs on the session's worker; its events come from the
@@ -385,7 +395,7 @@ impl TurnRunner {
                 return;
             }
         };
-        let send = self.manager.send(session, Message::user(text));
+        let send = self.manager.send(session, input);
         let ticket = tokio::select! {
             ticket = send => match ticket {
                 Ok(t) => t,

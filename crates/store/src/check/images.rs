@@ -47,7 +47,11 @@ pub(super) fn images(
     )?;
     let rows = stmt.query_map([], |r| {
         Ok((
-            format!("timeline {} seq {}", r.get::<_, String>(0)?, r.get::<_, i64>(1)?),
+            format!(
+                "timeline {} seq {}",
+                r.get::<_, String>(0)?,
+                r.get::<_, i64>(1)?
+            ),
             crate::compress::unpack("messages.content", r.get_ref(2)?),
         ))
     })?;
@@ -75,9 +79,11 @@ pub(super) fn images(
             }
         }
     }
-    let stored = query_rows(conn, "SELECT sha256, bytes FROM images ORDER BY sha256", |r| {
-        Ok((r.get::<_, String>(0)?, r.get::<_, Vec<u8>>(1)?))
-    })?;
+    let stored = query_rows(
+        conn,
+        "SELECT sha256, bytes FROM images ORDER BY sha256",
+        |r| Ok((r.get::<_, String>(0)?, r.get::<_, Vec<u8>>(1)?)),
+    )?;
     for (hash, bytes) in stored {
         if sha256_hex(&bytes) != hash {
             report.push(

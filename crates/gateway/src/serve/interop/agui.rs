@@ -848,9 +848,13 @@ async fn run(
     let placed = shared.conversations.place(&shared, &conversation).await?;
     // Sub-agent runs of the dialog are published from now on.
     shared.projections.watch(placed.dialog).await?;
-    let feed = Conversations::start_turn(&shared, placed, conversation.input)
-        .await?
-        .with_runs(shared.projections.clone());
+    let feed = Conversations::start_turn(
+        &shared,
+        placed,
+        keel_core::Message::user(conversation.input),
+    )
+    .await?
+    .with_runs(shared.projections.clone());
     shared
         .conversations
         .threads()

@@ -570,7 +570,7 @@ impl Conversations {
     pub(crate) async fn start_turn(
         shared: &Arc<Shared>,
         placed: Placed,
-        input: String,
+        input: Message,
     ) -> ApiResult<TurnFeed> {
         let Placed {
             dialog,

@@ -911,7 +911,12 @@ async fn completions(
         .into());
     }
     let placed = shared.conversations.place(&shared, &conversation).await?;
-    let feed = Conversations::start_turn(&shared, placed, conversation.input).await?;
+    let feed = Conversations::start_turn(
+        &shared,
+        placed,
+        keel_core::Message::user(conversation.input),
+    )
+    .await?;
     let dialog = HeaderValue::from_str(&feed.dialog.to_string())
         .map_err(|e| OpenAiError::from(ApiError::internal(&e)))?;
     let answering = Answering::of(&feed, ask.model);
