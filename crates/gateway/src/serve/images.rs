@@ -72,6 +72,12 @@ pub(crate) fn message_images(message: &Message) -> Vec<MessageImage> {
         .collect()
 }
 
+/// A send's input, checked but with its images not yet stored.
+pub(crate) struct CheckedInput {
+    content: Vec<Result<String, Pending>>,
+    images: usize,
+}
+
 /// An image a client sent, not yet stored.
 enum Pending {
     /// Bytes to store, and their media type.
@@ -90,6 +96,16 @@ impl Shared {
         text: Option<String>,
         parts: Vec<InputPart>,
     ) -> ApiResult<Message> {
+        let checked = self.check_input(text, parts)?;
+        self.store_input(session, checked).await
+    }
+
+    /// Checks a send's `text` and `parts` against the limits, reading no state.
+    pub(crate) fn check_input(
+        &self,
+        text: Option<String>,
+        parts: Vec<InputPart>,
+    ) -> ApiResult<CheckedInput> {
         let mut content: Vec<Result<String, Pending>> = Vec::new();
         if let Some(text) = text {
             content.push(Ok(text));
@@ -129,6 +145,17 @@ impl Shared {
                 "the message is empty: send text or an image".to_owned(),
             ));
         }
+        Ok(CheckedInput { content, images })
+    }
+
+    /// The user message of checked input to `session`, refused for a
+    /// text-only model; its images are stored (committed) first.
+    pub(crate) async fn store_input(
+        &self,
+        session: SessionId,
+        input: CheckedInput,
+    ) -> ApiResult<Message> {
+        let CheckedInput { content, images } = input;
         if images > 0 && !self.app.manager.accepts_images(session)? {
             return Err(ApiError::BadRequest(
                 "this dialog's model takes text only (its profile has images = false); \

@@ -851,6 +851,11 @@ pub(crate) fn chat_id(what: &str, key: &str) -> ApiResult<String> {
         })
 }
 
+/// The media type and base64 data of a `data:<type>;base64,<data>` URL.
+pub(crate) fn data_url(url: &str) -> Option<(&str, &str)> {
+    url.strip_prefix("data:")?.split_once(";base64,")
+}
+
 /// Checks the size of every text a request carries: at most
 /// [`MAX_MESSAGES`] messages of at most [`MAX_TEXT_CHARS`] characters.
 pub(crate) fn checked_texts<'a>(texts: impl IntoIterator<Item = &'a str>) -> ApiResult<()> {
