@@ -40,6 +40,7 @@ pub const HELP: &str = "\
 /switch <id>        switch to a dialog
 /rename <title>     rename the current dialog
 /agent [name]       list the agents, or make another one answer this dialog
+/image <path>       attach a PNG, JPEG, GIF or WebP to your next message
 /delete             delete the current dialog
 /compact            summarize the current context
 /memory             list the dialog's memory (what the model remembered)
@@ -68,6 +69,8 @@ pub enum Slash {
     Rename(String),
     /// `/agent [name]`.
     Agent(Option<String>),
+    /// `/image <path>`.
+    Image(String),
     /// `/delete`.
     Delete,
     /// `/compact`.
@@ -129,6 +132,9 @@ pub fn parse_slash(line: &str) -> Result<Slash, String> {
             0 | 1 => Ok(Slash::Agent(arg())),
             _ => Err("/agent takes one agent name".to_owned()),
         },
+        "/image" => arg()
+            .map(Slash::Image)
+            .ok_or_else(|| "/image needs a file path".to_owned()),
         "/delete" => no_arg(Slash::Delete),
         "/compact" => no_arg(Slash::Compact),
         "/memory" => no_arg(Slash::Memory),
@@ -177,6 +183,8 @@ struct Chat {
     /// A root turn's approval was decided since the last turn started: the
     /// next continuation goes on after it, not after background results.
     decided: bool,
+    /// Images `/image` stored for the next message.
+    images: Vec<keel_core::ContentPart>,
 }
 
 /// Line state of the turn output being printed.
@@ -243,6 +251,7 @@ pub async fn run(
         out: std::io::stdout(),
         asking: None,
         decided: false,
+        images: Vec::new(),
     };
     let mut interrupts = interrupts()?;
     // Listening now: results an earlier process left are delivered.
@@ -337,6 +346,42 @@ fn interrupts() -> Result<mpsc::UnboundedReceiver<()>> {
 }
 
 impl Chat {
+    /// `/image PATH`: stores the file's image and attaches it to the next
+    /// message (the image is committed before any message refers to it).
+    async fn attach_image(&mut self, path: &str) {
+        match self.manager.accepts_images(self.current) {
+            Ok(true) => {}
+            Ok(false) => {
+                return self.say(
+                    "error: this dialog's model takes text only (its profile has images = false)",
+                )
+            }
+            Err(e) => return self.say(&format!("error: {e}")),
+        }
+        let max = crate::config::DEFAULT_IMAGE_MAX_BYTES;
+        let bytes = match tokio::fs::read(path).await {
+            Ok(b) if b.len() as u64 > max => {
+                return self.say(&format!("error: {path} is larger than {max} bytes"))
+            }
+            Ok(b) => b,
+            Err(e) => return self.say(&format!("error: cannot read {path}: {e}")),
+        };
+        match self.manager.store().put_image(bytes).await {
+            Ok(image) => {
+                self.images.push(keel_core::ContentPart::ImageRef {
+                    uri: keel_core::image_uri(&image.sha256),
+                    mime_type: Some(image.media_type.clone()),
+                });
+                self.say(&format!(
+                    "(attached {path} ({}); {} image(s) go with your next message)",
+                    image.media_type,
+                    self.images.len()
+                ));
+            }
+            Err(e) => self.say(&format!("error: {path}: {e}")),
+        }
+    }
+
     /// Writes `text` with its control characters made inert: titles, model
     /// answers and tool output may come from anyone.
     fn put(&mut self, text: &str) {
@@ -364,7 +409,9 @@ impl Chat {
         lines: &mut Lines<R>,
         interrupts: &mut mpsc::UnboundedReceiver<()>,
     ) -> Result<bool> {
-        let ticket = match self.manager.send(self.current, Message::user(text)).await {
+        let mut input = Message::user(text);
+        input.content.append(&mut self.images);
+        let ticket = match self.manager.send(self.current, input).await {
             Ok(t) => t,
             Err(e) => {
                 self.say(&format!("error: {e}"));
@@ -817,6 +864,7 @@ impl Chat {
                 self.say(&format!("now in {} \"{}\"", r.dialog_id, r.title));
             }
             Slash::Memory => self.show_memory().await?,
+            Slash::Image(path) => self.attach_image(&path).await,
             Slash::Compact => self.compact().await,
             Slash::Info => self.info().await?,
             Slash::Stop => self.stop().await,
@@ -1009,6 +1057,11 @@ mod tests {
         );
         assert_eq!(parse_slash("/rename A B"), Ok(Slash::Rename("A B".into())));
         assert_eq!(parse_slash("/agent"), Ok(Slash::Agent(None)));
+        assert_eq!(
+            parse_slash("/image ./my cat.png"),
+            Ok(Slash::Image("./my cat.png".into()))
+        );
+        assert!(parse_slash("/image").is_err());
         assert_eq!(
             parse_slash("/agent writer"),
             Ok(Slash::Agent(Some("writer".into())))
