@@ -52,6 +52,9 @@ mod tests {
         assert_eq!(sniff_image(b"RIFF\0\0\0\0WAVEfmt "), None);
         assert_eq!(sniff_image(b"<svg xmlns="), None);
         assert_eq!(sniff_image(b""), None);
+        for bytes in [&b"\x89PNG\r\n\x1a\n"[..], b"GIF87a", b"RIFF\0\0\0\0WEBP"] {
+            assert!(IMAGE_MEDIA_TYPES.contains(&sniff_image(bytes).unwrap()));
+        }
     }
 
     #[test]

@@ -12,7 +12,6 @@
 //! it paused for approvals, which a `resume` input answers: `interrupts`),
 //! or `RUN_ERROR`.
 
-use crate::serve::images::InputPart;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -573,59 +572,6 @@ fn user_text(content: Option<&Value>, at: &str) -> Result<String, AgUiError> {
     }
 }
 
-/// The image parts of the last message (the new input) as keel's: `image`
-/// parts (`source` of type `data` with `value` and `mimeType`, or `url`
-/// with `value`) and the older `binary` parts (`mimeType` with `data` or
-/// `url`).
-fn input_images(body: &[u8]) -> Vec<InputPart> {
-    let body: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
-    let Some(parts) = body
-        .get("messages")
-        .and_then(Value::as_array)
-        .and_then(|m| m.last())
-        .and_then(|m| m.get("content"))
-        .and_then(Value::as_array)
-    else {
-        return Vec::new();
-    };
-    let text = |p: &Value, k: &str| p.get(k).and_then(Value::as_str).map(str::to_owned);
-    // An image part with neither `data` nor `url` is refused by the check.
-    parts
-        .iter()
-        .filter_map(|p| match p.get("type").and_then(Value::as_str) {
-            Some("binary") => Some(p.clone()),
-            Some("image") => {
-                let source = p.get("source")?;
-                let value = source.get("value").cloned();
-                let key = match source.get("type").and_then(Value::as_str) {
-                    Some("data") => "data",
-                    _ => "url",
-                };
-                let mut binary = serde_json::json!({ "mimeType": source.get("mimeType") });
-                binary[key] = value.unwrap_or(Value::Null);
-                Some(binary)
-            }
-            _ => None,
-        })
-        .map(|p| {
-            // A data URL in `url` is the same as `data`.
-            let url = text(&p, "url");
-            match url.as_deref().and_then(super::data_url) {
-                Some((mime_type, data)) => InputPart::Image {
-                    data: Some(data.to_owned()),
-                    url: None,
-                    mime_type: Some(mime_type.to_owned()),
-                },
-                None => InputPart::Image {
-                    data: text(&p, "data"),
-                    url,
-                    mime_type: text(&p, "mimeType"),
-                },
-            }
-        })
-        .collect()
-}
-
 /// Reads and checks a `RunAgentInput`; nothing is written before this passed.
 fn read_input(body: &[u8]) -> Result<Input, AgUiError> {
     let value: Value = serde_json::from_slice(body)
@@ -878,7 +824,7 @@ async fn run(
 ) -> Result<Response, AgUiError> {
     let body = body.map_err(|r| AgUiError::from(ApiError::PayloadTooLarge(r.body_text())))?;
     let input = read_input(&body)?;
-    let images = input_images(&body);
+    let images = super::images::agui_images(&body);
     if shared.turns.is_draining() {
         return Err(ApiError::Unavailable(
             "the server is shutting down; no new runs are started".to_owned(),

@@ -28,6 +28,7 @@
 //! read again.
 
 pub mod agui;
+mod images;
 mod interrupts;
 pub mod mcp;
 pub mod openai;
@@ -849,11 +850,6 @@ pub(crate) fn chat_id(what: &str, key: &str) -> ApiResult<String> {
                 "{what} must be 1 to 128 characters without ':' or control characters"
             ))
         })
-}
-
-/// The media type and base64 data of a `data:<type>;base64,<data>` URL.
-pub(crate) fn data_url(url: &str) -> Option<(&str, &str)> {
-    url.strip_prefix("data:")?.split_once(";base64,")
 }
 
 /// Checks the size of every text a request carries: at most

@@ -6,7 +6,6 @@
 //! OpenAI's status codes, so the official clients raise their own
 //! exception classes.
 
-use crate::serve::images::InputPart;
 use std::convert::Infallible;
 use std::sync::Arc;
 
@@ -160,7 +159,8 @@ impl IntoResponse for OpenAiError {
     }
 }
 
-type OpenAiResult<T> = Result<T, OpenAiError>;
+/// A result of the OpenAI endpoints (an OpenAI error object when it fails).
+pub(super) type OpenAiResult<T> = Result<T, OpenAiError>;
 
 // ── models ───────────────────────────────────────────────────────────────
 
@@ -346,51 +346,6 @@ fn text_of(content: &Value, param: &str) -> OpenAiResult<String> {
             "`content` must be a string or an array of text parts",
         )),
     }
-}
-
-/// The `image_url` parts of the last message of `messages` (the new
-/// input) as keel's image parts: a `data:…;base64,` URL as bytes, any
-/// other URL as a URL (checked later: https only).
-fn input_images(body: &[u8]) -> OpenAiResult<Vec<InputPart>> {
-    let body: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
-    let Some(parts) = body
-        .get("messages")
-        .and_then(Value::as_array)
-        .and_then(|m| m.last())
-        .and_then(|m| m.get("content"))
-        .and_then(Value::as_array)
-    else {
-        return Ok(Vec::new());
-    };
-    let mut images = Vec::new();
-    for (j, part) in parts.iter().enumerate() {
-        if part.get("type").and_then(Value::as_str) != Some("image_url") {
-            continue;
-        }
-        let url = part
-            .get("image_url")
-            .and_then(|u| u.get("url"))
-            .and_then(Value::as_str)
-            .ok_or_else(|| {
-                OpenAiError::invalid(
-                    &format!("content[{j}].image_url.url"),
-                    "an image_url part needs a string `image_url.url`",
-                )
-            })?;
-        images.push(match super::data_url(url) {
-            Some((mime_type, data)) => InputPart::Image {
-                data: Some(data.to_owned()),
-                url: None,
-                mime_type: Some(mime_type.to_owned()),
-            },
-            None => InputPart::Image {
-                data: None,
-                url: Some(url.to_owned()),
-                mime_type: None,
-            },
-        });
-    }
-    Ok(images)
 }
 
 /// One message of `messages`, as matching sees it (`None`: not part of
@@ -959,7 +914,10 @@ async fn completions(
         .into());
     }
     // Checked before a dialog is placed: a refused image creates none.
-    let checked = shared.check_input(Some(conversation.input.clone()), input_images(&body)?)?;
+    let checked = shared.check_input(
+        Some(conversation.input.clone()),
+        super::images::openai_images(&body)?,
+    )?;
     let placed = shared.conversations.place(&shared, &conversation).await?;
     let input = shared.store_input(placed.dialog, checked).await?;
     let feed = Conversations::start_turn(&shared, placed, input).await?;
