@@ -15,8 +15,12 @@ AG-UI run takes the scripted answers, every later model call is the echo.
   protocol's ordering rules; a gated call ends a run with an interrupt
   outcome and a resume entry decides it; a bad input is a 4xx whose body
   is a RUN_ERROR.
+- images: an OpenAI user message with `image_url` parts (a data URL and an
+  https URL) and an AG-UI user message with an `image` part are stored as
+  keel image parts and served back by `/api/images/{sha256}`.
 """
 
+import base64
 import json
 import os
 import sys
@@ -28,6 +32,8 @@ import uuid
 import openai
 from ag_ui.core import (
     AssistantMessage,
+    ImageInputContent,
+    InputContentDataSource,
     Event,
     EventType,
     FunctionCall,
@@ -36,6 +42,7 @@ from ag_ui.core import (
     RunErrorEvent,
     RunFinishedInterruptOutcome,
     RunFinishedSuccessOutcome,
+    TextInputContent,
     ToolCall,
     ToolMessage,
     UserMessage,
@@ -60,6 +67,18 @@ def dialogs(channel, chat):
 
 def dialog_messages(dialog):
     return keel_api(f"/api/dialogs/{dialog}/messages?limit=200")["items"]
+
+
+def image_bytes(path):
+    """The bytes keel serves at an image path of its API."""
+    request = urllib.request.Request(URL + path, headers={"authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        assert r.headers["content-type"] == "image/png", r.headers
+        return r.read()
+
+
+# The smallest bytes keel reads as a PNG (its signature and IHDR's start).
+PNG = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\0\0\0\x01"
 
 
 def client(key=TOKEN):
@@ -280,6 +299,22 @@ def agui_bad_input():
     assert dialogs("ag-ui", "t") == []
 
 
+def agui_image_part():
+    data = base64.b64encode(PNG).decode()
+    content = [
+        TextInputContent(text="What is in it?"),
+        ImageInputContent(source=InputContentDataSource(value=data, mime_type="image/png")),
+    ]
+    status, events = agui_post(run_input("t-image", [UserMessage(id="1", content=content)]))
+    assert status == 200, (status, events)
+    assert events[-1].type == EventType.RUN_FINISHED, events[-1:]
+    [dialog] = dialogs("ag-ui", "t-image")
+    [first] = [m for m in dialog_messages(dialog) if m["role"] == "user"]
+    assert first["text"] == "What is in it?", first
+    assert [i["mime_type"] for i in first["images"]] == ["image/png"], first
+    assert image_bytes(first["images"][0]["url"]) == PNG
+
+
 # ── OpenAI ───────────────────────────────────────────────────────────────
 
 
@@ -353,6 +388,34 @@ def openai_edited_history_forks():
     assert sorted(dialogs("openai", "py-edit")) == sorted([original, keel["dialog_id"]])
 
 
+def openai_image_url_parts():
+    url = "data:image/png;base64," + base64.b64encode(PNG).decode()
+    content = [
+        {"type": "text", "text": "Describe it."},
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+    ]
+    r = client().chat.completions.create(
+        model="keel:root", messages=[{"role": "user", "content": content}], user="py-image"
+    )
+    assert r.choices[0].finish_reason == "stop", r
+    [dialog] = dialogs("openai", "py-image")
+    [first] = [m for m in dialog_messages(dialog) if m["role"] == "user"]
+    assert first["text"] == "Describe it.", first
+    assert [i["url"] for i in first["images"]][1] == "https://example.com/cat.png", first
+    assert image_bytes(first["images"][0]["url"]) == PNG
+    try:
+        client().chat.completions.create(
+            model="keel:root",
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,PHN2Zz4="}}]}],
+            user="py-image-bad",
+        )
+    except openai.BadRequestError:
+        pass
+    else:
+        raise AssertionError("an SVG claimed to be a PNG was accepted")
+
+
 def openai_errors_raise_the_clients_exceptions():
     def raises(exception, call):
         try:
@@ -385,6 +448,8 @@ CHECKS = [
     openai_three_turns_leave_six_messages,
     openai_edited_history_forks,
     openai_errors_raise_the_clients_exceptions,
+    openai_image_url_parts,
+    agui_image_part,
 ]
 
 

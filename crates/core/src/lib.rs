@@ -8,6 +8,7 @@
 #![deny(missing_docs)]
 
 pub mod id;
+pub mod image;
 pub mod message;
 pub mod provider;
 pub mod run;
@@ -19,6 +20,10 @@ pub mod usage;
 
 pub use id::{
     AgentId, ApprovalId, CheckpointId, EventId, GroupId, IdError, RunId, SessionId, TurnId,
+};
+pub use image::{
+    image_uri, is_sha256_hex_str, sniff_image, stored_image_hash, IMAGE_MEDIA_TYPES,
+    IMAGE_URI_PREFIX,
 };
 pub use message::{ClientVisibility, ContentPart, Message, Role, ToolCall, TurnOrigin};
 pub use provider::{

@@ -224,6 +224,11 @@ pub trait Provider: Send + Sync {
     /// Model identifier sent to the provider.
     fn model(&self) -> &str;
 
+    /// Whether the model takes images (a profile's `images = false` says it does not).
+    fn accepts_images(&self) -> bool {
+        true
+    }
+
     /// Starts a streamed completion of `request` (borrowed: callers reuse it
     /// across the iterations of a turn). The stream ends with
     /// `Err(ProviderError::Cancelled)` soon after `cancel` fires.

@@ -37,6 +37,7 @@ mod export_runs;
 mod export_tree;
 mod fence;
 mod gate;
+mod images;
 mod mailbox;
 mod manager;
 mod metrics;
@@ -68,6 +69,7 @@ pub use gate::{
     ExecutionGate, GateCounters, GateLimits, GateScope, RunPermit, StepKind, StepPermitGuard,
     StepScope,
 };
+pub use images::{resolve_images, ResolvingImages};
 pub use mailbox::{MailboxLimits, WakeSource, WakeupState};
 pub use manager::{
     apply_retention, AgentSet, AgentSetBuilder, InboxPolicy, NewSessionSpec, RetentionPolicy,

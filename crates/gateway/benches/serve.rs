@@ -349,7 +349,8 @@ async fn over_websocket(replay: bool) -> Served {
                     let frame = ClientFrame::Send {
                         id: None,
                         session_id,
-                        text: format!("turn {t}"),
+                        text: Some(format!("turn {t}")),
+                        parts: Vec::new(),
                         if_busy: None,
                         webhook: None,
                     };

@@ -26,6 +26,7 @@ use tokio::io::{AsyncBufRead, AsyncBufReadExt, BufReader, Lines};
 use tokio::sync::mpsc;
 
 mod approvals;
+mod images;
 
 use crate::app::App;
 use crate::error::{io_err, AppError, Result};
@@ -40,6 +41,7 @@ pub const HELP: &str = "\
 /switch <id>        switch to a dialog
 /rename <title>     rename the current dialog
 /agent [name]       list the agents, or make another one answer this dialog
+/image <path>       attach a PNG, JPEG, GIF or WebP to your next message
 /delete             delete the current dialog
 /compact            summarize the current context
 /memory             list the dialog's memory (what the model remembered)
@@ -68,6 +70,8 @@ pub enum Slash {
     Rename(String),
     /// `/agent [name]`.
     Agent(Option<String>),
+    /// `/image <path>`.
+    Image(String),
     /// `/delete`.
     Delete,
     /// `/compact`.
@@ -129,6 +133,9 @@ pub fn parse_slash(line: &str) -> Result<Slash, String> {
             0 | 1 => Ok(Slash::Agent(arg())),
             _ => Err("/agent takes one agent name".to_owned()),
         },
+        "/image" => arg()
+            .map(Slash::Image)
+            .ok_or_else(|| "/image needs a file path".to_owned()),
         "/delete" => no_arg(Slash::Delete),
         "/compact" => no_arg(Slash::Compact),
         "/memory" => no_arg(Slash::Memory),
@@ -177,6 +184,8 @@ struct Chat {
     /// A root turn's approval was decided since the last turn started: the
     /// next continuation goes on after it, not after background results.
     decided: bool,
+    /// Images `/image` stored for the next message.
+    images: Vec<keel_core::ContentPart>,
 }
 
 /// Line state of the turn output being printed.
@@ -243,6 +252,7 @@ pub async fn run(
         out: std::io::stdout(),
         asking: None,
         decided: false,
+        images: Vec::new(),
     };
     let mut interrupts = interrupts()?;
     // Listening now: results an earlier process left are delivered.
@@ -364,7 +374,9 @@ impl Chat {
         lines: &mut Lines<R>,
         interrupts: &mut mpsc::UnboundedReceiver<()>,
     ) -> Result<bool> {
-        let ticket = match self.manager.send(self.current, Message::user(text)).await {
+        let mut input = Message::user(text);
+        input.content.append(&mut self.images);
+        let ticket = match self.manager.send(self.current, input).await {
             Ok(t) => t,
             Err(e) => {
                 self.say(&format!("error: {e}"));
@@ -817,6 +829,7 @@ impl Chat {
                 self.say(&format!("now in {} \"{}\"", r.dialog_id, r.title));
             }
             Slash::Memory => self.show_memory().await?,
+            Slash::Image(path) => self.attach_image(&path).await,
             Slash::Compact => self.compact().await,
             Slash::Info => self.info().await?,
             Slash::Stop => self.stop().await,
@@ -1009,6 +1022,11 @@ mod tests {
         );
         assert_eq!(parse_slash("/rename A B"), Ok(Slash::Rename("A B".into())));
         assert_eq!(parse_slash("/agent"), Ok(Slash::Agent(None)));
+        assert_eq!(
+            parse_slash("/image ./my cat.png"),
+            Ok(Slash::Image("./my cat.png".into()))
+        );
+        assert!(parse_slash("/image").is_err());
         assert_eq!(
             parse_slash("/agent writer"),
             Ok(Slash::Agent(Some("writer".into())))

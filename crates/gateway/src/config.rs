@@ -141,6 +141,14 @@ pub const MAX_STREAM_REPLAY_SECS: u64 = 3600;
 pub const DEFAULT_STREAM_REPLAY_BYTES: u64 = 1024 * 1024;
 /// Largest `server.stream_replay_bytes` (64 MiB).
 pub const MAX_STREAM_REPLAY_BYTES: u64 = 64 * 1024 * 1024;
+/// Default `server.image_max_bytes` (5 MiB).
+pub const DEFAULT_IMAGE_MAX_BYTES: u64 = 5 * 1024 * 1024;
+/// Largest `server.image_max_bytes` (20 MiB).
+pub const MAX_IMAGE_BYTES: u64 = 20 * 1024 * 1024;
+/// Default `server.images_per_message`.
+pub const DEFAULT_IMAGES_PER_MESSAGE: u64 = 8;
+/// Largest `server.images_per_message`.
+pub const MAX_IMAGES_PER_MESSAGE: u64 = 32;
 /// Largest `server.max_connections`.
 pub const MAX_CONNECTIONS_CAP: usize = 1_000_000;
 /// Default `server.webhook_secret_env`.
@@ -543,6 +551,10 @@ pub struct ServerConfig {
     pub webhook_max_attempts: u32,
     /// Milliseconds before a failed delivery's first retry (doubled per attempt).
     pub webhook_retry_base_ms: u64,
+    /// Largest image of a message, in bytes (decoded).
+    pub image_max_bytes: u64,
+    /// Most images of one message.
+    pub images_per_message: u64,
 }
 
 impl Default for ServerConfig {
@@ -562,6 +574,8 @@ impl Default for ServerConfig {
             webhook_secret_env: DEFAULT_WEBHOOK_SECRET_ENV.to_owned(),
             webhook_max_attempts: DEFAULT_WEBHOOK_MAX_ATTEMPTS,
             webhook_retry_base_ms: DEFAULT_WEBHOOK_RETRY_BASE_MS,
+            image_max_bytes: DEFAULT_IMAGE_MAX_BYTES,
+            images_per_message: DEFAULT_IMAGES_PER_MESSAGE,
         }
     }
 }

@@ -263,6 +263,10 @@ impl Provider for MeteredProvider {
         self.inner.model()
     }
 
+    fn accepts_images(&self) -> bool {
+        self.inner.accepts_images()
+    }
+
     async fn stream(
         &self,
         request: &ChatRequest,

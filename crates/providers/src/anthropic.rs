@@ -186,12 +186,27 @@ fn content_blocks(parts: &[ContentPart]) -> Vec<Value> {
         .filter_map(|p| match p {
             ContentPart::Text { text } if text.is_empty() => None,
             ContentPart::Text { text } => Some(json!({ "type": "text", "text": text })),
-            ContentPart::ImageRef { uri, .. } => Some(json!({
-                "type": "image",
-                "source": { "type": "url", "url": uri },
-            })),
+            ContentPart::ImageRef { uri, .. } => Some(image_block(uri)),
         })
         .collect()
+}
+
+/// An image block: a `data:…;base64,` URL (a stored image, resolved by the
+/// engine) as a base64 source, any other URL as a URL source.
+fn image_block(uri: &str) -> Value {
+    let inline = uri
+        .strip_prefix("data:")
+        .and_then(|rest| rest.split_once(";base64,"));
+    match inline {
+        Some((media_type, data)) => json!({
+            "type": "image",
+            "source": { "type": "base64", "media_type": media_type, "data": data },
+        }),
+        None => json!({
+            "type": "image",
+            "source": { "type": "url", "url": uri },
+        }),
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -661,6 +676,31 @@ mod tests {
             Some(&StreamEvent::Finish {
                 reason: FinishReason::Length
             })
+        );
+    }
+
+    #[test]
+    fn inline_images_go_as_base64_and_urls_as_urls() {
+        let blocks = content_blocks(&[
+            ContentPart::Text {
+                text: "look".into(),
+            },
+            ContentPart::ImageRef {
+                uri: "data:image/png;base64,iVBORw0K".into(),
+                mime_type: Some("image/png".into()),
+            },
+            ContentPart::ImageRef {
+                uri: "https://example.com/a.png".into(),
+                mime_type: None,
+            },
+        ]);
+        assert_eq!(
+            blocks,
+            vec![
+                json!({"type": "text", "text": "look"}),
+                json!({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0K"}}),
+                json!({"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}),
+            ]
         );
     }
 

@@ -18,6 +18,8 @@ mod http;
 mod openai;
 mod profile;
 mod script;
+mod text_only;
+pub use text_only::TextOnly;
 
 pub use anthropic::{AnthropicProvider, ANTHROPIC_VERSION, DEFAULT_ANTHROPIC_MAX_TOKENS};
 pub use http::{

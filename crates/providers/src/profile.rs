@@ -219,6 +219,14 @@ pub struct ProviderProfile {
     /// USD per million completion tokens (a finite number, 0 or more).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub price_output_per_mtok: Option<Usd>,
+    /// Whether the model takes images in user messages (default true);
+    /// `false` marks it text-only: a message with images is refused.
+    #[serde(default = "default_images")]
+    pub images: bool,
+}
+
+fn default_images() -> bool {
+    true
 }
 
 impl ProviderProfile {
@@ -240,6 +248,7 @@ impl ProviderProfile {
             script: None,
             price_input_per_mtok: None,
             price_output_per_mtok: None,
+            images: true,
         }
     }
 
@@ -525,6 +534,21 @@ pub fn build_provider_with_env(
         key: key_path.clone(),
         message: e.to_string(),
     };
+    let provider = build_kind(&key_path, profile, env, client_error)?;
+    Ok(if profile.images {
+        provider
+    } else {
+        crate::text_only::TextOnly::wrap(name, provider)
+    })
+}
+
+fn build_kind(
+    key_path: &str,
+    profile: &ProviderProfile,
+    env: &dyn Fn(&str) -> Option<String>,
+    client_error: impl Fn(keel_core::ProviderError) -> ProviderConfigError,
+) -> Result<Arc<dyn Provider>, ProviderConfigError> {
+    let key_path = key_path.to_owned();
     Ok(match profile.kind {
         ProviderKind::OpenAi => Arc::new(
             OpenAiProvider::new(profile.http_config(&key_path, env)?).map_err(client_error)?,

@@ -9,6 +9,7 @@
 //! Crash tests run it after every recovery, and `keel doctor` prints it.
 
 mod calls;
+mod images;
 mod inputs;
 mod webhooks;
 
@@ -266,7 +267,7 @@ pub(crate) fn check_tx(conn: &Connection, options: &CheckOptions) -> Result<Inva
         report.add(Invariant::History, format!("a compression dictionary: {e}"));
     }
     // A damaged row stops one check, not the others: its error is a finding.
-    let checks: [(Invariant, CheckFn); 9] = [
+    let checks: [(Invariant, CheckFn); 10] = [
         (Invariant::History, histories),
         (Invariant::History, inputs::open_inputs),
         (Invariant::Counters, counters),
@@ -276,6 +277,7 @@ pub(crate) fn check_tx(conn: &Connection, options: &CheckOptions) -> Result<Inva
         (Invariant::QueuedInputs, inputs::queued_inputs),
         (Invariant::Runs, calls::call_spans),
         (Invariant::Webhooks, webhooks::webhooks),
+        (Invariant::History, images::images),
     ];
     for (invariant, check) in checks {
         if let Err(e) = check(conn, options, &mut report) {

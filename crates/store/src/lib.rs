@@ -1,4 +1,4 @@
-//! SQLite storage of keel: schema v12, forward-only migrations, group commit,
+//! SQLite storage of keel: schema v17, forward-only migrations, group commit,
 //! domain APIs. The only crate that knows SQL.
 //!
 //! [`Store`] is a cheap, cloneable handle over one write connection and a
@@ -96,6 +96,7 @@ mod error;
 #[cfg(feature = "failpoints")]
 pub mod failpoints;
 mod identify;
+mod images;
 mod inbox;
 mod mcp;
 mod messages;
@@ -134,6 +135,7 @@ pub use compact::{compact_database, CompactReport};
 pub use counters::{CounterRepair, InboxCounts, InboxUsage};
 pub use db::{CommitStats, StoreOptions, Synchronous};
 pub use error::{Result, StoreError};
+pub use images::StoredImage;
 pub use inbox::{
     ClaimRequest, ContinuationCommit, ContinuationCommitted, EventStatus, EventType, InboxEvent,
     InboxLease, InboxSchedule, LeasedEvents, NewSignal, NoticeCommit, ReleaseReport,

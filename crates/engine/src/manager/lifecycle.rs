@@ -146,6 +146,23 @@ impl SessionManager {
         self.bundle.session_agent(agent_id.as_ref()).map(drop)
     }
 
+    /// Whether the model of `session`'s agent takes images (its profile is
+    /// not marked `images = false`).
+    pub fn accepts_images(&self, id: SessionId) -> Result<bool> {
+        let agent_id = self
+            .sessions
+            .lock()
+            .get(&id)
+            .ok_or(EngineError::SessionNotFound(id))?
+            .agent_id
+            .clone();
+        Ok(self
+            .bundle
+            .session_agent(agent_id.as_ref())?
+            .provider
+            .accepts_images())
+    }
+
     /// Ids of `parent`'s children that are not destroyed.
     pub async fn children(&self, parent: SessionId) -> Result<Vec<SessionId>> {
         Ok(self

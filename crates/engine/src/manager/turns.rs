@@ -244,7 +244,8 @@ impl PendingTurn {
             extensions.insert(coordinator.root_turn_budget());
         }
         let request = TurnRequest {
-            provider: agent.provider.clone(),
+            // Stored images become `data:` URLs for the call only.
+            provider: crate::ResolvingImages::wrap(agent.provider.clone(), manager.store.clone()),
             tools,
             system_prompt: Some(agent.system_prompt.clone()),
             history,

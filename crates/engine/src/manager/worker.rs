@@ -23,6 +23,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+/// Why a message with images is refused for a text-only model.
+pub(crate) const TEXT_ONLY: &str =
+    "this dialog's model takes text only (its profile has images = false); send the message without images";
+
 use keel_core::{Message, RunId, SessionId, TurnId, TurnOrigin};
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot, watch, Notify};
@@ -249,6 +253,13 @@ impl SessionManager {
         // or whose agent a reload removed.
         self.session(session).await?;
         self.check_agent(session)?;
+        let has_image = input
+            .content
+            .iter()
+            .any(|p| matches!(p, keel_core::ContentPart::ImageRef { .. }));
+        if has_image && !self.accepts_images(session)? {
+            return Err(EngineError::InvalidInput(TEXT_ONLY.into()));
+        }
         if self.queue_full(session) {
             return Err(EngineError::SessionBusy {
                 queued: self.config.user_queue,

@@ -60,6 +60,8 @@ context_window_tokens = 128000
 # USD per million tokens, for cost budgets (unset: unpriced).
 price_input_per_mtok = 0.15
 price_output_per_mtok = 0.6
+# false: the model takes text only; messages with images are refused.
+images = true
 
 # keel's deterministic scripted provider (no network).
 [providers.offline]
@@ -143,6 +145,8 @@ webhook_urls = []
 webhook_secret_env = "KEEL_WEBHOOK_SECRET"
 webhook_max_attempts = 8
 webhook_retry_base_ms = 1000
+image_max_bytes = 5242880
+images_per_message = 8
 
 # An MCP server keel starts as a child process and talks to over stdio.
 [mcp.files]
@@ -368,6 +372,14 @@ pub fn reference() -> Vec<KeyDoc> {
         "providers.NAME.price_output_per_mtok",
         "unset: the profile is unpriced",
         "USD per million completion tokens (a finite number, 0 or more).".into(),
+    );
+    code(
+        &mut rows,
+        "providers.NAME.images",
+        "Whether the model takes images in user messages; `false` marks it text-only: a \
+         message with images to a dialog whose agent uses it is refused (400 over the API, \
+         before anything is stored)."
+            .into(),
     );
 
     code(
@@ -772,6 +784,14 @@ pub fn reference() -> Vec<KeyDoc> {
     );
     code(
         &mut rows,
+        "server.image_max_bytes",
+        format!(
+            "Largest image of a message, in bytes once decoded, 1..={MAX_IMAGE_BYTES}; a larger \
+             one is refused with 413."
+        ),
+    );
+    code(
+        &mut rows,
         "server.webhook_secret_env",
         "Environment variable holding the webhook signing secret (`whsec_` + base64, or any \
          text, used as bytes). `keel serve` refuses to start with `webhook_urls` set and it \
@@ -790,6 +810,14 @@ pub fn reference() -> Vec<KeyDoc> {
         "server.webhook_retry_base_ms",
         format!(
             "Milliseconds before a failed delivery's first retry, 1..={MAX_WEBHOOK_RETRY_BASE_MS}; each further retry waits twice as long (at most 1 h)."
+        ),
+    );
+    code(
+        &mut rows,
+        "server.images_per_message",
+        format!(
+            "Most images of one message, 0..={MAX_IMAGES_PER_MESSAGE} (0: images are refused \
+             everywhere); more are refused with 400."
         ),
     );
     mcp_rows(&mut rows);

@@ -632,4 +632,16 @@ fn server(s: &ServerConfig, out: &mut Problems) {
             out.push("server.webhook_urls", format!("{url:?}: {e}"));
         }
     }
+    out.range(
+        "server.image_max_bytes",
+        s.image_max_bytes,
+        1,
+        MAX_IMAGE_BYTES,
+    );
+    out.range(
+        "server.images_per_message",
+        s.images_per_message,
+        0,
+        MAX_IMAGES_PER_MESSAGE,
+    );
 }

@@ -400,6 +400,9 @@ pub struct ChatMessage {
     pub role: MessageRole,
     /// The text (text parts joined).
     pub text: String,
+    /// The message's images, in order (absent when it has none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub images: Vec<crate::serve::images::MessageImage>,
     /// Tool calls of an assistant message.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tool_calls: Vec<ToolCallInfo>,
@@ -438,6 +441,7 @@ impl From<&StoredMessage> for ChatMessage {
             seq: m.seq,
             role: m.message.role.into(),
             text,
+            images: crate::serve::images::message_images(&m.message),
             tool_calls: m
                 .message
                 .tool_calls
@@ -498,9 +502,13 @@ pub struct MessagePage {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SendMessage {
-    /// The text: 1..=100,000 characters.
-    #[schema(min_length = 1, max_length = 100000)]
-    pub text: String,
+    /// The text (before `parts`): with the text parts, at most 100,000 characters; the message needs text or an image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(max_length = 100000)]
+    pub text: Option<String>,
+    /// Text and images, in order (after `text`): at most `server.images_per_message` images of `server.image_max_bytes` each.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub parts: Vec<crate::serve::images::InputPart>,
     /// What to do when a turn of the dialog is running (default `enqueue`).
     #[serde(default)]
     pub if_busy: IfBusy,

@@ -50,8 +50,12 @@ pub enum ClientFrame {
         id: Option<String>,
         /// The dialog.
         session_id: Uuid,
-        /// The text.
-        text: String,
+        /// The text (before `parts`); the message needs text or an image.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        text: Option<String>,
+        /// Text and images, in order, as in `POST /api/dialogs/{id}/messages`.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        parts: Vec<crate::serve::images::InputPart>,
         /// What to do when a turn of the dialog is running (default `enqueue`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         if_busy: Option<IfBusy>,

@@ -27,6 +27,7 @@ mod auth;
 mod connections;
 pub mod frames;
 mod hub;
+pub mod images;
 pub mod interop;
 mod openapi;
 mod origin;
@@ -78,6 +79,30 @@ pub struct Limits {
     pub hub_capacity: usize,
     /// Frames queued per WebSocket connection before its subscriptions wait.
     pub connection_queue: usize,
+    /// Largest image of a message, in bytes (decoded): `server.image_max_bytes`.
+    pub image_max_bytes: usize,
+    /// Most images of one message: `server.images_per_message`.
+    pub images_per_message: usize,
+}
+
+impl Limits {
+    /// Limits whose bodies and frames also fit `images_per_message` images
+    /// of `image_max_bytes` each, base64-encoded.
+    pub fn with_images(image_max_bytes: usize, images_per_message: usize) -> Self {
+        let base = Self::default();
+        let images = image_max_bytes
+            .div_ceil(3)
+            .saturating_mul(4)
+            .saturating_add(1024)
+            .saturating_mul(images_per_message);
+        Self {
+            max_body_bytes: base.max_body_bytes.saturating_add(images),
+            max_frame_bytes: base.max_frame_bytes.saturating_add(images),
+            image_max_bytes,
+            images_per_message,
+            ..base
+        }
+    }
 }
 
 impl Default for Limits {
@@ -92,6 +117,8 @@ impl Default for Limits {
             max_frame_bytes: longest_text,
             hub_capacity: 1024,
             connection_queue: 64,
+            image_max_bytes: crate::config::DEFAULT_IMAGE_MAX_BYTES as usize,
+            images_per_message: crate::config::DEFAULT_IMAGES_PER_MESSAGE as usize,
         }
     }
 }
@@ -172,7 +199,10 @@ impl ServeOptions {
             token,
             allowed_origins: server.allowed_origins.clone(),
             shutdown_grace: Duration::from_secs(server.shutdown_grace_secs),
-            limits: Limits::default(),
+            limits: Limits::with_images(
+                usize::try_from(server.image_max_bytes).unwrap_or(usize::MAX),
+                usize::try_from(server.images_per_message).unwrap_or(usize::MAX),
+            ),
             connections: ConnectionLimits {
                 max_connections: server
                     .max_connections

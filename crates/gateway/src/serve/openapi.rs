@@ -11,6 +11,7 @@ use utoipa::{IntoResponses, Modify, OpenApi};
 
 use super::api;
 use super::frames;
+use super::images;
 use super::problem::{Problem, PROBLEM_JSON};
 use super::routes::{approvals, dialogs, exports, mcp_servers, runs, system, webhooks};
 use super::sse;
@@ -86,7 +87,7 @@ impl Modify for BearerAuth {
         dialogs::checkpoints, dialogs::rollback, dialogs::fork, exports::export, exports::import,
         runs::list, runs::get_one, runs::events, runs::dialog_events, runs::dialog_inbox,
         runs::cancel, runs::trace, runs::turn_trace, approvals::list, approvals::decide,
-        mcp_servers::list, webhooks::list,
+        mcp_servers::list, webhooks::list, images::get_image,
     ),
     components(schemas(Problem, frames::ClientFrame, frames::ServerFrame, api::Order)),
     modifiers(&BearerAuth),

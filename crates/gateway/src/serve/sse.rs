@@ -134,7 +134,7 @@ impl Follow {
 pub(crate) async fn send_streamed(
     shared: Arc<Shared>,
     session: SessionId,
-    text: String,
+    input: keel_core::Message,
     if_busy: IfBusy,
     webhook: Option<String>,
 ) -> ApiResult<Response> {
@@ -143,7 +143,7 @@ pub(crate) async fn send_streamed(
     let receiver = shared.hub.subscribe(session);
     let turn = shared
         .turns
-        .send(session, text, if_busy, webhook)
+        .send(session, input, if_busy, webhook)
         .await?
         .0
         .as_uuid();

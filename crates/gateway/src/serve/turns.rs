@@ -324,14 +324,16 @@ impl TurnRunner {
         self.tracker.is_closed()
     }
 
-    /// Queues a user turn of `session` with `text` on the session's worker;
-    /// returns its id at once (it runs after the dialog's earlier turns).
-    /// `if_busy` says what happens instead when a turn is running: see
-    /// [`IfBusy`]. Returns the turn and whether the text steered it.
+    /// Queues a user turn of `session` with `input` (a user message, its
+    /// images already stored) on the session's worker; returns its id at
+    /// once (it runs after the dialog's earlier turns). `if_busy` says what
+    /// happens instead when a turn is running: see [`IfBusy`] (a steer
+    /// carries text only: a message with images is queued instead). Returns
+    /// the turn and whether the text steered it.
     pub async fn send(
         self: &Arc<Self>,
         session: SessionId,
-        text: String,
+        input: Message,
         if_busy: IfBusy,
         webhook: Option<String>,
     ) -> ApiResult<(TurnId, bool)> {
@@ -351,12 +353,20 @@ impl TurnRunner {
                 self.manager.stop(session).await?;
             }
             IfBusy::Steer => {
-                if let SteerOutcome::Steered { turn_id } = self.manager.steer(session, &text)? {
-                    return Ok((turn_id, true));
+                let text_only = input
+                    .content
+                    .iter()
+                    .all(|p| matches!(p, keel_core::ContentPart::Text { .. }));
+                if text_only {
+                    if let SteerOutcome::Steered { turn_id } =
+                        self.manager.steer(session, &input.text())?
+                    {
+                        return Ok((turn_id, true));
+                    }
                 }
             }
         }
-        self.start(session, text, webhook)
+        self.start(session, input, webhook)
             .await
             .map(|turn| (turn, false))
     }
@@ -365,13 +375,13 @@ impl TurnRunner {
     async fn start(
         self: &Arc<Self>,
         session: SessionId,
-        text: String,
+        input: Message,
         webhook: Option<String>,
     ) -> ApiResult<TurnId> {
         let (started_tx, started_rx) = oneshot::channel();
         let me = self.clone();
         self.tracker
-            .spawn(async move { me.run(session, text, webhook, started_tx).await });
+            .spawn(async move { me.run(session, input, webhook, started_tx).await });
         match started_rx.await {
             Ok(result) => result.map_err(ApiError::from),
             Err(_) => Err(ApiError::internal(&"the turn task ended before starting")),
@@ -381,7 +391,7 @@ impl TurnRunner {
     async fn run(
         self: Arc<Self>,
         session: SessionId,
-        text: String,
+        input: Message,
         webhook: Option<String>,
         started: oneshot::Sender<Result<TurnId, EngineError>>,
     ) {
@@ -394,9 +404,7 @@ impl TurnRunner {
                 return;
             }
         };
-        let send = self
-            .manager
-            .send_with_webhook(session, Message::user(text), webhook);
+        let send = self.manager.send_with_webhook(session, input, webhook);
         let ticket = tokio::select! {
             ticket = send => match ticket {
                 Ok(t) => t,

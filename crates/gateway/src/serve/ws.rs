@@ -280,17 +280,18 @@ impl Connection {
                 id,
                 session_id,
                 text,
+                parts,
                 if_busy,
                 webhook,
             } => {
                 let session = shared.dialog_by_id(session_id.into()).await?.id;
-                let text = checked_text(text)?;
                 let if_busy = if_busy.unwrap_or_default();
                 let webhook = shared.checked_webhook(webhook, if_busy)?;
+                let input = shared.user_input(session, text, parts).await?;
                 if !self.subscriptions.lock().contains_key(&session) {
                     self.subscribe(None, session, None, Resume::Live).await?;
                 }
-                let (turn, steered) = shared.turns.send(session, text, if_busy, webhook).await?;
+                let (turn, steered) = shared.turns.send(session, input, if_busy, webhook).await?;
                 Ok(vec![ServerFrame::TurnAccepted {
                     id,
                     session_id,

@@ -699,6 +699,33 @@ def scenario_approval_card(r):
             server.stop()
 
 
+PASTE_PNG = """() => {
+    const bytes = Uint8Array.from(atob('iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGP4z8DwHwAFAAH/iZk9HQAAAABJRU5ErkJggg=='), (c) => c.charCodeAt(0));
+    const data = new DataTransfer();
+    data.items.add(new File([bytes], 'dot.png', { type: 'image/png' }));
+    const input = document.getElementById('input');
+    input.dispatchEvent(new ClipboardEvent('paste', { clipboardData: data, bubbles: true, cancelable: true }));
+}"""
+
+
+def scenario_image_paste(r):
+    """A pasted image is previewed, removable, and leaves the composer when the message is sent."""
+    page = r.page
+    page.evaluate(PASTE_PNG)
+    previews = page.locator("#attachments .attachment")
+    expect(previews).to_have_count(1)
+    previews.first.get_by_role("button", name="Remove this image").click()
+    expect(previews).to_have_count(0)
+    expect(page.locator("#attachments")).to_be_hidden()
+    page.evaluate(PASTE_PNG)
+    expect(previews).to_have_count(1)
+    r.send("What is in this picture?")
+    expect(previews).to_have_count(0)
+    expect(page.locator("#attachments")).to_be_hidden()
+    expect(page.locator("article.msg.user", has_text="What is in this picture?")).to_have_count(1)
+    r.shot("image")
+
+
 SCENARIOS = [
     scenario_first_load,
     scenario_streamed_answer,
@@ -717,6 +744,7 @@ SCENARIOS = [
     scenario_reload_mid_answer,
     scenario_reconnect,
     scenario_token_prompt,
+    scenario_image_paste,
     scenario_approval_card,
 ]
 

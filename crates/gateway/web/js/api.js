@@ -47,6 +47,25 @@ export async function call(method, path, body) {
   return json;
 }
 
+/**
+ * A stored image (`/api/images/{sha256}`, behind the token) as a data: URL:
+ * the page's Content-Security-Policy lets images come from nowhere else.
+ */
+export async function imageDataUrl(path) {
+  const headers = {};
+  const t = token.get();
+  if (t) headers.authorization = `Bearer ${t}`;
+  const response = await fetch(new URL(path.replace(/^\/api\//, ''), base), { headers });
+  if (!response.ok) throw new ApiError(response.status, 'http', response.statusText);
+  const blob = await response.blob();
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(blob);
+  });
+}
+
 export const get = (path) => call('GET', path);
 export const post = (path, body = {}) => call('POST', path, body);
 

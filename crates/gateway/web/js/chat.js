@@ -7,6 +7,7 @@
 import { h, replace } from './dom.js';
 import { renderMarkdown } from './markdown.js';
 import { clock } from './format.js';
+import { imageDataUrl } from './api.js';
 
 const CONTINUATION = 'agent_continuation';
 const BACKGROUND_LABEL = 'Background results arrived';
@@ -111,9 +112,24 @@ class TurnView {
   }
 }
 
-function userBubble(text, { time, unanswered, steer } = {}) {
+/**
+ * A message's images: a stored one (`/api/images/…`) loaded with the token,
+ * any other (an https URL the client sent) as a link, never fetched.
+ */
+function messageImages(images) {
+  return (images ?? []).map((image) => {
+    if (!image.url.startsWith('/api/images/')) {
+      return h('a', { class: 'msg-image-link', href: image.url, rel: 'noopener noreferrer', target: '_blank', text: image.url });
+    }
+    const img = h('img', { class: 'msg-image', alt: 'image' });
+    imageDataUrl(image.url).then((src) => { img.src = src; }, () => { img.alt = 'image (cannot be loaded)'; });
+    return img;
+  });
+}
+
+function userBubble(text, { time, unanswered, steer, images } = {}) {
   const el = h('article', { class: 'msg user' },
-    h('div', { class: 'msg-body' }, h('p', { class: 'user-text', text })));
+    h('div', { class: 'msg-body' }, h('p', { class: 'user-text', text }), messageImages(images)));
   const meta = h('div', { class: 'msg-meta' });
   if (steer) meta.append(h('span', { class: 'tag', text: 'steer' }));
   if (time) meta.append(h('span', { text: clock(time) }));
@@ -180,7 +196,7 @@ export class Chat {
     for (const m of messages) {
       if (m.role === 'user') {
         turn = null;
-        nodes.push(userBubble(m.text, { time: m.created_at, unanswered: m.unanswered === true }));
+        nodes.push(userBubble(m.text, { time: m.created_at, unanswered: m.unanswered === true, images: m.images }));
       } else if (m.role === 'assistant') {
         const origin = m.turn_origin ?? 'user';
         if (!turn || (origin === CONTINUATION && turn.origin !== CONTINUATION)) {

@@ -234,17 +234,49 @@ async function loadEarlier() {
   chat.showHistory(state.history, Boolean(state.earlier), loadEarlier, state.current?.id);
 }
 
+/** Images pasted or dropped into the composer, sent with the next message. */
+const attachments = [];
+
+function renderAttachments() {
+  const box = $('attachments');
+  box.replaceChildren(...attachments.map((a, i) => h('span', { class: 'attachment' },
+    h('img', { src: a.dataUrl, alt: 'attached image' }),
+    h('button', {
+      type: 'button', class: 'quiet', 'aria-label': 'Remove this image', text: '×',
+      on: { click: () => { attachments.splice(i, 1); renderAttachments(); } },
+    }))));
+  box.hidden = attachments.length === 0;
+}
+
+/** Attaches the image files among `files` (the server checks type and size again). */
+function attachFiles(files) {
+  for (const file of files) {
+    if (!file.type.startsWith('image/')) continue;
+    const reader = new FileReader();
+    reader.onload = () => {
+      const dataUrl = reader.result;
+      attachments.push({ dataUrl, mime_type: file.type, data: dataUrl.slice(dataUrl.indexOf(',') + 1) });
+      renderAttachments();
+    };
+    reader.readAsDataURL(file);
+  }
+}
+
 async function send() {
   const text = input.value;
-  if (!text.trim()) return;
+  const parts = attachments.map((a) => ({ type: 'image', data: a.data, mime_type: a.mime_type }));
+  if (!text.trim() && parts.length === 0) return;
   if (!socket.open) {
     notify('Not connected: the message was not sent. It is still in the box.');
     return;
   }
   if (!state.current && !(await attempt('Creating a dialog', createDialog))) return;
   const dialog = state.current;
-  const steering = chat.running && state.steer;
+  // A steer carries text only: a message with images is sent as a message.
+  const steering = chat.running && state.steer && parts.length === 0;
   input.value = '';
+  attachments.length = 0;
+  renderAttachments();
   autosize();
   const bubble = chat.addUser(text, steering);
   try {
@@ -254,7 +286,9 @@ async function send() {
     } else {
       // No turn was running (any more): the text starts one.
       if (steering) chat.unsteer(bubble);
-      const answer = await socket.request({ type: 'send', session_id: dialog.id, text });
+      const frame = { type: 'send', session_id: dialog.id, text };
+      if (parts.length) frame.parts = parts;
+      const answer = await socket.request(frame);
       chat.accepted(bubble, answer.turn_id);
     }
   } catch (e) {
@@ -594,6 +628,21 @@ function wire() {
     }
   });
   input.addEventListener('input', autosize);
+  input.addEventListener('paste', (e) => {
+    const files = [...(e.clipboardData?.files ?? [])];
+    if (files.some((f) => f.type.startsWith('image/'))) {
+      e.preventDefault();
+      attachFiles(files);
+    }
+  });
+  $('composer').addEventListener('dragover', (e) => {
+    if ([...(e.dataTransfer?.items ?? [])].some((i) => i.kind === 'file')) e.preventDefault();
+  });
+  $('composer').addEventListener('drop', (e) => {
+    if (!e.dataTransfer?.files?.length) return;
+    e.preventDefault();
+    attachFiles([...e.dataTransfer.files]);
+  });
   document.addEventListener('keydown', (e) => {
     if (e.key === 'Escape' && !document.querySelector('dialog[open]')) {
       if (chat.running) {

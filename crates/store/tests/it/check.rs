@@ -379,3 +379,44 @@ async fn queued_inputs_of_gone_dialogs_or_started_turns_are_found() {
         "recovery leaves them alone"
     );
 }
+
+#[tokio::test]
+async fn an_image_reference_without_its_image_is_reported() {
+    let (dir, store) = temp_store();
+    let session = store.create_session(new_session("d", 1)).await.unwrap();
+    let stored = store
+        .put_image(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR".to_vec())
+        .await
+        .unwrap();
+    let with_image = |hash: &str| {
+        let mut m = Message::user("look");
+        m.content.push(keel_core::ContentPart::ImageRef {
+            uri: keel_core::image_uri(hash),
+            mime_type: Some("image/png".into()),
+        });
+        vec![m, Message::assistant("a png")]
+    };
+    store
+        .commit_turn(turn(session.id, with_image(&stored.sha256), 1))
+        .await
+        .unwrap();
+    let report = check_database(&db_path(&dir), &CheckOptions::default()).unwrap();
+    assert!(report.is_clean(), "{:?}", report.findings);
+    let missing = "0".repeat(64);
+    store
+        .commit_turn(turn(session.id, with_image(&missing), 2))
+        .await
+        .unwrap();
+    let report = check_database(&db_path(&dir), &CheckOptions::default()).unwrap();
+    let details: Vec<_> = report
+        .findings
+        .iter()
+        .map(|f| (f.invariant, f.detail.contains(&missing)))
+        .collect();
+    assert_eq!(
+        details,
+        vec![(Invariant::History, true)],
+        "{:?}",
+        report.findings
+    );
+}

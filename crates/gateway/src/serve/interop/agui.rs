@@ -824,6 +824,7 @@ async fn run(
 ) -> Result<Response, AgUiError> {
     let body = body.map_err(|r| AgUiError::from(ApiError::PayloadTooLarge(r.body_text())))?;
     let input = read_input(&body)?;
+    let images = super::images::agui_images(&body);
     if shared.turns.is_draining() {
         return Err(ApiError::Unavailable(
             "the server is shutting down; no new runs are started".to_owned(),
@@ -845,10 +846,13 @@ async fn run(
         history,
         input: text,
     };
+    // Checked before a dialog is placed: a refused image creates none.
+    let checked = shared.check_input(Some(conversation.input.clone()), images)?;
     let placed = shared.conversations.place(&shared, &conversation).await?;
     // Sub-agent runs of the dialog are published from now on.
     shared.projections.watch(placed.dialog).await?;
-    let feed = Conversations::start_turn(&shared, placed, conversation.input)
+    let message = shared.store_input(placed.dialog, checked).await?;
+    let feed = Conversations::start_turn(&shared, placed, message)
         .await?
         .with_runs(shared.projections.clone());
     shared

@@ -312,9 +312,10 @@ impl KeelMcp {
         };
         // Sub-agent changes of the dialog are published from now on.
         shared.projections.watch(dialog).await?;
-        let mut feed = Conversations::start_turn(shared, placed, conversation.input)
-            .await?
-            .with_runs(shared.projections.clone());
+        let mut feed =
+            Conversations::start_turn(shared, placed, keel_core::Message::user(conversation.input))
+                .await?
+                .with_runs(shared.projections.clone());
         let turn = feed.turn;
         let mut text = String::new();
         let mut writing = false;

@@ -28,6 +28,7 @@
 //! read again.
 
 pub mod agui;
+mod images;
 mod interrupts;
 pub mod mcp;
 pub mod openai;
@@ -570,7 +571,7 @@ impl Conversations {
     pub(crate) async fn start_turn(
         shared: &Arc<Shared>,
         placed: Placed,
-        input: String,
+        input: Message,
     ) -> ApiResult<TurnFeed> {
         let Placed {
             dialog,

@@ -159,7 +159,8 @@ impl IntoResponse for OpenAiError {
     }
 }
 
-type OpenAiResult<T> = Result<T, OpenAiError>;
+/// A result of the OpenAI endpoints (an OpenAI error object when it fails).
+pub(super) type OpenAiResult<T> = Result<T, OpenAiError>;
 
 // ── models ───────────────────────────────────────────────────────────────
 
@@ -319,6 +320,8 @@ fn text_of(content: &Value, param: &str) -> OpenAiResult<String> {
                 let kind = part.get("type").and_then(Value::as_str);
                 match (kind, part.get("text").and_then(Value::as_str)) {
                     (Some("text"), Some(t)) => text.push_str(t),
+                    // Read by `input_images` for the new input; matching reads text.
+                    (Some("image_url"), _) => {}
                     (Some("text"), None) => {
                         return Err(OpenAiError::invalid(
                             &format!("{param}[{j}].text"),
@@ -910,8 +913,14 @@ async fn completions(
         )
         .into());
     }
+    // Checked before a dialog is placed: a refused image creates none.
+    let checked = shared.check_input(
+        Some(conversation.input.clone()),
+        super::images::openai_images(&body)?,
+    )?;
     let placed = shared.conversations.place(&shared, &conversation).await?;
-    let feed = Conversations::start_turn(&shared, placed, conversation.input).await?;
+    let input = shared.store_input(placed.dialog, checked).await?;
+    let feed = Conversations::start_turn(&shared, placed, input).await?;
     let dialog = HeaderValue::from_str(&feed.dialog.to_string())
         .map_err(|e| OpenAiError::from(ApiError::internal(&e)))?;
     let answering = Answering::of(&feed, ask.model);

@@ -203,20 +203,20 @@ pub(crate) async fn send(
     ApiJson(body): ApiJson<SendMessage>,
 ) -> ApiResult<Response> {
     let record = shared.dialog(&id).await?;
-    let text = checked_text(body.text)?;
     let webhook = shared.checked_webhook(body.webhook, body.if_busy)?;
+    let input = shared.user_input(record.id, body.text, body.parts).await?;
     let wants_stream = headers
         .get_all(header::ACCEPT)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .any(|v| v.contains("text/event-stream"));
     if wants_stream {
-        return crate::serve::sse::send_streamed(shared, record.id, text, body.if_busy, webhook)
+        return crate::serve::sse::send_streamed(shared, record.id, input, body.if_busy, webhook)
             .await;
     }
     let (turn, steered) = shared
         .turns
-        .send(record.id, text, body.if_busy, webhook)
+        .send(record.id, input, body.if_busy, webhook)
         .await?;
     let accepted = TurnAccepted {
         session_id: record.id.as_uuid(),

@@ -63,6 +63,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/dialogs/{id}/stop", post(dialogs::stop))
         .route("/dialogs/{id}/steer", post(dialogs::steer))
         .route("/dialogs/{id}/usage", get(dialogs::usage))
+        .route("/images/{sha256}", get(super::images::get_image))
         .route("/dialogs/{id}/agent-events", get(runs::dialog_events))
         .route("/dialogs/{id}/inbox", get(runs::dialog_inbox))
         .route("/dialogs/{id}/approvals", get(approvals::list))

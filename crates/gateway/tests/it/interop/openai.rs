@@ -586,10 +586,26 @@ async fn bad_requests_are_openai_errors_and_change_nothing() {
             vec![],
         ),
         (
-            "image part",
+            "image part without text",
             with(
                 "messages",
-                json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]),
+                json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x"}}]}]),
+            ),
+            vec![],
+        ),
+        (
+            "image over plain http",
+            with(
+                "messages",
+                json!([{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "http://x"}}]}]),
+            ),
+            vec![],
+        ),
+        (
+            "image that is not one",
+            with(
+                "messages",
+                json!([{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,PHN2Zz4="}}]}]),
             ),
             vec![],
         ),

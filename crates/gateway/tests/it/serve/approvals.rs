@@ -36,7 +36,8 @@ async fn a_gated_call_is_announced_listed_and_decided_once() {
     ws.send(&ClientFrame::Send {
         id: None,
         session_id: uuid(&id),
-        text: "write a note".into(),
+        text: Some("write a note".into()),
+        parts: Vec::new(),
         if_busy: None,
         webhook: None,
     })

@@ -138,7 +138,8 @@ async fn the_websocket_send_frame_carries_the_busy_policy() {
     let send = |text: &str, if_busy| ClientFrame::Send {
         id: Some(text.to_owned()),
         session_id: id,
-        text: text.to_owned(),
+        text: Some(text.to_owned()),
+        parts: Vec::new(),
         if_busy,
         webhook: None,
     };

@@ -5,6 +5,7 @@ mod approvals;
 mod busy;
 mod doc;
 mod hostile;
+mod images;
 mod mcp;
 mod origin;
 mod rest;

@@ -284,7 +284,8 @@ async fn a_websocket_client_cut_off_at_any_frame_resumes_with_exactly_the_commit
         ws.send(&ClientFrame::Send {
             id: Some("s".into()),
             session_id,
-            text: "stream".into(),
+            text: Some("stream".into()),
+            parts: Vec::new(),
             if_busy: None,
             webhook: None,
         })

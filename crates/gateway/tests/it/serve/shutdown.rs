@@ -29,7 +29,8 @@ async fn turn_in_flight(grace: Duration) -> (TestServer, Arc<Semaphore>, Session
     ws.send(&ClientFrame::Send {
         id: None,
         session_id: id.as_uuid(),
-        text: "work".into(),
+        text: Some("work".into()),
+        parts: Vec::new(),
         if_busy: None,
         webhook: None,
     })
@@ -100,7 +101,8 @@ async fn a_turn_running_at_shutdown_finishes_and_commits_within_the_grace_period
     ws.send(&ClientFrame::Send {
         id: Some("late".into()),
         session_id: id.as_uuid(),
-        text: "more".into(),
+        text: Some("more".into()),
+        parts: Vec::new(),
         if_busy: None,
         webhook: None,
     })

@@ -23,7 +23,8 @@ async fn start_turn(ws: &mut Ws, session_id: Uuid) {
     ws.send(&ClientFrame::Send {
         id: None,
         session_id,
-        text: "work".into(),
+        text: Some("work".into()),
+        parts: Vec::new(),
         if_busy: None,
         webhook: None,
     })
@@ -247,7 +248,8 @@ async fn a_run_is_listed_read_and_cancelled() {
     ws.send(&ClientFrame::Send {
         id: None,
         session_id: id,
-        text: "file today's decisions".into(),
+        text: Some("file today's decisions".into()),
+        parts: Vec::new(),
         if_busy: None,
         webhook: None,
     })

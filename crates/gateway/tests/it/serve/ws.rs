@@ -67,7 +67,8 @@ async fn two_clients_on_one_dialog_see_the_same_turn() {
     a.send(&ClientFrame::Send {
         id: Some("a1".into()),
         session_id: id,
-        text: "hello".into(),
+        text: Some("hello".into()),
+        parts: Vec::new(),
         if_busy: None,
         webhook: None,
     })
@@ -160,7 +161,8 @@ async fn agent_updates_carry_increasing_revisions_and_replay_on_reconnect() {
                 ws.send(&ClientFrame::Send {
                     id: None,
                     session_id: id,
-                    text: text.into(),
+                    text: Some(text.into()),
+                    parts: Vec::new(),
                     if_busy: None,
                     webhook: None,
                 })
@@ -397,7 +399,8 @@ async fn a_dialog_change_is_published_and_its_usage_counts_committed_turns() {
     ws.send(&ClientFrame::Send {
         id: None,
         session_id: uuid(&id),
-        text: "hi".into(),
+        text: Some("hi".into()),
+        parts: Vec::new(),
         if_busy: None,
         webhook: None,
     })
@@ -456,7 +459,8 @@ async fn steer_reaches_the_running_turn_and_says_when_none_runs() {
     ws.send(&ClientFrame::Send {
         id: None,
         session_id: id,
-        text: "work".into(),
+        text: Some("work".into()),
+        parts: Vec::new(),
         if_busy: None,
         webhook: None,
     })
@@ -543,7 +547,8 @@ async fn a_subscriber_sees_the_continuation_that_answers_a_background_result() {
     ws.send(&ClientFrame::Send {
         id: None,
         session_id: id,
-        text: "file it in the background".into(),
+        text: Some("file it in the background".into()),
+        parts: Vec::new(),
         if_busy: None,
         webhook: None,
     })
@@ -598,7 +603,8 @@ async fn a_stopped_turn_keeps_the_message_listed_as_unanswered() {
     ws.send(&ClientFrame::Send {
         id: None,
         session_id: id,
-        text: "work".into(),
+        text: Some("work".into()),
+        parts: Vec::new(),
         if_busy: None,
         webhook: None,
     })
@@ -666,7 +672,8 @@ async fn a_turn_past_its_deadline_fails_timed_out_and_the_queued_turn_runs() {
         ws.send(&ClientFrame::Send {
             id: None,
             session_id: id,
-            text: text.into(),
+            text: Some(text.into()),
+            parts: Vec::new(),
             if_busy: None,
             webhook: None,
         })
@@ -776,7 +783,8 @@ async fn a_watching_client_sees_turns_resumed_after_a_restart_exactly_once() {
     ws.send(&ClientFrame::Send {
         id: None,
         session_id: id,
-        text: "three".into(),
+        text: Some("three".into()),
+        parts: Vec::new(),
         if_busy: None,
         webhook: None,
     })
@@ -851,7 +859,8 @@ async fn a_turn_past_the_dialog_budget_fails_budget_exhausted_and_usage_shows_th
     let send = |text: &str| ClientFrame::Send {
         id: None,
         session_id: uuid(&id),
-        text: text.into(),
+        text: Some(text.into()),
+        parts: Vec::new(),
         if_busy: None,
         webhook: None,
     };
