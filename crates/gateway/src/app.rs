@@ -264,6 +264,9 @@ fn check_profiles(
     Ok(())
 }
 
+/// The name `keel serve` opens the data directory with.
+pub(crate) const SERVE_COMMAND: &str = "keel serve";
+
 /// Takes the data directory for this process and starts its runtime: the
 /// exclusive lock (a second process is refused here, before it migrates,
 /// recovers or writes anything), the store, and the activation that bumps
@@ -277,6 +280,12 @@ async fn activate(
     let holder = describe_process(command);
     let lock = RuntimeLock::acquire(&db, &holder)?;
     let store = Store::open(&db, config.store_options()).map_err(database_err(&db))?;
+    if command == SERVE_COMMAND {
+        // Only `keel serve` delivers webhooks. Its server-wide URLs are set
+        // before the activation, so the runs it recovers from an earlier
+        // process (interrupted now) are delivered to them too.
+        store.set_webhook_urls(config.server.webhook_urls.clone());
+    }
     let activation = store
         .activate_runtime(holder, keel_core::time::now_ms())
         .await

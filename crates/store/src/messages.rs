@@ -487,6 +487,7 @@ pub(crate) fn commit_turn_tx(
         crate::webhooks::deliveries_tx(
             conn,
             &crate::webhooks::CommittedTurn {
+                status: "committed",
                 session: &session.id,
                 timeline: head,
                 answers: &turn.answers,
@@ -570,7 +571,8 @@ fn close_open_inputs_tx(conn: &Connection, session: &SessionId) -> Result<usize>
 /// Marks every open input of every session unanswered (no turn runs yet).
 pub(crate) const CLOSE_INTERRUPTED_SQL: &str =
     "UPDATE messages INDEXED BY idx_messages_open_inputs \
-     SET input_state = 'unanswered' WHERE input_state = 'open' AND session_id >= ''";
+     SET input_state = 'unanswered' WHERE input_state = 'open' AND session_id >= '' \
+     RETURNING session_id, timeline_id, seq";
 
 fn open_turn_tx(
     conn: &Connection,
@@ -652,21 +654,39 @@ impl Store {
     /// Marks the open inputs `seqs` (of the session's head) unanswered: their
     /// turn failed or was cancelled. Inputs no longer open are left as they
     /// are. Returns how many changed.
+    /// Their webhooks (and the server-wide URLs) get a delivery saying so,
+    /// in the same transaction.
     pub async fn mark_unanswered(&self, session_id: SessionId, seqs: Vec<i64>) -> Result<usize> {
-        self.db
+        let urls = self.webhook_urls();
+        let (changed, deliveries) = self
+            .db
             .write(move |c| {
                 let timeline = head_timeline(c, &session_id)?;
                 let mut stmt = c.prepare_cached(
                     "UPDATE messages SET input_state = 'unanswered' \
                      WHERE timeline_id = ?1 AND seq = ?2 AND input_state = 'open'",
                 )?;
-                let mut changed = 0;
+                let (mut changed, mut deliveries) = (0, 0);
                 for seq in &seqs {
-                    changed += stmt.execute(params![timeline, seq])?;
+                    if stmt.execute(params![timeline, seq])? == 1 {
+                        changed += 1;
+                        deliveries += crate::webhooks::unanswered_deliveries_tx(
+                            c,
+                            &session_id,
+                            &timeline,
+                            *seq,
+                            keel_core::time::now_ms(),
+                            &urls,
+                        )?;
+                    }
                 }
-                Ok(changed)
+                Ok((changed, deliveries))
             })
-            .await
+            .await?;
+        if deliveries > 0 {
+            self.wake_webhooks();
+        }
+        Ok(changed)
     }
 
     /// Appends one message to the session's head timeline; returns its seq (see [`Store::append_messages`]).

@@ -168,7 +168,12 @@ pub(crate) fn check_fence(conn: &Connection, ours: u64) -> Result<()> {
     }
 }
 
-fn activate_tx(conn: &Connection, holder: &str, now_ms: i64) -> Result<Activation> {
+fn activate_tx(
+    conn: &Connection,
+    holder: &str,
+    now_ms: i64,
+    webhook_urls: &[String],
+) -> Result<Activation> {
     let previous = current(conn)?;
     // Runs stamped by builds that used wall-clock generations stay older.
     let stamped: i64 = conn.query_row(
@@ -189,12 +194,25 @@ fn activate_tx(conn: &Connection, holder: &str, now_ms: i64) -> Result<Activatio
     )?;
     // The lock says no other process runs: every lease was held by a
     // process that is gone, expired or not.
-    let mut recovery = recover_tx(conn, generation, now_ms, true)?;
+    let mut recovery = recover_tx(conn, generation, now_ms, true, webhook_urls)?;
     // Turn inputs an older process committed but never answered. Only here,
     // where no turn of this process runs yet, may every open input be closed.
-    recovery.unanswered_inputs = conn
+    let closed: Vec<(String, String, i64)> = conn
         .prepare_cached(crate::messages::CLOSE_INTERRUPTED_SQL)?
-        .execute([])? as u64;
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+        .collect::<rusqlite::Result<_>>()?;
+    for (session, timeline, seq) in &closed {
+        let session = crate::util::parse("messages.session_id", session)?;
+        crate::webhooks::unanswered_deliveries_tx(
+            conn,
+            &session,
+            timeline,
+            *seq,
+            now_ms,
+            webhook_urls,
+        )?;
+    }
+    recovery.unanswered_inputs = closed.len() as u64;
     Ok(Activation {
         generation,
         previous_holder: previous.map(|(_, h)| h),
@@ -211,10 +229,11 @@ impl Store {
     /// Every later write of this store (and its clones) is fenced to the new
     /// generation. Take a [`RuntimeLock`] first so no other process races it.
     pub async fn activate_runtime(&self, holder: String, now_ms: i64) -> Result<Activation> {
+        let urls = self.webhook_urls();
         let activation = self
             .db
             .write(move |c| {
-                let activation = activate_tx(c, &holder, now_ms)?;
+                let activation = activate_tx(c, &holder, now_ms, &urls)?;
                 failpoint!("store::activate::before_commit");
                 Ok(activation)
             })

@@ -105,7 +105,8 @@ pub struct TurnCompletedData {
     pub dialog_id: String,
     /// The turn (null when the commit named none).
     pub turn_id: Option<String>,
-    /// Always `committed`.
+    /// `committed`, or `unanswered`: the turn failed, was stopped or was
+    /// cut off by a crash (its message stays, unanswered; `answer` is empty).
     pub status: &'static str,
     /// The seq of the answer's last message in the dialog's history.
     pub last_seq: Option<i64>,
@@ -188,8 +189,10 @@ pub(crate) fn bind_tx(conn: &Connection, turn: &TurnId, timeline: &str, seq: i64
     Ok(())
 }
 
-/// What the commit of a turn tells [`deliveries_tx`].
+/// What the end of a turn tells [`deliveries_tx`].
 pub(crate) struct CommittedTurn<'a> {
+    /// `committed`, or `unanswered` ([`unanswered_deliveries_tx`]).
+    pub status: &'static str,
     pub session: &'a SessionId,
     pub timeline: &'a str,
     pub answers: &'a [i64],
@@ -253,7 +256,7 @@ pub(crate) fn deliveries_tx(
             data: TurnCompletedData {
                 dialog_id: turn.session.to_string(),
                 turn_id: target_turn.map(|t| t.to_string()),
-                status: "committed",
+                status: turn.status,
                 last_seq: turn.last_seq,
                 answer: answer.clone(),
             },
@@ -270,6 +273,30 @@ pub(crate) fn deliveries_tx(
         ])?;
     }
     Ok(targets.len())
+}
+
+/// Creates, in the transaction that marks input `seq` of `timeline`
+/// unanswered (its turn failed, was stopped or was cut off by a crash), the
+/// deliveries saying so: to the send's webhook and to every server-wide URL.
+pub(crate) fn unanswered_deliveries_tx(
+    conn: &Connection,
+    session: &SessionId,
+    timeline: &str,
+    seq: i64,
+    now_ms: i64,
+    global: &[String],
+) -> Result<usize> {
+    let turn = CommittedTurn {
+        status: "unanswered",
+        session,
+        timeline,
+        answers: &[seq],
+        turn_id: None,
+        messages: &[],
+        last_seq: None,
+        now_ms,
+    };
+    deliveries_tx(conn, &turn, global)
 }
 
 /// The body of a `run.completed` delivery.
@@ -293,8 +320,8 @@ pub struct RunCompletedData {
     pub agent: String,
     /// The dialog whose turn started it.
     pub dialog_id: String,
-    /// The turn that started it (whose send named the webhook).
-    pub turn_id: String,
+    /// The root turn that started it (whose send may have named the webhook).
+    pub turn_id: Option<String>,
     /// How it ended (`completed`, `failed`, `timed_out`, `cancelled`, …).
     pub status: String,
     /// Its result, when it completed.
@@ -304,7 +331,8 @@ pub struct RunCompletedData {
 }
 
 /// Creates, in a background run's terminal transaction, a delivery to the
-/// webhook the send of its root turn named (if any). Returns how many.
+/// webhook the send of its root turn named (if any) and one per server-wide
+/// URL. Returns how many.
 pub(crate) fn run_deliveries_tx(
     conn: &Connection,
     run: &crate::RunRecord,
@@ -312,20 +340,27 @@ pub(crate) fn run_deliveries_tx(
     result: Option<&str>,
     error: Option<&str>,
     now_ms: i64,
+    global: &[String],
 ) -> Result<usize> {
     if run.spec.mode != keel_core::ExecutionMode::Background {
         return Ok(0);
     }
-    let Some(turn) = run.spec.root_turn_id else {
-        return Ok(0);
+    let turn = run.spec.root_turn_id;
+    let subscribed: Option<String> = match turn {
+        Some(turn) => conn
+            .prepare_cached("SELECT url FROM webhook_subscriptions WHERE turn_id = ?1")?
+            .query_row([turn.to_string()], |r| r.get(0))
+            .optional()?,
+        None => None,
     };
-    let url: Option<String> = conn
-        .prepare_cached("SELECT url FROM webhook_subscriptions WHERE turn_id = ?1")?
-        .query_row([turn.to_string()], |r| r.get(0))
-        .optional()?;
-    let Some(url) = url else {
+    let urls: Vec<&str> = subscribed
+        .as_deref()
+        .into_iter()
+        .chain(global.iter().map(String::as_str))
+        .collect();
+    if urls.is_empty() {
         return Ok(0);
-    };
+    }
     let body = RunCompletedBody {
         kind: "run.completed",
         timestamp_ms: now_ms,
@@ -333,7 +368,7 @@ pub(crate) fn run_deliveries_tx(
             run_id: run.spec.id.to_string(),
             agent: run.spec.agent_id.as_str().to_owned(),
             dialog_id: run.spec.root_session_id.to_string(),
-            turn_id: turn.to_string(),
+            turn_id: turn.map(|t| t.to_string()),
             status: status.to_owned(),
             result: result.map(str::to_owned),
             error: error.map(str::to_owned),
@@ -341,25 +376,28 @@ pub(crate) fn run_deliveries_tx(
     };
     let body = serde_json::to_string(&body)
         .map_err(|e| StoreError::InvalidInput(format!("webhook body: {e}")))?;
-    conn.prepare_cached(
+    let mut insert = conn.prepare_cached(
         "INSERT INTO webhook_deliveries (id, url, event, session_id, turn_id, run_id, body, \
          status, next_attempt_at, created_at) \
          VALUES (?1, ?2, 'run.completed', ?3, ?4, ?5, ?6, 'pending', ?7, ?7)",
-    )?
-    .execute(params![
-        format!("msg_{}", uuid::Uuid::now_v7().simple()),
-        url,
-        run.spec.root_session_id.to_string(),
-        turn.to_string(),
-        run.spec.id.to_string(),
-        body,
-        now_ms
-    ])?;
-    Ok(1)
+    )?;
+    for url in &urls {
+        insert.execute(params![
+            format!("msg_{}", uuid::Uuid::now_v7().simple()),
+            url,
+            run.spec.root_session_id.to_string(),
+            turn.map(|t| t.to_string()),
+            run.spec.id.to_string(),
+            body,
+            now_ms
+        ])?;
+    }
+    Ok(urls.len())
 }
 
 impl Store {
-    /// Sets the URLs every committed turn that answers input is delivered to.
+    /// Sets the URLs every committed turn that answers input, and every
+    /// background run's end, is delivered to.
     pub fn set_webhook_urls(&self, urls: Vec<String>) {
         *self.hooks.urls.write() = urls;
     }

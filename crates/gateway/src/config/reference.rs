@@ -779,7 +779,7 @@ pub fn reference() -> Vec<KeyDoc> {
         &mut rows,
         "server.webhook_urls",
         format!(
-            "http(s) URLs (at most {MAX_WEBHOOK_URLS}) every committed turn that answers a message is POSTed to, signed (see PROTOCOL.md, Webhooks), besides the `webhook` a send names. Delivered at least once from the store's outbox."
+            "http(s) URLs (at most {MAX_WEBHOOK_URLS}) every committed turn that answers a message, and every background run's end, is POSTed to, signed (see PROTOCOL.md, Webhooks), besides the `webhook` a send names. Delivered at least once from the store's outbox."
         ),
     );
     code(

@@ -447,7 +447,7 @@ pub async fn run(
     // The trace exporter's drops (zero while `[telemetry]` exports nothing).
     crate::metrics::register_dropped_spans(crate::telemetry::dropped_spans);
     let _stop_upkeep = metrics_upkeep.drop_guard();
-    let app = App::open("keel serve", config, data_dir, None).await?;
+    let app = App::open(crate::app::SERVE_COMMAND, config, data_dir, None).await?;
     for notice in &app.notices {
         eprintln!("{notice}");
     }

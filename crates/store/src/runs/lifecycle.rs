@@ -255,6 +255,7 @@ pub(super) fn terminal_tx(
     handling: CompletionHandling,
     now_ms: i64,
     revisions: &mut Revisions,
+    webhook_urls: &[String],
 ) -> Result<TerminalCommit> {
     if run.status.is_terminal() {
         return Ok(TerminalCommit {
@@ -338,6 +339,7 @@ pub(super) fn terminal_tx(
         result.as_deref(),
         error.as_deref(),
         now_ms,
+        webhook_urls,
     )?;
     let ok = status == RunStatus::Completed;
     let mut event_id = None;
@@ -471,6 +473,7 @@ fn commit_terminal_tx(
     outcome: &TerminalOutcome,
     handling: CompletionHandling,
     now_ms: i64,
+    webhook_urls: &[String],
 ) -> Result<TerminalCommit> {
     let run = require_run(conn, run_id)?;
     if run.spec.execution_id != execution_id || run.status.is_terminal() {
@@ -483,7 +486,15 @@ fn commit_terminal_tx(
         });
     }
     let mut revisions = Revisions::default();
-    let commit = terminal_tx(conn, &run, outcome, handling, now_ms, &mut revisions)?;
+    let commit = terminal_tx(
+        conn,
+        &run,
+        outcome,
+        handling,
+        now_ms,
+        &mut revisions,
+        webhook_urls,
+    )?;
     if matches!(outcome, TerminalOutcome::Cancelled { .. }) {
         // A cancelled run's pending signals are no longer news.
         crate::inbox::supersede_run_signals_tx(conn, run_id, now_ms, &mut revisions)?;
@@ -496,6 +507,7 @@ fn cancel_session_tx(
     root: &SessionId,
     reason: &str,
     now_ms: i64,
+    webhook_urls: &[String],
 ) -> Result<CancelReport> {
     let mut report = CancelReport::default();
     let runs = query_runs(
@@ -521,6 +533,7 @@ fn cancel_session_tx(
             CompletionHandling::Release,
             now_ms,
             &mut revisions,
+            webhook_urls,
         )?;
         let after = usage_tx(conn, root)?.reserved_completion_slots;
         report.reservations_released += before.saturating_sub(after);
@@ -615,11 +628,19 @@ impl Store {
         now_ms: i64,
         calls: Vec<crate::CallSpan>,
     ) -> Result<TerminalCommit> {
+        let urls = self.webhook_urls();
         let commit = self
             .db
             .write(move |c| {
-                let commit =
-                    commit_terminal_tx(c, &run_id, &execution_id, &outcome, handling, now_ms)?;
+                let commit = commit_terminal_tx(
+                    c,
+                    &run_id,
+                    &execution_id,
+                    &outcome,
+                    handling,
+                    now_ms,
+                    &urls,
+                )?;
                 if commit.won {
                     crate::calls::insert_calls_tx(
                         c,
@@ -647,9 +668,10 @@ impl Store {
         reason: String,
         now_ms: i64,
     ) -> Result<CancelReport> {
+        let urls = self.webhook_urls();
         let report = self
             .db
-            .write(move |c| cancel_session_tx(c, &root_session_id, &reason, now_ms))
+            .write(move |c| cancel_session_tx(c, &root_session_id, &reason, now_ms, &urls))
             .await?;
         // Cancelled background runs of a hooked turn have deliveries now.
         self.wake_webhooks();

@@ -21,6 +21,7 @@ pub(crate) fn recover_tx(
     active_generation: u64,
     now_ms: i64,
     all_leases: bool,
+    webhook_urls: &[String],
 ) -> Result<RecoveryReport> {
     let mut report = RecoveryReport::default();
     let generation = to_i64("active_generation", active_generation)?;
@@ -49,6 +50,7 @@ pub(crate) fn recover_tx(
             CompletionHandling::Deliver,
             now_ms,
             &mut revisions,
+            webhook_urls,
         )?;
         if commit.event_id.is_some() {
             report.completion_events += 1;
@@ -131,8 +133,9 @@ impl Store {
         active_generation: u64,
         now_ms: i64,
     ) -> Result<RecoveryReport> {
+        let urls = self.webhook_urls();
         self.db
-            .write(move |c| recover_tx(c, active_generation, now_ms, false))
+            .write(move |c| recover_tx(c, active_generation, now_ms, false, &urls))
             .await
     }
 }

@@ -322,3 +322,174 @@ async fn a_background_run_of_a_hooked_turn_notifies_the_same_url_when_it_ends() 
         .unwrap()
         .is_clean());
 }
+
+#[tokio::test]
+async fn server_wide_urls_get_every_background_runs_end_completed_or_cancelled() {
+    use keel_core::{ExecutionMode, Usage};
+    use keel_store::{AcceptRun, CompletionHandling, TerminalOutcome};
+    let (_dir, store) = temp_store();
+    store.set_webhook_urls(vec!["http://127.0.0.1:9/all".into()]);
+    let s = store.create_session(new_session("w", 1)).await.unwrap();
+    let accept = |mode| {
+        let run = new_run(s.id, mode);
+        let request = AcceptRun {
+            run: run.clone(),
+            inbox_capacity: 4,
+            now_ms: 40,
+        };
+        (run, request)
+    };
+    let (completed, a) = accept(ExecutionMode::Background);
+    store.accept_run(a).await.unwrap();
+    let (foreground, a) = accept(ExecutionMode::Foreground);
+    store.accept_run(a).await.unwrap();
+    let (cancelled, a) = accept(ExecutionMode::Background);
+    store.accept_run(a).await.unwrap();
+    for run in [&completed, &foreground] {
+        let outcome = TerminalOutcome::Completed {
+            result: "done".into(),
+            usage: Usage::new(1, 1),
+            tool_calls: 0,
+            iterations: 1,
+            cost: None,
+        };
+        let commit = store
+            .commit_terminal(
+                run.id,
+                run.execution_id.clone(),
+                outcome,
+                CompletionHandling::Deliver,
+                50,
+            )
+            .await
+            .unwrap();
+        assert!(commit.won);
+    }
+    store
+        .cancel_session(s.id, "stopped".into(), 60)
+        .await
+        .unwrap();
+    let ends: Vec<(String, String, String)> = store
+        .list_webhook_deliveries(None, None, 10)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|d| {
+            let body: serde_json::Value = serde_json::from_str(&d.body).unwrap();
+            let run = body["data"]["run_id"].as_str().unwrap().to_owned();
+            let status = body["data"]["status"].as_str().unwrap().to_owned();
+            (d.url, run, status)
+        })
+        .collect();
+    // The foreground run is part of its turn and notifies nothing of its own.
+    assert_eq!(
+        ends,
+        [
+            (
+                "http://127.0.0.1:9/all".to_owned(),
+                completed.id.to_string(),
+                "completed".to_owned()
+            ),
+            (
+                "http://127.0.0.1:9/all".to_owned(),
+                cancelled.id.to_string(),
+                "cancelled".to_owned()
+            ),
+        ]
+    );
+    assert!(store
+        .check_invariants(keel_store::CheckOptions::default())
+        .await
+        .unwrap()
+        .is_clean());
+}
+
+/// Opens the queued input's turn without answering it; returns its seqs.
+async fn open_only(store: &Store, q: &QueuedInput) -> Vec<i64> {
+    store
+        .open_turn(OpenTurn {
+            session_id: q.session_id,
+            messages: vec![user("hello")],
+            expected_head: None,
+            queued: Some(q.turn_id),
+            now_ms: 20,
+        })
+        .await
+        .unwrap()
+}
+
+fn statuses(deliveries: &[keel_store::WebhookDelivery]) -> Vec<(String, String, String)> {
+    deliveries
+        .iter()
+        .map(|d| {
+            let body: serde_json::Value = serde_json::from_str(&d.body).unwrap();
+            let turn = body["data"]["turn_id"].as_str().unwrap_or("-").to_owned();
+            let status = body["data"]["status"].as_str().unwrap().to_owned();
+            (d.url.clone(), turn, status)
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_turn_that_fails_or_a_crash_cuts_off_is_delivered_as_unanswered() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("keel.db");
+    let store = Store::open(&path, StoreOptions::default()).unwrap();
+    store.set_webhook_urls(vec!["http://127.0.0.1:9/all".into()]);
+    let s = store.create_session(new_session("w", 1)).await.unwrap();
+    // A turn that fails: its input is marked unanswered.
+    let failed = queued(s.id, Some("http://127.0.0.1:9/hook"));
+    store.queue_input(failed.clone()).await.unwrap();
+    let seqs = open_only(&store, &failed).await;
+    assert_eq!(store.mark_unanswered(s.id, seqs.clone()).await.unwrap(), 1);
+    // Marking it again changes nothing and delivers nothing more.
+    assert_eq!(store.mark_unanswered(s.id, seqs).await.unwrap(), 0);
+    let hook = failed.turn_id.to_string();
+    let expected_failed = [
+        (
+            "http://127.0.0.1:9/hook".to_owned(),
+            hook.clone(),
+            "unanswered".to_owned(),
+        ),
+        (
+            "http://127.0.0.1:9/all".to_owned(),
+            hook,
+            "unanswered".to_owned(),
+        ),
+    ];
+    let listed = store.list_webhook_deliveries(None, None, 10).await.unwrap();
+    assert_eq!(statuses(&listed), expected_failed);
+    assert!(listed.iter().all(|d| d.event == "turn.completed"));
+
+    // A turn a crash cut off: the next activation closes its input.
+    let cut = queued(s.id, Some("http://127.0.0.1:9/hook"));
+    store.queue_input(cut.clone()).await.unwrap();
+    open_only(&store, &cut).await;
+    drop(store);
+    let store = Store::open(&path, StoreOptions::default()).unwrap();
+    store.set_webhook_urls(vec!["http://127.0.0.1:9/all".into()]);
+    let activation = store.activate_runtime("test".into(), 40).await.unwrap();
+    assert_eq!(activation.recovery.unanswered_inputs, 1);
+    let listed = store.list_webhook_deliveries(None, None, 10).await.unwrap();
+    let cut_turn = cut.turn_id.to_string();
+    assert_eq!(
+        statuses(&listed)[2..],
+        [
+            (
+                "http://127.0.0.1:9/hook".to_owned(),
+                cut_turn.clone(),
+                "unanswered".to_owned()
+            ),
+            (
+                "http://127.0.0.1:9/all".to_owned(),
+                cut_turn,
+                "unanswered".to_owned()
+            ),
+        ]
+    );
+    assert!(store
+        .check_invariants(keel_store::CheckOptions::default())
+        .await
+        .unwrap()
+        .is_clean());
+}
