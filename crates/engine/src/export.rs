@@ -52,6 +52,21 @@ pub struct DialogExport {
     /// Every checkpoint of the dialog, oldest first.
     #[serde(default)]
     pub checkpoints: Vec<ExportedCheckpoint>,
+    /// Every stored image its messages refer to (`keel-image:sha256:…`);
+    /// left out when there is none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub images: Vec<ExportedImage>,
+}
+
+/// A stored image a message of the export refers to, with its bytes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExportedImage {
+    /// SHA-256 of the bytes, lowercase hex: the hash its references name.
+    pub sha256: String,
+    /// Its media type (`image/png`, …).
+    pub media_type: String,
+    /// The bytes, base64 (standard alphabet, padded).
+    pub data: String,
 }
 
 /// One sub-agent run of the dialog: what was asked, of whom, and how it ended.
@@ -235,7 +250,25 @@ impl DialogExport {
             timelines,
             head_timeline: Some(tree.head.clone()),
             checkpoints,
+            images: Vec::new(),
         })
+    }
+
+    /// The hashes of the stored images its messages (of every timeline)
+    /// refer to, each once, in order.
+    pub(crate) fn image_hashes(&self) -> std::collections::BTreeSet<String> {
+        let timelines = self.timelines.iter().flat_map(|t| &t.messages);
+        self.messages
+            .iter()
+            .chain(timelines)
+            .flat_map(|m| &m.message.content)
+            .filter_map(|part| match part {
+                keel_core::ContentPart::ImageRef { uri, .. } => {
+                    keel_core::image::stored_image_hash(uri).map(str::to_owned)
+                }
+                keel_core::ContentPart::Text { .. } => None,
+            })
+            .collect()
     }
 
     /// Parses an export file, refusing another format, a newer version or
@@ -357,6 +390,7 @@ mod tests {
             timelines: Vec::new(),
             head_timeline: None,
             checkpoints: Vec::new(),
+            images: Vec::new(),
         }
     }
 

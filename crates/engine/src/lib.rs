@@ -61,7 +61,8 @@ pub use coordinator::{
 pub use error::{EngineError, Result};
 pub use events::{SessionEvent, SessionEvents, SessionSubscription, SubscriptionError};
 pub use export::{
-    DialogExport, ExportedDialog, ExportedMessage, ExportedModel, ExportedRun, ExportedRunTimes,
+    DialogExport, ExportedDialog, ExportedImage, ExportedMessage, ExportedModel, ExportedRun,
+    ExportedRunTimes,
     DIALOG_FORMAT, DIALOG_FORMAT_VERSION, MAX_DIALOG_EXPORT_BYTES,
 };
 pub use export_tree::{ExportedCheckpoint, ExportedTimeline};

@@ -8,7 +8,8 @@ use keel_store::{CheckpointSource, NewCheckpoint, NewMessage, NewSession, TurnCo
 use super::{clean_title, new_dialog_id, SessionManager};
 use crate::address::DialogAddress;
 use crate::error::{EngineError, Result};
-use crate::export::DialogExport;
+use crate::export::{DialogExport, ExportedImage};
+use base64::Engine as _;
 
 impl SessionManager {
     /// The dialog's current history, hidden messages included, its state
@@ -18,7 +19,54 @@ impl SessionManager {
         let guard = session.lock().await;
         let runs = self.store.session_runs(id).await?;
         let tree = self.store.dialog_tree(id).await?;
-        DialogExport::of(&guard, &runs, &tree)
+        let mut export = DialogExport::of(&guard, &runs, &tree)?;
+        for hash in export.image_hashes() {
+            let image = self.store.image(&hash).await?.ok_or_else(|| {
+                EngineError::InvalidInput(format!(
+                    "image {hash} of this dialog is missing from the database (keel doctor reports it)"
+                ))
+            })?;
+            export.images.push(ExportedImage {
+                sha256: image.sha256,
+                media_type: image.media_type,
+                data: base64::engine::general_purpose::STANDARD.encode(&image.bytes),
+            });
+        }
+        Ok(export)
+    }
+
+    /// Stores the export's images, each checked against the hash its
+    /// references name, before the dialog that refers to them is imported
+    /// (as a send stores its images before the message). Refuses a file
+    /// whose messages refer to an image it does not carry.
+    async fn import_images(&self, export: &DialogExport) -> Result<()> {
+        let carried: std::collections::HashMap<&str, &ExportedImage> = export
+            .images
+            .iter()
+            .map(|i| (i.sha256.as_str(), i))
+            .collect();
+        let mut decoded = Vec::new();
+        for hash in export.image_hashes() {
+            let image = carried.get(hash.as_str()).ok_or_else(|| {
+                EngineError::InvalidInput(format!(
+                    "a message refers to image {hash}, which the file does not carry"
+                ))
+            })?;
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(&image.data)
+                .map_err(|e| EngineError::InvalidInput(format!("image {hash}: {e}")))?;
+            decoded.push((hash, bytes));
+        }
+        for (hash, bytes) in decoded {
+            let stored = self.store.put_image(bytes).await?;
+            if stored.sha256 != hash {
+                return Err(EngineError::InvalidInput(format!(
+                    "image {hash}: its bytes have another hash ({})",
+                    stored.sha256
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Recreates an export as a new dialog of the same chat, with new ids,
@@ -34,6 +82,7 @@ impl SessionManager {
             .transpose()
             .map_err(|e| EngineError::InvalidInput(e.to_string()))?;
         let agent = self.bundle.agent(agent.as_ref())?;
+        self.import_images(&export).await?;
         let address = DialogAddress::new(
             &export.dialog.channel,
             &export.dialog.chat_id,

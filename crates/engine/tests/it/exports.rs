@@ -367,3 +367,69 @@ async fn a_file_without_timelines_imports_its_history_with_one_checkpoint() {
         .unwrap()
         .is_empty());
 }
+
+/// The smallest PNG header the store's sniffing recognises, and a tail.
+const PNG: &[u8] = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\0\0\0\x01";
+
+/// A dialog whose history holds a user message with a stored image.
+async fn dialog_with_an_image(h: &Harness) -> (SessionId, String) {
+    let stored = h.manager.store().put_image(PNG.to_vec()).await.unwrap();
+    let id = h.manager.create(spec("pictures")).await.unwrap();
+    let user: keel_core::Message = serde_json::from_value(serde_json::json!({
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "look"},
+            {"type": "image_ref", "uri": keel_core::image::image_uri(&stored.sha256),
+             "mime_type": "image/png"},
+        ],
+    }))
+    .unwrap();
+    h.manager
+        .import_messages(id, vec![user, keel_core::Message::assistant("a dot")])
+        .await
+        .unwrap();
+    (id, stored.sha256)
+}
+
+#[tokio::test]
+async fn an_exported_image_travels_with_its_dialog_and_a_missing_or_altered_one_is_refused() {
+    let from = harness(SessionManagerConfig::default());
+    let (id, hash) = dialog_with_an_image(&from).await;
+    let export = from.manager.export_dialog(id).await.unwrap();
+    assert_eq!(export.images.len(), 1, "one image, referred to once");
+    assert_eq!(export.images[0].sha256, hash);
+    assert_eq!(export.images[0].media_type, "image/png");
+
+    // Into another data directory: the image comes along, byte for byte.
+    let to = harness(SessionManagerConfig::default());
+    let copy = to.manager.import_dialog(export.clone()).await.unwrap();
+    let image = to.manager.store().image(&hash).await.unwrap().expect("carried");
+    assert_eq!(image.bytes, PNG);
+    assert_eq!(visible_texts(&to.manager, copy).await, ["look", "a dot"]);
+    assert!(to
+        .manager
+        .store()
+        .check_invariants(keel_store::CheckOptions::default())
+        .await
+        .unwrap()
+        .is_clean());
+
+    // A file that refers to an image it does not carry, or whose bytes are
+    // not the image its references name, is refused.
+    let elsewhere = harness(SessionManagerConfig::default());
+    let mut missing = export.clone();
+    missing.images.clear();
+    let mut altered = export.clone();
+    altered.images[0].data = "R0lGODlhAQABAAAAACw=".into(); // a GIF's header
+    let mut errors = Vec::new();
+    for file in [missing, altered] {
+        let err = elsewhere.manager.import_dialog(file).await.unwrap_err();
+        errors.push(err.to_string().replace(&hash, "HASH"));
+    }
+    insta::assert_debug_snapshot!(errors, @r#"
+    [
+        "invalid input: a message refers to image HASH, which the file does not carry",
+        "invalid input: image HASH: its bytes have another hash (2f41918f848b5fb01cd6731a4f8e50a6d5bb3b78fcc34d0a419052672fb72af3)",
+    ]
+    "#);
+}

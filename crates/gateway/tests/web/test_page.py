@@ -723,6 +723,14 @@ def scenario_image_paste(r):
     expect(previews).to_have_count(0)
     expect(page.locator("#attachments")).to_be_hidden()
     expect(page.locator("article.msg.user", has_text="What is in this picture?")).to_have_count(1)
+    # Once answered, the history read after a reload shows the stored image.
+    expect(r.assistant().locator(".md")).not_to_be_empty()
+    expect(page.locator("article.msg.assistant.streaming")).to_have_count(0)
+    page.reload()
+    expect(page.locator("#connection")).to_have_attribute("data-state", "open")
+    image = page.locator("article.msg.user", has_text="What is in this picture?").locator("img.msg-image")
+    expect(image).to_have_count(1)
+    expect(image).to_have_attribute("src", re.compile(r"^data:image/png;base64,"))
     r.shot("image")
 
 
