@@ -18,6 +18,7 @@ commands:
   web                        the web page's browser test (headless Chromium, Playwright)
   deps                       check the crate layering
   postgres                   keel-store-postgres' tests on a real PostgreSQL (the ci step)
+  schemathesis               schemathesis against a live keel serve's OpenAPI document (the ci step)
   tidy                       file and function sizes, dead public API, unread config keys
   bench [store|catalog|engine|serve|...]
                              run benchmarks (all when no name is given)
@@ -34,6 +35,7 @@ fn main() -> ExitCode {
         Some("ci") => ci(),
         Some("deps") => deps_cmd(),
         Some("postgres") => postgres::run_alone(),
+        Some("schemathesis") => schemathesis(),
         Some("web") => web_prerequisites().and_then(|()| web_test()),
         Some("tidy") => tidy_cmd(),
         Some("bench") => bench(&args[1..]),

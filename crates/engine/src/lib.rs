@@ -62,8 +62,7 @@ pub use error::{EngineError, Result};
 pub use events::{SessionEvent, SessionEvents, SessionSubscription, SubscriptionError};
 pub use export::{
     DialogExport, ExportedDialog, ExportedImage, ExportedMessage, ExportedModel, ExportedRun,
-    ExportedRunTimes,
-    DIALOG_FORMAT, DIALOG_FORMAT_VERSION, MAX_DIALOG_EXPORT_BYTES,
+    ExportedRunTimes, DIALOG_FORMAT, DIALOG_FORMAT_VERSION, MAX_DIALOG_EXPORT_BYTES,
 };
 pub use export_tree::{ExportedCheckpoint, ExportedTimeline};
 pub use gate::{

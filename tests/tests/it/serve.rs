@@ -395,7 +395,7 @@ fn a_reload_is_seen_by_the_next_request_everywhere() {
         let refused = post("/api/dialogs", serde_json::json!({"agent": "b"}))
             .await
             .unwrap();
-        assert_eq!(refused.status(), 404);
+        assert_eq!(refused.status(), 400);
         let problem: serde_json::Value = refused.json().await.unwrap();
         assert_eq!(problem["detail"], "unknown agent \"b\"");
         assert_eq!(models().await, ["keel:root", "keel:a", "keel:c"]);

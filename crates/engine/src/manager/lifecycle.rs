@@ -148,7 +148,9 @@ impl SessionManager {
 
     /// Whether the model of `session`'s agent takes images (its profile is
     /// not marked `images = false`).
-    pub fn accepts_images(&self, id: SessionId) -> Result<bool> {
+    pub async fn accepts_images(&self, id: SessionId) -> Result<bool> {
+        // Loaded first: a dialog an earlier process served is only stored.
+        self.session(id).await?;
         let agent_id = self
             .sessions
             .lock()

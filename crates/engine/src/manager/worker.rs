@@ -257,7 +257,7 @@ impl SessionManager {
             .content
             .iter()
             .any(|p| matches!(p, keel_core::ContentPart::ImageRef { .. }));
-        if has_image && !self.accepts_images(session)? {
+        if has_image && !self.accepts_images(session).await? {
             return Err(EngineError::InvalidInput(TEXT_ONLY.into()));
         }
         if self.queue_full(session) {

@@ -403,7 +403,13 @@ async fn an_exported_image_travels_with_its_dialog_and_a_missing_or_altered_one_
     // Into another data directory: the image comes along, byte for byte.
     let to = harness(SessionManagerConfig::default());
     let copy = to.manager.import_dialog(export.clone()).await.unwrap();
-    let image = to.manager.store().image(&hash).await.unwrap().expect("carried");
+    let image = to
+        .manager
+        .store()
+        .image(&hash)
+        .await
+        .unwrap()
+        .expect("carried");
     assert_eq!(image.bytes, PNG);
     assert_eq!(visible_texts(&to.manager, copy).await, ["look", "a dot"]);
     assert!(to

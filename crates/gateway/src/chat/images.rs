@@ -7,7 +7,7 @@ impl Chat {
     /// `/image PATH`: stores the file's image and attaches it to the next
     /// message (the image is committed before any message refers to it).
     pub(super) async fn attach_image(&mut self, path: &str) {
-        match self.manager.accepts_images(self.current) {
+        match self.manager.accepts_images(self.current).await {
             Ok(true) => {}
             Ok(false) => {
                 return self.say(

@@ -156,7 +156,7 @@ impl Shared {
         input: CheckedInput,
     ) -> ApiResult<Message> {
         let CheckedInput { content, images } = input;
-        if images > 0 && !self.app.manager.accepts_images(session)? {
+        if images > 0 && !self.app.manager.accepts_images(session).await? {
             return Err(ApiError::BadRequest(
                 "this dialog's model takes text only (its profile has images = false); \
                  send the message without images"

@@ -184,8 +184,11 @@ impl From<EngineError> for ApiError {
             | EngineError::RunNotFound(_)
             | EngineError::SlotNotFound(_)
             | EngineError::ApprovalNotFound(_) => ApiError::NotFound(e.to_string()),
-            EngineError::UnknownAgent(_) => ApiError::NotFound(e.to_string()),
-            EngineError::InvalidInput(_) => ApiError::BadRequest(e.to_string()),
+            // The body names an agent the catalog lacks: the request is at
+            // fault, not its target (a 404 would say the dialog is gone).
+            EngineError::UnknownAgent(_) | EngineError::InvalidInput(_) => {
+                ApiError::BadRequest(e.to_string())
+            }
             EngineError::InvalidTitle(_) => ApiError::InvalidTitle(e.to_string()),
             EngineError::SpawnRejected => ApiError::Unavailable(e.to_string()),
             EngineError::SlotExists(_)

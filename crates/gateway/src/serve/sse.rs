@@ -190,11 +190,9 @@ fn last_event_id(headers: &HeaderMap) -> ApiResult<Option<u64>> {
     let Some(value) = headers.get("last-event-id") else {
         return Ok(None);
     };
+    // An empty one is refused too: a browser sends none after a reset id
+    // (the SSE spec), and the document says the header is a number.
     let text = value.to_str().unwrap_or_default().trim();
-    // An empty id is how a server resets it: nothing was seen.
-    if text.is_empty() {
-        return Ok(None);
-    }
     text.parse()
         .ok()
         .and_then(given_id)

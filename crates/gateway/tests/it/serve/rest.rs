@@ -710,7 +710,7 @@ async fn a_reload_is_seen_by_the_next_request_and_a_removed_agents_dialog_refuse
         201
     );
     let r = t.post("/api/dialogs", json!({"agent": "monitor"})).await;
-    assert_eq!(r.status(), 404);
+    assert_eq!(r.status(), 400);
     let models: Vec<String> = t.json("/v1/models").await["data"]
         .as_array()
         .unwrap()
@@ -835,7 +835,7 @@ async fn a_dialogs_agent_switches_by_patch_only_while_no_turn_runs() {
             .await
             .unwrap()
             .status(),
-        404
+        400
     );
     assert_eq!(
         patch(json!({"agent": "Not A Name"}))
