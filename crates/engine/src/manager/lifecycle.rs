@@ -158,11 +158,12 @@ impl SessionManager {
             .ok_or(EngineError::SessionNotFound(id))?
             .agent_id
             .clone();
-        Ok(self
-            .bundle
-            .session_agent(agent_id.as_ref())?
-            .provider
-            .accepts_images())
+        self.agent_accepts_images(agent_id.as_ref())
+    }
+
+    /// Whether the model of `agent` (`None`: the root agent) takes images.
+    pub fn agent_accepts_images(&self, agent: Option<&AgentId>) -> Result<bool> {
+        Ok(self.bundle.session_agent(agent)?.provider.accepts_images())
     }
 
     /// Ids of `parent`'s children that are not destroyed.

@@ -157,11 +157,7 @@ impl Shared {
     ) -> ApiResult<Message> {
         let CheckedInput { content, images } = input;
         if images > 0 && !self.app.manager.accepts_images(session).await? {
-            return Err(ApiError::BadRequest(
-                "this dialog's model takes text only (its profile has images = false); \
-                 send the message without images"
-                    .to_owned(),
-            ));
+            return Err(text_only());
         }
         let mut message = Message::user("");
         message.content.clear();
@@ -216,6 +212,28 @@ impl Shared {
             )),
         }
     }
+}
+
+/// The refusal of images for a model that takes text only.
+fn text_only() -> ApiError {
+    ApiError::BadRequest(
+        "this dialog's model takes text only (its profile has images = false); \
+         send the message without images"
+            .to_owned(),
+    )
+}
+
+/// Refuses `checked` input with images for `agent`'s text-only model, so an
+/// endpoint that places a dialog first (OpenAI, AG-UI) creates none for it.
+pub(crate) fn check_agent_takes(
+    shared: &Shared,
+    agent: Option<&keel_core::AgentId>,
+    checked: &CheckedInput,
+) -> ApiResult<()> {
+    if checked.images > 0 && !shared.app.manager.agent_accepts_images(agent)? {
+        return Err(text_only());
+    }
+    Ok(())
 }
 
 fn too_large(max: usize) -> ApiError {

@@ -848,6 +848,7 @@ async fn run(
     };
     // Checked before a dialog is placed: a refused image creates none.
     let checked = shared.check_input(Some(conversation.input.clone()), images)?;
+    crate::serve::images::check_agent_takes(&shared, conversation.agent.as_ref(), &checked)?;
     let placed = shared.conversations.place(&shared, &conversation).await?;
     // Sub-agent runs of the dialog are published from now on.
     shared.projections.watch(placed.dialog).await?;

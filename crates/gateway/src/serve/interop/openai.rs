@@ -918,6 +918,7 @@ async fn completions(
         Some(conversation.input.clone()),
         super::images::openai_images(&body)?,
     )?;
+    crate::serve::images::check_agent_takes(&shared, conversation.agent.as_ref(), &checked)?;
     let placed = shared.conversations.place(&shared, &conversation).await?;
     let input = shared.store_input(placed.dialog, checked).await?;
     let feed = Conversations::start_turn(&shared, placed, input).await?;

@@ -216,4 +216,45 @@ async fn a_text_only_model_refuses_images_before_anything_is_stored() {
     // Text alone still goes through.
     let events = send_streamed(&t, &id, json!({"text": "hello"})).await;
     assert!(events.ends_with("turn_committed"), "{events}");
+    // The OpenAI and AG-UI endpoints refuse it before placing a dialog.
+    let placed = |channel: &'static str, chat: &'static str| {
+        let t = &t;
+        async move {
+            let page = t
+                .json(&format!("/api/dialogs?channel={channel}&chat_id={chat}"))
+                .await;
+            page["items"].as_array().unwrap().len()
+        }
+    };
+    let openai = t
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "keel:root", "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "look"},
+                {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{}", b64(PNG))}},
+            ]}]}),
+        )
+        .await;
+    assert_eq!(openai.status(), 400, "{}", openai.text().await.unwrap());
+    let agui = t
+        .post(
+            "/ag-ui/root",
+            json!({"threadId": "t-text-only", "runId": "r1", "state": {}, "tools": [],
+                   "context": [], "forwardedProps": {}, "messages": [{"id": "m1", "role": "user",
+                   "content": [{"type": "text", "text": "look"},
+                               {"type": "binary", "mimeType": "image/png", "data": b64(PNG)}]}]}),
+        )
+        .await;
+    assert_eq!(agui.status(), 400, "{}", agui.text().await.unwrap());
+    assert_eq!(
+        placed("openai", "default").await,
+        0,
+        "an OpenAI dialog was placed"
+    );
+    assert_eq!(
+        placed("ag-ui", "t-text-only").await,
+        0,
+        "an AG-UI dialog was placed"
+    );
+    assert_eq!(image_rows(&t).await, 0);
 }
