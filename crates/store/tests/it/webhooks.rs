@@ -20,6 +20,28 @@ fn queued(session: SessionId, url: Option<&str>) -> QueuedInput {
     }
 }
 
+/// Completes `run` with `result` (the commit must win).
+async fn complete(store: &Store, run: &keel_store::NewRun, result: &str) {
+    let outcome = keel_store::TerminalOutcome::Completed {
+        result: result.into(),
+        usage: keel_core::Usage::new(1, 1),
+        tool_calls: 0,
+        iterations: 1,
+        cost: None,
+    };
+    let commit = store
+        .commit_terminal(
+            run.id,
+            run.execution_id.clone(),
+            outcome,
+            keel_store::CompletionHandling::Deliver,
+            50,
+        )
+        .await
+        .unwrap();
+    assert!(commit.won);
+}
+
 /// Opens the queued input's turn and commits its answer.
 async fn run_turn(store: &Store, q: &QueuedInput, answer: &str) -> Vec<i64> {
     let seqs = store
@@ -254,8 +276,8 @@ async fn a_pending_delivery_survives_reopening_the_database() {
 
 #[tokio::test]
 async fn a_background_run_of_a_hooked_turn_notifies_the_same_url_when_it_ends() {
-    use keel_core::{ExecutionMode, Usage};
-    use keel_store::{AcceptRun, CompletionHandling, TerminalOutcome};
+    use keel_core::ExecutionMode;
+    use keel_store::AcceptRun;
     let (_dir, store) = temp_store();
     let s = store.create_session(new_session("w", 1)).await.unwrap();
     let q = queued(s.id, Some("http://127.0.0.1:9/hook"));
@@ -281,24 +303,7 @@ async fn a_background_run_of_a_hooked_turn_notifies_the_same_url_when_it_ends() 
     let (other, a) = accept(Some(TurnId::new()), ExecutionMode::Background);
     store.accept_run(a).await.unwrap();
     for run in [&hooked, &fg, &other] {
-        let outcome = TerminalOutcome::Completed {
-            result: "found it".into(),
-            usage: Usage::new(1, 1),
-            tool_calls: 0,
-            iterations: 1,
-            cost: None,
-        };
-        let commit = store
-            .commit_terminal(
-                run.id,
-                run.execution_id.clone(),
-                outcome,
-                CompletionHandling::Deliver,
-                50,
-            )
-            .await
-            .unwrap();
-        assert!(commit.won);
+        complete(&store, run, "found it").await;
     }
     let runs: Vec<_> = store
         .list_webhook_deliveries(None, None, 10)
@@ -325,8 +330,8 @@ async fn a_background_run_of_a_hooked_turn_notifies_the_same_url_when_it_ends() 
 
 #[tokio::test]
 async fn server_wide_urls_get_every_background_runs_end_completed_or_cancelled() {
-    use keel_core::{ExecutionMode, Usage};
-    use keel_store::{AcceptRun, CompletionHandling, TerminalOutcome};
+    use keel_core::ExecutionMode;
+    use keel_store::AcceptRun;
     let (_dir, store) = temp_store();
     store.set_webhook_urls(vec!["http://127.0.0.1:9/all".into()]);
     let s = store.create_session(new_session("w", 1)).await.unwrap();
@@ -346,24 +351,7 @@ async fn server_wide_urls_get_every_background_runs_end_completed_or_cancelled()
     let (cancelled, a) = accept(ExecutionMode::Background);
     store.accept_run(a).await.unwrap();
     for run in [&completed, &foreground] {
-        let outcome = TerminalOutcome::Completed {
-            result: "done".into(),
-            usage: Usage::new(1, 1),
-            tool_calls: 0,
-            iterations: 1,
-            cost: None,
-        };
-        let commit = store
-            .commit_terminal(
-                run.id,
-                run.execution_id.clone(),
-                outcome,
-                CompletionHandling::Deliver,
-                50,
-            )
-            .await
-            .unwrap();
-        assert!(commit.won);
+        complete(&store, run, "done").await;
     }
     store
         .cancel_session(s.id, "stopped".into(), 60)
