@@ -46,8 +46,11 @@ mod error;
 mod migrations;
 mod outline;
 mod pool;
+mod runtime;
+mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod util;
 
 pub use error::{PgStoreError, Result};
 pub use migrations::{
@@ -55,6 +58,32 @@ pub use migrations::{
 };
 pub use outline::{schema_definitions, schema_outline};
 pub use pool::pool;
+pub use store::{PgOptions, PgStore};
+
+/// `url` without its password, for messages and logs.
+pub fn redacted(url: &str) -> String {
+    match url.parse::<tokio_postgres::Config>() {
+        Ok(config) => {
+            let hosts: Vec<String> = config
+                .get_hosts()
+                .iter()
+                .map(|h| match h {
+                    tokio_postgres::config::Host::Tcp(name) => name.clone(),
+                    #[cfg(unix)]
+                    tokio_postgres::config::Host::Unix(path) => path.display().to_string(),
+                })
+                .collect();
+            let port = config.get_ports().first().copied().unwrap_or(5432);
+            format!(
+                "postgres://{}@{}:{port}/{}",
+                config.get_user().unwrap_or(""),
+                hosts.join(","),
+                config.get_dbname().unwrap_or("")
+            )
+        }
+        Err(_) => "postgres://(unparseable connection string)".to_owned(),
+    }
+}
 
 /// Re-exported: the pool [`pool`] returns.
 pub use deadpool_postgres::Pool;

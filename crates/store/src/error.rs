@@ -110,6 +110,10 @@ pub enum StoreError {
     /// Any other SQLite failure (a bug or misuse). Not retryable.
     #[error("sqlite: {0}")]
     Sqlite(String),
+    /// Any other PostgreSQL failure (a bug, misuse, or a server refusing
+    /// the request). Not retryable.
+    #[error("postgres: {0}")]
+    Postgres(String),
     /// The store's worker threads are gone (the store was shut down or a worker panicked). Not retryable.
     #[error("store is closed")]
     Closed,
@@ -163,7 +167,7 @@ impl StoreError {
     }
 
     /// A corruption error for a bad value read from `what`.
-    pub(crate) fn corrupt(what: &str, detail: impl std::fmt::Display) -> Self {
+    pub fn corrupt(what: &str, detail: impl std::fmt::Display) -> Self {
         StoreError::Corruption(format!("{what}: {detail}"))
     }
 }

@@ -162,7 +162,7 @@ pub use spend::DialogSpend;
 pub use tree::{DialogTree, ImportCheckpoint, ImportTimeline, ImportTree, TreeTimeline};
 pub use webhooks::{
     AttemptOutcome, DeliveryStatus, RunCompletedBody, RunCompletedData, TurnCompletedBody,
-    TurnCompletedData, WebhookDelivery,
+    TurnCompletedData, WebhookDelivery, WebhookHooks,
 };
 
 /// Test seams, compiled only with the `testing` feature: build databases
@@ -187,7 +187,7 @@ pub struct Page<T, C> {
 #[derive(Clone)]
 pub struct Store {
     db: Arc<db::Db>,
-    hooks: Arc<webhooks::Hooks>,
+    hooks: Arc<webhooks::WebhookHooks>,
 }
 
 impl std::fmt::Debug for Store {

@@ -14,11 +14,36 @@ use serde::Serialize;
 use crate::error::{Result, StoreError};
 use crate::Store;
 
-/// The server-wide webhook URLs and the wake-up of the delivery worker.
+/// The server-wide webhook URLs and the wake-up of the delivery worker:
+/// process state every backend reads in the transactions that create
+/// deliveries, and wakes after they commit.
 #[derive(Debug, Default)]
-pub(crate) struct Hooks {
+pub struct WebhookHooks {
     urls: parking_lot::RwLock<Vec<String>>,
     committed: tokio::sync::Notify,
+}
+
+impl WebhookHooks {
+    /// Sets the server-wide URLs.
+    pub fn set_urls(&self, urls: Vec<String>) {
+        *self.urls.write() = urls;
+    }
+
+    /// The server-wide URLs, as set now.
+    pub fn urls(&self) -> Vec<String> {
+        self.urls.read().clone()
+    }
+
+    /// Wakes [`WebhookHooks::committed`]'s waiter (a delivery may have been committed).
+    pub fn wake(&self) {
+        self.committed.notify_one();
+    }
+
+    /// Resolves once deliveries were committed since the last wait (a permit
+    /// is kept, so a commit between two waits is not missed).
+    pub async fn committed(&self) {
+        self.committed.notified().await;
+    }
 }
 
 /// Where a delivery stands.
@@ -399,22 +424,22 @@ impl Store {
     /// Sets the URLs every committed turn that answers input, and every
     /// background run's end, is delivered to.
     pub fn set_webhook_urls(&self, urls: Vec<String>) {
-        *self.hooks.urls.write() = urls;
+        self.hooks.set_urls(urls);
     }
 
     pub(crate) fn webhook_urls(&self) -> Vec<String> {
-        self.hooks.urls.read().clone()
+        self.hooks.urls()
     }
 
     /// Wakes [`Store::webhook_committed`]'s waiter (a delivery may have been committed).
     pub(crate) fn wake_webhooks(&self) {
-        self.hooks.committed.notify_one();
+        self.hooks.wake();
     }
 
     /// Resolves once deliveries were committed since the last wait (a permit
     /// is kept, so a commit between two waits is not missed).
     pub async fn webhook_committed(&self) {
-        self.hooks.committed.notified().await;
+        self.hooks.committed().await;
     }
 
     /// Pending deliveries due at `now_ms`, oldest first, at most `limit`.

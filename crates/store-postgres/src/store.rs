@@ -1,0 +1,317 @@
+//! [`PgStore`]: the pool, transactions with their retries, the fence.
+//!
+//! Every write runs in one `SERIALIZABLE` transaction ([`PgStore::write`]):
+//! PostgreSQL then guarantees what SQLite's single writer does (the result
+//! is that of some serial order of the transactions), so each domain
+//! transaction keeps the shape of keel-store's SQLite one. A transaction
+//! PostgreSQL aborts to keep that promise (serialization failure, deadlock)
+//! is retried from the start with backoff; a constraint violation never is.
+//! Every read runs in one `REPEATABLE READ READ ONLY` transaction
+//! ([`PgStore::read`]): one snapshot, as on SQLite.
+//!
+//! An answer is returned only after `COMMIT` succeeded. A connection lost
+//! during `COMMIT` is not retried (the commit may have happened): it surfaces
+//! as [`StoreError::Io`].
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool_postgres::{Pool, PoolError};
+use futures::future::BoxFuture;
+use keel_store::{CommitStats, Result, StoreError, WebhookHooks};
+use tokio_postgres::error::SqlState;
+use tokio_postgres::{IsolationLevel, Transaction};
+
+use crate::migrations::{self, MigrationReport};
+
+/// Tuning of a [`PgStore`].
+#[derive(Debug, Clone)]
+pub struct PgOptions {
+    /// Most connections the pool opens.
+    pub max_connections: usize,
+    /// Delays between attempts of a transaction PostgreSQL aborted to keep
+    /// it serializable (or a deadlock victim); its length is the retry count.
+    pub retry_delays: Vec<Duration>,
+}
+
+impl Default for PgOptions {
+    fn default() -> Self {
+        Self {
+            max_connections: 16,
+            // Conflicts clear as the other transaction commits: short waits
+            // first, then backing off so a hot row's writers spread out.
+            retry_delays: [1, 2, 5, 10, 20, 40, 80, 160, 320, 640]
+                .into_iter()
+                .map(Duration::from_millis)
+                .collect(),
+        }
+    }
+}
+
+/// The PostgreSQL backend of keel's store. Cheap to clone.
+#[derive(Clone)]
+pub struct PgStore {
+    pub(crate) inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) pool: Pool,
+    pub(crate) hooks: WebhookHooks,
+    /// Where the database is, without credentials (for messages).
+    pub(crate) location: String,
+    retry_delays: Vec<Duration>,
+    /// The runtime generation this store writes for (0 until activated).
+    fence: AtomicU64,
+    transactions: AtomicU64,
+}
+
+impl std::fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgStore")
+            .field("location", &self.inner.location)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The body of a transaction: may run more than once (each attempt in a
+/// fresh transaction), so it must not have effects outside `tx`.
+pub(crate) type TxBody<'a, T> = BoxFuture<'a, Result<T>>;
+
+impl PgStore {
+    /// Connects to `url` (a `postgres://` URL or libpq key=value string) and
+    /// migrates the database to [`crate::SCHEMA_VERSION`]; a newer database
+    /// is refused untouched ([`StoreError::NewerSchema`]).
+    pub async fn connect(url: &str, options: PgOptions) -> Result<(Self, MigrationReport)> {
+        let pool = crate::pool(url, options.max_connections.max(1)).map_err(from_pg_store)?;
+        let client = pool.get().await.map_err(from_pool)?;
+        let report = migrations::migrate(&client).await.map_err(from_pg_store)?;
+        drop(client);
+        let store = Self {
+            inner: Arc::new(Inner {
+                pool,
+                hooks: WebhookHooks::default(),
+                location: crate::redacted(url),
+                retry_delays: options.retry_delays,
+                fence: AtomicU64::new(0),
+                transactions: AtomicU64::new(0),
+            }),
+        };
+        Ok((store, report))
+    }
+
+    /// Where the database is (the connection string without its password).
+    pub fn location(&self) -> &str {
+        &self.inner.location
+    }
+
+    /// The pool (for the runtime's own long-lived connections).
+    pub fn pool(&self) -> &Pool {
+        &self.inner.pool
+    }
+
+    /// Fences every later write to `generation` (see `activate_runtime`).
+    pub(crate) fn set_fence(&self, generation: u64) {
+        self.inner.fence.store(generation, Ordering::Release);
+    }
+
+    /// Write transactions committed so far.
+    pub(crate) fn commit_stats(&self) -> CommitStats {
+        let n = self.inner.transactions.load(Ordering::Relaxed);
+        CommitStats {
+            transactions: n,
+            requests: n,
+            on_caller: 0,
+            checkpoints: 0,
+        }
+    }
+
+    /// Runs `body` in a `SERIALIZABLE` transaction, fenced to this store's
+    /// runtime generation, and answers after `COMMIT`. Serialization
+    /// failures and deadlocks are retried from the start.
+    pub(crate) async fn write<T, F>(&self, mut body: F) -> Result<T>
+    where
+        T: Send,
+        F: for<'a> FnMut(&'a Transaction<'a>) -> TxBody<'a, T> + Send,
+    {
+        let fence = self.inner.fence.load(Ordering::Acquire);
+        let mut attempt = 0usize;
+        loop {
+            attempt += 1;
+            match self.attempt(IsolationLevel::Serializable, false, fence, &mut body).await {
+                Err(Attempt::Retry(e)) => match self.inner.retry_delays.get(attempt - 1) {
+                    Some(delay) => {
+                        tracing::debug!(attempt, error = %e, "transaction retried");
+                        tokio::time::sleep(jittered(*delay)).await;
+                    }
+                    None => return Err(with_attempts(e, attempt)),
+                },
+                Err(Attempt::Failed(e)) => return Err(e),
+                Ok(v) => {
+                    self.inner.transactions.fetch_add(1, Ordering::Relaxed);
+                    return Ok(v);
+                }
+            }
+        }
+    }
+
+    /// Runs `body` in a read-only transaction that sees one snapshot.
+    pub(crate) async fn read<T, F>(&self, mut body: F) -> Result<T>
+    where
+        T: Send,
+        F: for<'a> FnMut(&'a Transaction<'a>) -> TxBody<'a, T> + Send,
+    {
+        let mut attempt = 0usize;
+        loop {
+            attempt += 1;
+            match self.attempt(IsolationLevel::RepeatableRead, true, 0, &mut body).await {
+                Err(Attempt::Retry(e)) => match self.inner.retry_delays.get(attempt - 1) {
+                    Some(delay) => tokio::time::sleep(jittered(*delay)).await,
+                    None => return Err(with_attempts(e, attempt)),
+                },
+                Err(Attempt::Failed(e)) => return Err(e),
+                Ok(v) => return Ok(v),
+            }
+        }
+    }
+
+    async fn attempt<T, F>(
+        &self,
+        isolation: IsolationLevel,
+        read_only: bool,
+        fence: u64,
+        body: &mut F,
+    ) -> std::result::Result<T, Attempt>
+    where
+        F: for<'a> FnMut(&'a Transaction<'a>) -> TxBody<'a, T> + Send,
+    {
+        let mut client = self.inner.pool.get().await.map_err(|e| Attempt::Failed(from_pool(e)))?;
+        let tx = client
+            .build_transaction()
+            .isolation_level(isolation)
+            .read_only(read_only)
+            .start()
+            .await
+            .map_err(Attempt::classify)?;
+        if fence != 0 {
+            crate::runtime::check_fence(&tx, fence)
+                .await
+                .map_err(Attempt::classify_store)?;
+        }
+        let value = body(&tx).await.map_err(Attempt::classify_store)?;
+        match tx.commit().await {
+            Ok(()) => Ok(value),
+            Err(e) => match e.code() {
+                // Rolled back by the server: nothing happened, try again.
+                Some(code) if is_retryable(code) => Err(Attempt::Retry(from_pg(e))),
+                // Lost during COMMIT: it may have committed; never redo it.
+                _ => Err(Attempt::Failed(from_pg(e))),
+            },
+        }
+    }
+}
+
+/// How one attempt at a transaction ended, when it did not commit.
+enum Attempt {
+    /// PostgreSQL rolled it back to keep the transactions serializable, or
+    /// chose it as a deadlock victim: run it again.
+    Retry(StoreError),
+    /// Anything else: the answer.
+    Failed(StoreError),
+}
+
+impl Attempt {
+    fn classify(e: tokio_postgres::Error) -> Self {
+        match e.code() {
+            Some(code) if is_retryable(code) => Attempt::Retry(from_pg(e)),
+            _ => Attempt::Failed(from_pg(e)),
+        }
+    }
+
+    fn classify_store(e: StoreError) -> Self {
+        match e {
+            StoreError::Busy { .. } => Attempt::Retry(e),
+            e => Attempt::Failed(e),
+        }
+    }
+}
+
+fn is_retryable(code: &SqlState) -> bool {
+    *code == SqlState::T_R_SERIALIZATION_FAILURE || *code == SqlState::T_R_DEADLOCK_DETECTED
+}
+
+/// A delay of between half and all of `delay`, so retries of transactions
+/// that conflicted with each other do not collide again.
+fn jittered(delay: Duration) -> Duration {
+    use std::hash::{BuildHasher, RandomState};
+    let r = RandomState::new().hash_one(std::time::Instant::now()) % 1000;
+    delay / 2 + delay.mul_f64(r as f64 / 2000.0)
+}
+
+fn with_attempts(e: StoreError, attempts: usize) -> StoreError {
+    let attempts = u32::try_from(attempts).unwrap_or(u32::MAX);
+    match e {
+        StoreError::Busy { message, .. } => StoreError::Busy { attempts, message },
+        other => other,
+    }
+}
+
+/// Maps a PostgreSQL error onto the store's: serialization failures and
+/// deadlocks are [`StoreError::Busy`] (the store retried them), constraint
+/// violations [`StoreError::Constraint`], a lost connection
+/// [`StoreError::Io`], a full disk [`StoreError::DiskFull`].
+pub(crate) fn from_pg(e: tokio_postgres::Error) -> StoreError {
+    let Some(db) = e.as_db_error() else {
+        // No server answer: the connection is closed or broke.
+        return StoreError::Io {
+            attempts: 1,
+            message: format!("PostgreSQL connection: {e}"),
+        };
+    };
+    let message = match db.detail() {
+        Some(detail) => format!("{} ({detail})", db.message()),
+        None => db.message().to_owned(),
+    };
+    let code = db.code();
+    match code.code() {
+        "40001" | "40P01" => StoreError::Busy {
+            attempts: 1,
+            message,
+        },
+        "53100" => StoreError::DiskFull {
+            attempts: 1,
+            message,
+        },
+        "25006" => StoreError::ReadOnly(message),
+        c if c.starts_with("23") => StoreError::Constraint(message),
+        c if c.starts_with("08") || c.starts_with("57P") => StoreError::Io {
+            attempts: 1,
+            message,
+        },
+        _ => StoreError::Postgres(message),
+    }
+}
+
+/// A pool failure: no connection could be had.
+pub(crate) fn from_pool(e: PoolError) -> StoreError {
+    match e {
+        PoolError::Backend(e) => from_pg(e),
+        PoolError::Closed => StoreError::Closed,
+        other => StoreError::Io {
+            attempts: 1,
+            message: format!("PostgreSQL pool: {other}"),
+        },
+    }
+}
+
+/// The crate's own setup errors (pool, migrations) as the store's.
+pub(crate) fn from_pg_store(e: crate::PgStoreError) -> StoreError {
+    use crate::PgStoreError as E;
+    match e {
+        E::NewerSchema { found, supported } => StoreError::NewerSchema { found, supported },
+        E::Migration { version, message } => StoreError::Migration { version, message },
+        E::Corruption { what, value } => StoreError::corrupt(what, value),
+        E::Config(message) => StoreError::InvalidInput(message),
+        E::Postgres(e) => from_pg(e),
+    }
+}
