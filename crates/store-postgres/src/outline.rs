@@ -57,6 +57,11 @@ pub async fn schema_definitions(client: &Client) -> Result<Vec<String>> {
     Ok(lines)
 }
 
+/// The insertion-order column of the tables keel reads in the order their
+/// rows were written: SQLite's implicit `rowid`, which the SQLite outline
+/// does not list either.
+const ROW_ORDER: &str = "row_order";
+
 async fn columns(client: &Client, table: &str, lines: &mut Vec<String>) -> Result<()> {
     let rows = client
         .query(
@@ -68,6 +73,9 @@ async fn columns(client: &Client, table: &str, lines: &mut Vec<String>) -> Resul
         .await?;
     for r in rows {
         let (name, ty, nullable): (String, String, bool) = (r.get(0), r.get(1), r.get(2));
+        if name == ROW_ORDER {
+            continue;
+        }
         let ty = match ty.as_str() {
             "bigint" => "integer",
             "double precision" => "real",
