@@ -138,7 +138,10 @@ impl PgStore {
         let mut attempt = 0usize;
         loop {
             attempt += 1;
-            match self.attempt(IsolationLevel::Serializable, false, fence, &mut body).await {
+            match self
+                .attempt(IsolationLevel::Serializable, false, fence, &mut body)
+                .await
+            {
                 Err(Attempt::Retry(e)) => match self.inner.retry_delays.get(attempt - 1) {
                     Some(delay) => {
                         tracing::debug!(attempt, error = %e, "transaction retried");
@@ -164,7 +167,10 @@ impl PgStore {
         let mut attempt = 0usize;
         loop {
             attempt += 1;
-            match self.attempt(IsolationLevel::RepeatableRead, true, 0, &mut body).await {
+            match self
+                .attempt(IsolationLevel::RepeatableRead, true, 0, &mut body)
+                .await
+            {
                 Err(Attempt::Retry(e)) => match self.inner.retry_delays.get(attempt - 1) {
                     Some(delay) => tokio::time::sleep(jittered(*delay)).await,
                     None => return Err(with_attempts(e, attempt)),
@@ -185,7 +191,12 @@ impl PgStore {
     where
         F: for<'a> FnMut(&'a Transaction<'a>) -> TxBody<'a, T> + Send,
     {
-        let mut client = self.inner.pool.get().await.map_err(|e| Attempt::Failed(from_pool(e)))?;
+        let mut client = self
+            .inner
+            .pool
+            .get()
+            .await
+            .map_err(|e| Attempt::Failed(from_pool(e)))?;
         let tx = client
             .build_transaction()
             .isolation_level(isolation)

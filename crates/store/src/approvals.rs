@@ -2,12 +2,12 @@
 //!
 //! A root turn that calls a tool needing approval commits what it did so
 //! far together with one `pending` row per gated call
-//! ([`Store::commit_paused_turn`]). A decision ([`Store::decide_approval`],
-//! or expiry, [`Store::expire_approvals`]) is one write of the row (and, for
+//! ([`Backend::commit_paused_turn`](crate::Backend::commit_paused_turn)). A decision ([`Backend::decide_approval`](crate::Backend::decide_approval),
+//! or expiry, [`Backend::expire_approvals`](crate::Backend::expire_approvals)) is one write of the row (and, for
 //! "approve always", of the dialog's grant). Once every row of a turn is
-//! decided the session worker resumes it: [`Store::begin_approved_execution`]
+//! decided the session worker resumes it: [`Backend::begin_approved_execution`](crate::Backend::begin_approved_execution)
 //! marks an approved call before its tool runs, so a crash never runs it
-//! twice, and [`Store::commit_approval_results`] appends the tool results to
+//! twice, and [`Backend::commit_approval_results`](crate::Backend::commit_approval_results) appends the tool results to
 //! the history and settles the rows in one transaction. A user message sent
 //! while rows are pending supersedes them through the same commit.
 
@@ -19,7 +19,7 @@ use crate::error::{Result, StoreError};
 use crate::messages::{commit_turn_tx, encode, TurnCommit, TurnCommitted};
 use crate::sessions::require_session;
 use crate::util::{non_negative, parse};
-use crate::Store;
+use crate::SqliteStore;
 
 text_enum!(
     /// Where an approval stands.
@@ -127,7 +127,7 @@ pub struct ApprovalRecord {
     pub settled_at_ms: Option<i64>,
 }
 
-/// What [`Store::decide_approval`] found.
+/// What [`Backend::decide_approval`](crate::Backend::decide_approval) found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DecideOutcome {
     /// The decision is committed.
@@ -242,11 +242,11 @@ fn expire_tx(conn: &Connection, session: &SessionId, now_ms: i64) -> Result<Vec<
     )
 }
 
-impl Store {
-    /// Commits a turn that paused for approval — its messages, state and
-    /// checkpoint, and one pending approval per gated call — in one
-    /// transaction.
-    pub async fn commit_paused_turn(&self, commit: PausedTurnCommit) -> Result<TurnCommitted> {
+impl SqliteStore {
+    pub(crate) async fn commit_paused_turn(
+        &self,
+        commit: PausedTurnCommit,
+    ) -> Result<TurnCommitted> {
         if commit.approvals.is_empty() {
             return Err(StoreError::InvalidInput(
                 "a paused turn has at least one approval".into(),
@@ -303,14 +303,11 @@ impl Store {
         Ok(committed)
     }
 
-    /// One approval, or `None`.
-    pub async fn get_approval(&self, id: ApprovalId) -> Result<Option<ApprovalRecord>> {
+    pub(crate) async fn get_approval(&self, id: ApprovalId) -> Result<Option<ApprovalRecord>> {
         self.db.read(move |c| get_tx(c, &id)).await
     }
 
-    /// The session's approvals, oldest first (only those still waiting
-    /// when `pending_only`).
-    pub async fn list_approvals(
+    pub(crate) async fn list_approvals(
         &self,
         session_id: SessionId,
         pending_only: bool,
@@ -328,8 +325,7 @@ impl Store {
             .await
     }
 
-    /// The tools the dialog approved for good ("approve always").
-    pub async fn approval_grants(&self, session_id: SessionId) -> Result<Vec<String>> {
+    pub(crate) async fn approval_grants(&self, session_id: SessionId) -> Result<Vec<String>> {
         self.db
             .read(move |c| {
                 let mut stmt = c.prepare_cached(
@@ -343,11 +339,7 @@ impl Store {
             .await
     }
 
-    /// Commits a person's decision on a pending approval (and, for
-    /// [`Decision::ApproveAlways`], the dialog's grant of the tool). An
-    /// unknown approval, one of another dialog than `session_id`, or one of
-    /// a deleted dialog is `NotFound`.
-    pub async fn decide_approval(&self, d: DecideApproval) -> Result<DecideOutcome> {
+    pub(crate) async fn decide_approval(&self, d: DecideApproval) -> Result<DecideOutcome> {
         self.db
             .write(move |c| {
                 let missing = || StoreError::NotFound(format!("approval {}", d.id));
@@ -402,9 +394,7 @@ impl Store {
             .await
     }
 
-    /// Records the session's pending approvals past `now_ms` as expired (a
-    /// denial); returns them.
-    pub async fn expire_approvals(
+    pub(crate) async fn expire_approvals(
         &self,
         session_id: SessionId,
         now_ms: i64,
@@ -414,9 +404,7 @@ impl Store {
             .await
     }
 
-    /// What the session's worker must do about approvals at `now_ms`
-    /// (nothing for a deleted dialog).
-    pub async fn approval_schedule(
+    pub(crate) async fn approval_schedule(
         &self,
         session_id: SessionId,
         now_ms: i64,
@@ -468,10 +456,7 @@ impl Store {
             .await
     }
 
-    /// Dialogs (not deleted) with approvals not yet settled: a new process
-    /// wakes their workers, which arm the expiry timers and resume what was
-    /// decided.
-    pub async fn sessions_with_open_approvals(&self) -> Result<Vec<SessionId>> {
+    pub(crate) async fn sessions_with_open_approvals(&self) -> Result<Vec<SessionId>> {
         self.db
             .read(|c| {
                 let mut stmt = c.prepare_cached(
@@ -489,8 +474,7 @@ impl Store {
             .await
     }
 
-    /// The approvals of root turn `turn_id` not yet settled, oldest first.
-    pub async fn unsettled_approvals(
+    pub(crate) async fn unsettled_approvals(
         &self,
         session_id: SessionId,
         turn_id: TurnId,
@@ -507,10 +491,11 @@ impl Store {
             .await
     }
 
-    /// Marks an approved, unsettled call as started, before its tool runs.
-    /// Returns false when it was started before (by a process that died
-    /// before its result was committed): it must not run again.
-    pub async fn begin_approved_execution(&self, id: ApprovalId, now_ms: i64) -> Result<bool> {
+    pub(crate) async fn begin_approved_execution(
+        &self,
+        id: ApprovalId,
+        now_ms: i64,
+    ) -> Result<bool> {
         self.db
             .write(move |c| {
                 let n = c.execute(
@@ -535,11 +520,7 @@ impl Store {
             .await
     }
 
-    /// Appends the tool results answering `commit.settle` to the history
-    /// and settles those approvals, in one transaction (superseding them
-    /// first when `commit.supersede` gives a reason). An approval that is
-    /// settled already, or not in the state expected, fails the whole commit.
-    pub async fn commit_approval_results(
+    pub(crate) async fn commit_approval_results(
         &self,
         commit: ApprovalResultCommit,
     ) -> Result<TurnCommitted> {

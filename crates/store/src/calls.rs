@@ -9,7 +9,7 @@ use rusqlite::{params_from_iter, types::Value, Connection};
 
 use crate::error::{Result, StoreError};
 use crate::util::non_negative;
-use crate::Store;
+use crate::SqliteStore;
 
 /// Most call spans one commit stores (the first ones of the turn or run;
 /// the rest are dropped and their counts stay on the run).
@@ -166,10 +166,8 @@ fn read_calls(conn: &Connection, sql: &str, key: String) -> Result<Vec<(String, 
 const SELECT: &str = "SELECT kind, name, call_id, started_at, ended_at, input_tokens, \
                       output_tokens, status, session_id FROM call_spans";
 
-impl Store {
-    /// The stored calls of root turn `turn` (of dialog `session` only,
-    /// when given), in the order they started.
-    pub async fn turn_calls(
+impl SqliteStore {
+    pub(crate) async fn turn_calls(
         &self,
         session: Option<SessionId>,
         turn: TurnId,
@@ -189,9 +187,10 @@ impl Store {
             .await
     }
 
-    /// The stored calls of each of `runs` (those with none are absent),
-    /// each in the order they started; one read.
-    pub async fn runs_calls(&self, runs: Vec<RunId>) -> Result<HashMap<RunId, Vec<CallSpan>>> {
+    pub(crate) async fn runs_calls(
+        &self,
+        runs: Vec<RunId>,
+    ) -> Result<HashMap<RunId, Vec<CallSpan>>> {
         self.db
             .read(move |c| {
                 let sql = format!("{SELECT} WHERE run_id = ?1 ORDER BY started_at, seq");

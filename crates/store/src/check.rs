@@ -26,7 +26,7 @@ use crate::messages::visible_inputs;
 use crate::migrations::{self, SCHEMA_VERSION};
 use crate::runs::{EXECUTING_RUN, NONTERMINAL_RUN};
 use crate::util::{parse, sha256_hex};
-use crate::Store;
+use crate::SqliteStore;
 
 /// Decodes a session state blob the way a restore would; `Err` says why it cannot.
 pub type StateDecoder = Arc<dyn Fn(&[u8]) -> std::result::Result<(), String> + Send + Sync>;
@@ -166,7 +166,7 @@ pub struct Finding {
     pub invariant: Invariant,
     /// Whether `keel doctor --repair` fixes it: a migration, the recovery
     /// every start runs (counters, abandoned runs), or a recount of the
-    /// message counts ([`Store::recount_message_counts`]). Nothing else is
+    /// message counts ([`Backend::recount_message_counts`](crate::Backend::recount_message_counts)). Nothing else is
     /// safe to change without a person.
     pub repairable: bool,
     /// What is wrong, naming the rows.
@@ -234,10 +234,8 @@ pub fn check_database(path: &Path, options: &CheckOptions) -> Result<InvariantRe
     check_tx(&tx, options)
 }
 
-impl Store {
-    /// Checks every invariant in one read snapshot (see [`check_database`]),
-    /// on a reader thread.
-    pub async fn check_invariants(&self, options: CheckOptions) -> Result<InvariantReport> {
+impl SqliteStore {
+    pub(crate) async fn check_invariants(&self, options: CheckOptions) -> Result<InvariantReport> {
         self.db.read(move |conn| check_tx(conn, &options)).await
     }
 }
@@ -717,11 +715,8 @@ fn drifted_message_counts(conn: &Connection) -> Result<Vec<(String, i64, i64)>> 
     Ok(drifted)
 }
 
-impl Store {
-    /// Sets every live dialog's message count to the visible user messages
-    /// of its current history (builds before forks and rollbacks carried
-    /// the count left some wrong); returns how many changed.
-    pub async fn recount_message_counts(&self) -> Result<usize> {
+impl SqliteStore {
+    pub(crate) async fn recount_message_counts(&self) -> Result<usize> {
         self.db
             .write(|c| {
                 let drifted = drifted_message_counts(c)?;

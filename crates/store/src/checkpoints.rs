@@ -11,7 +11,7 @@ use crate::messages::{last_seq, visible_inputs};
 use crate::projection::page_fetch;
 use crate::sessions::{insert_session_tx, require_session, NewSession, SessionRecord, TimelineId};
 use crate::util::{fresh_id, non_negative, parse, parse_opt, sha256_hex, to_i64};
-use crate::{Page, Store};
+use crate::{Page, SqliteStore};
 
 /// Rows handled per transaction by prune and delete.
 const PRUNE_BATCH: usize = 256;
@@ -75,7 +75,7 @@ pub struct CheckpointRecord {
     pub created_at_ms: i64,
 }
 
-/// Which checkpoints [`Store::prune_checkpoints`] removes. Only `turn`
+/// Which checkpoints [`Backend::prune_checkpoints`](crate::Backend::prune_checkpoints) removes. Only `turn`
 /// checkpoints are ever removed, and only when every rule given selects them;
 /// manual, rollback and fork checkpoints, the targets of rollbacks and forks
 /// and the session's newest checkpoint are always kept.
@@ -386,9 +386,8 @@ fn unreachable_timelines(conn: &Connection, session: &SessionId) -> Result<Vec<S
     Ok(rows.collect::<rusqlite::Result<Vec<_>>>()?)
 }
 
-impl Store {
-    /// Records a manual checkpoint at the session's current head with `state` as its state.
-    pub async fn create_checkpoint(
+impl SqliteStore {
+    pub(crate) async fn create_checkpoint(
         &self,
         session_id: SessionId,
         checkpoint: NewCheckpoint,
@@ -414,9 +413,7 @@ impl Store {
             .await
     }
 
-    /// Moves the session back to `checkpoint_id`: a new head timeline branching at
-    /// that point, its state, and a `rollback` checkpoint. O(1) rows; the old branch stays.
-    pub async fn rollback(
+    pub(crate) async fn rollback(
         &self,
         session_id: SessionId,
         checkpoint_id: CheckpointId,
@@ -428,8 +425,7 @@ impl Store {
             .await
     }
 
-    /// Creates `session` whose history is `checkpoint_id`'s prefix (no copy) and its first `fork` checkpoint.
-    pub async fn fork(
+    pub(crate) async fn fork(
         &self,
         checkpoint_id: CheckpointId,
         session: NewSession,
@@ -440,15 +436,14 @@ impl Store {
             .await
     }
 
-    /// Every checkpoint of a session, newest first, abandoned branches included.
-    pub async fn list_checkpoints(&self, session_id: SessionId) -> Result<Vec<CheckpointRecord>> {
+    pub(crate) async fn list_checkpoints(
+        &self,
+        session_id: SessionId,
+    ) -> Result<Vec<CheckpointRecord>> {
         self.db.read(move |c| list_tx(c, &session_id)).await
     }
 
-    /// A session's checkpoints, abandoned branches included, newest first,
-    /// `limit` (1..=1000) at a time. New checkpoints sort before every
-    /// cursor, so a page sequence never repeats or skips one.
-    pub async fn checkpoint_page(
+    pub(crate) async fn checkpoint_page(
         &self,
         session_id: SessionId,
         cursor: Option<CheckpointCursor>,
@@ -491,8 +486,7 @@ impl Store {
             .await
     }
 
-    /// The session's newest checkpoint (the parent of its next one), if any.
-    pub async fn latest_checkpoint(
+    pub(crate) async fn latest_checkpoint(
         &self,
         session_id: SessionId,
     ) -> Result<Option<CheckpointRecord>> {
@@ -511,18 +505,21 @@ impl Store {
             .await
     }
 
-    /// One checkpoint.
-    pub async fn get_checkpoint(&self, id: CheckpointId) -> Result<Option<CheckpointRecord>> {
+    pub(crate) async fn get_checkpoint(
+        &self,
+        id: CheckpointId,
+    ) -> Result<Option<CheckpointRecord>> {
         self.db.read(move |c| get_checkpoint_tx(c, &id)).await
     }
 
-    /// The bytes of a state blob.
-    pub async fn get_state_blob(&self, hash: String) -> Result<Option<Vec<u8>>> {
+    pub(crate) async fn get_state_blob(&self, hash: String) -> Result<Option<Vec<u8>>> {
         self.db.read(move |c| read_state_blob(c, &hash)).await
     }
 
-    /// Sessions with more than `keep` turn checkpoints: those retention may prune.
-    pub async fn sessions_over_turn_checkpoints(&self, keep: usize) -> Result<Vec<SessionId>> {
+    pub(crate) async fn sessions_over_turn_checkpoints(
+        &self,
+        keep: usize,
+    ) -> Result<Vec<SessionId>> {
         let keep = i64::try_from(keep).unwrap_or(i64::MAX);
         self.db
             .read(move |c| {
@@ -540,9 +537,7 @@ impl Store {
             .await
     }
 
-    /// Gives up to `max_pages` free pages back to the file system (incremental
-    /// auto-vacuum; a database without it keeps them for reuse); returns how many.
-    pub async fn reclaim_pages(&self, max_pages: u32) -> Result<u64> {
+    pub(crate) async fn reclaim_pages(&self, max_pages: u32) -> Result<u64> {
         self.db
             .write(move |c| {
                 let free = |c: &Connection| -> Result<i64> {
@@ -558,14 +553,11 @@ impl Store {
             .await
     }
 
-    /// Deletes every checkpoint of a session (bounded batches), then what nothing reaches any more.
-    pub async fn delete_checkpoints(&self, session_id: SessionId) -> Result<PruneReport> {
+    pub(crate) async fn delete_checkpoints(&self, session_id: SessionId) -> Result<PruneReport> {
         self.prune_where(session_id, None).await
     }
 
-    /// Deletes the turn checkpoints `policy` selects (see [`PrunePolicy`]), in bounded
-    /// batches, then the timelines, messages and blobs nothing reaches any more.
-    pub async fn prune_checkpoints(
+    pub(crate) async fn prune_checkpoints(
         &self,
         session_id: SessionId,
         policy: PrunePolicy,

@@ -203,13 +203,8 @@ const TRAIN_AFTER_BYTES: usize = 8 * compress::DICTIONARY_BYTES;
 /// Newest message bodies and state blobs read to train on.
 const TRAIN_SAMPLES: i64 = 2000;
 
-impl crate::Store {
-    /// Trains the database's zstd dictionary when it has none and holds
-    /// enough to learn from (its newest messages and states), off the turn
-    /// path (the retention pass calls it; training runs on a blocking
-    /// thread, only the insert on the writer). Returns the new
-    /// dictionary's id, `None` when not due.
-    pub async fn train_dictionary_if_due(&self, now_ms: i64) -> Result<Option<u32>> {
+impl crate::SqliteStore {
+    pub(crate) async fn train_dictionary_if_due(&self, now_ms: i64) -> Result<Option<u32>> {
         let db = self.path().to_path_buf();
         if compress::current_dictionary(&db).is_some() {
             return Ok(None);

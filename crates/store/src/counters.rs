@@ -9,7 +9,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 use crate::error::{Result, StoreError};
 use crate::runs::NONTERMINAL_RUN;
 use crate::util::non_negative;
-use crate::Store;
+use crate::SqliteStore;
 
 /// How much of a root session's inbox capacity is in use, and its client
 /// revision. Pending events plus reserved slots may not exceed the capacity
@@ -208,9 +208,8 @@ pub(crate) fn reconcile_tx(
     }))
 }
 
-impl Store {
-    /// Recomputes one root session's inbox usage from the rows; returns the repair if the stored counters were wrong.
-    pub async fn reconcile_counters(
+impl SqliteStore {
+    pub(crate) async fn reconcile_counters(
         &self,
         root_session_id: SessionId,
         now_ms: i64,
@@ -220,9 +219,7 @@ impl Store {
             .await
     }
 
-    /// How many of a root session's inbox events are in each delivery state
-    /// (zeros if it never had any).
-    pub async fn inbox_counts(&self, root_session_id: SessionId) -> Result<InboxCounts> {
+    pub(crate) async fn inbox_counts(&self, root_session_id: SessionId) -> Result<InboxCounts> {
         self.db
             .read(move |c| {
                 let revision = usage_tx(c, &root_session_id)?.revision;
@@ -248,8 +245,7 @@ impl Store {
             .await
     }
 
-    /// The inbox usage of a root session (zeros if it never had runs).
-    pub async fn inbox_usage(&self, root_session_id: SessionId) -> Result<InboxUsage> {
+    pub(crate) async fn inbox_usage(&self, root_session_id: SessionId) -> Result<InboxUsage> {
         self.db.read(move |c| usage_tx(c, &root_session_id)).await
     }
 }

@@ -7,7 +7,7 @@ use rusqlite::{params, OptionalExtension};
 
 use crate::error::{Result, StoreError};
 use crate::util::sha256_hex;
-use crate::Store;
+use crate::SqliteStore;
 
 /// An image as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,11 +20,8 @@ pub struct StoredImage {
     pub bytes: Vec<u8>,
 }
 
-impl Store {
-    /// Stores `bytes` (a PNG, JPEG, GIF or WebP, recognised by its magic
-    /// bytes) unless an image with the same bytes is stored; answers after
-    /// COMMIT with the stored image's hash and media type (no bytes).
-    pub async fn put_image(&self, bytes: Vec<u8>) -> Result<StoredImage> {
+impl SqliteStore {
+    pub(crate) async fn put_image(&self, bytes: Vec<u8>) -> Result<StoredImage> {
         let Some(media_type) = sniff_image(&bytes) else {
             return Err(StoreError::InvalidInput(
                 "the bytes are not a PNG, JPEG, GIF or WebP image".into(),
@@ -52,9 +49,7 @@ impl Store {
         })
     }
 
-    /// The stored image whose SHA-256 is `sha256`, its bytes verified
-    /// against the hash; `None` when none is stored.
-    pub async fn image(&self, sha256: &str) -> Result<Option<StoredImage>> {
+    pub(crate) async fn image(&self, sha256: &str) -> Result<Option<StoredImage>> {
         if !is_sha256_hex_str(sha256) {
             return Ok(None);
         }
@@ -87,8 +82,7 @@ impl Store {
         }))
     }
 
-    /// Which of `hashes` name no stored image.
-    pub async fn missing_images(&self, hashes: Vec<String>) -> Result<Vec<String>> {
+    pub(crate) async fn missing_images(&self, hashes: Vec<String>) -> Result<Vec<String>> {
         self.db
             .read(move |c| {
                 let mut stmt = c.prepare_cached("SELECT 1 FROM images WHERE sha256 = ?1")?;
@@ -107,13 +101,14 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::StoreOptions;
+    use crate::{SqliteStore, StoreOptions};
 
     const PNG: &[u8] = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR";
 
-    fn open() -> (tempfile::TempDir, Store) {
+    fn open() -> (tempfile::TempDir, SqliteStore) {
         let dir = tempfile::tempdir().expect("tempdir");
-        let store = Store::open(dir.path().join("k.db"), StoreOptions::default()).expect("open");
+        let store =
+            SqliteStore::open(dir.path().join("k.db"), StoreOptions::default()).expect("open");
         (dir, store)
     }
 

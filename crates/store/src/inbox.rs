@@ -12,7 +12,7 @@ use crate::error::{Result, StoreError};
 use crate::messages::{commit_turn_tx, encode, EncodedMessage, TurnCommit, TurnCommitted};
 use crate::runs::get_run_tx;
 use crate::util::{fresh_id, non_negative, parse, parse_opt};
-use crate::Store;
+use crate::SqliteStore;
 
 /// Longest accepted signal payload, in bytes.
 pub const MAX_SIGNAL_PAYLOAD_BYTES: usize = 64 * 1024;
@@ -106,7 +106,7 @@ pub struct InboxEvent {
     pub dead_lettered_at_ms: Option<i64>,
 }
 
-/// The per-run limits of a signal contract that [`Store::insert_signal`]
+/// The per-run limits of a signal contract that [`Backend::insert_signal`](crate::Backend::insert_signal)
 /// checks in its transaction (so parallel emits of one run cannot pass
 /// them together).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -146,7 +146,7 @@ pub struct NewSignal {
     pub now_ms: i64,
 }
 
-/// Result of [`Store::insert_signal`]: written, deduplicated, or refused by
+/// Result of [`Backend::insert_signal`](crate::Backend::insert_signal): written, deduplicated, or refused by
 /// a limit (nothing written).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SignalCommit {
@@ -221,7 +221,7 @@ pub struct ReleaseRequest {
     pub error: Option<String>,
 }
 
-/// Result of [`Store::release_inbox_lease`].
+/// Result of [`Backend::release_inbox_lease`](crate::Backend::release_inbox_lease).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ReleaseReport {
     /// Events back to pending.
@@ -260,7 +260,7 @@ pub struct NoticeCommit {
     pub event_ids: Vec<EventId>,
 }
 
-/// Result of [`Store::commit_continuation_turn`].
+/// Result of [`Backend::commit_continuation_turn`](crate::Backend::commit_continuation_turn).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ContinuationCommitted {
     /// What the turn commit assigned.
@@ -269,7 +269,7 @@ pub struct ContinuationCommitted {
     pub consumed: u64,
 }
 
-/// When a root session's inbox has work (see [`Store::inbox_schedule`]).
+/// When a root session's inbox has work (see [`Backend::inbox_schedule`](crate::Backend::inbox_schedule)).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct InboxSchedule {
     /// Creation time of the oldest pending event that is due now (ms).
@@ -278,7 +278,7 @@ pub struct InboxSchedule {
     /// time or time-to-live expiry of a pending event not yet due.
     pub next_due_at_ms: Option<i64>,
     /// Pending events past their time to live while backing off (dead-letter
-    /// them with [`Store::dead_letter_expired_events`]).
+    /// them with [`Backend::dead_letter_expired_events`](crate::Backend::dead_letter_expired_events)).
     pub expired: u64,
     /// Dead letters whose user was not told yet.
     pub untold_dead_letters: u64,
@@ -824,9 +824,8 @@ pub(crate) fn continuation_tx(
     Ok(ContinuationCommitted { turn, consumed })
 }
 
-impl Store {
-    /// Inserts a signal of a running run: execution-id checked, deduplicated by key, capacity-checked.
-    pub async fn insert_signal(&self, signal: NewSignal) -> Result<SignalCommit> {
+impl SqliteStore {
+    pub(crate) async fn insert_signal(&self, signal: NewSignal) -> Result<SignalCommit> {
         let commit = self
             .db
             .write(move |c| {
@@ -839,15 +838,16 @@ impl Store {
         Ok(commit)
     }
 
-    /// Leases the oldest due pending events of a root session (bounded by count and bytes); None if nothing is due.
-    pub async fn claim_inbox_batch(&self, request: ClaimRequest) -> Result<Option<InboxLease>> {
+    pub(crate) async fn claim_inbox_batch(
+        &self,
+        request: ClaimRequest,
+    ) -> Result<Option<InboxLease>> {
         let lease = self.db.write(move |c| claim_tx(c, &request)).await?;
         failpoint!("store::claim_inbox::after_commit");
         Ok(lease)
     }
 
-    /// leased → admitted into `turn_id` (steer), if `lease_token` still holds them. Returns how many.
-    pub async fn admit_inbox_events(
+    pub(crate) async fn admit_inbox_events(
         &self,
         event_ids: Vec<EventId>,
         lease_token: String,
@@ -866,8 +866,10 @@ impl Store {
         Ok(admitted)
     }
 
-    /// Returns leased/admitted events to pending with backoff, or dead-letters those out of attempts.
-    pub async fn release_inbox_lease(&self, request: ReleaseRequest) -> Result<ReleaseReport> {
+    pub(crate) async fn release_inbox_lease(
+        &self,
+        request: ReleaseRequest,
+    ) -> Result<ReleaseReport> {
         let report = self
             .db
             .write(move |c| {
@@ -880,8 +882,7 @@ impl Store {
         Ok(report)
     }
 
-    /// Dead-letters open events (pending/leased/admitted); returns how many moved.
-    pub async fn dead_letter_events(
+    pub(crate) async fn dead_letter_events(
         &self,
         event_ids: Vec<EventId>,
         reason: String,
@@ -892,9 +893,7 @@ impl Store {
             .await
     }
 
-    /// Commits a turn and consumes the inbox events it answered in one
-    /// transaction; a lost lease commits nothing.
-    pub async fn commit_continuation_turn(
+    pub(crate) async fn commit_continuation_turn(
         &self,
         commit: ContinuationCommit,
     ) -> Result<ContinuationCommitted> {
@@ -911,9 +910,7 @@ impl Store {
         Ok(committed)
     }
 
-    /// Dead-lettered events of a root session whose user was not told yet
-    /// (oldest first); events dead-lettered by an archive or delete are never told.
-    pub async fn unnotified_dead_letters(
+    pub(crate) async fn unnotified_dead_letters(
         &self,
         root_session_id: SessionId,
     ) -> Result<Vec<InboxEvent>> {
@@ -928,10 +925,10 @@ impl Store {
             .await
     }
 
-    /// Commits a notice about dead-lettered events into their session's
-    /// history and marks them told, in one transaction. Events already
-    /// marked make the whole commit fail (another notice told of them).
-    pub async fn commit_dead_letter_notice(&self, commit: NoticeCommit) -> Result<TurnCommitted> {
+    pub(crate) async fn commit_dead_letter_notice(
+        &self,
+        commit: NoticeCommit,
+    ) -> Result<TurnCommitted> {
         let encoded = encode(self.path(), &commit.turn.messages)?;
         self.db
             .write_cached(move |c, cache| {
@@ -961,16 +958,13 @@ impl Store {
             .await
     }
 
-    /// Supersedes the pending signals of `run_id` (as a cancelled run's
-    /// terminal commit does); returns how many.
-    pub async fn supersede_run_signals(&self, run_id: RunId, now_ms: i64) -> Result<u64> {
+    pub(crate) async fn supersede_run_signals(&self, run_id: RunId, now_ms: i64) -> Result<u64> {
         self.db
             .write(move |c| supersede_run_signals_tx(c, &run_id, now_ms, &mut Revisions::default()))
             .await
     }
 
-    /// The signals of a root session's runs, newest first, at most `limit`.
-    pub async fn list_signals(
+    pub(crate) async fn list_signals(
         &self,
         root_session_id: SessionId,
         limit: usize,
@@ -988,8 +982,10 @@ impl Store {
             .await
     }
 
-    /// Events of a root session, oldest first.
-    pub async fn list_inbox_events(&self, root_session_id: SessionId) -> Result<Vec<InboxEvent>> {
+    pub(crate) async fn list_inbox_events(
+        &self,
+        root_session_id: SessionId,
+    ) -> Result<Vec<InboxEvent>> {
         self.db
             .read(move |c| {
                 query_events(
@@ -1001,10 +997,7 @@ impl Store {
             .await
     }
 
-    /// When a root session's inbox has work: the creation time of its oldest
-    /// pending event due at `now_ms`, and for those not yet due the earliest
-    /// retry time or expiry (creation + `ttl_ms`), and how many expired.
-    pub async fn inbox_schedule(
+    pub(crate) async fn inbox_schedule(
         &self,
         root_session_id: SessionId,
         now_ms: i64,
@@ -1045,11 +1038,7 @@ impl Store {
             .await
     }
 
-    /// Dead-letters the pending events of a root session created at or
-    /// before `created_by_ms` (past their time to live, due or backing off)
-    /// with `reason`; their user is told like of any dead letter. Returns
-    /// how many moved.
-    pub async fn dead_letter_expired_events(
+    pub(crate) async fn dead_letter_expired_events(
         &self,
         root_session_id: SessionId,
         created_by_ms: i64,

@@ -1,7 +1,15 @@
-//! SQLite storage of keel: schema v17, forward-only migrations, group commit,
-//! domain APIs. The only crate that knows SQL.
+//! keel's storage boundary and its SQLite backend: schema v17, forward-only
+//! migrations, group commit, domain APIs. With keel-store-postgres, the only
+//! crates that know SQL.
 //!
-//! [`Store`] is a cheap, cloneable handle over one write connection and a
+//! [`Backend`] is the boundary: every transaction the engine and gateway
+//! need. [`Store`] is a cheap, cloneable handle over any backend; the engine
+//! and gateway hold a `Store` and never learn which database is behind it.
+//! This crate's backend is [`SqliteStore`] (the embedded default); the
+//! PostgreSQL one lives in keel-store-postgres, so a SQLite-only build links
+//! no PostgreSQL client.
+//!
+//! [`SqliteStore`] holds one write connection and a
 //! small pool of read-only ones. With `synchronous=NORMAL` a write that finds
 //! the write connection idle commits right on the caller's thread (no
 //! hand-off; it never waits on a lock there). Otherwise — contention, a lock
@@ -13,7 +21,7 @@
 //! `COMMIT`.
 //!
 //! Every public method is one transaction (a read sees one snapshot), except
-//! [`Store::prune_checkpoints`] and [`Store::delete_checkpoints`]: they delete
+//! [`Backend::prune_checkpoints`] and [`Backend::delete_checkpoints`]: they delete
 //! in bounded batches, each its own transaction, so other sessions' turns
 //! never wait behind one long delete. That is safe because each batch removes
 //! only what nothing reaches: a checkpoint the policy selects (its children
@@ -83,6 +91,7 @@ macro_rules! failpoint {
 }
 
 mod approvals;
+mod backend;
 mod backup;
 mod calls;
 mod check;
@@ -112,6 +121,7 @@ mod runs;
 mod runtime;
 mod sessions;
 mod spend;
+mod sqlite;
 mod tree;
 mod util;
 mod webhooks;
@@ -123,6 +133,7 @@ pub use approvals::{
     ApprovalRecord, ApprovalResultCommit, ApprovalSchedule, ApprovalStatus, DecideApproval,
     DecideOutcome, Decision, NewApproval, PausedTurnCommit,
 };
+pub use backend::{Backend, DialogFilter};
 pub use backup::{backup_database, restore_database, CopyProgress, CopyReport, RestoreReport};
 pub use calls::{CallKind, CallSpan, TurnCalls, MAX_CALL_SPANS};
 pub use check::{
@@ -159,6 +170,7 @@ pub use runs::{
 pub use runtime::{describe_process, Activation, RuntimeLock};
 pub use sessions::{DialogCursor, DialogQuery, NewSession, SessionRecord, TimelineId};
 pub use spend::DialogSpend;
+pub use sqlite::SqliteStore;
 pub use tree::{DialogTree, ImportCheckpoint, ImportTimeline, ImportTree, TreeTimeline};
 pub use webhooks::{
     AttemptOutcome, DeliveryStatus, RunCompletedBody, RunCompletedData, TurnCompletedBody,
@@ -183,40 +195,54 @@ pub struct Page<T, C> {
     pub next_cursor: Option<C>,
 }
 
-/// Handle to a keel database. Clone it freely; the threads stop when the last clone drops.
+/// Handle to a keel database, whichever its backend: every transaction of
+/// [`Backend`] is callable on it. Clone it freely; a SQLite backend's
+/// threads stop when the last clone drops.
 #[derive(Clone)]
 pub struct Store {
-    db: Arc<db::Db>,
-    hooks: Arc<webhooks::WebhookHooks>,
+    backend: Arc<dyn Backend>,
 }
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Store")
-            .field("path", &self.db.path())
+            .field("location", &self.backend.location())
             .finish_non_exhaustive()
     }
 }
 
+impl std::ops::Deref for Store {
+    type Target = dyn Backend;
+
+    fn deref(&self) -> &Self::Target {
+        &*self.backend
+    }
+}
+
 impl Store {
-    /// Opens (creating if needed) the database at `path`, or at the file its
-    /// symbolic links lead to, and migrates it to [`SCHEMA_VERSION`]. A
-    /// newer database, or one with a second name (hard link), is refused untouched.
+    /// Opens (creating if needed) the SQLite database at `path` (see
+    /// [`SqliteStore::open`]).
     pub fn open(path: impl AsRef<Path>, options: StoreOptions) -> Result<Self> {
-        Ok(Self {
-            db: Arc::new(db::Db::open(path.as_ref(), options)?),
-            hooks: Arc::default(),
-        })
+        Ok(Self::new(SqliteStore::open(path, options)?))
     }
 
-    /// The database file, every symbolic link followed.
-    pub fn path(&self) -> &Path {
-        self.db.path()
+    /// A store over `backend`.
+    pub fn new(backend: impl Backend) -> Self {
+        Self {
+            backend: Arc::new(backend),
+        }
     }
 
-    /// How many write transactions and requests have been handled, and where (group commit ratio).
-    pub fn commit_stats(&self) -> CommitStats {
-        self.db.commit_stats()
+    /// Sets the URLs every committed turn that answers input, and every
+    /// background run's end, is delivered to.
+    pub fn set_webhook_urls(&self, urls: Vec<String>) {
+        self.backend.hooks().set_urls(urls);
+    }
+
+    /// Resolves once webhook deliveries were committed since the last wait
+    /// (a permit is kept, so a commit between two waits is not missed).
+    pub async fn webhook_committed(&self) {
+        self.backend.hooks().committed().await;
     }
 }
 

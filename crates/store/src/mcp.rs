@@ -5,7 +5,7 @@
 use rusqlite::{params, OptionalExtension};
 
 use crate::error::{Result, StoreError};
-use crate::Store;
+use crate::SqliteStore;
 
 /// One server's committed manifest.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,10 +20,8 @@ pub struct McpManifestRecord {
     pub committed_at_ms: i64,
 }
 
-impl Store {
-    /// Commits `record` as its server's manifest, replacing the one before;
-    /// returns the one it replaced. An unchanged hash writes nothing.
-    pub async fn commit_mcp_manifest(
+impl SqliteStore {
+    pub(crate) async fn commit_mcp_manifest(
         &self,
         record: McpManifestRecord,
     ) -> Result<Option<McpManifestRecord>> {
@@ -69,8 +67,7 @@ impl Store {
             .await
     }
 
-    /// Every committed manifest, by server name.
-    pub async fn mcp_manifests(&self) -> Result<Vec<McpManifestRecord>> {
+    pub(crate) async fn mcp_manifests(&self) -> Result<Vec<McpManifestRecord>> {
         self.db
             .read(|c| {
                 let mut stmt = c.prepare_cached(

@@ -2,12 +2,12 @@
 //! timeline's ancestors, durable turn inputs, and the one-transaction turn
 //! commit.
 //!
-//! A user turn commits its input first ([`Store::open_turn`]: the rows are
+//! A user turn commits its input first ([`Backend::open_turn`](crate::Backend::open_turn): the rows are
 //! `open`; a message acknowledged while another turn ran leaves the store's
-//! queue in the same transaction, see `queued.rs`), then its outputs with state and checkpoint ([`Store::commit_turn`],
+//! queue in the same transaction, see `queued.rs`), then its outputs with state and checkpoint ([`Backend::commit_turn`](crate::Backend::commit_turn),
 //! which marks the input `answered`). A failed turn marks it `unanswered`
-//! ([`Store::mark_unanswered`]); inputs an older process left open are marked
-//! so when a new runtime activates ([`Store::activate_runtime`]). `input_state` is the only
+//! ([`Backend::mark_unanswered`](crate::Backend::mark_unanswered)); inputs an older process left open are marked
+//! so when a new runtime activates ([`Backend::activate_runtime`](crate::Backend::activate_runtime)). `input_state` is the only
 //! column of a message row that ever changes, and only once.
 
 use std::collections::HashMap;
@@ -22,7 +22,7 @@ use crate::sessions::{
     bump_activity, check_limit, list_dialogs_tx, require_session, DialogQuery, SessionRecord,
     TimelineId,
 };
-use crate::Store;
+use crate::SqliteStore;
 
 /// The slot name of the default context slot.
 pub const DEFAULT_SLOT: &str = "default";
@@ -92,7 +92,7 @@ pub struct MessageFilter {
     pub slot: Option<String>,
 }
 
-/// One page of a session's current history (see [`Store::load_message_page`]).
+/// One page of a session's current history (see [`Backend::load_message_page`](crate::Backend::load_message_page)).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MessagePage {
     /// Only messages clients see.
@@ -139,7 +139,7 @@ pub struct OpenTurn {
     pub messages: Vec<NewMessage>,
     /// Where the history ended when the turn started (see [`TurnCommit::expected_head`]).
     pub expected_head: Option<SessionHead>,
-    /// The turn whose queued input these messages are ([`Store::queue_input`]):
+    /// The turn whose queued input these messages are ([`Backend::queue_input`](crate::Backend::queue_input)):
     /// taken off the queue in the same transaction (refused if it is not queued).
     pub queued: Option<keel_core::TurnId>,
     /// Commit time (ms).
@@ -155,7 +155,7 @@ pub struct SessionHead {
     pub last_seq: i64,
 }
 
-/// What [`Store::history_after`] read.
+/// What [`Backend::history_after`](crate::Backend::history_after) read.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HistoryDelta {
     /// Where the session's history ends now.
@@ -317,7 +317,7 @@ pub(crate) fn visible_inputs(conn: &Connection, timeline: &str, upto: i64) -> Re
     Ok(total)
 }
 
-/// The history visible from `timeline` after `known` (see [`Store::history_after`]).
+/// The history visible from `timeline` after `known` (see [`Backend::history_after`](crate::Backend::history_after)).
 fn history_after_tx(
     c: &Connection,
     timeline: TimelineId,
@@ -622,13 +622,8 @@ fn open_turn_tx(
     Ok(seqs)
 }
 
-impl Store {
-    /// Commits a turn's input on its own, before the model is called (and
-    /// only if the history still ends at `expected_head`): the
-    /// messages are appended `open` (an input some earlier turn of the
-    /// session left open is marked unanswered first) and the session's
-    /// activity and `message_count` are bumped. Returns their seqs.
-    pub async fn open_turn(&self, turn: OpenTurn) -> Result<Vec<i64>> {
+impl SqliteStore {
+    pub(crate) async fn open_turn(&self, turn: OpenTurn) -> Result<Vec<i64>> {
         let mut messages = turn.messages.clone();
         for m in &mut messages {
             m.input_state = Some(InputState::Open);
@@ -651,12 +646,11 @@ impl Store {
         Ok(seqs)
     }
 
-    /// Marks the open inputs `seqs` (of the session's head) unanswered: their
-    /// turn failed or was cancelled. Inputs no longer open are left as they
-    /// are. Returns how many changed.
-    /// Their webhooks (and the server-wide URLs) get a delivery saying so,
-    /// in the same transaction.
-    pub async fn mark_unanswered(&self, session_id: SessionId, seqs: Vec<i64>) -> Result<usize> {
+    pub(crate) async fn mark_unanswered(
+        &self,
+        session_id: SessionId,
+        seqs: Vec<i64>,
+    ) -> Result<usize> {
         let urls = self.webhook_urls();
         let (changed, deliveries) = self
             .db
@@ -689,8 +683,7 @@ impl Store {
         Ok(changed)
     }
 
-    /// Appends one message to the session's head timeline; returns its seq (see [`Store::append_messages`]).
-    pub async fn append_message(
+    pub(crate) async fn append_message(
         &self,
         session_id: SessionId,
         message: NewMessage,
@@ -704,9 +697,7 @@ impl Store {
             .ok_or_else(|| StoreError::Sqlite("append returned no seq".into()))
     }
 
-    /// Appends messages in order in one transaction; returns their seqs. Does
-    /// not touch `last_active_at` or `message_count` (see [`Store::commit_turn`], [`Store::touch_session`]).
-    pub async fn append_messages(
+    pub(crate) async fn append_messages(
         &self,
         session_id: SessionId,
         messages: Vec<NewMessage>,
@@ -737,8 +728,7 @@ impl Store {
             .await
     }
 
-    /// Commits a turn (messages + state + optional checkpoint + counters) in one transaction.
-    pub async fn commit_turn(&self, turn: TurnCommit) -> Result<TurnCommitted> {
+    pub(crate) async fn commit_turn(&self, turn: TurnCommit) -> Result<TurnCommitted> {
         let encoded = encode(self.path(), &turn.messages)?;
         let global = self.webhook_urls();
         let answers = !turn.answers.is_empty();
@@ -757,8 +747,7 @@ impl Store {
         Ok(committed)
     }
 
-    /// The session's current history (its head timeline and ancestors), filtered, in seq order.
-    pub async fn load_messages(
+    pub(crate) async fn load_messages(
         &self,
         session_id: SessionId,
         filter: MessageFilter,
@@ -771,11 +760,7 @@ impl Store {
             .await
     }
 
-    /// A page of the session's current history, oldest or newest first.
-    /// Messages are only ever appended above the head, so a page sequence
-    /// read oldest first never skips or repeats one; read newest first, new
-    /// messages appear only before the first page.
-    pub async fn load_message_page(
+    pub(crate) async fn load_message_page(
         &self,
         session_id: SessionId,
         page: MessagePage,
@@ -794,10 +779,10 @@ impl Store {
             .await
     }
 
-    /// The session's current history as (timeline, last seq) ranges, root
-    /// first: a checkpoint at (timeline, seq) lies on the current branch when
-    /// one range has its timeline and a last seq at or above its seq.
-    pub async fn history_ranges(&self, session_id: SessionId) -> Result<Vec<(TimelineId, i64)>> {
+    pub(crate) async fn history_ranges(
+        &self,
+        session_id: SessionId,
+    ) -> Result<Vec<(TimelineId, i64)>> {
         self.db
             .read(move |c| {
                 let session = require_session(c, &session_id)?;
@@ -809,12 +794,7 @@ impl Store {
             .await
     }
 
-    /// The session's current history after `known`, a head the caller
-    /// read before: only the messages past it when the history still
-    /// continues it, else the whole history (`whole`). A history only
-    /// grows on its head timeline (a rollback moves the head to a new
-    /// one), so what ended at `known` is still the same prefix.
-    pub async fn history_after(
+    pub(crate) async fn history_after(
         &self,
         session_id: SessionId,
         known: Option<SessionHead>,
@@ -828,19 +808,13 @@ impl Store {
             .await
     }
 
-    /// A chat's dialogs as [`Store::list_dialogs`] lists them (one page),
-    /// those `wanted` keeps each with its history after the head `known`
-    /// holds for it (see [`Store::history_after`]), in one read.
-    pub async fn dialogs_with_history_after<F>(
+    pub(crate) async fn dialogs_with_history_after(
         &self,
         query: DialogQuery,
-        wanted: F,
+        wanted: crate::DialogFilter,
         known: HashMap<SessionId, SessionHead>,
         filter: MessageFilter,
-    ) -> Result<Vec<(SessionRecord, HistoryDelta)>>
-    where
-        F: Fn(&SessionRecord) -> bool + Send + 'static,
-    {
+    ) -> Result<Vec<(SessionRecord, HistoryDelta)>> {
         check_limit(&query)?;
         self.db
             .read(move |c| {
@@ -858,8 +832,7 @@ impl Store {
             .await
     }
 
-    /// The messages a checkpoint saw, filtered, in seq order.
-    pub async fn load_messages_at_checkpoint(
+    pub(crate) async fn load_messages_at_checkpoint(
         &self,
         checkpoint_id: CheckpointId,
         filter: MessageFilter,
@@ -872,8 +845,7 @@ impl Store {
             .await
     }
 
-    /// The last seq of the session's current history (0 when empty).
-    pub async fn last_seq(&self, session_id: SessionId) -> Result<i64> {
+    pub(crate) async fn last_seq(&self, session_id: SessionId) -> Result<i64> {
         self.db
             .read(move |c| {
                 let session = require_session(c, &session_id)?;

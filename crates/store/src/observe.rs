@@ -7,7 +7,7 @@ use rusqlite::OptionalExtension;
 use crate::error::Result;
 use crate::runs::{query_runs, RunRecord};
 use crate::util::non_negative;
-use crate::Store;
+use crate::SqliteStore;
 
 /// Most runs one trace returns (a tree is bounded by `max_runs_per_tree`
 /// far below this; the bound keeps a corrupt parent chain from running on).
@@ -24,10 +24,8 @@ pub struct InboxGauges {
     pub dead_lettered: u64,
 }
 
-impl Store {
-    /// The inbox gauges: two counts over the status index of
-    /// `agent_inbox_events`, in one snapshot.
-    pub async fn inbox_gauges(&self) -> Result<InboxGauges> {
+impl SqliteStore {
+    pub(crate) async fn inbox_gauges(&self) -> Result<InboxGauges> {
         self.db
             .read(|c| {
                 let (pending, oldest): (i64, Option<i64>) = c
@@ -50,9 +48,7 @@ impl Store {
             .await
     }
 
-    /// Run `id` and every run below it (through `parent_run_id`), oldest
-    /// first; empty when there is no such run.
-    pub async fn run_tree(&self, id: RunId) -> Result<Vec<RunRecord>> {
+    pub(crate) async fn run_tree(&self, id: RunId) -> Result<Vec<RunRecord>> {
         self.db
             .read(move |c| {
                 let found = c
@@ -75,10 +71,7 @@ impl Store {
             .await
     }
 
-    /// Every run root turn `turn` started, at any depth, oldest first. With
-    /// `session`, only that dialog's (an index read); without, every
-    /// dialog's runs are looked through (for `keel trace`, run once).
-    pub async fn turn_runs(
+    pub(crate) async fn turn_runs(
         &self,
         session: Option<SessionId>,
         turn: TurnId,

@@ -10,7 +10,7 @@ use crate::counters::usage_tx;
 use crate::error::{Result, StoreError};
 use crate::inbox::{query_events, InboxEvent};
 use crate::runs::{query_runs, RunCursor, RunRecord};
-use crate::{Page, Store};
+use crate::{Page, SqliteStore};
 
 /// A filtered listing of runs, newest first, paginated by (created_at, id).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -62,11 +62,8 @@ pub(crate) fn page_fetch(limit: usize) -> Result<i64> {
     Ok(i64::try_from(limit + 1).unwrap_or(i64::MAX))
 }
 
-impl Store {
-    /// Runs matching `query`, newest first. New runs sort before every
-    /// cursor, so a page sequence never repeats or skips an item however
-    /// many runs start meanwhile.
-    pub async fn query_runs(&self, query: RunQuery) -> Result<Page<RunRecord, RunCursor>> {
+impl SqliteStore {
+    pub(crate) async fn query_runs(&self, query: RunQuery) -> Result<Page<RunRecord, RunCursor>> {
         let fetch = page_fetch(query.limit)?;
         self.db
             .read(move |c| {
@@ -114,11 +111,7 @@ impl Store {
             .await
     }
 
-    /// Inbox events of a root session (signals and completions, whatever
-    /// their status), newest first, `limit` (1..=1000) at a time. New
-    /// events sort before every cursor, so a page sequence never repeats or
-    /// skips one however many arrive meanwhile.
-    pub async fn query_session_events(
+    pub(crate) async fn query_session_events(
         &self,
         root_session_id: SessionId,
         cursor: Option<EventCursor>,
@@ -142,10 +135,7 @@ impl Store {
             .await
     }
 
-    /// Inbox events about one run (its signals and completion), oldest
-    /// first, `limit` (1..=1000) at a time. New events sort after every
-    /// cursor, so a page sequence never repeats or skips one.
-    pub async fn run_events(
+    pub(crate) async fn run_events(
         &self,
         run_id: RunId,
         cursor: Option<EventCursor>,
@@ -169,11 +159,7 @@ impl Store {
             .await
     }
 
-    /// Runs and events of `root_session_id` changed after `since_revision`,
-    /// each in revision order, with the session's current revision; at most
-    /// `limit` (1..=1000) of each. A caller that gets `limit` of either asks
-    /// again from the smaller of the two last revisions it saw.
-    pub async fn agent_changes_since(
+    pub(crate) async fn agent_changes_since(
         &self,
         root_session_id: SessionId,
         since_revision: u64,

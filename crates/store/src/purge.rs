@@ -17,7 +17,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 use crate::counters::recount_tx;
 use crate::error::{Result, StoreError};
 use crate::util::parse;
-use crate::Store;
+use crate::SqliteStore;
 
 /// Runs (with their inbox events) and checkpoints removed per transaction.
 const ROW_BATCH: i64 = 256;
@@ -63,7 +63,7 @@ impl PurgeReport {
 /// What one dialog occupies in the database.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DialogUsage {
-    /// Bytes of the values stored in the dialog's own rows (see [`Store::dialog_usage`]).
+    /// Bytes of the values stored in the dialog's own rows (see [`Backend::dialog_usage`](crate::Backend::dialog_usage)).
     pub stored_bytes: u64,
     /// Its checkpoints.
     pub checkpoints: u64,
@@ -232,10 +232,11 @@ fn remove_session_row(conn: &Connection, id: &str) -> Result<(bool, u64)> {
     Ok((true, timelines))
 }
 
-impl Store {
-    /// Deleted sessions whose deletion is at or before `deleted_before_ms`,
-    /// newest created first (so a fork goes before the dialog it was forked from).
-    pub async fn deleted_sessions_before(&self, deleted_before_ms: i64) -> Result<Vec<SessionId>> {
+impl SqliteStore {
+    pub(crate) async fn deleted_sessions_before(
+        &self,
+        deleted_before_ms: i64,
+    ) -> Result<Vec<SessionId>> {
         self.db
             .read(move |c| {
                 let mut stmt = c.prepare_cached(
@@ -252,12 +253,7 @@ impl Store {
             .await
     }
 
-    /// Removes a soft-deleted session and every row that belongs to it, in
-    /// bounded batches, each its own transaction (safe to interrupt; the next
-    /// purge carries on). A session that is not deleted is refused.
-    /// Timelines another session branches from stay, with the session row.
-    /// State blobs are swept by [`Store::sweep_state_blobs`].
-    pub async fn purge_session(&self, session_id: SessionId) -> Result<PurgeReport> {
+    pub(crate) async fn purge_session(&self, session_id: SessionId) -> Result<PurgeReport> {
         let id = session_id.to_string();
         let mut report = PurgeReport::default();
         let key = id.clone();
@@ -368,19 +364,11 @@ impl Store {
         Ok(report)
     }
 
-    /// Deletes every state blob no session and no checkpoint references; returns how many.
-    pub async fn sweep_state_blobs(&self) -> Result<u64> {
+    pub(crate) async fn sweep_state_blobs(&self) -> Result<u64> {
         self.db.write(crate::checkpoints::sweep_blobs).await
     }
 
-    /// What a dialog occupies: its checkpoints, and the bytes of the text
-    /// and blob values stored in its rows as SQLite stores them
-    /// (`octet_length`): every column of the messages on its own timelines
-    /// and of its checkpoints, the state blobs its head and checkpoints
-    /// reference (each once, hash and bytes), its runs' task, context,
-    /// result and error, and its inbox events' payloads. Integers and
-    /// SQLite's per-row, page and index overhead are not counted.
-    pub async fn dialog_usage(&self, session_id: SessionId) -> Result<DialogUsage> {
+    pub(crate) async fn dialog_usage(&self, session_id: SessionId) -> Result<DialogUsage> {
         let id = session_id.to_string();
         self.db
             .read(move |c| {

@@ -1,10 +1,10 @@
 //! Queued user input: a message acknowledged while its dialog's turn runs,
 //! committed before the acknowledgement and moved into the history when its
 //! own turn starts ([`crate::OpenTurn::queued`], in that turn's
-//! [`Store::open_turn`] transaction). Until then it is no part of the
+//! [`Backend::open_turn`](crate::Backend::open_turn) transaction). Until then it is no part of the
 //! history, so replay, rollback and fork never see it; it takes its place
 //! after the answer of the turn it waited for. Rows a dead process left are
-//! listed by [`Store::queued_inputs`] for the next one to run.
+//! listed by [`Backend::queued_inputs`](crate::Backend::queued_inputs) for the next one to run.
 
 use keel_core::{Message, SessionId, TurnId};
 use rusqlite::{params, Connection};
@@ -12,7 +12,7 @@ use rusqlite::{params, Connection};
 use crate::error::{Result, StoreError};
 use crate::sessions::require_session;
 use crate::util::parse;
-use crate::Store;
+use crate::SqliteStore;
 
 /// A user message acknowledged before its turn started.
 #[derive(Debug, Clone, PartialEq)]
@@ -44,10 +44,8 @@ pub(crate) fn take_queued_tx(conn: &Connection, turn_id: &TurnId) -> Result<()> 
     Ok(())
 }
 
-impl Store {
-    /// Commits `input` as queued for its turn (the session must exist and
-    /// not be deleted): from now on it is durable, though not yet history.
-    pub async fn queue_input(&self, input: QueuedInput) -> Result<()> {
+impl SqliteStore {
+    pub(crate) async fn queue_input(&self, input: QueuedInput) -> Result<()> {
         let message = serde_json::to_string(&input.message)
             .map_err(|e| StoreError::InvalidInput(format!("message does not serialize: {e}")))?;
         self.db
@@ -80,9 +78,7 @@ impl Store {
             .await
     }
 
-    /// Withdraws the queued input of `turn_id` (an acknowledgement that was
-    /// never sent, or a turn that cannot start). Returns whether it was queued.
-    pub async fn discard_queued_input(&self, turn_id: TurnId) -> Result<bool> {
+    pub(crate) async fn discard_queued_input(&self, turn_id: TurnId) -> Result<bool> {
         self.db
             .write(move |c| {
                 crate::webhooks::unsubscribe_tx(c, &turn_id)?;
@@ -94,9 +90,7 @@ impl Store {
             .await
     }
 
-    /// Every queued input of a session not deleted, in the order they were
-    /// acknowledged.
-    pub async fn queued_inputs(&self) -> Result<Vec<QueuedInput>> {
+    pub(crate) async fn queued_inputs(&self) -> Result<Vec<QueuedInput>> {
         self.db
             .read(|c| {
                 let mut stmt = c.prepare_cached(

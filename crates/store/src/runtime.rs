@@ -1,7 +1,7 @@
 //! One process owns a database at a time. [`RuntimeLock`] is an exclusive
 //! lock on a file next to the database (the real file, past any symbolic
 //! link), naming its holder, so a second process is refused before it
-//! touches anything; [`Store::activate_runtime`] then bumps the stored
+//! touches anything; [`Backend::activate_runtime`](crate::Backend::activate_runtime) then bumps the stored
 //! runtime generation and recovers what older generations left unfinished,
 //! in one transaction. From then on every write
 //! of that store checks the generation: if a newer process activated (say the
@@ -17,7 +17,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 use crate::error::{Result, StoreError};
 use crate::runs::{recover_tx, RecoveryReport};
 use crate::util::{non_negative, to_i64};
-use crate::Store;
+use crate::SqliteStore;
 
 /// The exclusive lock of a database file, held for the life of a process's
 /// runtime; released when dropped (or when the process dies, even by
@@ -132,7 +132,7 @@ pub fn describe_process(what: &str) -> String {
     format!("{what} (pid {} on {host})", std::process::id())
 }
 
-/// What [`Store::activate_runtime`] did.
+/// What [`Backend::activate_runtime`](crate::Backend::activate_runtime) did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Activation {
     /// The generation this process now owns; greater than every generation
@@ -220,15 +220,8 @@ fn activate_tx(
     })
 }
 
-impl Store {
-    /// Starts a new runtime generation on this database, in one
-    /// transaction: the stored generation is bumped (past any generation a
-    /// run was stamped with), `holder` recorded, and what older generations
-    /// left unfinished is recovered (see [`Store::recover_older_generations`];
-    /// here every inbox lease returns to pending, expired or not).
-    /// Every later write of this store (and its clones) is fenced to the new
-    /// generation. Take a [`RuntimeLock`] first so no other process races it.
-    pub async fn activate_runtime(&self, holder: String, now_ms: i64) -> Result<Activation> {
+impl SqliteStore {
+    pub(crate) async fn activate_runtime(&self, holder: String, now_ms: i64) -> Result<Activation> {
         let urls = self.webhook_urls();
         let activation = self
             .db
@@ -242,8 +235,7 @@ impl Store {
         Ok(activation)
     }
 
-    /// The stored runtime generation and its holder (`None` before any activation).
-    pub async fn runtime_generation(&self) -> Result<Option<(u64, String)>> {
+    pub(crate) async fn runtime_generation(&self) -> Result<Option<(u64, String)>> {
         self.db.read(current).await
     }
 }

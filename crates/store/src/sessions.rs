@@ -8,7 +8,7 @@ use rusqlite::{params, Connection, OptionalExtension, Row};
 use crate::error::{Result, StoreError};
 use crate::messages::{commit_turn_tx, encode, TurnCommit, TurnCommitted};
 use crate::util::{fresh_id, non_negative, parse, parse_opt};
-use crate::{Page, Store};
+use crate::{Page, SqliteStore};
 
 /// Identifies one linear run of a session's history (see the checkpoint design).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -27,7 +27,7 @@ impl std::fmt::Display for TimelineId {
     }
 }
 
-/// A session to create (or update, with [`Store::upsert_session`]).
+/// A session to create (or update, with [`Backend::upsert_session`](crate::Backend::upsert_session)).
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewSession {
     /// Its id.
@@ -187,7 +187,7 @@ pub(crate) fn check_limit(query: &DialogQuery) -> Result<()> {
     Ok(())
 }
 
-/// One page of a chat's dialogs (see [`Store::list_dialogs`]).
+/// One page of a chat's dialogs (see [`Backend::list_dialogs`](crate::Backend::list_dialogs)).
 pub(crate) fn list_dialogs_tx(
     c: &Connection,
     query: &DialogQuery,
@@ -329,20 +329,14 @@ pub(crate) fn bump_activity(
     Ok(())
 }
 
-impl Store {
-    /// Creates a session with an empty root timeline; a taken id or (channel, chat_id, dialog_id) is a `Conflict`.
-    pub async fn create_session(&self, session: NewSession) -> Result<SessionRecord> {
+impl SqliteStore {
+    pub(crate) async fn create_session(&self, session: NewSession) -> Result<SessionRecord> {
         self.db
             .write(move |c| insert_session_tx(c, &session, None, None))
             .await
     }
 
-    /// Creates `session`, commits `turn` to it and writes its ended `runs`
-    /// (parents first, already carrying their new ids and `session.id` as
-    /// root) in one transaction, so a dialog brought in from elsewhere
-    /// exists whole or not at all. `turn.session_id` must be `session.id`;
-    /// its messages get seqs 1, 2, ….
-    pub async fn import_session(
+    pub(crate) async fn import_session(
         &self,
         session: NewSession,
         turn: TurnCommit,
@@ -365,8 +359,7 @@ impl Store {
             .await
     }
 
-    /// Creates the session, or updates title, agent, parent and delivery context of the existing one with this id.
-    pub async fn upsert_session(&self, session: NewSession) -> Result<SessionRecord> {
+    pub(crate) async fn upsert_session(&self, session: NewSession) -> Result<SessionRecord> {
         self.db
             .write(move |c| {
                 let Some(existing) = get_session_tx(c, &session.id)? else {
@@ -400,13 +393,11 @@ impl Store {
             .await
     }
 
-    /// The session with this id (deleted or not).
-    pub async fn get_session(&self, id: SessionId) -> Result<Option<SessionRecord>> {
+    pub(crate) async fn get_session(&self, id: SessionId) -> Result<Option<SessionRecord>> {
         self.db.read(move |c| get_session_tx(c, &id)).await
     }
 
-    /// The session of dialog (channel, chat_id, dialog_id), deleted or not.
-    pub async fn get_dialog(
+    pub(crate) async fn get_dialog(
         &self,
         channel: &str,
         chat_id: &str,
@@ -424,8 +415,7 @@ impl Store {
             .await
     }
 
-    /// Dialogs of a chat, most recently created first, paginated by (created_at, id).
-    pub async fn list_dialogs(
+    pub(crate) async fn list_dialogs(
         &self,
         query: DialogQuery,
     ) -> Result<Page<SessionRecord, DialogCursor>> {
@@ -433,8 +423,7 @@ impl Store {
         self.db.read(move |c| list_dialogs_tx(c, &query)).await
     }
 
-    /// The most recently active, not deleted dialog of a chat ("continue the last dialog").
-    pub async fn latest_active_dialog(
+    pub(crate) async fn latest_active_dialog(
         &self,
         channel: &str,
         chat_id: &str,
@@ -452,8 +441,12 @@ impl Store {
             .await
     }
 
-    /// Sets a session's title.
-    pub async fn rename_session(&self, id: SessionId, title: String, now_ms: i64) -> Result<()> {
+    pub(crate) async fn rename_session(
+        &self,
+        id: SessionId,
+        title: String,
+        now_ms: i64,
+    ) -> Result<()> {
         self.db
             .write(move |c| {
                 let n = c.execute(
@@ -469,10 +462,7 @@ impl Store {
             .await
     }
 
-    /// Soft-deletes a session (rows stay; listings skip it) and withdraws its
-    /// queued inputs, which no turn will answer now. Returns false if it was
-    /// already deleted.
-    pub async fn soft_delete_session(&self, id: SessionId, now_ms: i64) -> Result<bool> {
+    pub(crate) async fn soft_delete_session(&self, id: SessionId, now_ms: i64) -> Result<bool> {
         self.db
             .write(move |c| {
                 require_session(c, &id)?;
@@ -493,13 +483,11 @@ impl Store {
             .await
     }
 
-    /// Records activity on a session at `now_ms`.
-    pub async fn touch_session(&self, id: SessionId, now_ms: i64) -> Result<()> {
+    pub(crate) async fn touch_session(&self, id: SessionId, now_ms: i64) -> Result<()> {
         self.db.write(move |c| touch_tx(c, &id, now_ms)).await
     }
 
-    /// Replaces the session's durable delivery context (JSON).
-    pub async fn set_delivery_context(
+    pub(crate) async fn set_delivery_context(
         &self,
         id: SessionId,
         context: Option<String>,
@@ -520,8 +508,7 @@ impl Store {
             .await
     }
 
-    /// Child sessions of `parent`, oldest first (deleted ones included).
-    pub async fn child_sessions(&self, parent: SessionId) -> Result<Vec<SessionRecord>> {
+    pub(crate) async fn child_sessions(&self, parent: SessionId) -> Result<Vec<SessionRecord>> {
         self.db
             .read(move |c| {
                 let sql = format!(

@@ -7,7 +7,7 @@ use rusqlite::{params, OptionalExtension};
 
 use crate::error::{Result, StoreError};
 use crate::util::{non_negative, saturating_i64};
-use crate::Store;
+use crate::SqliteStore;
 
 /// A dialog's spend so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -20,10 +20,8 @@ pub struct DialogSpend {
     pub model_calls: u64,
 }
 
-impl Store {
-    /// Adds one model call's `usage` and `cost` to the spend of `session`;
-    /// returns the dialog's spend after it.
-    pub async fn add_dialog_spend(
+impl SqliteStore {
+    pub(crate) async fn add_dialog_spend(
         &self,
         session: SessionId,
         usage: Usage,
@@ -54,8 +52,7 @@ impl Store {
             .await
     }
 
-    /// What `session` spent so far (nothing for a dialog with no model call).
-    pub async fn dialog_spend(&self, session: SessionId) -> Result<DialogSpend> {
+    pub(crate) async fn dialog_spend(&self, session: SessionId) -> Result<DialogSpend> {
         self.db
             .read(move |c| Ok(read_tx(c, &session)?.unwrap_or_default()))
             .await

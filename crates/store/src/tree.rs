@@ -16,7 +16,7 @@ use crate::messages::{
 use crate::runs::RunRecord;
 use crate::sessions::{insert_session_tx, require_session, NewSession, SessionRecord};
 use crate::util::{fresh_id, sha256_hex, to_i64};
-use crate::Store;
+use crate::SqliteStore;
 
 /// One timeline of a dialog as read for an export.
 #[derive(Debug, Clone, PartialEq)]
@@ -258,9 +258,8 @@ fn import_tree_tx(
     Ok(())
 }
 
-impl Store {
-    /// The history tree of `session`, read in one snapshot.
-    pub async fn dialog_tree(&self, session: SessionId) -> Result<DialogTree> {
+impl SqliteStore {
+    pub(crate) async fn dialog_tree(&self, session: SessionId) -> Result<DialogTree> {
         self.db
             .read(move |c| {
                 let record = require_session(c, &session)?;
@@ -269,10 +268,7 @@ impl Store {
             .await
     }
 
-    /// Creates `session` with the whole history `tree` and its ended `runs`
-    /// (see [`Store::import_session`]) in one transaction: the session
-    /// exists whole or not at all.
-    pub async fn import_session_tree(
+    pub(crate) async fn import_session_tree(
         &self,
         session: NewSession,
         tree: ImportTree,

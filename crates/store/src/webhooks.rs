@@ -2,9 +2,9 @@
 //! queued input, bound to the input's seq when its turn opens) and the
 //! deliveries the commit answering that input creates in its own
 //! transaction — one per subscription and one per server-wide URL
-//! ([`Store::set_webhook_urls`]). The gateway's worker POSTs due rows
-//! ([`Store::due_webhook_deliveries`]) and records each attempt
-//! ([`Store::record_webhook_attempt`]); a row's `id` is stable, so a
+//! ([`crate::Store::set_webhook_urls`]). The gateway's worker POSTs due rows
+//! ([`Backend::due_webhook_deliveries`](crate::Backend::due_webhook_deliveries)) and records each attempt
+//! ([`Backend::record_webhook_attempt`](crate::Backend::record_webhook_attempt)); a row's `id` is stable, so a
 //! receiver deduplicates redeliveries by it.
 
 use keel_core::{Message, Role, SessionId, TurnId};
@@ -12,7 +12,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 use serde::Serialize;
 
 use crate::error::{Result, StoreError};
-use crate::Store;
+use crate::SqliteStore;
 
 /// The server-wide webhook URLs and the wake-up of the delivery worker:
 /// process state every backend reads in the transactions that create
@@ -139,7 +139,7 @@ pub struct TurnCompletedData {
     pub answer: String,
 }
 
-/// The outcome of one attempt ([`Store::record_webhook_attempt`]).
+/// The outcome of one attempt ([`Backend::record_webhook_attempt`](crate::Backend::record_webhook_attempt)).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AttemptOutcome {
     /// A 2xx answered.
@@ -420,13 +420,7 @@ pub(crate) fn run_deliveries_tx(
     Ok(urls.len())
 }
 
-impl Store {
-    /// Sets the URLs every committed turn that answers input, and every
-    /// background run's end, is delivered to.
-    pub fn set_webhook_urls(&self, urls: Vec<String>) {
-        self.hooks.set_urls(urls);
-    }
-
+impl SqliteStore {
     pub(crate) fn webhook_urls(&self) -> Vec<String> {
         self.hooks.urls()
     }
@@ -436,14 +430,7 @@ impl Store {
         self.hooks.wake();
     }
 
-    /// Resolves once deliveries were committed since the last wait (a permit
-    /// is kept, so a commit between two waits is not missed).
-    pub async fn webhook_committed(&self) {
-        self.hooks.committed().await;
-    }
-
-    /// Pending deliveries due at `now_ms`, oldest first, at most `limit`.
-    pub async fn due_webhook_deliveries(
+    pub(crate) async fn due_webhook_deliveries(
         &self,
         now_ms: i64,
         limit: usize,
@@ -467,8 +454,7 @@ impl Store {
             .await
     }
 
-    /// When the earliest pending delivery is due (ms), if any is pending.
-    pub async fn next_webhook_due(&self) -> Result<Option<i64>> {
+    pub(crate) async fn next_webhook_due(&self) -> Result<Option<i64>> {
         self.db
             .read(|c| {
                 Ok(c.query_row(
@@ -480,10 +466,7 @@ impl Store {
             .await
     }
 
-    /// Records an attempt on the pending delivery `id`: delivered, retried
-    /// later, or dead once `max_attempts` were made. Returns the new status
-    /// (a row no longer pending is left as it is: `None`).
-    pub async fn record_webhook_attempt(
+    pub(crate) async fn record_webhook_attempt(
         &self,
         id: String,
         outcome: AttemptOutcome,
@@ -540,9 +523,7 @@ impl Store {
             .await
     }
 
-    /// Deliveries after `cursor` (a seq), oldest first, at most `limit`,
-    /// only those in `status` when given.
-    pub async fn list_webhook_deliveries(
+    pub(crate) async fn list_webhook_deliveries(
         &self,
         status: Option<DeliveryStatus>,
         cursor: Option<i64>,

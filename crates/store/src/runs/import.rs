@@ -8,7 +8,7 @@ use super::rows::{delivery_text, query_runs};
 use super::types::RunRecord;
 use crate::error::{Result, StoreError};
 use crate::util::to_i64;
-use crate::Store;
+use crate::SqliteStore;
 
 /// Writes `run` (already given its new ids, parents first) as a terminal row
 /// of its root session: it holds no completion slot, belongs to no group and
@@ -104,10 +104,8 @@ pub(crate) fn import_runs_tx(
     Ok(())
 }
 
-impl Store {
-    /// Every run of root session `root`, oldest first (parents before
-    /// their children), for an export.
-    pub async fn session_runs(&self, root: SessionId) -> Result<Vec<RunRecord>> {
+impl SqliteStore {
+    pub(crate) async fn session_runs(&self, root: SessionId) -> Result<Vec<RunRecord>> {
         self.db
             .read(move |c| {
                 query_runs(

@@ -18,7 +18,7 @@ use crate::counters::{adjust_counters, next_revision, usage_tx, Revisions};
 use crate::error::{Result, StoreError};
 use crate::inbox::{insert_event_tx, EventType, NewEventRow, ScopeKind};
 use crate::util::{parse, saturating_i64, to_i64};
-use crate::Store;
+use crate::SqliteStore;
 
 fn accept_run_tx(conn: &Connection, req: &AcceptRun) -> Result<AcceptedRun> {
     let run = &req.run;
@@ -548,19 +548,16 @@ fn cancel_session_tx(
     Ok(report)
 }
 
-impl Store {
-    /// Accepts one run: idempotency lookup, completion-slot reservation for a background run (capacity-checked), queued row.
-    pub async fn accept_run(&self, request: AcceptRun) -> Result<AcceptedRun> {
+impl SqliteStore {
+    pub(crate) async fn accept_run(&self, request: AcceptRun) -> Result<AcceptedRun> {
         self.db.write(move |c| accept_run_tx(c, &request)).await
     }
 
-    /// Accepts a group and its runs in one transaction with the reservation its policy needs.
-    pub async fn accept_agent_group(&self, request: AcceptGroup) -> Result<AcceptedGroup> {
+    pub(crate) async fn accept_agent_group(&self, request: AcceptGroup) -> Result<AcceptedGroup> {
         self.db.write(move |c| accept_group_tx(c, &request)).await
     }
 
-    /// queued/waiting_children → running, if `execution_id` owns the run. Returns whether it moved.
-    pub async fn mark_run_running(
+    pub(crate) async fn mark_run_running(
         &self,
         run_id: RunId,
         execution_id: String,
@@ -580,8 +577,7 @@ impl Store {
             .await
     }
 
-    /// running → waiting_children, if `execution_id` owns the run. Returns whether it moved.
-    pub async fn mark_run_waiting_children(
+    pub(crate) async fn mark_run_waiting_children(
         &self,
         run_id: RunId,
         execution_id: String,
@@ -601,10 +597,7 @@ impl Store {
             .await
     }
 
-    /// Ends a run if (run_id, execution_id, non-terminal) still holds; the winner
-    /// converts the reservation into a completion (or the group's), else nothing is written.
-    /// `handling` says what becomes of the run's completion slot, if it holds one.
-    pub async fn commit_terminal(
+    pub(crate) async fn commit_terminal(
         &self,
         run_id: RunId,
         execution_id: String,
@@ -616,10 +609,7 @@ impl Store {
             .await
     }
 
-    /// [`Self::commit_terminal`], storing the run's model and tool `calls`
-    /// (at most [`crate::MAX_CALL_SPANS`]) in the same transaction when the
-    /// commit wins.
-    pub async fn commit_run_end(
+    pub(crate) async fn commit_run_end(
         &self,
         run_id: RunId,
         execution_id: String,
@@ -661,8 +651,7 @@ impl Store {
         Ok(commit)
     }
 
-    /// Cancels every non-terminal run of a root session, releases reservations, dead-letters pending events.
-    pub async fn cancel_session(
+    pub(crate) async fn cancel_session(
         &self,
         root_session_id: SessionId,
         reason: String,

@@ -27,7 +27,7 @@ mod types;
 use keel_core::{GroupId, RunId, SessionId};
 
 use crate::error::Result;
-use crate::{Page, Store};
+use crate::{Page, SqliteStore};
 
 pub(crate) use import::import_runs_tx;
 pub(crate) use pauses::end_run_approvals_tx;
@@ -52,19 +52,16 @@ pub(crate) const NONTERMINAL_RUN: &str =
 /// approval has no execution and survives restarts.
 pub(crate) const EXECUTING_RUN: &str = "('queued', 'running', 'waiting_children')";
 
-impl Store {
-    /// One run.
-    pub async fn get_run(&self, run_id: RunId) -> Result<Option<RunRecord>> {
+impl SqliteStore {
+    pub(crate) async fn get_run(&self, run_id: RunId) -> Result<Option<RunRecord>> {
         self.db.read(move |c| get_run_tx(c, &run_id)).await
     }
 
-    /// One group.
-    pub async fn get_group(&self, group_id: GroupId) -> Result<Option<GroupRecord>> {
+    pub(crate) async fn get_group(&self, group_id: GroupId) -> Result<Option<GroupRecord>> {
         self.db.read(move |c| get_group_tx(c, &group_id)).await
     }
 
-    /// Runs of a group, in creation order.
-    pub async fn group_runs(&self, group_id: GroupId) -> Result<Vec<RunRecord>> {
+    pub(crate) async fn group_runs(&self, group_id: GroupId) -> Result<Vec<RunRecord>> {
         self.db
             .read(move |c| {
                 query_runs(
@@ -76,8 +73,7 @@ impl Store {
             .await
     }
 
-    /// Runs delegated by `parent_run_id`, oldest first.
-    pub async fn child_runs(&self, parent_run_id: RunId) -> Result<Vec<RunRecord>> {
+    pub(crate) async fn child_runs(&self, parent_run_id: RunId) -> Result<Vec<RunRecord>> {
         self.db
             .read(move |c| {
                 query_runs(
@@ -89,9 +85,7 @@ impl Store {
             .await
     }
 
-    /// Runs of a root session, newest first, paginated by (created_at, id)
-    /// (a [`Store::query_runs`] of one session).
-    pub async fn list_runs(
+    pub(crate) async fn list_runs(
         &self,
         root_session_id: SessionId,
         cursor: Option<RunCursor>,

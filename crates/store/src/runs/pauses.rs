@@ -3,9 +3,9 @@
 //! A background run whose model called a tool that needs approval commits
 //! what it did so far — its conversation, spend and the time it had left —
 //! with one pending approval per gated call, and becomes `waiting_approval`
-//! ([`Store::commit_paused_run`]); its runner then ends, so it holds no
+//! ([`Backend::commit_paused_run`](crate::Backend::commit_paused_run)); its runner then ends, so it holds no
 //! permit while it waits, and a restart leaves it waiting. Once every one of
-//! its approvals is decided, [`Store::resume_paused_run`] hands it to a new
+//! its approvals is decided, [`Backend::resume_paused_run`](crate::Backend::resume_paused_run) hands it to a new
 //! execution: running again, its deadline renewed by what was left, its
 //! approvals taken up (an approved call marked as started: it runs at most
 //! once), the pause row gone. A run that ends any other way supersedes its
@@ -20,7 +20,7 @@ use crate::approvals::{query as query_approvals, ApprovalRecord, NewApproval};
 use crate::counters::next_revision;
 use crate::error::{Result, StoreError};
 use crate::util::to_i64;
-use crate::Store;
+use crate::SqliteStore;
 
 /// A background run that paused for approval: what it did so far, and its
 /// gated calls.
@@ -51,7 +51,7 @@ pub struct PausedRunCommit {
     pub now_ms: i64,
 }
 
-/// A paused run handed to a new execution by [`Store::resume_paused_run`].
+/// A paused run handed to a new execution by [`Backend::resume_paused_run`](crate::Backend::resume_paused_run).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ResumedRun {
     /// The run as stored after the hand-over (running, new execution id and
@@ -263,12 +263,8 @@ pub(crate) fn end_run_approvals_tx(
     Ok(())
 }
 
-impl Store {
-    /// Commits a background run's pause for approval — status
-    /// `waiting_approval`, what it did so far, one pending approval per gated
-    /// call — in one transaction. Returns false (nothing written) when the
-    /// run is no longer running under `execution_id` (it was cancelled).
-    pub async fn commit_paused_run(&self, commit: PausedRunCommit) -> Result<bool> {
+impl SqliteStore {
+    pub(crate) async fn commit_paused_run(&self, commit: PausedRunCommit) -> Result<bool> {
         if commit.approvals.is_empty() {
             return Err(StoreError::InvalidInput(
                 "a paused run has at least one approval".into(),
@@ -281,11 +277,7 @@ impl Store {
             .await
     }
 
-    /// Hands a run waiting for approval whose approvals are all decided to
-    /// the new execution `execution_id` of `runtime_generation`, in one
-    /// transaction; `None` when it is not such a run (resumed already,
-    /// ended, or an approval still pending).
-    pub async fn resume_paused_run(
+    pub(crate) async fn resume_paused_run(
         &self,
         run_id: RunId,
         execution_id: String,
@@ -298,8 +290,7 @@ impl Store {
             .await
     }
 
-    /// The session's runs waiting for approval, oldest first.
-    pub async fn waiting_runs(&self, session_id: SessionId) -> Result<Vec<RunRecord>> {
+    pub(crate) async fn waiting_runs(&self, session_id: SessionId) -> Result<Vec<RunRecord>> {
         self.db
             .read(move |c| {
                 query_runs(

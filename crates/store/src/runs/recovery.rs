@@ -12,7 +12,7 @@ use super::{EXECUTING_RUN, NONTERMINAL_RUN};
 use crate::counters::{reconcile_tx, Revisions};
 use crate::error::Result;
 use crate::util::{parse, to_i64};
-use crate::Store;
+use crate::SqliteStore;
 
 /// Recovery for `active_generation`; with `all_leases`, every lease is
 /// released (the process that held it is gone), else only expired ones.
@@ -122,13 +122,8 @@ pub(crate) fn recover_tx(
     Ok(report)
 }
 
-impl Store {
-    /// Run once when runtime generation `active_generation` starts, before it
-    /// accepts work: runs of older generations that never finished become
-    /// interrupted (with their completions), expired leases return to
-    /// pending, and every root session's inbox usage is recomputed and
-    /// repaired. Idempotent; nothing is stored about the generation itself.
-    pub async fn recover_older_generations(
+impl SqliteStore {
+    pub(crate) async fn recover_older_generations(
         &self,
         active_generation: u64,
         now_ms: i64,

@@ -192,7 +192,7 @@ pub struct AcceptRun {
     pub now_ms: i64,
 }
 
-/// Result of [`Store::accept_run`](crate::Store::accept_run).
+/// Result of [`Backend::accept_run`](crate::Backend::accept_run)(crate::Store::accept_run).
 #[derive(Debug, Clone, PartialEq)]
 pub struct AcceptedRun {
     /// The run (the earlier one when `existing`).
@@ -214,7 +214,7 @@ pub struct AcceptGroup {
     pub now_ms: i64,
 }
 
-/// Result of [`Store::accept_agent_group`](crate::Store::accept_agent_group).
+/// Result of [`Backend::accept_agent_group`](crate::Backend::accept_agent_group)(crate::Store::accept_agent_group).
 #[derive(Debug, Clone, PartialEq)]
 pub struct AcceptedGroup {
     /// The group.
@@ -301,7 +301,7 @@ pub struct TerminalCommit {
     pub finished_group: Option<GroupRecord>,
 }
 
-/// What [`Store::cancel_session`](crate::Store::cancel_session) changed.
+/// What [`Backend::cancel_session`](crate::Backend::cancel_session)(crate::Store::cancel_session) changed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CancelReport {
     /// Runs moved to cancelled.
@@ -314,7 +314,7 @@ pub struct CancelReport {
     pub events_dead_lettered: u64,
 }
 
-/// What [`Store::recover_older_generations`](crate::Store::recover_older_generations) changed.
+/// What [`Backend::recover_older_generations`](crate::Backend::recover_older_generations)(crate::Store::recover_older_generations) changed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RecoveryReport {
     /// Runs of older generations moved to interrupted.
@@ -332,7 +332,7 @@ pub struct RecoveryReport {
     /// until the next retry or expiry).
     pub sessions_with_inbox_work: Vec<SessionId>,
     /// Turn inputs an older process left open, now marked unanswered (set
-    /// by [`Store::activate_runtime`](crate::Store::activate_runtime) only).
+    /// by [`Backend::activate_runtime`](crate::Backend::activate_runtime)(crate::Store::activate_runtime) only).
     pub unanswered_inputs: u64,
 }
 

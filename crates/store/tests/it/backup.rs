@@ -223,7 +223,7 @@ async fn a_restore_replaces_the_database_in_place_and_keeps_the_one_it_replaced(
         .unwrap();
     let backup = source_dir.path().join("backup.db");
     backup_database(
-        source.path(),
+        &db_path(&source_dir),
         &backup,
         &CheckOptions::default(),
         &mut |_| {},

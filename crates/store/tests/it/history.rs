@@ -345,7 +345,7 @@ async fn a_chats_dialogs_are_read_with_what_each_gained_since_a_known_head() {
     let read = store
         .dialogs_with_history_after(
             query_of_chat(),
-            |_| true,
+            Box::new(|_| true),
             std::collections::HashMap::from([(a.id, known)]),
             MessageFilter::default(),
         )
@@ -367,7 +367,7 @@ async fn a_chats_dialogs_are_read_with_what_each_gained_since_a_known_head() {
     let only_a = store
         .dialogs_with_history_after(
             query_of_chat(),
-            |r| r.dialog_id == "a",
+            Box::new(|r| r.dialog_id == "a"),
             std::collections::HashMap::new(),
             MessageFilter::default(),
         )

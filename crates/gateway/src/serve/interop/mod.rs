@@ -21,7 +21,7 @@
 //! client resends it every time): `Histories` keeps each dialog's
 //! matchable history with the head it was read at, and a request reads a
 //! chat's dialogs and only the messages each gained since in one store
-//! read ([`keel_store::Store::dialogs_with_history_after`]). A dialog's
+//! read ([`keel_store::Backend::dialogs_with_history_after`]). A dialog's
 //! checkpoints are read only when no candidate continues. When the dialog
 //! a history continues is free and no dialog's lock was released since
 //! that read, no other request's turn can have changed it, and it is not
@@ -478,7 +478,7 @@ impl Conversations {
                     limit: MAX_CANDIDATES,
                     cursor: None,
                 },
-                move |r| runs(r, agent.as_ref()),
+                Box::new(move |r| runs(r, agent.as_ref())),
                 known.clone(),
                 visible(),
             )
