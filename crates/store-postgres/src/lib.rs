@@ -42,6 +42,7 @@
 //!   connection and reads the committed rows by revision, so a lost
 //!   notification costs latency, not correctness.
 
+mod backend;
 mod error;
 mod migrations;
 mod outline;
@@ -50,6 +51,7 @@ mod runtime;
 mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod unported;
 mod util;
 
 pub use error::{PgStoreError, Result};

@@ -47,7 +47,7 @@ pub trait Backend: Send + Sync + 'static {
         &self,
         session: NewSession,
         turn: TurnCommit,
-        runs: Vec<crate::RunRecord>,
+        runs: Vec<RunRecord>,
     ) -> Result<TurnCommitted>;
     /// Creates the session, or updates title, agent, parent and delivery context of the existing one with this id.
     async fn upsert_session(&self, session: NewSession) -> Result<SessionRecord>;
@@ -455,7 +455,7 @@ pub trait Backend: Send + Sync + 'static {
         outcome: TerminalOutcome,
         handling: CompletionHandling,
         now_ms: i64,
-        calls: Vec<crate::CallSpan>,
+        calls: Vec<CallSpan>,
     ) -> Result<TerminalCommit>;
     /// Cancels every non-terminal run of a root session, releases reservations, dead-letters pending events.
     async fn cancel_session(

@@ -98,6 +98,8 @@ mod check;
 mod checkpoints;
 mod compact;
 mod compress;
+#[cfg(feature = "conformance")]
+pub mod conformance;
 mod constraints;
 mod counters;
 mod db;

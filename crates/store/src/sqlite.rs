@@ -64,7 +64,7 @@ impl Backend for SqliteStore {
         &self,
         session: NewSession,
         turn: TurnCommit,
-        runs: Vec<crate::RunRecord>,
+        runs: Vec<RunRecord>,
     ) -> Result<TurnCommitted> {
         SqliteStore::import_session(self, session, turn, runs).await
     }
@@ -514,7 +514,7 @@ impl Backend for SqliteStore {
         outcome: TerminalOutcome,
         handling: CompletionHandling,
         now_ms: i64,
-        calls: Vec<crate::CallSpan>,
+        calls: Vec<CallSpan>,
     ) -> Result<TerminalCommit> {
         SqliteStore::commit_run_end(self, run_id, execution_id, outcome, handling, now_ms, calls)
             .await

@@ -3,3 +3,54 @@
 mod checks;
 mod pool;
 mod schema;
+
+mod postgres {
+    //! The conformance suite (`keel_store::conformance`) on PostgreSQL: a
+    //! fresh database per test on the server `keel_store_postgres::testing`
+    //! finds (skipped, and saying so, when there is none).
+
+    use keel_store::conformance::{Harness, TestDb};
+    use keel_store::Store;
+    use keel_store_postgres::testing::{self, Availability};
+    use keel_store_postgres::{PgOptions, PgStore};
+
+    /// Fresh databases on a real server.
+    pub struct Postgres;
+
+    async fn open(conninfo: &str) -> Store {
+        let options = PgOptions {
+            max_connections: 4,
+            ..PgOptions::default()
+        };
+        let (store, _) = PgStore::connect(conninfo, options)
+            .await
+            .expect("connect to the test database");
+        Store::new(store)
+    }
+
+    #[async_trait::async_trait]
+    impl Harness for Postgres {
+        async fn create(&self) -> TestDb {
+            let db = testing::TestDb::start()
+                .await
+                .expect("a server (the harness said one is available)");
+            let store = open(&db.conninfo).await;
+            let conninfo = db.conninfo.clone();
+            let reopen = Box::new(move || {
+                let conninfo = conninfo.clone();
+                Box::pin(async move { open(&conninfo).await })
+                    as std::pin::Pin<Box<dyn std::future::Future<Output = Store> + Send>>
+            });
+            TestDb::new(store, reopen, db)
+        }
+    }
+
+    pub async fn harness() -> Option<Postgres> {
+        match testing::available() {
+            Availability::None => testing::TestDb::start().await.map(|_| Postgres),
+            _ => Some(Postgres),
+        }
+    }
+
+    keel_store::conformance_suite!(crate::postgres::harness);
+}

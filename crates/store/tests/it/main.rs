@@ -14,10 +14,41 @@ mod orchestration;
 mod projection;
 mod purge;
 mod runtime;
-mod sessions;
 mod spend;
 mod stored_enums;
 mod timelines;
 mod webhooks;
 mod write_cache;
 mod writer;
+mod sqlite {
+    //! The conformance suite (`keel_store::conformance`) on SQLite.
+
+    use keel_store::conformance::{Harness, TestDb};
+    use keel_store::Store;
+
+    use crate::common::{db_path, fast_options};
+
+    /// Fresh databases in temporary directories.
+    pub struct Sqlite;
+
+    #[async_trait::async_trait]
+    impl Harness for Sqlite {
+        async fn create(&self) -> TestDb {
+            let dir = tempfile::tempdir().unwrap();
+            let path = db_path(&dir);
+            let store = Store::open(&path, fast_options()).unwrap();
+            let reopen = Box::new(move || {
+                let path = path.clone();
+                Box::pin(async move { Store::open(&path, fast_options()).unwrap() })
+                    as std::pin::Pin<Box<dyn std::future::Future<Output = Store> + Send>>
+            });
+            TestDb::new(store, reopen, dir)
+        }
+    }
+
+    pub async fn harness() -> Option<Sqlite> {
+        Some(Sqlite)
+    }
+
+    keel_store::conformance_suite!(crate::sqlite::harness);
+}

@@ -1,9 +1,11 @@
 //! Sessions and dialogs: create/upsert/get, rename, soft delete, the tree,
 //! and cursor pagination that stays stable while dialogs are created.
+#![allow(missing_docs)] // a test's name is its documentation
 
-use keel_store::{DialogQuery, StoreError};
+use crate::{DialogQuery, StoreError};
 
-use crate::common::*;
+use super::fixtures::*;
+use super::TestDb;
 
 fn query(limit: usize) -> DialogQuery {
     DialogQuery {
@@ -15,9 +17,22 @@ fn query(limit: usize) -> DialogQuery {
     }
 }
 
-#[tokio::test]
-async fn create_get_rename_touch_and_soft_delete() {
-    let (_dir, store) = temp_store();
+fn import_turn(session: &crate::NewSession) -> crate::TurnCommit {
+    crate::TurnCommit {
+        calls: None,
+        session_id: session.id,
+        messages: vec![user("hi"), assistant("hello")],
+        state: br#"{"turn":1}"#.to_vec(),
+        checkpoint: None,
+        visible_user_inputs: 1,
+        answers: Vec::new(),
+        expected_head: None,
+        now_ms: 200,
+    }
+}
+
+pub async fn create_get_rename_touch_and_soft_delete(db: TestDb) {
+    let store = db.store.clone();
     let s = new_session("default", 100);
     let created = store.create_session(s.clone()).await.unwrap();
     assert_eq!(created.title, "Dialog default");
@@ -86,9 +101,8 @@ async fn create_get_rename_touch_and_soft_delete() {
     assert!(store.get_session(missing).await.unwrap().is_none());
 }
 
-#[tokio::test]
-async fn empty_keys_are_rejected_before_sql() {
-    let (_dir, store) = temp_store();
+pub async fn empty_keys_are_rejected_before_sql(db: TestDb) {
+    let store = db.store.clone();
     let mut s = new_session("", 1);
     s.dialog_id.clear();
     assert!(matches!(
@@ -97,9 +111,8 @@ async fn empty_keys_are_rejected_before_sql() {
     ));
 }
 
-#[tokio::test]
-async fn latest_active_dialog_and_session_tree() {
-    let (_dir, store) = temp_store();
+pub async fn latest_active_dialog_and_session_tree(db: TestDb) {
+    let store = db.store.clone();
     let a = store.create_session(new_session("a", 10)).await.unwrap();
     let b = store.create_session(new_session("b", 20)).await.unwrap();
     store.touch_session(a.id, 30).await.unwrap();
@@ -132,9 +145,8 @@ async fn latest_active_dialog_and_session_tree() {
     assert_eq!(child.parent_id, Some(b.id));
 }
 
-#[tokio::test]
-async fn pagination_is_stable_under_inserts() {
-    let (_dir, store) = temp_store();
+pub async fn pagination_is_stable_under_inserts(db: TestDb) {
+    let store = db.store.clone();
     let mut ids = Vec::new();
     for i in 0..10 {
         // Two dialogs share each timestamp: the id breaks the tie.
@@ -171,23 +183,8 @@ async fn pagination_is_stable_under_inserts() {
     ));
 }
 
-fn import_turn(session: &keel_store::NewSession) -> keel_store::TurnCommit {
-    keel_store::TurnCommit {
-        calls: None,
-        session_id: session.id,
-        messages: vec![user("hi"), assistant("hello")],
-        state: br#"{"turn":1}"#.to_vec(),
-        checkpoint: None,
-        visible_user_inputs: 1,
-        answers: Vec::new(),
-        expected_head: None,
-        now_ms: 200,
-    }
-}
-
-#[tokio::test]
-async fn import_session_creates_the_session_with_its_history_in_one_step() {
-    let (_dir, store) = temp_store();
+pub async fn import_session_creates_the_session_with_its_history_in_one_step(db: TestDb) {
+    let store = db.store.clone();
     let s = new_session("imported", 100);
     let committed = store
         .import_session(s.clone(), import_turn(&s), Vec::new())
@@ -198,15 +195,14 @@ async fn import_session_creates_the_session_with_its_history_in_one_step() {
     assert_eq!(record.message_count, 1);
     assert_eq!(record.state_hash.as_deref(), Some(&*committed.state_hash));
     let history = store
-        .load_messages(s.id, keel_store::MessageFilter::default())
+        .load_messages(s.id, crate::MessageFilter::default())
         .await
         .unwrap();
     assert_eq!(history.len(), 2);
 }
 
-#[tokio::test]
-async fn a_failed_import_leaves_no_session_behind() {
-    let (_dir, store) = temp_store();
+pub async fn a_failed_import_leaves_no_session_behind(db: TestDb) {
+    let store = db.store.clone();
     let elsewhere = store
         .create_session(new_session("elsewhere", 100))
         .await
@@ -214,7 +210,7 @@ async fn a_failed_import_leaves_no_session_behind() {
     let s = new_session("imported", 100);
     // The history fails after the session row is written: both roll back.
     let mut turn = import_turn(&s);
-    turn.expected_head = Some(keel_store::SessionHead {
+    turn.expected_head = Some(crate::SessionHead {
         timeline: elsewhere.head_timeline_id,
         last_seq: 7,
     });

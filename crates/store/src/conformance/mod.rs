@@ -1,0 +1,119 @@
+//! The conformance suite: the store's behaviour, written once and run
+//! against every backend (LangGraph keeps one for its checkpointers; so do
+//! we). keel-store runs it on SQLite (`tests/it/main.rs`),
+//! keel-store-postgres on a real PostgreSQL server; a third backend runs it
+//! with one line: `keel_store::conformance_suite!(crate::my_harness);`,
+//! where `my_harness` is an `async fn() -> Option<impl Harness>` (`None`:
+//! this backend cannot run here, and every test says it was skipped).
+//!
+//! Compiled only with the `conformance` feature (tests enable it).
+//!
+//! # Adding a test
+//! Write `pub async fn the_behaviour_in_words(db: TestDb)` in the module of
+//! its area (a fresh, empty, migrated database; `db.store` is a store on
+//! it, `db.reopen()` another one, as a new process would open it), and add
+//! its name to that module's list in [`conformance_suite!`]. Use only the
+//! [`crate::Backend`] API: a test that needs the SQLite file itself (a
+//! path, a PRAGMA, raw SQL) stays in keel-store's `tests/it/`.
+#![allow(clippy::unwrap_used, clippy::missing_panics_doc)]
+
+pub mod fixtures;
+pub mod sessions;
+
+use std::any::Any;
+use std::future::Future;
+use std::pin::Pin;
+
+use crate::Store;
+
+/// A backend under test: makes fresh databases.
+#[async_trait::async_trait]
+pub trait Harness: Send + Sync + 'static {
+    /// A fresh, empty database of this backend, migrated, with a store on it.
+    async fn create(&self) -> TestDb;
+}
+
+/// How a [`TestDb`] opens another store on its database.
+pub type Reopen = Box<dyn Fn() -> Pin<Box<dyn Future<Output = Store> + Send>> + Send + Sync>;
+
+/// One test's database: a store on it, and what keeps it alive.
+pub struct TestDb {
+    /// A store on the database.
+    pub store: Store,
+    reopen: Reopen,
+    _keep: Box<dyn Any + Send + Sync>,
+}
+
+impl TestDb {
+    /// A database reached through `store`; `reopen` opens another store on
+    /// it; `keep` (a temporary directory, a test database) lives as long.
+    pub fn new(store: Store, reopen: Reopen, keep: impl Any + Send + Sync) -> Self {
+        Self {
+            store,
+            reopen,
+            _keep: Box::new(keep),
+        }
+    }
+
+    /// Another store on the same database, as a new process would open it.
+    pub async fn reopen(&self) -> Store {
+        (self.reopen)().await
+    }
+}
+
+/// Runs one test body on a fresh database of the harness, or says it was
+/// skipped when the backend cannot run here.
+#[doc(hidden)]
+pub async fn run<H, F, Fut>(harness: Option<H>, name: &str, body: F)
+where
+    H: Harness,
+    F: FnOnce(TestDb) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    match harness {
+        Some(h) => body(h.create().await).await,
+        None => eprintln!("{name}: skipped (this backend is not available here)"),
+    }
+}
+
+/// Expands to the whole conformance suite as `#[tokio::test]`s, one module
+/// per area, on the harness `$harness` (a path to an `async fn() ->
+/// Option<impl Harness>`).
+#[macro_export]
+macro_rules! conformance_suite {
+    ($harness:path) => {
+        $crate::conformance_tests! { $harness;
+            sessions {
+                create_get_rename_touch_and_soft_delete,
+                empty_keys_are_rejected_before_sql,
+                latest_active_dialog_and_session_tree,
+                pagination_is_stable_under_inserts,
+                import_session_creates_the_session_with_its_history_in_one_step,
+                a_failed_import_leaves_no_session_behind,
+            }
+        }
+    };
+}
+
+/// The expansion of [`conformance_suite!`].
+#[doc(hidden)]
+#[macro_export]
+macro_rules! conformance_tests {
+    ($harness:path; $($module:ident { $($test:ident),* $(,)? })*) => {
+        $(
+            mod $module {
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $test() {
+                        $crate::conformance::run(
+                            $harness().await,
+                            concat!(stringify!($module), "::", stringify!($test)),
+                            $crate::conformance::$module::$test,
+                        )
+                        .await;
+                    }
+                )*
+            }
+        )*
+    };
+}
