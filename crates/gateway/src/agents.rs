@@ -6,11 +6,10 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use keel_catalog::{AgentCatalog, CatalogInputs, Diagnostics, SkillSet};
-use keel_store::Store;
 
 use crate::app::default_tool_registry;
 use crate::config::Config;
-use crate::error::{database_err, Result};
+use crate::error::Result;
 
 /// Builds the catalog inputs a configuration implies; `mcp:` references
 /// resolve against the manifests committed in its database (no MCP server
@@ -36,12 +35,9 @@ pub async fn catalog_inputs(config: Option<&Config>) -> Result<CatalogInputs> {
         inputs.max_delegation_depth = depth;
     }
     if let Some(c) = config.filter(|c| !c.mcp.is_empty()) {
-        let db = crate::app::database_path(&c.data_dir());
-        let records = if db.exists() {
-            Store::open(&db, c.store_options())
-                .map_err(database_err(&db))?
-                .mcp_manifests()
-                .await?
+        let location = crate::storage::Location::of(c);
+        let records = if location.exists() {
+            location.open(c).await?.mcp_manifests().await?
         } else {
             Vec::new()
         };

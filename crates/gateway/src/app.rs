@@ -11,10 +11,12 @@ use keel_engine::AgentLoop;
 use keel_engine::ExecutionGate;
 use keel_engine::{AgentCoordinator, CoordinatorConfig, ProfileProviders, ProviderFactory};
 use keel_engine::{RuntimeBundle, SessionManager};
-use keel_store::{describe_process, Activation, RuntimeLock, Store};
+use keel_store::{describe_process, Activation, Store};
+
+use crate::storage::{Location, RuntimeHold};
 
 use crate::config::{Config, ConfigError, LoadedConfig};
-use crate::error::{database_err, io_err, AppError, Result};
+use crate::error::{io_err, AppError, Result};
 use crate::profiles::ProfileBuilder;
 
 /// The profile the root agent runs on.
@@ -44,7 +46,7 @@ pub struct App {
     /// The runtime generation this process activated on the database.
     pub generation: u64,
     /// This process's exclusive hold on the database; released on drop.
-    pub lock: RuntimeLock,
+    pub lock: RuntimeHold,
     /// Sessions whose inbox had work when this process started; see
     /// [`App::deliver_recovered`].
     pub recovered: Vec<SessionId>,
@@ -108,7 +110,7 @@ impl App {
         let config = &loaded.config;
         let data_dir = config.data_dir();
         create_data_dir(&data_dir)?;
-        let (lock, store, activation) = activate(command, config, &data_dir).await?;
+        let (lock, store, activation) = activate(command, config).await?;
         let mut providers = ProfileProviders::new();
         for name in config.profile_names() {
             let provider = match &scripted {
@@ -271,15 +273,9 @@ pub(crate) const SERVE_COMMAND: &str = "keel serve";
 /// exclusive lock (a second process is refused here, before it migrates,
 /// recovers or writes anything), the store, and the activation that bumps
 /// the generation and recovers what earlier processes left.
-async fn activate(
-    command: &str,
-    config: &Config,
-    data_dir: &Path,
-) -> Result<(RuntimeLock, Store, Activation)> {
-    let db = database_path(data_dir);
-    let holder = describe_process(command);
-    let lock = RuntimeLock::acquire(&db, &holder)?;
-    let store = Store::open(&db, config.store_options()).map_err(database_err(&db))?;
+async fn activate(command: &str, config: &Config) -> Result<(RuntimeHold, Store, Activation)> {
+    let (lock, store) = crate::storage::open_exclusive(command, config).await?;
+    let location = Location::of(config);
     if command == SERVE_COMMAND {
         // Only `keel serve` delivers webhooks. Its server-wide URLs are set
         // before the activation, so the runs it recovers from an earlier
@@ -287,9 +283,9 @@ async fn activate(
         store.set_webhook_urls(config.server.webhook_urls.clone());
     }
     let activation = store
-        .activate_runtime(holder, keel_core::time::now_ms())
+        .activate_runtime(describe_process(command), keel_core::time::now_ms())
         .await
-        .map_err(database_err(&db))?;
+        .map_err(location.err())?;
     log_recovery(&activation.recovery);
     Ok((lock, store, activation))
 }

@@ -19,6 +19,7 @@ use keel_store::{
 use crate::app::{create_data_dir, database_path};
 use crate::config::Config;
 use crate::error::{database_err, AppError, Result};
+use crate::storage::Location;
 
 /// Runs `keel backup DEST`.
 pub async fn backup(
@@ -27,7 +28,12 @@ pub async fn backup(
     dest: &Path,
 ) -> Result<ExitCode> {
     let loaded = Config::load(config_file, data_dir)?;
-    let db = database_path(&loaded.config.data_dir());
+    let db = Location::of(&loaded.config)
+        .sqlite_only(
+            "keel backup",
+            "back it up with pg_dump or the server's own backups (docs/DEPLOY.md)",
+        )?
+        .to_path_buf();
     if !db.exists() {
         return Err(AppError::InvalidInput(format!(
             "no keel database at {}",
@@ -55,6 +61,10 @@ pub async fn restore(
     force: bool,
 ) -> Result<ExitCode> {
     let loaded = Config::load(config_file, data_dir)?;
+    Location::of(&loaded.config).sqlite_only(
+        "keel restore",
+        "restore it with pg_restore, or `keel copy` a SQLite backup into it (docs/DEPLOY.md)",
+    )?;
     let dir = loaded.config.data_dir();
     create_data_dir(&dir)?;
     let db = database_path(&dir);

@@ -34,6 +34,12 @@ pub enum Command {
         #[arg(long, value_name = "DIR")]
         data_dir: Option<PathBuf>,
     },
+    /// Bring the database (SQLite, or PostgreSQL with storage.url) to this keel's schema, and say what was done.
+    Migrate {
+        /// Data directory and configuration.
+        #[command(flatten)]
+        data: DataArgs,
+    },
     /// Terminal chat with slash commands (/help lists them).
     Chat {
         /// Data directory and configuration.
@@ -299,6 +305,9 @@ async fn dispatch(command: Command) -> crate::error::Result<ExitCode> {
                 script,
             )
             .await
+        }
+        Command::Migrate { data } => {
+            crate::migrate_cmd::run(data.config.as_deref(), data.data_dir.as_deref()).await
         }
         Command::Serve { data, bind } => {
             crate::serve::run(data.config.as_deref(), data.data_dir.as_deref(), bind).await

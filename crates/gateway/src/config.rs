@@ -78,6 +78,8 @@ pub const MAX_PURGE_DELETED_AFTER_DAYS: u64 = 36_500;
 pub const MAX_RETRY_ATTEMPTS: usize = 10;
 /// Largest single entry of `storage.retry_delays_ms` (10 s).
 pub const MAX_RETRY_DELAY_MS: u64 = 10_000;
+/// Largest `storage.max_connections`.
+pub const MAX_PG_CONNECTIONS: usize = 1000;
 /// Largest `storage.busy_timeout_ms` (1 min).
 pub const MAX_BUSY_TIMEOUT_MS: u64 = 60_000;
 
@@ -327,6 +329,12 @@ pub enum SyncMode {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct StorageConfig {
+    /// A PostgreSQL database (`postgres://…`) instead of the data
+    /// directory's SQLite file; `KEEL_DATABASE_URL` wins over it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    /// Most connections to PostgreSQL this process opens.
+    pub max_connections: usize,
     /// `normal` or `full` (SQLite `synchronous`).
     pub synchronous: SyncMode,
     /// Delays between retries of a transient write failure; its length is the retry count.
@@ -339,6 +347,8 @@ impl Default for StorageConfig {
     fn default() -> Self {
         let store = StoreOptions::default();
         Self {
+            url: None,
+            max_connections: keel_store_postgres::PgOptions::default().max_connections,
             synchronous: match store.synchronous {
                 Synchronous::Full => SyncMode::Full,
                 Synchronous::Normal => SyncMode::Normal,

@@ -18,9 +18,11 @@ use keel_store::{
     StoreError,
 };
 
-use crate::app::database_path;
+use keel_store_postgres::{PgRuntimeLock, PgStore};
+
 use crate::config::Config;
 use crate::error::{database_err, AppError, Result};
+use crate::storage::{pg_options, Location};
 
 /// Runs `keel doctor`; exit 0 when clean, 1 with findings.
 pub async fn run(
@@ -29,7 +31,11 @@ pub async fn run(
     repair: bool,
 ) -> Result<ExitCode> {
     let loaded = Config::load(config_file, data_dir)?;
-    let db = database_path(&loaded.config.data_dir());
+    let location = Location::of(&loaded.config);
+    let db = match &location {
+        Location::Sqlite(db) => db.clone(),
+        Location::Postgres(url) => return run_postgres(&loaded.config, url, repair).await,
+    };
     if !db.exists() {
         return Err(AppError::InvalidInput(format!(
             "no keel database at {}",
@@ -61,7 +67,7 @@ pub async fn run(
         state_decoder: Some(Arc::new(keel_engine::SessionState::check_blob)),
     };
     let report = check(&db, &options).await?;
-    print!("{}", render(&db, &report));
+    print!("{}", render(&db.display(), &report));
     if !repair || report.findings.iter().all(|f| !f.repairable) {
         return Ok(exit_code(&report));
     }
@@ -72,6 +78,58 @@ pub async fn run(
         StoreError::ReadOnly(why) => cannot_repair(&db, &why),
         e => database_err(&db)(e),
     })?;
+    repair_with(&store).await?;
+    drop(store);
+    let after = check(&db, &options).await?;
+    print!("{}", render(&db.display(), &after));
+    drop(lock);
+    Ok(exit_code(&after))
+}
+
+/// `keel doctor` on PostgreSQL: the same checks in one read snapshot of
+/// the server's database; `--repair` takes the runtime lock first (refused
+/// while a keel runs there), as on SQLite.
+async fn run_postgres(config: &Config, url: &str, repair: bool) -> Result<ExitCode> {
+    let location = Location::Postgres(url.to_owned());
+    let label = location.describe();
+    let lock = match PgRuntimeLock::acquire(url, &describe_process("keel doctor")).await {
+        Ok(lock) => Some(lock),
+        Err(StoreError::InUse { holder, .. }) if !repair => {
+            println!("{label} is in use by {holder}: checking a read-only snapshot");
+            None
+        }
+        Err(e) => return Err(location.err()(e)),
+    };
+    let options = CheckOptions {
+        owner_alive: lock.is_none(),
+        state_decoder: Some(Arc::new(keel_engine::SessionState::check_blob)),
+    };
+    let pg = |e| location.err()(e);
+    // Only a repair writes: it migrates, as a start would.
+    let store = Store::new(if repair {
+        PgStore::connect(url, pg_options(config))
+            .await
+            .map_err(pg)?
+            .0
+    } else {
+        PgStore::attach(url, pg_options(config)).await.map_err(pg)?
+    });
+    let report = store.check_invariants(options.clone()).await.map_err(pg)?;
+    print!("{}", render(&label, &report));
+    if !repair || report.findings.iter().all(|f| !f.repairable) {
+        return Ok(exit_code(&report));
+    }
+    println!("repairing: recovering as a start would, then recounting message counts");
+    repair_with(&store).await?;
+    let after = store.check_invariants(options).await.map_err(pg)?;
+    print!("{}", render(&label, &after));
+    drop(lock);
+    Ok(exit_code(&after))
+}
+
+/// The safe reconciliations: the recovery every start runs, then the
+/// message counts recounted.
+async fn repair_with(store: &Store) -> Result<()> {
     let activation = store
         .activate_runtime(
             describe_process("keel doctor --repair"),
@@ -90,11 +148,7 @@ pub async fn run(
         recovery.counters_repaired.len(),
         recounted
     );
-    drop(store);
-    let after = check(&db, &options).await?;
-    print!("{}", render(&db, &after));
-    drop(lock);
-    Ok(exit_code(&after))
+    Ok(())
 }
 
 /// `--repair` on a database that cannot be written where it is.
@@ -124,16 +178,11 @@ fn exit_code(report: &InvariantReport) -> ExitCode {
 
 /// The report as the user reads it: one line per invariant, each finding
 /// with what it means and whether `--repair` fixes it.
-pub fn render(db: &Path, report: &InvariantReport) -> String {
+pub fn render(db: &dyn std::fmt::Display, report: &InvariantReport) -> String {
     let c = report.checked;
     let mut out = format!(
         "checked {}: {} sessions, {} messages, {} checkpoints, {} runs, {} inbox events\n",
-        db.display(),
-        c.sessions,
-        c.messages,
-        c.checkpoints,
-        c.runs,
-        c.events
+        db, c.sessions, c.messages, c.checkpoints, c.runs, c.events
     );
     for invariant in Invariant::ALL {
         let findings: Vec<_> = report

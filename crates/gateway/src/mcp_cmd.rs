@@ -9,23 +9,20 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use keel_core::ToolExecutionContext;
-use keel_store::{McpManifestRecord, Store};
+use keel_store::McpManifestRecord;
 
-use crate::app::database_path;
 use crate::config::Config;
-use crate::error::{database_err, AppError, Result};
+use crate::error::{AppError, Result};
 use crate::mcp::{probe_all, McpServer};
+use crate::storage::Location;
 
 /// The manifests committed in `config`'s database (none without one).
 async fn committed(config: &Config) -> Result<Vec<McpManifestRecord>> {
-    let db = database_path(&config.data_dir());
-    if !db.exists() {
+    let location = Location::of(config);
+    if !location.exists() {
         return Ok(Vec::new());
     }
-    Ok(Store::open(&db, config.store_options())
-        .map_err(database_err(&db))?
-        .mcp_manifests()
-        .await?)
+    Ok(location.open(config).await?.mcp_manifests().await?)
 }
 
 /// How long ago `at_ms` was, in words (`3m 12s`).

@@ -12,20 +12,14 @@ use std::process::ExitCode;
 use keel_engine::RetentionPolicy;
 use keel_store::{describe_process, RuntimeLock, Store};
 
-use crate::app::database_path;
 use crate::config::Config;
 use crate::error::{database_err, AppError, Result};
+use crate::storage::Location;
 
 /// Runs `keel prune`; prints what was removed.
 pub async fn run(config_file: Option<&Path>, data_dir: Option<&Path>) -> Result<ExitCode> {
     let loaded = Config::load(config_file, data_dir)?;
-    let db = database_path(&loaded.config.data_dir());
-    if !db.exists() {
-        return Err(AppError::InvalidInput(format!(
-            "no keel database at {}",
-            db.display()
-        )));
-    }
+    Location::existing(&loaded.config)?;
     let policy = loaded.config.retention_policy();
     if policy == RetentionPolicy::default() {
         println!(
@@ -34,8 +28,7 @@ pub async fn run(config_file: Option<&Path>, data_dir: Option<&Path>) -> Result<
         );
         return Ok(ExitCode::SUCCESS);
     }
-    let lock = RuntimeLock::acquire(&db, &describe_process("keel prune"))?;
-    let store = Store::open(&db, loaded.config.store_options()).map_err(database_err(&db))?;
+    let (lock, store) = crate::storage::open_exclusive("keel prune", &loaded.config).await?;
     let r = keel_engine::apply_retention(&store, policy, keel_core::time::now_ms()).await?;
     let days = loaded.config.session.retention.purge_deleted_after_days;
     if policy.purge_deleted_after.is_some() {
@@ -82,7 +75,13 @@ const COMPACT_BATCH: usize = 500;
 /// in bounded batches, then rebuilds the file (`keel_store::compact_database`).
 pub async fn compact(config_file: Option<&Path>, data_dir: Option<&Path>) -> Result<ExitCode> {
     let loaded = Config::load(config_file, data_dir)?;
-    let db = database_path(&loaded.config.data_dir());
+    let location = Location::of(&loaded.config);
+    let db = location
+        .sqlite_only(
+            "keel compact-storage",
+            "PostgreSQL compresses large values itself (TOAST) and autovacuum reclaims space",
+        )?
+        .to_path_buf();
     if !db.exists() {
         return Err(AppError::InvalidInput(format!(
             "no keel database at {}",

@@ -11,10 +11,10 @@ use std::process::ExitCode;
 use keel_core::{RunId, TurnId};
 use keel_store::Store;
 
-use crate::app::database_path;
 use crate::config::Config;
-use crate::error::{database_err, AppError, Result};
+use crate::error::{AppError, Result};
 use crate::serve::trace::{run_trace, turn_trace, SpanKind, Trace, TraceSpan};
+use crate::storage::Location;
 use crate::terminal::neutralize;
 
 /// Runs `keel trace ID`: prints the trace of run `id`, or else of turn `id`.
@@ -28,14 +28,9 @@ pub async fn run(
         .parse()
         .map_err(|_| AppError::InvalidInput(format!("{id:?} is not a turn or run id (a UUID)")))?;
     let loaded = Config::load(config_file, data_dir)?;
-    let db = database_path(&loaded.config.data_dir());
-    if !db.exists() {
-        return Err(AppError::InvalidInput(format!(
-            "no keel database at {}",
-            db.display()
-        )));
-    }
-    let store = Store::open(&db, loaded.config.store_options()).map_err(database_err(&db))?;
+    let store = Location::existing(&loaded.config)?
+        .open(&loaded.config)
+        .await?;
     let trace = find(&store, uuid).await?.ok_or_else(|| {
         AppError::InvalidInput(format!(
             "no run {uuid} and no call or run of a turn {uuid} is stored"

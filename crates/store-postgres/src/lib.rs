@@ -44,6 +44,7 @@
 
 mod backend;
 mod error;
+mod lock;
 mod migrations;
 mod outline;
 mod pool;
@@ -55,6 +56,7 @@ mod unported;
 mod util;
 
 pub use error::{PgStoreError, Result};
+pub use lock::PgRuntimeLock;
 pub use migrations::{
     migrate, migrate_with, schema_version, MigrationReport, MIGRATIONS, SCHEMA_VERSION,
 };

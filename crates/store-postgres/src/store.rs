@@ -87,7 +87,35 @@ impl PgStore {
         let client = pool.get().await.map_err(from_pool)?;
         let report = migrations::migrate(&client).await.map_err(from_pg_store)?;
         drop(client);
-        let store = Self {
+        Ok((Self::over(pool, url, options), report))
+    }
+
+    /// Connects to a database already at [`crate::SCHEMA_VERSION`] without
+    /// writing anything (for checks); an older one is refused with what to
+    /// run, a newer one with [`StoreError::NewerSchema`].
+    pub async fn attach(url: &str, options: PgOptions) -> Result<Self> {
+        let pool = crate::pool(url, options.max_connections.max(1)).map_err(from_pg_store)?;
+        let client = pool.get().await.map_err(from_pool)?;
+        let found = migrations::schema_version(&client)
+            .await
+            .map_err(from_pg_store)?;
+        drop(client);
+        match found.cmp(&crate::SCHEMA_VERSION) {
+            std::cmp::Ordering::Equal => Ok(Self::over(pool, url, options)),
+            std::cmp::Ordering::Greater => Err(StoreError::NewerSchema {
+                found,
+                supported: crate::SCHEMA_VERSION,
+            }),
+            std::cmp::Ordering::Less => Err(StoreError::InvalidInput(format!(
+                "the database is at schema version {found}, older than this keel's {}; \
+                 run `keel migrate` first",
+                crate::SCHEMA_VERSION
+            ))),
+        }
+    }
+
+    fn over(pool: Pool, url: &str, options: PgOptions) -> Self {
+        Self {
             inner: Arc::new(Inner {
                 pool,
                 hooks: WebhookHooks::default(),
@@ -96,8 +124,7 @@ impl PgStore {
                 fence: AtomicU64::new(0),
                 transactions: AtomicU64::new(0),
             }),
-        };
-        Ok((store, report))
+        }
     }
 
     /// Where the database is (the connection string without its password).

@@ -152,6 +152,15 @@ fn other_names(path: &Path, meta: &std::fs::Metadata) -> Option<StoreError> {
     }
 }
 
+/// The schema version of the keel database at `path`, read without
+/// writing to it; `None` when there is no file there yet.
+pub fn database_version(path: &Path) -> Result<Option<u32>> {
+    match identify(&resolve(path)?, false)? {
+        Found::Missing => Ok(None),
+        Found::Keel { version } => Ok(Some(version)),
+    }
+}
+
 /// Looks at `path` without writing to it; with `check_rows`, also checks
 /// the state tables' rows (see [`STATE_TABLES`]).
 pub(crate) fn identify(path: &Path, check_rows: bool) -> Result<Found> {

@@ -148,6 +148,7 @@ pub use compact::{compact_database, CompactReport};
 pub use counters::{CounterRepair, InboxCounts, InboxUsage};
 pub use db::{CommitStats, StoreOptions, Synchronous};
 pub use error::{Result, StoreError};
+pub use identify::database_version;
 pub use images::StoredImage;
 pub use inbox::{
     ClaimRequest, ContinuationCommit, ContinuationCommitted, EventStatus, EventType, InboxEvent,

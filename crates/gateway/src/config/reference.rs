@@ -89,6 +89,9 @@ keep_checkpoints = 100
 purge_deleted_after_days = 30
 
 [storage]
+# A PostgreSQL database instead of the data directory's SQLite file.
+url = "postgres://keel@db.internal/keel?sslmode=require"
+max_connections = 16
 synchronous = "normal"
 retry_delays_ms = [100, 200, 300]
 busy_timeout_ms = 5000
@@ -478,11 +481,32 @@ pub fn reference() -> Vec<KeyDoc> {
         ),
     );
 
+    text(
+        &mut rows,
+        "storage.url",
+        "unset (SQLite)",
+        "A PostgreSQL database, `postgres://USER[:PASSWORD]@HOST[:PORT]/DB[?sslmode=…]` \
+         (or libpq's key=value form), instead of the data directory's SQLite file. \
+         `KEEL_DATABASE_URL` wins over it (so a password need not be in a file). \
+         `sslmode` is `disable`, `prefer` (default) or `require`; with TLS the server's \
+         certificate is always verified against the system's roots. keel migrates the \
+         database on start (`keel migrate` does it alone); see docs/DEPLOY.md."
+            .into(),
+    );
+    code(
+        &mut rows,
+        "storage.max_connections",
+        format!(
+            "Most connections to PostgreSQL this process opens, 1..={MAX_PG_CONNECTIONS} \
+             (PostgreSQL only)."
+        ),
+    );
     code(
         &mut rows,
         "storage.synchronous",
         "`normal`: a commit survives a process crash, power loss may drop the last few; \
-         `full`: every commit is fsynced."
+         `full`: every commit is fsynced (SQLite only: PostgreSQL's durability is the \
+         server's `synchronous_commit`)."
             .into(),
     );
     code(
@@ -490,7 +514,9 @@ pub fn reference() -> Vec<KeyDoc> {
         "storage.retry_delays_ms",
         format!(
             "Delays between retries of a transient write failure (its length is the retry \
-             count): 1..={MAX_RETRY_ATTEMPTS} entries, each 0..={MAX_RETRY_DELAY_MS}."
+             count): 1..={MAX_RETRY_ATTEMPTS} entries, each 0..={MAX_RETRY_DELAY_MS} (SQLite \
+             only: PostgreSQL retries a serialization failure up to 10 times, backing off \
+             from 1 ms to 640 ms)."
         ),
     );
     code(

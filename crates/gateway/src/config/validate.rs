@@ -288,6 +288,17 @@ fn session(s: &SessionConfig, out: &mut Problems) {
 }
 
 fn storage(s: &StorageConfig, out: &mut Problems) {
+    if let Some(url) = &s.url {
+        if let Err(why) = crate::storage::check_url(url) {
+            out.push("storage.url", why);
+        }
+    }
+    out.range(
+        "storage.max_connections",
+        s.max_connections,
+        1,
+        MAX_PG_CONNECTIONS,
+    );
     if s.retry_delays_ms.is_empty() {
         out.push(
             "storage.retry_delays_ms",

@@ -1,0 +1,84 @@
+//! One process runs on a PostgreSQL database at a time, as on SQLite:
+//! [`PgRuntimeLock`] is a session-level advisory lock held by a connection
+//! of its own for the life of the process's runtime. PostgreSQL drops it
+//! when that connection ends — the process exits, is killed, or loses the
+//! server — so a dead process never keeps the database. The holder's name
+//! is the connection's `application_name`, which a refused process reads
+//! back to say who runs there.
+//!
+//! Should the lock's connection break while the process runs, another
+//! process may start; its activation bumps the runtime generation, and the
+//! generation fence then refuses every write of the first (as on SQLite
+//! when a lock file is deleted under a running process).
+
+use keel_store::{Result, StoreError};
+
+use crate::store::{from_pg, from_pg_store, from_pool};
+
+/// The advisory lock key of keel's runtime ("keelrunt").
+const RUNTIME_LOCK: i64 = 0x6b65_656c_7275_6e74;
+
+/// `application_name` is at most 63 bytes (NAMEDATALEN - 1).
+const MAX_NAME: usize = 63;
+
+/// The runtime lock of a PostgreSQL database; released when dropped.
+pub struct PgRuntimeLock {
+    // Held, never used again: dropping it closes the connection.
+    _client: deadpool_postgres::ClientWrapper,
+}
+
+impl std::fmt::Debug for PgRuntimeLock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgRuntimeLock").finish_non_exhaustive()
+    }
+}
+
+impl PgRuntimeLock {
+    /// Takes the lock for `holder` on the database `url` names, on a
+    /// connection of its own, before anything is migrated or written;
+    /// fails with [`StoreError::InUse`] naming the current holder when
+    /// another process has it.
+    pub async fn acquire(url: &str, holder: &str) -> Result<Self> {
+        let pool = crate::pool(url, 1).map_err(from_pg_store)?;
+        let pooled = pool.get().await.map_err(from_pool)?;
+        let client = deadpool_postgres::Object::take(pooled);
+        let name = truncate(holder, MAX_NAME);
+        client
+            .execute("SELECT set_config('application_name', $1, false)", &[&name])
+            .await
+            .map_err(from_pg)?;
+        let row = client
+            .query_one("SELECT pg_try_advisory_lock($1)", &[&RUNTIME_LOCK])
+            .await
+            .map_err(from_pg)?;
+        if row.get::<_, bool>(0) {
+            return Ok(Self { _client: client });
+        }
+        let holder = client
+            .query_opt(
+                "SELECT a.application_name FROM pg_locks l \
+                 JOIN pg_stat_activity a ON a.pid = l.pid \
+                 WHERE l.locktype = 'advisory' AND l.granted \
+                   AND l.classid = ($1 >> 32)::oid AND l.objid = ($1 & 4294967295)::oid",
+                &[&RUNTIME_LOCK],
+            )
+            .await
+            .map_err(from_pg)?
+            .map(|r| r.get::<_, String>(0))
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| "holder unknown".to_owned());
+        Err(StoreError::InUse {
+            path: crate::redacted(url),
+            holder,
+        })
+    }
+}
+
+/// The longest prefix of `s` of at most `max` bytes that ends on a character boundary.
+fn truncate(s: &str, max: usize) -> &str {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
