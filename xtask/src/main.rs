@@ -264,7 +264,7 @@ fn ci() -> Result<(), String> {
     mcp_servers_prerequisites()?;
     let nextest = succeeds(cargo_cmd(&["nextest", "--version"]).current_dir(root()));
     let deny = succeeds(cargo_cmd(&["deny", "--version"]).current_dir(root()));
-    let postgres = postgres::Postgres::detect();
+    let postgres = postgres::Postgres::start()?;
     type Step = (&'static str, Box<dyn Fn() -> Result<(), String>>);
     let mut steps: Vec<Step> = vec![
         (
