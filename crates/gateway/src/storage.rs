@@ -48,12 +48,16 @@ impl Location {
             return Ok(Location::Sqlite(PathBuf::from(path)));
         }
         if arg.starts_with("postgres://") || arg.starts_with("postgresql://") {
-            check_url(arg).map_err(|why| AppError::InvalidInput(format!("{arg:?}: {why}")))?;
+            // Never echoed: it may hold a password.
+            check_url(arg).map_err(|why| AppError::InvalidInput(format!("the URL {why}")))?;
             return Ok(Location::Postgres(arg.to_owned()));
         }
+        let shown = match arg.split_once("://") {
+            Some((scheme, _)) => format!("a {scheme}:// URL"),
+            None => format!("{arg:?}"),
+        };
         Err(AppError::InvalidInput(format!(
-            "{:?} is neither sqlite:PATH nor a postgres:// URL",
-            keel_store_postgres::redacted(arg)
+            "{shown} is neither sqlite:PATH nor a postgres:// URL"
         )))
     }
 

@@ -189,7 +189,8 @@ fn a_full_example_file_parses() {
     assert_eq!(c.providers["main"].kind, ProviderKind::OpenAi);
     assert_eq!(c.providers["offline"].kind, ProviderKind::Scripted);
     // Every section of the example shows the defaults, but for the
-    // connection bound, derived from the open-file limit when unset, and
+    // connection bound, derived from the open-file limit when unset, the
+    // PostgreSQL database (SQLite by default), and
     // `[tools.approval]`, which spells out what the default gates, and
     // the cost budgets, unset by default.
     let d = Config::default();
@@ -219,7 +220,15 @@ fn a_full_example_file_parses() {
         ..c.orchestration.clone()
     };
     assert_eq!(
-        (&session, &c.storage, &tools, &orchestration, &server),
+        c.storage.url.as_deref(),
+        Some("postgres://keel@db.internal/keel?sslmode=require")
+    );
+    let storage = keel_gateway::config::StorageConfig {
+        url: None,
+        ..c.storage.clone()
+    };
+    assert_eq!(
+        (&session, &storage, &tools, &orchestration, &server),
         (
             &d.session,
             &d.storage,
