@@ -605,6 +605,13 @@ fn soak(args: &[String]) -> Result<(), String> {
 
 fn bench(args: &[String]) -> Result<(), String> {
     let available = benches()?;
+    // The PostgreSQL benchmark needs a server: a throwaway cluster unless
+    // KEEL_TEST_DATABASE_URL names one (stopped when this returns).
+    let _postgres = if args.is_empty() || args.iter().any(|a| a == "postgres") {
+        Some(postgres::Postgres::start()?)
+    } else {
+        None
+    };
     let names: Vec<&str> = available.iter().map(|(n, _)| n.as_str()).collect();
     for a in args {
         if !names.contains(&a.as_str()) {
