@@ -30,7 +30,8 @@ fn kind_str(kind: CallKind) -> &'static str {
 
 fn tokens(what: &str, n: Option<u64>) -> Result<Option<i64>> {
     n.map(|n| {
-        i64::try_from(n).map_err(|_| StoreError::InvalidInput(format!("{what} {n} is out of range")))
+        i64::try_from(n)
+            .map_err(|_| StoreError::InvalidInput(format!("{what} {n} is out of range")))
     })
     .transpose()
 }

@@ -288,7 +288,14 @@ async fn load_page(
     let limit = i64::try_from(page.limit).unwrap_or(i64::MAX);
     tx.query(
         &sql,
-        &[&timeline, &i64::MAX, &low, &high, &page.visible_only, &limit],
+        &[
+            &timeline,
+            &i64::MAX,
+            &low,
+            &high,
+            &page.visible_only,
+            &limit,
+        ],
     )
     .await
     .map_err(from_pg)?
