@@ -18,6 +18,7 @@
 #![allow(clippy::unwrap_used, clippy::missing_panics_doc)]
 
 pub mod fixtures;
+pub mod images;
 pub mod mcp;
 pub mod messages;
 pub mod sessions;
@@ -104,6 +105,9 @@ macro_rules! conformance_suite {
                 an_input_commit_checks_the_head_it_started_from,
                 rollback_and_fork_never_show_a_half_turn,
                 a_queued_input_enters_the_history_when_its_turn_opens_and_only_then,
+            }
+            images {
+                an_image_round_trips_by_hash_and_unknown_bytes_are_refused,
             }
             mcp {
                 a_manifest_is_replaced_only_when_its_hash_changes_and_survives_a_reopen,
