@@ -1,6 +1,6 @@
 //! Transactions not ported to PostgreSQL yet: each panics. A module's block
 //! goes when its port lands (temporary: nothing may remain here at release).
-#![allow(unused_variables, clippy::unused_async)]
+#![allow(unused_variables, unused_imports, clippy::unused_async)]
 
 use std::collections::HashMap;
 
@@ -8,179 +8,6 @@ use keel_core::{ApprovalId, CheckpointId, EventId, GroupId, RunId, SessionId, Tu
 use keel_store::*;
 
 use crate::PgStore;
-
-// ---- sessions.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn create_session(&self, session: NewSession) -> Result<SessionRecord> {
-        todo!("PostgreSQL: create_session is not ported yet")
-    }
-    pub(crate) async fn import_session(
-        &self,
-        session: NewSession,
-        turn: TurnCommit,
-        runs: Vec<RunRecord>,
-    ) -> Result<TurnCommitted> {
-        todo!("PostgreSQL: import_session is not ported yet")
-    }
-    pub(crate) async fn upsert_session(&self, session: NewSession) -> Result<SessionRecord> {
-        todo!("PostgreSQL: upsert_session is not ported yet")
-    }
-    pub(crate) async fn get_session(&self, id: SessionId) -> Result<Option<SessionRecord>> {
-        todo!("PostgreSQL: get_session is not ported yet")
-    }
-    pub(crate) async fn get_dialog(
-        &self,
-        channel: &str,
-        chat_id: &str,
-        dialog_id: &str,
-    ) -> Result<Option<SessionRecord>> {
-        todo!("PostgreSQL: get_dialog is not ported yet")
-    }
-    pub(crate) async fn list_dialogs(
-        &self,
-        query: DialogQuery,
-    ) -> Result<Page<SessionRecord, DialogCursor>> {
-        todo!("PostgreSQL: list_dialogs is not ported yet")
-    }
-    pub(crate) async fn latest_active_dialog(
-        &self,
-        channel: &str,
-        chat_id: &str,
-    ) -> Result<Option<SessionRecord>> {
-        todo!("PostgreSQL: latest_active_dialog is not ported yet")
-    }
-    pub(crate) async fn rename_session(
-        &self,
-        id: SessionId,
-        title: String,
-        now_ms: i64,
-    ) -> Result<()> {
-        todo!("PostgreSQL: rename_session is not ported yet")
-    }
-    pub(crate) async fn soft_delete_session(&self, id: SessionId, now_ms: i64) -> Result<bool> {
-        todo!("PostgreSQL: soft_delete_session is not ported yet")
-    }
-    pub(crate) async fn touch_session(&self, id: SessionId, now_ms: i64) -> Result<()> {
-        todo!("PostgreSQL: touch_session is not ported yet")
-    }
-    pub(crate) async fn set_delivery_context(
-        &self,
-        id: SessionId,
-        context: Option<String>,
-        now_ms: i64,
-    ) -> Result<()> {
-        todo!("PostgreSQL: set_delivery_context is not ported yet")
-    }
-    pub(crate) async fn child_sessions(&self, parent: SessionId) -> Result<Vec<SessionRecord>> {
-        todo!("PostgreSQL: child_sessions is not ported yet")
-    }
-}
-
-// ---- messages.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn open_turn(&self, turn: OpenTurn) -> Result<Vec<i64>> {
-        todo!("PostgreSQL: open_turn is not ported yet")
-    }
-    pub(crate) async fn mark_unanswered(
-        &self,
-        session_id: SessionId,
-        seqs: Vec<i64>,
-    ) -> Result<usize> {
-        todo!("PostgreSQL: mark_unanswered is not ported yet")
-    }
-    pub(crate) async fn append_message(
-        &self,
-        session_id: SessionId,
-        message: NewMessage,
-        now_ms: i64,
-    ) -> Result<i64> {
-        todo!("PostgreSQL: append_message is not ported yet")
-    }
-    pub(crate) async fn append_messages(
-        &self,
-        session_id: SessionId,
-        messages: Vec<NewMessage>,
-        now_ms: i64,
-    ) -> Result<Vec<i64>> {
-        todo!("PostgreSQL: append_messages is not ported yet")
-    }
-    pub(crate) async fn commit_turn(&self, turn: TurnCommit) -> Result<TurnCommitted> {
-        todo!("PostgreSQL: commit_turn is not ported yet")
-    }
-    pub(crate) async fn load_messages(
-        &self,
-        session_id: SessionId,
-        filter: MessageFilter,
-    ) -> Result<Vec<StoredMessage>> {
-        todo!("PostgreSQL: load_messages is not ported yet")
-    }
-    pub(crate) async fn load_message_page(
-        &self,
-        session_id: SessionId,
-        page: MessagePage,
-    ) -> Result<Vec<StoredMessage>> {
-        todo!("PostgreSQL: load_message_page is not ported yet")
-    }
-    pub(crate) async fn history_ranges(
-        &self,
-        session_id: SessionId,
-    ) -> Result<Vec<(TimelineId, i64)>> {
-        todo!("PostgreSQL: history_ranges is not ported yet")
-    }
-    pub(crate) async fn history_after(
-        &self,
-        session_id: SessionId,
-        known: Option<SessionHead>,
-        filter: MessageFilter,
-    ) -> Result<HistoryDelta> {
-        todo!("PostgreSQL: history_after is not ported yet")
-    }
-    pub(crate) async fn dialogs_with_history_after(
-        &self,
-        query: DialogQuery,
-        wanted: DialogFilter,
-        known: HashMap<SessionId, SessionHead>,
-        filter: MessageFilter,
-    ) -> Result<Vec<(SessionRecord, HistoryDelta)>> {
-        todo!("PostgreSQL: dialogs_with_history_after is not ported yet")
-    }
-    pub(crate) async fn load_messages_at_checkpoint(
-        &self,
-        checkpoint_id: CheckpointId,
-        filter: MessageFilter,
-    ) -> Result<Vec<StoredMessage>> {
-        todo!("PostgreSQL: load_messages_at_checkpoint is not ported yet")
-    }
-    pub(crate) async fn last_seq(&self, session_id: SessionId) -> Result<i64> {
-        todo!("PostgreSQL: last_seq is not ported yet")
-    }
-}
-
-// ---- queued.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn queue_input(&self, input: QueuedInput) -> Result<()> {
-        todo!("PostgreSQL: queue_input is not ported yet")
-    }
-    pub(crate) async fn discard_queued_input(&self, turn_id: TurnId) -> Result<bool> {
-        todo!("PostgreSQL: discard_queued_input is not ported yet")
-    }
-    pub(crate) async fn queued_inputs(&self) -> Result<Vec<QueuedInput>> {
-        todo!("PostgreSQL: queued_inputs is not ported yet")
-    }
-}
-
-// ---- images.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn put_image(&self, bytes: Vec<u8>) -> Result<StoredImage> {
-        todo!("PostgreSQL: put_image is not ported yet")
-    }
-    pub(crate) async fn image(&self, sha256: &str) -> Result<Option<StoredImage>> {
-        todo!("PostgreSQL: image is not ported yet")
-    }
-    pub(crate) async fn missing_images(&self, hashes: Vec<String>) -> Result<Vec<String>> {
-        todo!("PostgreSQL: missing_images is not ported yet")
-    }
-}
 
 // ---- checkpoints.rs (delete this block when you port the module) ----
 impl PgStore {
@@ -294,39 +121,6 @@ impl PgStore {
     }
 }
 
-// ---- spend.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn add_dialog_spend(
-        &self,
-        session: SessionId,
-        usage: Usage,
-        cost: Usd,
-        now_ms: i64,
-    ) -> Result<DialogSpend> {
-        todo!("PostgreSQL: add_dialog_spend is not ported yet")
-    }
-    pub(crate) async fn dialog_spend(&self, session: SessionId) -> Result<DialogSpend> {
-        todo!("PostgreSQL: dialog_spend is not ported yet")
-    }
-}
-
-// ---- calls.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn turn_calls(
-        &self,
-        session: Option<SessionId>,
-        turn: TurnId,
-    ) -> Result<Vec<CallSpan>> {
-        todo!("PostgreSQL: turn_calls is not ported yet")
-    }
-    pub(crate) async fn runs_calls(
-        &self,
-        runs: Vec<RunId>,
-    ) -> Result<HashMap<RunId, Vec<CallSpan>>> {
-        todo!("PostgreSQL: runs_calls is not ported yet")
-    }
-}
-
 // ---- approvals.rs (delete this block when you port the module) ----
 impl PgStore {
     pub(crate) async fn commit_paused_turn(
@@ -417,19 +211,6 @@ impl PgStore {
         limit: usize,
     ) -> Result<Vec<WebhookDelivery>> {
         todo!("PostgreSQL: list_webhook_deliveries is not ported yet")
-    }
-}
-
-// ---- mcp.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn commit_mcp_manifest(
-        &self,
-        record: McpManifestRecord,
-    ) -> Result<Option<McpManifestRecord>> {
-        todo!("PostgreSQL: commit_mcp_manifest is not ported yet")
-    }
-    pub(crate) async fn mcp_manifests(&self) -> Result<Vec<McpManifestRecord>> {
-        todo!("PostgreSQL: mcp_manifests is not ported yet")
     }
 }
 
