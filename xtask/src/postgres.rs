@@ -146,7 +146,15 @@ impl Cluster {
             .server_cmd("initdb")
             .arg("-D")
             .arg(&data)
-            .args(["-U", "keel", "--auth=trust", "--no-sync", "-E", "UTF8", "--locale=C"])
+            .args([
+                "-U",
+                "keel",
+                "--auth=trust",
+                "--no-sync",
+                "-E",
+                "UTF8",
+                "--locale=C",
+            ])
             .stdout(std::process::Stdio::null()))?;
         run(cluster
             .server_cmd("pg_ctl")
@@ -165,7 +173,10 @@ impl Cluster {
     }
 
     fn url(&self) -> String {
-        format!("host={} port=5432 user=keel dbname=postgres", self.dir.display())
+        format!(
+            "host={} port=5432 user=keel dbname=postgres",
+            self.dir.display()
+        )
     }
 
     /// A server binary, run as `postgres` when we are root (initdb refuses root).

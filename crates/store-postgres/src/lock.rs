@@ -42,7 +42,7 @@ impl PgRuntimeLock {
         let pool = crate::pool(url, 1).map_err(from_pg_store)?;
         let pooled = pool.get().await.map_err(from_pool)?;
         let client = deadpool_postgres::Object::take(pooled);
-        let name = truncate(holder, MAX_NAME);
+        let name = application_name(holder);
         client
             .execute("SELECT set_config('application_name', $1, false)", &[&name])
             .await
@@ -59,7 +59,8 @@ impl PgRuntimeLock {
                 "SELECT a.application_name FROM pg_locks l \
                  JOIN pg_stat_activity a ON a.pid = l.pid \
                  WHERE l.locktype = 'advisory' AND l.granted \
-                   AND l.classid = ($1 >> 32)::oid AND l.objid = ($1 & 4294967295)::oid",
+                   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+                   AND l.classid = ($1::bigint >> 32)::oid AND l.objid = ($1::bigint & 4294967295)::oid",
                 &[&RUNTIME_LOCK],
             )
             .await
@@ -74,11 +75,19 @@ impl PgRuntimeLock {
     }
 }
 
-/// The longest prefix of `s` of at most `max` bytes that ends on a character boundary.
-fn truncate(s: &str, max: usize) -> &str {
-    let mut end = s.len().min(max);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
+/// `holder` as PostgreSQL keeps an `application_name`: printable ASCII
+/// (it shows anything else as `?`, byte by byte; here one `?` a
+/// character), at most [`MAX_NAME`] bytes.
+fn application_name(holder: &str) -> String {
+    holder
+        .chars()
+        .map(|c| {
+            if c == ' ' || c.is_ascii_graphic() {
+                c
+            } else {
+                '?'
+            }
+        })
+        .take(MAX_NAME)
+        .collect()
 }

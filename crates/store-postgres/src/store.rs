@@ -300,10 +300,16 @@ fn with_attempts(e: StoreError, attempts: usize) -> StoreError {
 /// [`StoreError::Io`], a full disk [`StoreError::DiskFull`].
 pub(crate) fn from_pg(e: tokio_postgres::Error) -> StoreError {
     let Some(db) = e.as_db_error() else {
-        // No server answer: the connection is closed or broke.
-        return StoreError::Io {
-            attempts: 1,
-            message: format!("PostgreSQL connection: {e}"),
+        let io = std::error::Error::source(&e).is_some_and(|s| s.is::<std::io::Error>());
+        return if e.is_closed() || io {
+            // No server answer: the connection is closed or broke.
+            StoreError::Io {
+                attempts: 1,
+                message: format!("PostgreSQL connection: {e}"),
+            }
+        } else {
+            // A request the client could not even send (a bug here).
+            StoreError::Postgres(e.to_string())
         };
     };
     let message = match db.detail() {

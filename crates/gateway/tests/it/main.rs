@@ -10,5 +10,6 @@ mod cli;
 mod config;
 mod demo;
 mod interop;
+mod postgres;
 mod serve;
 mod shell_sandbox;
