@@ -43,11 +43,13 @@
 //!   notification costs latency, not correctness.
 
 mod backend;
+mod counters;
 mod error;
 mod lock;
 mod migrations;
 mod outline;
 mod pool;
+mod runs;
 mod runtime;
 mod store;
 #[cfg(feature = "testing")]

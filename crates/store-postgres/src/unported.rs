@@ -1,6 +1,6 @@
 //! Transactions not ported to PostgreSQL yet: each panics. A module's block
 //! goes when its port lands (temporary: nothing may remain here at release).
-#![allow(unused_variables, clippy::unused_async)]
+#![allow(unused_variables, unused_imports, clippy::unused_async)]
 
 use std::collections::HashMap;
 
@@ -525,51 +525,10 @@ impl PgStore {
     }
 }
 
-// ---- runs/mod.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn get_run(&self, run_id: RunId) -> Result<Option<RunRecord>> {
-        todo!("PostgreSQL: get_run is not ported yet")
-    }
-    pub(crate) async fn get_group(&self, group_id: GroupId) -> Result<Option<GroupRecord>> {
-        todo!("PostgreSQL: get_group is not ported yet")
-    }
-    pub(crate) async fn group_runs(&self, group_id: GroupId) -> Result<Vec<RunRecord>> {
-        todo!("PostgreSQL: group_runs is not ported yet")
-    }
-    pub(crate) async fn child_runs(&self, parent_run_id: RunId) -> Result<Vec<RunRecord>> {
-        todo!("PostgreSQL: child_runs is not ported yet")
-    }
-    pub(crate) async fn list_runs(
-        &self,
-        root_session_id: SessionId,
-        cursor: Option<RunCursor>,
-        limit: usize,
-    ) -> Result<Page<RunRecord, RunCursor>> {
-        todo!("PostgreSQL: list_runs is not ported yet")
-    }
-}
-
 // ---- runs/import.rs (delete this block when you port the module) ----
 impl PgStore {
     pub(crate) async fn session_runs(&self, root: SessionId) -> Result<Vec<RunRecord>> {
         todo!("PostgreSQL: session_runs is not ported yet")
-    }
-}
-
-// ---- counters.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn reconcile_counters(
-        &self,
-        root_session_id: SessionId,
-        now_ms: i64,
-    ) -> Result<Option<CounterRepair>> {
-        todo!("PostgreSQL: reconcile_counters is not ported yet")
-    }
-    pub(crate) async fn inbox_counts(&self, root_session_id: SessionId) -> Result<InboxCounts> {
-        todo!("PostgreSQL: inbox_counts is not ported yet")
-    }
-    pub(crate) async fn inbox_usage(&self, root_session_id: SessionId) -> Result<InboxUsage> {
-        todo!("PostgreSQL: inbox_usage is not ported yet")
     }
 }
 
