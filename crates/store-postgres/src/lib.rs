@@ -43,19 +43,28 @@
 //!   notification costs latency, not correctness.
 
 mod backend;
+mod calls;
+mod checkpoints;
 mod counters;
 mod error;
+mod images;
 mod lock;
+mod mcp;
+mod messages;
 mod migrations;
 mod outline;
 mod pool;
+mod queued;
 mod runs;
 mod runtime;
+mod sessions;
+mod spend;
 mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod unported;
 mod util;
+mod webhooks;
 
 pub use error::{PgStoreError, Result};
 pub use lock::PgRuntimeLock;

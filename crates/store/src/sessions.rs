@@ -12,7 +12,10 @@ use crate::{Page, SqliteStore};
 
 /// Identifies one linear run of a session's history (see the checkpoint design).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct TimelineId(pub(crate) String);
+pub struct TimelineId(
+    /// The id as text (public so that other backends build it from their rows).
+    pub String,
+);
 
 impl TimelineId {
     /// The id as text.

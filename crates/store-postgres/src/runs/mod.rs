@@ -11,6 +11,7 @@
 //! - `import`: whole runs read for an export and written back by an import;
 //! - `recovery`: what a new runtime generation does with the older ones' runs.
 
+mod import;
 mod rows;
 
 use keel_core::{GroupId, RunId, SessionId};
@@ -18,6 +19,7 @@ use keel_store::{GroupRecord, Page, Result, RunCursor, RunQuery, RunRecord};
 
 use crate::PgStore;
 
+pub(crate) use import::import_runs_tx;
 pub(crate) use rows::{get_run_tx, query_runs};
 
 use rows::get_group_tx;

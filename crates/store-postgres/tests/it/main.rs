@@ -2,6 +2,7 @@
 
 mod checks;
 mod lock;
+mod messages;
 mod pool;
 mod schema;
 

@@ -18,7 +18,11 @@
 #![allow(clippy::unwrap_used, clippy::missing_panics_doc)]
 
 pub mod fixtures;
+pub mod images;
+pub mod mcp;
+pub mod messages;
 pub mod sessions;
+pub mod spend;
 
 use std::any::Any;
 use std::future::Future;
@@ -90,6 +94,28 @@ macro_rules! conformance_suite {
                 pagination_is_stable_under_inserts,
                 import_session_creates_the_session_with_its_history_in_one_step,
                 a_failed_import_leaves_no_session_behind,
+            }
+            messages {
+                commit_turn_assigns_seqs_and_counts_visible_inputs,
+                replay_sees_hidden_messages_clients_do_not,
+                history_after_a_known_head_reads_only_what_follows_it_on_that_timeline,
+                a_chats_dialogs_are_read_with_what_each_gained_since_a_known_head,
+                a_turn_input_commits_first_and_its_answer_closes_it,
+                unanswered_inputs_stay_and_are_never_answered_later,
+                an_input_commit_checks_the_head_it_started_from,
+                rollback_and_fork_never_show_a_half_turn,
+                a_queued_input_enters_the_history_when_its_turn_opens_and_only_then,
+            }
+            images {
+                an_image_round_trips_by_hash_and_unknown_bytes_are_refused,
+            }
+            mcp {
+                a_manifest_is_replaced_only_when_its_hash_changes_and_survives_a_reopen,
+                a_manifest_that_is_not_json_or_has_a_bad_hash_is_refused,
+            }
+            spend {
+                dialog_spend_adds_up_and_survives_reopening,
+                a_budget_exhausted_run_records_what_it_spent,
             }
         }
     };

@@ -7,7 +7,6 @@ mod check;
 mod common;
 mod compression;
 mod history;
-mod mcp;
 mod migrations;
 mod observe;
 mod orchestration;

@@ -1,91 +1,13 @@
-//! Spend: a dialog's spend adds up call by call and survives reopening the
-//! database; a run a budget stopped is stored `budget_exhausted` with what
-//! it spent; a v9 database's runs, children and inbox events survive the
-//! v11 rebuild of `agent_runs`, with foreign keys enforced after it.
+//! Spend on SQLite itself: a v9 database's runs, children and inbox events
+//! survive the v11 rebuild of `agent_runs`, with foreign keys enforced
+//! after it (the behaviour of spend is the conformance suite's).
 
-use keel_core::{ExecutionMode, RunStatus, SessionId, Usage, Usd};
+use keel_core::SessionId;
 use keel_store::testing::migrate_to;
-use keel_store::{AcceptRun, CompletionHandling, DialogSpend, Store, TerminalOutcome};
+use keel_store::Store;
 use rusqlite::{params, Connection};
 
 use crate::common::*;
-
-fn usd(v: f64) -> Usd {
-    Usd::new(v).unwrap()
-}
-
-#[tokio::test]
-async fn dialog_spend_adds_up_and_survives_reopening() {
-    let (dir, store) = temp_store();
-    let session = store.create_session(new_session("d", 10)).await.unwrap();
-    assert_eq!(
-        store.dialog_spend(session.id).await.unwrap(),
-        DialogSpend::default()
-    );
-    store
-        .add_dialog_spend(session.id, Usage::new(100, 20), usd(0.5), 11)
-        .await
-        .unwrap();
-    let after = store
-        .add_dialog_spend(session.id, Usage::new(1, 2), usd(0.25), 12)
-        .await
-        .unwrap();
-    assert_eq!(after.usage, Usage::new(101, 22));
-    assert_eq!(after.cost, usd(0.75));
-    assert_eq!(after.model_calls, 2);
-    // Another dialog's spend is its own.
-    let other = store.create_session(new_session("e", 10)).await.unwrap();
-    assert_eq!(store.dialog_spend(other.id).await.unwrap().model_calls, 0);
-    drop(store);
-    let store = Store::open(db_path(&dir), fast_options()).unwrap();
-    assert_eq!(store.dialog_spend(session.id).await.unwrap(), after);
-    // A dialog that does not exist has no spend to add to.
-    assert!(store
-        .add_dialog_spend(SessionId::new(), Usage::new(1, 1), Usd::ZERO, 13)
-        .await
-        .is_err());
-}
-
-#[tokio::test]
-async fn a_budget_exhausted_run_records_what_it_spent() {
-    let (_dir, store) = temp_store();
-    let run = new_run(SessionId::new(), ExecutionMode::Background);
-    let exec = run.execution_id.clone();
-    store
-        .accept_run(AcceptRun {
-            run: run.clone(),
-            inbox_capacity: 4,
-            now_ms: 100,
-        })
-        .await
-        .unwrap();
-    store
-        .mark_run_running(run.id, exec.clone(), 110)
-        .await
-        .unwrap();
-    let commit = store
-        .commit_terminal(
-            run.id,
-            exec,
-            TerminalOutcome::BudgetExhausted {
-                error: "budget exhausted".into(),
-                usage: Usage::new(70, 30),
-                cost: Some(usd(0.01)),
-            },
-            CompletionHandling::Deliver,
-            120,
-        )
-        .await
-        .unwrap();
-    assert!(commit.won);
-    assert_eq!(commit.run.status, RunStatus::BudgetExhausted);
-    assert!(commit.run.status.is_terminal());
-    assert_eq!(commit.run.usage, Some(Usage::new(70, 30)));
-    assert_eq!(commit.run.cost, Some(0.01));
-    assert_eq!(commit.run.error.as_deref(), Some("budget exhausted"));
-    // The background run's completion tells the root agent it failed.
-    assert!(commit.event_id.is_some());
-}
 
 #[tokio::test]
 async fn runs_children_and_their_events_survive_the_v11_rebuild() {

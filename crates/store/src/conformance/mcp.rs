@@ -1,9 +1,10 @@
 //! MCP manifests: one row per server, replaced only when the hash changes,
 //! kept across reopening.
+#![allow(missing_docs)] // a test's name is its documentation
 
-use keel_store::{McpManifestRecord, Store, StoreError};
+use crate::{McpManifestRecord, StoreError};
 
-use crate::common::{db_path, fast_options, temp_store};
+use super::TestDb;
 
 fn record(server: &str, hash_char: char, manifest: &str, at: i64) -> McpManifestRecord {
     McpManifestRecord {
@@ -14,9 +15,8 @@ fn record(server: &str, hash_char: char, manifest: &str, at: i64) -> McpManifest
     }
 }
 
-#[tokio::test]
-async fn a_manifest_is_replaced_only_when_its_hash_changes_and_survives_a_reopen() {
-    let (dir, store) = temp_store();
+pub async fn a_manifest_is_replaced_only_when_its_hash_changes_and_survives_a_reopen(db: TestDb) {
+    let store = db.store.clone();
     assert!(store.mcp_manifests().await.unwrap().is_empty());
     let first = record("files", 'a', r#"{"tools":[]}"#, 1);
     assert_eq!(
@@ -39,16 +39,15 @@ async fn a_manifest_is_replaced_only_when_its_hash_changes_and_survives_a_reopen
         .await
         .unwrap();
     drop(store);
-    let store = Store::open(db_path(&dir), fast_options()).unwrap();
+    let store = db.reopen().await;
     let all = store.mcp_manifests().await.unwrap();
     assert_eq!(all.len(), 2);
     assert_eq!(all[0], changed);
     assert_eq!(all[1].server, "web");
 }
 
-#[tokio::test]
-async fn a_manifest_that_is_not_json_or_has_a_bad_hash_is_refused() {
-    let (_dir, store) = temp_store();
+pub async fn a_manifest_that_is_not_json_or_has_a_bad_hash_is_refused(db: TestDb) {
+    let store = db.store.clone();
     let err = store
         .commit_mcp_manifest(record("files", 'a', "not json", 1))
         .await

@@ -1,0 +1,702 @@
+//! Messages on PostgreSQL: append-only rows keyed by (timeline, seq), loads
+//! that walk a timeline's ancestors, durable turn inputs, and the
+//! one-transaction turn commit (keel-store's `messages.rs`, the same state
+//! machine; content is plain TEXT, which TOAST compresses).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use keel_core::{CheckpointId, Message, SessionId};
+use keel_store::{
+    DialogFilter, DialogQuery, HistoryDelta, InputState, MessageFilter, MessagePage, NewMessage,
+    OpenTurn, Result, SessionHead, SessionRecord, StoreError, StoredMessage, TimelineId,
+    TurnCommit, TurnCommitted,
+};
+use tokio_postgres::{Row, Transaction};
+
+use crate::checkpoints::{insert_checkpoint_tx, put_state_tx};
+use crate::sessions::{bump_activity, check_limit, list_dialogs_tx, require_session};
+use crate::store::from_pg;
+use crate::PgStore;
+
+/// The ancestor chain of timeline `$1` as (depth, tid, upto): each
+/// ancestor's last visible seq is the fork point of its child, the head's
+/// is `$2`.
+const CHAIN_CTE: &str = "WITH RECURSIVE chain(depth, tid, upto, parent, fseq) AS ( \
+       SELECT 0, id, $2::bigint, parent_timeline_id, fork_seq FROM timelines WHERE id = $1 \
+       UNION ALL \
+       SELECT c.depth + 1, t.id, LEAST(c.upto, c.fseq), t.parent_timeline_id, t.fork_seq \
+       FROM timelines t JOIN chain c ON t.id = c.parent \
+     )";
+
+/// Last seq visible from `timeline` (its own, or the fork point when it has none).
+pub(crate) async fn last_seq(tx: &Transaction<'_>, timeline: &str) -> Result<i64> {
+    let row = tx
+        .query_one(
+            "SELECT coalesce((SELECT max(seq) FROM messages WHERE timeline_id = $1), \
+                    (SELECT coalesce(fork_seq, 0) FROM timelines WHERE id = $1))",
+            &[&timeline],
+        )
+        .await
+        .map_err(from_pg)?;
+    row.get::<_, Option<i64>>(0)
+        .ok_or_else(|| StoreError::corrupt("timelines.id", format!("no timeline {timeline}")))
+}
+
+/// The head timeline of a session (a light lookup for the append path).
+pub(crate) async fn head_timeline(tx: &Transaction<'_>, session: &SessionId) -> Result<String> {
+    let row = tx
+        .query_opt(
+            "SELECT head_timeline_id FROM sessions WHERE id = $1",
+            &[&session.to_string()],
+        )
+        .await
+        .map_err(from_pg)?;
+    match row {
+        Some(r) => r
+            .get::<_, Option<String>>(0)
+            .ok_or_else(|| StoreError::corrupt("sessions.head_timeline_id", "NULL")),
+        None => Err(StoreError::NotFound(format!("session {session}"))),
+    }
+}
+
+/// A message serialized before its transaction starts (a retried
+/// transaction reuses it).
+#[derive(Debug, Clone)]
+pub(crate) struct EncodedMessage {
+    slot: String,
+    role: &'static str,
+    /// The message's JSON.
+    content: String,
+    tool_call_id: Option<String>,
+    tool_name: Option<String>,
+    visibility: &'static str,
+    origin: &'static str,
+    input_state: Option<&'static str>,
+}
+
+/// Validates and serializes messages before their transaction.
+pub(crate) fn encode(messages: &[NewMessage]) -> Result<Vec<EncodedMessage>> {
+    messages
+        .iter()
+        .map(|m| {
+            if m.slot.is_empty() {
+                return Err(StoreError::InvalidInput("message slot is empty".into()));
+            }
+            Ok(EncodedMessage {
+                slot: m.slot.clone(),
+                role: m.message.role.as_str(),
+                content: serde_json::to_string(&m.message).map_err(|e| {
+                    StoreError::InvalidInput(format!("message does not serialize: {e}"))
+                })?,
+                tool_call_id: m.message.tool_call_id.clone(),
+                tool_name: m.message.tool_name.clone(),
+                visibility: m.message.visibility.as_str(),
+                origin: m.message.origin.as_str(),
+                input_state: m.input_state.map(InputState::as_str),
+            })
+        })
+        .collect()
+}
+
+/// Where the next append to `session` goes: its head timeline and the last seq on it.
+async fn head_state(tx: &Transaction<'_>, session: &SessionId) -> Result<(String, i64)> {
+    let timeline = head_timeline(tx, session).await?;
+    let last = last_seq(tx, &timeline).await?;
+    Ok((timeline, last))
+}
+
+/// Appends `messages` to `timeline` of `session` after seq `last`; returns
+/// their seqs. One statement whatever the number of messages.
+pub(crate) async fn append_tx(
+    tx: &Transaction<'_>,
+    session: &SessionId,
+    timeline: &str,
+    last: i64,
+    messages: &[EncodedMessage],
+    now_ms: i64,
+) -> Result<Vec<i64>> {
+    if messages.is_empty() {
+        return Ok(Vec::new());
+    }
+    let column = |f: fn(&EncodedMessage) -> Option<&str>| -> Vec<Option<&str>> {
+        messages.iter().map(f).collect()
+    };
+    tx.execute(
+        "INSERT INTO messages (timeline_id, seq, session_id, slot, role, content, tool_call_id, \
+         tool_name, created_at, client_visibility, turn_origin, input_state) \
+         SELECT $1, $2::bigint + m.n, $3, m.slot, m.role, m.content, m.tool_call_id, \
+                m.tool_name, $4, m.visibility, m.origin, m.input_state \
+         FROM unnest($5::text[], $6::text[], $7::text[], $8::text[], $9::text[], $10::text[], \
+                     $11::text[], $12::text[]) WITH ORDINALITY \
+              AS m(slot, role, content, tool_call_id, tool_name, visibility, origin, \
+                   input_state, n) \
+         ORDER BY m.n",
+        &[
+            &timeline,
+            &last,
+            &session.to_string(),
+            &now_ms,
+            &column(|m| Some(m.slot.as_str())),
+            &column(|m| Some(m.role)),
+            &column(|m| Some(m.content.as_str())),
+            &column(|m| m.tool_call_id.as_deref()),
+            &column(|m| m.tool_name.as_deref()),
+            &column(|m| Some(m.visibility)),
+            &column(|m| Some(m.origin)),
+            &column(|m| m.input_state),
+        ],
+    )
+    .await
+    .map_err(from_pg)?;
+    Ok((1..).take(messages.len()).map(|i| last + i).collect())
+}
+
+/// The ancestor chain of `timeline` as (timeline, last visible seq), root first.
+async fn chain(tx: &Transaction<'_>, timeline: &str, upto: i64) -> Result<Vec<(String, i64)>> {
+    let sql = format!("{CHAIN_CTE} SELECT tid, upto FROM chain ORDER BY depth DESC");
+    Ok(tx
+        .query(&sql, &[&timeline, &upto])
+        .await
+        .map_err(from_pg)?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect())
+}
+
+/// Visible user inputs in the history visible from `timeline` up to
+/// `upto`: what `sessions.message_count` holds for a session whose history
+/// that is (every commit adds its turn's visible user inputs).
+pub(crate) async fn visible_inputs(tx: &Transaction<'_>, timeline: &str, upto: i64) -> Result<i64> {
+    let sql = format!(
+        "{CHAIN_CTE} SELECT count(*) FROM chain c JOIN messages m \
+           ON m.timeline_id = c.tid AND m.seq <= c.upto \
+         WHERE m.role = 'user' AND m.client_visibility = 'visible'"
+    );
+    Ok(tx
+        .query_one(&sql, &[&timeline, &upto])
+        .await
+        .map_err(from_pg)?
+        .get(0))
+}
+
+/// The history visible from `timeline` after `known` (see `Backend::history_after`).
+async fn history_after_tx(
+    tx: &Transaction<'_>,
+    timeline: TimelineId,
+    known: Option<&SessionHead>,
+    filter: &MessageFilter,
+) -> Result<HistoryDelta> {
+    let last = last_seq(tx, timeline.as_str()).await?;
+    let after = known.filter(|k| k.timeline == timeline && k.last_seq <= last);
+    let filter = MessageFilter {
+        from_seq: after.map(|k| k.last_seq + 1).max(filter.from_seq),
+        ..filter.clone()
+    };
+    Ok(HistoryDelta {
+        messages: load_chain(tx, timeline.as_str(), last, &filter).await?,
+        whole: after.is_none(),
+        head: SessionHead {
+            timeline,
+            last_seq: last,
+        },
+    })
+}
+
+const MESSAGE_COLUMNS: &str = "m.seq, m.slot, m.content, m.created_at, m.input_state";
+
+/// Messages visible from `timeline` up to `upto`, in seq order: one range
+/// of each ancestor, root first. The ranges are disjoint and increasing (a
+/// child's seqs start after its fork point), so ordering by depth then seq
+/// is the concatenation SQLite builds range by range.
+pub(crate) async fn load_chain(
+    tx: &Transaction<'_>,
+    timeline: &str,
+    upto: i64,
+    filter: &MessageFilter,
+) -> Result<Vec<StoredMessage>> {
+    let sql = format!(
+        "{CHAIN_CTE} SELECT {MESSAGE_COLUMNS} FROM chain c JOIN messages m \
+           ON m.timeline_id = c.tid AND m.seq >= $3 AND m.seq <= c.upto \
+         WHERE (NOT $4::boolean OR m.client_visibility = 'visible') \
+           AND ($5::text IS NULL OR m.slot = $5) \
+         ORDER BY c.depth DESC, m.seq"
+    );
+    tx.query(
+        &sql,
+        &[
+            &timeline,
+            &upto,
+            &filter.from_seq.unwrap_or(i64::MIN),
+            &filter.visible_only,
+            &filter.slot,
+        ],
+    )
+    .await
+    .map_err(from_pg)?
+    .iter()
+    .map(stored_from_row)
+    .collect()
+}
+
+fn stored_from_row(r: &Row) -> Result<StoredMessage> {
+    let seq: i64 = r.get(0);
+    let content: String = r.get(2);
+    let message: Message = serde_json::from_str(&content)
+        .map_err(|e| StoreError::corrupt(&format!("messages.content (seq {seq})"), e))?;
+    Ok(StoredMessage {
+        seq,
+        slot: r.get(1),
+        message,
+        created_at_ms: r.get(3),
+        input_state: crate::util::parse_opt("messages.input_state", r.get(4))?,
+    })
+}
+
+/// A page of the history visible from `timeline`: the ancestor chain
+/// walked forwards (root first, oldest first, above the cursor) or
+/// backwards (head first, newest first, below it), the first `limit` rows
+/// of that walk. Each ancestor's range is read with the page's limit, so
+/// no range is scanned further than the page needs.
+async fn load_page(
+    tx: &Transaction<'_>,
+    timeline: &str,
+    page: &MessagePage,
+) -> Result<Vec<StoredMessage>> {
+    let (order, low, high) = if page.newest_first {
+        (
+            ("c.depth", "m.seq DESC"),
+            i64::MIN,
+            page.cursor.map_or(i64::MAX, |c| c - 1),
+        )
+    } else {
+        (
+            ("c.depth DESC", "m.seq"),
+            page.cursor.map_or(i64::MIN, |c| c + 1),
+            i64::MAX,
+        )
+    };
+    let (depth_order, seq_order) = order;
+    let sql = format!(
+        "{CHAIN_CTE} SELECT {MESSAGE_COLUMNS} FROM chain c CROSS JOIN LATERAL ( \
+           SELECT * FROM messages m \
+           WHERE m.timeline_id = c.tid AND m.seq >= $3 AND m.seq <= LEAST(c.upto, $4) \
+             AND (NOT $5::boolean OR m.client_visibility = 'visible') \
+           ORDER BY {seq_order} LIMIT $6) m \
+         ORDER BY {depth_order}, {seq_order} LIMIT $6"
+    );
+    let limit = i64::try_from(page.limit).unwrap_or(i64::MAX);
+    tx.query(
+        &sql,
+        &[
+            &timeline,
+            &i64::MAX,
+            &low,
+            &high,
+            &page.visible_only,
+            &limit,
+        ],
+    )
+    .await
+    .map_err(from_pg)?
+    .iter()
+    .map(stored_from_row)
+    .collect()
+}
+
+/// Refuses a write when the session's history no longer ends where the
+/// writer last saw it (another writer appended or moved the head).
+fn check_head(session: &SessionId, expected: &SessionHead, head: &str, last: i64) -> Result<()> {
+    if expected.timeline.as_str() == head && expected.last_seq == last {
+        return Ok(());
+    }
+    Err(StoreError::Conflict(format!(
+        "session {session} changed since the turn started (its history ended at seq {} and now \
+         ends at seq {last}{}); the turn was not saved",
+        expected.last_seq,
+        if expected.timeline.as_str() == head {
+            ""
+        } else {
+            " on another branch"
+        }
+    )))
+}
+
+/// The whole turn commit: messages, state, checkpoint, counters, and the
+/// webhook deliveries of the inputs it answers (and to `webhook_urls`).
+pub(crate) async fn commit_turn_tx(
+    tx: &Transaction<'_>,
+    turn: &TurnCommit,
+    messages: &[EncodedMessage],
+    webhook_urls: &[String],
+) -> Result<TurnCommitted> {
+    let session = require_session(tx, &turn.session_id).await?;
+    let head = session.head_timeline_id.as_str();
+    let last = last_seq(tx, head).await?;
+    if let Some(expected) = &turn.expected_head {
+        check_head(&session.id, expected, head, last)?;
+    }
+    let seqs = append_tx(tx, &session.id, head, last, messages, turn.now_ms).await?;
+    let last = seqs.last().copied().unwrap_or(last);
+    answer_inputs_tx(tx, head, &turn.answers).await?;
+    if !turn.answers.is_empty() {
+        crate::webhooks::deliveries_tx(
+            tx,
+            &crate::webhooks::CommittedTurn {
+                status: "committed",
+                session: &session.id,
+                timeline: head,
+                answers: &turn.answers,
+                turn_id: turn.calls.as_ref().map(|calls| calls.turn_id),
+                messages: &turn.messages,
+                last_seq: seqs.last().copied(),
+                now_ms: turn.now_ms,
+            },
+            webhook_urls,
+        )
+        .await?;
+    }
+    if let Some(calls) = &turn.calls {
+        crate::calls::insert_calls_tx(
+            tx,
+            &session.id,
+            crate::calls::CallOwner::Turn(calls.turn_id),
+            &calls.spans,
+        )
+        .await?;
+    }
+    let state_hash = put_state_tx(tx, &session, &turn.state).await?;
+    let checkpoint = match &turn.checkpoint {
+        Some(cp) => Some(
+            insert_checkpoint_tx(
+                tx,
+                &session.id,
+                &session.head_timeline_id,
+                last,
+                None,
+                cp,
+                &state_hash,
+                turn.now_ms,
+            )
+            .await?,
+        ),
+        None => None,
+    };
+    bump_activity(tx, &session.id, turn.now_ms, turn.visible_user_inputs).await?;
+    Ok(TurnCommitted {
+        seqs,
+        state_hash,
+        checkpoint,
+    })
+}
+
+/// Marks the inputs `seqs` of `timeline` answered. Each must be open: an
+/// input already declared unanswered is never answered after the fact.
+async fn answer_inputs_tx(tx: &Transaction<'_>, timeline: &str, seqs: &[i64]) -> Result<()> {
+    for seq in seqs {
+        let n = tx
+            .execute(
+                "UPDATE messages SET input_state = 'answered' \
+                 WHERE timeline_id = $1 AND seq = $2 AND input_state = 'open'",
+                &[&timeline, seq],
+            )
+            .await
+            .map_err(from_pg)?;
+        if n != 1 {
+            return Err(StoreError::Stale(format!(
+                "the turn input at seq {seq} is not open any more"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Marks every input of `session` still open unanswered; returns how many.
+async fn close_open_inputs_tx(tx: &Transaction<'_>, session: &SessionId) -> Result<u64> {
+    tx.execute(
+        "UPDATE messages SET input_state = 'unanswered' \
+         WHERE session_id = $1 AND input_state = 'open'",
+        &[&session.to_string()],
+    )
+    .await
+    .map_err(from_pg)
+}
+
+/// Marks every open input of every session unanswered (no turn runs yet);
+/// answers (session_id, timeline_id, seq) of each in the order SQLite's
+/// index walk returns them (by session, then as appended).
+// Read by `activate_runtime` (the runtime port).
+#[allow(dead_code)]
+pub(crate) const CLOSE_INTERRUPTED_SQL: &str = "WITH closed AS ( \
+       UPDATE messages SET input_state = 'unanswered' WHERE input_state = 'open' \
+       RETURNING session_id, timeline_id, seq) \
+     SELECT session_id, timeline_id, seq FROM closed ORDER BY session_id, timeline_id, seq";
+
+async fn open_turn_tx(
+    tx: &Transaction<'_>,
+    turn: &OpenTurn,
+    messages: &[EncodedMessage],
+    visible_user_inputs: u32,
+) -> Result<Vec<i64>> {
+    let session = &turn.session_id;
+    let (timeline, last) = head_state(tx, session).await?;
+    if let Some(expected) = &turn.expected_head {
+        check_head(session, expected, &timeline, last)?;
+    }
+    if let Some(turn) = &turn.queued {
+        crate::queued::take_queued_tx(tx, turn).await?;
+    }
+    // Inputs a dropped or crashed turn left open were never answered.
+    close_open_inputs_tx(tx, session).await?;
+    let seqs = append_tx(tx, session, &timeline, last, messages, turn.now_ms).await?;
+    if let Some(queued) = &turn.queued {
+        // The subscription follows the turn's user message (the input it answers).
+        let input = turn
+            .messages
+            .iter()
+            .position(|m| m.message.role == keel_core::Role::User)
+            .and_then(|i| seqs.get(i));
+        if let Some(seq) = input {
+            crate::webhooks::bind_tx(tx, queued, &timeline, *seq).await?;
+        }
+    }
+    bump_activity(tx, session, turn.now_ms, visible_user_inputs).await?;
+    Ok(seqs)
+}
+
+impl PgStore {
+    pub(crate) async fn open_turn(&self, turn: OpenTurn) -> Result<Vec<i64>> {
+        let mut messages = turn.messages.clone();
+        for m in &mut messages {
+            m.input_state = Some(InputState::Open);
+        }
+        let encoded = Arc::new(encode(&messages)?);
+        let visible = messages
+            .iter()
+            .filter(|m| m.message.is_visible_user_input())
+            .count();
+        let visible = u32::try_from(visible).unwrap_or(u32::MAX);
+        let turn = Arc::new(turn);
+        self.write(move |tx| {
+            let (turn, encoded) = (turn.clone(), encoded.clone());
+            Box::pin(async move { open_turn_tx(tx, &turn, &encoded, visible).await })
+        })
+        .await
+    }
+
+    pub(crate) async fn mark_unanswered(
+        &self,
+        session_id: SessionId,
+        seqs: Vec<i64>,
+    ) -> Result<usize> {
+        let urls = Arc::new(self.inner.hooks.urls());
+        let seqs = Arc::new(seqs);
+        let (changed, deliveries) = self
+            .write(move |tx| {
+                let (urls, seqs) = (urls.clone(), seqs.clone());
+                Box::pin(async move {
+                    let timeline = head_timeline(tx, &session_id).await?;
+                    let (mut changed, mut deliveries) = (0, 0);
+                    for seq in seqs.iter() {
+                        let n = tx
+                            .execute(
+                                "UPDATE messages SET input_state = 'unanswered' \
+                                 WHERE timeline_id = $1 AND seq = $2 AND input_state = 'open'",
+                                &[&timeline, seq],
+                            )
+                            .await
+                            .map_err(from_pg)?;
+                        if n == 1 {
+                            changed += 1;
+                            deliveries += crate::webhooks::unanswered_deliveries_tx(
+                                tx,
+                                &session_id,
+                                &timeline,
+                                *seq,
+                                keel_core::time::now_ms(),
+                                &urls,
+                            )
+                            .await?;
+                        }
+                    }
+                    Ok((changed, deliveries))
+                })
+            })
+            .await?;
+        if deliveries > 0 {
+            self.inner.hooks.wake();
+        }
+        Ok(changed)
+    }
+
+    pub(crate) async fn append_message(
+        &self,
+        session_id: SessionId,
+        message: NewMessage,
+        now_ms: i64,
+    ) -> Result<i64> {
+        let seqs = self
+            .append_messages(session_id, vec![message], now_ms)
+            .await?;
+        seqs.first()
+            .copied()
+            .ok_or_else(|| StoreError::Postgres("append returned no seq".into()))
+    }
+
+    pub(crate) async fn append_messages(
+        &self,
+        session_id: SessionId,
+        messages: Vec<NewMessage>,
+        now_ms: i64,
+    ) -> Result<Vec<i64>> {
+        let encoded = Arc::new(encode(&messages)?);
+        self.write(move |tx| {
+            let encoded = encoded.clone();
+            Box::pin(async move {
+                let (timeline, last) = head_state(tx, &session_id).await?;
+                append_tx(tx, &session_id, &timeline, last, &encoded, now_ms).await
+            })
+        })
+        .await
+    }
+
+    pub(crate) async fn commit_turn(&self, turn: TurnCommit) -> Result<TurnCommitted> {
+        let encoded = Arc::new(encode(&turn.messages)?);
+        let global = Arc::new(self.inner.hooks.urls());
+        let answers = !turn.answers.is_empty();
+        let turn = Arc::new(turn);
+        let committed = self
+            .write(move |tx| {
+                let (turn, encoded, global) = (turn.clone(), encoded.clone(), global.clone());
+                Box::pin(async move { commit_turn_tx(tx, &turn, &encoded, &global).await })
+            })
+            .await?;
+        if answers {
+            self.inner.hooks.wake();
+        }
+        Ok(committed)
+    }
+
+    pub(crate) async fn load_messages(
+        &self,
+        session_id: SessionId,
+        filter: MessageFilter,
+    ) -> Result<Vec<StoredMessage>> {
+        self.read(move |tx| {
+            let filter = filter.clone();
+            Box::pin(async move {
+                let session = require_session(tx, &session_id).await?;
+                load_chain(tx, session.head_timeline_id.as_str(), i64::MAX, &filter).await
+            })
+        })
+        .await
+    }
+
+    pub(crate) async fn load_message_page(
+        &self,
+        session_id: SessionId,
+        page: MessagePage,
+    ) -> Result<Vec<StoredMessage>> {
+        if page.limit == 0 || page.limit > 1000 {
+            return Err(StoreError::InvalidInput(format!(
+                "limit {} is outside 1..=1000",
+                page.limit
+            )));
+        }
+        self.read(move |tx| {
+            let page = page.clone();
+            Box::pin(async move {
+                let session = require_session(tx, &session_id).await?;
+                load_page(tx, session.head_timeline_id.as_str(), &page).await
+            })
+        })
+        .await
+    }
+
+    pub(crate) async fn history_ranges(
+        &self,
+        session_id: SessionId,
+    ) -> Result<Vec<(TimelineId, i64)>> {
+        self.read(move |tx| {
+            Box::pin(async move {
+                let session = require_session(tx, &session_id).await?;
+                Ok(chain(tx, session.head_timeline_id.as_str(), i64::MAX)
+                    .await?
+                    .into_iter()
+                    .map(|(t, upto)| (TimelineId(t), upto))
+                    .collect())
+            })
+        })
+        .await
+    }
+
+    pub(crate) async fn history_after(
+        &self,
+        session_id: SessionId,
+        known: Option<SessionHead>,
+        filter: MessageFilter,
+    ) -> Result<HistoryDelta> {
+        self.read(move |tx| {
+            let (known, filter) = (known.clone(), filter.clone());
+            Box::pin(async move {
+                let session = require_session(tx, &session_id).await?;
+                history_after_tx(tx, session.head_timeline_id, known.as_ref(), &filter).await
+            })
+        })
+        .await
+    }
+
+    pub(crate) async fn dialogs_with_history_after(
+        &self,
+        query: DialogQuery,
+        wanted: DialogFilter,
+        known: HashMap<SessionId, SessionHead>,
+        filter: MessageFilter,
+    ) -> Result<Vec<(SessionRecord, HistoryDelta)>> {
+        check_limit(&query)?;
+        let (wanted, known) = (Arc::new(wanted), Arc::new(known));
+        self.read(move |tx| {
+            let (query, filter) = (query.clone(), filter.clone());
+            let (wanted, known) = (wanted.clone(), known.clone());
+            Box::pin(async move {
+                let mut out = Vec::new();
+                for record in list_dialogs_tx(tx, &query).await?.items {
+                    if !wanted(&record) {
+                        continue;
+                    }
+                    let timeline = record.head_timeline_id.clone();
+                    let delta =
+                        history_after_tx(tx, timeline, known.get(&record.id), &filter).await?;
+                    out.push((record, delta));
+                }
+                Ok(out)
+            })
+        })
+        .await
+    }
+
+    pub(crate) async fn load_messages_at_checkpoint(
+        &self,
+        checkpoint_id: CheckpointId,
+        filter: MessageFilter,
+    ) -> Result<Vec<StoredMessage>> {
+        self.read(move |tx| {
+            let filter = filter.clone();
+            Box::pin(async move {
+                let cp = crate::checkpoints::require_checkpoint(tx, &checkpoint_id).await?;
+                load_chain(tx, cp.timeline_id.as_str(), cp.seq, &filter).await
+            })
+        })
+        .await
+    }
+
+    pub(crate) async fn last_seq(&self, session_id: SessionId) -> Result<i64> {
+        self.read(move |tx| {
+            Box::pin(async move {
+                let session = require_session(tx, &session_id).await?;
+                last_seq(tx, session.head_timeline_id.as_str()).await
+            })
+        })
+        .await
+    }
+}

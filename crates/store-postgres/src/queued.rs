@@ -1,0 +1,118 @@
+//! Queued user input on PostgreSQL: a message acknowledged while its
+//! dialog's turn runs, committed before the acknowledgement and moved into
+//! the history when its own turn starts (in that turn's `open_turn`
+//! transaction); keel-store's `queued.rs` says why.
+
+use keel_core::TurnId;
+use keel_store::{QueuedInput, Result, StoreError};
+use tokio_postgres::Transaction;
+
+use crate::sessions::require_session;
+use crate::store::from_pg;
+use crate::util::parse;
+use crate::PgStore;
+
+/// Removes the queued input of `turn_id` as its turn opens; an input that is
+/// not queued (any more) is refused, so no input enters the history twice.
+pub(crate) async fn take_queued_tx(tx: &Transaction<'_>, turn_id: &TurnId) -> Result<()> {
+    let n = tx
+        .execute(
+            "DELETE FROM queued_inputs WHERE turn_id = $1",
+            &[&turn_id.to_string()],
+        )
+        .await
+        .map_err(from_pg)?;
+    if n == 0 {
+        return Err(StoreError::Stale(format!(
+            "the input of turn {turn_id} is not queued"
+        )));
+    }
+    Ok(())
+}
+
+impl PgStore {
+    pub(crate) async fn queue_input(&self, input: QueuedInput) -> Result<()> {
+        let message = serde_json::to_string(&input.message)
+            .map_err(|e| StoreError::InvalidInput(format!("message does not serialize: {e}")))?;
+        self.write(move |tx| {
+            let (input, message) = (input.clone(), message.clone());
+            Box::pin(async move {
+                let session = require_session(tx, &input.session_id).await?;
+                if session.deleted_at_ms.is_some() {
+                    return Err(StoreError::NotFound(format!("session {}", session.id)));
+                }
+                tx.execute(
+                    "INSERT INTO queued_inputs (turn_id, session_id, message, queued_at) \
+                     VALUES ($1, $2, $3, $4)",
+                    &[
+                        &input.turn_id.to_string(),
+                        &input.session_id.to_string(),
+                        &message,
+                        &input.queued_at_ms,
+                    ],
+                )
+                .await
+                .map_err(from_pg)?;
+                if let Some(url) = &input.webhook {
+                    crate::webhooks::subscribe_tx(
+                        tx,
+                        &input.turn_id,
+                        &input.session_id,
+                        url,
+                        input.queued_at_ms,
+                    )
+                    .await?;
+                }
+                Ok(())
+            })
+        })
+        .await
+    }
+
+    pub(crate) async fn discard_queued_input(&self, turn_id: TurnId) -> Result<bool> {
+        self.write(move |tx| {
+            Box::pin(async move {
+                crate::webhooks::unsubscribe_tx(tx, &turn_id).await?;
+                Ok(tx
+                    .execute(
+                        "DELETE FROM queued_inputs WHERE turn_id = $1",
+                        &[&turn_id.to_string()],
+                    )
+                    .await
+                    .map_err(from_pg)?
+                    > 0)
+            })
+        })
+        .await
+    }
+
+    pub(crate) async fn queued_inputs(&self) -> Result<Vec<QueuedInput>> {
+        self.read(|tx| {
+            Box::pin(async move {
+                let rows = tx
+                    .query(
+                        "SELECT q.session_id, q.turn_id, q.message, q.queued_at, w.url \
+                         FROM queued_inputs q JOIN sessions s ON s.id = q.session_id \
+                         LEFT JOIN webhook_subscriptions w ON w.turn_id = q.turn_id \
+                         WHERE s.deleted_at IS NULL ORDER BY q.seq",
+                        &[],
+                    )
+                    .await
+                    .map_err(from_pg)?;
+                rows.iter()
+                    .map(|r| {
+                        Ok(QueuedInput {
+                            session_id: parse("queued_inputs.session_id", r.get::<_, &str>(0))?,
+                            turn_id: parse("queued_inputs.turn_id", r.get::<_, &str>(1))?,
+                            message: serde_json::from_str(r.get::<_, &str>(2))
+                                .map_err(|e| StoreError::corrupt("queued_inputs.message", e))?,
+                            queued_at_ms: r.get(3),
+                            webhook: r.get(4),
+                        })
+                    })
+                    .collect()
+            })
+        })
+        .await
+    }
+}
