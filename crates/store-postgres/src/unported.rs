@@ -214,105 +214,6 @@ impl PgStore {
     }
 }
 
-// ---- runtime.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn activate_runtime(&self, holder: String, now_ms: i64) -> Result<Activation> {
-        todo!("PostgreSQL: activate_runtime is not ported yet")
-    }
-}
-
-// ---- runs/recovery.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn recover_older_generations(
-        &self,
-        active_generation: u64,
-        now_ms: i64,
-    ) -> Result<RecoveryReport> {
-        todo!("PostgreSQL: recover_older_generations is not ported yet")
-    }
-}
-
-// ---- runs/lifecycle.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn accept_run(&self, request: AcceptRun) -> Result<AcceptedRun> {
-        todo!("PostgreSQL: accept_run is not ported yet")
-    }
-    pub(crate) async fn accept_agent_group(&self, request: AcceptGroup) -> Result<AcceptedGroup> {
-        todo!("PostgreSQL: accept_agent_group is not ported yet")
-    }
-    pub(crate) async fn mark_run_running(
-        &self,
-        run_id: RunId,
-        execution_id: String,
-        now_ms: i64,
-    ) -> Result<bool> {
-        todo!("PostgreSQL: mark_run_running is not ported yet")
-    }
-    pub(crate) async fn mark_run_waiting_children(
-        &self,
-        run_id: RunId,
-        execution_id: String,
-        now_ms: i64,
-    ) -> Result<bool> {
-        todo!("PostgreSQL: mark_run_waiting_children is not ported yet")
-    }
-    pub(crate) async fn commit_terminal(
-        &self,
-        run_id: RunId,
-        execution_id: String,
-        outcome: TerminalOutcome,
-        handling: CompletionHandling,
-        now_ms: i64,
-    ) -> Result<TerminalCommit> {
-        todo!("PostgreSQL: commit_terminal is not ported yet")
-    }
-    pub(crate) async fn commit_run_end(
-        &self,
-        run_id: RunId,
-        execution_id: String,
-        outcome: TerminalOutcome,
-        handling: CompletionHandling,
-        now_ms: i64,
-        calls: Vec<CallSpan>,
-    ) -> Result<TerminalCommit> {
-        todo!("PostgreSQL: commit_run_end is not ported yet")
-    }
-    pub(crate) async fn cancel_session(
-        &self,
-        root_session_id: SessionId,
-        reason: String,
-        now_ms: i64,
-    ) -> Result<CancelReport> {
-        todo!("PostgreSQL: cancel_session is not ported yet")
-    }
-}
-
-// ---- runs/pauses.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn commit_paused_run(&self, commit: PausedRunCommit) -> Result<bool> {
-        todo!("PostgreSQL: commit_paused_run is not ported yet")
-    }
-    pub(crate) async fn resume_paused_run(
-        &self,
-        run_id: RunId,
-        execution_id: String,
-        runtime_generation: u64,
-        now_ms: i64,
-    ) -> Result<Option<ResumedRun>> {
-        todo!("PostgreSQL: resume_paused_run is not ported yet")
-    }
-    pub(crate) async fn waiting_runs(&self, session_id: SessionId) -> Result<Vec<RunRecord>> {
-        todo!("PostgreSQL: waiting_runs is not ported yet")
-    }
-}
-
-// ---- runs/import.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn session_runs(&self, root: SessionId) -> Result<Vec<RunRecord>> {
-        todo!("PostgreSQL: session_runs is not ported yet")
-    }
-}
-
 // ---- inbox.rs (delete this block when you port the module) ----
 impl PgStore {
     pub(crate) async fn insert_signal(&self, signal: NewSignal) -> Result<SignalCommit> {
@@ -428,23 +329,6 @@ impl PgStore {
         limit: usize,
     ) -> Result<AgentChanges> {
         todo!("PostgreSQL: agent_changes_since is not ported yet")
-    }
-}
-
-// ---- observe.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn inbox_gauges(&self) -> Result<InboxGauges> {
-        todo!("PostgreSQL: inbox_gauges is not ported yet")
-    }
-    pub(crate) async fn run_tree(&self, id: RunId) -> Result<Vec<RunRecord>> {
-        todo!("PostgreSQL: run_tree is not ported yet")
-    }
-    pub(crate) async fn turn_runs(
-        &self,
-        session: Option<SessionId>,
-        turn: TurnId,
-    ) -> Result<Vec<RunRecord>> {
-        todo!("PostgreSQL: turn_runs is not ported yet")
     }
 }
 

@@ -12,6 +12,9 @@
 //! - `recovery`: what a new runtime generation does with the older ones' runs.
 
 mod import;
+mod lifecycle;
+mod pauses;
+mod recovery;
 mod rows;
 
 use keel_core::{GroupId, RunId, SessionId};
@@ -20,6 +23,8 @@ use keel_store::{GroupRecord, Page, Result, RunCursor, RunQuery, RunRecord};
 use crate::PgStore;
 
 pub(crate) use import::import_runs_tx;
+pub(crate) use pauses::end_run_approvals_tx;
+pub(crate) use recovery::recover_tx;
 pub(crate) use rows::{get_run_tx, query_runs};
 
 use rows::get_group_tx;
