@@ -264,9 +264,3 @@ impl PgStore {
     }
 }
 
-// ---- compact.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn train_dictionary_if_due(&self, now_ms: i64) -> Result<Option<u32>> {
-        todo!("PostgreSQL: train_dictionary_if_due is not ported yet")
-    }
-}
