@@ -59,3 +59,15 @@ pub(crate) async fn unanswered_deliveries_tx(
 ) -> Result<usize> {
     todo!("ported by approvals")
 }
+
+pub(crate) async fn run_deliveries_tx(
+    tx: &Transaction<'_>,
+    run: &keel_store::RunRecord,
+    status: &str,
+    result: Option<&str>,
+    error: Option<&str>,
+    now_ms: i64,
+    global: &[String],
+) -> Result<usize> {
+    todo!("ported by approvals")
+}

@@ -4,6 +4,7 @@ mod checks;
 mod lock;
 mod messages;
 mod pool;
+mod runs;
 mod schema;
 
 mod postgres {
