@@ -263,4 +263,3 @@ impl PgStore {
         todo!("PostgreSQL: recount_message_counts is not ported yet")
     }
 }
-
