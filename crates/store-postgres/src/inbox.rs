@@ -60,3 +60,13 @@ pub(crate) async fn expire_leases_tx(
 pub(crate) async fn sessions_with_inbox_work_tx(tx: &Transaction<'_>) -> Result<Vec<SessionId>> {
     todo!("ported by inbox")
 }
+
+/// The events `where_sql` (a `WHERE …`/`ORDER BY …` tail over
+/// `agent_inbox_events`) selects.
+pub(crate) async fn query_events(
+    tx: &Transaction<'_>,
+    where_sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Result<Vec<keel_store::InboxEvent>> {
+    todo!("ported by inbox")
+}

@@ -57,6 +57,7 @@ mod migrations;
 mod observe;
 mod outline;
 mod pool;
+mod projection;
 mod queued;
 mod runs;
 mod runtime;

@@ -223,36 +223,6 @@ impl PgStore {
     }
 }
 
-// ---- projection.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn query_runs(&self, query: RunQuery) -> Result<Page<RunRecord, RunCursor>> {
-        todo!("PostgreSQL: query_runs is not ported yet")
-    }
-    pub(crate) async fn query_session_events(
-        &self,
-        root_session_id: SessionId,
-        cursor: Option<EventCursor>,
-        limit: usize,
-    ) -> Result<Page<InboxEvent, EventCursor>> {
-        todo!("PostgreSQL: query_session_events is not ported yet")
-    }
-    pub(crate) async fn run_events(
-        &self,
-        run_id: RunId,
-        cursor: Option<EventCursor>,
-        limit: usize,
-    ) -> Result<Page<InboxEvent, EventCursor>> {
-        todo!("PostgreSQL: run_events is not ported yet")
-    }
-    pub(crate) async fn agent_changes_since(
-        &self,
-        root_session_id: SessionId,
-        since_revision: u64,
-        limit: usize,
-    ) -> Result<AgentChanges> {
-        todo!("PostgreSQL: agent_changes_since is not ported yet")
-    }
-}
 
 // ---- check.rs (delete this block when you port the module) ----
 impl PgStore {
