@@ -20,6 +20,7 @@
 pub mod checkpoints;
 pub mod fixtures;
 pub mod images;
+pub mod inbox;
 pub mod mcp;
 pub mod messages;
 pub mod observe;
@@ -111,6 +112,17 @@ macro_rules! conformance_suite {
                 a_fork_and_a_rollback_count_the_inputs_of_the_history_they_show,
                 unchanged_state_writes_no_blob,
                 prune_keeps_what_heads_and_remaining_checkpoints_need,
+            }
+            inbox {
+                signals_are_deduplicated_capacity_checked_and_need_a_live_execution,
+                signal_limits_are_a_window_a_refilling_burst_and_a_cap,
+                session_events_page_newest_first_and_new_ones_come_before_the_first_page,
+                claim_then_continuation_consumes_events_with_the_turn,
+                release_backs_off_and_dead_letters_after_max_attempts,
+                one_turn_consumes_the_events_of_several_leases_of_its_own_session_only,
+                a_release_that_is_no_failed_delivery_keeps_attempts_and_backoff,
+                an_event_backing_off_past_its_time_to_live_is_due_for_dead_lettering,
+                a_dead_letter_is_told_once_by_a_notice_in_the_sessions_history,
             }
             purge {
                 a_purge_removes_the_expired_deleted_dialogs_and_every_row_of_theirs,
