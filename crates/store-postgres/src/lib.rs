@@ -57,6 +57,8 @@ mod migrations;
 mod observe;
 mod outline;
 mod pool;
+mod projection;
+mod purge;
 mod queued;
 mod runs;
 mod runtime;
@@ -65,6 +67,7 @@ mod spend;
 mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod tree;
 mod unported;
 mod util;
 mod webhooks;

@@ -9,40 +9,6 @@ use keel_store::*;
 
 use crate::PgStore;
 
-// ---- tree.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn dialog_tree(&self, session: SessionId) -> Result<DialogTree> {
-        todo!("PostgreSQL: dialog_tree is not ported yet")
-    }
-    pub(crate) async fn import_session_tree(
-        &self,
-        session: NewSession,
-        tree: ImportTree,
-        runs: Vec<RunRecord>,
-    ) -> Result<SessionRecord> {
-        todo!("PostgreSQL: import_session_tree is not ported yet")
-    }
-}
-
-// ---- purge.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn deleted_sessions_before(
-        &self,
-        deleted_before_ms: i64,
-    ) -> Result<Vec<SessionId>> {
-        todo!("PostgreSQL: deleted_sessions_before is not ported yet")
-    }
-    pub(crate) async fn purge_session(&self, session_id: SessionId) -> Result<PurgeReport> {
-        todo!("PostgreSQL: purge_session is not ported yet")
-    }
-    pub(crate) async fn sweep_state_blobs(&self) -> Result<u64> {
-        todo!("PostgreSQL: sweep_state_blobs is not ported yet")
-    }
-    pub(crate) async fn dialog_usage(&self, session_id: SessionId) -> Result<DialogUsage> {
-        todo!("PostgreSQL: dialog_usage is not ported yet")
-    }
-}
-
 // ---- approvals.rs (delete this block when you port the module) ----
 impl PgStore {
     pub(crate) async fn commit_paused_turn(
@@ -136,124 +102,6 @@ impl PgStore {
     }
 }
 
-// ---- inbox.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn insert_signal(&self, signal: NewSignal) -> Result<SignalCommit> {
-        todo!("PostgreSQL: insert_signal is not ported yet")
-    }
-    pub(crate) async fn claim_inbox_batch(
-        &self,
-        request: ClaimRequest,
-    ) -> Result<Option<InboxLease>> {
-        todo!("PostgreSQL: claim_inbox_batch is not ported yet")
-    }
-    pub(crate) async fn admit_inbox_events(
-        &self,
-        event_ids: Vec<EventId>,
-        lease_token: String,
-        turn_id: TurnId,
-        now_ms: i64,
-    ) -> Result<u64> {
-        todo!("PostgreSQL: admit_inbox_events is not ported yet")
-    }
-    pub(crate) async fn release_inbox_lease(
-        &self,
-        request: ReleaseRequest,
-    ) -> Result<ReleaseReport> {
-        todo!("PostgreSQL: release_inbox_lease is not ported yet")
-    }
-    pub(crate) async fn dead_letter_events(
-        &self,
-        event_ids: Vec<EventId>,
-        reason: String,
-        now_ms: i64,
-    ) -> Result<u64> {
-        todo!("PostgreSQL: dead_letter_events is not ported yet")
-    }
-    pub(crate) async fn commit_continuation_turn(
-        &self,
-        commit: ContinuationCommit,
-    ) -> Result<ContinuationCommitted> {
-        todo!("PostgreSQL: commit_continuation_turn is not ported yet")
-    }
-    pub(crate) async fn unnotified_dead_letters(
-        &self,
-        root_session_id: SessionId,
-    ) -> Result<Vec<InboxEvent>> {
-        todo!("PostgreSQL: unnotified_dead_letters is not ported yet")
-    }
-    pub(crate) async fn commit_dead_letter_notice(
-        &self,
-        commit: NoticeCommit,
-    ) -> Result<TurnCommitted> {
-        todo!("PostgreSQL: commit_dead_letter_notice is not ported yet")
-    }
-    pub(crate) async fn supersede_run_signals(&self, run_id: RunId, now_ms: i64) -> Result<u64> {
-        todo!("PostgreSQL: supersede_run_signals is not ported yet")
-    }
-    pub(crate) async fn list_signals(
-        &self,
-        root_session_id: SessionId,
-        limit: usize,
-    ) -> Result<Vec<InboxEvent>> {
-        todo!("PostgreSQL: list_signals is not ported yet")
-    }
-    pub(crate) async fn list_inbox_events(
-        &self,
-        root_session_id: SessionId,
-    ) -> Result<Vec<InboxEvent>> {
-        todo!("PostgreSQL: list_inbox_events is not ported yet")
-    }
-    pub(crate) async fn inbox_schedule(
-        &self,
-        root_session_id: SessionId,
-        now_ms: i64,
-        ttl_ms: i64,
-    ) -> Result<InboxSchedule> {
-        todo!("PostgreSQL: inbox_schedule is not ported yet")
-    }
-    pub(crate) async fn dead_letter_expired_events(
-        &self,
-        root_session_id: SessionId,
-        created_by_ms: i64,
-        reason: String,
-        now_ms: i64,
-    ) -> Result<u64> {
-        todo!("PostgreSQL: dead_letter_expired_events is not ported yet")
-    }
-}
-
-// ---- projection.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn query_runs(&self, query: RunQuery) -> Result<Page<RunRecord, RunCursor>> {
-        todo!("PostgreSQL: query_runs is not ported yet")
-    }
-    pub(crate) async fn query_session_events(
-        &self,
-        root_session_id: SessionId,
-        cursor: Option<EventCursor>,
-        limit: usize,
-    ) -> Result<Page<InboxEvent, EventCursor>> {
-        todo!("PostgreSQL: query_session_events is not ported yet")
-    }
-    pub(crate) async fn run_events(
-        &self,
-        run_id: RunId,
-        cursor: Option<EventCursor>,
-        limit: usize,
-    ) -> Result<Page<InboxEvent, EventCursor>> {
-        todo!("PostgreSQL: run_events is not ported yet")
-    }
-    pub(crate) async fn agent_changes_since(
-        &self,
-        root_session_id: SessionId,
-        since_revision: u64,
-        limit: usize,
-    ) -> Result<AgentChanges> {
-        todo!("PostgreSQL: agent_changes_since is not ported yet")
-    }
-}
-
 // ---- check.rs (delete this block when you port the module) ----
 impl PgStore {
     pub(crate) async fn check_invariants(&self, options: CheckOptions) -> Result<InvariantReport> {
@@ -263,4 +111,3 @@ impl PgStore {
         todo!("PostgreSQL: recount_message_counts is not ported yet")
     }
 }
-

@@ -1,8 +1,13 @@
 //! Rows the conformance tests (and keel-store's own tests) build.
 
-use keel_core::{AgentId, Delivery, ExecutionMode, Message, RunId, SessionId};
+use keel_core::{
+    AgentId, Delivery, EventId, ExecutionMode, Message, RunId, SessionId, TurnOrigin, Usage,
+};
 
-use crate::{NewMessage, NewRun, NewSession, Store};
+use crate::{
+    AcceptRun, ClaimRequest, CompletionHandling, InboxUsage, NewMessage, NewRun, NewSession, Store,
+    TerminalOutcome, TurnCommit,
+};
 
 /// Appends `n` messages from as many tasks at once, the i-th through
 /// `target(i)`; returns their seqs, sorted.
@@ -83,5 +88,100 @@ pub fn new_run(root: SessionId, mode: ExecutionMode) -> NewRun {
         failure_delivery: Some(Delivery::Queue),
         runtime_generation: 1,
         deadline_at_ms: 1_000_000,
+    }
+}
+
+/// The acceptance of `run` into an inbox of `capacity`, at 100 ms.
+pub fn accept(run: NewRun, capacity: u32) -> AcceptRun {
+    AcceptRun {
+        run,
+        inbox_capacity: capacity,
+        now_ms: 100,
+    }
+}
+
+/// A run's success with `text` as its result.
+pub fn completed(text: &str) -> TerminalOutcome {
+    TerminalOutcome::Completed {
+        result: text.into(),
+        usage: Usage::new(10, 5),
+        tool_calls: 2,
+        iterations: 3,
+        cost: None,
+    }
+}
+
+/// A claim of up to 8 events (32 KiB) of `root`'s inbox at `now_ms`, leased for a minute.
+pub fn claim(root: SessionId, now_ms: i64) -> ClaimRequest {
+    ClaimRequest {
+        root_session_id: root,
+        now_ms,
+        lease_ms: 60_000,
+        max_events: 8,
+        max_bytes: 32 * 1024,
+        delivery: None,
+    }
+}
+
+/// (pending events, reserved completion slots), as [`slots`] reads them.
+pub fn counters(pending: u64, reserved: u64) -> (u64, u64) {
+    (pending, reserved)
+}
+
+/// `root`'s (pending events, reserved completion slots).
+pub async fn slots(store: &Store, root: SessionId) -> (u64, u64) {
+    let c: InboxUsage = store.inbox_usage(root).await.unwrap();
+    (c.pending_event_count, c.reserved_completion_slots)
+}
+
+/// A dialog with `n` pending completions of background runs.
+pub async fn root_with_events(store: &Store, n: usize) -> (SessionId, Vec<EventId>) {
+    let session = store.create_session(new_session("root", 1)).await.unwrap();
+    let root = session.id;
+    let ids = add_completions(store, root, 0..n).await;
+    (root, ids)
+}
+
+/// Completions of background runs `numbers` of `root`, created at 200 + n ms.
+pub async fn add_completions(
+    store: &Store,
+    root: SessionId,
+    numbers: std::ops::Range<usize>,
+) -> Vec<EventId> {
+    let mut ids = Vec::new();
+    for i in numbers {
+        let run = new_run(root, ExecutionMode::Background);
+        store.accept_run(accept(run.clone(), 100)).await.unwrap();
+        let c = store
+            .commit_terminal(
+                run.id,
+                run.execution_id,
+                completed(&format!("r{i}")),
+                CompletionHandling::Deliver,
+                200 + i as i64,
+            )
+            .await
+            .unwrap();
+        ids.push(c.event_id.unwrap());
+    }
+    ids
+}
+
+/// A continuation turn of `root` at `now_ms`: its hidden trigger only.
+pub fn turn_of(root: SessionId, now_ms: i64) -> TurnCommit {
+    TurnCommit {
+        calls: None,
+        session_id: root,
+        messages: vec![NewMessage::new(
+            Message::user("[results]")
+                .hidden()
+                .with_origin(TurnOrigin::AgentContinuation),
+        )],
+        state: b"{}".to_vec(),
+        checkpoint: None,
+        visible_user_inputs: 0,
+        answers: Vec::new(),
+        expected_head: None,
+        now_ms,
     }
 }

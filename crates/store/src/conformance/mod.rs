@@ -17,11 +17,14 @@
 //! path, a PRAGMA, raw SQL) stays in keel-store's `tests/it/`.
 #![allow(clippy::unwrap_used, clippy::missing_panics_doc)]
 
+pub mod checkpoints;
 pub mod fixtures;
 pub mod images;
+pub mod inbox;
 pub mod mcp;
 pub mod messages;
 pub mod observe;
+pub mod purge;
 pub mod runs;
 pub mod runtime;
 pub mod sessions;
@@ -43,21 +46,28 @@ pub trait Harness: Send + Sync + 'static {
 /// How a [`TestDb`] opens another store on its database.
 pub type Reopen = Box<dyn Fn() -> Pin<Box<dyn Future<Output = Store> + Send>> + Send + Sync>;
 
+/// How a [`TestDb`] answers a query of one integer behind the store's back.
+pub type Scalar = Box<dyn Fn(String) -> Pin<Box<dyn Future<Output = i64> + Send>> + Send + Sync>;
+
 /// One test's database: a store on it, and what keeps it alive.
 pub struct TestDb {
     /// A store on the database.
     pub store: Store,
     reopen: Reopen,
+    scalar: Scalar,
     _keep: Box<dyn Any + Send + Sync>,
 }
 
 impl TestDb {
     /// A database reached through `store`; `reopen` opens another store on
-    /// it; `keep` (a temporary directory, a test database) lives as long.
-    pub fn new(store: Store, reopen: Reopen, keep: impl Any + Send + Sync) -> Self {
+    /// it; `scalar` runs a read-only query of one integer on it (for tests
+    /// that count rows); `keep` (a temporary directory, a test database)
+    /// lives as long.
+    pub fn new(store: Store, reopen: Reopen, scalar: Scalar, keep: impl Any + Send + Sync) -> Self {
         Self {
             store,
             reopen,
+            scalar,
             _keep: Box::new(keep),
         }
     }
@@ -65,6 +75,13 @@ impl TestDb {
     /// Another store on the same database, as a new process would open it.
     pub async fn reopen(&self) -> Store {
         (self.reopen)().await
+    }
+
+    /// The integer `sql` (one row, one column; SQL both backends read the
+    /// same, such as `SELECT count(*) FROM checkpoints`) yields, read
+    /// behind the store's back: what a test inspects without an API for it.
+    pub async fn scalar(&self, sql: &str) -> i64 {
+        (self.scalar)(sql.to_owned()).await
     }
 }
 
@@ -90,6 +107,28 @@ where
 macro_rules! conformance_suite {
     ($harness:path) => {
         $crate::conformance_tests! { $harness;
+            checkpoints {
+                rollback_and_fork_are_copy_on_write_and_keep_old_branches,
+                a_fork_and_a_rollback_count_the_inputs_of_the_history_they_show,
+                unchanged_state_writes_no_blob,
+                prune_keeps_what_heads_and_remaining_checkpoints_need,
+            }
+            inbox {
+                signals_are_deduplicated_capacity_checked_and_need_a_live_execution,
+                signal_limits_are_a_window_a_refilling_burst_and_a_cap,
+                session_events_page_newest_first_and_new_ones_come_before_the_first_page,
+                claim_then_continuation_consumes_events_with_the_turn,
+                release_backs_off_and_dead_letters_after_max_attempts,
+                one_turn_consumes_the_events_of_several_leases_of_its_own_session_only,
+                a_release_that_is_no_failed_delivery_keeps_attempts_and_backoff,
+                an_event_backing_off_past_its_time_to_live_is_due_for_dead_lettering,
+                a_dead_letter_is_told_once_by_a_notice_in_the_sessions_history,
+            }
+            purge {
+                a_purge_removes_the_expired_deleted_dialogs_and_every_row_of_theirs,
+                a_dialog_forked_from_keeps_the_shared_history_until_the_fork_is_purged,
+                dialog_usage_counts_its_own_rows_and_checkpoints,
+            }
             sessions {
                 create_get_rename_touch_and_soft_delete,
                 empty_keys_are_rejected_before_sql,

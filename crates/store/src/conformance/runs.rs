@@ -3,35 +3,15 @@
 //! reservation into exactly one event, groups, cancellation and listings.
 #![allow(missing_docs)] // a test's name is its documentation
 
-use keel_core::{
-    CompletionPolicy, Delivery, EventId, ExecutionMode, GroupId, RunStatus, SessionId, Usage,
-};
+use keel_core::{CompletionPolicy, Delivery, ExecutionMode, GroupId, RunStatus, SessionId, Usage};
 
 use crate::{
-    AcceptGroup, AcceptRun, ClaimRequest, CompletionHandling, EventStatus, EventType, GroupStatus,
-    InboxUsage, NewGroup, NewRun, RunCursor, Store, StoreError, TerminalOutcome,
+    AcceptGroup, AcceptRun, CompletionHandling, EventStatus, EventType, GroupStatus, NewGroup,
+    RunCursor, StoreError, TerminalOutcome,
 };
 
 use super::fixtures::*;
 use super::TestDb;
-
-fn accept(run: NewRun, capacity: u32) -> AcceptRun {
-    AcceptRun {
-        run,
-        inbox_capacity: capacity,
-        now_ms: 100,
-    }
-}
-
-fn completed(text: &str) -> TerminalOutcome {
-    TerminalOutcome::Completed {
-        result: text.into(),
-        usage: Usage::new(10, 5),
-        tool_calls: 2,
-        iterations: 3,
-        cost: None,
-    }
-}
 
 fn group(root: SessionId, policy: CompletionPolicy) -> NewGroup {
     NewGroup {
@@ -47,49 +27,6 @@ fn group(root: SessionId, policy: CompletionPolicy) -> NewGroup {
         deadline_at_ms: 1_000_000,
         runtime_generation: 1,
     }
-}
-
-fn claim(root: SessionId, now_ms: i64) -> ClaimRequest {
-    ClaimRequest {
-        root_session_id: root,
-        now_ms,
-        lease_ms: 60_000,
-        max_events: 8,
-        max_bytes: 32 * 1024,
-        delivery: None,
-    }
-}
-
-fn counters(pending: u64, reserved: u64) -> (u64, u64) {
-    (pending, reserved)
-}
-
-async fn slots(store: &Store, root: SessionId) -> (u64, u64) {
-    let c: InboxUsage = store.inbox_usage(root).await.unwrap();
-    (c.pending_event_count, c.reserved_completion_slots)
-}
-
-/// A dialog with `n` pending completions of background runs.
-async fn root_with_events(store: &Store, n: usize) -> (SessionId, Vec<EventId>) {
-    let session = store.create_session(new_session("root", 1)).await.unwrap();
-    let root = session.id;
-    let mut ids = Vec::new();
-    for i in 0..n {
-        let run = new_run(root, ExecutionMode::Background);
-        store.accept_run(accept(run.clone(), 100)).await.unwrap();
-        let c = store
-            .commit_terminal(
-                run.id,
-                run.execution_id,
-                completed(&format!("r{i}")),
-                CompletionHandling::Deliver,
-                200 + i as i64,
-            )
-            .await
-            .unwrap();
-        ids.push(c.event_id.unwrap());
-    }
-    (root, ids)
 }
 
 /// A provider may report usage no SQLite integer holds; the terminal commit
