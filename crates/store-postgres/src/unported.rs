@@ -184,36 +184,6 @@ impl PgStore {
     }
 }
 
-// ---- webhooks.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn due_webhook_deliveries(
-        &self,
-        now_ms: i64,
-        limit: usize,
-    ) -> Result<Vec<WebhookDelivery>> {
-        todo!("PostgreSQL: due_webhook_deliveries is not ported yet")
-    }
-    pub(crate) async fn next_webhook_due(&self) -> Result<Option<i64>> {
-        todo!("PostgreSQL: next_webhook_due is not ported yet")
-    }
-    pub(crate) async fn record_webhook_attempt(
-        &self,
-        id: String,
-        outcome: AttemptOutcome,
-        now_ms: i64,
-    ) -> Result<Option<DeliveryStatus>> {
-        todo!("PostgreSQL: record_webhook_attempt is not ported yet")
-    }
-    pub(crate) async fn list_webhook_deliveries(
-        &self,
-        status: Option<DeliveryStatus>,
-        cursor: Option<i64>,
-        limit: usize,
-    ) -> Result<Vec<WebhookDelivery>> {
-        todo!("PostgreSQL: list_webhook_deliveries is not ported yet")
-    }
-}
-
 // ---- runtime.rs (delete this block when you port the module) ----
 impl PgStore {
     pub(crate) async fn activate_runtime(&self, holder: String, now_ms: i64) -> Result<Activation> {
