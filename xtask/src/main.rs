@@ -605,9 +605,10 @@ fn soak(args: &[String]) -> Result<(), String> {
 
 fn bench(args: &[String]) -> Result<(), String> {
     let available = benches()?;
-    // The PostgreSQL benchmark needs a server: a throwaway cluster unless
-    // KEEL_TEST_DATABASE_URL names one (stopped when this returns).
-    let _postgres = if args.is_empty() || args.iter().any(|a| a == "postgres") {
+    // The PostgreSQL benchmarks (`postgres`, and `serve`'s last part) need
+    // a server: a throwaway cluster unless KEEL_TEST_DATABASE_URL names one
+    // (stopped when this returns).
+    let _postgres = if args.is_empty() || args.iter().any(|a| a == "postgres" || a == "serve") {
         Some(postgres::Postgres::start()?)
     } else {
         None

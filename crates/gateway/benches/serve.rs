@@ -8,7 +8,9 @@
 //! side with the replay window off (`server.stream_replay_secs = 0`): the
 //! ratio of server CPU per turn is what keeping the window costs. Last, the
 //! catch-up rate: frames per second a client reconnecting with
-//! `Last-Event-ID` gets replayed from a committed turn of 5000 deltas.
+//! `Last-Event-ID` gets replayed from a committed turn of 5000 deltas. Then,
+//! with a PostgreSQL server at hand, the same load on a server whose
+//! database is PostgreSQL against one on SQLite (`serve_postgres_ratio`).
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
@@ -48,14 +50,14 @@ fn main() {
         for round in 1..=ROUNDS {
             let base = in_process().await;
             report(&format!("serve_in_process round={round}"), &base);
-            let unkept = over_websocket(false).await;
+            let unkept = over_websocket(NO_REPLAY).await;
             report(&format!("serve_websocket_no_replay round={round}"), &unkept.run);
             println!(
                 "BENCH serve_server_no_replay round={round} rss_end_mib={:.1} rss_peak_mib={:.1}",
                 unkept.rss_kib as f64 / 1024.0,
                 unkept.hwm_kib as f64 / 1024.0
             );
-            let served = over_websocket(true).await;
+            let served = over_websocket("").await;
             window_costs.push(served.server_cpu_per_turn / unkept.server_cpu_per_turn);
             report(&format!("serve_websocket round={round}"), &served.run);
             println!(
@@ -82,7 +84,64 @@ fn main() {
             window_costs[window_costs.len() - 1]
         );
         catch_up().await;
+        on_postgres().await;
     });
+}
+
+/// The same load on one `keel serve` with its database on PostgreSQL
+/// against one on SQLite, round by round (skipped, saying so, without a
+/// server: `cargo xtask bench serve` starts one). Server CPU per turn
+/// counts PostgreSQL's own processes too.
+async fn on_postgres() {
+    use keel_store_postgres::testing::{available, Availability, TestDb};
+    if available() == Availability::None {
+        println!("BENCH serve_postgres skipped (no PostgreSQL server)");
+        return;
+    }
+    let mut ratios = Vec::new();
+    for round in 1..=ROUNDS {
+        let sqlite = over_websocket("").await;
+        report(&format!("serve_sqlite round={round}"), &sqlite.run);
+        let db = TestDb::start().await.unwrap();
+        let pg_before = postgres_cpu_secs();
+        let pg = over_websocket(&format!("[storage]\nurl = {:?}\n", db.conninfo)).await;
+        let pg_cpu = postgres_cpu_secs() - pg_before;
+        report(&format!("serve_postgres round={round}"), &pg.run);
+        let turns = pg.run.latencies.len().max(1) as f64;
+        println!(
+            "BENCH serve_postgres_cpu round={round} keel_cpu_ms_per_turn={:.3} postgres_cpu_ms_per_turn={:.3} sqlite_keel_cpu_ms_per_turn={:.3}",
+            pg.server_cpu_per_turn * 1000.0,
+            pg_cpu * 1000.0 / turns,
+            sqlite.server_cpu_per_turn * 1000.0
+        );
+        ratios.push(pg.run.turns_per_s() / sqlite.run.turns_per_s());
+        drop(db);
+    }
+    ratios.sort_by(f64::total_cmp);
+    println!(
+        "BENCH serve_postgres_ratio turns_per_s_ratio_median={:.2} min={:.2} max={:.2} (goal >= 0.5)",
+        ratios[ratios.len() / 2],
+        ratios[0],
+        ratios[ratios.len() - 1]
+    );
+}
+
+/// CPU seconds every `postgres` process on this machine used so far (the
+/// server and its backends; those that exited meanwhile are not counted).
+fn postgres_cpu_secs() -> f64 {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0.0;
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+        .filter(|pid| pid.bytes().all(|b| b.is_ascii_digit()))
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| c.trim() == "postgres")
+        })
+        .map(|pid| cpu_secs(&pid))
+        .sum()
 }
 
 /// Words of the answer the catch-up bench replays.
@@ -296,16 +355,13 @@ fn memory_kib(pid: u32) -> (u64, u64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
-/// The turns over WebSocket; `replay`: with the default replay window, else none.
-async fn over_websocket(replay: bool) -> Served {
+/// `keel.toml` of a server without the replay window.
+const NO_REPLAY: &str = "[server]\nstream_replay_secs = 0\n";
+
+/// The turns over WebSocket to a server configured by `config` (keel.toml).
+async fn over_websocket(config: &str) -> Served {
     let dir = tempfile::tempdir().unwrap();
-    if !replay {
-        std::fs::write(
-            dir.path().join("keel.toml"),
-            "[server]\nstream_replay_secs = 0\n",
-        )
-        .unwrap();
-    }
+    std::fs::write(dir.path().join("keel.toml"), config).unwrap();
     let (child, addr) = start_server(dir.path());
     let http = reqwest::Client::new();
     let mut sessions = Vec::new();

@@ -1,26 +1,156 @@
-//! Checkpoints on PostgreSQL (ported by `checkpoints`; these are stubs
-//! so that the history port compiles until then).
-#![allow(unused_variables, clippy::too_many_arguments)]
+//! Incremental, copy-on-write checkpoints on PostgreSQL (keel-store's
+//! `checkpoints.rs`, the same transactions): a checkpoint row records where
+//! a timeline's head was plus a content-addressed state blob; rollback and
+//! fork add a timeline that points at the old prefix. Listings follow
+//! insertion order, `row_order` (SQLite's rowid). Prune and delete work in
+//! bounded batches, each its own transaction, as on SQLite (see its crate
+//! doc for why an interrupted prune is safe).
 
 use keel_core::{CheckpointId, SessionId};
-use keel_store::{CheckpointRecord, NewCheckpoint, Result, SessionRecord, TimelineId};
-use tokio_postgres::Transaction;
+use keel_store::{
+    CheckpointCursor, CheckpointRecord, CheckpointSource, NewCheckpoint, NewSession, Page,
+    PrunePolicy, PruneReport, Result, SessionRecord, StoreError, TimelineId,
+};
+use tokio_postgres::{Row, Transaction};
+
+use crate::messages::{last_seq, visible_inputs};
+use crate::sessions::{insert_session_tx, require_session};
+use crate::store::from_pg;
+use crate::util::{fresh_id, non_negative, page_fetch, parse, parse_opt, sha256_hex, to_i64};
+use crate::PgStore;
+
+/// Which messages of a timeline a prune deletes.
+#[derive(Debug, Clone, Copy)]
+enum Messages {
+    /// All of them: nothing reaches the timeline any more.
+    All,
+    /// Those past the last seq anything still reaches on it.
+    Unneeded,
+}
+
+/// Rows handled per transaction by prune and delete.
+const PRUNE_BATCH: i64 = 256;
+/// Message rows deleted per transaction when an unreachable timeline is dropped.
+const MESSAGE_DELETE_BATCH: i64 = 5_000;
+
+const CHECKPOINT_COLUMNS: &str = "id, session_id, timeline_id, seq, parent_checkpoint_id, \
+                                  turn_index, state_hash, source, created_at";
+
+fn checkpoint_from_row(r: &Row) -> Result<CheckpointRecord> {
+    let id: String = r.get(0);
+    let session: String = r.get(1);
+    let source: String = r.get(7);
+    Ok(CheckpointRecord {
+        id: parse("checkpoints.id", &id)?,
+        session_id: parse("checkpoints.session_id", &session)?,
+        timeline_id: TimelineId(r.get(2)),
+        seq: r.get(3),
+        parent_id: parse_opt("checkpoints.parent_checkpoint_id", r.get(4))?,
+        turn_index: non_negative("checkpoints.turn_index", r.get(5))?,
+        state_hash: r.get(6),
+        source: parse("checkpoints.source", &source)?,
+        created_at_ms: r.get(8),
+    })
+}
+
+pub(crate) async fn get_checkpoint_tx(
+    tx: &Transaction<'_>,
+    id: &CheckpointId,
+) -> Result<Option<CheckpointRecord>> {
+    tx.query_opt(
+        &format!("SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE id = $1"),
+        &[&id.to_string()],
+    )
+    .await
+    .map_err(from_pg)?
+    .as_ref()
+    .map(checkpoint_from_row)
+    .transpose()
+}
 
 pub(crate) async fn require_checkpoint(
     tx: &Transaction<'_>,
     id: &CheckpointId,
 ) -> Result<CheckpointRecord> {
-    todo!("ported by checkpoints")
+    get_checkpoint_tx(tx, id)
+        .await?
+        .ok_or_else(|| StoreError::NotFound(format!("checkpoint {id}")))
 }
 
+/// Newest checkpoint of a session (insertion order), the parent of the next one.
+async fn newest_checkpoint(tx: &Transaction<'_>, session: &SessionId) -> Result<Option<String>> {
+    Ok(tx
+        .query_opt(
+            "SELECT id FROM checkpoints WHERE session_id = $1 ORDER BY row_order DESC LIMIT 1",
+            &[&session.to_string()],
+        )
+        .await
+        .map_err(from_pg)?
+        .map(|r| r.get(0)))
+}
+
+/// Deletes every state blob no session and no checkpoint references (run
+/// by prune/delete only, so the turn path needs no index on state hashes).
+pub(crate) async fn sweep_blobs(tx: &Transaction<'_>) -> Result<u64> {
+    tx.execute(
+        "DELETE FROM state_blobs b WHERE NOT EXISTS \
+           (SELECT 1 FROM checkpoints c WHERE c.state_hash = b.hash) \
+         AND NOT EXISTS (SELECT 1 FROM sessions s WHERE s.state_hash = b.hash)",
+        &[],
+    )
+    .await
+    .map_err(from_pg)
+}
+
+/// Stores `bytes` as the session's live state: the blob is written only if
+/// its hash is new (an unchanged state costs no bytes).
 pub(crate) async fn put_state_tx(
     tx: &Transaction<'_>,
     session: &SessionRecord,
     bytes: &[u8],
 ) -> Result<String> {
-    todo!("ported by checkpoints")
+    let hash = sha256_hex(bytes);
+    if session.state_hash.as_deref() == Some(hash.as_str()) {
+        return Ok(hash);
+    }
+    tx.execute(
+        "INSERT INTO state_blobs (hash, bytes, codec) VALUES ($1, $2, 0) \
+         ON CONFLICT (hash) DO NOTHING",
+        &[&hash, &bytes],
+    )
+    .await
+    .map_err(from_pg)?;
+    tx.execute(
+        "UPDATE sessions SET state_hash = $1 WHERE id = $2",
+        &[&hash, &session.id.to_string()],
+    )
+    .await
+    .map_err(from_pg)?;
+    Ok(hash)
 }
 
+/// The bytes of the state blob `hash`, if it exists. A row another keel
+/// stored compressed (`codec` 1) is not one this backend writes: corruption.
+pub(crate) async fn read_state_blob(tx: &Transaction<'_>, hash: &str) -> Result<Option<Vec<u8>>> {
+    let row = tx
+        .query_opt(
+            "SELECT bytes, codec FROM state_blobs WHERE hash = $1",
+            &[&hash],
+        )
+        .await
+        .map_err(from_pg)?;
+    row.map(|r| match r.get::<_, i64>(1) {
+        0 => Ok(r.get(0)),
+        codec => Err(StoreError::corrupt(
+            &format!("state_blobs.codec ({hash})"),
+            format!("codec {codec} is never written on PostgreSQL"),
+        )),
+    })
+    .transpose()
+}
+
+/// Inserts a checkpoint row; `parent` defaults to the session's newest checkpoint.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn insert_checkpoint_tx(
     tx: &Transaction<'_>,
     session: &SessionId,
@@ -31,5 +161,579 @@ pub(crate) async fn insert_checkpoint_tx(
     state_hash: &str,
     now_ms: i64,
 ) -> Result<CheckpointRecord> {
-    todo!("ported by checkpoints")
+    let parent = match parent {
+        Some(p) => Some(p.to_string()),
+        None => newest_checkpoint(tx, session).await?,
+    };
+    tx.execute(
+        "INSERT INTO checkpoints (id, session_id, timeline_id, seq, parent_checkpoint_id, \
+         turn_index, state_hash, source, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        &[
+            &cp.id.to_string(),
+            &session.to_string(),
+            &timeline.as_str(),
+            &seq,
+            &parent,
+            &to_i64("turn_index", cp.turn_index)?,
+            &state_hash,
+            &cp.source.as_str(),
+            &now_ms,
+        ],
+    )
+    .await
+    .map_err(from_pg)?;
+    Ok(CheckpointRecord {
+        id: cp.id,
+        session_id: *session,
+        timeline_id: timeline.clone(),
+        seq,
+        parent_id: parse_opt("checkpoints.parent_checkpoint_id", parent)?,
+        turn_index: cp.turn_index,
+        state_hash: state_hash.to_owned(),
+        source: cp.source,
+        created_at_ms: now_ms,
+    })
+}
+
+/// Adds a timeline of `session` branching from `cp`'s point in history.
+async fn branch_timeline(
+    tx: &Transaction<'_>,
+    session: &SessionId,
+    cp: &CheckpointRecord,
+    now_ms: i64,
+) -> Result<TimelineId> {
+    let id = fresh_id();
+    tx.execute(
+        "INSERT INTO timelines (id, session_id, parent_timeline_id, fork_seq, created_at) \
+         VALUES ($1, $2, $3, $4, $5)",
+        &[
+            &id,
+            &session.to_string(),
+            &cp.timeline_id.as_str(),
+            &cp.seq,
+            &now_ms,
+        ],
+    )
+    .await
+    .map_err(from_pg)?;
+    Ok(TimelineId(id))
+}
+
+async fn rollback_tx(
+    tx: &Transaction<'_>,
+    session_id: &SessionId,
+    target_id: &CheckpointId,
+    new_id: &CheckpointId,
+    now_ms: i64,
+) -> Result<CheckpointRecord> {
+    require_session(tx, session_id).await?;
+    let target = require_checkpoint(tx, target_id).await?;
+    if target.session_id != *session_id {
+        return Err(StoreError::InvalidInput(format!(
+            "checkpoint {target_id} belongs to session {}, not {session_id}",
+            target.session_id
+        )));
+    }
+    let timeline = branch_timeline(tx, session_id, &target, now_ms).await?;
+    // The history is the checkpoint's again, and so is its count of inputs.
+    let message_count = visible_inputs(tx, target.timeline_id.as_str(), target.seq).await?;
+    tx.execute(
+        "UPDATE sessions SET head_timeline_id = $1, state_hash = $2, \
+         last_active_at = GREATEST(last_active_at, $3), message_count = $5 WHERE id = $4",
+        &[
+            &timeline.as_str(),
+            &target.state_hash,
+            &now_ms,
+            &session_id.to_string(),
+            &message_count,
+        ],
+    )
+    .await
+    .map_err(from_pg)?;
+    let cp = NewCheckpoint {
+        id: *new_id,
+        turn_index: target.turn_index,
+        source: CheckpointSource::Rollback,
+    };
+    insert_checkpoint_tx(
+        tx,
+        session_id,
+        &timeline,
+        target.seq,
+        Some(target_id),
+        &cp,
+        &target.state_hash,
+        now_ms,
+    )
+    .await
+}
+
+async fn fork_tx(
+    tx: &Transaction<'_>,
+    source_id: &CheckpointId,
+    session: &NewSession,
+    new_id: &CheckpointId,
+) -> Result<(SessionRecord, CheckpointRecord)> {
+    let source = require_checkpoint(tx, source_id).await?;
+    let created = insert_session_tx(
+        tx,
+        session,
+        Some((source.timeline_id.as_str(), source.seq)),
+        Some(&source.state_hash),
+    )
+    .await?;
+    let cp = NewCheckpoint {
+        id: *new_id,
+        turn_index: source.turn_index,
+        source: CheckpointSource::Fork,
+    };
+    let record = insert_checkpoint_tx(
+        tx,
+        &created.id,
+        &created.head_timeline_id,
+        source.seq,
+        Some(source_id),
+        &cp,
+        &source.state_hash,
+        session.now_ms,
+    )
+    .await?;
+    Ok((created, record))
+}
+
+pub(crate) async fn list_tx(
+    tx: &Transaction<'_>,
+    session: &SessionId,
+) -> Result<Vec<CheckpointRecord>> {
+    tx.query(
+        &format!(
+            "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE session_id = $1 \
+             ORDER BY row_order DESC"
+        ),
+        &[&session.to_string()],
+    )
+    .await
+    .map_err(from_pg)?
+    .iter()
+    .map(checkpoint_from_row)
+    .collect()
+}
+
+/// Deletes the checkpoints `ids`, re-parenting their children so the
+/// listed tree stays connected.
+async fn delete_checkpoint_batch(tx: &Transaction<'_>, ids: &[String]) -> Result<u64> {
+    let mut deleted = 0;
+    for id in ids {
+        let Some(row) = tx
+            .query_opt(
+                "SELECT parent_checkpoint_id FROM checkpoints WHERE id = $1",
+                &[id],
+            )
+            .await
+            .map_err(from_pg)?
+        else {
+            continue;
+        };
+        let parent: Option<String> = row.get(0);
+        tx.execute(
+            "UPDATE checkpoints SET parent_checkpoint_id = $1 WHERE parent_checkpoint_id = $2",
+            &[&parent, id],
+        )
+        .await
+        .map_err(from_pg)?;
+        deleted += tx
+            .execute("DELETE FROM checkpoints WHERE id = $1", &[id])
+            .await
+            .map_err(from_pg)?;
+    }
+    Ok(deleted)
+}
+
+/// Timelines of `session` that no session head or checkpoint reaches.
+async fn unreachable_timelines(tx: &Transaction<'_>, session: &SessionId) -> Result<Vec<String>> {
+    Ok(tx
+        .query(
+            "WITH RECURSIVE needed(id) AS ( \
+               SELECT head_timeline_id FROM sessions WHERE head_timeline_id IS NOT NULL \
+               UNION SELECT timeline_id FROM checkpoints \
+               UNION SELECT t.parent_timeline_id FROM timelines t JOIN needed n ON t.id = n.id \
+                     WHERE t.parent_timeline_id IS NOT NULL \
+             ) \
+             SELECT id FROM timelines WHERE session_id = $1 \
+               AND id NOT IN (SELECT id FROM needed)",
+            &[&session.to_string()],
+        )
+        .await
+        .map_err(from_pg)?
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
+}
+
+/// The last seq of `timeline` anything still reaches (a checkpoint on it
+/// or a timeline branching from it); `None` when a session head is on it
+/// (all of it is live).
+async fn needed_upto(tx: &Transaction<'_>, timeline: &str) -> Result<Option<i64>> {
+    Ok(tx
+        .query_one(
+            "SELECT CASE WHEN EXISTS (SELECT 1 FROM sessions WHERE head_timeline_id = $1) \
+               THEN NULL \
+               ELSE GREATEST( \
+                 coalesce((SELECT max(seq) FROM checkpoints WHERE timeline_id = $1), 0), \
+                 coalesce((SELECT max(fork_seq) FROM timelines WHERE parent_timeline_id = $1), 0)) \
+             END",
+            &[&timeline],
+        )
+        .await
+        .map_err(from_pg)?
+        .get(0))
+}
+
+/// Ids of up to one batch of the session's checkpoints to delete: all of
+/// them without a policy; with one, only `turn` checkpoints beyond the
+/// newest `keep_latest` turn checkpoints that the rules select and nothing
+/// needs (not the session's newest, not the target of a rollback or fork).
+async fn select_prunable(
+    tx: &Transaction<'_>,
+    session: &SessionId,
+    policy: Option<PrunePolicy>,
+) -> Result<Vec<String>> {
+    let session = session.to_string();
+    let rows = match policy {
+        None => tx
+            .query(
+                "SELECT id FROM checkpoints WHERE session_id = $1 LIMIT $2",
+                &[&session, &PRUNE_BATCH],
+            )
+            .await
+            .map_err(from_pg)?,
+        Some(p) => {
+            let skip = i64::try_from(p.keep_latest.unwrap_or(0)).unwrap_or(i64::MAX);
+            let older_than = p.older_than_ms.unwrap_or(i64::MAX);
+            tx.query(
+                "SELECT id FROM (SELECT id, created_at, row_order AS r FROM checkpoints \
+                   WHERE session_id = $1 AND source = 'turn' \
+                   ORDER BY row_order DESC OFFSET $3) c \
+                 WHERE c.created_at < $4 \
+                   AND c.r < (SELECT max(row_order) FROM checkpoints WHERE session_id = $1) \
+                   AND NOT EXISTS (SELECT 1 FROM checkpoints k WHERE k.parent_checkpoint_id = c.id \
+                                   AND k.source IN ('rollback', 'fork')) \
+                 ORDER BY c.r DESC LIMIT $2",
+                &[&session, &PRUNE_BATCH, &skip, &older_than],
+            )
+            .await
+            .map_err(from_pg)?
+        }
+    };
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
+impl PgStore {
+    pub(crate) async fn create_checkpoint(
+        &self,
+        session_id: SessionId,
+        checkpoint: NewCheckpoint,
+        state: Vec<u8>,
+        now_ms: i64,
+    ) -> Result<CheckpointRecord> {
+        self.write(move |tx| {
+            let state = state.clone();
+            Box::pin(async move {
+                let session = require_session(tx, &session_id).await?;
+                let hash = put_state_tx(tx, &session, &state).await?;
+                let seq = last_seq(tx, session.head_timeline_id.as_str()).await?;
+                insert_checkpoint_tx(
+                    tx,
+                    &session_id,
+                    &session.head_timeline_id,
+                    seq,
+                    None,
+                    &checkpoint,
+                    &hash,
+                    now_ms,
+                )
+                .await
+            })
+        })
+        .await
+    }
+
+    pub(crate) async fn rollback(
+        &self,
+        session_id: SessionId,
+        checkpoint_id: CheckpointId,
+        new_checkpoint_id: CheckpointId,
+        now_ms: i64,
+    ) -> Result<CheckpointRecord> {
+        self.write(move |tx| {
+            Box::pin(async move {
+                rollback_tx(tx, &session_id, &checkpoint_id, &new_checkpoint_id, now_ms).await
+            })
+        })
+        .await
+    }
+
+    pub(crate) async fn fork(
+        &self,
+        checkpoint_id: CheckpointId,
+        session: NewSession,
+        new_checkpoint_id: CheckpointId,
+    ) -> Result<(SessionRecord, CheckpointRecord)> {
+        self.write(move |tx| {
+            let session = session.clone();
+            Box::pin(async move { fork_tx(tx, &checkpoint_id, &session, &new_checkpoint_id).await })
+        })
+        .await
+    }
+
+    pub(crate) async fn list_checkpoints(
+        &self,
+        session_id: SessionId,
+    ) -> Result<Vec<CheckpointRecord>> {
+        self.read(move |tx| Box::pin(async move { list_tx(tx, &session_id).await }))
+            .await
+    }
+
+    pub(crate) async fn checkpoint_page(
+        &self,
+        session_id: SessionId,
+        cursor: Option<CheckpointCursor>,
+        limit: usize,
+    ) -> Result<Page<CheckpointRecord, CheckpointCursor>> {
+        let fetch = page_fetch(limit)?;
+        self.read(move |tx| {
+            Box::pin(async move {
+                let (at, id) = match &cursor {
+                    Some(cur) => (cur.created_at_ms, cur.id.to_string()),
+                    None => (i64::MAX, String::new()),
+                };
+                let mut items = tx
+                    .query(
+                        &format!(
+                            "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE session_id = $1 \
+                             AND ($2 OR (created_at, id) < ($3, $4)) \
+                             ORDER BY created_at DESC, id DESC LIMIT $5"
+                        ),
+                        &[&session_id.to_string(), &cursor.is_none(), &at, &id, &fetch],
+                    )
+                    .await
+                    .map_err(from_pg)?
+                    .iter()
+                    .map(checkpoint_from_row)
+                    .collect::<Result<Vec<_>>>()?;
+                let next_cursor = if items.len() > limit {
+                    items.truncate(limit);
+                    items.last().map(|c| CheckpointCursor {
+                        created_at_ms: c.created_at_ms,
+                        id: c.id,
+                    })
+                } else {
+                    None
+                };
+                Ok(Page { items, next_cursor })
+            })
+        })
+        .await
+    }
+
+    pub(crate) async fn latest_checkpoint(
+        &self,
+        session_id: SessionId,
+    ) -> Result<Option<CheckpointRecord>> {
+        self.read(move |tx| {
+            Box::pin(async move {
+                tx.query_opt(
+                    &format!(
+                        "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE session_id = $1 \
+                         ORDER BY row_order DESC LIMIT 1"
+                    ),
+                    &[&session_id.to_string()],
+                )
+                .await
+                .map_err(from_pg)?
+                .as_ref()
+                .map(checkpoint_from_row)
+                .transpose()
+            })
+        })
+        .await
+    }
+
+    pub(crate) async fn get_checkpoint(
+        &self,
+        id: CheckpointId,
+    ) -> Result<Option<CheckpointRecord>> {
+        self.read(move |tx| Box::pin(async move { get_checkpoint_tx(tx, &id).await }))
+            .await
+    }
+
+    pub(crate) async fn get_state_blob(&self, hash: String) -> Result<Option<Vec<u8>>> {
+        self.read(move |tx| {
+            let hash = hash.clone();
+            Box::pin(async move { read_state_blob(tx, &hash).await })
+        })
+        .await
+    }
+
+    pub(crate) async fn sessions_over_turn_checkpoints(
+        &self,
+        keep: usize,
+    ) -> Result<Vec<SessionId>> {
+        let keep = i64::try_from(keep).unwrap_or(i64::MAX);
+        self.read(move |tx| {
+            Box::pin(async move {
+                tx.query(
+                    "SELECT session_id FROM checkpoints WHERE source = 'turn' \
+                     GROUP BY session_id HAVING count(*) > $1",
+                    &[&keep],
+                )
+                .await
+                .map_err(from_pg)?
+                .iter()
+                .map(|r| parse("checkpoints.session_id", &r.get::<_, String>(0)))
+                .collect()
+            })
+        })
+        .await
+    }
+
+    /// SQLite's incremental vacuum; on PostgreSQL autovacuum makes the space
+    /// of deleted rows reusable on its own, so there is nothing to do.
+    pub(crate) async fn reclaim_pages(&self, max_pages: u32) -> Result<u64> {
+        let _ = max_pages;
+        Ok(0)
+    }
+
+    pub(crate) async fn delete_checkpoints(&self, session_id: SessionId) -> Result<PruneReport> {
+        self.prune_where(session_id, None).await
+    }
+
+    pub(crate) async fn prune_checkpoints(
+        &self,
+        session_id: SessionId,
+        policy: PrunePolicy,
+    ) -> Result<PruneReport> {
+        self.prune_where(session_id, Some(policy)).await
+    }
+
+    async fn prune_where(
+        &self,
+        session_id: SessionId,
+        policy: Option<PrunePolicy>,
+    ) -> Result<PruneReport> {
+        let mut report = PruneReport::default();
+        loop {
+            let deleted = self
+                .write(move |tx| {
+                    Box::pin(async move {
+                        require_session(tx, &session_id).await?;
+                        let ids = select_prunable(tx, &session_id, policy).await?;
+                        delete_checkpoint_batch(tx, &ids).await
+                    })
+                })
+                .await?;
+            report.checkpoints_deleted += deleted;
+            if deleted < PRUNE_BATCH as u64 {
+                break;
+            }
+        }
+        report.blobs_deleted = self
+            .write(|tx| Box::pin(async move { sweep_blobs(tx).await }))
+            .await?;
+        let timelines = self
+            .read(move |tx| Box::pin(async move { unreachable_timelines(tx, &session_id).await }))
+            .await?;
+        for timeline in timelines {
+            report.messages_deleted += self.delete_messages(&timeline, Messages::All).await?;
+        }
+        // Re-check reachability inside the deleting transaction: a fork may
+        // have started from one of these timelines meanwhile.
+        report.timelines_deleted += self
+            .write(move |tx| {
+                Box::pin(async move {
+                    let mut n = 0u64;
+                    for id in unreachable_timelines(tx, &session_id).await? {
+                        let has_messages: bool = tx
+                            .query_one(
+                                "SELECT EXISTS (SELECT 1 FROM messages WHERE timeline_id = $1)",
+                                &[&id],
+                            )
+                            .await
+                            .map_err(from_pg)?
+                            .get(0);
+                        if has_messages {
+                            continue;
+                        }
+                        tx.execute(
+                            "UPDATE timelines SET parent_timeline_id = NULL, fork_seq = NULL \
+                             WHERE parent_timeline_id = $1",
+                            &[&id],
+                        )
+                        .await
+                        .map_err(from_pg)?;
+                        n += tx
+                            .execute("DELETE FROM timelines WHERE id = $1", &[&id])
+                            .await
+                            .map_err(from_pg)?;
+                    }
+                    Ok(n)
+                })
+            })
+            .await?;
+        // Tails of surviving timelines that only abandoned, pruned checkpoints saw.
+        let timelines: Vec<String> = self
+            .read(move |tx| {
+                Box::pin(async move {
+                    Ok(tx
+                        .query(
+                            "SELECT id FROM timelines WHERE session_id = $1",
+                            &[&session_id.to_string()],
+                        )
+                        .await
+                        .map_err(from_pg)?
+                        .iter()
+                        .map(|r| r.get(0))
+                        .collect())
+                })
+            })
+            .await?;
+        for timeline in timelines {
+            report.messages_deleted += self.delete_messages(&timeline, Messages::Unneeded).await?;
+        }
+        Ok(report)
+    }
+
+    /// Deletes `which` messages of `timeline`, a batch per transaction.
+    async fn delete_messages(&self, timeline: &str, which: Messages) -> Result<u64> {
+        let mut deleted = 0;
+        loop {
+            let t = timeline.to_owned();
+            let n = self
+                .write(move |tx| {
+                    let t = t.clone();
+                    Box::pin(async move {
+                        let after = match which {
+                            Messages::All => 0,
+                            Messages::Unneeded => match needed_upto(tx, &t).await? {
+                                Some(upto) => upto,
+                                None => return Ok(0),
+                            },
+                        };
+                        tx.execute(
+                            "DELETE FROM messages WHERE (timeline_id, seq) IN \
+                               (SELECT timeline_id, seq FROM messages \
+                                WHERE timeline_id = $1 AND seq > $2 LIMIT $3)",
+                            &[&t, &after, &MESSAGE_DELETE_BATCH],
+                        )
+                        .await
+                        .map_err(from_pg)
+                    })
+                })
+                .await?;
+            deleted += n;
+            if n < MESSAGE_DELETE_BATCH as u64 {
+                return Ok(deleted);
+            }
+        }
+    }
 }

@@ -42,17 +42,22 @@
 //!   connection and reads the committed rows by revision, so a lost
 //!   notification costs latency, not correctness.
 
+mod approvals;
 mod backend;
 mod calls;
 mod checkpoints;
+mod counters;
 mod error;
 mod images;
+mod inbox;
 mod lock;
 mod mcp;
 mod messages;
 mod migrations;
+mod observe;
 mod outline;
 mod pool;
+mod projection;
 mod queued;
 mod runs;
 mod runtime;

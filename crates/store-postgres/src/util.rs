@@ -49,3 +49,14 @@ pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
 pub(crate) fn fresh_id() -> String {
     uuid::Uuid::now_v7().hyphenated().to_string()
 }
+
+/// Rows to fetch for a page of `limit` (one more tells whether a next page
+/// exists); a limit outside 1..=1000 is refused.
+pub(crate) fn page_fetch(limit: usize) -> Result<i64> {
+    if limit == 0 || limit > 1000 {
+        return Err(StoreError::InvalidInput(format!(
+            "limit {limit} is outside 1..=1000"
+        )));
+    }
+    Ok(i64::try_from(limit + 1).unwrap_or(i64::MAX))
+}

@@ -235,8 +235,6 @@ pub(crate) async fn unanswered_deliveries_tx(
 /// Creates, in a background run's terminal transaction, a delivery to the
 /// webhook the send of its root turn named (if any) and one per server-wide
 /// URL. Returns how many.
-// Called by the runs port's terminal commits (not merged here yet).
-#[allow(dead_code)]
 pub(crate) async fn run_deliveries_tx(
     tx: &Transaction<'_>,
     run: &RunRecord,

@@ -2,7 +2,9 @@
 
 mod checks;
 mod lock;
+mod messages;
 mod pool;
+mod runs;
 mod schema;
 
 mod postgres {

@@ -13,7 +13,10 @@ pub async fn an_image_round_trips_by_hash_and_unknown_bytes_are_refused(db: Test
     let first = store.put_image(PNG.to_vec()).await.unwrap();
     assert_eq!(first.media_type, "image/png");
     assert_eq!(first.sha256.len(), 64);
-    assert!(first.bytes.is_empty(), "put answers the hash, not the bytes");
+    assert!(
+        first.bytes.is_empty(),
+        "put answers the hash, not the bytes"
+    );
     let again = store.put_image(PNG.to_vec()).await.unwrap();
     assert_eq!(again.sha256, first.sha256);
     let read = store.image(&first.sha256).await.unwrap().unwrap();

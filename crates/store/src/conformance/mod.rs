@@ -21,6 +21,9 @@ pub mod fixtures;
 pub mod images;
 pub mod mcp;
 pub mod messages;
+pub mod observe;
+pub mod runs;
+pub mod runtime;
 pub mod sessions;
 pub mod spend;
 
@@ -116,6 +119,29 @@ macro_rules! conformance_suite {
             spend {
                 dialog_spend_adds_up_and_survives_reopening,
                 a_budget_exhausted_run_records_what_it_spent,
+            }
+            runs {
+                usage_above_i64_saturates,
+                background_run_lifecycle_reserves_then_delivers_one_completion,
+                execution_id_mismatch_updates_zero_rows,
+                two_acceptances_for_the_last_slot_exactly_one_wins,
+                idempotency_key_returns_the_existing_run_and_group,
+                group_all_yields_one_group_completion_after_the_last_run,
+                cancel_session_cancels_runs_releases_slots_and_dead_letters_events,
+                run_listing_paginates_newest_first_and_finds_children,
+            }
+            runtime {
+                activation_bumps_past_stamped_runs_and_recovers_them_in_one_step,
+                a_superseded_generation_writes_nothing,
+                a_turn_commit_refuses_a_history_that_moved,
+                activation_releases_the_leases_of_the_process_before_it,
+                activation_closes_the_inputs_a_dead_process_left_open,
+            }
+            observe {
+                a_run_tree_holds_the_run_and_its_descendants_and_a_turn_every_run_it_started,
+                the_inbox_gauges_count_waiting_and_dead_lettered_events,
+                a_turns_calls_are_committed_with_it_in_order_and_capped,
+                a_runs_calls_are_stored_by_the_winning_terminal_commit_only,
             }
         }
     };

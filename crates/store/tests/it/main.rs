@@ -8,7 +8,6 @@ mod common;
 mod compression;
 mod history;
 mod migrations;
-mod observe;
 mod orchestration;
 mod projection;
 mod purge;

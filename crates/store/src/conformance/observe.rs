@@ -1,13 +1,17 @@
-//! The operator's reads: the inbox gauges `/metrics` reports, and the run
-//! trees of traces (a run and everything below it; every run of a turn).
+//! The operator's reads: the inbox gauges `/metrics` reports, the run
+//! trees of traces (a run and everything below it; every run of a turn),
+//! and the call spans committed with a turn or a run.
+#![allow(missing_docs)] // a test's name is its documentation
 
 use keel_core::{ExecutionMode, RunId, SessionId, TurnId};
-use keel_store::{
+
+use crate::{
     AcceptRun, CallKind, CompletionHandling, InboxGauges, NewRun, TerminalOutcome, TurnCalls,
     TurnCommit, MAX_CALL_SPANS,
 };
 
-use crate::common::*;
+use super::fixtures::*;
+use super::TestDb;
 
 fn accept(run: NewRun, now_ms: i64) -> AcceptRun {
     AcceptRun {
@@ -27,9 +31,40 @@ fn of_turn(root: SessionId, turn: TurnId, parent: Option<&NewRun>, mode: Executi
     run
 }
 
-#[tokio::test]
-async fn a_run_tree_holds_the_run_and_its_descendants_and_a_turn_every_run_it_started() {
-    let (_dir, store) = temp_store();
+fn call(kind: CallKind, name: &str, at: i64) -> crate::CallSpan {
+    crate::CallSpan {
+        kind,
+        name: name.into(),
+        call_id: (kind == CallKind::Tool).then(|| format!("call-{at}")),
+        started_at_ms: at,
+        ended_at_ms: at + 5,
+        input_tokens: (kind == CallKind::Model).then_some(7),
+        output_tokens: (kind == CallKind::Model).then_some(3),
+        status: "ok".into(),
+    }
+}
+
+fn turn_with(root: SessionId, turn: TurnId, spans: Vec<crate::CallSpan>) -> TurnCommit {
+    TurnCommit {
+        session_id: root,
+        messages: vec![user("hi")],
+        state: b"s".to_vec(),
+        checkpoint: None,
+        visible_user_inputs: 1,
+        answers: Vec::new(),
+        expected_head: None,
+        now_ms: 10,
+        calls: Some(TurnCalls {
+            turn_id: turn,
+            spans,
+        }),
+    }
+}
+
+pub async fn a_run_tree_holds_the_run_and_its_descendants_and_a_turn_every_run_it_started(
+    db: TestDb,
+) {
+    let store = db.store.clone();
     let root = SessionId::new();
     let turn = TurnId::new();
     let a = of_turn(root, turn, None, ExecutionMode::Foreground);
@@ -42,9 +77,8 @@ async fn a_run_tree_holds_the_run_and_its_descendants_and_a_turn_every_run_it_st
             .await
             .unwrap();
     }
-    let ids = |runs: Vec<keel_store::RunRecord>| -> Vec<RunId> {
-        runs.iter().map(|r| r.spec.id).collect()
-    };
+    let ids =
+        |runs: Vec<crate::RunRecord>| -> Vec<RunId> { runs.iter().map(|r| r.spec.id).collect() };
     assert_eq!(ids(store.run_tree(a.id).await.unwrap()), [a.id, b.id]);
     assert_eq!(ids(store.run_tree(b.id).await.unwrap()), [b.id]);
     assert!(store.run_tree(RunId::new()).await.unwrap().is_empty());
@@ -59,9 +93,8 @@ async fn a_run_tree_holds_the_run_and_its_descendants_and_a_turn_every_run_it_st
         .is_empty());
 }
 
-#[tokio::test]
-async fn the_inbox_gauges_count_waiting_and_dead_lettered_events() {
-    let (_dir, store) = temp_store();
+pub async fn the_inbox_gauges_count_waiting_and_dead_lettered_events(db: TestDb) {
+    let store = db.store.clone();
     assert_eq!(store.inbox_gauges().await.unwrap(), InboxGauges::default());
     let root = SessionId::new();
     let mut ends = Vec::new();
@@ -107,39 +140,8 @@ async fn the_inbox_gauges_count_waiting_and_dead_lettered_events() {
     );
 }
 
-fn call(kind: keel_store::CallKind, name: &str, at: i64) -> keel_store::CallSpan {
-    keel_store::CallSpan {
-        kind,
-        name: name.into(),
-        call_id: (kind == keel_store::CallKind::Tool).then(|| format!("call-{at}")),
-        started_at_ms: at,
-        ended_at_ms: at + 5,
-        input_tokens: (kind == keel_store::CallKind::Model).then_some(7),
-        output_tokens: (kind == keel_store::CallKind::Model).then_some(3),
-        status: "ok".into(),
-    }
-}
-
-fn turn_with(root: SessionId, turn: TurnId, spans: Vec<keel_store::CallSpan>) -> TurnCommit {
-    TurnCommit {
-        session_id: root,
-        messages: vec![user("hi")],
-        state: b"s".to_vec(),
-        checkpoint: None,
-        visible_user_inputs: 1,
-        answers: Vec::new(),
-        expected_head: None,
-        now_ms: 10,
-        calls: Some(TurnCalls {
-            turn_id: turn,
-            spans,
-        }),
-    }
-}
-
-#[tokio::test]
-async fn a_turns_calls_are_committed_with_it_in_order_and_capped() {
-    let (_dir, store) = temp_store();
+pub async fn a_turns_calls_are_committed_with_it_in_order_and_capped(db: TestDb) {
+    let store = db.store.clone();
     let root = store.create_session(new_session("d", 1)).await.unwrap().id;
     let turn = TurnId::new();
     let spans = vec![
@@ -183,13 +185,10 @@ async fn a_turns_calls_are_committed_with_it_in_order_and_capped() {
         .commit_turn(turn_with(root, TurnId::new(), vec![bad]))
         .await
         .unwrap_err();
-    assert!(
-        matches!(err, keel_store::StoreError::InvalidInput(_)),
-        "{err}"
-    );
+    assert!(matches!(err, crate::StoreError::InvalidInput(_)), "{err}");
     assert_eq!(
         store
-            .load_messages(root, keel_store::MessageFilter::default())
+            .load_messages(root, crate::MessageFilter::default())
             .await
             .unwrap()
             .len(),
@@ -198,9 +197,8 @@ async fn a_turns_calls_are_committed_with_it_in_order_and_capped() {
     );
 }
 
-#[tokio::test]
-async fn a_runs_calls_are_stored_by_the_winning_terminal_commit_only() {
-    let (_dir, store) = temp_store();
+pub async fn a_runs_calls_are_stored_by_the_winning_terminal_commit_only(db: TestDb) {
+    let store = db.store.clone();
     let root = SessionId::new();
     let run = of_turn(root, TurnId::new(), None, ExecutionMode::Foreground);
     store.accept_run(accept(run.clone(), 100)).await.unwrap();
