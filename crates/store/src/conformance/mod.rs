@@ -26,6 +26,7 @@ pub mod runs;
 pub mod runtime;
 pub mod sessions;
 pub mod spend;
+pub mod webhooks;
 
 use std::any::Any;
 use std::future::Future;
@@ -142,6 +143,15 @@ macro_rules! conformance_suite {
                 the_inbox_gauges_count_waiting_and_dead_lettered_events,
                 a_turns_calls_are_committed_with_it_in_order_and_capped,
                 a_runs_calls_are_stored_by_the_winning_terminal_commit_only,
+            }
+            webhooks {
+                the_commit_answering_a_subscribed_input_creates_its_delivery,
+                server_wide_urls_get_every_answering_commit_and_a_withdrawn_input_none,
+                attempts_retry_then_deliver_or_dead_letter_after_the_last,
+                a_pending_delivery_survives_reopening_the_database,
+                a_background_run_of_a_hooked_turn_notifies_the_same_url_when_it_ends,
+                server_wide_urls_get_every_background_runs_end_completed_or_cancelled,
+                a_turn_that_fails_or_a_crash_cuts_off_is_delivered_as_unanswered,
             }
         }
     };

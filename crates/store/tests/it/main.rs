@@ -15,7 +15,6 @@ mod runtime;
 mod spend;
 mod stored_enums;
 mod timelines;
-mod webhooks;
 mod write_cache;
 mod writer;
 mod sqlite {
