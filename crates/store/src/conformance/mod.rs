@@ -17,6 +17,7 @@
 //! path, a PRAGMA, raw SQL) stays in keel-store's `tests/it/`.
 #![allow(clippy::unwrap_used, clippy::missing_panics_doc)]
 
+pub mod approvals;
 pub mod fixtures;
 pub mod images;
 pub mod mcp;
@@ -143,6 +144,16 @@ macro_rules! conformance_suite {
                 the_inbox_gauges_count_waiting_and_dead_lettered_events,
                 a_turns_calls_are_committed_with_it_in_order_and_capped,
                 a_runs_calls_are_stored_by_the_winning_terminal_commit_only,
+            }
+            approvals {
+                a_paused_turn_commits_its_history_with_one_pending_row_per_gated_call,
+                a_decision_commits_once_and_approve_always_grants_the_tool,
+                racing_decisions_commit_exactly_one,
+                an_approval_past_its_expiry_is_recorded_expired_once,
+                an_approved_call_starts_once_and_its_result_settles_the_rows,
+                new_input_supersedes_pending_approvals_and_only_those,
+                a_deleted_dialogs_approvals_wait_for_nothing,
+                a_run_waiting_for_approval_is_resumable_once_its_approvals_are_decided,
             }
             webhooks {
                 the_commit_answering_a_subscribed_input_creates_its_delivery,

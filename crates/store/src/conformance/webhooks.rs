@@ -99,7 +99,6 @@ fn statuses(deliveries: &[crate::WebhookDelivery]) -> Vec<(String, String, Strin
         .collect()
 }
 
-
 pub async fn the_commit_answering_a_subscribed_input_creates_its_delivery(db: TestDb) {
     let store = db.store.clone();
     let s = store.create_session(new_session("w", 1)).await.unwrap();
@@ -300,8 +299,8 @@ pub async fn a_pending_delivery_survives_reopening_the_database(db: TestDb) {
 }
 
 pub async fn a_background_run_of_a_hooked_turn_notifies_the_same_url_when_it_ends(db: TestDb) {
-    use keel_core::ExecutionMode;
     use crate::AcceptRun;
+    use keel_core::ExecutionMode;
     let store = db.store.clone();
     let s = store.create_session(new_session("w", 1)).await.unwrap();
     let q = queued(s.id, Some("http://127.0.0.1:9/hook"));
@@ -353,8 +352,8 @@ pub async fn a_background_run_of_a_hooked_turn_notifies_the_same_url_when_it_end
 }
 
 pub async fn server_wide_urls_get_every_background_runs_end_completed_or_cancelled(db: TestDb) {
-    use keel_core::ExecutionMode;
     use crate::AcceptRun;
+    use keel_core::ExecutionMode;
     let store = db.store.clone();
     store.set_webhook_urls(vec!["http://127.0.0.1:9/all".into()]);
     let s = store.create_session(new_session("w", 1)).await.unwrap();
