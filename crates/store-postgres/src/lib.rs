@@ -58,6 +58,7 @@ mod observe;
 mod outline;
 mod pool;
 mod projection;
+mod purge;
 mod queued;
 mod runs;
 mod runtime;
@@ -66,6 +67,7 @@ mod spend;
 mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod tree;
 mod unported;
 mod util;
 mod webhooks;

@@ -24,8 +24,13 @@ impl PgStore {
                     Some(cur) => (cur.created_at_ms, cur.id.to_string()),
                     None => (i64::MAX, String::new()),
                 };
-                let statuses = (!query.statuses.is_empty())
-                    .then(|| query.statuses.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+                let statuses = (!query.statuses.is_empty()).then(|| {
+                    query
+                        .statuses
+                        .iter()
+                        .map(|s| s.as_str())
+                        .collect::<Vec<_>>()
+                });
                 let mut items = query_runs(
                     tx,
                     "WHERE ($1::text IS NULL OR root_session_id = $1) \

@@ -9,40 +9,6 @@ use keel_store::*;
 
 use crate::PgStore;
 
-// ---- tree.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn dialog_tree(&self, session: SessionId) -> Result<DialogTree> {
-        todo!("PostgreSQL: dialog_tree is not ported yet")
-    }
-    pub(crate) async fn import_session_tree(
-        &self,
-        session: NewSession,
-        tree: ImportTree,
-        runs: Vec<RunRecord>,
-    ) -> Result<SessionRecord> {
-        todo!("PostgreSQL: import_session_tree is not ported yet")
-    }
-}
-
-// ---- purge.rs (delete this block when you port the module) ----
-impl PgStore {
-    pub(crate) async fn deleted_sessions_before(
-        &self,
-        deleted_before_ms: i64,
-    ) -> Result<Vec<SessionId>> {
-        todo!("PostgreSQL: deleted_sessions_before is not ported yet")
-    }
-    pub(crate) async fn purge_session(&self, session_id: SessionId) -> Result<PurgeReport> {
-        todo!("PostgreSQL: purge_session is not ported yet")
-    }
-    pub(crate) async fn sweep_state_blobs(&self) -> Result<u64> {
-        todo!("PostgreSQL: sweep_state_blobs is not ported yet")
-    }
-    pub(crate) async fn dialog_usage(&self, session_id: SessionId) -> Result<DialogUsage> {
-        todo!("PostgreSQL: dialog_usage is not ported yet")
-    }
-}
-
 // ---- inbox.rs (delete this block when you port the module) ----
 impl PgStore {
     pub(crate) async fn insert_signal(&self, signal: NewSignal) -> Result<SignalCommit> {

@@ -44,7 +44,19 @@ mod postgres {
                 Box::pin(async move { open(&conninfo).await })
                     as std::pin::Pin<Box<dyn std::future::Future<Output = Store> + Send>>
             });
-            TestDb::new(store, reopen, db)
+            let client = std::sync::Arc::new(db.connect().await);
+            let scalar = Box::new(move |sql: String| {
+                let client = std::sync::Arc::clone(&client);
+                Box::pin(async move {
+                    let row = client
+                        .query_one(&sql, &[])
+                        .await
+                        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+                    row.get::<_, i64>(0)
+                })
+                    as std::pin::Pin<Box<dyn std::future::Future<Output = i64> + Send>>
+            });
+            TestDb::new(store, reopen, scalar, db)
         }
     }
 

@@ -18,11 +18,13 @@
 #![allow(clippy::unwrap_used, clippy::missing_panics_doc)]
 
 pub mod approvals;
+pub mod checkpoints;
 pub mod fixtures;
 pub mod images;
 pub mod mcp;
 pub mod messages;
 pub mod observe;
+pub mod purge;
 pub mod runs;
 pub mod runtime;
 pub mod sessions;
@@ -45,21 +47,28 @@ pub trait Harness: Send + Sync + 'static {
 /// How a [`TestDb`] opens another store on its database.
 pub type Reopen = Box<dyn Fn() -> Pin<Box<dyn Future<Output = Store> + Send>> + Send + Sync>;
 
+/// How a [`TestDb`] answers a query of one integer behind the store's back.
+pub type Scalar = Box<dyn Fn(String) -> Pin<Box<dyn Future<Output = i64> + Send>> + Send + Sync>;
+
 /// One test's database: a store on it, and what keeps it alive.
 pub struct TestDb {
     /// A store on the database.
     pub store: Store,
     reopen: Reopen,
+    scalar: Scalar,
     _keep: Box<dyn Any + Send + Sync>,
 }
 
 impl TestDb {
     /// A database reached through `store`; `reopen` opens another store on
-    /// it; `keep` (a temporary directory, a test database) lives as long.
-    pub fn new(store: Store, reopen: Reopen, keep: impl Any + Send + Sync) -> Self {
+    /// it; `scalar` runs a read-only query of one integer on it (for tests
+    /// that count rows); `keep` (a temporary directory, a test database)
+    /// lives as long.
+    pub fn new(store: Store, reopen: Reopen, scalar: Scalar, keep: impl Any + Send + Sync) -> Self {
         Self {
             store,
             reopen,
+            scalar,
             _keep: Box::new(keep),
         }
     }
@@ -67,6 +76,13 @@ impl TestDb {
     /// Another store on the same database, as a new process would open it.
     pub async fn reopen(&self) -> Store {
         (self.reopen)().await
+    }
+
+    /// The integer `sql` (one row, one column; SQL both backends read the
+    /// same, such as `SELECT count(*) FROM checkpoints`) yields, read
+    /// behind the store's back: what a test inspects without an API for it.
+    pub async fn scalar(&self, sql: &str) -> i64 {
+        (self.scalar)(sql.to_owned()).await
     }
 }
 
@@ -92,6 +108,17 @@ where
 macro_rules! conformance_suite {
     ($harness:path) => {
         $crate::conformance_tests! { $harness;
+            checkpoints {
+                rollback_and_fork_are_copy_on_write_and_keep_old_branches,
+                a_fork_and_a_rollback_count_the_inputs_of_the_history_they_show,
+                unchanged_state_writes_no_blob,
+                prune_keeps_what_heads_and_remaining_checkpoints_need,
+            }
+            purge {
+                a_purge_removes_the_expired_deleted_dialogs_and_every_row_of_theirs,
+                a_dialog_forked_from_keeps_the_shared_history_until_the_fork_is_purged,
+                dialog_usage_counts_its_own_rows_and_checkpoints,
+            }
             sessions {
                 create_get_rename_touch_and_soft_delete,
                 empty_keys_are_rejected_before_sql,

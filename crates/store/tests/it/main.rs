@@ -10,7 +10,6 @@ mod history;
 mod migrations;
 mod orchestration;
 mod projection;
-mod purge;
 mod runtime;
 mod spend;
 mod stored_enums;
@@ -34,12 +33,27 @@ mod sqlite {
             let dir = tempfile::tempdir().unwrap();
             let path = db_path(&dir);
             let store = Store::open(&path, fast_options()).unwrap();
-            let reopen = Box::new(move || {
+            let reopen = Box::new({
                 let path = path.clone();
-                Box::pin(async move { Store::open(&path, fast_options()).unwrap() })
-                    as std::pin::Pin<Box<dyn std::future::Future<Output = Store> + Send>>
+                move || {
+                    let path = path.clone();
+                    Box::pin(async move { Store::open(&path, fast_options()).unwrap() })
+                        as std::pin::Pin<Box<dyn std::future::Future<Output = Store> + Send>>
+                }
             });
-            TestDb::new(store, reopen, dir)
+            let scalar = Box::new(move |sql: String| {
+                let conn = rusqlite::Connection::open_with_flags(
+                    &path,
+                    rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+                )
+                .unwrap();
+                let n: i64 = conn
+                    .query_row(&sql, [], |r| r.get(0))
+                    .unwrap_or_else(|e| panic!("{sql}: {e}"));
+                Box::pin(async move { n })
+                    as std::pin::Pin<Box<dyn std::future::Future<Output = i64> + Send>>
+            });
+            TestDb::new(store, reopen, scalar, dir)
         }
     }
 
