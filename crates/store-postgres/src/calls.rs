@@ -13,8 +13,6 @@ use crate::util::non_negative;
 use crate::PgStore;
 
 /// Whose calls a row holds.
-// `Run` is written by the runs port (lifecycle, pauses).
-#[allow(dead_code)]
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum CallOwner {
     Turn(TurnId),

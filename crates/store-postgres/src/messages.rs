@@ -425,8 +425,6 @@ async fn close_open_inputs_tx(tx: &Transaction<'_>, session: &SessionId) -> Resu
 /// Marks every open input of every session unanswered (no turn runs yet);
 /// answers (session_id, timeline_id, seq) of each in the order SQLite's
 /// index walk returns them (by session, then as appended).
-// Read by `activate_runtime` (the runtime port).
-#[allow(dead_code)]
 pub(crate) const CLOSE_INTERRUPTED_SQL: &str = "WITH closed AS ( \
        UPDATE messages SET input_state = 'unanswered' WHERE input_state = 'open' \
        RETURNING session_id, timeline_id, seq) \

@@ -149,6 +149,7 @@ macro_rules! conformance_suite {
                 an_input_commit_checks_the_head_it_started_from,
                 rollback_and_fork_never_show_a_half_turn,
                 a_queued_input_enters_the_history_when_its_turn_opens_and_only_then,
+                concurrent_appends_get_consecutive_seqs_per_session,
             }
             images {
                 an_image_round_trips_by_hash_and_unknown_bytes_are_refused,
