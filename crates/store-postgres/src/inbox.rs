@@ -579,7 +579,7 @@ pub(crate) async fn sessions_with_inbox_work_tx(tx: &Transaction<'_>) -> Result<
 const UNNOTIFIED: &str = "status = 'dead_letter' AND fallback_notified_at IS NULL \
      AND fallback_suppressed_reason IS NULL";
 
-async fn continuation_tx(
+pub(crate) async fn continuation_tx(
     tx: &Transaction<'_>,
     c: &ContinuationCommit,
     messages: &[EncodedMessage],

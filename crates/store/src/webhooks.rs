@@ -68,7 +68,8 @@ impl DeliveryStatus {
         }
     }
 
-    fn parse(s: &str) -> Result<Self> {
+    /// Parses the stored word; anything else is corruption.
+    pub fn parse(s: &str) -> Result<Self> {
         Ok(match s {
             "pending" => Self::Pending,
             "delivered" => Self::Delivered,

@@ -17,6 +17,7 @@
 //! path, a PRAGMA, raw SQL) stays in keel-store's `tests/it/`.
 #![allow(clippy::unwrap_used, clippy::missing_panics_doc)]
 
+pub mod approvals;
 pub mod checkpoints;
 pub mod fixtures;
 pub mod images;
@@ -29,6 +30,7 @@ pub mod runs;
 pub mod runtime;
 pub mod sessions;
 pub mod spend;
+pub mod webhooks;
 
 use std::any::Any;
 use std::future::Future;
@@ -182,6 +184,25 @@ macro_rules! conformance_suite {
                 the_inbox_gauges_count_waiting_and_dead_lettered_events,
                 a_turns_calls_are_committed_with_it_in_order_and_capped,
                 a_runs_calls_are_stored_by_the_winning_terminal_commit_only,
+            }
+            approvals {
+                a_paused_turn_commits_its_history_with_one_pending_row_per_gated_call,
+                a_decision_commits_once_and_approve_always_grants_the_tool,
+                racing_decisions_commit_exactly_one,
+                an_approval_past_its_expiry_is_recorded_expired_once,
+                an_approved_call_starts_once_and_its_result_settles_the_rows,
+                new_input_supersedes_pending_approvals_and_only_those,
+                a_deleted_dialogs_approvals_wait_for_nothing,
+                a_run_waiting_for_approval_is_resumable_once_its_approvals_are_decided,
+            }
+            webhooks {
+                the_commit_answering_a_subscribed_input_creates_its_delivery,
+                server_wide_urls_get_every_answering_commit_and_a_withdrawn_input_none,
+                attempts_retry_then_deliver_or_dead_letter_after_the_last,
+                a_pending_delivery_survives_reopening_the_database,
+                a_background_run_of_a_hooked_turn_notifies_the_same_url_when_it_ends,
+                server_wide_urls_get_every_background_runs_end_completed_or_cancelled,
+                a_turn_that_fails_or_a_crash_cuts_off_is_delivered_as_unanswered,
             }
         }
     };

@@ -14,7 +14,6 @@ mod runtime;
 mod spend;
 mod stored_enums;
 mod timelines;
-mod webhooks;
 mod write_cache;
 mod writer;
 mod sqlite {

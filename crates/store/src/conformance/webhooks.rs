@@ -1,14 +1,16 @@
 //! The webhook outbox: a send's subscription commits with its queued
 //! input, the commit answering it creates the delivery in its own
-//! transaction (plus one per server-wide URL), and attempts move a row to
-//! delivered or, after the last one, dead.
+//! transaction (plus one per server-wide URL), attempts move a row to
+//! delivered or, after the last one, dead, and a background run's end or an
+//! unanswered input is delivered too.
+#![allow(missing_docs)] // a test's name is its documentation
 
 use keel_core::{Message, SessionId, TurnId};
-use keel_store::{
-    AttemptOutcome, DeliveryStatus, OpenTurn, QueuedInput, Store, StoreOptions, TurnCommit,
-};
 
-use crate::common::*;
+use crate::{AttemptOutcome, DeliveryStatus, OpenTurn, QueuedInput, Store, TurnCommit};
+
+use super::fixtures::*;
+use super::TestDb;
 
 fn queued(session: SessionId, url: Option<&str>) -> QueuedInput {
     QueuedInput {
@@ -21,8 +23,8 @@ fn queued(session: SessionId, url: Option<&str>) -> QueuedInput {
 }
 
 /// Completes `run` with `result` (the commit must win).
-async fn complete(store: &Store, run: &keel_store::NewRun, result: &str) {
-    let outcome = keel_store::TerminalOutcome::Completed {
+async fn complete(store: &Store, run: &crate::NewRun, result: &str) {
+    let outcome = crate::TerminalOutcome::Completed {
         result: result.into(),
         usage: keel_core::Usage::new(1, 1),
         tool_calls: 0,
@@ -34,7 +36,7 @@ async fn complete(store: &Store, run: &keel_store::NewRun, result: &str) {
             run.id,
             run.execution_id.clone(),
             outcome,
-            keel_store::CompletionHandling::Deliver,
+            crate::CompletionHandling::Deliver,
             50,
         )
         .await
@@ -71,9 +73,34 @@ async fn run_turn(store: &Store, q: &QueuedInput, answer: &str) -> Vec<i64> {
     seqs
 }
 
-#[tokio::test]
-async fn the_commit_answering_a_subscribed_input_creates_its_delivery() {
-    let (_dir, store) = temp_store();
+/// Opens the queued input's turn without answering it; returns its seqs.
+async fn open_only(store: &Store, q: &QueuedInput) -> Vec<i64> {
+    store
+        .open_turn(OpenTurn {
+            session_id: q.session_id,
+            messages: vec![user("hello")],
+            expected_head: None,
+            queued: Some(q.turn_id),
+            now_ms: 20,
+        })
+        .await
+        .unwrap()
+}
+
+fn statuses(deliveries: &[crate::WebhookDelivery]) -> Vec<(String, String, String)> {
+    deliveries
+        .iter()
+        .map(|d| {
+            let body: serde_json::Value = serde_json::from_str(&d.body).unwrap();
+            let turn = body["data"]["turn_id"].as_str().unwrap_or("-").to_owned();
+            let status = body["data"]["status"].as_str().unwrap().to_owned();
+            (d.url.clone(), turn, status)
+        })
+        .collect()
+}
+
+pub async fn the_commit_answering_a_subscribed_input_creates_its_delivery(db: TestDb) {
+    let store = db.store.clone();
     let s = store.create_session(new_session("w", 1)).await.unwrap();
     let q = queued(s.id, Some("http://127.0.0.1:9/hook"));
     store.queue_input(q.clone()).await.unwrap();
@@ -126,15 +153,14 @@ async fn the_commit_answering_a_subscribed_input_creates_its_delivery() {
         1
     );
     assert!(store
-        .check_invariants(keel_store::CheckOptions::default())
+        .check_invariants(crate::CheckOptions::default())
         .await
         .unwrap()
         .is_clean());
 }
 
-#[tokio::test]
-async fn server_wide_urls_get_every_answering_commit_and_a_withdrawn_input_none() {
-    let (_dir, store) = temp_store();
+pub async fn server_wide_urls_get_every_answering_commit_and_a_withdrawn_input_none(db: TestDb) {
+    let store = db.store.clone();
     store.set_webhook_urls(vec![
         "http://a.example/h".into(),
         "http://b.example/h".into(),
@@ -164,15 +190,14 @@ async fn server_wide_urls_get_every_answering_commit_and_a_withdrawn_input_none(
     assert!(store.discard_queued_input(gone.turn_id).await.unwrap());
     assert!(store.queued_inputs().await.unwrap().is_empty());
     assert!(store
-        .check_invariants(keel_store::CheckOptions::default())
+        .check_invariants(crate::CheckOptions::default())
         .await
         .unwrap()
         .is_clean());
 }
 
-#[tokio::test]
-async fn attempts_retry_then_deliver_or_dead_letter_after_the_last() {
-    let (_dir, store) = temp_store();
+pub async fn attempts_retry_then_deliver_or_dead_letter_after_the_last(db: TestDb) {
+    let store = db.store.clone();
     let s = store.create_session(new_session("w", 1)).await.unwrap();
     for _ in 0..2 {
         let q = queued(s.id, Some("http://127.0.0.1:9/hook"));
@@ -254,31 +279,29 @@ async fn attempts_retry_then_deliver_or_dead_letter_after_the_last() {
     assert_eq!(rest.len(), 1);
     assert_ne!(rest[0].id, first[0].id);
     assert!(store
-        .check_invariants(keel_store::CheckOptions::default())
+        .check_invariants(crate::CheckOptions::default())
         .await
         .unwrap()
         .is_clean());
 }
 
-#[tokio::test]
-async fn a_pending_delivery_survives_reopening_the_database() {
-    let (dir, store) = temp_store();
+pub async fn a_pending_delivery_survives_reopening_the_database(db: TestDb) {
+    let store = db.store.clone();
     let s = store.create_session(new_session("w", 1)).await.unwrap();
     let q = queued(s.id, Some("http://127.0.0.1:9/hook"));
     store.queue_input(q.clone()).await.unwrap();
     run_turn(&store, &q, "kept").await;
     drop(store);
-    let store = Store::open(db_path(&dir), StoreOptions::default()).unwrap();
+    let store = db.reopen().await;
     let due = store.due_webhook_deliveries(i64::MAX, 10).await.unwrap();
     assert_eq!(due.len(), 1);
     assert_eq!(due[0].turn_id, Some(q.turn_id));
 }
 
-#[tokio::test]
-async fn a_background_run_of_a_hooked_turn_notifies_the_same_url_when_it_ends() {
+pub async fn a_background_run_of_a_hooked_turn_notifies_the_same_url_when_it_ends(db: TestDb) {
+    use crate::AcceptRun;
     use keel_core::ExecutionMode;
-    use keel_store::AcceptRun;
-    let (_dir, store) = temp_store();
+    let store = db.store.clone();
     let s = store.create_session(new_session("w", 1)).await.unwrap();
     let q = queued(s.id, Some("http://127.0.0.1:9/hook"));
     store.queue_input(q.clone()).await.unwrap();
@@ -322,17 +345,16 @@ async fn a_background_run_of_a_hooked_turn_notifies_the_same_url_when_it_ends() 
     assert_eq!(body["data"]["status"], "completed");
     assert_eq!(body["data"]["result"], "found it");
     assert!(store
-        .check_invariants(keel_store::CheckOptions::default())
+        .check_invariants(crate::CheckOptions::default())
         .await
         .unwrap()
         .is_clean());
 }
 
-#[tokio::test]
-async fn server_wide_urls_get_every_background_runs_end_completed_or_cancelled() {
+pub async fn server_wide_urls_get_every_background_runs_end_completed_or_cancelled(db: TestDb) {
+    use crate::AcceptRun;
     use keel_core::ExecutionMode;
-    use keel_store::AcceptRun;
-    let (_dir, store) = temp_store();
+    let store = db.store.clone();
     store.set_webhook_urls(vec!["http://127.0.0.1:9/all".into()]);
     let s = store.create_session(new_session("w", 1)).await.unwrap();
     let accept = |mode| {
@@ -386,43 +408,14 @@ async fn server_wide_urls_get_every_background_runs_end_completed_or_cancelled()
         ]
     );
     assert!(store
-        .check_invariants(keel_store::CheckOptions::default())
+        .check_invariants(crate::CheckOptions::default())
         .await
         .unwrap()
         .is_clean());
 }
 
-/// Opens the queued input's turn without answering it; returns its seqs.
-async fn open_only(store: &Store, q: &QueuedInput) -> Vec<i64> {
-    store
-        .open_turn(OpenTurn {
-            session_id: q.session_id,
-            messages: vec![user("hello")],
-            expected_head: None,
-            queued: Some(q.turn_id),
-            now_ms: 20,
-        })
-        .await
-        .unwrap()
-}
-
-fn statuses(deliveries: &[keel_store::WebhookDelivery]) -> Vec<(String, String, String)> {
-    deliveries
-        .iter()
-        .map(|d| {
-            let body: serde_json::Value = serde_json::from_str(&d.body).unwrap();
-            let turn = body["data"]["turn_id"].as_str().unwrap_or("-").to_owned();
-            let status = body["data"]["status"].as_str().unwrap().to_owned();
-            (d.url.clone(), turn, status)
-        })
-        .collect()
-}
-
-#[tokio::test]
-async fn a_turn_that_fails_or_a_crash_cuts_off_is_delivered_as_unanswered() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("keel.db");
-    let store = Store::open(&path, StoreOptions::default()).unwrap();
+pub async fn a_turn_that_fails_or_a_crash_cuts_off_is_delivered_as_unanswered(db: TestDb) {
+    let store = db.store.clone();
     store.set_webhook_urls(vec!["http://127.0.0.1:9/all".into()]);
     let s = store.create_session(new_session("w", 1)).await.unwrap();
     // A turn that fails: its input is marked unanswered.
@@ -454,7 +447,7 @@ async fn a_turn_that_fails_or_a_crash_cuts_off_is_delivered_as_unanswered() {
     store.queue_input(cut.clone()).await.unwrap();
     open_only(&store, &cut).await;
     drop(store);
-    let store = Store::open(&path, StoreOptions::default()).unwrap();
+    let store = db.reopen().await;
     store.set_webhook_urls(vec!["http://127.0.0.1:9/all".into()]);
     let activation = store.activate_runtime("test".into(), 40).await.unwrap();
     assert_eq!(activation.recovery.unanswered_inputs, 1);
@@ -476,7 +469,7 @@ async fn a_turn_that_fails_or_a_crash_cuts_off_is_delivered_as_unanswered() {
         ]
     );
     assert!(store
-        .check_invariants(keel_store::CheckOptions::default())
+        .check_invariants(crate::CheckOptions::default())
         .await
         .unwrap()
         .is_clean());
