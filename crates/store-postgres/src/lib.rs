@@ -45,6 +45,7 @@
 mod approvals;
 mod backend;
 mod calls;
+mod check;
 mod checkpoints;
 mod counters;
 mod error;
@@ -68,7 +69,6 @@ mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod tree;
-mod unported;
 mod util;
 mod webhooks;
 
