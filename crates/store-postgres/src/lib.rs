@@ -48,6 +48,7 @@ mod backend;
 mod calls;
 mod check;
 mod checkpoints;
+mod copy;
 mod counters;
 mod error;
 mod images;
@@ -73,6 +74,7 @@ mod tree;
 mod util;
 mod webhooks;
 
+pub use copy::{read_postgres_tables, ChunkSink, PgLoader};
 pub use error::{PgStoreError, Result};
 pub use lock::PgRuntimeLock;
 pub use migrations::{
