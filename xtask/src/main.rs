@@ -577,7 +577,7 @@ fn benches() -> Result<Vec<(String, String)>, String> {
 }
 
 /// Builds the soak driver and the `keel` it kills, then runs the driver
-/// (`tests/src/bin/soak.rs`). The `keel` is keel-e2e's copy of the binary:
+/// (`tests/src/bin/soak/`). The `keel` is keel-e2e's copy of the binary:
 /// the failpoints are compiled in but none is armed, and the tests' build
 /// has already compiled it.
 fn soak(args: &[String]) -> Result<(), String> {
