@@ -166,7 +166,10 @@ pub use observe::{InboxGauges, MAX_TRACE_RUNS};
 pub use projection::{AgentChanges, EventCursor, RunQuery};
 pub use purge::{DialogUsage, PurgeReport};
 pub use queued::QueuedInput;
-pub use rows::{is_copied, read_sqlite_tables, Cell, SqliteLoader, TableChunk, COPY_TABLES};
+pub use rows::{
+    is_copied, not_empty, read_sqlite_tables, Cell, ChunkBuilder, SqliteLoader, TableChunk,
+    CHUNK_BYTES, CHUNK_ROWS, ROW_ORDER, ROW_ORDERED, TABLES,
+};
 pub use runs::{
     AcceptGroup, AcceptRun, AcceptedGroup, AcceptedRun, CancelReport, CompletionHandling,
     GroupRecord, GroupStatus, NewGroup, NewRun, PausedRunCommit, RecoveryReport, ResumedRun,
