@@ -1,14 +1,21 @@
-//! The invariant checker on PostgreSQL (keel-store's `check.rs`, the same
-//! invariants, findings and wording): one read snapshot of the whole
-//! database, reported as typed findings. The server enforces every CHECK
-//! and foreign key on write, so rows that break them cannot exist here:
-//! SQLite's integrity and foreign-key passes have nothing to find, and the
-//! integrity invariant reports only stored images whose bytes do not match
-//! their hash.
+//! The invariant checker on PostgreSQL: keel-store's `check.rs` — the same
+//! invariants, findings, wording and counts — over one read snapshot of
+//! the whole database. Only the integrity pass differs (`integrity.rs`):
+//! the server enforces every CHECK and foreign key on write, so instead of
+//! SQLite's `integrity_check` and `foreign_key_check` it reports what can
+//! still be wrong on a server: an index a failed build left invalid, a
+//! constraint added without validating the rows, a B-tree index that
+//! `amcheck` finds damaged (when that extension is installed).
+
+mod calls;
+mod images;
+mod inputs;
+mod integrity;
+mod webhooks;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use keel_core::{stored_image_hash, ContentPart, Message, Role, RunStatus};
+use keel_core::{Message, Role, RunStatus};
 use keel_store::{CheckOptions, CheckedCounts, Invariant, InvariantReport, Result, StoreError};
 use tokio_postgres::{Row, Transaction};
 
@@ -70,6 +77,7 @@ async fn check_tx(tx: &Transaction<'_>, options: &CheckOptions) -> Result<Invari
             supported: crate::SCHEMA_VERSION,
         });
     }
+    integrity::integrity(tx, &mut report).await?;
     if version < crate::SCHEMA_VERSION {
         report.add(
             Invariant::Schema,
@@ -104,15 +112,15 @@ async fn check_tx(tx: &Transaction<'_>, options: &CheckOptions) -> Result<Invari
         };
     }
     run!(Invariant::History, histories);
-    run!(Invariant::History, open_inputs);
+    run!(Invariant::History, inputs::open_inputs);
     run!(Invariant::Counters, counters);
     run!(Invariant::MessageCounts, message_counts);
     run!(Invariant::Runs, runs);
     run!(Invariant::Completions, completions);
-    run!(Invariant::QueuedInputs, queued_inputs);
-    run!(Invariant::Runs, call_spans);
-    run!(Invariant::Webhooks, webhooks);
-    run!(Invariant::History, images);
+    run!(Invariant::QueuedInputs, inputs::queued_inputs);
+    run!(Invariant::Runs, calls::call_spans);
+    run!(Invariant::Webhooks, webhooks::webhooks);
+    run!(Invariant::History, images::images);
     report.checked = count_rows(tx).await?;
     report.findings.sort();
     Ok(report)
@@ -402,35 +410,6 @@ async fn walk_timelines(
     Ok(done)
 }
 
-/// A user's input still open with no process answering it.
-async fn open_inputs(
-    tx: &Transaction<'_>,
-    options: &CheckOptions,
-    report: &mut InvariantReport,
-) -> Result<()> {
-    if options.owner_alive {
-        return Ok(());
-    }
-    for r in rows(
-        tx,
-        "SELECT timeline_id, seq FROM messages WHERE input_state = 'open' \
-         ORDER BY timeline_id, seq",
-    )
-    .await?
-    {
-        let (timeline, seq): (String, i64) = (r.get(0), r.get(1));
-        report.push(
-            Invariant::History,
-            true,
-            format!(
-                "timeline {timeline} seq {seq}: a user's message is still open, but no process \
-                 is answering it; the next start marks it unanswered"
-            ),
-        );
-    }
-    Ok(())
-}
-
 async fn counters(
     tx: &Transaction<'_>,
     _: &CheckOptions,
@@ -693,205 +672,3 @@ async fn completions(
     Ok(())
 }
 
-/// Queued inputs of dialogs that are gone, or whose turn already ran.
-async fn queued_inputs(
-    tx: &Transaction<'_>,
-    _: &CheckOptions,
-    report: &mut InvariantReport,
-) -> Result<()> {
-    let orphans = rows(
-        tx,
-        "SELECT q.turn_id, q.session_id, s.id IS NULL FROM queued_inputs q \
-         LEFT JOIN sessions s ON s.id = q.session_id \
-         WHERE s.id IS NULL OR s.deleted_at IS NOT NULL ORDER BY q.seq",
-    )
-    .await?;
-    for r in orphans {
-        let (turn, session, missing): (String, String, bool) = (r.get(0), r.get(1), r.get(2));
-        let gone = if missing {
-            "does not exist"
-        } else {
-            "is deleted"
-        };
-        report.add(
-            Invariant::QueuedInputs,
-            format!(
-                "turn {turn}: a message acknowledged for dialog {session}, which {gone}; \
-                 it will never be answered"
-            ),
-        );
-    }
-    let started = rows(
-        tx,
-        "SELECT q.turn_id FROM queued_inputs q WHERE \
-         EXISTS (SELECT 1 FROM agent_runs r WHERE r.root_turn_id = q.turn_id) OR \
-         EXISTS (SELECT 1 FROM agent_inbox_events e WHERE e.admitted_turn_id = q.turn_id) \
-         ORDER BY q.seq",
-    )
-    .await?;
-    for r in started {
-        let turn: String = r.get(0);
-        report.add(
-            Invariant::QueuedInputs,
-            format!(
-                "turn {turn}: its message is still queued, but the turn already ran \
-                 (it started runs or took inbox events); the next start would run it twice"
-            ),
-        );
-    }
-    Ok(())
-}
-
-/// Call spans whose dialog or run is not stored.
-async fn call_spans(
-    tx: &Transaction<'_>,
-    _: &CheckOptions,
-    report: &mut InvariantReport,
-) -> Result<()> {
-    let orphans = rows(
-        tx,
-        &format!(
-            "SELECT 'dialog ' || c.session_id, count(*) FROM call_spans c \
-             WHERE NOT EXISTS (SELECT 1 FROM sessions s WHERE s.id = c.session_id) \
-             GROUP BY c.session_id \
-             UNION ALL \
-             SELECT 'run ' || c.run_id, count(*) FROM call_spans c \
-             WHERE c.run_id IS NOT NULL \
-               AND NOT EXISTS (SELECT 1 FROM agent_runs r WHERE r.id = c.run_id) \
-             GROUP BY c.run_id ORDER BY 1 LIMIT {MAX_NAMED}"
-        ),
-    )
-    .await?;
-    for r in orphans {
-        let (owner, n): (String, i64) = (r.get(0), r.get(1));
-        report.push(
-            Invariant::Runs,
-            false,
-            format!("{n} call span(s) of {owner}, which is not stored"),
-        );
-    }
-    Ok(())
-}
-
-/// Subscriptions that will never be sent, and delivery rows that cannot be.
-async fn webhooks(
-    tx: &Transaction<'_>,
-    _: &CheckOptions,
-    report: &mut InvariantReport,
-) -> Result<()> {
-    let lost = rows(
-        tx,
-        &format!(
-            "SELECT w.turn_id, 'its message is neither queued nor in the history' \
-             FROM webhook_subscriptions w WHERE w.timeline_id IS NULL \
-               AND NOT EXISTS (SELECT 1 FROM queued_inputs q WHERE q.turn_id = w.turn_id) \
-             UNION ALL \
-             SELECT w.turn_id, 'its message was answered, but no delivery was made' \
-             FROM webhook_subscriptions w JOIN messages m \
-               ON m.timeline_id = w.timeline_id AND m.seq = w.input_seq \
-             WHERE m.input_state = 'answered' AND w.used_at IS NULL ORDER BY 1 LIMIT {MAX_NAMED}"
-        ),
-    )
-    .await?;
-    for r in lost {
-        let (turn, why): (String, String) = (r.get(0), r.get(1));
-        report.push(
-            Invariant::Webhooks,
-            false,
-            format!("turn {turn}: a webhook subscription that will never be sent: {why}"),
-        );
-    }
-    let bad = rows(
-        tx,
-        &format!(
-            "SELECT id, CASE WHEN NOT keel_json_valid(body) THEN 'its body is not JSON' \
-                        ELSE 'it is ' || status || ' without an attempt' END \
-             FROM webhook_deliveries \
-             WHERE NOT keel_json_valid(body) OR (status <> 'pending' AND attempts = 0) \
-             ORDER BY seq LIMIT {MAX_NAMED}"
-        ),
-    )
-    .await?;
-    for r in bad {
-        let (id, why): (String, String) = (r.get(0), r.get(1));
-        report.push(
-            Invariant::Webhooks,
-            false,
-            format!("webhook delivery {id}: {why}"),
-        );
-    }
-    Ok(())
-}
-
-/// Image references without their image, and images whose bytes are not
-/// their hash.
-async fn images(
-    tx: &Transaction<'_>,
-    _: &CheckOptions,
-    report: &mut InvariantReport,
-) -> Result<()> {
-    let mut refs: BTreeMap<String, String> = BTreeMap::new();
-    let mut collect = |place: String, content: &str| {
-        let Ok(message) = serde_json::from_str::<Message>(content) else {
-            return;
-        };
-        for part in &message.content {
-            if let ContentPart::ImageRef { uri, .. } = part {
-                if let Some(hash) = stored_image_hash(uri) {
-                    refs.entry(hash.to_owned()).or_insert_with(|| place.clone());
-                }
-            }
-        }
-    };
-    for r in rows(
-        tx,
-        "SELECT timeline_id, seq, content FROM messages \
-         WHERE role = 'user' AND content LIKE '%keel-image:%'",
-    )
-    .await?
-    {
-        let place = format!(
-            "timeline {} seq {}",
-            r.get::<_, String>(0),
-            r.get::<_, i64>(1)
-        );
-        collect(place, &r.get::<_, String>(2));
-    }
-    for r in rows(tx, "SELECT turn_id, message FROM queued_inputs").await? {
-        let place = format!("the queued input of turn {}", r.get::<_, String>(0));
-        collect(place, &r.get::<_, String>(1));
-    }
-    let hashes: Vec<String> = refs.keys().cloned().collect();
-    let stored: HashSet<String> = tx
-        .query(
-            "SELECT sha256 FROM images WHERE sha256 = ANY($1)",
-            &[&hashes],
-        )
-        .await
-        .map_err(from_pg)?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    for (hash, place) in refs
-        .iter()
-        .filter(|(hash, _)| !stored.contains(*hash))
-        .take(MAX_NAMED)
-    {
-        report.push(
-            Invariant::History,
-            false,
-            format!("{place} refers to image {hash}, which is not stored"),
-        );
-    }
-    for r in rows(tx, "SELECT sha256, bytes FROM images ORDER BY sha256").await? {
-        let (hash, bytes): (String, Vec<u8>) = (r.get(0), r.get(1));
-        if sha256_hex(&bytes) != hash {
-            report.push(
-                Invariant::Integrity,
-                false,
-                format!("image {hash}'s bytes do not match their hash"),
-            );
-        }
-    }
-    Ok(())
-}
