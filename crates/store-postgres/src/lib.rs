@@ -74,7 +74,9 @@ mod tree;
 mod util;
 mod webhooks;
 
-pub use copy::{read_postgres_tables, ChunkSink, PgLoader};
+pub use copy::{
+    copy_database, read_postgres_tables, CopySummary, Database, PgLoader, TableProgress,
+};
 pub use error::{PgStoreError, Result};
 pub use lock::PgRuntimeLock;
 pub use migrations::{
