@@ -1,11 +1,11 @@
 //! The invariant checker on PostgreSQL: keel-store's `check.rs` — the same
 //! invariants, findings, wording and counts — over one read snapshot of
 //! the whole database. Only the integrity pass differs (`integrity.rs`):
-//! the server enforces every CHECK and foreign key on write, so instead of
-//! SQLite's `integrity_check` and `foreign_key_check` it reports what can
-//! still be wrong on a server: an index a failed build left invalid, a
-//! constraint added without validating the rows, a B-tree index that
-//! `amcheck` finds damaged (when that extension is installed).
+//! instead of SQLite's `integrity_check` and `foreign_key_check` it reports
+//! what can still be wrong on a server that enforces constraints itself —
+//! an index a failed build left invalid, a dangling reference a restore
+//! without triggers let in, a row breaking a CHECK added `NOT VALID`, a
+//! B-tree index `amcheck` finds damaged (when that extension is installed).
 
 mod calls;
 mod images;

@@ -1,5 +1,6 @@
 //! keel-store-postgres on a real PostgreSQL (see `keel_store_postgres::testing`): one test binary.
 
+mod check;
 mod checks;
 mod lock;
 mod messages;

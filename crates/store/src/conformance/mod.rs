@@ -18,6 +18,7 @@
 #![allow(clippy::unwrap_used, clippy::missing_panics_doc)]
 
 pub mod approvals;
+pub mod check;
 pub mod checkpoints;
 pub mod fixtures;
 pub mod images;
@@ -203,6 +204,12 @@ macro_rules! conformance_suite {
                 a_background_run_of_a_hooked_turn_notifies_the_same_url_when_it_ends,
                 server_wide_urls_get_every_background_runs_end_completed_or_cancelled,
                 a_turn_that_fails_or_a_crash_cuts_off_is_delivered_as_unanswered,
+            }
+            check {
+                what_the_commit_paths_write_is_clean_and_abandoned_runs_are_recovery_work,
+                a_message_count_is_recounted_only_where_it_drifted,
+                a_decoder_that_rejects_a_state_is_a_checkpoint_finding,
+                an_image_reference_without_its_image_is_reported,
             }
         }
     };
