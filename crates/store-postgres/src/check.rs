@@ -16,7 +16,9 @@ mod webhooks;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use keel_core::{Message, Role, RunStatus};
-use keel_store::{CheckOptions, CheckedCounts, Invariant, InvariantReport, Result, StoreError};
+use keel_store::{
+    AwaitingApproval, CheckOptions, CheckedCounts, Invariant, InvariantReport, Result, StoreError,
+};
 use tokio_postgres::{Row, Transaction};
 
 use crate::checkpoints::read_state_blob;
@@ -202,6 +204,15 @@ async fn histories(
     report: &mut InvariantReport,
 ) -> Result<()> {
     let timelines = walk_timelines(tx, report).await?;
+    let awaiting = AwaitingApproval::new(
+        rows(
+            tx,
+            "SELECT session_id, tool_call_id FROM tool_approvals WHERE settled_at IS NULL",
+        )
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1))),
+    );
     let heads = rows(
         tx,
         "SELECT id, head_timeline_id, state_hash FROM sessions WHERE deleted_at IS NULL \
@@ -225,12 +236,12 @@ async fn histories(
             );
             continue;
         };
-        if let Some(open) = walk.open_at(walk.last_seq) {
+        if let Some(open) = awaiting.unanswered(&session, walk.open_at(walk.last_seq)) {
             report.add(
                 Invariant::History,
                 format!(
                     "session {session}'s history ends inside a turn: tool call(s) {} have no result",
-                    sorted(open)
+                    sorted(&open)
                 ),
             );
         }
@@ -273,12 +284,12 @@ async fn histories(
                 ),
             ),
             Some(walk) => {
-                if let Some(open) = walk.open_at(seq) {
+                if let Some(open) = awaiting.unanswered(&session, walk.open_at(seq)) {
                     report.add(
                         Invariant::Checkpoints,
                         format!(
                             "{at}: points into a half turn (tool call(s) {} unanswered)",
-                            sorted(open)
+                            sorted(&open)
                         ),
                     );
                 }
@@ -671,4 +682,3 @@ async fn completions(
     }
     Ok(())
 }
-

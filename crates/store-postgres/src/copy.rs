@@ -9,8 +9,8 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use keel_store::{
-    is_copied, not_empty, read_sqlite_tables, Cell, ChunkBuilder, Result, SqliteLoader,
-    StoreError, TableChunk, CHUNK_ROWS, ROW_ORDER, ROW_ORDERED, TABLES,
+    is_copied, not_empty, read_sqlite_tables, Cell, ChunkBuilder, Result, SqliteLoader, StoreError,
+    TableChunk, CHUNK_ROWS, ROW_ORDER, ROW_ORDERED, TABLES,
 };
 use tokio::sync::mpsc;
 use tokio_postgres::binary_copy::BinaryCopyInWriter;
@@ -87,11 +87,52 @@ impl CopySummary {
     }
 }
 
+/// Which end of a copy failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// Reading the source.
+    Source,
+    /// Writing the target.
+    Target,
+}
+
+/// A copy that failed, and at which end (the target is left as it was).
+#[derive(Debug, thiserror::Error)]
+pub struct CopyError {
+    /// The end that failed.
+    pub side: Side,
+    /// The table being written when the target failed.
+    pub table: Option<&'static str>,
+    /// Why.
+    #[source]
+    pub error: StoreError,
+}
+
+impl std::fmt::Display for CopyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.side, self.table) {
+            (Side::Source, _) => write!(f, "the source: {}", self.error),
+            (Side::Target, None) => write!(f, "the target: {}", self.error),
+            (Side::Target, Some(table)) => {
+                write!(f, "the target, copying {table}: {}", self.error)
+            }
+        }
+    }
+}
+
+fn at(side: Side) -> impl FnOnce(StoreError) -> CopyError {
+    move |error| CopyError {
+        side,
+        table: None,
+        error,
+    }
+}
+
 /// Copies every row of `from` into `to`, which is created (SQLite) or
 /// migrated (PostgreSQL) and must hold no row ([`StoreError::Conflict`]
 /// otherwise). The source is read in one snapshot and never written; the
 /// target is written in one transaction, so a copy that fails leaves it as
-/// empty as it was. `progress` hears of every chunk committed. Hold both
+/// empty as it was. `progress` hears of every chunk written. Hold both
 /// databases' runtime locks meanwhile: a keel writing the source would
 /// write what the snapshot does not hold, one starting on the target would
 /// find it half full.
@@ -99,9 +140,9 @@ pub async fn copy_database(
     from: &Database,
     to: &Database,
     progress: &mut (dyn FnMut(TableProgress) + Send),
-) -> Result<CopySummary> {
+) -> std::result::Result<CopySummary, CopyError> {
     // The target is refused before anything is read.
-    let mut target = Target::create(to).await?;
+    let mut target = Target::create(to).await.map_err(at(Side::Target))?;
     let (chunks, mut received) = mpsc::channel::<TableChunk>(2);
     let reader = match from.clone() {
         Database::Sqlite(path) => tokio::task::spawn_blocking(move || {
@@ -120,18 +161,22 @@ pub async fn copy_database(
             // The reader stops at its next chunk; the target rolls back.
             drop(received);
             let _ = reader.await;
-            return Err(e);
+            return Err(CopyError {
+                side: Side::Target,
+                table: Some(table),
+                error: e,
+            });
         }
         progress(summary.add(table, rows));
     }
     // The channel closes when the reader ends: only a reader that read
     // everything lets the target commit.
     match reader.await {
-        Ok(read) => read?,
+        Ok(read) => read.map_err(at(Side::Source))?,
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-        Err(_) => return Err(StoreError::Closed),
+        Err(_) => return Err(at(Side::Source)(StoreError::Closed)),
     }
-    target.commit().await?;
+    target.commit().await.map_err(at(Side::Target))?;
     Ok(summary)
 }
 
@@ -214,7 +259,10 @@ async fn table_columns(
 }
 
 /// The primary key columns of `table`, in key order (none for a table without one).
-async fn primary_key(client: &impl tokio_postgres::GenericClient, table: &str) -> Result<Vec<String>> {
+async fn primary_key(
+    client: &impl tokio_postgres::GenericClient,
+    table: &str,
+) -> Result<Vec<String>> {
     let rows = client
         .query(
             "SELECT a.attname::text FROM pg_index i \
@@ -230,10 +278,16 @@ async fn primary_key(client: &impl tokio_postgres::GenericClient, table: &str) -
 
 fn cell(row: &Row, i: usize, ty: &Type, what: impl Fn() -> String) -> Result<Cell> {
     let cell = match *ty {
-        Type::INT8 => row.try_get::<_, Option<i64>>(i).map(|v| v.map(Cell::Integer)),
+        Type::INT8 => row
+            .try_get::<_, Option<i64>>(i)
+            .map(|v| v.map(Cell::Integer)),
         Type::FLOAT8 => row.try_get::<_, Option<f64>>(i).map(|v| v.map(Cell::Real)),
-        Type::TEXT => row.try_get::<_, Option<String>>(i).map(|v| v.map(Cell::Text)),
-        Type::BYTEA => row.try_get::<_, Option<Vec<u8>>>(i).map(|v| v.map(Cell::Blob)),
+        Type::TEXT => row
+            .try_get::<_, Option<String>>(i)
+            .map(|v| v.map(Cell::Text)),
+        Type::BYTEA => row
+            .try_get::<_, Option<Vec<u8>>>(i)
+            .map(|v| v.map(Cell::Blob)),
         ref other => {
             return Err(StoreError::corrupt(
                 &what(),
@@ -241,7 +295,9 @@ fn cell(row: &Row, i: usize, ty: &Type, what: impl Fn() -> String) -> Result<Cel
             ));
         }
     };
-    Ok(cell.map_err(|e| StoreError::corrupt(&what(), e))?.unwrap_or(Cell::Null))
+    Ok(cell
+        .map_err(|e| StoreError::corrupt(&what(), e))?
+        .unwrap_or(Cell::Null))
 }
 
 /// Reads every copied table of the PostgreSQL database at `url` in one
@@ -494,7 +550,10 @@ impl PgLoader {
 }
 
 /// A session row's id and the references set at commit.
-fn late_values(columns: &[String], row: &[Cell]) -> Result<(String, Option<String>, Option<String>)> {
+fn late_values(
+    columns: &[String],
+    row: &[Cell],
+) -> Result<(String, Option<String>, Option<String>)> {
     let text = |name: &str| -> Result<Option<String>> {
         match columns.iter().position(|c| c == name).map(|at| &row[at]) {
             None | Some(Cell::Null) => Ok(None),

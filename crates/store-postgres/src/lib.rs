@@ -75,7 +75,8 @@ mod util;
 mod webhooks;
 
 pub use copy::{
-    copy_database, read_postgres_tables, CopySummary, Database, PgLoader, TableProgress,
+    copy_database, read_postgres_tables, CopyError, CopySummary, Database, PgLoader, Side,
+    TableProgress,
 };
 pub use error::{PgStoreError, Result};
 pub use lock::PgRuntimeLock;

@@ -373,6 +373,11 @@ fn histories(
     report: &mut InvariantReport,
 ) -> Result<()> {
     let timelines = walk_timelines(conn, report)?;
+    let awaiting = AwaitingApproval::new(query_rows(
+        conn,
+        "SELECT session_id, tool_call_id FROM tool_approvals WHERE settled_at IS NULL",
+        |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)),
+    )?);
     let state_ok = |hash: &str, bytes: &[u8]| -> std::result::Result<(), String> {
         if sha256_hex(bytes) != hash {
             return Err("its bytes do not match their hash".into());
@@ -417,12 +422,12 @@ fn histories(
             );
             continue;
         };
-        if let Some(open) = walk.open_at(walk.last_seq) {
+        if let Some(open) = awaiting.unanswered(&session, walk.open_at(walk.last_seq)) {
             report.add(
                 Invariant::History,
                 format!(
                     "session {session}'s history ends inside a turn: tool call(s) {} have no result",
-                    sorted(open)
+                    sorted(&open)
                 ),
             );
         }
@@ -471,12 +476,12 @@ fn histories(
                 ),
             ),
             Some(walk) => {
-                if let Some(open) = walk.open_at(seq) {
+                if let Some(open) = awaiting.unanswered(&session, walk.open_at(seq)) {
                     report.add(
                         Invariant::Checkpoints,
                         format!(
                             "{at}: points into a half turn (tool call(s) {} unanswered)",
-                            sorted(open)
+                            sorted(&open)
                         ),
                     );
                 }
@@ -498,6 +503,41 @@ fn histories(
         }
     }
     Ok(())
+}
+
+/// The tool calls each session's approvals will answer. A turn paused for
+/// approval commits a history ending in calls without a result, each with
+/// an approval row that stays unsettled until its result commits: those
+/// calls are waiting, not a half turn. (Shared with other backends' checkers.)
+#[derive(Debug, Default)]
+pub struct AwaitingApproval(HashMap<String, HashSet<String>>);
+
+impl AwaitingApproval {
+    /// From `(session_id, tool_call_id)` of every unsettled approval row
+    /// (`SELECT session_id, tool_call_id FROM tool_approvals WHERE settled_at IS NULL`).
+    pub fn new(rows: impl IntoIterator<Item = (String, String)>) -> Self {
+        let mut awaiting: HashMap<String, HashSet<String>> = HashMap::new();
+        for (session, call) in rows {
+            awaiting.entry(session).or_default().insert(call);
+        }
+        Self(awaiting)
+    }
+
+    /// The calls of `open` that nothing will answer: those no unsettled
+    /// approval of `session` waits for (`None` when there are none).
+    pub fn unanswered(
+        &self,
+        session: &str,
+        open: Option<&HashSet<String>>,
+    ) -> Option<HashSet<String>> {
+        let waiting = self.0.get(session);
+        let left: HashSet<String> = open?
+            .iter()
+            .filter(|call| !waiting.is_some_and(|w| w.contains(*call)))
+            .cloned()
+            .collect();
+        (!left.is_empty()).then_some(left)
+    }
 }
 
 fn sorted(set: &HashSet<String>) -> String {

@@ -140,7 +140,8 @@ pub use backend::{Backend, DialogFilter};
 pub use backup::{backup_database, restore_database, CopyProgress, CopyReport, RestoreReport};
 pub use calls::{CallKind, CallSpan, TurnCalls, MAX_CALL_SPANS};
 pub use check::{
-    check_database, CheckOptions, CheckedCounts, Finding, Invariant, InvariantReport, StateDecoder,
+    check_database, AwaitingApproval, CheckOptions, CheckedCounts, Finding, Invariant,
+    InvariantReport, StateDecoder,
 };
 pub use checkpoints::{
     CheckpointCursor, CheckpointRecord, CheckpointSource, NewCheckpoint, PrunePolicy, PruneReport,

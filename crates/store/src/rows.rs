@@ -293,9 +293,11 @@ impl SqliteLoader {
     /// unless every table is empty ([`StoreError::Conflict`]). Take the
     /// database's runtime lock first, so no keel starts on it meanwhile.
     pub fn create(path: &Path) -> Result<Self> {
-        drop(crate::SqliteStore::open(path, crate::StoreOptions::default())?);
-        let conn =
-            crate::db::open_writer(&crate::identify::resolve(path)?, &Default::default())?;
+        drop(crate::SqliteStore::open(
+            path,
+            crate::StoreOptions::default(),
+        )?);
+        let conn = crate::db::open_writer(&crate::identify::resolve(path)?, &Default::default())?;
         // References are checked at COMMIT: sessions name their head
         // timeline, which comes after them.
         conn.execute_batch("BEGIN IMMEDIATE; PRAGMA defer_foreign_keys = ON;")?;
@@ -313,7 +315,9 @@ impl SqliteLoader {
     pub fn insert(&mut self, chunk: &TableChunk) -> Result<()> {
         let table = chunk.table;
         if !TABLES.contains(&table) || !is_copied(table) {
-            return Err(StoreError::InvalidInput(format!("{table} is not a table to copy")));
+            return Err(StoreError::InvalidInput(format!(
+                "{table} is not a table to copy"
+            )));
         }
         let columns: Vec<&str> = chunk
             .columns
@@ -374,7 +378,7 @@ impl SqliteLoader {
 /// The refusal of a target database that holds rows.
 pub fn not_empty(table: &str, rows: i64) -> StoreError {
     StoreError::Conflict(format!(
-        "the target database is not empty ({table} holds {rows} row(s)); \
+        "the database is not empty ({table} holds {rows} row(s)); \
          keel copy writes only into a new, empty database"
     ))
 }

@@ -37,4 +37,3 @@ pub(super) async fn call_spans(
     }
     Ok(())
 }
-

@@ -36,7 +36,6 @@ pub(super) async fn open_inputs(
     Ok(())
 }
 
-
 /// Queued inputs of dialogs that are gone, or whose turn already ran.
 pub(super) async fn queued_inputs(
     tx: &Transaction<'_>,
@@ -85,4 +84,3 @@ pub(super) async fn queued_inputs(
     }
     Ok(())
 }
-

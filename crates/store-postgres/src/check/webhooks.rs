@@ -58,4 +58,3 @@ pub(super) async fn webhooks(
     }
     Ok(())
 }
-

@@ -2,6 +2,7 @@
 
 mod check;
 mod checks;
+mod copy;
 mod lock;
 mod messages;
 mod pool;

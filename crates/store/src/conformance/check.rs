@@ -166,9 +166,7 @@ fn nobody_running() -> CheckOptions {
     CheckOptions::default()
 }
 
-pub async fn what_the_commit_paths_write_is_clean_and_abandoned_runs_are_recovery_work(
-    db: TestDb,
-) {
+pub async fn what_the_commit_paths_write_is_clean_and_abandoned_runs_are_recovery_work(db: TestDb) {
     let store = db.store.clone();
     busy_store(&store).await;
     // The process that accepted the two open runs still owns them.
@@ -277,5 +275,91 @@ pub async fn an_image_reference_without_its_image_is_reported(db: TestDb) {
         vec![(Invariant::History, true)],
         "{:?}",
         report.findings
+    );
+}
+
+/// A turn paused for approval commits (with its checkpoint) a history that
+/// ends in calls without results: its approval rows will answer them, so
+/// it is waiting, not half done — while decided too, until the results
+/// settle the rows. A call no approval waits for stays a finding.
+pub async fn a_turn_paused_for_approval_is_waiting_not_half_done(db: TestDb) {
+    let store = db.store.clone();
+    let session = store.create_session(new_session("d", 1)).await.unwrap().id;
+    let calls = vec![
+        ToolCall {
+            id: "call-a".into(),
+            name: "shell".into(),
+            arguments: serde_json::json!({}),
+        },
+        ToolCall {
+            id: "call-b".into(),
+            name: "shell".into(),
+            arguments: serde_json::json!({}),
+        },
+    ];
+    let approvals: Vec<crate::NewApproval> = calls
+        .iter()
+        .map(|c| crate::NewApproval {
+            id: keel_core::ApprovalId::new(),
+            agent_id: keel_core::AgentId::parse("root").unwrap(),
+            call: c.clone(),
+            expires_at_ms: 1_000_000,
+        })
+        .collect();
+    let first = approvals[0].id;
+    store
+        .commit_paused_turn(crate::PausedTurnCommit {
+            turn: turn(
+                session,
+                vec![
+                    Message::user("do things"),
+                    Message::assistant_with_tools("", calls),
+                ],
+                1,
+            ),
+            turn_id: keel_core::TurnId::new(),
+            approvals,
+            consumed: Vec::new(),
+        })
+        .await
+        .unwrap();
+    let report = store.check_invariants(nobody_running()).await.unwrap();
+    assert!(report.is_clean(), "{report:#?}");
+    store
+        .decide_approval(crate::DecideApproval {
+            id: first,
+            session_id: Some(session),
+            decision: crate::Decision::Approve,
+            reason: None,
+            now_ms: 20,
+        })
+        .await
+        .unwrap();
+    let report = store.check_invariants(nobody_running()).await.unwrap();
+    assert!(report.is_clean(), "{report:#?}");
+    // Another dialog's approvals answer nothing here.
+    let other = store.create_session(new_session("e", 1)).await.unwrap().id;
+    store
+        .append_messages(
+            other,
+            vec![NewMessage::new(Message::assistant_with_tools(
+                "",
+                vec![ToolCall {
+                    id: "call-a".into(),
+                    name: "shell".into(),
+                    arguments: serde_json::json!({}),
+                }],
+            ))],
+            30,
+        )
+        .await
+        .unwrap();
+    let report = store.check_invariants(nobody_running()).await.unwrap();
+    assert_eq!(
+        details(&report),
+        [
+            "history (manual): session <id>'s history ends inside a turn: tool call(s) call-a \
+          have no result"
+        ]
     );
 }

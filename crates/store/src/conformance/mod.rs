@@ -210,6 +210,7 @@ macro_rules! conformance_suite {
                 a_message_count_is_recounted_only_where_it_drifted,
                 a_decoder_that_rejects_a_state_is_a_checkpoint_finding,
                 an_image_reference_without_its_image_is_reported,
+                a_turn_paused_for_approval_is_waiting_not_half_done,
             }
         }
     };
