@@ -54,9 +54,12 @@ impl std::fmt::Debug for CheckOptions {
 /// Which promise a finding breaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Invariant {
-    /// `PRAGMA integrity_check`: the file's b-trees, indexes and CHECK constraints.
+    /// The storage and CHECK constraints: SQLite's `PRAGMA integrity_check`
+    /// and CHECKs row by row; PostgreSQL's invalid indexes, `NOT VALID`
+    /// CHECKs and (with `amcheck`) B-trees. Both: image bytes match their hash.
     Integrity,
-    /// `PRAGMA foreign_key_check`: every reference names an existing row.
+    /// Every reference names an existing row (SQLite's `PRAGMA
+    /// foreign_key_check`; every foreign key's rows on PostgreSQL).
     ForeignKeys,
     /// The schema is at the version this build writes.
     Schema,
@@ -120,8 +123,9 @@ impl Invariant {
     pub fn meaning(self) -> &'static str {
         match self {
             Invariant::Integrity => {
-                "SQLite found the file damaged, or a row breaking its table's constraints \
-                 (a value keel does not know): some rows may be unreadable or wrong"
+                "the database's storage is damaged (SQLite's file, a PostgreSQL index), or a \
+                 row breaks its table's constraints (a value keel does not know): some rows may \
+                 be unreadable or wrong"
             }
             Invariant::ForeignKeys => "a row refers to a row that does not exist",
             Invariant::Schema => {
