@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use keel_store::{
     is_copied, not_empty, read_sqlite_tables, Cell, ChunkBuilder, Result, SqliteLoader, StoreError,
-    TableChunk, CHUNK_ROWS, ROW_ORDER, ROW_ORDERED, TABLES,
+    TableChunk, CHUNK_BYTES, CHUNK_ROWS, ROW_ORDER, ROW_ORDERED, TABLES,
 };
 use tokio::sync::mpsc;
 use tokio_postgres::binary_copy::BinaryCopyInWriter;
@@ -22,6 +22,9 @@ use crate::store::{from_pg, from_pg_store, from_pool};
 /// Identity keys copied with their values (their sequences advanced after),
 /// besides the [`ROW_ORDER`] of the [`ROW_ORDERED`] tables.
 const IDENTITIES: [(&str, &str); 2] = [("queued_inputs", "seq"), ("webhook_deliveries", "seq")];
+
+/// Rows a reader asks PostgreSQL for first, before it knows their size.
+const FIRST_FETCH: usize = 16;
 
 /// Session columns set after every row is in: they refer to rows that come
 /// later (a head timeline) or to sessions in any order (a parent), and the
@@ -337,7 +340,7 @@ pub async fn read_postgres_tables(
         .start()
         .await
         .map_err(from_pg)?;
-    let fetch = i32::try_from(max_rows.clamp(1, CHUNK_ROWS * 10)).unwrap_or(1000);
+    let max_rows = max_rows.max(1);
     for table in TABLES.into_iter().filter(|t| is_copied(t)) {
         let columns = table_columns(&*tx, table).await?;
         let names: Vec<String> = columns.iter().map(|(n, _)| n.clone()).collect();
@@ -367,20 +370,28 @@ pub async fn read_postgres_tables(
             .map_err(from_pg)?;
         let portal = tx.bind(&stmt, &[]).await.map_err(from_pg)?;
         let mut chunk = ChunkBuilder::new(table, names.clone(), max_rows);
+        // A few rows first, then about a chunk's bytes per round trip (at
+        // most a chunk's rows): a table of large images never arrives whole.
+        let mut fetch = FIRST_FETCH.min(max_rows);
         loop {
-            let rows = tx.query_portal(&portal, fetch).await.map_err(from_pg)?;
+            let asked = i32::try_from(fetch).unwrap_or(i32::MAX);
+            let rows = tx.query_portal(&portal, asked).await.map_err(from_pg)?;
+            let mut bytes = 0;
             for r in &rows {
                 let mut row = Vec::with_capacity(columns.len());
                 for (i, (name, ty)) in columns.iter().enumerate() {
                     row.push(cell(r, i, ty, || format!("{table}.{name}"))?);
                 }
+                bytes += row.iter().map(Cell::size).sum::<usize>();
                 if let Some(full) = chunk.push(row) {
                     sink.send(full).await.map_err(|_| target_stopped())?;
                 }
             }
-            if rows.len() < usize::try_from(fetch).unwrap_or(usize::MAX) {
+            if rows.len() < fetch {
                 break;
             }
+            let per_row = (bytes / rows.len()).max(1);
+            fetch = (CHUNK_BYTES / per_row).clamp(1, max_rows);
         }
         if let Some(rest) = chunk.finish() {
             sink.send(rest).await.map_err(|_| target_stopped())?;
