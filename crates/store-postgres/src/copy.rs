@@ -14,7 +14,13 @@ use tokio_postgres::{IsolationLevel, Row};
 use crate::store::{from_pg, from_pg_store, from_pool};
 
 /// Tables whose listings follow insertion order (`row_order`).
-const ORDERED: [&str; 4] = ["timelines", "checkpoints", "agent_run_groups", "agent_runs"];
+const ORDERED: [&str; 5] = [
+    "sessions",
+    "timelines",
+    "checkpoints",
+    "agent_run_groups",
+    "agent_runs",
+];
 
 /// Identity keys copied with their values (their sequences advanced after).
 const IDENTITIES: [(&str, &str); 2] = [("queued_inputs", "seq"), ("webhook_deliveries", "seq")];
