@@ -30,6 +30,7 @@ pub mod runs;
 pub mod runtime;
 pub mod sessions;
 pub mod spend;
+pub mod timelines;
 pub mod webhooks;
 
 use std::any::Any;
@@ -130,6 +131,9 @@ macro_rules! conformance_suite {
                 a_purge_removes_the_expired_deleted_dialogs_and_every_row_of_theirs,
                 a_dialog_forked_from_keeps_the_shared_history_until_the_fork_is_purged,
                 dialog_usage_counts_its_own_rows_and_checkpoints,
+            }
+            timelines {
+                every_session_and_checkpoint_loads_the_models_history,
             }
             sessions {
                 create_get_rename_touch_and_soft_delete,
