@@ -188,57 +188,69 @@ fn numbered(history: &[String]) -> Vec<(i64, String)> {
     (1..).zip(history.iter().cloned()).collect()
 }
 
+/// A committed turn of `messages` new messages and a new state, with a
+/// turn checkpoint or not.
+async fn commit_turn(
+    store: &Store,
+    model: &mut Model,
+    session: Index,
+    messages: usize,
+    checkpoint: bool,
+    now_ms: i64,
+) -> Result<(), TestCaseError> {
+    let s = session.index(model.sessions.len());
+    let id = model.sessions[s].id;
+    let texts: Vec<String> = (0..messages).map(|_| model.fresh("message")).collect();
+    let state = model.fresh("state").into_bytes();
+    let new_cp = checkpoint.then(CheckpointId::new);
+    let committed = store
+        .commit_turn(TurnCommit {
+            calls: None,
+            session_id: id,
+            messages: texts
+                .iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    NewMessage::new(if i % 2 == 0 {
+                        Message::user(t.as_str())
+                    } else {
+                        Message::assistant(t.as_str())
+                    })
+                })
+                .collect(),
+            state: state.clone(),
+            checkpoint: new_cp.map(|id| NewCheckpoint {
+                id,
+                turn_index: 1,
+                source: CheckpointSource::Turn,
+            }),
+            visible_user_inputs: 1,
+            answers: Vec::new(),
+            expected_head: None,
+            now_ms,
+        })
+        .await
+        .map_err(failed("commit_turn"))?;
+    let before = model.sessions[s].history.len() as i64;
+    let expected: Vec<i64> = (before + 1..=before + messages as i64).collect();
+    prop_assert_eq!(committed.seqs, expected);
+    let parent = model.newest_of(id);
+    let m = &mut model.sessions[s];
+    m.history.extend(texts);
+    m.state = Some(state);
+    if let Some(cp) = new_cp {
+        model.checkpoint_head(s, cp, parent, CheckpointSource::Turn);
+    }
+    Ok(())
+}
+
 async fn apply(store: &Store, model: &mut Model, op: Op, now_ms: i64) -> Result<(), TestCaseError> {
     match op {
         Op::Turn {
             session,
             messages,
             checkpoint,
-        } => {
-            let s = session.index(model.sessions.len());
-            let id = model.sessions[s].id;
-            let texts: Vec<String> = (0..messages).map(|_| model.fresh("message")).collect();
-            let state = model.fresh("state").into_bytes();
-            let new_cp = checkpoint.then(CheckpointId::new);
-            let committed = store
-                .commit_turn(TurnCommit {
-                    calls: None,
-                    session_id: id,
-                    messages: texts
-                        .iter()
-                        .enumerate()
-                        .map(|(i, t)| {
-                            NewMessage::new(if i % 2 == 0 {
-                                Message::user(t.as_str())
-                            } else {
-                                Message::assistant(t.as_str())
-                            })
-                        })
-                        .collect(),
-                    state: state.clone(),
-                    checkpoint: new_cp.map(|id| NewCheckpoint {
-                        id,
-                        turn_index: 1,
-                        source: CheckpointSource::Turn,
-                    }),
-                    visible_user_inputs: 1,
-                    answers: Vec::new(),
-                    expected_head: None,
-                    now_ms,
-                })
-                .await
-                .map_err(failed("commit_turn"))?;
-            let before = model.sessions[s].history.len() as i64;
-            let expected: Vec<i64> = (before + 1..=before + messages as i64).collect();
-            prop_assert_eq!(committed.seqs, expected);
-            let parent = model.newest_of(id);
-            let m = &mut model.sessions[s];
-            m.history.extend(texts);
-            m.state = Some(state);
-            if let Some(cp) = new_cp {
-                model.checkpoint_head(s, cp, parent, CheckpointSource::Turn);
-            }
-        }
+        } => commit_turn(store, model, session, messages, checkpoint, now_ms).await?,
         Op::Manual { session } => {
             let s = session.index(model.sessions.len());
             let id = model.sessions[s].id;
@@ -360,7 +372,10 @@ async fn check(store: &Store, model: &Model) -> Result<(), TestCaseError> {
         prop_assert_eq!(texts(&loaded), numbered(&s.history), "session {}", s.id);
         let last = store.last_seq(s.id).await.map_err(failed("last_seq"))?;
         prop_assert_eq!(last, s.history.len() as i64);
-        let record = store.get_session(s.id).await.map_err(failed("get_session"))?;
+        let record = store
+            .get_session(s.id)
+            .await
+            .map_err(failed("get_session"))?;
         let record = found(&format!("session {}", s.id), record)?;
         let state = match record.state_hash {
             Some(hash) => store
