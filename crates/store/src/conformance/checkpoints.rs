@@ -420,3 +420,65 @@ pub async fn retention_finds_the_sessions_over_the_limit_and_prunes_past_one_bat
     assert_eq!(report.checkpoints_deleted, 2);
     assert!(store.latest_checkpoint(big.id).await.unwrap().is_none());
 }
+
+pub async fn checkpoint_pages_go_newest_first_by_time_then_id_and_give_each_once(db: TestDb) {
+    let store = db.store.clone();
+    let s = store.create_session(new_session("d", 1)).await.unwrap();
+    // Three taken in the same millisecond, their (caller-chosen) ids in
+    // the reverse of the order they were written in; two later ones.
+    let mut tied: Vec<CheckpointId> = (0..3).map(|_| CheckpointId::new()).collect();
+    let written = tied.iter().rev().map(|id| (*id, 100));
+    let later = [(CheckpointId::new(), 200), (CheckpointId::new(), 50)];
+    for (n, (id, at)) in written.chain(later).enumerate() {
+        let cp = NewCheckpoint {
+            id,
+            turn_index: u64::try_from(n).unwrap(),
+            source: CheckpointSource::Manual,
+        };
+        store
+            .create_checkpoint(s.id, cp, format!("s{n}").into_bytes(), at)
+            .await
+            .unwrap();
+    }
+    let mut expected: Vec<_> = store
+        .list_checkpoints(s.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|c| (c.created_at_ms, c.id))
+        .collect();
+    expected.sort_by(|a, b| b.cmp(a));
+    tied.sort_by(|a, b| b.cmp(a));
+    assert_eq!(
+        expected[1..4].iter().map(|(_, id)| *id).collect::<Vec<_>>(),
+        tied,
+        "ties in time go by id, newest written or not"
+    );
+
+    let mut seen = Vec::new();
+    let mut cursor = None;
+    loop {
+        let page = store.checkpoint_page(s.id, cursor, 2).await.unwrap();
+        assert!(page.items.len() <= 2);
+        seen.extend(page.items.iter().map(|c| (c.created_at_ms, c.id)));
+        // One taken while a client pages sorts before its cursor.
+        let cp = NewCheckpoint {
+            id: CheckpointId::new(),
+            turn_index: 9,
+            source: CheckpointSource::Manual,
+        };
+        store
+            .create_checkpoint(s.id, cp, b"later".to_vec(), 300)
+            .await
+            .unwrap();
+        match page.next_cursor {
+            Some(next) => cursor = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!(seen, expected);
+    for limit in [0, 1001] {
+        let err = store.checkpoint_page(s.id, None, limit).await.unwrap_err();
+        assert!(matches!(err, StoreError::InvalidInput(_)), "{err}");
+    }
+}

@@ -117,6 +117,7 @@ macro_rules! conformance_suite {
                 unchanged_state_writes_no_blob,
                 prune_keeps_what_heads_and_remaining_checkpoints_need,
                 retention_finds_the_sessions_over_the_limit_and_prunes_past_one_batch,
+                checkpoint_pages_go_newest_first_by_time_then_id_and_give_each_once,
             }
             inbox {
                 signals_are_deduplicated_capacity_checked_and_need_a_live_execution,
