@@ -203,9 +203,10 @@ impl InvariantReport {
         self.findings.is_empty()
     }
 
-    /// A finding; the safe repairs (migration, recovery, recount) fix the
-    /// schema and counters, nothing else.
-    fn add(&mut self, invariant: Invariant, detail: impl Into<String>) {
+    /// Adds a finding, repairable when the invariant's safe repairs
+    /// (migration, recovery, recount) fix it: the schema and counters,
+    /// nothing else.
+    pub fn add(&mut self, invariant: Invariant, detail: impl Into<String>) {
         let repairable = matches!(
             invariant,
             Invariant::Schema | Invariant::Counters | Invariant::MessageCounts
@@ -213,7 +214,8 @@ impl InvariantReport {
         self.push(invariant, repairable, detail);
     }
 
-    fn push(&mut self, invariant: Invariant, repairable: bool, detail: impl Into<String>) {
+    /// Adds a finding, saying whether `keel doctor --repair` fixes it.
+    pub fn push(&mut self, invariant: Invariant, repairable: bool, detail: impl Into<String>) {
         self.findings.push(Finding {
             invariant,
             repairable,
