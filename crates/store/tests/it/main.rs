@@ -13,7 +13,6 @@ mod projection;
 mod runtime;
 mod spend;
 mod stored_enums;
-mod timelines;
 mod write_cache;
 mod writer;
 mod sqlite {
