@@ -547,3 +547,57 @@ pub async fn a_dead_letter_is_told_once_by_a_notice_in_the_sessions_history(db: 
         .unwrap()
         .is_empty());
 }
+
+pub async fn racing_claimers_lease_every_event_to_exactly_one_of_them(db: TestDb) {
+    let store = db.store.clone();
+    let (root, ids) = root_with_events(&store, 12).await;
+    // Two claimers on this store and one on each of two more stores on the
+    // database (other processes' connections) drain the inbox at once, two
+    // events a claim.
+    let stores = [
+        store.clone(),
+        store.clone(),
+        db.reopen().await,
+        db.reopen().await,
+    ];
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(stores.len()));
+    let tasks: Vec<_> = stores
+        .into_iter()
+        .map(|s| {
+            let barrier = barrier.clone();
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let mut leases = Vec::new();
+                let request = ClaimRequest {
+                    max_events: 2,
+                    ..claim(root, 1000)
+                };
+                while let Some(lease) = s.claim_inbox_batch(request.clone()).await.unwrap() {
+                    leases.push(lease);
+                }
+                leases
+            })
+        })
+        .collect();
+    let mut held = std::collections::HashMap::new();
+    for t in tasks {
+        for lease in t.await.unwrap() {
+            assert!((1..=2).contains(&lease.events.len()));
+            for e in lease.events {
+                let earlier = held.insert(e.id, lease.token.clone());
+                assert_eq!(earlier, None, "event {} leased twice", e.id);
+            }
+        }
+    }
+    let mut leased: Vec<EventId> = held.keys().copied().collect();
+    leased.sort_unstable();
+    let mut all = ids;
+    all.sort_unstable();
+    assert_eq!(leased, all, "every event leased once");
+    // The stored events agree: each is leased under the token of the one
+    // claim that returned it.
+    for e in store.list_inbox_events(root).await.unwrap() {
+        assert_eq!(e.status, EventStatus::Leased);
+        assert_eq!(e.lease_token.as_ref(), held.get(&e.id));
+    }
+}

@@ -126,6 +126,7 @@ macro_rules! conformance_suite {
                 a_release_that_is_no_failed_delivery_keeps_attempts_and_backoff,
                 an_event_backing_off_past_its_time_to_live_is_due_for_dead_lettering,
                 a_dead_letter_is_told_once_by_a_notice_in_the_sessions_history,
+                racing_claimers_lease_every_event_to_exactly_one_of_them,
             }
             projection {
                 message_pages_walk_the_current_branch_both_ways,
