@@ -453,6 +453,13 @@ pub async fn an_event_backing_off_past_its_time_to_live_is_due_for_dead_letterin
     // Without a time to live that ends first, the retry time is next.
     let schedule = store.inbox_schedule(root, 1000, NO_TTL).await.unwrap();
     assert_eq!(schedule.next_due_at_ms, Some(11_000));
+    // A time to live past what a creation time can be added to (a duration
+    // the caller saturated to i64::MAX ms) never ends either.
+    let schedule = store.inbox_schedule(root, 1000, i64::MAX).await.unwrap();
+    assert_eq!(
+        (schedule.next_due_at_ms, schedule.expired),
+        (Some(11_000), 0)
+    );
     let counts = store.inbox_counts(root).await.unwrap();
     assert_eq!(counts.pending, 1, "{counts:?}");
 }
