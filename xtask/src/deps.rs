@@ -14,8 +14,8 @@ pub const ALLOWED: &[(&str, &[&str])] = &[
     ("keel-core", &[]),
     ("keel-providers", &["keel-core"]),
     ("keel-store", &["keel-core"]),
-    // The PostgreSQL backend, at the store's layer; its tests compare its
-    // schema with keel-store's (a dev-dependency).
+    // The PostgreSQL backend, at the store's layer: it implements
+    // keel-store's Backend. Only the gateway (and the tests) link it.
     ("keel-store-postgres", &["keel-core", "keel-store"]),
     ("keel-catalog", &["keel-core"]),
     ("keel-engine", &["keel-core", "keel-store", "keel-catalog"]),
@@ -25,6 +25,7 @@ pub const ALLOWED: &[(&str, &[&str])] = &[
             "keel-core",
             "keel-providers",
             "keel-store",
+            "keel-store-postgres",
             "keel-catalog",
             "keel-engine",
         ],
@@ -35,6 +36,7 @@ pub const ALLOWED: &[(&str, &[&str])] = &[
             "keel-core",
             "keel-providers",
             "keel-store",
+            "keel-store-postgres",
             "keel-catalog",
             "keel-engine",
             "keel-gateway",

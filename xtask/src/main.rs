@@ -25,9 +25,11 @@ commands:
   fuzz <target> [--seconds N]  run a cargo-fuzz target (catalog)
   interop                    the official OpenAI and AG-UI Python clients against a live keel serve
   mcp-server-conformance     the MCP conformance suite's server scenarios against a live /mcp
-  soak [--kills N] [--seconds S] [--release] [--seed X]
+  soak [--kills N] [--seconds S] [--release] [--seed X] [--postgres]
                              keel serve under WebSocket load, SIGKILLed N times (at
-                             most S s of load each), keel doctor after every restart";
+                             most S s of load each), keel doctor after every restart;
+                             --postgres: its database on PostgreSQL (a throwaway cluster
+                             as ci's, or KEEL_TEST_DATABASE_URL's server), not SQLite";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -577,12 +579,18 @@ fn benches() -> Result<Vec<(String, String)>, String> {
 }
 
 /// Builds the soak driver and the `keel` it kills, then runs the driver
-/// (`tests/src/bin/soak.rs`). The `keel` is keel-e2e's copy of the binary:
+/// (`tests/src/bin/soak/`). The `keel` is keel-e2e's copy of the binary:
 /// the failpoints are compiled in but none is armed, and the tests' build
-/// has already compiled it.
+/// has already compiled it. With `--postgres` the driver gets the server
+/// `ci`'s PostgreSQL step would use (started here, stopped at the end).
 fn soak(args: &[String]) -> Result<(), String> {
     let release = args.iter().any(|a| a == "--release");
-    let mut forwarded: Vec<String> = args.iter().filter(|a| *a != "--release").cloned().collect();
+    let on_postgres = args.iter().any(|a| a == "--postgres");
+    let mut forwarded: Vec<String> = args
+        .iter()
+        .filter(|a| *a != "--release" && *a != "--postgres")
+        .cloned()
+        .collect();
     let mut build = cargo_cmd(&["build", "--locked", "-p", "keel-e2e", "--bin", "keel-e2e"]);
     build.args(["--bin", "keel-soak"]);
     if release {
@@ -600,6 +608,18 @@ fn soak(args: &[String]) -> Result<(), String> {
             target.join("keel-e2e").display().to_string(),
         ],
     );
+    // Held until the driver is done: dropping it stops the cluster.
+    let _postgres = if on_postgres {
+        let postgres = postgres::Postgres::start()?;
+        let url = postgres.url().ok_or(
+            "soak --postgres needs a PostgreSQL server: install postgresql (.ci/run does) \
+             or set KEEL_TEST_DATABASE_URL",
+        )?;
+        forwarded.extend(["--postgres".to_owned(), url]);
+        Some(postgres)
+    } else {
+        None
+    };
     run(Command::new(target.join("keel-soak")).args(&forwarded))
 }
 

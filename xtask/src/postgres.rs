@@ -4,7 +4,8 @@
 //! starts from `/usr/lib/postgresql/*/bin` for the whole run (on a unix
 //! socket in a temporary directory, stopped at the end) and hands to every
 //! step through that variable — and the summary line that says which, or
-//! that there was none (never a silent pass).
+//! that there was none (never a silent pass). `cargo xtask soak --postgres`
+//! and the PostgreSQL benchmarks find their server the same way.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -55,6 +56,13 @@ impl Postgres {
             tests: Arc::new(Mutex::new(None)),
             _cluster: Some(Arc::new(cluster)),
         })
+    }
+
+    /// The server's connection string, when there is one: what every
+    /// step reads from `KEEL_TEST_DATABASE_URL`.
+    pub fn url(&self) -> Option<String> {
+        self.server.as_ref()?;
+        std::env::var(URL_VAR).ok().filter(|u| !u.is_empty())
     }
 
     /// Runs the crate's tests; with a server, each must run on it

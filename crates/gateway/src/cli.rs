@@ -40,6 +40,15 @@ pub enum Command {
         #[command(flatten)]
         data: DataArgs,
     },
+    /// Copy a whole database to an empty one of either backend (sqlite:PATH or postgres://…), then check the copy.
+    Copy {
+        /// The database to copy: sqlite:PATH or a postgres:// URL (read in one snapshot, also while a keel runs on it).
+        #[arg(long, value_name = "LOCATION")]
+        from: String,
+        /// The empty database to fill: sqlite:PATH or a postgres:// URL (created and migrated if needed).
+        #[arg(long, value_name = "LOCATION")]
+        to: String,
+    },
     /// Terminal chat with slash commands (/help lists them).
     Chat {
         /// Data directory and configuration.
@@ -306,6 +315,7 @@ async fn dispatch(command: Command) -> crate::error::Result<ExitCode> {
             )
             .await
         }
+        Command::Copy { from, to } => crate::copy_cmd::run(&from, &to).await,
         Command::Migrate { data } => {
             crate::migrate_cmd::run(data.config.as_deref(), data.data_dir.as_deref()).await
         }

@@ -16,6 +16,7 @@ pub mod backup;
 pub mod chat;
 pub mod cli;
 pub mod config;
+pub mod copy_cmd;
 pub mod demo;
 pub mod doctor;
 mod error;

@@ -1,52 +1,54 @@
-//! The PostgreSQL storage of keel (foundation).
+//! The PostgreSQL backend of keel's store: [`PgStore`] implements
+//! keel-store's `Backend`, so the engine and gateway run on it unchanged.
 //!
-//! # What exists
-//!
-//! - The schema: migrations 1..=[`SCHEMA_VERSION`], the same versions,
+//! - **Transactions.** Each `Backend` method is an inherent method in the
+//!   module named as its SQLite twin (`sessions.rs`, `messages.rs`,
+//!   `runs/`, `inbox.rs` …; `backend.rs` lists them). Writes run in one
+//!   `SERIALIZABLE` transaction, retried on serialization failures and
+//!   deadlocks, answered after `COMMIT`; reads in one read-only snapshot
+//!   (`store.rs`). The same conformance suite as SQLite's runs against a
+//!   real server (`tests/it`).
+//! - **The schema**: migrations 1..=[`SCHEMA_VERSION`], the same versions,
 //!   tables, columns, CHECKs, unique and partial indexes as keel-store's
-//!   SQLite schema (a parity test compares the two table by table).
-//! - [`migrate`]: forward-only, one transaction per step together with the
-//!   one-row `schema_version` table, serialized by an advisory lock;
-//!   reports what it applied and refuses a newer database.
-//! - [`pool`]: deadpool-postgres with rustls (ring, the system's roots).
-//! - [`schema_outline`] / [`schema_definitions`], and the test harness
-//!   (module `testing`, feature `testing`): a database per test on
-//!   `KEEL_TEST_DATABASE_URL` or on a throwaway cluster.
+//!   SQLite schema (a parity test compares the two table by table), plus
+//!   a `row_order` identity where SQLite's listings follow the rowid.
+//!   [`migrate`] applies them, one transaction per step under an advisory
+//!   lock; a newer database is refused.
+//! - [`PgRuntimeLock`]: one process per database, as on SQLite.
+//! - [`pool`]: deadpool-postgres with rustls (ring, the system's roots);
+//!   [`schema_outline`] / [`schema_definitions`]; the test harness
+//!   (module `testing`, feature `testing`).
 //!
-//! No store transaction, configuration key or CLI command uses it yet.
+//! # Several processes on one database (designed, not built)
 //!
-//! # Design of what comes next (a proposal, not built)
+//! Today a second process is refused ([`PgRuntimeLock`]). The design for
+//! serving one database from several:
 //!
-//! - **Boundary.** A closed set of backends behind the current `Store`
-//!   facade: keel-store keeps `Store` and dispatches on an enum (SQLite,
-//!   and PostgreSQL behind a cargo feature, so a SQLite-only build links no
-//!   PostgreSQL client), rather than a `dyn` trait over ~100 domain
-//!   methods. The records (`NewSession`, `TurnCommit`, …) stay
-//!   keel-store's; this crate would then take them from keel-store or a
-//!   crate below both. To be measured with the store bench before/after
-//!   (append, inbox claim→consume) on SQLite: the dispatch must not cost
-//!   the SQLite path.
-//! - **Several processes.** The one-owner runtime lock becomes, on
-//!   PostgreSQL only, per-process fencing: each process registers a row
-//!   with a fencing epoch (from a sequence) and renews its lease every
-//!   `lease_secs / 3`. A session's turns run under a session lease row
-//!   (`session_id`, owner epoch, expiry); every commit of a turn checks, in
-//!   its transaction, that the lease is still held with the same epoch, so
-//!   a stale owner's commit is refused. Inbox events and background runs
-//!   are claimed with `SELECT … FOR UPDATE SKIP LOCKED`, so each is taken
-//!   by exactly one process; an expired lease's work is recovered as seed
-//!   002's recovery does for a restart.
+//! - **Per-process fencing.** The one-owner lock becomes a process row
+//!   with a fencing epoch (from a sequence) renewed every `lease_secs / 3`;
+//!   runs are stamped with their process's epoch, and recovery interrupts
+//!   only the runs of processes whose lease expired (seed 002's recovery,
+//!   per process instead of per generation).
+//! - **Session leases.** A session's turns run under a lease row
+//!   (`session_id`, owner epoch, expiry) taken before the turn and checked
+//!   in the turn's commit, so a stale owner's commit is refused; a process
+//!   that takes a lease reloads the session if its head moved.
+//! - **Leased work.** Inbox events are already claimed `FOR UPDATE SKIP
+//!   LOCKED` (each by one process); queued inputs and continuations of a
+//!   dead process's sessions are taken by whichever process takes the
+//!   session's lease next.
 //! - **Live streams.** A commit that changes what a client follows sends
-//!   `NOTIFY` (payload: session id and revision) in its transaction, so it
-//!   is delivered only after COMMIT; each process `LISTEN`s on one
-//!   connection and reads the committed rows by revision, so a lost
-//!   notification costs latency, not correctness.
+//!   `NOTIFY` (session id and revision) in its transaction, so it is
+//!   delivered only after COMMIT; each process `LISTEN`s on one connection
+//!   and reads the committed rows by revision, so a lost notification costs
+//!   latency, not correctness.
 
 mod approvals;
 mod backend;
 mod calls;
 mod check;
 mod checkpoints;
+mod copy;
 mod counters;
 mod error;
 mod images;
@@ -72,6 +74,7 @@ mod tree;
 mod util;
 mod webhooks;
 
+pub use copy::{read_postgres_tables, ChunkSink, PgLoader};
 pub use error::{PgStoreError, Result};
 pub use lock::PgRuntimeLock;
 pub use migrations::{

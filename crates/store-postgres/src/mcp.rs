@@ -69,7 +69,7 @@ impl PgStore {
                 Ok(tx
                     .query(
                         "SELECT server, hash, manifest, committed_at FROM mcp_manifests \
-                         ORDER BY server",
+                         ORDER BY server COLLATE \"C\"",
                         &[],
                     )
                     .await

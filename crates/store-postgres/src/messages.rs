@@ -428,7 +428,7 @@ async fn close_open_inputs_tx(tx: &Transaction<'_>, session: &SessionId) -> Resu
 pub(crate) const CLOSE_INTERRUPTED_SQL: &str = "WITH closed AS ( \
        UPDATE messages SET input_state = 'unanswered' WHERE input_state = 'open' \
        RETURNING session_id, timeline_id, seq) \
-     SELECT session_id, timeline_id, seq FROM closed ORDER BY session_id, timeline_id, seq";
+     SELECT session_id, timeline_id, seq FROM closed ORDER BY session_id COLLATE \"C\", timeline_id COLLATE \"C\", seq";
 
 async fn open_turn_tx(
     tx: &Transaction<'_>,

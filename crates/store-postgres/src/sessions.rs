@@ -17,6 +17,9 @@ use crate::store::from_pg;
 use crate::util::{fresh_id, non_negative, parse, parse_opt};
 use crate::PgStore;
 
+// Text keys are compared and ordered `COLLATE "C"` (byte order, as SQLite's
+// BINARY), whatever the database's collation, so listings and cursors
+// follow SQLite's order exactly.
 const SESSION_COLUMNS: &str = "id, channel, chat_id, dialog_id, title, agent_id, parent_id, \
      created_at, last_active_at, message_count, deleted_at, delivery_context, \
      head_timeline_id, state_hash";
@@ -113,8 +116,8 @@ pub(crate) async fn list_dialogs_tx(
         "SELECT {SESSION_COLUMNS} FROM sessions \
          WHERE channel = $1 AND chat_id = $2 \
            AND ($3::boolean OR deleted_at IS NULL) \
-           AND ($4::boolean OR (created_at, id) < ($5::bigint, $6::text)) \
-         ORDER BY created_at DESC, id DESC LIMIT $7"
+           AND ($4::boolean OR (created_at, id COLLATE \"C\") < ($5::bigint, $6::text)) \
+         ORDER BY created_at DESC, id COLLATE \"C\" DESC LIMIT $7"
     );
     let limit = i64::try_from(query.limit + 1).unwrap_or(i64::MAX);
     let mut items = query_sessions(
@@ -382,7 +385,7 @@ impl PgStore {
                 let sql = format!(
                     "SELECT {SESSION_COLUMNS} FROM sessions \
                      WHERE channel = $1 AND chat_id = $2 AND deleted_at IS NULL \
-                     ORDER BY last_active_at DESC, id DESC LIMIT 1"
+                     ORDER BY last_active_at DESC, id COLLATE \"C\" DESC LIMIT 1"
                 );
                 Ok(query_sessions(tx, &sql, &[&key.0, &key.1]).await?.pop())
             })
@@ -479,7 +482,7 @@ impl PgStore {
             Box::pin(async move {
                 let sql = format!(
                     "SELECT {SESSION_COLUMNS} FROM sessions WHERE parent_id = $1 \
-                     ORDER BY created_at, id"
+                     ORDER BY created_at, id COLLATE \"C\""
                 );
                 query_sessions(tx, &sql, &[&parent.to_string()]).await
             })

@@ -119,6 +119,7 @@ mod outline;
 mod projection;
 mod purge;
 mod queued;
+mod rows;
 mod runs;
 mod runtime;
 mod sessions;
@@ -165,6 +166,7 @@ pub use observe::{InboxGauges, MAX_TRACE_RUNS};
 pub use projection::{AgentChanges, EventCursor, RunQuery};
 pub use purge::{DialogUsage, PurgeReport};
 pub use queued::QueuedInput;
+pub use rows::{is_copied, read_sqlite_tables, Cell, SqliteLoader, TableChunk, COPY_TABLES};
 pub use runs::{
     AcceptGroup, AcceptRun, AcceptedGroup, AcceptedRun, CancelReport, CompletionHandling,
     GroupRecord, GroupStatus, NewGroup, NewRun, PausedRunCommit, RecoveryReport, ResumedRun,

@@ -12,7 +12,6 @@ mod orchestration;
 mod runtime;
 mod spend;
 mod stored_enums;
-mod timelines;
 mod write_cache;
 mod writer;
 mod sqlite {

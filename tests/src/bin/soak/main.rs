@@ -20,10 +20,21 @@
 //! and not at all otherwise (a delivery not marked consumed would be
 //! delivered again).
 //!
+//! With `--postgres URL` keel keeps its database on that PostgreSQL
+//! server instead of in the data directory (which still holds keel.toml,
+//! the agents and the scripts): the soak creates a database of its own
+//! there, `keel_soak_<pid>`, empty, points every `keel serve` and `keel
+//! doctor` at it with `KEEL_DATABASE_URL`, reads its audits from it, and
+//! drops it at the end (the empty-start baseline gets its own,
+//! `keel_soak_<pid>_empty`, each time). No failpoint is armed there: only
+//! the SQLite store has them.
+//!
 //! It prints one summary line per 10 kills and a final report; exit 1 when
 //! anything was lost, duplicated, or found by the checker. `cargo xtask
 //! soak` builds and runs it.
 #![allow(clippy::unwrap_used)] // a test driver: any failure is the run's failure
+
+mod database;
 
 use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, BufReader};
@@ -36,8 +47,11 @@ use futures::{SinkExt, StreamExt};
 use parking_lot::Mutex;
 use tokio_tungstenite::tungstenite::Message as WsMessage;
 
+use database::{Database, Snapshot};
+
 const USAGE: &str =
-    "usage: keel-soak --keel PATH [--kills N] [--seconds S] [--clients C] [--seed X] [--data DIR]";
+    "usage: keel-soak --keel PATH [--kills N] [--seconds S] [--clients C] [--seed X] \
+                     [--data DIR] [--postgres URL]";
 
 struct Args {
     keel: PathBuf,
@@ -46,6 +60,9 @@ struct Args {
     clients: usize,
     seed: u64,
     data: Option<PathBuf>,
+    /// A PostgreSQL server (a URL or a libpq `key=value` string) to keep
+    /// the database on instead of SQLite.
+    postgres: Option<String>,
 }
 
 fn args() -> Result<Args, String> {
@@ -56,6 +73,7 @@ fn args() -> Result<Args, String> {
         clients: 3,
         seed: keel_core::time::now_ms().unsigned_abs(),
         data: None,
+        postgres: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -70,6 +88,7 @@ fn args() -> Result<Args, String> {
             "--clients" => args.clients = value.parse().map_err(|e| bad(&e))?,
             "--seed" => args.seed = value.parse().map_err(|e| bad(&e))?,
             "--data" => args.data = Some(PathBuf::from(&value)),
+            "--postgres" => args.postgres = Some(value),
             _ => return Err(format!("unknown flag {flag}\n{USAGE}")),
         }
     }
@@ -192,28 +211,39 @@ const RUNTIME_FAILPOINTS: &[&str] = &[
     "store::commit_continuation::after_commit",
 ];
 
-/// Starts `keel serve` on `data` (with `failpoints` armed); returns it, its
-/// address and how long it took from spawn to its listening line, or None
-/// when it died before listening (at an armed failpoint).
-fn start(keel: &Path, data: &Path, failpoints: Option<&str>) -> Option<(Child, String, Duration)> {
+/// Starts `keel serve` on `data` and `db` (with `failpoints` armed);
+/// returns it, its address and how long it took from spawn to its
+/// listening line, or None when it died before listening (at an armed
+/// failpoint).
+fn start(
+    keel: &Path,
+    data: &Path,
+    db: &Database,
+    failpoints: Option<&str>,
+) -> Option<(Child, String, Duration)> {
     let started = Instant::now();
     let mut command = Command::new(keel);
     if let Some(spec) = failpoints {
         command.env("FAILPOINTS", spec);
     }
+    db.point(&mut command);
     let mut child = command
         .args(["serve", "--bind", "127.0.0.1:0", "--data-dir"])
         .arg(data)
         .env("KEEL_LOG", "error")
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        // The soak's own: a panic of the server is the first thing to read.
+        .stderr(Stdio::inherit())
         .spawn()
         .unwrap();
     let mut line = String::new();
     let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    if stdout.read_line(&mut line).unwrap() == 0 && failpoints.is_some() {
-        child.wait().unwrap();
-        return None;
+    if stdout.read_line(&mut line).unwrap() == 0 {
+        let status = child.wait().unwrap();
+        if failpoints.is_some() {
+            return None;
+        }
+        panic!("keel serve exited with {status} before listening (its stderr is above)");
     }
     let took = started.elapsed();
     // Keep reading: a closed pipe would fail the server's next print.
@@ -237,9 +267,11 @@ fn kill(child: &mut Child) -> bool {
     true
 }
 
-/// `keel doctor` on the live directory: its number of findings.
-fn doctor(keel: &Path, data: &Path) -> usize {
-    let out = Command::new(keel)
+/// `keel doctor` on the live directory and `db`: its number of findings.
+fn doctor(keel: &Path, data: &Path, db: &Database) -> usize {
+    let mut command = Command::new(keel);
+    db.point(&mut command);
+    let out = command
         .args(["doctor", "--data-dir"])
         .arg(data)
         .env("KEEL_LOG", "error")
@@ -259,34 +291,14 @@ fn doctor(keel: &Path, data: &Path) -> usize {
         .max(1)
 }
 
-/// A message row's JSON: the text, or its zstd frame decompressed (keel
-/// stores long messages compressed).
-fn content_text(r: &rusqlite::Row<'_>) -> rusqlite::Result<String> {
-    Ok(match r.get_ref(0)? {
-        rusqlite::types::ValueRef::Blob(frame) => {
-            String::from_utf8(zstd::stream::decode_all(frame).unwrap()).unwrap()
-        }
-        _ => r.get(0)?,
-    })
-}
-
 /// How often each user message text the soak wrote (sends and steers, all
 /// starting with `life `) is stored, in every dialog and branch. Sub-agent
 /// tasks are user messages too, but the script repeats them in every life.
-fn stored_user_texts(db: &Path) -> HashMap<String, usize> {
-    let conn =
-        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
-            .unwrap();
-    let mut stmt = conn
-        .prepare("SELECT content FROM messages WHERE role = 'user'")
-        .unwrap();
+fn stored_user_texts(snapshot: &Snapshot) -> HashMap<String, usize> {
     let mut counts = HashMap::new();
-    let rows = stmt.query_map([], content_text).unwrap();
-    for content in rows {
-        let message: keel_core::Message = serde_json::from_str(&content.unwrap()).unwrap();
-        let text = message.text();
+    for text in &snapshot.user_texts {
         if text.starts_with("life ") {
-            *counts.entry(text).or_insert(0) += 1;
+            *counts.entry(text.clone()).or_insert(0) += 1;
         }
     }
     counts
@@ -311,25 +323,15 @@ struct SignalAudit {
     unmarked: usize,
 }
 
-/// Audits the signals in one read snapshot against `acknowledged` (event
+/// Audits the signals of one read snapshot against `acknowledged` (event
 /// ids whose frames arrived): each is stored, and each stored signal is in
 /// a user message of its root's history ("N. Signal from run R (…):"
 /// followed by its summary in a keel:data fence) once if consumed, never
 /// otherwise.
-fn audit_signals(db: &Path, acknowledged: &HashSet<String>) -> SignalAudit {
-    let conn =
-        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
-            .unwrap();
-    conn.busy_timeout(Duration::from_secs(10)).unwrap();
-    conn.execute_batch("BEGIN").unwrap();
-    let mut in_history: HashMap<(String, String), usize> = HashMap::new();
+fn audit_signals(snapshot: &Snapshot, acknowledged: &HashSet<String>) -> SignalAudit {
+    let mut in_history: HashMap<(&str, &str), usize> = HashMap::new();
     let mut into_running = 0;
-    let mut stmt = conn
-        .prepare("SELECT content FROM messages WHERE role = 'user'")
-        .unwrap();
-    for content in stmt.query_map([], content_text).unwrap() {
-        let message: keel_core::Message = serde_json::from_str(&content.unwrap()).unwrap();
-        let text = message.text();
+    for text in &snapshot.user_texts {
         if !text.contains("Signal from run ") {
             continue;
         }
@@ -339,14 +341,13 @@ fn audit_signals(db: &Path, acknowledged: &HashSet<String>) -> SignalAudit {
             let Some((_, rest)) = line.split_once(". Signal from run ") else {
                 continue;
             };
-            let run = rest.split(' ').next().unwrap_or("").to_owned();
+            let run = rest.split(' ').next().unwrap_or("");
             // The summary is the first line inside the signal's data fence.
             let summary = lines
                 .by_ref()
                 .skip_while(|l| !l.starts_with("<<<keel:data "))
                 .nth(1)
-                .unwrap_or("")
-                .to_owned();
+                .unwrap_or("");
             *in_history.entry((run, summary)).or_insert(0) += 1;
             into_running += usize::from(running);
         }
@@ -356,30 +357,13 @@ fn audit_signals(db: &Path, acknowledged: &HashSet<String>) -> SignalAudit {
         ..SignalAudit::default()
     };
     let mut stored = HashSet::new();
-    let mut stmt = conn
-        .prepare("SELECT id, run_id, delivery, status, payload_json FROM agent_inbox_events WHERE event_type = 'signal'")
-        .unwrap();
-    let rows = stmt
-        .query_map([], |r| {
-            Ok((
-                r.get::<_, String>(0)?,
-                r.get::<_, String>(1)?,
-                r.get::<_, String>(2)?,
-                r.get::<_, String>(3)?,
-                r.get::<_, String>(4)?,
-            ))
-        })
-        .unwrap();
-    for row in rows {
-        let (id, run, delivery, status, payload) = row.unwrap();
-        let payload: serde_json::Value = serde_json::from_str(&payload).unwrap();
-        let summary = payload["summary"].as_str().unwrap_or("").to_owned();
+    for signal in &snapshot.signals {
         let n = in_history
-            .get(&(run.clone(), summary.clone()))
+            .get(&(signal.run.as_str(), signal.summary.as_str()))
             .copied()
             .unwrap_or(0);
-        let consumed = status == "consumed";
-        match delivery.as_str() {
+        let consumed = signal.status == "consumed";
+        match signal.delivery.as_str() {
             "steer" => audit.steer += 1,
             _ => audit.queue += 1,
         }
@@ -388,17 +372,18 @@ fn audit_signals(db: &Path, acknowledged: &HashSet<String>) -> SignalAudit {
             audit.doubled += 1;
         }
         if (consumed && n == 0) || (!consumed && n > 0) {
-            eprintln!("keel-soak: signal {id} of run {run} ({summary:?}) is {status} and in the history {n} times");
+            eprintln!(
+                "keel-soak: signal {} of run {} ({:?}) is {} and in the history {n} times",
+                signal.id, signal.run, signal.summary, signal.status
+            );
             audit.unmarked += 1;
         }
-        stored.insert(id);
+        stored.insert(signal.id.as_str());
     }
     audit.lost = acknowledged
         .iter()
-        .filter(|id| !stored.contains(*id))
+        .filter(|id| !stored.contains(id.as_str()))
         .count();
-    drop(stmt);
-    conn.execute_batch("COMMIT").unwrap();
     audit
 }
 
@@ -513,14 +498,16 @@ fn main() -> std::process::ExitCode {
         .clone()
         .unwrap_or_else(|| scratch.path().join("data"));
     prepare(&data);
-    let db = data.join("keel.db");
+    let soak_db = format!("keel_soak_{}", std::process::id());
+    let db = Database::create(args.postgres.as_deref(), &data, &soak_db);
     println!(
-        "keel-soak: {} kills, up to {} s of load each, {} clients, seed {}, data {}",
+        "keel-soak: {} kills, up to {} s of load each, {} clients, seed {}, data {}, database {}",
         args.kills,
         args.seconds,
         args.clients,
         args.seed,
-        data.display()
+        data.display(),
+        db.describe()
     );
     let mut rng = Rng(args.seed | 1);
     let ledger = Arc::new(Mutex::new(Ledger::default()));
@@ -531,27 +518,37 @@ fn main() -> std::process::ExitCode {
     let mut failpoint_deaths = 0u32;
     let started = Instant::now();
     for life in 0..=args.kills {
-        // The baseline, interleaved with the kills: an empty data directory.
+        // The baseline, interleaved with the kills: an empty data directory
+        // and database (dropped once the server is dead).
         if life % 10 == 0 {
             let empty = scratch.path().join(format!("empty-{life}"));
             prepare(&empty);
-            let (mut child, _, took) = start(&args.keel, &empty, None).unwrap();
+            let empty_db = Database::create(
+                args.postgres.as_deref(),
+                &empty,
+                &format!("{soak_db}_empty"),
+            );
+            let (mut child, _, took) = start(&args.keel, &empty, &empty_db, None).unwrap();
             empty_open.push(took.as_secs_f64() * 1000.0);
             kill(&mut child);
             let _ = std::fs::remove_dir_all(&empty);
         }
-        let armed = (life < args.kills && rng.unit() < 0.25).then(|| {
-            let name = RUNTIME_FAILPOINTS[rng.next() as usize % RUNTIME_FAILPOINTS.len()];
-            format!("{name}=10%return")
-        });
-        let Some((mut child, addr, took)) = start(&args.keel, &data, armed.as_deref()) else {
+        // Drawn on either backend, so that a seed loads both alike.
+        let armed = (life < args.kills && rng.unit() < 0.25)
+            .then(|| {
+                let name = RUNTIME_FAILPOINTS[rng.next() as usize % RUNTIME_FAILPOINTS.len()];
+                format!("{name}=10%return")
+            })
+            .filter(|_| db.has_failpoints());
+        let Some((mut child, addr, took)) = start(&args.keel, &data, &db, armed.as_deref()) else {
             failpoint_deaths += 1;
             continue;
         };
         if life > 0 {
             recovery.push(took.as_secs_f64() * 1000.0);
-            findings += doctor(&args.keel, &data);
-            let stored = stored_user_texts(&db);
+            findings += doctor(&args.keel, &data, &db);
+            let snapshot = db.snapshot();
+            let stored = stored_user_texts(&snapshot);
             let acked = ledger.lock().acknowledged.clone();
             let now_lost = acked.iter().filter(|t| !stored.contains_key(*t)).count();
             let now_doubled = stored.values().filter(|n| **n > 1).count();
@@ -560,7 +557,7 @@ fn main() -> std::process::ExitCode {
             }
             lost = lost.max(now_lost);
             duplicated = duplicated.max(now_doubled);
-            let audit = audit_signals(&db, &ledger.lock().signals.clone());
+            let audit = audit_signals(&snapshot, &ledger.lock().signals.clone());
             if audit.lost + audit.doubled + audit.unmarked > 0 {
                 eprintln!(
                     "keel-soak: after kill {life}: {} acknowledged signals lost, {} delivered twice, {} delivered but not consumed or consumed but not delivered",
@@ -631,25 +628,25 @@ fn main() -> std::process::ExitCode {
     recovery.sort_by(f64::total_cmp);
     empty_open.sort_by(f64::total_cmp);
     let l = ledger.lock();
-    let runs =
-        rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
-            .and_then(|c| {
-                c.query_row(
-                    "SELECT count(*), count(*) FILTER (WHERE mode = 'background') FROM agent_runs",
-                    [],
-                    |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?)),
-                )
-            })
-            .unwrap_or((0, 0));
-    let signals = audit_signals(&db, &l.signals);
+    let snapshot = db.snapshot();
+    let runs = snapshot.runs;
+    let signals = audit_signals(&snapshot, &l.signals);
     signal_lost = signal_lost.max(signals.lost);
     signal_doubled = signal_doubled.max(signals.doubled);
     signal_unmarked = signal_unmarked.max(signals.unmarked);
-    println!("keel-soak report (seed {}):", args.seed);
-    println!(
-        "  kills                  {} ({failpoint_deaths} of them at an armed failpoint)",
-        args.kills
-    );
+    println!("keel-soak report (seed {}, {}):", args.seed, db.backend());
+    if db.has_failpoints() {
+        println!(
+            "  kills                  {} ({failpoint_deaths} of them at an armed failpoint)",
+            args.kills
+        );
+    } else {
+        println!(
+            "  kills                  {} (no failpoint armed: {} has none)",
+            args.kills,
+            db.backend()
+        );
+    }
     println!("  messages sent          {}", l.sent);
     println!("  turns acknowledged     {}", l.acknowledged.len());
     println!("  turns failed/refused   {}", l.failed);
