@@ -1,6 +1,7 @@
 //! keel-store-postgres on a real PostgreSQL (see `keel_store_postgres::testing`): one test binary.
 
 mod checks;
+mod inbox;
 mod lock;
 mod messages;
 mod pool;

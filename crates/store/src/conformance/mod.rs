@@ -25,6 +25,7 @@ pub mod inbox;
 pub mod mcp;
 pub mod messages;
 pub mod observe;
+pub mod projection;
 pub mod purge;
 pub mod runs;
 pub mod runtime;
@@ -129,6 +130,12 @@ macro_rules! conformance_suite {
                 a_release_that_is_no_failed_delivery_keeps_attempts_and_backoff,
                 an_event_backing_off_past_its_time_to_live_is_due_for_dead_lettering,
                 a_dead_letter_is_told_once_by_a_notice_in_the_sessions_history,
+                racing_claimers_lease_every_event_to_exactly_one_of_them,
+            }
+            projection {
+                message_pages_walk_the_current_branch_both_ways,
+                runs_filter_and_changes_come_after_a_revision,
+                checkpoint_and_run_event_pages_give_every_item_once,
             }
             purge {
                 a_purge_removes_the_expired_deleted_dialogs_and_every_row_of_theirs,

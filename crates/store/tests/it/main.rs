@@ -9,7 +9,6 @@ mod compression;
 mod history;
 mod migrations;
 mod orchestration;
-mod projection;
 mod runtime;
 mod spend;
 mod stored_enums;
