@@ -145,9 +145,8 @@ async fn a_copy_to_postgres_and_back_keeps_every_row() {
     }
     let original = source.path().join("keel.db");
     let pg = db.conninfo.clone();
-    let copy = |from: String, to: String| async move {
-        keel_gateway::copy_cmd::run(&from, &to).await
-    };
+    let copy =
+        |from: String, to: String| async move { keel_gateway::copy_cmd::run(&from, &to).await };
     let code = copy(format!("sqlite:{}", original.display()), pg.clone())
         .await
         .unwrap();
