@@ -3,43 +3,12 @@
 //! pruning that keeps what heads and the remaining checkpoints need.
 #![allow(missing_docs)] // a test's name is its documentation
 
-use keel_core::{CheckpointId, Message, SessionId};
+use keel_core::{CheckpointId, Message};
 
-use crate::{
-    CheckpointSource, MessageFilter, NewCheckpoint, NewMessage, PrunePolicy, Store, StoreError,
-    TurnCommit,
-};
+use crate::{CheckpointSource, MessageFilter, NewCheckpoint, NewMessage, PrunePolicy, StoreError};
 
 use super::fixtures::*;
 use super::TestDb;
-
-fn turn(session: SessionId, n: u64, state: &str, checkpoint: bool) -> TurnCommit {
-    TurnCommit {
-        calls: None,
-        session_id: session,
-        messages: vec![user(&format!("q{n}")), assistant(&format!("a{n}"))],
-        state: state.as_bytes().to_vec(),
-        checkpoint: checkpoint.then(|| NewCheckpoint {
-            id: CheckpointId::new(),
-            turn_index: n,
-            source: CheckpointSource::Turn,
-        }),
-        visible_user_inputs: 1,
-        answers: Vec::new(),
-        expected_head: None,
-        now_ms: 1000 + i64::try_from(n).unwrap(),
-    }
-}
-
-async fn texts(store: &Store, session: SessionId) -> Vec<String> {
-    store
-        .load_messages(session, MessageFilter::default())
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|m| m.message.text())
-        .collect()
-}
 
 async fn count(db: &TestDb, table: &str) -> i64 {
     db.scalar(&format!("SELECT count(*) FROM {table}")).await
