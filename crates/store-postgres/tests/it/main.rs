@@ -5,6 +5,7 @@ mod inbox;
 mod lock;
 mod messages;
 mod pool;
+mod retries;
 mod runs;
 mod schema;
 
