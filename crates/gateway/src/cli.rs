@@ -128,10 +128,10 @@ pub enum Command {
     },
     /// Copy a whole database to an empty one of either backend (sqlite:PATH or postgres://…), then check the copy.
     Copy {
-        /// The database to copy: sqlite:PATH or a postgres:// URL (read in one snapshot, also while a keel runs on it).
+        /// The database to copy: sqlite:PATH, or a PostgreSQL URL or key=value string (read in one snapshot, also while a keel runs on it).
         #[arg(long, value_name = "LOCATION")]
         from: String,
-        /// The empty database to fill: sqlite:PATH or a postgres:// URL (created and migrated if needed).
+        /// The empty database to fill: sqlite:PATH, or a PostgreSQL URL or key=value string (created and migrated if needed).
         #[arg(long, value_name = "LOCATION")]
         to: String,
     },
