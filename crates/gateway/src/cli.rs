@@ -34,12 +34,6 @@ pub enum Command {
         #[arg(long, value_name = "DIR")]
         data_dir: Option<PathBuf>,
     },
-    /// Bring the database (SQLite, or PostgreSQL with storage.url) to this keel's schema, and say what was done.
-    Migrate {
-        /// Data directory and configuration.
-        #[command(flatten)]
-        data: DataArgs,
-    },
     /// Terminal chat with slash commands (/help lists them).
     Chat {
         /// Data directory and configuration.
@@ -125,6 +119,21 @@ pub enum Command {
         /// Replace the data directory's existing database.
         #[arg(long)]
         force: bool,
+    },
+    /// Bring the database (SQLite, or PostgreSQL with storage.url) to this keel's schema, and say what was done.
+    Migrate {
+        /// Data directory and configuration.
+        #[command(flatten)]
+        data: DataArgs,
+    },
+    /// Copy a whole database to an empty one of either backend (sqlite:PATH or postgres://…), then check the copy.
+    Copy {
+        /// The database to copy: sqlite:PATH, or a PostgreSQL URL or key=value string (read in one snapshot, also while a keel runs on it).
+        #[arg(long, value_name = "LOCATION")]
+        from: String,
+        /// The empty database to fill: sqlite:PATH, or a PostgreSQL URL or key=value string (created and migrated if needed).
+        #[arg(long, value_name = "LOCATION")]
+        to: String,
     },
     /// Write one dialog (history, hidden messages, state, memory, branches, checkpoints, runs) as versioned JSON
     ///
@@ -306,6 +315,7 @@ async fn dispatch(command: Command) -> crate::error::Result<ExitCode> {
             )
             .await
         }
+        Command::Copy { from, to } => crate::copy_cmd::run(&from, &to).await,
         Command::Migrate { data } => {
             crate::migrate_cmd::run(data.config.as_deref(), data.data_dir.as_deref()).await
         }

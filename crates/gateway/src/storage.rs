@@ -36,8 +36,8 @@ impl Location {
         }
     }
 
-    /// A command-line location: `sqlite:PATH`, or a `postgres://` /
-    /// `postgresql://` URL.
+    /// A command-line location: `sqlite:PATH`, a `postgres://` /
+    /// `postgresql://` URL, or libpq's key=value form (`host=… dbname=…`).
     pub fn parse(arg: &str) -> Result<Location> {
         if let Some(path) = arg.strip_prefix("sqlite:") {
             if path.is_empty() {
@@ -52,12 +52,16 @@ impl Location {
             check_url(arg).map_err(|why| AppError::InvalidInput(format!("the URL {why}")))?;
             return Ok(Location::Postgres(arg.to_owned()));
         }
+        if !arg.contains("://") && arg.contains('=') && check_url(arg).is_ok() {
+            return Ok(Location::Postgres(arg.to_owned()));
+        }
         let shown = match arg.split_once("://") {
             Some((scheme, _)) => format!("a {scheme}:// URL"),
             None => format!("{arg:?}"),
         };
         Err(AppError::InvalidInput(format!(
-            "{shown} is neither sqlite:PATH nor a postgres:// URL"
+            "{shown} is neither sqlite:PATH nor a PostgreSQL connection string \
+             (postgres://… or host=… dbname=…)"
         )))
     }
 
@@ -199,6 +203,10 @@ mod tests {
         assert_eq!(
             Location::parse("postgres://keel@db/keel").expect("postgres"),
             Location::Postgres("postgres://keel@db/keel".into())
+        );
+        assert_eq!(
+            Location::parse("host=/run/postgresql dbname=keel").expect("key=value"),
+            Location::Postgres("host=/run/postgresql dbname=keel".into())
         );
         let errors: Vec<String> = [
             "sqlite:",

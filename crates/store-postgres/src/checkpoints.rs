@@ -582,9 +582,11 @@ impl PgStore {
         let keep = i64::try_from(keep).unwrap_or(i64::MAX);
         self.read(move |tx| {
             Box::pin(async move {
+                // SQLite groups in session id order (by its index or a
+                // sort); a hash aggregate here would not, hence the ORDER BY.
                 tx.query(
                     "SELECT session_id FROM checkpoints WHERE source = 'turn' \
-                     GROUP BY session_id HAVING count(*) > $1",
+                     GROUP BY session_id HAVING count(*) > $1 ORDER BY session_id",
                     &[&keep],
                 )
                 .await
@@ -598,7 +600,8 @@ impl PgStore {
     }
 
     /// SQLite's incremental vacuum; on PostgreSQL autovacuum makes the space
-    /// of deleted rows reusable on its own, so there is nothing to do.
+    /// of deleted rows reusable on its own, so there is nothing to do and
+    /// no page is reported given back: always `Ok(0)`.
     pub(crate) async fn reclaim_pages(&self, max_pages: u32) -> Result<u64> {
         let _ = max_pages;
         Ok(0)

@@ -575,6 +575,9 @@ pub(crate) async fn sessions_with_inbox_work_tx(tx: &Transaction<'_>) -> Result<
     .collect()
 }
 
+/// When an event's time to live (`$3`) ends, as an SQL expression.
+const EXPIRY: &str = "(created_at::numeric + $3::bigint)";
+
 /// Dead letters whose user was not told (and should be), as an SQL condition.
 const UNNOTIFIED: &str = "status = 'dead_letter' AND fallback_notified_at IS NULL \
      AND fallback_suppressed_reason IS NULL";
@@ -809,16 +812,20 @@ impl PgStore {
     ) -> Result<InboxSchedule> {
         self.read(move |tx| {
             Box::pin(async move {
+                // Expiry (`created_at + ttl`) is computed in numeric: a ttl
+                // saturated to i64::MAX would overflow BIGINT (an error
+                // here; SQLite goes on in floating point). The least of it
+                // and a BIGINT retry time fits BIGINT again.
                 let r = tx
                     .query_one(
                         &format!(
                             "SELECT min(created_at) FILTER (WHERE status = 'pending' AND \
                                       (next_attempt_at IS NULL OR next_attempt_at <= $2)), \
-                                    min(LEAST(next_attempt_at, created_at + $3)) FILTER (WHERE \
+                                    (min(LEAST(next_attempt_at, {EXPIRY})) FILTER (WHERE \
                                       status = 'pending' AND next_attempt_at > $2 \
-                                      AND created_at + $3 > $2), \
+                                      AND {EXPIRY} > $2))::bigint, \
                                     count(*) FILTER (WHERE status = 'pending' \
-                                      AND next_attempt_at > $2 AND created_at + $3 <= $2), \
+                                      AND next_attempt_at > $2 AND {EXPIRY} <= $2), \
                                     count(*) FILTER (WHERE {UNNOTIFIED}) \
                              FROM agent_inbox_events WHERE root_session_id = $1 \
                                AND status IN ('pending', 'dead_letter')"

@@ -27,8 +27,9 @@
 //! - **Per-process fencing.** The one-owner lock becomes a process row
 //!   with a fencing epoch (from a sequence) renewed every `lease_secs / 3`;
 //!   runs are stamped with their process's epoch, and recovery interrupts
-//!   only the runs of processes whose lease expired (seed 002's recovery,
-//!   per process instead of per generation).
+//!   only the runs of processes whose lease expired (the recovery a start
+//!   runs today — interrupted, completion recorded once — per process
+//!   instead of per generation).
 //! - **Session leases.** A session's turns run under a lease row
 //!   (`session_id`, owner epoch, expiry) taken before the turn and checked
 //!   in the turn's commit, so a stale owner's commit is refused; a process

@@ -3,6 +3,12 @@
 //! events of one run, and everything that changed after a client revision,
 //! each in one snapshot.
 
+// Pages order and compare ids in the database's collation, not `COLLATE
+// "C"`: every id here is canonical UUID text (lowercase hex, hyphens at the
+// same places), which the libc and ICU collations sort in byte order, as
+// SQLite does, and the default collation lets `(root_session_id,
+// created_at DESC, id DESC)` serve a page of runs in order.
+
 use keel_core::{RunId, SessionId};
 use keel_store::{
     AgentChanges, EventCursor, InboxEvent, Page, Result, RunCursor, RunQuery, RunRecord,

@@ -218,11 +218,9 @@ impl PgStore {
     ) -> Result<Vec<SessionId>> {
         self.read(move |tx| {
             Box::pin(async move {
-                // SQLite breaks ties of created_at by rowid; ids are
-                // time-ordered (v7), which is the same order here.
                 tx.query(
                     "SELECT id FROM sessions WHERE deleted_at IS NOT NULL AND deleted_at <= $1 \
-                     ORDER BY created_at DESC, id DESC",
+                     ORDER BY created_at DESC, row_order DESC",
                     &[&deleted_before_ms],
                 )
                 .await

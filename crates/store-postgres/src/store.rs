@@ -5,7 +5,8 @@
 //! is that of some serial order of the transactions), so each domain
 //! transaction keeps the shape of keel-store's SQLite one. A transaction
 //! PostgreSQL aborts to keep that promise (serialization failure, deadlock)
-//! is retried from the start with backoff; a constraint violation never is.
+//! is retried from the start with backoff, and so is one whose connection
+//! broke before `COMMIT` was sent; a constraint violation never is.
 //! Every read runs in one `REPEATABLE READ READ ONLY` transaction
 //! ([`PgStore::read`]): one snapshot, as on SQLite.
 //!
@@ -223,20 +224,20 @@ impl PgStore {
             .pool
             .get()
             .await
-            .map_err(|e| Attempt::Failed(from_pool(e)))?;
+            .map_err(|e| Attempt::before_commit(from_pool(e)))?;
         let tx = client
             .build_transaction()
             .isolation_level(isolation)
             .read_only(read_only)
             .start()
             .await
-            .map_err(Attempt::classify)?;
+            .map_err(|e| Attempt::before_commit(from_pg(e)))?;
         if fence != 0 {
             crate::runtime::check_fence(&tx, fence)
                 .await
-                .map_err(Attempt::classify_store)?;
+                .map_err(Attempt::before_commit)?;
         }
-        let value = body(&tx).await.map_err(Attempt::classify_store)?;
+        let value = body(&tx).await.map_err(Attempt::before_commit)?;
         match tx.commit().await {
             Ok(()) => Ok(value),
             Err(e) => match e.code() {
@@ -259,16 +260,12 @@ enum Attempt {
 }
 
 impl Attempt {
-    fn classify(e: tokio_postgres::Error) -> Self {
-        match e.code() {
-            Some(code) if is_retryable(code) => Attempt::Retry(from_pg(e)),
-            _ => Attempt::Failed(from_pg(e)),
-        }
-    }
-
-    fn classify_store(e: StoreError) -> Self {
+    /// A failure before `COMMIT` was sent: nothing of the attempt is
+    /// kept, so a conflict or a lost connection (the pool hands the next
+    /// attempt another) is worth another attempt.
+    fn before_commit(e: StoreError) -> Self {
         match e {
-            StoreError::Busy { .. } => Attempt::Retry(e),
+            StoreError::Busy { .. } | StoreError::Io { .. } => Attempt::Retry(e),
             e => Attempt::Failed(e),
         }
     }
@@ -290,6 +287,7 @@ fn with_attempts(e: StoreError, attempts: usize) -> StoreError {
     let attempts = u32::try_from(attempts).unwrap_or(u32::MAX);
     match e {
         StoreError::Busy { message, .. } => StoreError::Busy { attempts, message },
+        StoreError::Io { message, .. } => StoreError::Io { attempts, message },
         other => other,
     }
 }

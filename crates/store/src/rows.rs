@@ -62,7 +62,13 @@ pub const ROW_ORDER: &str = "row_order";
 
 /// The tables whose insertion order is part of their data (listings and
 /// "the newest" follow it).
-pub const ROW_ORDERED: [&str; 4] = ["timelines", "checkpoints", "agent_run_groups", "agent_runs"];
+pub const ROW_ORDERED: [&str; 5] = [
+    "sessions",
+    "timelines",
+    "checkpoints",
+    "agent_run_groups",
+    "agent_runs",
+];
 
 /// Most rows a chunk holds.
 pub const CHUNK_ROWS: usize = 1000;

@@ -3,9 +3,11 @@
 mod check;
 mod checks;
 mod copy;
+mod inbox;
 mod lock;
 mod messages;
 mod pool;
+mod retries;
 mod runs;
 mod schema;
 

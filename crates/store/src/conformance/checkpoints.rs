@@ -3,43 +3,12 @@
 //! pruning that keeps what heads and the remaining checkpoints need.
 #![allow(missing_docs)] // a test's name is its documentation
 
-use keel_core::{CheckpointId, Message, SessionId};
+use keel_core::{CheckpointId, Message};
 
-use crate::{
-    CheckpointSource, MessageFilter, NewCheckpoint, NewMessage, PrunePolicy, Store, StoreError,
-    TurnCommit,
-};
+use crate::{CheckpointSource, MessageFilter, NewCheckpoint, NewMessage, PrunePolicy, StoreError};
 
 use super::fixtures::*;
 use super::TestDb;
-
-fn turn(session: SessionId, n: u64, state: &str, checkpoint: bool) -> TurnCommit {
-    TurnCommit {
-        calls: None,
-        session_id: session,
-        messages: vec![user(&format!("q{n}")), assistant(&format!("a{n}"))],
-        state: state.as_bytes().to_vec(),
-        checkpoint: checkpoint.then(|| NewCheckpoint {
-            id: CheckpointId::new(),
-            turn_index: n,
-            source: CheckpointSource::Turn,
-        }),
-        visible_user_inputs: 1,
-        answers: Vec::new(),
-        expected_head: None,
-        now_ms: 1000 + i64::try_from(n).unwrap(),
-    }
-}
-
-async fn texts(store: &Store, session: SessionId) -> Vec<String> {
-    store
-        .load_messages(session, MessageFilter::default())
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|m| m.message.text())
-        .collect()
-}
 
 async fn count(db: &TestDb, table: &str) -> i64 {
     db.scalar(&format!("SELECT count(*) FROM {table}")).await
@@ -336,4 +305,149 @@ pub async fn prune_keeps_what_heads_and_remaining_checkpoints_need(db: TestDb) {
         texts(&store, s.id).await,
         ["q1", "a1", "q2", "a2", "q5", "a5"]
     );
+}
+
+pub async fn retention_finds_the_sessions_over_the_limit_and_prunes_past_one_batch(db: TestDb) {
+    let store = db.store.clone();
+    // More turn checkpoints than one prune transaction handles (256).
+    let big = store.create_session(new_session("big", 1)).await.unwrap();
+    for n in 1..=260 {
+        store
+            .commit_turn(turn(big.id, n, &format!("big{n}"), true))
+            .await
+            .unwrap();
+    }
+    let small = store.create_session(new_session("small", 1)).await.unwrap();
+    for n in 1..=3 {
+        store
+            .commit_turn(turn(small.id, n, &format!("small{n}"), true))
+            .await
+            .unwrap();
+    }
+    // Manual checkpoints are not what retention counts.
+    let quiet = store.create_session(new_session("quiet", 1)).await.unwrap();
+    store
+        .commit_turn(turn(quiet.id, 1, "quiet1", true))
+        .await
+        .unwrap();
+    for n in 2..=4 {
+        store
+            .create_checkpoint(
+                quiet.id,
+                NewCheckpoint {
+                    id: CheckpointId::new(),
+                    turn_index: n,
+                    source: CheckpointSource::Manual,
+                },
+                format!("quiet{n}").into_bytes(),
+                2000,
+            )
+            .await
+            .unwrap();
+    }
+
+    // In session id order.
+    let mut over = vec![big.id, small.id];
+    over.sort_by_key(ToString::to_string);
+    assert_eq!(store.sessions_over_turn_checkpoints(2).await.unwrap(), over);
+    assert_eq!(
+        store.sessions_over_turn_checkpoints(3).await.unwrap(),
+        [big.id]
+    );
+    assert!(store
+        .sessions_over_turn_checkpoints(260)
+        .await
+        .unwrap()
+        .is_empty());
+
+    let report = store
+        .prune_checkpoints(
+            big.id,
+            PrunePolicy {
+                keep_latest: Some(2),
+                older_than_ms: None,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (report.checkpoints_deleted, report.blobs_deleted),
+        (258, 258),
+        "every batch ran"
+    );
+    assert_eq!(store.list_checkpoints(big.id).await.unwrap().len(), 2);
+    assert_eq!(
+        store.sessions_over_turn_checkpoints(2).await.unwrap(),
+        [small.id]
+    );
+    assert_eq!(texts(&store, big.id).await.len(), 520, "the history stays");
+    // Space goes back in bounded steps (or, on a backend that reuses it in
+    // place, none is reported).
+    assert!(store.reclaim_pages(16).await.unwrap() <= 16);
+
+    let report = store.delete_checkpoints(big.id).await.unwrap();
+    assert_eq!(report.checkpoints_deleted, 2);
+    assert!(store.latest_checkpoint(big.id).await.unwrap().is_none());
+}
+
+pub async fn checkpoint_pages_go_newest_first_by_time_then_id_and_give_each_once(db: TestDb) {
+    let store = db.store.clone();
+    let s = store.create_session(new_session("d", 1)).await.unwrap();
+    // Three taken in the same millisecond, their (caller-chosen) ids in
+    // the reverse of the order they were written in; two later ones.
+    let mut tied: Vec<CheckpointId> = (0..3).map(|_| CheckpointId::new()).collect();
+    let written = tied.iter().rev().map(|id| (*id, 100));
+    let later = [(CheckpointId::new(), 200), (CheckpointId::new(), 50)];
+    for (n, (id, at)) in written.chain(later).enumerate() {
+        let cp = NewCheckpoint {
+            id,
+            turn_index: u64::try_from(n).unwrap(),
+            source: CheckpointSource::Manual,
+        };
+        store
+            .create_checkpoint(s.id, cp, format!("s{n}").into_bytes(), at)
+            .await
+            .unwrap();
+    }
+    let mut expected: Vec<_> = store
+        .list_checkpoints(s.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|c| (c.created_at_ms, c.id))
+        .collect();
+    expected.sort_by(|a, b| b.cmp(a));
+    tied.sort_by(|a, b| b.cmp(a));
+    assert_eq!(
+        expected[1..4].iter().map(|(_, id)| *id).collect::<Vec<_>>(),
+        tied,
+        "ties in time go by id, newest written or not"
+    );
+
+    let mut seen = Vec::new();
+    let mut cursor = None;
+    loop {
+        let page = store.checkpoint_page(s.id, cursor, 2).await.unwrap();
+        assert!(page.items.len() <= 2);
+        seen.extend(page.items.iter().map(|c| (c.created_at_ms, c.id)));
+        // One taken while a client pages sorts before its cursor.
+        let cp = NewCheckpoint {
+            id: CheckpointId::new(),
+            turn_index: 9,
+            source: CheckpointSource::Manual,
+        };
+        store
+            .create_checkpoint(s.id, cp, b"later".to_vec(), 300)
+            .await
+            .unwrap();
+        match page.next_cursor {
+            Some(next) => cursor = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!(seen, expected);
+    for limit in [0, 1001] {
+        let err = store.checkpoint_page(s.id, None, limit).await.unwrap_err();
+        assert!(matches!(err, StoreError::InvalidInput(_)), "{err}");
+    }
 }

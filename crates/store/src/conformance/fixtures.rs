@@ -1,12 +1,13 @@
 //! Rows the conformance tests (and keel-store's own tests) build.
 
 use keel_core::{
-    AgentId, Delivery, EventId, ExecutionMode, Message, RunId, SessionId, TurnOrigin, Usage,
+    AgentId, CheckpointId, Delivery, EventId, ExecutionMode, Message, RunId, SessionId, TurnOrigin,
+    Usage,
 };
 
 use crate::{
-    AcceptRun, ClaimRequest, CompletionHandling, InboxUsage, NewMessage, NewRun, NewSession, Store,
-    TerminalOutcome, TurnCommit,
+    AcceptRun, CheckpointSource, ClaimRequest, CompletionHandling, InboxUsage, MessageFilter,
+    NewCheckpoint, NewMessage, NewRun, NewSession, Store, TerminalOutcome, TurnCommit,
 };
 
 /// Appends `n` messages from as many tasks at once, the i-th through
@@ -184,4 +185,35 @@ pub fn turn_of(root: SessionId, now_ms: i64) -> TurnCommit {
         expected_head: None,
         now_ms,
     }
+}
+
+/// Turn `n` of `session`: question `q{n}`, answer `a{n}`, state `state`,
+/// a turn checkpoint when `checkpoint`, at 1000 + n ms.
+pub fn turn(session: SessionId, n: u64, state: &str, checkpoint: bool) -> TurnCommit {
+    TurnCommit {
+        calls: None,
+        session_id: session,
+        messages: vec![user(&format!("q{n}")), assistant(&format!("a{n}"))],
+        state: state.as_bytes().to_vec(),
+        checkpoint: checkpoint.then(|| NewCheckpoint {
+            id: CheckpointId::new(),
+            turn_index: n,
+            source: CheckpointSource::Turn,
+        }),
+        visible_user_inputs: 1,
+        answers: Vec::new(),
+        expected_head: None,
+        now_ms: 1000 + i64::try_from(n).unwrap(),
+    }
+}
+
+/// The texts of `session`'s current history (hidden messages included).
+pub async fn texts(store: &Store, session: SessionId) -> Vec<String> {
+    store
+        .load_messages(session, MessageFilter::default())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.message.text())
+        .collect()
 }

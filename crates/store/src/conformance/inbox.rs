@@ -453,6 +453,13 @@ pub async fn an_event_backing_off_past_its_time_to_live_is_due_for_dead_letterin
     // Without a time to live that ends first, the retry time is next.
     let schedule = store.inbox_schedule(root, 1000, NO_TTL).await.unwrap();
     assert_eq!(schedule.next_due_at_ms, Some(11_000));
+    // A time to live past what a creation time can be added to (a duration
+    // the caller saturated to i64::MAX ms) never ends either.
+    let schedule = store.inbox_schedule(root, 1000, i64::MAX).await.unwrap();
+    assert_eq!(
+        (schedule.next_due_at_ms, schedule.expired),
+        (Some(11_000), 0)
+    );
     let counts = store.inbox_counts(root).await.unwrap();
     assert_eq!(counts.pending, 1, "{counts:?}");
 }
@@ -546,4 +553,58 @@ pub async fn a_dead_letter_is_told_once_by_a_notice_in_the_sessions_history(db: 
         .await
         .unwrap()
         .is_empty());
+}
+
+pub async fn racing_claimers_lease_every_event_to_exactly_one_of_them(db: TestDb) {
+    let store = db.store.clone();
+    let (root, ids) = root_with_events(&store, 12).await;
+    // Two claimers on this store and one on each of two more stores on the
+    // database (other processes' connections) drain the inbox at once, two
+    // events a claim.
+    let stores = [
+        store.clone(),
+        store.clone(),
+        db.reopen().await,
+        db.reopen().await,
+    ];
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(stores.len()));
+    let tasks: Vec<_> = stores
+        .into_iter()
+        .map(|s| {
+            let barrier = barrier.clone();
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let mut leases = Vec::new();
+                let request = ClaimRequest {
+                    max_events: 2,
+                    ..claim(root, 1000)
+                };
+                while let Some(lease) = s.claim_inbox_batch(request.clone()).await.unwrap() {
+                    leases.push(lease);
+                }
+                leases
+            })
+        })
+        .collect();
+    let mut held = std::collections::HashMap::new();
+    for t in tasks {
+        for lease in t.await.unwrap() {
+            assert!((1..=2).contains(&lease.events.len()));
+            for e in lease.events {
+                let earlier = held.insert(e.id, lease.token.clone());
+                assert_eq!(earlier, None, "event {} leased twice", e.id);
+            }
+        }
+    }
+    let mut leased: Vec<EventId> = held.keys().copied().collect();
+    leased.sort_unstable();
+    let mut all = ids;
+    all.sort_unstable();
+    assert_eq!(leased, all, "every event leased once");
+    // The stored events agree: each is leased under the token of the one
+    // claim that returned it.
+    for e in store.list_inbox_events(root).await.unwrap() {
+        assert_eq!(e.status, EventStatus::Leased);
+        assert_eq!(e.lease_token.as_ref(), held.get(&e.id));
+    }
 }

@@ -13,34 +13,6 @@ use crate::{
 use super::fixtures::*;
 use super::TestDb;
 
-fn turn(session: SessionId, n: u64, state: &str, checkpoint: bool) -> TurnCommit {
-    TurnCommit {
-        calls: None,
-        session_id: session,
-        messages: vec![user(&format!("q{n}")), assistant(&format!("a{n}"))],
-        state: state.as_bytes().to_vec(),
-        checkpoint: checkpoint.then(|| NewCheckpoint {
-            id: CheckpointId::new(),
-            turn_index: n,
-            source: CheckpointSource::Turn,
-        }),
-        visible_user_inputs: 1,
-        answers: Vec::new(),
-        expected_head: None,
-        now_ms: 1000 + i64::try_from(n).unwrap(),
-    }
-}
-
-async fn texts(store: &Store, session: SessionId) -> Vec<String> {
-    store
-        .load_messages(session, MessageFilter::default())
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|m| m.message.text())
-        .collect()
-}
-
 fn query_of_chat() -> crate::DialogQuery {
     crate::DialogQuery {
         channel: "cli_chat".into(),

@@ -26,11 +26,14 @@ pub mod inbox;
 pub mod mcp;
 pub mod messages;
 pub mod observe;
+pub mod projection;
 pub mod purge;
 pub mod runs;
 pub mod runtime;
 pub mod sessions;
 pub mod spend;
+pub mod timelines;
+pub mod tree;
 pub mod webhooks;
 
 use std::any::Any;
@@ -115,6 +118,8 @@ macro_rules! conformance_suite {
                 a_fork_and_a_rollback_count_the_inputs_of_the_history_they_show,
                 unchanged_state_writes_no_blob,
                 prune_keeps_what_heads_and_remaining_checkpoints_need,
+                retention_finds_the_sessions_over_the_limit_and_prunes_past_one_batch,
+                checkpoint_pages_go_newest_first_by_time_then_id_and_give_each_once,
             }
             inbox {
                 signals_are_deduplicated_capacity_checked_and_need_a_live_execution,
@@ -126,11 +131,26 @@ macro_rules! conformance_suite {
                 a_release_that_is_no_failed_delivery_keeps_attempts_and_backoff,
                 an_event_backing_off_past_its_time_to_live_is_due_for_dead_lettering,
                 a_dead_letter_is_told_once_by_a_notice_in_the_sessions_history,
+                racing_claimers_lease_every_event_to_exactly_one_of_them,
+            }
+            projection {
+                message_pages_walk_the_current_branch_both_ways,
+                runs_filter_and_changes_come_after_a_revision,
+                checkpoint_and_run_event_pages_give_every_item_once,
             }
             purge {
                 a_purge_removes_the_expired_deleted_dialogs_and_every_row_of_theirs,
                 a_dialog_forked_from_keeps_the_shared_history_until_the_fork_is_purged,
                 dialog_usage_counts_its_own_rows_and_checkpoints,
+                deleted_dialogs_are_listed_newest_created_first_then_last_written_first,
+            }
+            timelines {
+                every_session_and_checkpoint_loads_the_models_history,
+            }
+            tree {
+                a_dialogs_tree_holds_every_branch_and_imports_as_a_dialog_that_reads_the_same,
+                a_forks_tree_starts_with_the_history_it_inherited,
+                an_import_that_does_not_fit_together_is_refused_whole,
             }
             sessions {
                 create_get_rename_touch_and_soft_delete,

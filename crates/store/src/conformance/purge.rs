@@ -403,3 +403,34 @@ pub async fn dialog_usage_counts_its_own_rows_and_checkpoints(db: TestDb) {
     let grown = four.stored_bytes - three.stored_bytes;
     assert!((20..11_000).contains(&grown), "{three:?} -> {four:?}");
 }
+
+pub async fn deleted_dialogs_are_listed_newest_created_first_then_last_written_first(db: TestDb) {
+    let store = db.store.clone();
+    // Ids are the caller's: the one written second sorts first here.
+    let (first_id, second_id) = (SessionId::new(), SessionId::new());
+    let mut ids = Vec::new();
+    for (id, dialog, created) in [
+        (second_id, "b", 5),
+        (first_id, "a", 5),
+        (SessionId::new(), "older", 4),
+        (SessionId::new(), "newer", 6),
+        (SessionId::new(), "live", 7),
+    ] {
+        let mut session = new_session(dialog, created);
+        session.id = id;
+        ids.push(store.create_session(session).await.unwrap().id);
+    }
+    for (i, id) in ids[..4].iter().enumerate() {
+        let deleted_at = 100 + i64::try_from(i).unwrap();
+        assert!(store.soft_delete_session(*id, deleted_at).await.unwrap());
+    }
+    assert_eq!(
+        store.deleted_sessions_before(1_000).await.unwrap(),
+        [ids[3], first_id, second_id, ids[2]]
+    );
+    assert_eq!(
+        store.deleted_sessions_before(101).await.unwrap(),
+        [first_id, second_id],
+        "deleted at or before the cutoff"
+    );
+}

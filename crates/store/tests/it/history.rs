@@ -1,31 +1,10 @@
 //! What only SQLite shows: a corrupt message row, and the pages retention
 //! gives back (the rest of the history tests are in the conformance suite).
 
-use keel_core::{CheckpointId, SessionId};
-use keel_store::{
-    CheckpointSource, MessageFilter, NewCheckpoint, PrunePolicy, StoreError, TurnCommit,
-};
+use keel_store::{MessageFilter, PrunePolicy, StoreError};
 use rusqlite::Connection;
 
 use crate::common::*;
-
-fn turn(session: SessionId, n: u64, state: &str, checkpoint: bool) -> TurnCommit {
-    TurnCommit {
-        calls: None,
-        session_id: session,
-        messages: vec![user(&format!("q{n}")), assistant(&format!("a{n}"))],
-        state: state.as_bytes().to_vec(),
-        checkpoint: checkpoint.then(|| NewCheckpoint {
-            id: CheckpointId::new(),
-            turn_index: n,
-            source: CheckpointSource::Turn,
-        }),
-        visible_user_inputs: 1,
-        answers: Vec::new(),
-        expected_head: None,
-        now_ms: 1000 + i64::try_from(n).unwrap(),
-    }
-}
 
 #[tokio::test]
 async fn corrupt_message_json_is_a_corruption_error() {

@@ -9,11 +9,9 @@ mod compression;
 mod history;
 mod migrations;
 mod orchestration;
-mod projection;
 mod runtime;
 mod spend;
 mod stored_enums;
-mod timelines;
 mod write_cache;
 mod writer;
 mod sqlite {

@@ -1,15 +1,19 @@
 //! What clients read: message pages in both directions across a rollback,
 //! the current branch, filtered run pages, checkpoint and run event pages,
 //! and changes after a revision.
+#![allow(missing_docs)] // a test's name is its documentation
 
 use keel_core::{AgentId, CheckpointId, Delivery, ExecutionMode, RunStatus, SessionId, Usage};
-use keel_store::{
-    AcceptRun, CheckpointSource, CompletionHandling, MessagePage, NewCheckpoint, NewSignal,
-    RunQuery, SignalLimits, Store, TerminalOutcome, TurnCommit,
+
+use crate::{
+    CheckpointRecord, CheckpointSource, CompletionHandling, MessagePage, NewCheckpoint, NewSignal,
+    Page, RunQuery, SignalLimits, Store, TerminalOutcome, TurnCommit,
 };
 
-use crate::common::*;
+use super::fixtures::*;
+use super::TestDb;
 
+/// Turn `n` of `session`: a visible question and its answer, with a checkpoint.
 fn turn(session: SessionId, n: u64) -> TurnCommit {
     TurnCommit {
         calls: None,
@@ -28,6 +32,7 @@ fn turn(session: SessionId, n: u64) -> TurnCommit {
     }
 }
 
+/// A page of three visible messages of `s`, as "seq:text".
 async fn page(store: &Store, s: SessionId, newest_first: bool, cursor: Option<i64>) -> Vec<String> {
     store
         .load_message_page(
@@ -46,9 +51,27 @@ async fn page(store: &Store, s: SessionId, newest_first: bool, cursor: Option<i6
         .collect()
 }
 
-#[tokio::test]
-async fn message_pages_walk_the_current_branch_both_ways() {
-    let (_dir, store) = temp_store();
+/// Walks a listing one `limit` at a time; `between` runs after each page.
+async fn walk<T, C, F, Fut>(mut page: F, mut between: impl AsyncFnMut()) -> Vec<T>
+where
+    F: FnMut(Option<C>) -> Fut,
+    Fut: std::future::Future<Output = crate::Result<Page<T, C>>>,
+{
+    let mut seen = Vec::new();
+    let mut cursor = None;
+    loop {
+        let p = page(cursor).await.unwrap();
+        seen.extend(p.items);
+        between().await;
+        match p.next_cursor {
+            Some(c) => cursor = Some(c),
+            None => return seen,
+        }
+    }
+}
+
+pub async fn message_pages_walk_the_current_branch_both_ways(db: TestDb) {
+    let store = db.store.clone();
     let s = store.create_session(new_session("d", 1)).await.unwrap();
     let mut cps = Vec::new();
     for n in 1..=3 {
@@ -99,7 +122,7 @@ async fn message_pages_walk_the_current_branch_both_ways() {
     assert!(bad.is_err());
     // Turn 3's checkpoint is off the current branch; turn 2's is on it.
     let ranges = store.history_ranges(s.id).await.unwrap();
-    let on = |c: &keel_store::CheckpointRecord| {
+    let on = |c: &CheckpointRecord| {
         ranges
             .iter()
             .any(|(t, upto)| *t == c.timeline_id && c.seq <= *upto)
@@ -107,17 +130,8 @@ async fn message_pages_walk_the_current_branch_both_ways() {
     assert!(on(&cps[0]) && on(&cps[1]) && !on(&cps[2]));
 }
 
-fn accept(run: keel_store::NewRun) -> AcceptRun {
-    AcceptRun {
-        run,
-        inbox_capacity: 8,
-        now_ms: 100,
-    }
-}
-
-#[tokio::test]
-async fn runs_filter_and_changes_come_after_a_revision() {
-    let (_dir, store) = temp_store();
+pub async fn runs_filter_and_changes_come_after_a_revision(db: TestDb) {
+    let store = db.store.clone();
     let root = SessionId::new();
     let other = SessionId::new();
     let bg = new_run(root, ExecutionMode::Background);
@@ -125,7 +139,7 @@ async fn runs_filter_and_changes_come_after_a_revision() {
     fg.agent_id = AgentId::parse("writer").unwrap();
     let elsewhere = new_run(other, ExecutionMode::Foreground);
     for run in [&bg, &fg, &elsewhere] {
-        store.accept_run(accept(run.clone())).await.unwrap();
+        store.accept_run(accept(run.clone(), 8)).await.unwrap();
     }
     let before = store.inbox_usage(root).await.unwrap().revision;
     store
@@ -212,28 +226,8 @@ async fn runs_filter_and_changes_come_after_a_revision() {
     assert_eq!(events.next_cursor, None);
 }
 
-/// Walks a listing one `limit` at a time; `between` runs after each page.
-async fn walk<T, C, F, Fut>(mut page: F, mut between: impl AsyncFnMut()) -> Vec<T>
-where
-    F: FnMut(Option<C>) -> Fut,
-    Fut: std::future::Future<Output = keel_store::Result<keel_store::Page<T, C>>>,
-{
-    let mut seen = Vec::new();
-    let mut cursor = None;
-    loop {
-        let p = page(cursor).await.unwrap();
-        seen.extend(p.items);
-        between().await;
-        match p.next_cursor {
-            Some(c) => cursor = Some(c),
-            None => return seen,
-        }
-    }
-}
-
-#[tokio::test]
-async fn checkpoint_and_run_event_pages_give_every_item_once() {
-    let (_dir, store) = temp_store();
+pub async fn checkpoint_and_run_event_pages_give_every_item_once(db: TestDb) {
+    let store = db.store.clone();
     let s = store.create_session(new_session("d", 1)).await.unwrap();
     for n in 1..=5 {
         store.commit_turn(turn(s.id, n)).await.unwrap();
@@ -253,14 +247,14 @@ async fn checkpoint_and_run_event_pages_give_every_item_once() {
         },
     )
     .await;
-    let ids = |cps: &[keel_store::CheckpointRecord]| cps.iter().map(|c| c.id).collect::<Vec<_>>();
+    let ids = |cps: &[CheckpointRecord]| cps.iter().map(|c| c.id).collect::<Vec<_>>();
     assert_eq!(ids(&seen), ids(&all));
     assert!(store.checkpoint_page(s.id, None, 0).await.is_err());
     assert!(store.checkpoint_page(s.id, None, 1001).await.is_err());
 
     // A run's signals and completion, oldest first, one page at a time.
     let run = new_run(s.id, ExecutionMode::Background);
-    store.accept_run(accept(run.clone())).await.unwrap();
+    store.accept_run(accept(run.clone(), 8)).await.unwrap();
     store
         .mark_run_running(run.id, run.execution_id.clone(), 110)
         .await

@@ -4,17 +4,29 @@
 //! simply owns a copy of its whole history. The store shares prefixes
 //! between timelines instead; what any session or checkpoint loads must be
 //! the same.
+//!
+//! proptest generates and shrinks the sequences; the cases run one after
+//! another on the test's one database (each in sessions of its own, which
+//! prune and delete never reach past), awaited on the test's runtime.
+#![allow(missing_docs)] // a test's name is its documentation
 
 use keel_core::{CheckpointId, Message, SessionId};
-use keel_store::{
-    CheckpointSource, MessageFilter, NewCheckpoint, NewMessage, PrunePolicy, Store, StoreError,
-    TurnCommit,
-};
 use proptest::prelude::*;
 use proptest::sample::Index;
-use proptest::test_runner::TestCaseError;
+use proptest::strategy::ValueTree;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
-use crate::common::*;
+use super::fixtures::*;
+use super::TestDb;
+use crate::{
+    CheckpointSource, MessageFilter, NewCheckpoint, NewMessage, PrunePolicy, Store, StoreError,
+    StoredMessage, TurnCommit,
+};
+
+/// Random sequences tried (as many as the SQLite-only test ran).
+const CASES: u32 = 64;
+/// Runs a failing sequence's shrinking may take before it reports.
+const MAX_SHRINK_RUNS: u32 = 256;
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -75,6 +87,9 @@ struct ModelCheckpoint {
 struct Model {
     sessions: Vec<ModelSession>,
     checkpoints: Vec<ModelCheckpoint>,
+    /// This run's number: its dialog names differ from other runs' on the
+    /// same database.
+    run: u64,
     /// Source of unique message texts, states and dialog names.
     counter: u64,
 }
@@ -82,7 +97,7 @@ struct Model {
 impl Model {
     fn fresh(&mut self, what: &str) -> String {
         self.counter += 1;
-        format!("{what}-{}", self.counter)
+        format!("{what}-{}-{}", self.run, self.counter)
     }
 
     /// The session's newest checkpoint: the parent of its next turn or manual one.
@@ -154,12 +169,79 @@ impl Model {
     }
 }
 
-fn texts(messages: &[keel_store::StoredMessage]) -> Vec<(i64, String)> {
+/// A store error as the step's failure, which proptest shrinks like any
+/// other (a panic would end the test unshrunk).
+fn failed(what: &'static str) -> impl FnOnce(StoreError) -> TestCaseError {
+    move |e| TestCaseError::fail(format!("{what}: {e}"))
+}
+
+/// A row the model says exists, or the step's failure.
+fn found<T>(what: &str, row: Option<T>) -> Result<T, TestCaseError> {
+    row.ok_or_else(|| TestCaseError::fail(format!("{what} is missing")))
+}
+
+fn texts(messages: &[StoredMessage]) -> Vec<(i64, String)> {
     messages.iter().map(|m| (m.seq, m.message.text())).collect()
 }
 
 fn numbered(history: &[String]) -> Vec<(i64, String)> {
     (1..).zip(history.iter().cloned()).collect()
+}
+
+/// A committed turn of `messages` new messages and a new state, with a
+/// turn checkpoint or not.
+async fn commit_turn(
+    store: &Store,
+    model: &mut Model,
+    session: Index,
+    messages: usize,
+    checkpoint: bool,
+    now_ms: i64,
+) -> Result<(), TestCaseError> {
+    let s = session.index(model.sessions.len());
+    let id = model.sessions[s].id;
+    let texts: Vec<String> = (0..messages).map(|_| model.fresh("message")).collect();
+    let state = model.fresh("state").into_bytes();
+    let new_cp = checkpoint.then(CheckpointId::new);
+    let committed = store
+        .commit_turn(TurnCommit {
+            calls: None,
+            session_id: id,
+            messages: texts
+                .iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    NewMessage::new(if i % 2 == 0 {
+                        Message::user(t.as_str())
+                    } else {
+                        Message::assistant(t.as_str())
+                    })
+                })
+                .collect(),
+            state: state.clone(),
+            checkpoint: new_cp.map(|id| NewCheckpoint {
+                id,
+                turn_index: 1,
+                source: CheckpointSource::Turn,
+            }),
+            visible_user_inputs: 1,
+            answers: Vec::new(),
+            expected_head: None,
+            now_ms,
+        })
+        .await
+        .map_err(failed("commit_turn"))?;
+    let before = model.sessions[s].history.len() as i64;
+    let expected: Vec<i64> = (before + 1..=before + messages as i64).collect();
+    prop_assert_eq!(committed.seqs, expected);
+    let parent = model.newest_of(id);
+    let m = &mut model.sessions[s];
+    m.history.extend(texts);
+    m.state = Some(state);
+    if let Some(cp) = new_cp {
+        model.checkpoint_head(s, cp, parent, CheckpointSource::Turn);
+    }
+    Ok(())
 }
 
 async fn apply(store: &Store, model: &mut Model, op: Op, now_ms: i64) -> Result<(), TestCaseError> {
@@ -168,51 +250,7 @@ async fn apply(store: &Store, model: &mut Model, op: Op, now_ms: i64) -> Result<
             session,
             messages,
             checkpoint,
-        } => {
-            let s = session.index(model.sessions.len());
-            let id = model.sessions[s].id;
-            let texts: Vec<String> = (0..messages).map(|_| model.fresh("message")).collect();
-            let state = model.fresh("state").into_bytes();
-            let new_cp = checkpoint.then(CheckpointId::new);
-            let committed = store
-                .commit_turn(TurnCommit {
-                    calls: None,
-                    session_id: id,
-                    messages: texts
-                        .iter()
-                        .enumerate()
-                        .map(|(i, t)| {
-                            NewMessage::new(if i % 2 == 0 {
-                                Message::user(t.as_str())
-                            } else {
-                                Message::assistant(t.as_str())
-                            })
-                        })
-                        .collect(),
-                    state: state.clone(),
-                    checkpoint: new_cp.map(|id| NewCheckpoint {
-                        id,
-                        turn_index: 1,
-                        source: CheckpointSource::Turn,
-                    }),
-                    visible_user_inputs: 1,
-                    answers: Vec::new(),
-                    expected_head: None,
-                    now_ms,
-                })
-                .await
-                .unwrap();
-            let before = model.sessions[s].history.len() as i64;
-            let expected: Vec<i64> = (before + 1..=before + messages as i64).collect();
-            prop_assert_eq!(committed.seqs, expected);
-            let parent = model.newest_of(id);
-            let m = &mut model.sessions[s];
-            m.history.extend(texts);
-            m.state = Some(state);
-            if let Some(cp) = new_cp {
-                model.checkpoint_head(s, cp, parent, CheckpointSource::Turn);
-            }
-        }
+        } => commit_turn(store, model, session, messages, checkpoint, now_ms).await?,
         Op::Manual { session } => {
             let s = session.index(model.sessions.len());
             let id = model.sessions[s].id;
@@ -230,7 +268,7 @@ async fn apply(store: &Store, model: &mut Model, op: Op, now_ms: i64) -> Result<
                     now_ms,
                 )
                 .await
-                .unwrap();
+                .map_err(failed("create_checkpoint"))?;
             let parent = model.newest_of(id);
             model.sessions[s].state = Some(state);
             model.checkpoint_head(s, cp, parent, CheckpointSource::Manual);
@@ -256,7 +294,7 @@ async fn apply(store: &Store, model: &mut Model, op: Op, now_ms: i64) -> Result<
                 );
                 return Ok(());
             }
-            result.unwrap();
+            result.map_err(failed("rollback"))?;
             let m = &mut model.sessions[s];
             m.history = history;
             m.state = Some(state);
@@ -274,7 +312,7 @@ async fn apply(store: &Store, model: &mut Model, op: Op, now_ms: i64) -> Result<
             let (created, _) = store
                 .fork(source_id, new_session(&dialog, now_ms), cp)
                 .await
-                .unwrap();
+                .map_err(failed("fork"))?;
             model.sessions.push(ModelSession {
                 id: created.id,
                 history,
@@ -296,14 +334,20 @@ async fn apply(store: &Store, model: &mut Model, op: Op, now_ms: i64) -> Result<
                 keep_latest: Some(keep_latest),
                 older_than_ms: None,
             };
-            let report = store.prune_checkpoints(id, policy).await.unwrap();
+            let report = store
+                .prune_checkpoints(id, policy)
+                .await
+                .map_err(failed("prune_checkpoints"))?;
             let doomed = model.prunable(id, keep_latest);
             prop_assert_eq!(report.checkpoints_deleted, doomed.len() as u64);
             model.remove(&doomed);
         }
         Op::DeleteAll { session } => {
             let id = model.sessions[session.index(model.sessions.len())].id;
-            let report = store.delete_checkpoints(id).await.unwrap();
+            let report = store
+                .delete_checkpoints(id)
+                .await
+                .map_err(failed("delete_checkpoints"))?;
             let doomed: Vec<CheckpointId> = model
                 .checkpoints
                 .iter()
@@ -324,19 +368,27 @@ async fn check(store: &Store, model: &Model) -> Result<(), TestCaseError> {
         let loaded = store
             .load_messages(s.id, MessageFilter::default())
             .await
-            .unwrap();
+            .map_err(failed("load_messages"))?;
         prop_assert_eq!(texts(&loaded), numbered(&s.history), "session {}", s.id);
-        prop_assert_eq!(store.last_seq(s.id).await.unwrap(), s.history.len() as i64);
-        let record = store.get_session(s.id).await.unwrap().unwrap();
+        let last = store.last_seq(s.id).await.map_err(failed("last_seq"))?;
+        prop_assert_eq!(last, s.history.len() as i64);
+        let record = store
+            .get_session(s.id)
+            .await
+            .map_err(failed("get_session"))?;
+        let record = found(&format!("session {}", s.id), record)?;
         let state = match record.state_hash {
-            Some(hash) => store.get_state_blob(hash).await.unwrap(),
+            Some(hash) => store
+                .get_state_blob(hash)
+                .await
+                .map_err(failed("get_state_blob"))?,
             None => None,
         };
         prop_assert_eq!(&state, &s.state, "state of session {}", s.id);
         let listed: Vec<CheckpointId> = store
             .list_checkpoints(s.id)
             .await
-            .unwrap()
+            .map_err(failed("list_checkpoints"))?
             .iter()
             .map(|c| c.id)
             .collect();
@@ -353,13 +405,20 @@ async fn check(store: &Store, model: &Model) -> Result<(), TestCaseError> {
         let loaded = store
             .load_messages_at_checkpoint(c.id, MessageFilter::default())
             .await
-            .unwrap();
+            .map_err(failed("load_messages_at_checkpoint"))?;
         prop_assert_eq!(texts(&loaded), numbered(&c.history), "checkpoint {}", c.id);
-        let record = store.get_checkpoint(c.id).await.unwrap().unwrap();
+        let record = store
+            .get_checkpoint(c.id)
+            .await
+            .map_err(failed("get_checkpoint"))?;
+        let record = found(&format!("checkpoint {}", c.id), record)?;
         prop_assert_eq!(record.session_id, c.session);
         prop_assert_eq!(record.parent_id, c.parent, "parent of checkpoint {}", c.id);
         prop_assert_eq!(record.seq, c.history.len() as i64);
-        let state = store.get_state_blob(record.state_hash).await.unwrap();
+        let state = store
+            .get_state_blob(record.state_hash)
+            .await
+            .map_err(failed("get_state_blob"))?;
         prop_assert_eq!(
             state.as_ref(),
             Some(&c.state),
@@ -370,30 +429,61 @@ async fn check(store: &Store, model: &Model) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-async fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
-    let (_dir, store) = temp_store();
-    let first = store.create_session(new_session("d", 1)).await.unwrap();
+/// One sequence on `store`, in sessions of its own: the `run`-th.
+async fn run(store: &Store, run: u64, ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let first = store
+        .create_session(new_session(&format!("d-{run}"), 1))
+        .await
+        .map_err(failed("create_session"))?;
     let mut model = Model {
         sessions: vec![ModelSession {
             id: first.id,
             history: vec![],
             state: None,
         }],
+        run,
         ..Model::default()
     };
     for (i, op) in ops.into_iter().enumerate() {
-        apply(&store, &mut model, op, 10 + i as i64).await?;
-        check(&store, &model).await?;
+        apply(store, &mut model, op, 10 + i as i64).await?;
+        check(store, &model).await?;
     }
     Ok(())
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(64))]
-
-    #[test]
-    fn every_session_and_checkpoint_loads_the_models_history(ops in prop::collection::vec(op(), 1..24)) {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        rt.block_on(run(ops))?;
+/// proptest's loop, awaited: each case runs, and a failing one shrinks
+/// (simplify while it still fails, complicate back once it passes) to the
+/// smallest sequence that fails, which the panic names.
+pub async fn every_session_and_checkpoint_loads_the_models_history(db: TestDb) {
+    let store = &db.store;
+    let strategy = prop::collection::vec(op(), 1..24);
+    let mut runner = TestRunner::new(Config {
+        cases: CASES,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let mut runs = 0;
+    for _ in 0..CASES {
+        let mut case = strategy.new_tree(&mut runner).unwrap();
+        runs += 1;
+        let Err(error) = run(store, runs, case.current()).await else {
+            continue;
+        };
+        let mut smallest = (case.current(), error);
+        let mut shrink_runs = 0;
+        let mut more = case.simplify();
+        while more && shrink_runs < MAX_SHRINK_RUNS {
+            shrink_runs += 1;
+            runs += 1;
+            more = match run(store, runs, case.current()).await {
+                Ok(()) => case.complicate(),
+                Err(error) => {
+                    smallest = (case.current(), error);
+                    case.simplify()
+                }
+            };
+        }
+        let (ops, error) = smallest;
+        panic!("{error}\nthe smallest failing sequence found: {ops:?}");
     }
 }

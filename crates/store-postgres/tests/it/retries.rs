@@ -1,0 +1,64 @@
+//! A transaction whose connection the server closed before `COMMIT` was
+//! sent is run again on another connection; nothing of it was kept.
+
+use keel_store::conformance::fixtures::new_session;
+use keel_store::Store;
+use keel_store_postgres::{require_postgres, PgOptions, PgStore};
+
+#[tokio::test]
+async fn a_write_on_a_connection_the_server_dropped_is_retried_on_a_new_one() {
+    let db = require_postgres!();
+    let options = PgOptions {
+        max_connections: 1,
+        ..PgOptions::default()
+    };
+    let (store, _) = PgStore::connect(&db.conninfo, options)
+        .await
+        .expect("connect");
+    let store = Store::new(store);
+    store
+        .create_session(new_session("before", 1))
+        .await
+        .expect("a first write opens the pooled connection");
+    // The server ends every other backend of this database: the pool's
+    // one idle connection is dead, and the pool does not know it yet.
+    let admin = db.connect().await;
+    let killed: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE datname = current_database() AND pid <> pg_backend_pid()) t",
+            &[],
+        )
+        .await
+        .expect("terminate")
+        .get(0);
+    assert_eq!(killed, 1, "the pool held one connection");
+    let after = store
+        .create_session(new_session("after", 2))
+        .await
+        .expect("the write is retried on a fresh connection");
+    assert_eq!(
+        store
+            .get_session(after.id)
+            .await
+            .expect("read")
+            .map(|s| s.id),
+        Some(after.id)
+    );
+    assert_eq!(
+        store
+            .list_dialogs(keel_store::DialogQuery {
+                channel: "cli_chat".into(),
+                chat_id: "chat-1".into(),
+                include_deleted: false,
+                limit: 10,
+                cursor: None,
+            })
+            .await
+            .expect("list")
+            .items
+            .len(),
+        2,
+        "each dialog once"
+    );
+}
