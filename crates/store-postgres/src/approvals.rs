@@ -15,7 +15,9 @@ use keel_store::{
     DecideApproval, DecideOutcome, Decision, PausedTurnCommit, Result, StoreError, TurnCommitted,
 };
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{Row, Transaction};
+use tokio_postgres::Row;
+
+use crate::store::Tx;
 
 use crate::counters::next_revision;
 use crate::messages::{commit_turn_tx, encode};
@@ -54,7 +56,7 @@ fn from_row(r: &Row) -> Result<ApprovalRecord> {
 
 /// The approvals `filter` (a `WHERE … ORDER BY …` tail over `args`) selects.
 pub(crate) async fn query(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     filter: &str,
     args: &[&(dyn ToSql + Sync)],
 ) -> Result<Vec<ApprovalRecord>> {
@@ -69,16 +71,12 @@ pub(crate) async fn query(
     .collect()
 }
 
-async fn get_tx(tx: &Transaction<'_>, id: &ApprovalId) -> Result<Option<ApprovalRecord>> {
+async fn get_tx(tx: &Tx<'_>, id: &ApprovalId) -> Result<Option<ApprovalRecord>> {
     Ok(query(tx, "WHERE id = $1", &[&id.to_string()]).await?.pop())
 }
 
 /// Marks the session's pending approvals past `now_ms` expired.
-async fn expire_tx(
-    tx: &Transaction<'_>,
-    session: &SessionId,
-    now_ms: i64,
-) -> Result<Vec<ApprovalRecord>> {
+async fn expire_tx(tx: &Tx<'_>, session: &SessionId, now_ms: i64) -> Result<Vec<ApprovalRecord>> {
     let s = session.to_string();
     let due = query(
         tx,
@@ -151,19 +149,14 @@ impl PgStore {
                     let session = &commit.turn.session_id;
                     let now = commit.turn.now_ms;
                     let revision = next_revision(tx, session, now).await?;
-                    let insert = tx
-                        .prepare(
-                            "INSERT INTO tool_approvals (id, session_id, turn_id, agent_id, \
+                    let insert = "INSERT INTO tool_approvals (id, session_id, turn_id, agent_id, \
                              tool_call_id, tool_name, arguments, status, revision, created_at, \
                              expires_at) \
-                             VALUES ($1, $2, $3, $4, $5, $6, $7, 'pending', $8, $9, $10)",
-                        )
-                        .await
-                        .map_err(from_pg)?;
+                             VALUES ($1, $2, $3, $4, $5, $6, $7, 'pending', $8, $9, $10)";
                     let (session, turn_id) = (session.to_string(), commit.turn_id.to_string());
                     for (a, args) in commit.approvals.iter().zip(args.iter()) {
                         tx.execute(
-                            &insert,
+                            insert,
                             &[
                                 &a.id.to_string(),
                                 &session,

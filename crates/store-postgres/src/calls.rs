@@ -6,7 +6,9 @@ use std::collections::HashMap;
 
 use keel_core::{RunId, SessionId, TurnId};
 use keel_store::{CallKind, CallSpan, Result, StoreError, MAX_CALL_SPANS};
-use tokio_postgres::{Row, Transaction};
+use tokio_postgres::Row;
+
+use crate::store::Tx;
 
 use crate::store::from_pg;
 use crate::util::non_negative;
@@ -37,7 +39,7 @@ fn tokens(what: &str, n: Option<u64>) -> Result<Option<i64>> {
 /// Inserts the first [`MAX_CALL_SPANS`] of `spans` of `owner` in dialog
 /// `session`, as one statement, inside the caller's transaction.
 pub(crate) async fn insert_calls_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     session: &SessionId,
     owner: CallOwner,
     spans: &[CallSpan],

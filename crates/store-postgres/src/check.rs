@@ -19,7 +19,9 @@ use keel_core::{Message, Role, RunStatus};
 use keel_store::{
     AwaitingApproval, CheckOptions, CheckedCounts, Invariant, InvariantReport, Result, StoreError,
 };
-use tokio_postgres::{Row, Transaction};
+use tokio_postgres::Row;
+
+use crate::store::Tx;
 
 use crate::checkpoints::read_state_blob;
 use crate::counters::recount_tx;
@@ -60,12 +62,12 @@ impl PgStore {
     }
 }
 
-async fn rows(tx: &Transaction<'_>, sql: &str) -> Result<Vec<Row>> {
+async fn rows(tx: &Tx<'_>, sql: &str) -> Result<Vec<Row>> {
     tx.query(sql, &[]).await.map_err(from_pg)
 }
 
 /// Runs every check inside one read transaction.
-async fn check_tx(tx: &Transaction<'_>, options: &CheckOptions) -> Result<InvariantReport> {
+async fn check_tx(tx: &Tx<'_>, options: &CheckOptions) -> Result<InvariantReport> {
     let mut report = InvariantReport::default();
     let version: i64 = rows(tx, "SELECT version FROM schema_version WHERE id = 1")
         .await?
@@ -128,7 +130,7 @@ async fn check_tx(tx: &Transaction<'_>, options: &CheckOptions) -> Result<Invari
     Ok(report)
 }
 
-async fn count_rows(tx: &Transaction<'_>) -> Result<CheckedCounts> {
+async fn count_rows(tx: &Tx<'_>) -> Result<CheckedCounts> {
     let row = tx
         .query_one(
             "SELECT (SELECT count(*) FROM sessions), (SELECT count(*) FROM messages), \
@@ -185,10 +187,7 @@ fn state_ok(options: &CheckOptions, hash: &str, bytes: &[u8]) -> std::result::Re
 }
 
 /// A state blob: `None` when missing, `Some(Err)` when unreadable.
-async fn blob(
-    tx: &Transaction<'_>,
-    hash: &str,
-) -> Result<Option<std::result::Result<Vec<u8>, String>>> {
+async fn blob(tx: &Tx<'_>, hash: &str) -> Result<Option<std::result::Result<Vec<u8>, String>>> {
     match read_state_blob(tx, hash).await {
         Ok(bytes) => Ok(bytes.map(Ok)),
         Err(e @ StoreError::Corruption(_)) => Ok(Some(Err(e.to_string()))),
@@ -199,7 +198,7 @@ async fn blob(
 /// Walks every timeline, then checks every session head and checkpoint
 /// against the walk.
 async fn histories(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     options: &CheckOptions,
     report: &mut InvariantReport,
 ) -> Result<()> {
@@ -317,7 +316,7 @@ async fn histories(
 /// seqs contiguous after the fork point, every message readable and of its
 /// row's role, every tool result answering an open call.
 async fn walk_timelines(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     report: &mut InvariantReport,
 ) -> Result<HashMap<String, TimelineWalk>> {
     let mut pending: Vec<(String, Option<(String, i64)>)> =
@@ -330,10 +329,7 @@ async fn walk_timelines(
             })
             .collect();
     let mut done: HashMap<String, TimelineWalk> = HashMap::new();
-    let messages = tx
-        .prepare("SELECT seq, role, content FROM messages WHERE timeline_id = $1 ORDER BY seq")
-        .await
-        .map_err(from_pg)?;
+    let messages = "SELECT seq, role, content FROM messages WHERE timeline_id = $1 ORDER BY seq";
     // Parents first: each pass walks the timelines whose parent is done.
     while !pending.is_empty() {
         let (ready, waiting): (Vec<_>, Vec<_>) = pending
@@ -374,7 +370,7 @@ async fn walk_timelines(
             if !open.is_empty() {
                 walk.open_at.insert(start, open.clone());
             }
-            for r in tx.query(&messages, &[&id]).await.map_err(from_pg)? {
+            for r in tx.query(messages, &[&id]).await.map_err(from_pg)? {
                 let (seq, role, content): (i64, String, String) = (r.get(0), r.get(1), r.get(2));
                 let at = format!("timeline {id} seq {seq}");
                 if seq != walk.last_seq + 1 {
@@ -421,11 +417,7 @@ async fn walk_timelines(
     Ok(done)
 }
 
-async fn counters(
-    tx: &Transaction<'_>,
-    _: &CheckOptions,
-    report: &mut InvariantReport,
-) -> Result<()> {
+async fn counters(tx: &Tx<'_>, _: &CheckOptions, report: &mut InvariantReport) -> Result<()> {
     let stored = rows(
         tx,
         "SELECT root_session_id, pending_event_count, reserved_completion_slots \
@@ -473,11 +465,7 @@ async fn counters(
     Ok(())
 }
 
-async fn message_counts(
-    tx: &Transaction<'_>,
-    _: &CheckOptions,
-    report: &mut InvariantReport,
-) -> Result<()> {
+async fn message_counts(tx: &Tx<'_>, _: &CheckOptions, report: &mut InvariantReport) -> Result<()> {
     for (session, stored, want) in drifted_message_counts(tx).await? {
         report.add(
             Invariant::MessageCounts,
@@ -492,7 +480,7 @@ async fn message_counts(
 
 /// Sessions whose stored message count differs from their history's:
 /// (session, stored, recounted).
-async fn drifted_message_counts(tx: &Transaction<'_>) -> Result<Vec<(String, i64, i64)>> {
+async fn drifted_message_counts(tx: &Tx<'_>) -> Result<Vec<(String, i64, i64)>> {
     let sessions = rows(
         tx,
         "SELECT id, head_timeline_id, message_count FROM sessions \
@@ -510,11 +498,7 @@ async fn drifted_message_counts(tx: &Transaction<'_>) -> Result<Vec<(String, i64
     Ok(drifted)
 }
 
-async fn runs(
-    tx: &Transaction<'_>,
-    options: &CheckOptions,
-    report: &mut InvariantReport,
-) -> Result<()> {
+async fn runs(tx: &Tx<'_>, options: &CheckOptions, report: &mut InvariantReport) -> Result<()> {
     let generation: i64 = rows(tx, "SELECT generation FROM runtime_state WHERE id = 1")
         .await?
         .first()
@@ -624,11 +608,7 @@ async fn runs(
     Ok(())
 }
 
-async fn completions(
-    tx: &Transaction<'_>,
-    _: &CheckOptions,
-    report: &mut InvariantReport,
-) -> Result<()> {
+async fn completions(tx: &Tx<'_>, _: &CheckOptions, report: &mut InvariantReport) -> Result<()> {
     let events = rows(
         tx,
         &format!(

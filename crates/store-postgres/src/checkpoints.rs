@@ -11,7 +11,9 @@ use keel_store::{
     CheckpointCursor, CheckpointRecord, CheckpointSource, NewCheckpoint, NewSession, Page,
     PrunePolicy, PruneReport, Result, SessionRecord, StoreError, TimelineId,
 };
-use tokio_postgres::{Row, Transaction};
+use tokio_postgres::Row;
+
+use crate::store::Tx;
 
 use crate::messages::{last_seq, visible_inputs};
 use crate::sessions::{insert_session_tx, require_session};
@@ -54,7 +56,7 @@ fn checkpoint_from_row(r: &Row) -> Result<CheckpointRecord> {
 }
 
 pub(crate) async fn get_checkpoint_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     id: &CheckpointId,
 ) -> Result<Option<CheckpointRecord>> {
     tx.query_opt(
@@ -68,17 +70,14 @@ pub(crate) async fn get_checkpoint_tx(
     .transpose()
 }
 
-pub(crate) async fn require_checkpoint(
-    tx: &Transaction<'_>,
-    id: &CheckpointId,
-) -> Result<CheckpointRecord> {
+pub(crate) async fn require_checkpoint(tx: &Tx<'_>, id: &CheckpointId) -> Result<CheckpointRecord> {
     get_checkpoint_tx(tx, id)
         .await?
         .ok_or_else(|| StoreError::NotFound(format!("checkpoint {id}")))
 }
 
 /// Newest checkpoint of a session (insertion order), the parent of the next one.
-async fn newest_checkpoint(tx: &Transaction<'_>, session: &SessionId) -> Result<Option<String>> {
+async fn newest_checkpoint(tx: &Tx<'_>, session: &SessionId) -> Result<Option<String>> {
     Ok(tx
         .query_opt(
             "SELECT id FROM checkpoints WHERE session_id = $1 ORDER BY row_order DESC LIMIT 1",
@@ -91,7 +90,7 @@ async fn newest_checkpoint(tx: &Transaction<'_>, session: &SessionId) -> Result<
 
 /// Deletes every state blob no session and no checkpoint references (run
 /// by prune/delete only, so the turn path needs no index on state hashes).
-pub(crate) async fn sweep_blobs(tx: &Transaction<'_>) -> Result<u64> {
+pub(crate) async fn sweep_blobs(tx: &Tx<'_>) -> Result<u64> {
     tx.execute(
         "DELETE FROM state_blobs b WHERE NOT EXISTS \
            (SELECT 1 FROM checkpoints c WHERE c.state_hash = b.hash) \
@@ -105,7 +104,7 @@ pub(crate) async fn sweep_blobs(tx: &Transaction<'_>) -> Result<u64> {
 /// Stores `bytes` as the session's live state: the blob is written only if
 /// its hash is new (an unchanged state costs no bytes).
 pub(crate) async fn put_state_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     session: &SessionRecord,
     bytes: &[u8],
 ) -> Result<String> {
@@ -131,7 +130,7 @@ pub(crate) async fn put_state_tx(
 
 /// The bytes of the state blob `hash`, if it exists. A row another keel
 /// stored compressed (`codec` 1) is not one this backend writes: corruption.
-pub(crate) async fn read_state_blob(tx: &Transaction<'_>, hash: &str) -> Result<Option<Vec<u8>>> {
+pub(crate) async fn read_state_blob(tx: &Tx<'_>, hash: &str) -> Result<Option<Vec<u8>>> {
     let row = tx
         .query_opt(
             "SELECT bytes, codec FROM state_blobs WHERE hash = $1",
@@ -152,7 +151,7 @@ pub(crate) async fn read_state_blob(tx: &Transaction<'_>, hash: &str) -> Result<
 /// Inserts a checkpoint row; `parent` defaults to the session's newest checkpoint.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn insert_checkpoint_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     session: &SessionId,
     timeline: &TimelineId,
     seq: i64,
@@ -197,7 +196,7 @@ pub(crate) async fn insert_checkpoint_tx(
 
 /// Adds a timeline of `session` branching from `cp`'s point in history.
 async fn branch_timeline(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     session: &SessionId,
     cp: &CheckpointRecord,
     now_ms: i64,
@@ -220,7 +219,7 @@ async fn branch_timeline(
 }
 
 async fn rollback_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     session_id: &SessionId,
     target_id: &CheckpointId,
     new_id: &CheckpointId,
@@ -269,7 +268,7 @@ async fn rollback_tx(
 }
 
 async fn fork_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     source_id: &CheckpointId,
     session: &NewSession,
     new_id: &CheckpointId,
@@ -301,10 +300,7 @@ async fn fork_tx(
     Ok((created, record))
 }
 
-pub(crate) async fn list_tx(
-    tx: &Transaction<'_>,
-    session: &SessionId,
-) -> Result<Vec<CheckpointRecord>> {
+pub(crate) async fn list_tx(tx: &Tx<'_>, session: &SessionId) -> Result<Vec<CheckpointRecord>> {
     tx.query(
         &format!(
             "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE session_id = $1 \
@@ -321,7 +317,7 @@ pub(crate) async fn list_tx(
 
 /// Deletes the checkpoints `ids`, re-parenting their children so the
 /// listed tree stays connected.
-async fn delete_checkpoint_batch(tx: &Transaction<'_>, ids: &[String]) -> Result<u64> {
+async fn delete_checkpoint_batch(tx: &Tx<'_>, ids: &[String]) -> Result<u64> {
     let mut deleted = 0;
     for id in ids {
         let Some(row) = tx
@@ -350,7 +346,7 @@ async fn delete_checkpoint_batch(tx: &Transaction<'_>, ids: &[String]) -> Result
 }
 
 /// Timelines of `session` that no session head or checkpoint reaches.
-async fn unreachable_timelines(tx: &Transaction<'_>, session: &SessionId) -> Result<Vec<String>> {
+async fn unreachable_timelines(tx: &Tx<'_>, session: &SessionId) -> Result<Vec<String>> {
     Ok(tx
         .query(
             "WITH RECURSIVE needed(id) AS ( \
@@ -373,7 +369,7 @@ async fn unreachable_timelines(tx: &Transaction<'_>, session: &SessionId) -> Res
 /// The last seq of `timeline` anything still reaches (a checkpoint on it
 /// or a timeline branching from it); `None` when a session head is on it
 /// (all of it is live).
-async fn needed_upto(tx: &Transaction<'_>, timeline: &str) -> Result<Option<i64>> {
+async fn needed_upto(tx: &Tx<'_>, timeline: &str) -> Result<Option<i64>> {
     Ok(tx
         .query_one(
             "SELECT CASE WHEN EXISTS (SELECT 1 FROM sessions WHERE head_timeline_id = $1) \
@@ -394,7 +390,7 @@ async fn needed_upto(tx: &Transaction<'_>, timeline: &str) -> Result<Option<i64>
 /// newest `keep_latest` turn checkpoints that the rules select and nothing
 /// needs (not the session's newest, not the target of a rollback or fork).
 async fn select_prunable(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     session: &SessionId,
     policy: Option<PrunePolicy>,
 ) -> Result<Vec<String>> {

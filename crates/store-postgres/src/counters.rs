@@ -5,9 +5,9 @@
 
 use std::collections::HashMap;
 
+use crate::store::Tx;
 use keel_core::SessionId;
 use keel_store::{CounterRepair, InboxCounts, InboxUsage, Result, StoreError};
-use tokio_postgres::Transaction;
 
 use crate::runs::NONTERMINAL_RUN;
 use crate::store::from_pg;
@@ -15,7 +15,7 @@ use crate::util::non_negative;
 use crate::PgStore;
 
 /// Makes sure the session's counter row exists.
-async fn ensure_state_row(tx: &Transaction<'_>, root: &SessionId, now_ms: i64) -> Result<()> {
+async fn ensure_state_row(tx: &Tx<'_>, root: &SessionId, now_ms: i64) -> Result<()> {
     tx.execute(
         "INSERT INTO agent_session_state (root_session_id, updated_at) VALUES ($1, $2) \
          ON CONFLICT (root_session_id) DO NOTHING",
@@ -33,12 +33,7 @@ pub(crate) struct Revisions(HashMap<SessionId, i64>);
 
 impl Revisions {
     /// The revision of this transaction for `root`.
-    pub(crate) async fn of(
-        &mut self,
-        tx: &Transaction<'_>,
-        root: &SessionId,
-        now_ms: i64,
-    ) -> Result<i64> {
+    pub(crate) async fn of(&mut self, tx: &Tx<'_>, root: &SessionId, now_ms: i64) -> Result<i64> {
         if let Some(r) = self.0.get(root) {
             return Ok(*r);
         }
@@ -49,11 +44,7 @@ impl Revisions {
 }
 
 /// Allocates the one new client revision of this transaction for `root`.
-pub(crate) async fn next_revision(
-    tx: &Transaction<'_>,
-    root: &SessionId,
-    now_ms: i64,
-) -> Result<i64> {
+pub(crate) async fn next_revision(tx: &Tx<'_>, root: &SessionId, now_ms: i64) -> Result<i64> {
     // One statement for SQLite's ensure-then-bump: a new row starts at
     // revision 0, so its first bump is 1 either way.
     let row = tx
@@ -73,7 +64,7 @@ pub(crate) async fn next_revision(
 /// Adds `delta` to the pending/reserved counters; with `capacity`, only if
 /// pending + reserved stays within it (else `InboxFull`, nothing changed).
 pub(crate) async fn adjust_counters(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     root: &SessionId,
     pending_delta: i64,
     reserved_delta: i64,
@@ -112,7 +103,7 @@ pub(crate) async fn adjust_counters(
 }
 
 /// A root session's counters and client revision (zeros before its first change).
-pub(crate) async fn usage_tx(tx: &Transaction<'_>, root: &SessionId) -> Result<InboxUsage> {
+pub(crate) async fn usage_tx(tx: &Tx<'_>, root: &SessionId) -> Result<InboxUsage> {
     let row = tx
         .query_opt(
             "SELECT revision, pending_event_count, reserved_completion_slots \
@@ -135,7 +126,7 @@ pub(crate) async fn usage_tx(tx: &Transaction<'_>, root: &SessionId) -> Result<I
 }
 
 /// A root session's (pending events, reserved completion slots) counted from the rows.
-pub(crate) async fn recount_tx(tx: &Transaction<'_>, root: &str) -> Result<(i64, i64)> {
+pub(crate) async fn recount_tx(tx: &Tx<'_>, root: &str) -> Result<(i64, i64)> {
     let row = tx
         .query_one(
             &format!(
@@ -155,7 +146,7 @@ pub(crate) async fn recount_tx(tx: &Transaction<'_>, root: &str) -> Result<(i64,
 
 /// Recomputes a root session's counters from the rows; repairs and reports a difference.
 pub(crate) async fn reconcile_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     root: &SessionId,
     now_ms: i64,
     revisions: &mut Revisions,

@@ -12,7 +12,9 @@ use keel_store::{
     ScopeKind, SignalCommit, StoreError, TurnCommitted, MAX_SIGNAL_PAYLOAD_BYTES,
 };
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{Row, Transaction};
+use tokio_postgres::Row;
+
+use crate::store::Tx;
 
 use crate::counters::{adjust_counters, next_revision, Revisions};
 use crate::messages::{commit_turn_tx, encode, EncodedMessage};
@@ -38,7 +40,7 @@ pub(crate) struct NewEventRow<'a> {
     pub now_ms: i64,
 }
 
-pub(crate) async fn insert_event_tx(tx: &Transaction<'_>, e: &NewEventRow<'_>) -> Result<EventId> {
+pub(crate) async fn insert_event_tx(tx: &Tx<'_>, e: &NewEventRow<'_>) -> Result<EventId> {
     let id = EventId::new();
     let (run_id, group_id) = match e.scope {
         ScopeKind::Run => (Some(e.scope_id), None),
@@ -112,7 +114,7 @@ fn event_from_row(r: &Row) -> Result<InboxEvent> {
 /// The events `where_sql` (a `WHERE …`/`ORDER BY …` tail over
 /// `agent_inbox_events`) selects.
 pub(crate) async fn query_events(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     where_sql: &str,
     params: &[&(dyn ToSql + Sync)],
 ) -> Result<Vec<InboxEvent>> {
@@ -127,7 +129,7 @@ pub(crate) async fn query_events(
     .collect()
 }
 
-async fn get_event(tx: &Transaction<'_>, id: &EventId) -> Result<Option<InboxEvent>> {
+async fn get_event(tx: &Tx<'_>, id: &EventId) -> Result<Option<InboxEvent>> {
     Ok(query_events(tx, "WHERE id = $1", &[&id.to_string()])
         .await?
         .pop())
@@ -164,7 +166,7 @@ fn signal_wait_ms(times: &[i64], burst: u32, interval_ms: u64, now_ms: i64) -> u
     }
 }
 
-async fn insert_signal_tx(tx: &Transaction<'_>, s: &NewSignal) -> Result<SignalCommit> {
+async fn insert_signal_tx(tx: &Tx<'_>, s: &NewSignal) -> Result<SignalCommit> {
     if s.payload_json.len() > MAX_SIGNAL_PAYLOAD_BYTES {
         return Err(StoreError::InvalidInput(format!(
             "signal payload is {} bytes, more than {MAX_SIGNAL_PAYLOAD_BYTES}",
@@ -247,7 +249,7 @@ async fn insert_signal_tx(tx: &Transaction<'_>, s: &NewSignal) -> Result<SignalC
 /// Pending signals of a cancelled run become superseded (a signal already
 /// held by a turn is left to that turn). Returns how many.
 pub(crate) async fn supersede_run_signals_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     run_id: &RunId,
     now_ms: i64,
     revisions: &mut Revisions,
@@ -282,7 +284,7 @@ pub(crate) async fn supersede_run_signals_tx(
     Ok(n)
 }
 
-async fn claim_tx(tx: &Transaction<'_>, req: &ClaimRequest) -> Result<Option<InboxLease>> {
+async fn claim_tx(tx: &Tx<'_>, req: &ClaimRequest) -> Result<Option<InboxLease>> {
     if req.max_events == 0 || req.lease_ms <= 0 {
         return Err(StoreError::InvalidInput(
             "a claim needs max_events >= 1 and a positive lease".into(),
@@ -342,7 +344,7 @@ async fn claim_tx(tx: &Transaction<'_>, req: &ClaimRequest) -> Result<Option<Inb
 
 /// Root session of the events, checking they all hold `token` in one of `statuses`.
 async fn leased_root(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     ids: &[EventId],
     token: &str,
     statuses: &[EventStatus],
@@ -369,7 +371,7 @@ async fn leased_root(
 }
 
 async fn admit_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     ids: &[EventId],
     token: &str,
     turn: &TurnId,
@@ -391,7 +393,7 @@ async fn admit_tx(
     Ok(n)
 }
 
-async fn release_tx(tx: &Transaction<'_>, req: &ReleaseRequest) -> Result<ReleaseReport> {
+async fn release_tx(tx: &Tx<'_>, req: &ReleaseRequest) -> Result<ReleaseReport> {
     let root = leased_root(
         tx,
         &req.event_ids,
@@ -464,12 +466,7 @@ async fn release_tx(tx: &Transaction<'_>, req: &ReleaseRequest) -> Result<Releas
     Ok(report)
 }
 
-async fn dead_letter_tx(
-    tx: &Transaction<'_>,
-    ids: &[EventId],
-    reason: &str,
-    now_ms: i64,
-) -> Result<u64> {
+async fn dead_letter_tx(tx: &Tx<'_>, ids: &[EventId], reason: &str, now_ms: i64) -> Result<u64> {
     let mut n = 0u64;
     let mut revisions = Revisions::default();
     for id in ids {
@@ -500,7 +497,7 @@ async fn dead_letter_tx(
 /// Dead-letters every open event of a root session (session archived or
 /// deleted; no fallback notice).
 pub(crate) async fn dead_letter_session_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     root: &SessionId,
     reason: &str,
     revision: i64,
@@ -523,7 +520,7 @@ pub(crate) async fn dead_letter_session_tx(
 /// Leased/admitted events whose lease ends by `cutoff_ms` back to pending
 /// with one more attempt, due at `now_ms`.
 pub(crate) async fn expire_leases_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     cutoff_ms: i64,
     now_ms: i64,
     revisions: &mut Revisions,
@@ -560,7 +557,7 @@ pub(crate) async fn expire_leases_tx(
 
 /// Root sessions whose inbox has work: pending events (due, or backing off
 /// until a retry time), or dead letters whose user was not told yet.
-pub(crate) async fn sessions_with_inbox_work_tx(tx: &Transaction<'_>) -> Result<Vec<SessionId>> {
+pub(crate) async fn sessions_with_inbox_work_tx(tx: &Tx<'_>) -> Result<Vec<SessionId>> {
     tx.query(
         &format!(
             "SELECT DISTINCT root_session_id FROM agent_inbox_events \
@@ -583,7 +580,7 @@ const UNNOTIFIED: &str = "status = 'dead_letter' AND fallback_notified_at IS NUL
      AND fallback_suppressed_reason IS NULL";
 
 pub(crate) async fn continuation_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     c: &ContinuationCommit,
     messages: &[EncodedMessage],
 ) -> Result<ContinuationCommitted> {

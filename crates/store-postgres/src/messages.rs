@@ -12,7 +12,9 @@ use keel_store::{
     OpenTurn, Result, SessionHead, SessionRecord, StoreError, StoredMessage, TimelineId,
     TurnCommit, TurnCommitted,
 };
-use tokio_postgres::{Row, Transaction};
+use tokio_postgres::Row;
+
+use crate::store::Tx;
 
 use crate::checkpoints::{insert_checkpoint_tx, put_state_tx};
 use crate::sessions::{bump_activity, check_limit, list_dialogs_tx, require_session};
@@ -30,7 +32,7 @@ const CHAIN_CTE: &str = "WITH RECURSIVE chain(depth, tid, upto, parent, fseq) AS
      )";
 
 /// Last seq visible from `timeline` (its own, or the fork point when it has none).
-pub(crate) async fn last_seq(tx: &Transaction<'_>, timeline: &str) -> Result<i64> {
+pub(crate) async fn last_seq(tx: &Tx<'_>, timeline: &str) -> Result<i64> {
     let row = tx
         .query_one(
             "SELECT coalesce((SELECT max(seq) FROM messages WHERE timeline_id = $1), \
@@ -44,7 +46,7 @@ pub(crate) async fn last_seq(tx: &Transaction<'_>, timeline: &str) -> Result<i64
 }
 
 /// The head timeline of a session (a light lookup for the append path).
-pub(crate) async fn head_timeline(tx: &Transaction<'_>, session: &SessionId) -> Result<String> {
+pub(crate) async fn head_timeline(tx: &Tx<'_>, session: &SessionId) -> Result<String> {
     let row = tx
         .query_opt(
             "SELECT head_timeline_id FROM sessions WHERE id = $1",
@@ -100,7 +102,7 @@ pub(crate) fn encode(messages: &[NewMessage]) -> Result<Vec<EncodedMessage>> {
 }
 
 /// Where the next append to `session` goes: its head timeline and the last seq on it.
-async fn head_state(tx: &Transaction<'_>, session: &SessionId) -> Result<(String, i64)> {
+async fn head_state(tx: &Tx<'_>, session: &SessionId) -> Result<(String, i64)> {
     let timeline = head_timeline(tx, session).await?;
     let last = last_seq(tx, &timeline).await?;
     Ok((timeline, last))
@@ -109,7 +111,7 @@ async fn head_state(tx: &Transaction<'_>, session: &SessionId) -> Result<(String
 /// Appends `messages` to `timeline` of `session` after seq `last`; returns
 /// their seqs. One statement whatever the number of messages.
 pub(crate) async fn append_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     session: &SessionId,
     timeline: &str,
     last: i64,
@@ -153,7 +155,7 @@ pub(crate) async fn append_tx(
 }
 
 /// The ancestor chain of `timeline` as (timeline, last visible seq), root first.
-async fn chain(tx: &Transaction<'_>, timeline: &str, upto: i64) -> Result<Vec<(String, i64)>> {
+async fn chain(tx: &Tx<'_>, timeline: &str, upto: i64) -> Result<Vec<(String, i64)>> {
     let sql = format!("{CHAIN_CTE} SELECT tid, upto FROM chain ORDER BY depth DESC");
     Ok(tx
         .query(&sql, &[&timeline, &upto])
@@ -167,7 +169,7 @@ async fn chain(tx: &Transaction<'_>, timeline: &str, upto: i64) -> Result<Vec<(S
 /// Visible user inputs in the history visible from `timeline` up to
 /// `upto`: what `sessions.message_count` holds for a session whose history
 /// that is (every commit adds its turn's visible user inputs).
-pub(crate) async fn visible_inputs(tx: &Transaction<'_>, timeline: &str, upto: i64) -> Result<i64> {
+pub(crate) async fn visible_inputs(tx: &Tx<'_>, timeline: &str, upto: i64) -> Result<i64> {
     let sql = format!(
         "{CHAIN_CTE} SELECT count(*) FROM chain c JOIN messages m \
            ON m.timeline_id = c.tid AND m.seq <= c.upto \
@@ -182,7 +184,7 @@ pub(crate) async fn visible_inputs(tx: &Transaction<'_>, timeline: &str, upto: i
 
 /// The history visible from `timeline` after `known` (see `Backend::history_after`).
 async fn history_after_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     timeline: TimelineId,
     known: Option<&SessionHead>,
     filter: &MessageFilter,
@@ -210,7 +212,7 @@ const MESSAGE_COLUMNS: &str = "m.seq, m.slot, m.content, m.created_at, m.input_s
 /// child's seqs start after its fork point), so ordering by depth then seq
 /// is the concatenation SQLite builds range by range.
 pub(crate) async fn load_chain(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     timeline: &str,
     upto: i64,
     filter: &MessageFilter,
@@ -258,11 +260,7 @@ fn stored_from_row(r: &Row) -> Result<StoredMessage> {
 /// backwards (head first, newest first, below it), the first `limit` rows
 /// of that walk. Each ancestor's range is read with the page's limit, so
 /// no range is scanned further than the page needs.
-async fn load_page(
-    tx: &Transaction<'_>,
-    timeline: &str,
-    page: &MessagePage,
-) -> Result<Vec<StoredMessage>> {
+async fn load_page(tx: &Tx<'_>, timeline: &str, page: &MessagePage) -> Result<Vec<StoredMessage>> {
     let (order, low, high) = if page.newest_first {
         (
             ("c.depth", "m.seq DESC"),
@@ -325,7 +323,7 @@ fn check_head(session: &SessionId, expected: &SessionHead, head: &str, last: i64
 /// The whole turn commit: messages, state, checkpoint, counters, and the
 /// webhook deliveries of the inputs it answers (and to `webhook_urls`).
 pub(crate) async fn commit_turn_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     turn: &TurnCommit,
     messages: &[EncodedMessage],
     webhook_urls: &[String],
@@ -392,7 +390,7 @@ pub(crate) async fn commit_turn_tx(
 
 /// Marks the inputs `seqs` of `timeline` answered. Each must be open: an
 /// input already declared unanswered is never answered after the fact.
-async fn answer_inputs_tx(tx: &Transaction<'_>, timeline: &str, seqs: &[i64]) -> Result<()> {
+async fn answer_inputs_tx(tx: &Tx<'_>, timeline: &str, seqs: &[i64]) -> Result<()> {
     for seq in seqs {
         let n = tx
             .execute(
@@ -412,7 +410,7 @@ async fn answer_inputs_tx(tx: &Transaction<'_>, timeline: &str, seqs: &[i64]) ->
 }
 
 /// Marks every input of `session` still open unanswered; returns how many.
-async fn close_open_inputs_tx(tx: &Transaction<'_>, session: &SessionId) -> Result<u64> {
+async fn close_open_inputs_tx(tx: &Tx<'_>, session: &SessionId) -> Result<u64> {
     tx.execute(
         "UPDATE messages SET input_state = 'unanswered' \
          WHERE session_id = $1 AND input_state = 'open'",
@@ -431,7 +429,7 @@ pub(crate) const CLOSE_INTERRUPTED_SQL: &str = "WITH closed AS ( \
      SELECT session_id, timeline_id, seq FROM closed ORDER BY session_id COLLATE \"C\", timeline_id COLLATE \"C\", seq";
 
 async fn open_turn_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     turn: &OpenTurn,
     messages: &[EncodedMessage],
     visible_user_inputs: u32,

@@ -7,9 +7,9 @@
 //! before parents; last the session row with its head timeline. Timelines
 //! another dialog branches from are kept until that dialog goes too).
 
+use crate::store::Tx;
 use keel_core::SessionId;
 use keel_store::{DialogUsage, PurgeReport, Result, StoreError};
-use tokio_postgres::Transaction;
 
 use crate::checkpoints::sweep_blobs;
 use crate::counters::recount_tx;
@@ -23,7 +23,7 @@ const ROW_BATCH: i64 = 256;
 const MESSAGE_BATCH: i64 = 5_000;
 
 /// Refuses to touch a session that is missing or not deleted.
-async fn require_deleted(tx: &Transaction<'_>, id: &str) -> Result<()> {
+async fn require_deleted(tx: &Tx<'_>, id: &str) -> Result<()> {
     let row = tx
         .query_opt("SELECT deleted_at FROM sessions WHERE id = $1", &[&id])
         .await
@@ -37,14 +37,14 @@ async fn require_deleted(tx: &Transaction<'_>, id: &str) -> Result<()> {
     }
 }
 
-async fn exists(tx: &Transaction<'_>, sql: &str, id: &str) -> Result<bool> {
+async fn exists(tx: &Tx<'_>, sql: &str, id: &str) -> Result<bool> {
     Ok(tx.query_one(sql, &[&id]).await.map_err(from_pg)?.get(0))
 }
 
 /// One batch of leaf runs (no run left below them) with their run-scoped
 /// events, then the groups no run is left in with theirs; the session's
 /// counters recomputed. Returns (runs, events) removed.
-async fn runs_batch(tx: &Transaction<'_>, id: &str) -> Result<(u64, u64)> {
+async fn runs_batch(tx: &Tx<'_>, id: &str) -> Result<(u64, u64)> {
     require_deleted(tx, id).await?;
     let leaves = "SELECT r.id FROM agent_runs r WHERE r.root_session_id = $1 \
          AND NOT EXISTS (SELECT 1 FROM agent_runs c WHERE c.parent_run_id = r.id) LIMIT $2";
@@ -112,7 +112,7 @@ async fn runs_batch(tx: &Transaction<'_>, id: &str) -> Result<(u64, u64)> {
 }
 
 /// The session's timelines, newest first (a branch is newer than its parent).
-async fn timelines_newest_first(tx: &Transaction<'_>, id: &str) -> Result<Vec<String>> {
+async fn timelines_newest_first(tx: &Tx<'_>, id: &str) -> Result<Vec<String>> {
     Ok(tx
         .query(
             "SELECT id FROM timelines WHERE session_id = $1 \
@@ -139,7 +139,7 @@ enum TimelineStep {
 /// Removes up to one batch of `timeline`'s messages, newest seq first, and
 /// the timeline itself once it is empty (the session's head, kept until the
 /// session row goes, is detached from its parent instead).
-async fn timeline_batch(tx: &Transaction<'_>, id: &str, timeline: &str) -> Result<TimelineStep> {
+async fn timeline_batch(tx: &Tx<'_>, id: &str, timeline: &str) -> Result<TimelineStep> {
     require_deleted(tx, id).await?;
     let branched = exists(
         tx,
@@ -185,7 +185,7 @@ async fn timeline_batch(tx: &Transaction<'_>, id: &str, timeline: &str) -> Resul
 /// Removes the emptied session: its head timeline and its row. Refused
 /// (false) while any of its timelines still holds messages or is shared,
 /// or any checkpoint, run, input, subscription or approval of it remains.
-async fn remove_session_row(tx: &Transaction<'_>, id: &str) -> Result<(bool, u64)> {
+async fn remove_session_row(tx: &Tx<'_>, id: &str) -> Result<(bool, u64)> {
     require_deleted(tx, id).await?;
     let busy = exists(
         tx,

@@ -3,9 +3,9 @@
 //! the history when its own turn starts (in that turn's `open_turn`
 //! transaction); keel-store's `queued.rs` says why.
 
+use crate::store::Tx;
 use keel_core::TurnId;
 use keel_store::{QueuedInput, Result, StoreError};
-use tokio_postgres::Transaction;
 
 use crate::sessions::require_session;
 use crate::store::from_pg;
@@ -14,7 +14,7 @@ use crate::PgStore;
 
 /// Removes the queued input of `turn_id` as its turn opens; an input that is
 /// not queued (any more) is refused, so no input enters the history twice.
-pub(crate) async fn take_queued_tx(tx: &Transaction<'_>, turn_id: &TurnId) -> Result<()> {
+pub(crate) async fn take_queued_tx(tx: &Tx<'_>, turn_id: &TurnId) -> Result<()> {
     let n = tx
         .execute(
             "DELETE FROM queued_inputs WHERE turn_id = $1",

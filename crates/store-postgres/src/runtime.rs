@@ -1,15 +1,15 @@
 //! The runtime generation: activation bumps it and recovers what older
 //! generations left; every write of an activated store checks it first.
 
+use crate::store::Tx;
 use keel_store::{Activation, Result, StoreError};
-use tokio_postgres::Transaction;
 
 use crate::runs::recover_tx;
 use crate::store::from_pg;
 use crate::util::{non_negative, parse, to_i64};
 
 /// The stored generation and its holder.
-pub(crate) async fn current(tx: &Transaction<'_>) -> Result<Option<(u64, String)>> {
+pub(crate) async fn current(tx: &Tx<'_>) -> Result<Option<(u64, String)>> {
     let row = tx
         .query_opt(
             "SELECT generation, holder FROM runtime_state WHERE id = 1",
@@ -27,7 +27,7 @@ pub(crate) async fn current(tx: &Transaction<'_>) -> Result<Option<(u64, String)
 }
 
 /// Refuses a write of generation `ours` once a newer one activated.
-pub(crate) async fn check_fence(tx: &Transaction<'_>, ours: u64) -> Result<()> {
+pub(crate) async fn check_fence(tx: &Tx<'_>, ours: u64) -> Result<()> {
     match current(tx).await? {
         Some((current, holder)) if current != ours => Err(StoreError::Fenced {
             ours,
@@ -39,7 +39,7 @@ pub(crate) async fn check_fence(tx: &Transaction<'_>, ours: u64) -> Result<()> {
 }
 
 async fn activate_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     holder: &str,
     now_ms: i64,
     webhook_urls: &[String],

@@ -10,7 +10,9 @@ use keel_store::{
     TimelineId, TurnCommit, TurnCommitted,
 };
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{Row, Transaction};
+use tokio_postgres::Row;
+
+use crate::store::Tx;
 
 use crate::messages::{commit_turn_tx, encode};
 use crate::store::from_pg;
@@ -47,10 +49,7 @@ fn session_from_row(r: &Row) -> Result<SessionRecord> {
     })
 }
 
-pub(crate) async fn get_session_tx(
-    tx: &Transaction<'_>,
-    id: &SessionId,
-) -> Result<Option<SessionRecord>> {
+pub(crate) async fn get_session_tx(tx: &Tx<'_>, id: &SessionId) -> Result<Option<SessionRecord>> {
     let sql = format!("SELECT {SESSION_COLUMNS} FROM sessions WHERE id = $1");
     tx.query_opt(&sql, &[&id.to_string()])
         .await
@@ -59,14 +58,14 @@ pub(crate) async fn get_session_tx(
         .transpose()
 }
 
-pub(crate) async fn require_session(tx: &Transaction<'_>, id: &SessionId) -> Result<SessionRecord> {
+pub(crate) async fn require_session(tx: &Tx<'_>, id: &SessionId) -> Result<SessionRecord> {
     get_session_tx(tx, id)
         .await?
         .ok_or_else(|| StoreError::NotFound(format!("session {id}")))
 }
 
 async fn query_sessions(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     sql: &str,
     params: &[&(dyn ToSql + Sync)],
 ) -> Result<Vec<SessionRecord>> {
@@ -104,7 +103,7 @@ pub(crate) fn check_limit(query: &DialogQuery) -> Result<()> {
 
 /// One page of a chat's dialogs (see `Backend::list_dialogs`).
 pub(crate) async fn list_dialogs_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     query: &DialogQuery,
 ) -> Result<Page<SessionRecord, DialogCursor>> {
     let (cursor_at, cursor_id) = match &query.cursor {
@@ -148,7 +147,7 @@ pub(crate) async fn list_dialogs_tx(
 
 /// Inserts a session row and its timeline (root, or forked from `fork_of`).
 pub(crate) async fn insert_session_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     s: &NewSession,
     fork_of: Option<(&str, i64)>,
     state_hash: Option<&str>,
@@ -225,7 +224,7 @@ pub(crate) async fn insert_session_tx(
     require_session(tx, &s.id).await
 }
 
-async fn touch_tx(tx: &Transaction<'_>, id: &SessionId, now_ms: i64) -> Result<()> {
+async fn touch_tx(tx: &Tx<'_>, id: &SessionId, now_ms: i64) -> Result<()> {
     let n = tx
         .execute(
             "UPDATE sessions SET last_active_at = GREATEST(last_active_at, $1) WHERE id = $2",
@@ -240,7 +239,7 @@ async fn touch_tx(tx: &Transaction<'_>, id: &SessionId, now_ms: i64) -> Result<(
 }
 
 pub(crate) async fn bump_activity(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     id: &SessionId,
     now_ms: i64,
     inputs: u32,

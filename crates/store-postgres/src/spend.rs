@@ -2,9 +2,9 @@
 //! added call by call, never rolled back, so a dialog budget survives
 //! rollbacks and restarts.
 
+use crate::store::Tx;
 use keel_core::{SessionId, Usage, Usd};
 use keel_store::{DialogSpend, Result, StoreError};
-use tokio_postgres::Transaction;
 
 use crate::store::from_pg;
 use crate::util::{non_negative, saturating_i64};
@@ -53,7 +53,7 @@ impl PgStore {
     }
 }
 
-async fn read_tx(tx: &Transaction<'_>, session: &SessionId) -> Result<Option<DialogSpend>> {
+async fn read_tx(tx: &Tx<'_>, session: &SessionId) -> Result<Option<DialogSpend>> {
     let Some(r) = tx
         .query_opt(
             "SELECT prompt_tokens, completion_tokens, cost_usd, model_calls \

@@ -22,7 +22,8 @@ use deadpool_postgres::{Pool, PoolError};
 use futures::future::BoxFuture;
 use keel_store::{CommitStats, Result, StoreError, WebhookHooks};
 use tokio_postgres::error::SqlState;
-use tokio_postgres::{IsolationLevel, Transaction};
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{IsolationLevel, Row, Statement};
 
 use crate::migrations::{self, MigrationReport};
 
@@ -78,6 +79,65 @@ impl std::fmt::Debug for PgStore {
 /// The body of a transaction: may run more than once (each attempt in a
 /// fresh transaction), so it must not have effects outside `tx`.
 pub(crate) type TxBody<'a, T> = BoxFuture<'a, Result<T>>;
+
+/// A transaction whose statements are prepared once per connection (the
+/// pool keeps them): one round trip a statement instead of two (parse,
+/// then execute), which also keeps transactions short.
+pub(crate) struct Tx<'a>(deadpool_postgres::Transaction<'a>);
+
+impl Tx<'_> {
+    async fn statement(&self, sql: &str) -> std::result::Result<Statement, tokio_postgres::Error> {
+        self.0.prepare_cached(sql).await
+    }
+
+    /// The rows `sql` returns.
+    pub(crate) async fn query(
+        &self,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> std::result::Result<Vec<Row>, tokio_postgres::Error> {
+        let stmt = self.statement(sql).await?;
+        self.0.query(&stmt, params).await
+    }
+
+    /// The one row `sql` returns.
+    pub(crate) async fn query_one(
+        &self,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> std::result::Result<Row, tokio_postgres::Error> {
+        let stmt = self.statement(sql).await?;
+        self.0.query_one(&stmt, params).await
+    }
+
+    /// The row `sql` returns, if any.
+    pub(crate) async fn query_opt(
+        &self,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> std::result::Result<Option<Row>, tokio_postgres::Error> {
+        let stmt = self.statement(sql).await?;
+        self.0.query_opt(&stmt, params).await
+    }
+
+    /// Runs `sql`; the rows it changed.
+    pub(crate) async fn execute(
+        &self,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> std::result::Result<u64, tokio_postgres::Error> {
+        let stmt = self.statement(sql).await?;
+        self.0.execute(&stmt, params).await
+    }
+
+    /// Runs statements without parameters (savepoints).
+    pub(crate) async fn batch_execute(
+        &self,
+        sql: &str,
+    ) -> std::result::Result<(), tokio_postgres::Error> {
+        self.0.batch_execute(sql).await
+    }
+}
 
 impl PgStore {
     /// Connects to `url` (a `postgres://` URL or libpq key=value string) and
@@ -160,7 +220,7 @@ impl PgStore {
     pub(crate) async fn write<T, F>(&self, mut body: F) -> Result<T>
     where
         T: Send,
-        F: for<'a> FnMut(&'a Transaction<'a>) -> TxBody<'a, T> + Send,
+        F: for<'a> FnMut(&'a Tx<'a>) -> TxBody<'a, T> + Send,
     {
         let fence = self.inner.fence.load(Ordering::Acquire);
         let mut attempt = 0usize;
@@ -190,7 +250,7 @@ impl PgStore {
     pub(crate) async fn read<T, F>(&self, mut body: F) -> Result<T>
     where
         T: Send,
-        F: for<'a> FnMut(&'a Transaction<'a>) -> TxBody<'a, T> + Send,
+        F: for<'a> FnMut(&'a Tx<'a>) -> TxBody<'a, T> + Send,
     {
         let mut attempt = 0usize;
         loop {
@@ -217,7 +277,7 @@ impl PgStore {
         body: &mut F,
     ) -> std::result::Result<T, Attempt>
     where
-        F: for<'a> FnMut(&'a Transaction<'a>) -> TxBody<'a, T> + Send,
+        F: for<'a> FnMut(&'a Tx<'a>) -> TxBody<'a, T> + Send,
     {
         let mut client = self
             .inner
@@ -225,20 +285,20 @@ impl PgStore {
             .get()
             .await
             .map_err(|e| Attempt::before_commit(from_pool(e)))?;
-        let tx = client
+        let tx = Tx(client
             .build_transaction()
             .isolation_level(isolation)
             .read_only(read_only)
             .start()
             .await
-            .map_err(|e| Attempt::before_commit(from_pg(e)))?;
+            .map_err(|e| Attempt::before_commit(from_pg(e)))?);
         if fence != 0 {
             crate::runtime::check_fence(&tx, fence)
                 .await
                 .map_err(Attempt::before_commit)?;
         }
         let value = body(&tx).await.map_err(Attempt::before_commit)?;
-        match tx.commit().await {
+        match tx.0.commit().await {
             Ok(()) => Ok(value),
             Err(e) => match e.code() {
                 // Rolled back by the server: nothing happened, try again.

@@ -6,12 +6,12 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use crate::store::Tx;
 use keel_core::SessionId;
 use keel_store::{
     DialogTree, ImportTree, MessageFilter, NewMessage, NewSession, Result, RunRecord,
     SessionRecord, StoreError, TreeTimeline,
 };
-use tokio_postgres::Transaction;
 
 use crate::checkpoints::{list_tx, read_state_blob};
 use crate::messages::{append_tx, encode, last_seq, load_chain, visible_inputs, EncodedMessage};
@@ -24,7 +24,7 @@ fn invalid(what: String) -> StoreError {
     StoreError::InvalidInput(what)
 }
 
-async fn read_tree_tx(tx: &Transaction<'_>, session: &SessionRecord) -> Result<DialogTree> {
+async fn read_tree_tx(tx: &Tx<'_>, session: &SessionRecord) -> Result<DialogTree> {
     let rows = tx
         .query(
             "SELECT t.id, CASE WHEN p.session_id = t.session_id THEN t.parent_timeline_id END, \
@@ -71,7 +71,7 @@ async fn read_tree_tx(tx: &Transaction<'_>, session: &SessionRecord) -> Result<D
     })
 }
 
-async fn put_blob_tx(tx: &Transaction<'_>, bytes: &[u8]) -> Result<String> {
+async fn put_blob_tx(tx: &Tx<'_>, bytes: &[u8]) -> Result<String> {
     let hash = sha256_hex(bytes);
     tx.execute(
         "INSERT INTO state_blobs (hash, bytes, codec) VALUES ($1, $2, 0) \
@@ -86,7 +86,7 @@ async fn put_blob_tx(tx: &Transaction<'_>, bytes: &[u8]) -> Result<String> {
 /// Writes the timelines of `tree` (the first one is the session's own) and
 /// their messages; returns each key's new timeline id.
 async fn import_timelines_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     session: &SessionRecord,
     tree: &ImportTree,
     encoded: &[Vec<EncodedMessage>],
@@ -141,7 +141,7 @@ async fn import_timelines_tx(
 }
 
 async fn import_tree_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     session: &NewSession,
     tree: &ImportTree,
     encoded: &[Vec<EncodedMessage>],

@@ -14,7 +14,9 @@ use keel_store::{
     RunRecord, StoreError, TurnCompletedBody, TurnCompletedData, WebhookDelivery,
 };
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{Row, Transaction};
+use tokio_postgres::Row;
+
+use crate::store::Tx;
 
 use crate::store::from_pg;
 use crate::util::{parse, parse_opt};
@@ -46,7 +48,7 @@ fn delivery_from_row(r: &Row) -> Result<WebhookDelivery> {
 }
 
 async fn query_deliveries(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     sql: &str,
     params: &[&(dyn ToSql + Sync)],
 ) -> Result<Vec<WebhookDelivery>> {
@@ -70,7 +72,7 @@ fn render<T: serde::Serialize>(body: &T) -> Result<String> {
 
 /// Commits the subscription of a queued input's turn.
 pub(crate) async fn subscribe_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     turn: &TurnId,
     session: &SessionId,
     url: &str,
@@ -87,7 +89,7 @@ pub(crate) async fn subscribe_tx(
 }
 
 /// Drops the subscription of a turn whose queued input was withdrawn.
-pub(crate) async fn unsubscribe_tx(tx: &Transaction<'_>, turn: &TurnId) -> Result<()> {
+pub(crate) async fn unsubscribe_tx(tx: &Tx<'_>, turn: &TurnId) -> Result<()> {
     tx.execute(
         "DELETE FROM webhook_subscriptions WHERE turn_id = $1",
         &[&turn.to_string()],
@@ -98,12 +100,7 @@ pub(crate) async fn unsubscribe_tx(tx: &Transaction<'_>, turn: &TurnId) -> Resul
 }
 
 /// Binds a turn's subscription (if any) to its input's seq as the turn opens.
-pub(crate) async fn bind_tx(
-    tx: &Transaction<'_>,
-    turn: &TurnId,
-    timeline: &str,
-    seq: i64,
-) -> Result<()> {
+pub(crate) async fn bind_tx(tx: &Tx<'_>, turn: &TurnId, timeline: &str, seq: i64) -> Result<()> {
     tx.execute(
         "UPDATE webhook_subscriptions SET timeline_id = $2, input_seq = $3 \
          WHERE turn_id = $1 AND timeline_id IS NULL",
@@ -132,7 +129,7 @@ pub(crate) struct CommittedTurn<'a> {
 /// stands for the turn's background runs) and one per server-wide URL.
 /// Returns how many.
 pub(crate) async fn deliveries_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     turn: &CommittedTurn<'_>,
     global: &[String],
 ) -> Result<usize> {
@@ -170,14 +167,10 @@ pub(crate) async fn deliveries_tx(
         .find(|m| m.message.role == Role::Assistant)
         .map(|m| Message::text(&m.message))
         .unwrap_or_default();
-    let insert = tx
-        .prepare(
-            "INSERT INTO webhook_deliveries (id, url, event, session_id, turn_id, body, status, \
+    let insert =
+        "INSERT INTO webhook_deliveries (id, url, event, session_id, turn_id, body, status, \
              next_attempt_at, created_at) \
-             VALUES ($1, $2, 'turn.completed', $3, $4, $5, 'pending', $6, $6)",
-        )
-        .await
-        .map_err(from_pg)?;
+             VALUES ($1, $2, 'turn.completed', $3, $4, $5, 'pending', $6, $6)";
     let session = turn.session.to_string();
     for (target_turn, url) in &targets {
         let body = render(&TurnCompletedBody {
@@ -192,7 +185,7 @@ pub(crate) async fn deliveries_tx(
             },
         })?;
         tx.execute(
-            &insert,
+            insert,
             &[
                 &delivery_id(),
                 url,
@@ -212,7 +205,7 @@ pub(crate) async fn deliveries_tx(
 /// unanswered (its turn failed, was stopped or was cut off by a crash), the
 /// deliveries saying so: to the send's webhook and to every server-wide URL.
 pub(crate) async fn unanswered_deliveries_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     session: &SessionId,
     timeline: &str,
     seq: i64,
@@ -236,7 +229,7 @@ pub(crate) async fn unanswered_deliveries_tx(
 /// webhook the send of its root turn named (if any) and one per server-wide
 /// URL. Returns how many.
 pub(crate) async fn run_deliveries_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     run: &RunRecord,
     status: &str,
     result: Option<&str>,
@@ -280,14 +273,10 @@ pub(crate) async fn run_deliveries_tx(
             error: error.map(str::to_owned),
         },
     })?;
-    let insert = tx
-        .prepare(
-            "INSERT INTO webhook_deliveries (id, url, event, session_id, turn_id, run_id, body, \
+    let insert =
+        "INSERT INTO webhook_deliveries (id, url, event, session_id, turn_id, run_id, body, \
              status, next_attempt_at, created_at) \
-             VALUES ($1, $2, 'run.completed', $3, $4, $5, $6, 'pending', $7, $7)",
-        )
-        .await
-        .map_err(from_pg)?;
+             VALUES ($1, $2, 'run.completed', $3, $4, $5, $6, 'pending', $7, $7)";
     let (session, turn, run_id) = (
         run.spec.root_session_id.to_string(),
         turn.map(|t| t.to_string()),
@@ -295,7 +284,7 @@ pub(crate) async fn run_deliveries_tx(
     );
     for url in &urls {
         tx.execute(
-            &insert,
+            insert,
             &[
                 &delivery_id(),
                 url,

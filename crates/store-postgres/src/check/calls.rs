@@ -1,14 +1,14 @@
 //! The check of call spans: each belongs to a stored dialog, and a run's
 //! to a stored run (a purge deletes them with their dialog).
 
+use crate::store::Tx;
 use keel_store::{CheckOptions, Invariant, InvariantReport, Result};
-use tokio_postgres::Transaction;
 
 use super::{rows, MAX_NAMED};
 
 /// Call spans whose dialog or run is not stored.
 pub(super) async fn call_spans(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     _: &CheckOptions,
     report: &mut InvariantReport,
 ) -> Result<()> {

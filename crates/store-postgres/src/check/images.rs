@@ -5,9 +5,9 @@
 
 use std::collections::{BTreeMap, HashSet};
 
+use crate::store::Tx;
 use keel_core::{stored_image_hash, ContentPart, Message};
 use keel_store::{CheckOptions, Invariant, InvariantReport, Result};
-use tokio_postgres::Transaction;
 
 use super::{rows, MAX_NAMED};
 use crate::store::from_pg;
@@ -16,7 +16,7 @@ use crate::util::sha256_hex;
 /// Image references without their image, and images whose bytes are not
 /// their hash.
 pub(super) async fn images(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     _: &CheckOptions,
     report: &mut InvariantReport,
 ) -> Result<()> {

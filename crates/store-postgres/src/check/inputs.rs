@@ -2,14 +2,14 @@
 //! turn; one acknowledged waits in `queued_inputs` only until its turn
 //! starts, and only for a dialog that can still run it.
 
+use crate::store::Tx;
 use keel_store::{CheckOptions, Invariant, InvariantReport, Result};
-use tokio_postgres::Transaction;
 
 use super::rows;
 
 /// A user's input still open with no process answering it.
 pub(super) async fn open_inputs(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     options: &CheckOptions,
     report: &mut InvariantReport,
 ) -> Result<()> {
@@ -38,7 +38,7 @@ pub(super) async fn open_inputs(
 
 /// Queued inputs of dialogs that are gone, or whose turn already ran.
 pub(super) async fn queued_inputs(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     _: &CheckOptions,
     report: &mut InvariantReport,
 ) -> Result<()> {

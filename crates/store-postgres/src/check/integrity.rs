@@ -13,8 +13,8 @@
 //! b-trees). Only keel's tables are looked at, in the schema the store's
 //! unqualified names resolve to.
 
+use crate::store::Tx;
 use keel_store::{Invariant, InvariantReport, Result, TABLES};
-use tokio_postgres::Transaction;
 
 use crate::store::from_pg;
 
@@ -29,7 +29,7 @@ fn keel_tables() -> Vec<&'static str> {
 /// Reports invalid indexes, rows with dangling references, rows breaking
 /// a constraint added `NOT VALID`, and (with `amcheck`) damaged B-trees of
 /// keel's tables.
-pub(super) async fn integrity(tx: &Transaction<'_>, report: &mut InvariantReport) -> Result<()> {
+pub(super) async fn integrity(tx: &Tx<'_>, report: &mut InvariantReport) -> Result<()> {
     let tables = keel_tables();
     let invalid = tx
         .query(
@@ -63,11 +63,7 @@ pub(super) async fn integrity(tx: &Transaction<'_>, report: &mut InvariantReport
 /// `bt_index_check` of every valid B-tree index of keel's tables, when the
 /// extension is installed and this role may execute it (keel never
 /// installs it: an administrator does, as for any server-wide check).
-async fn amcheck(
-    tx: &Transaction<'_>,
-    tables: &[&str],
-    report: &mut InvariantReport,
-) -> Result<()> {
+async fn amcheck(tx: &Tx<'_>, tables: &[&str], report: &mut InvariantReport) -> Result<()> {
     let schema = tx
         .query_opt(
             "SELECT quote_ident(n.nspname) FROM pg_extension e \
@@ -126,7 +122,7 @@ fn ident(name: &str) -> String {
 /// SQL naming a row of `table` (aliased `c`) as SQLite's checks do: its
 /// one-column primary key's value, several columns' values in
 /// parentheses, or NULL (shown "a row") for a table without a key.
-async fn row_key(tx: &Transaction<'_>, table: &str) -> Result<String> {
+async fn row_key(tx: &Tx<'_>, table: &str) -> Result<String> {
     let key: Vec<String> = tx
         .query(
             "SELECT a.attname::text FROM pg_index i \
@@ -153,11 +149,7 @@ fn shown_row(key: Option<String>) -> String {
 
 /// Rows whose reference names no row: every foreign key of keel's tables
 /// evaluated over its rows (NULL references, MATCH SIMPLE, refer to nothing).
-async fn foreign_keys(
-    tx: &Transaction<'_>,
-    tables: &[&str],
-    report: &mut InvariantReport,
-) -> Result<()> {
+async fn foreign_keys(tx: &Tx<'_>, tables: &[&str], report: &mut InvariantReport) -> Result<()> {
     let keys = tx
         .query(
             "SELECT t.relname::text, p.relname::text, \
@@ -220,7 +212,7 @@ async fn foreign_keys(
 /// Rows breaking a CHECK added `NOT VALID` (a validated CHECK holds for
 /// every row: the server checks each write).
 async fn unvalidated_checks(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     tables: &[&str],
     report: &mut InvariantReport,
 ) -> Result<()> {

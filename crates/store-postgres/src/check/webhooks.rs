@@ -3,14 +3,14 @@
 //! answers it (which uses it up); a delivery's body is JSON and a
 //! delivered or dead row had at least one attempt.
 
+use crate::store::Tx;
 use keel_store::{CheckOptions, Invariant, InvariantReport, Result};
-use tokio_postgres::Transaction;
 
 use super::{rows, MAX_NAMED};
 
 /// Subscriptions that will never be sent, and delivery rows that cannot be.
 pub(super) async fn webhooks(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     _: &CheckOptions,
     report: &mut InvariantReport,
 ) -> Result<()> {

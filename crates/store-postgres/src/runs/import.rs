@@ -1,9 +1,9 @@
 //! Runs brought in with an imported dialog: every run of a root session
 //! read whole, and terminal runs written back as rows of a new session.
 
+use crate::store::Tx;
 use keel_core::SessionId;
 use keel_store::{NewSession, Result, RunRecord, StoreError};
-use tokio_postgres::Transaction;
 
 use super::rows::{delivery_text, query_runs};
 use crate::store::from_pg;
@@ -13,11 +13,7 @@ use crate::PgStore;
 /// Writes `run` (already given its new ids, parents first) as a terminal row
 /// of its root session: it holds no completion slot, belongs to no group and
 /// no runtime generation's recovery ever picks it up.
-async fn insert_imported_run_tx(
-    tx: &Transaction<'_>,
-    run: &RunRecord,
-    revision: i64,
-) -> Result<()> {
+async fn insert_imported_run_tx(tx: &Tx<'_>, run: &RunRecord, revision: i64) -> Result<()> {
     if !run.status.is_terminal() {
         return Err(StoreError::InvalidInput(format!(
             "an imported run must have ended, and run {} is {}",
@@ -89,7 +85,7 @@ async fn insert_imported_run_tx(
 /// Writes the ended `runs` of imported session `session` (parents first),
 /// all under one new client revision.
 pub(crate) async fn import_runs_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     session: &NewSession,
     runs: &[RunRecord],
 ) -> Result<()> {

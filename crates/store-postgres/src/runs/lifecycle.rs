@@ -1,6 +1,7 @@
 //! A run's life after acceptance: transitions owned by its execution, the
 //! terminal commit that converts its completion slot, and cancellation.
 
+use crate::store::Tx;
 use keel_core::{
     CompletionPolicy, Delivery, EventId, ExecutionMode, GroupId, RunId, RunStatus, SessionId, Usd,
 };
@@ -9,7 +10,6 @@ use keel_store::{
     EventType, GroupRecord, GroupStatus, Result, RunRecord, ScopeKind, StoreError, TerminalCommit,
     TerminalOutcome,
 };
-use tokio_postgres::Transaction;
 
 use super::rows::{
     delivery_text, insert_run_row, query_groups, query_runs, require_group, require_run,
@@ -21,7 +21,7 @@ use crate::store::from_pg;
 use crate::util::{parse, saturating_i64, to_i64};
 use crate::PgStore;
 
-async fn accept_run_tx(tx: &Transaction<'_>, req: &AcceptRun) -> Result<AcceptedRun> {
+async fn accept_run_tx(tx: &Tx<'_>, req: &AcceptRun) -> Result<AcceptedRun> {
     let run = &req.run;
     if let Some(key) = &run.idempotency_key {
         let existing = query_runs(
@@ -59,7 +59,7 @@ async fn accept_run_tx(tx: &Transaction<'_>, req: &AcceptRun) -> Result<Accepted
     })
 }
 
-async fn accept_group_tx(tx: &Transaction<'_>, req: &AcceptGroup) -> Result<AcceptedGroup> {
+async fn accept_group_tx(tx: &Tx<'_>, req: &AcceptGroup) -> Result<AcceptedGroup> {
     let g = &req.group;
     if req.runs.is_empty() {
         return Err(StoreError::InvalidInput(
@@ -156,7 +156,7 @@ async fn accept_group_tx(tx: &Transaction<'_>, req: &AcceptGroup) -> Result<Acce
 
 /// Moves a run from one of `from` to `to` if `execution_id` still owns it.
 async fn transition_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     run_id: &RunId,
     execution_id: &str,
     from: &[RunStatus],
@@ -223,7 +223,7 @@ fn completion_payload(run: &RunRecord, outcome: &TerminalOutcome) -> String {
 /// Inserts the completion event for a reservation being converted, and moves the counters.
 #[allow(clippy::too_many_arguments)]
 async fn convert_reservation(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     root: &SessionId,
     scope: ScopeKind,
     scope_id: &str,
@@ -263,7 +263,7 @@ async fn convert_reservation(
 
 /// The terminal transition and everything only its winner may do.
 pub(super) async fn terminal_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     run: &RunRecord,
     outcome: &TerminalOutcome,
     handling: CompletionHandling,
@@ -410,7 +410,7 @@ pub(super) async fn terminal_tx(
 }
 
 /// Final status of a group from its runs' statuses.
-async fn group_final_status(tx: &Transaction<'_>, group: &GroupId) -> Result<GroupStatus> {
+async fn group_final_status(tx: &Tx<'_>, group: &GroupId) -> Result<GroupStatus> {
     let statuses = tx
         .query(
             "SELECT status FROM agent_runs WHERE group_id = $1",
@@ -439,7 +439,7 @@ async fn group_final_status(tx: &Transaction<'_>, group: &GroupId) -> Result<Gro
 
 /// Marks a group whose runs all ended as finished; converts its reservation (policy `All`).
 pub(super) async fn finish_group(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     group: &GroupRecord,
     handling: CompletionHandling,
     revision: i64,
@@ -505,7 +505,7 @@ pub(super) async fn finish_group(
 }
 
 async fn commit_terminal_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     run_id: &RunId,
     execution_id: &str,
     outcome: &TerminalOutcome,
@@ -542,7 +542,7 @@ async fn commit_terminal_tx(
 }
 
 async fn cancel_session_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     root: &SessionId,
     reason: &str,
     now_ms: i64,

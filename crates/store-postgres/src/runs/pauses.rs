@@ -3,9 +3,9 @@
 //! to a new execution once every approval is decided, and the settling of a
 //! run's approvals when it ends any other way.
 
+use crate::store::Tx;
 use keel_core::{Message, RunId, RunStatus, SessionId, Usage};
 use keel_store::{ApprovalStatus, PausedRunCommit, Result, ResumedRun, RunRecord, StoreError};
-use tokio_postgres::Transaction;
 
 use super::rows::{query_runs, require_run};
 use crate::approvals::query as query_approvals;
@@ -18,11 +18,7 @@ fn u32_col(what: &str, v: i64) -> Result<u32> {
     u32::try_from(v).map_err(|_| StoreError::corrupt(what, v))
 }
 
-async fn commit_paused_tx(
-    tx: &Transaction<'_>,
-    p: &PausedRunCommit,
-    messages: &str,
-) -> Result<bool> {
+async fn commit_paused_tx(tx: &Tx<'_>, p: &PausedRunCommit, messages: &str) -> Result<bool> {
     let run = require_run(tx, &p.run_id).await?;
     if run.spec.execution_id != p.execution_id || run.status != RunStatus::Running {
         return Ok(false);
@@ -58,17 +54,13 @@ async fn commit_paused_tx(
     )
     .await
     .map_err(from_pg)?;
-    let insert = tx
-        .prepare(
-            "INSERT INTO tool_approvals (id, session_id, turn_id, run_id, agent_id, tool_call_id, \
+    let insert =
+        "INSERT INTO tool_approvals (id, session_id, turn_id, run_id, agent_id, tool_call_id, \
              tool_name, arguments, status, revision, created_at, expires_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'pending', $9, $10, $11)",
-        )
-        .await
-        .map_err(from_pg)?;
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'pending', $9, $10, $11)";
     for a in &p.approvals {
         tx.execute(
-            &insert,
+            insert,
             &[
                 &a.id.to_string(),
                 &session.to_string(),
@@ -97,7 +89,7 @@ async fn commit_paused_tx(
 }
 
 async fn resume_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     run_id: &RunId,
     execution_id: &str,
     generation: i64,
@@ -208,7 +200,7 @@ async fn resume_tx(
 /// act on them any more), every unsettled one is settled, and its pause row
 /// is removed.
 pub(crate) async fn end_run_approvals_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     run_id: &RunId,
     revision: i64,
     now_ms: i64,

@@ -2,9 +2,9 @@
 //! left unfinished end as interrupted, and the inbox's leases and counters
 //! are made consistent with the rows again.
 
+use crate::store::Tx;
 use keel_core::SessionId;
 use keel_store::{CompletionHandling, RecoveryReport, Result, TerminalOutcome};
-use tokio_postgres::Transaction;
 
 use super::lifecycle::{finish_group, terminal_tx};
 use super::rows::{query_groups, query_runs, require_group, require_run, u32_col};
@@ -17,7 +17,7 @@ use crate::PgStore;
 /// Recovery for `active_generation`; with `all_leases`, every lease is
 /// released (the process that held it is gone), else only expired ones.
 pub(crate) async fn recover_tx(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     active_generation: u64,
     now_ms: i64,
     all_leases: bool,

@@ -3,7 +3,9 @@
 use keel_core::{Delivery, GroupId, RunId, Usage};
 use keel_store::{GroupRecord, NewGroup, NewRun, Result, RunRecord, StoreError};
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{Row, Transaction};
+use tokio_postgres::Row;
+
+use crate::store::Tx;
 
 use crate::store::from_pg;
 use crate::util::{non_negative, parse, parse_opt, to_i64};
@@ -124,7 +126,7 @@ fn group_from_row(r: &Row) -> Result<GroupRecord> {
 
 /// The runs `where_sql` (a `WHERE …`/`ORDER BY …` tail over `agent_runs`) selects.
 pub(crate) async fn query_runs(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     where_sql: &str,
     params: &[&(dyn ToSql + Sync)],
 ) -> Result<Vec<RunRecord>> {
@@ -141,7 +143,7 @@ pub(crate) async fn query_runs(
 
 /// The groups `where_sql` selects.
 pub(super) async fn query_groups(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     where_sql: &str,
     params: &[&(dyn ToSql + Sync)],
 ) -> Result<Vec<GroupRecord>> {
@@ -156,28 +158,25 @@ pub(super) async fn query_groups(
     .collect()
 }
 
-pub(crate) async fn get_run_tx(tx: &Transaction<'_>, id: &RunId) -> Result<Option<RunRecord>> {
+pub(crate) async fn get_run_tx(tx: &Tx<'_>, id: &RunId) -> Result<Option<RunRecord>> {
     Ok(query_runs(tx, "WHERE id = $1", &[&id.to_string()])
         .await?
         .pop())
 }
 
-pub(super) async fn require_run(tx: &Transaction<'_>, id: &RunId) -> Result<RunRecord> {
+pub(super) async fn require_run(tx: &Tx<'_>, id: &RunId) -> Result<RunRecord> {
     get_run_tx(tx, id)
         .await?
         .ok_or_else(|| StoreError::NotFound(format!("run {id}")))
 }
 
-pub(super) async fn get_group_tx(
-    tx: &Transaction<'_>,
-    id: &GroupId,
-) -> Result<Option<GroupRecord>> {
+pub(super) async fn get_group_tx(tx: &Tx<'_>, id: &GroupId) -> Result<Option<GroupRecord>> {
     Ok(query_groups(tx, "WHERE id = $1", &[&id.to_string()])
         .await?
         .pop())
 }
 
-pub(super) async fn require_group(tx: &Transaction<'_>, id: &GroupId) -> Result<GroupRecord> {
+pub(super) async fn require_group(tx: &Tx<'_>, id: &GroupId) -> Result<GroupRecord> {
     get_group_tx(tx, id)
         .await?
         .ok_or_else(|| StoreError::NotFound(format!("group {id}")))
@@ -188,7 +187,7 @@ pub(super) fn delivery_text(d: Option<Delivery>) -> Option<&'static str> {
 }
 
 pub(super) async fn insert_run_row(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     run: &NewRun,
     group: Option<&GroupId>,
     idempotency_key: Option<&str>,
