@@ -42,11 +42,14 @@ impl Default for PgOptions {
         Self {
             max_connections: 16,
             // Conflicts clear as the other transaction commits: short waits
-            // first, then backing off so a hot row's writers spread out.
-            retry_delays: [1, 2, 5, 10, 20, 40, 80, 160, 320, 640]
-                .into_iter()
-                .map(Duration::from_millis)
-                .collect(),
+            // first, then backing off so a hot page's writers spread out
+            // (about 5 s in all before a request is refused as busy).
+            retry_delays: [
+                1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 800, 1000, 1000, 1000,
+            ]
+            .into_iter()
+            .map(Duration::from_millis)
+            .collect(),
         }
     }
 }
