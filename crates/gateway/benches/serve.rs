@@ -10,7 +10,9 @@
 //! catch-up rate: frames per second a client reconnecting with
 //! `Last-Event-ID` gets replayed from a committed turn of 5000 deltas. Then,
 //! with a PostgreSQL server at hand, the same load on a server whose
-//! database is PostgreSQL against one on SQLite (`serve_postgres_ratio`).
+//! database is PostgreSQL against one on SQLite (`serve_postgres_ratio`;
+//! `-- postgres` runs only that part), with keel's CPU per turn and the
+//! whole machine's (clients, keel and PostgreSQL's backends).
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
@@ -41,6 +43,10 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
+    if std::env::args().skip(1).any(|a| a == "postgres") {
+        runtime.block_on(on_postgres());
+        return;
+    }
     runtime.block_on(async {
         println!(
             "# {CLIENTS} clients x {TURNS} turns, offline provider; {ROUNDS} rounds of in-process then keel serve"
@@ -100,19 +106,23 @@ async fn on_postgres() {
     }
     let mut ratios = Vec::new();
     for round in 1..=ROUNDS {
+        let machine = machine_cpu_secs();
         let sqlite = over_websocket("").await;
+        let sqlite_machine = machine_cpu_secs() - machine;
         report(&format!("serve_sqlite round={round}"), &sqlite.run);
         let db = TestDb::start().await.unwrap();
-        let pg_before = postgres_cpu_secs();
+        let machine = machine_cpu_secs();
         let pg = over_websocket(&format!("[storage]\nurl = {:?}\n", db.conninfo)).await;
-        let pg_cpu = postgres_cpu_secs() - pg_before;
+        let pg_machine = machine_cpu_secs() - machine;
         report(&format!("serve_postgres round={round}"), &pg.run);
-        let turns = pg.run.latencies.len().max(1) as f64;
+        let per_turn = |secs: f64, run: &Run| secs * 1000.0 / run.latencies.len().max(1) as f64;
         println!(
-            "BENCH serve_postgres_cpu round={round} keel_cpu_ms_per_turn={:.3} postgres_cpu_ms_per_turn={:.3} sqlite_keel_cpu_ms_per_turn={:.3}",
+            "BENCH serve_postgres_cpu round={round} keel_cpu_ms_per_turn={:.3} machine_cpu_ms_per_turn={:.3} \
+             sqlite_keel_cpu_ms_per_turn={:.3} sqlite_machine_cpu_ms_per_turn={:.3}",
             pg.server_cpu_per_turn * 1000.0,
-            pg_cpu * 1000.0 / turns,
-            sqlite.server_cpu_per_turn * 1000.0
+            per_turn(pg_machine, &pg.run),
+            sqlite.server_cpu_per_turn * 1000.0,
+            per_turn(sqlite_machine, &sqlite.run),
         );
         ratios.push(pg.run.turns_per_s() / sqlite.run.turns_per_s());
         drop(db);
@@ -126,22 +136,27 @@ async fn on_postgres() {
     );
 }
 
-/// CPU seconds every `postgres` process on this machine used so far (the
-/// server and its backends; those that exited meanwhile are not counted).
-fn postgres_cpu_secs() -> f64 {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
+/// CPU seconds the whole machine spent so far (every core, every process:
+/// the clients, keel serve and PostgreSQL's backends alike), from /proc/stat.
+fn machine_cpu_secs() -> f64 {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let Some(cpu) = stat.lines().next() else {
         return 0.0;
     };
-    entries
-        .filter_map(|e| e.ok())
-        .filter_map(|e| e.file_name().to_str().map(str::to_owned))
-        .filter(|pid| pid.bytes().all(|b| b.is_ascii_digit()))
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                .is_ok_and(|c| c.trim() == "postgres")
-        })
-        .map(|pid| cpu_secs(&pid))
-        .sum()
+    // user nice system idle iowait irq softirq steal: all but idle and iowait.
+    let ticks: Vec<f64> = cpu
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    let busy: f64 = ticks
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != 3 && *i != 4)
+        .take(8)
+        .map(|(_, t)| t)
+        .sum();
+    busy / 100.0
 }
 
 /// Words of the answer the catch-up bench replays.
