@@ -334,6 +334,21 @@ fn ci() -> Result<(), String> {
             ])
         }),
     ));
+    // The same on PostgreSQL, shorter, when there is a server.
+    if postgres.url().is_some() {
+        steps.push((
+            "soak (postgres)",
+            Box::new(|| {
+                soak(&[
+                    "--postgres".into(),
+                    "--kills".into(),
+                    "8".into(),
+                    "--seconds".into(),
+                    "2".into(),
+                ])
+            }),
+        ));
+    }
     steps.push((
         "doc",
         Box::new(|| {
