@@ -7,9 +7,10 @@
 
 use keel_core::{Delivery, EventId, RunId, RunStatus, SessionId, TurnId};
 use keel_store::{
-    ClaimRequest, ContinuationCommit, ContinuationCommitted, EventStatus, EventType, InboxEvent,
-    InboxLease, InboxSchedule, NewSignal, NoticeCommit, ReleaseReport, ReleaseRequest, Result,
-    ScopeKind, SignalCommit, StoreError, TurnCommitted, MAX_SIGNAL_PAYLOAD_BYTES,
+    signal_wait_ms, ClaimRequest, ContinuationCommit, ContinuationCommitted, EventStatus,
+    EventType, InboxEvent, InboxLease, InboxSchedule, NewSignal, NoticeCommit, ReleaseReport,
+    ReleaseRequest, Result, ScopeKind, SignalCommit, StoreError, TurnCommitted,
+    MAX_SIGNAL_PAYLOAD_BYTES, SIGNAL_KEY_SEPARATOR,
 };
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
@@ -135,37 +136,6 @@ async fn get_event(tx: &Tx<'_>, id: &EventId) -> Result<Option<InboxEvent>> {
         .pop())
 }
 
-/// Separates an event key's dedupe key from the id that keeps it unique.
-const KEY_SEPARATOR: char = '#';
-
-/// Milliseconds until a run that emitted at `times` (oldest first) may emit
-/// again at `now_ms`: a bucket of `burst` signals refilled one per
-/// `interval_ms`.
-fn signal_wait_ms(times: &[i64], burst: u32, interval_ms: u64, now_ms: i64) -> u64 {
-    if interval_ms == 0 {
-        return 0;
-    }
-    let burst = f64::from(burst.max(1));
-    let per_ms = 1.0 / interval_ms as f64;
-    let mut tokens = burst;
-    let mut last: Option<i64> = None;
-    for &t in times {
-        if let Some(l) = last {
-            tokens = (tokens + (t - l).max(0) as f64 * per_ms).min(burst);
-        }
-        tokens -= 1.0;
-        last = Some(t);
-    }
-    if let Some(l) = last {
-        tokens = (tokens + (now_ms - l).max(0) as f64 * per_ms).min(burst);
-    }
-    if tokens >= 1.0 {
-        0
-    } else {
-        ((1.0 - tokens) * interval_ms as f64).ceil() as u64
-    }
-}
-
 async fn insert_signal_tx(tx: &Tx<'_>, s: &NewSignal) -> Result<SignalCommit> {
     if s.payload_json.len() > MAX_SIGNAL_PAYLOAD_BYTES {
         return Err(StoreError::InvalidInput(format!(
@@ -197,7 +167,7 @@ async fn insert_signal_tx(tx: &Tx<'_>, s: &NewSignal) -> Result<SignalCommit> {
         let window = i64::try_from(s.limits.dedupe_window_ms).unwrap_or(i64::MAX);
         let same_key = emitted.iter().rev().find(|e| {
             e.event_key
-                .rsplit_once(KEY_SEPARATOR)
+                .rsplit_once(SIGNAL_KEY_SEPARATOR)
                 .is_some_and(|(k, _)| k == key)
         });
         if let Some(e) = same_key.filter(|e| s.now_ms.saturating_sub(e.created_at_ms) < window) {
@@ -221,7 +191,7 @@ async fn insert_signal_tx(tx: &Tx<'_>, s: &NewSignal) -> Result<SignalCommit> {
     adjust_counters(tx, root, 1, 0, Some(s.inbox_capacity), s.now_ms).await?;
     let revision = next_revision(tx, root, s.now_ms).await?;
     let event_key = format!(
-        "{}{KEY_SEPARATOR}{}",
+        "{}{SIGNAL_KEY_SEPARATOR}{}",
         s.dedupe_key.as_deref().unwrap_or(""),
         fresh_id()
     );

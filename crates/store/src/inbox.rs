@@ -386,13 +386,14 @@ pub(crate) fn query_events(
     Ok(out)
 }
 
-/// Separates an event key's dedupe key from the id that keeps it unique.
-const KEY_SEPARATOR: char = '#';
+/// Separates a signal's dedupe key from the id that keeps its event key
+/// unique (every backend stores signal keys this way).
+pub const SIGNAL_KEY_SEPARATOR: char = '#';
 
 /// Milliseconds until a run that emitted at `times` (oldest first) may emit
 /// again at `now_ms`: a bucket of `burst` signals refilled one per
-/// `interval_ms`.
-fn signal_wait_ms(times: &[i64], burst: u32, interval_ms: u64, now_ms: i64) -> u64 {
+/// `interval_ms` (the rule every backend's `insert_signal` applies).
+pub fn signal_wait_ms(times: &[i64], burst: u32, interval_ms: u64, now_ms: i64) -> u64 {
     if interval_ms == 0 {
         return 0;
     }
@@ -446,7 +447,7 @@ fn insert_signal_tx(conn: &Connection, s: &NewSignal) -> Result<SignalCommit> {
         let window = i64::try_from(s.limits.dedupe_window_ms).unwrap_or(i64::MAX);
         let same_key = emitted.iter().rev().find(|e| {
             e.event_key
-                .rsplit_once(KEY_SEPARATOR)
+                .rsplit_once(SIGNAL_KEY_SEPARATOR)
                 .is_some_and(|(k, _)| k == key)
         });
         if let Some(e) = same_key.filter(|e| s.now_ms.saturating_sub(e.created_at_ms) < window) {
@@ -470,7 +471,7 @@ fn insert_signal_tx(conn: &Connection, s: &NewSignal) -> Result<SignalCommit> {
     adjust_counters(conn, root, 1, 0, Some(s.inbox_capacity), s.now_ms)?;
     let revision = next_revision(conn, root, s.now_ms)?;
     let event_key = format!(
-        "{}{KEY_SEPARATOR}{}",
+        "{}{SIGNAL_KEY_SEPARATOR}{}",
         s.dedupe_key.as_deref().unwrap_or(""),
         fresh_id()
     );

@@ -153,9 +153,10 @@ pub use error::{Result, StoreError};
 pub use identify::database_version;
 pub use images::StoredImage;
 pub use inbox::{
-    ClaimRequest, ContinuationCommit, ContinuationCommitted, EventStatus, EventType, InboxEvent,
-    InboxLease, InboxSchedule, LeasedEvents, NewSignal, NoticeCommit, ReleaseReport,
-    ReleaseRequest, ScopeKind, SignalCommit, SignalLimits, MAX_SIGNAL_PAYLOAD_BYTES,
+    signal_wait_ms, ClaimRequest, ContinuationCommit, ContinuationCommitted, EventStatus,
+    EventType, InboxEvent, InboxLease, InboxSchedule, LeasedEvents, NewSignal, NoticeCommit,
+    ReleaseReport, ReleaseRequest, ScopeKind, SignalCommit, SignalLimits, MAX_SIGNAL_PAYLOAD_BYTES,
+    SIGNAL_KEY_SEPARATOR,
 };
 pub use mcp::McpManifestRecord;
 pub use messages::{
