@@ -319,6 +319,12 @@ impl DialogLedgers {
             .or_insert_with(|| Ledger::new(BudgetScope::Dialog, None, max_cost, spent));
         Ok(Arc::clone(ledger))
     }
+
+    /// Drops `session`'s ledger: the next [`Self::get`] reads the stored
+    /// spend (another process may have added to it).
+    pub(crate) fn forget(&self, session: SessionId) {
+        self.live.lock().remove(&session);
+    }
 }
 
 #[cfg(test)]

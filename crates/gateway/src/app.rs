@@ -45,7 +45,7 @@ pub struct App {
     pub notices: Vec<String>,
     /// The runtime generation this process activated on the database.
     pub generation: u64,
-    /// This process's exclusive hold on the database; released on drop.
+    /// This process's hold on the database (see [`RuntimeHold`]); released on drop.
     pub lock: RuntimeHold,
     /// Sessions whose inbox had work when this process started; see
     /// [`App::deliver_recovered`].
@@ -269,12 +269,13 @@ fn check_profiles(
 /// The name `keel serve` opens the data directory with.
 pub(crate) const SERVE_COMMAND: &str = "keel serve";
 
-/// Takes the data directory for this process and starts its runtime: the
-/// exclusive lock (a second process is refused here, before it migrates,
-/// recovers or writes anything), the store, and the activation that bumps
-/// the generation and recovers what earlier processes left.
+/// Takes the database for this process and starts its runtime: the lock
+/// (on SQLite a second process is refused here, before it migrates,
+/// recovers or writes anything; on PostgreSQL runtimes share it), the
+/// store, and the activation that registers this process under a new
+/// generation and recovers what dead processes left.
 async fn activate(command: &str, config: &Config) -> Result<(RuntimeHold, Store, Activation)> {
-    let (lock, store) = crate::storage::open_exclusive(command, config).await?;
+    let (lock, store) = crate::storage::open_runtime(command, config).await?;
     let location = Location::of(config);
     if command == SERVE_COMMAND {
         // Only `keel serve` delivers webhooks. Its server-wide URLs are set
@@ -331,6 +332,55 @@ impl App {
             self.manager.wake_inbox(session);
         }
         Ok(())
+    }
+}
+
+/// Why a runtime on a shared database stopped on its own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fenced(pub String);
+
+impl App {
+    /// On a database several processes share (PostgreSQL): renews this
+    /// process's registration every third of `storage.lease_secs` and takes
+    /// over the work of processes that stopped renewing (see
+    /// [`SessionManager::take_over_expired`]; `adopt` as there). When the
+    /// registration is gone — this process could not renew in time and
+    /// another took its work over — it writes nothing more: `fenced` gets
+    /// the reason, and the process should stop. `None` on SQLite.
+    pub fn spawn_keeper(
+        &self,
+        adopt: impl Fn(SessionId, TurnId) + Send + Sync + 'static,
+        fenced: tokio::sync::oneshot::Sender<Fenced>,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        if !self.store.shared() {
+            return None;
+        }
+        let (store, manager) = (self.store.clone(), Arc::clone(&self.manager));
+        let every = std::time::Duration::from_secs(self.config.config.storage.lease_secs) / 3;
+        Some(tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(every);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticker.tick().await;
+                match store.renew_runtime().await {
+                    Ok(()) => {}
+                    Err(e @ keel_store::StoreError::Fenced { .. }) => {
+                        tracing::error!(error = %e, "this process was taken over by another; stopping");
+                        let _ = fenced.send(Fenced(e.to_string()));
+                        return;
+                    }
+                    Err(e) => {
+                        // The next tick tries again; past the lease, another
+                        // process takes over and the fence says so here.
+                        tracing::warn!(error = %e, "renewing this process's registration failed");
+                        continue;
+                    }
+                }
+                if let Err(e) = manager.take_over_expired(&adopt).await {
+                    tracing::warn!(error = %e, "taking over a stopped process's work failed; retried at the next renewal");
+                }
+            }
+        }))
     }
 }
 

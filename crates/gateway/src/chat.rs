@@ -258,6 +258,11 @@ pub async fn run(
     // Listening now: results an earlier process left are delivered.
     // The chat shows every turn of its dialog from the session feed.
     app.deliver_recovered(|_, _| {}).await?;
+    // On a shared database this process stays registered while it runs;
+    // taken over by another (it could not renew in time), its writes fail
+    // and say so.
+    let (fenced, _) = tokio::sync::oneshot::channel();
+    let _keeper = app.spawn_keeper(|_, _| {}, fenced);
     let record = chat.manager.record(chat.current).await?;
     chat.say(&format!(
         "keel chat — dialog {} \"{}\" ({} messages). /help lists commands.",

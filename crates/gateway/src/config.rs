@@ -80,6 +80,10 @@ pub const MAX_RETRY_ATTEMPTS: usize = 10;
 pub const MAX_RETRY_DELAY_MS: u64 = 10_000;
 /// Largest `storage.max_connections`.
 pub const MAX_PG_CONNECTIONS: usize = 1000;
+/// Smallest `storage.lease_secs`: renewals come every third of it.
+pub const MIN_LEASE_SECS: u64 = 3;
+/// Largest `storage.lease_secs` (10 min).
+pub const MAX_LEASE_SECS: u64 = 600;
 /// Largest `storage.busy_timeout_ms` (1 min).
 pub const MAX_BUSY_TIMEOUT_MS: u64 = 60_000;
 
@@ -335,6 +339,9 @@ pub struct StorageConfig {
     pub url: Option<String>,
     /// Most connections to PostgreSQL this process opens.
     pub max_connections: usize,
+    /// Seconds a process on PostgreSQL stays registered without renewing:
+    /// how long after it dies another process takes over its work.
+    pub lease_secs: u64,
     /// `normal` or `full` (SQLite `synchronous`).
     pub synchronous: SyncMode,
     /// Delays between retries of a transient write failure; its length is the retry count.
@@ -349,6 +356,7 @@ impl Default for StorageConfig {
         Self {
             url: None,
             max_connections: keel_store_postgres::PgOptions::default().max_connections,
+            lease_secs: keel_store_postgres::PgOptions::default().lease.as_secs(),
             synchronous: match store.synchronous {
                 Synchronous::Full => SyncMode::Full,
                 Synchronous::Normal => SyncMode::Normal,

@@ -157,13 +157,16 @@ pub fn check_url(url: &str) -> std::result::Result<(), String> {
 pub(crate) fn pg_options(config: &Config) -> PgOptions {
     PgOptions {
         max_connections: config.storage.max_connections,
+        lease: std::time::Duration::from_secs(config.storage.lease_secs),
         ..PgOptions::default()
     }
 }
 
-/// A process's hold on its database while its runtime runs: a second
-/// process is refused, naming the holder. Released when dropped (or when
-/// the process dies).
+/// A process's hold on its database while it works there. On SQLite one
+/// process owns the file: a second is refused, naming the holder. On
+/// PostgreSQL runtimes share it (several `keel serve` processes serve one
+/// database) and the commands that need the database alone hold it
+/// exclusively. Released when dropped (or when the process dies).
 #[derive(Debug)]
 pub enum RuntimeHold {
     /// The lock file beside the SQLite database.
@@ -172,18 +175,32 @@ pub enum RuntimeHold {
     Postgres(PgRuntimeLock),
 }
 
-/// Takes the runtime lock of `config`'s database for `command` — before
-/// anything is migrated or written, so a second process is refused
+/// Takes `config`'s database for `command` alone — before anything is
+/// migrated or written, so a process that would share it is refused
 /// untouched — then opens a store on it.
 pub async fn open_exclusive(command: &str, config: &Config) -> Result<(RuntimeHold, Store)> {
+    open_held(command, config, false).await
+}
+
+/// Takes `config`'s database for a runtime (`keel serve`, `keel chat`):
+/// alone on SQLite, shared with other runtimes on PostgreSQL (refused while
+/// a command holds it alone); then opens a store on it.
+pub async fn open_runtime(command: &str, config: &Config) -> Result<(RuntimeHold, Store)> {
+    open_held(command, config, true).await
+}
+
+async fn open_held(command: &str, config: &Config, shared: bool) -> Result<(RuntimeHold, Store)> {
     let location = Location::of(config);
     let holder = describe_process(command);
     let hold = match &location {
         Location::Sqlite(path) => RuntimeHold::Sqlite(RuntimeLock::acquire(path, &holder)?),
         Location::Postgres(url) => RuntimeHold::Postgres(
-            PgRuntimeLock::acquire(url, &holder)
-                .await
-                .map_err(location.err())?,
+            if shared {
+                PgRuntimeLock::acquire_shared(url, &holder).await
+            } else {
+                PgRuntimeLock::acquire(url, &holder).await
+            }
+            .map_err(location.err())?,
         ),
     };
     let store = location.open(config).await?;

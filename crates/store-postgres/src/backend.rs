@@ -429,6 +429,26 @@ impl Backend for PgStore {
         PgStore::runtime_generation(self).await
     }
 
+    fn shared(&self) -> bool {
+        true
+    }
+
+    async fn renew_runtime(&self) -> Result<()> {
+        PgStore::renew_runtime(self).await
+    }
+
+    async fn recover_expired_runtimes(&self, now_ms: i64) -> Result<Option<ProcessRecovery>> {
+        PgStore::recover_expired_runtimes(self, now_ms).await
+    }
+
+    async fn lease_session(&self, session: SessionId) -> Result<SessionLease> {
+        PgStore::lease_session(self, session).await
+    }
+
+    async fn release_session(&self, session: SessionId) -> Result<()> {
+        PgStore::release_session(self, session).await
+    }
+
     async fn recover_older_generations(
         &self,
         active_generation: u64,

@@ -525,6 +525,47 @@ pub(crate) async fn expire_leases_tx(
     Ok(n)
 }
 
+/// Leased/admitted events of root sessions no process leases (their
+/// holder died: every claim is made under the session's lease) back to
+/// pending with one more attempt, due at `now_ms`. Dead processes' session
+/// leases must be freed first.
+pub(crate) async fn release_orphaned_leases_tx(
+    tx: &Tx<'_>,
+    now_ms: i64,
+    revisions: &mut Revisions,
+) -> Result<u64> {
+    const ORPHANED: &str = "status IN ('leased', 'admitted') AND root_session_id NOT IN \
+         (SELECT session_id FROM session_leases WHERE generation IS NOT NULL)";
+    let roots = tx
+        .query(
+            &format!("SELECT DISTINCT root_session_id FROM agent_inbox_events WHERE {ORPHANED}"),
+            &[],
+        )
+        .await
+        .map_err(from_pg)?
+        .iter()
+        .map(|r| parse::<SessionId>("agent_inbox_events.root_session_id", &r.get::<_, String>(0)))
+        .collect::<Result<Vec<_>>>()?;
+    let mut n = 0;
+    for root in &roots {
+        let revision = revisions.of(tx, root, now_ms).await?;
+        n += tx
+            .execute(
+                &format!(
+                    "UPDATE agent_inbox_events SET status = 'pending', lease_token = NULL, \
+                     lease_until = NULL, admitted_turn_id = NULL, \
+                     attempt_count = attempt_count + 1, next_attempt_at = $1, \
+                     last_error = 'lease holder stopped', revision = $2 \
+                     WHERE root_session_id = $3 AND {ORPHANED}"
+                ),
+                &[&now_ms, &revision, &root.to_string()],
+            )
+            .await
+            .map_err(from_pg)?;
+    }
+    Ok(n)
+}
+
 /// Root sessions whose inbox has work: pending events (due, or backing off
 /// until a retry time), or dead letters whose user was not told yet.
 pub(crate) async fn sessions_with_inbox_work_tx(tx: &Tx<'_>) -> Result<Vec<SessionId>> {

@@ -61,6 +61,7 @@ mod migrations;
 mod observe;
 mod outline;
 mod pool;
+mod processes;
 mod projection;
 mod purge;
 mod queued;

@@ -1,15 +1,16 @@
-//! One process runs on a PostgreSQL database at a time, as on SQLite:
-//! [`PgRuntimeLock`] is a session-level advisory lock held by a connection
-//! of its own for the life of the process's runtime. PostgreSQL drops it
-//! when that connection ends — the process exits, is killed, or loses the
-//! server — so a dead process never keeps the database. The holder's name
-//! is the connection's `application_name`, which a refused process reads
-//! back to say who runs there.
+//! Who may work on a PostgreSQL database at once: [`PgRuntimeLock`] is a
+//! session-level advisory lock held by a connection of its own for the
+//! life of the process's runtime, shared by the `keel serve` processes
+//! (several serve one database together, see `runtime.rs`) and exclusive
+//! for the commands that need the database to themselves (`keel doctor
+//! --repair`, a copy's target). PostgreSQL drops it when that connection
+//! ends — the process exits, is killed, or loses the server — so a dead
+//! process never keeps the database. The holder's name is the connection's
+//! `application_name`, which a refused process reads back to say who runs
+//! there.
 //!
-//! Should the lock's connection break while the process runs, another
-//! process may start; its activation bumps the runtime generation, and the
-//! generation fence then refuses every write of the first (as on SQLite
-//! when a lock file is deleted under a running process).
+//! The lock only keeps exclusive commands and runtimes apart: what the
+//! runtimes do is kept consistent by their registrations and fences.
 
 use keel_store::{Result, StoreError};
 
@@ -39,6 +40,17 @@ impl PgRuntimeLock {
     /// fails with [`StoreError::InUse`] naming the current holder when
     /// another process has it.
     pub async fn acquire(url: &str, holder: &str) -> Result<Self> {
+        Self::take(url, holder, false).await
+    }
+
+    /// Takes the lock in shared mode (several `keel serve` processes hold
+    /// it at once); fails with [`StoreError::InUse`] while an exclusive
+    /// holder has it.
+    pub async fn acquire_shared(url: &str, holder: &str) -> Result<Self> {
+        Self::take(url, holder, true).await
+    }
+
+    async fn take(url: &str, holder: &str, shared: bool) -> Result<Self> {
         let pool = crate::pool(url, 1).map_err(from_pg_store)?;
         let pooled = pool.get().await.map_err(from_pool)?;
         let client = deadpool_postgres::Object::take(pooled);
@@ -47,8 +59,13 @@ impl PgRuntimeLock {
             .execute("SELECT set_config('application_name', $1, false)", &[&name])
             .await
             .map_err(from_pg)?;
+        let try_lock = if shared {
+            "SELECT pg_try_advisory_lock_shared($1)"
+        } else {
+            "SELECT pg_try_advisory_lock($1)"
+        };
         let row = client
-            .query_one("SELECT pg_try_advisory_lock($1)", &[&RUNTIME_LOCK])
+            .query_one(try_lock, &[&RUNTIME_LOCK])
             .await
             .map_err(from_pg)?;
         if row.get::<_, bool>(0) {
@@ -56,7 +73,8 @@ impl PgRuntimeLock {
         }
         let holder = client
             .query_opt(
-                "SELECT a.application_name FROM pg_locks l \
+                "SELECT string_agg(a.application_name, ', ' ORDER BY a.application_name) \
+                 FROM pg_locks l \
                  JOIN pg_stat_activity a ON a.pid = l.pid \
                  WHERE l.locktype = 'advisory' AND l.granted \
                    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
@@ -65,7 +83,7 @@ impl PgRuntimeLock {
             )
             .await
             .map_err(from_pg)?
-            .map(|r| r.get::<_, String>(0))
+            .and_then(|r| r.get::<_, Option<String>>(0))
             .filter(|h| !h.is_empty())
             .unwrap_or_else(|| "holder unknown".to_owned());
         Err(StoreError::InUse {

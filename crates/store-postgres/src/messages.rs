@@ -420,11 +420,12 @@ async fn close_open_inputs_tx(tx: &Tx<'_>, session: &SessionId) -> Result<u64> {
     .map_err(from_pg)
 }
 
-/// Marks every open input of every session unanswered (no turn runs yet);
-/// answers (session_id, timeline_id, seq) of each in the order SQLite's
+/// Marks every open input of the sessions no live process leases
+/// unanswered (no turn of theirs runs); answers (session_id, timeline_id, seq) of each in the order SQLite's
 /// index walk returns them (by session, then as appended).
 pub(crate) const CLOSE_INTERRUPTED_SQL: &str = "WITH closed AS ( \
        UPDATE messages SET input_state = 'unanswered' WHERE input_state = 'open' \
+       AND session_id NOT IN (SELECT session_id FROM session_leases WHERE generation IS NOT NULL) \
        RETURNING session_id, timeline_id, seq) \
      SELECT session_id, timeline_id, seq FROM closed ORDER BY session_id COLLATE \"C\", timeline_id COLLATE \"C\", seq";
 

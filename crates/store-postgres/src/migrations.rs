@@ -8,8 +8,8 @@ use tokio_postgres::Client;
 
 use crate::error::{PgStoreError, Result};
 
-/// The schema version this build reads and writes (keel-store's v17).
-pub const SCHEMA_VERSION: u32 = 17;
+/// The schema version this build reads and writes (keel-store's v18).
+pub const SCHEMA_VERSION: u32 = 18;
 
 /// The steps, in order: `MIGRATIONS[k - 1]` takes a database from version `k - 1` to `k`.
 pub const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
@@ -30,6 +30,7 @@ pub const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
     include_str!("migrations/0015_call_spans.sql"),
     include_str!("migrations/0016_webhooks.sql"),
     include_str!("migrations/0017_images.sql"),
+    include_str!("migrations/0018_runtime_processes.sql"),
 ];
 
 /// The advisory lock key every migration transaction takes ("keelmigr").

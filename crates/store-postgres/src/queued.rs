@@ -9,7 +9,7 @@ use keel_store::{QueuedInput, Result, StoreError};
 
 use crate::sessions::require_session;
 use crate::store::from_pg;
-use crate::util::parse;
+use crate::util::{parse, to_i64};
 use crate::PgStore;
 
 /// Removes the queued input of `turn_id` as its turn opens; an input that is
@@ -34,6 +34,7 @@ impl PgStore {
     pub(crate) async fn queue_input(&self, input: QueuedInput) -> Result<()> {
         let message = serde_json::to_string(&input.message)
             .map_err(|e| StoreError::InvalidInput(format!("message does not serialize: {e}")))?;
+        let generation = to_i64("generation", self.fence())?;
         self.write(move |tx| {
             let (input, message) = (input.clone(), message.clone());
             Box::pin(async move {
@@ -42,13 +43,14 @@ impl PgStore {
                     return Err(StoreError::NotFound(format!("session {}", session.id)));
                 }
                 tx.execute(
-                    "INSERT INTO queued_inputs (turn_id, session_id, message, queued_at) \
-                     VALUES ($1, $2, $3, $4)",
+                    "INSERT INTO queued_inputs (turn_id, session_id, message, queued_at, generation) \
+                     VALUES ($1, $2, $3, $4, $5)",
                     &[
                         &input.turn_id.to_string(),
                         &input.session_id.to_string(),
                         &message,
                         &input.queued_at_ms,
+                        &generation,
                     ],
                 )
                 .await
@@ -87,32 +89,57 @@ impl PgStore {
     }
 
     pub(crate) async fn queued_inputs(&self) -> Result<Vec<QueuedInput>> {
-        self.read(|tx| {
+        let me = to_i64("generation", self.fence())?;
+        if me == 0 {
+            // Not a runtime (a check, a copy): every queued input, unclaimed.
+            return self
+                .read(|tx| {
+                    Box::pin(async move {
+                        let rows = tx
+                            .query(&format!("{QUEUED} WHERE s.deleted_at IS NULL ORDER BY q.seq"), &[])
+                            .await
+                            .map_err(from_pg)?;
+                        rows.iter().map(queued_input).collect()
+                    })
+                })
+                .await;
+        }
+        // Inputs of processes no longer live become this one's, in one
+        // transaction, so two processes never both take one.
+        self.write(move |tx| {
             Box::pin(async move {
                 let rows = tx
                     .query(
-                        "SELECT q.session_id, q.turn_id, q.message, q.queued_at, w.url \
-                         FROM queued_inputs q JOIN sessions s ON s.id = q.session_id \
-                         LEFT JOIN webhook_subscriptions w ON w.turn_id = q.turn_id \
-                         WHERE s.deleted_at IS NULL ORDER BY q.seq",
-                        &[],
+                        &format!(
+                            "WITH taken AS (UPDATE queued_inputs SET generation = $1 \
+                               WHERE generation NOT IN (SELECT generation FROM runtime_processes) \
+                                 AND session_id IN (SELECT id FROM sessions WHERE deleted_at IS NULL) \
+                               RETURNING seq) \
+                             {QUEUED} WHERE q.seq IN (SELECT seq FROM taken) ORDER BY q.seq"
+                        ),
+                        &[&me],
                     )
                     .await
                     .map_err(from_pg)?;
-                rows.iter()
-                    .map(|r| {
-                        Ok(QueuedInput {
-                            session_id: parse("queued_inputs.session_id", r.get::<_, &str>(0))?,
-                            turn_id: parse("queued_inputs.turn_id", r.get::<_, &str>(1))?,
-                            message: serde_json::from_str(r.get::<_, &str>(2))
-                                .map_err(|e| StoreError::corrupt("queued_inputs.message", e))?,
-                            queued_at_ms: r.get(3),
-                            webhook: r.get(4),
-                        })
-                    })
-                    .collect()
+                rows.iter().map(queued_input).collect()
             })
         })
         .await
     }
+}
+
+/// The columns of a [`QueuedInput`], read by [`queued_input`].
+const QUEUED: &str = "SELECT q.session_id, q.turn_id, q.message, q.queued_at, w.url \
+     FROM queued_inputs q JOIN sessions s ON s.id = q.session_id \
+     LEFT JOIN webhook_subscriptions w ON w.turn_id = q.turn_id";
+
+fn queued_input(r: &tokio_postgres::Row) -> Result<QueuedInput> {
+    Ok(QueuedInput {
+        session_id: parse("queued_inputs.session_id", r.get::<_, &str>(0))?,
+        turn_id: parse("queued_inputs.turn_id", r.get::<_, &str>(1))?,
+        message: serde_json::from_str(r.get::<_, &str>(2))
+            .map_err(|e| StoreError::corrupt("queued_inputs.message", e))?,
+        queued_at_ms: r.get(3),
+        webhook: r.get(4),
+    })
 }

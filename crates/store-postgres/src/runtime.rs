@@ -1,10 +1,15 @@
-//! The runtime generation: activation bumps it and recovers what older
-//! generations left; every write of an activated store checks it first.
+//! Runtime generations, one per process: activation bumps the stored
+//! generation and registers the process under it (its fencing epoch),
+//! renewed every few seconds; a registration that expired is deleted by
+//! whichever process notices, which takes over its work in the same
+//! transaction. Every write of an activated store first checks that its
+//! registration still exists, so a process that was taken over writes
+//! nothing more.
 
 use crate::store::Tx;
-use keel_store::{Activation, Result, StoreError};
+use keel_store::{Activation, ProcessRecovery, RecoveryReport, Result, StoreError};
 
-use crate::runs::recover_tx;
+use crate::runs::{recover_tx, Stale};
 use crate::store::from_pg;
 use crate::util::{non_negative, parse, to_i64};
 
@@ -26,53 +31,67 @@ pub(crate) async fn current(tx: &Tx<'_>) -> Result<Option<(u64, String)>> {
     .transpose()
 }
 
-/// Refuses a write of generation `ours` once a newer one activated.
-pub(crate) async fn check_fence(tx: &Tx<'_>, ours: u64) -> Result<()> {
-    match current(tx).await? {
-        Some((current, holder)) if current != ours => Err(StoreError::Fenced {
-            ours,
-            current,
-            holder,
-        }),
-        _ => Ok(()),
-    }
-}
+/// The database server's clock, in Unix ms: registrations expire by it,
+/// so processes on machines whose clocks disagree still agree on expiry.
+pub(crate) const DB_NOW_MS: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
 
-async fn activate_tx(
-    tx: &Tx<'_>,
-    holder: &str,
-    now_ms: i64,
-    webhook_urls: &[String],
-) -> Result<Activation> {
-    let previous = current(tx).await?;
-    // Runs stamped by builds that used wall-clock generations stay older.
-    let stamped: i64 = tx
-        .query_one(
-            "SELECT GREATEST(coalesce((SELECT max(runtime_generation) FROM agent_runs), 0), \
-                             coalesce((SELECT max(runtime_generation) FROM agent_run_groups), 0))",
-            &[],
+/// Refuses a write of generation `ours` once its registration is gone:
+/// another process found it expired and recovered its work.
+pub(crate) async fn check_fence(tx: &Tx<'_>, ours: u64) -> Result<()> {
+    let registered = tx
+        .query_opt(
+            "SELECT 1 FROM runtime_processes WHERE generation = $1",
+            &[&to_i64("generation", ours)?],
         )
         .await
         .map_err(from_pg)?
-        .get(0);
-    let stored = previous.as_ref().map_or(0, |(g, _)| *g);
-    let generation = stored
-        .max(non_negative("agent_runs.runtime_generation", stamped)?)
-        .checked_add(1)
-        .ok_or_else(|| StoreError::corrupt("runtime_state.generation", "overflow"))?;
+        .is_some();
+    if registered {
+        return Ok(());
+    }
+    let (current, holder) = current(tx).await?.unwrap_or((0, String::new()));
+    Err(StoreError::Fenced {
+        ours,
+        current,
+        holder: if current == ours {
+            "its registration expired and another process recovered it".to_owned()
+        } else {
+            holder
+        },
+    })
+}
+
+/// Deletes the registrations that expired; the (generation, holder) of each.
+async fn expire_tx(tx: &Tx<'_>) -> Result<Vec<(u64, String)>> {
+    tx.query(
+        &format!(
+            "DELETE FROM runtime_processes WHERE expires_at < {DB_NOW_MS} \
+             RETURNING generation, holder"
+        ),
+        &[],
+    )
+    .await
+    .map_err(from_pg)?
+    .iter()
+    .map(|r| Ok((non_negative("runtime_processes.generation", r.get(0))?, r.get(1))))
+    .collect()
+}
+
+/// Takes over what no live process holds: dead processes' session leases
+/// are freed, their runs interrupted (with their completions), their inbox
+/// leases released, and the inputs they left open marked unanswered (with
+/// their webhook deliveries). Expired registrations must be deleted first.
+async fn take_over_tx(tx: &Tx<'_>, now_ms: i64, webhook_urls: &[String]) -> Result<RecoveryReport> {
     tx.execute(
-        "INSERT INTO runtime_state (id, generation, holder, activated_at) VALUES (1, $1, $2, $3) \
-         ON CONFLICT (id) DO UPDATE SET generation = EXCLUDED.generation, \
-         holder = EXCLUDED.holder, activated_at = EXCLUDED.activated_at",
-        &[&to_i64("generation", generation)?, &holder, &now_ms],
+        "UPDATE session_leases SET generation = NULL WHERE generation IS NOT NULL \
+         AND generation NOT IN (SELECT generation FROM runtime_processes)",
+        &[],
     )
     .await
     .map_err(from_pg)?;
-    // The lock says no other process runs: every lease was held by a
-    // process that is gone, expired or not.
-    let mut recovery = recover_tx(tx, generation, now_ms, true, webhook_urls).await?;
-    // Turn inputs an older process committed but never answered. Only here,
-    // where no turn of this process runs yet, may every open input be closed.
+    let mut recovery = recover_tx(tx, Stale::NotLive, now_ms, webhook_urls).await?;
+    // Turn inputs a dead process committed but never answered: those of
+    // sessions no live process leases (a live one's turn may be running).
     let closed = tx
         .query(crate::messages::CLOSE_INTERRUPTED_SQL, &[])
         .await
@@ -91,6 +110,60 @@ async fn activate_tx(
         .await?;
     }
     recovery.unanswered_inputs = closed.len() as u64;
+    Ok(recovery)
+}
+
+/// Serializes activations and recoveries of expired processes ("keelproc").
+const PROCESSES_LOCK: i64 = 0x6b65_656c_7072_6f63;
+
+async fn activate_tx(
+    tx: &Tx<'_>,
+    holder: &str,
+    now_ms: i64,
+    lease_ms: i64,
+    webhook_urls: &[String],
+) -> Result<Activation> {
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&PROCESSES_LOCK])
+        .await
+        .map_err(from_pg)?;
+    let previous = current(tx).await?;
+    // Runs stamped by builds that used wall-clock generations stay older.
+    let stamped: i64 = tx
+        .query_one(
+            "SELECT GREATEST(coalesce((SELECT max(runtime_generation) FROM agent_runs), 0), \
+                             coalesce((SELECT max(runtime_generation) FROM agent_run_groups), 0), \
+                             coalesce((SELECT max(generation) FROM runtime_processes), 0))",
+            &[],
+        )
+        .await
+        .map_err(from_pg)?
+        .get(0);
+    let stored = previous.as_ref().map_or(0, |(g, _)| *g);
+    let generation = stored
+        .max(non_negative("agent_runs.runtime_generation", stamped)?)
+        .checked_add(1)
+        .ok_or_else(|| StoreError::corrupt("runtime_state.generation", "overflow"))?;
+    let g = to_i64("generation", generation)?;
+    tx.execute(
+        "INSERT INTO runtime_state (id, generation, holder, activated_at) VALUES (1, $1, $2, $3) \
+         ON CONFLICT (id) DO UPDATE SET generation = EXCLUDED.generation, \
+         holder = EXCLUDED.holder, activated_at = EXCLUDED.activated_at",
+        &[&g, &holder, &now_ms],
+    )
+    .await
+    .map_err(from_pg)?;
+    expire_tx(tx).await?;
+    tx.execute(
+        &format!(
+            "INSERT INTO runtime_processes (generation, holder, started_at, expires_at) \
+             VALUES ($1, $2, $3, {DB_NOW_MS} + $4)"
+        ),
+        &[&g, &holder, &now_ms, &lease_ms],
+    )
+    .await
+    .map_err(from_pg)?;
+    // Other live processes keep their work; what dead ones left is ours.
+    let recovery = take_over_tx(tx, now_ms, webhook_urls).await?;
     Ok(Activation {
         generation,
         previous_holder: previous.map(|(_, h)| h),
@@ -98,13 +171,18 @@ async fn activate_tx(
     })
 }
 
+fn millis(d: std::time::Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX).max(1)
+}
+
 impl crate::PgStore {
     pub(crate) async fn activate_runtime(&self, holder: String, now_ms: i64) -> Result<Activation> {
         let urls = self.inner.hooks.urls();
+        let lease_ms = millis(self.inner.lease);
         let activation = self
             .write(move |tx| {
                 let (holder, urls) = (holder.clone(), urls.clone());
-                Box::pin(async move { activate_tx(tx, &holder, now_ms, &urls).await })
+                Box::pin(async move { activate_tx(tx, &holder, now_ms, lease_ms, &urls).await })
             })
             .await?;
         self.set_fence(activation.generation);
@@ -114,6 +192,90 @@ impl crate::PgStore {
     /// The stored runtime generation and its holder (`None` before any activation).
     pub(crate) async fn runtime_generation(&self) -> Result<Option<(u64, String)>> {
         self.read(|tx| Box::pin(current(tx))).await
+    }
+
+    /// Extends this process's registration by a lease from now (the
+    /// write's fence refuses it once the registration is gone).
+    pub(crate) async fn renew_runtime(&self) -> Result<()> {
+        let generation = to_i64("generation", self.fence())?;
+        if generation == 0 {
+            return Ok(());
+        }
+        let lease_ms = millis(self.inner.lease);
+        self.write(move |tx| {
+            Box::pin(async move {
+                tx.execute(
+                    &format!(
+                        "UPDATE runtime_processes SET expires_at = {DB_NOW_MS} + $2 \
+                         WHERE generation = $1"
+                    ),
+                    &[&generation, &lease_ms],
+                )
+                .await
+                .map_err(from_pg)?;
+                Ok(())
+            })
+        })
+        .await
+    }
+
+    /// Recovers the processes whose registration expired, if any.
+    pub(crate) async fn recover_expired_runtimes(
+        &self,
+        now_ms: i64,
+    ) -> Result<Option<ProcessRecovery>> {
+        // Most calls find nothing: a read says so without a write.
+        let expired = self
+            .read(|tx| {
+                Box::pin(async move {
+                    Ok(tx
+                        .query_opt(
+                            &format!(
+                                "SELECT 1 FROM runtime_processes WHERE expires_at < {DB_NOW_MS} \
+                                 LIMIT 1"
+                            ),
+                            &[],
+                        )
+                        .await
+                        .map_err(from_pg)?
+                        .is_some())
+                })
+            })
+            .await?;
+        if !expired {
+            return Ok(None);
+        }
+        let urls = self.inner.hooks.urls();
+        self.write(move |tx| {
+            let urls = urls.clone();
+            Box::pin(async move {
+                tx.execute("SELECT pg_advisory_xact_lock($1)", &[&PROCESSES_LOCK])
+                    .await
+                    .map_err(from_pg)?;
+                let processes = expire_tx(tx).await?;
+                if processes.is_empty() {
+                    return Ok(None);
+                }
+                let recovery = take_over_tx(tx, now_ms, &urls).await?;
+                let sessions_with_queued_inputs = tx
+                    .query(
+                        "SELECT DISTINCT session_id FROM queued_inputs WHERE generation NOT IN \
+                         (SELECT generation FROM runtime_processes) ORDER BY 1",
+                        &[],
+                    )
+                    .await
+                    .map_err(from_pg)?
+                    .iter()
+                    .map(|r| parse("queued_inputs.session_id", r.get::<_, &str>(0)))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(Some(ProcessRecovery {
+                    processes,
+                    recovery,
+                    sessions_with_queued_inputs,
+                }))
+            })
+        })
+        .await
     }
 }
 

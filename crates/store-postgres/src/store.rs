@@ -35,6 +35,10 @@ pub struct PgOptions {
     /// Delays between attempts of a transaction PostgreSQL aborted to keep
     /// it serializable (or a deadlock victim); its length is the retry count.
     pub retry_delays: Vec<Duration>,
+    /// How long a process's registration lasts unless renewed: a process
+    /// that stops renewing is recovered by another this long after its
+    /// last renewal (`storage.lease_secs`).
+    pub lease: Duration,
 }
 
 impl Default for PgOptions {
@@ -50,6 +54,7 @@ impl Default for PgOptions {
             .into_iter()
             .map(Duration::from_millis)
             .collect(),
+            lease: Duration::from_secs(10),
         }
     }
 }
@@ -66,6 +71,8 @@ pub(crate) struct Inner {
     /// Where the database is, without credentials (for messages).
     pub(crate) location: String,
     retry_delays: Vec<Duration>,
+    /// How long a registration lasts unless renewed.
+    pub(crate) lease: Duration,
     /// The runtime generation this store writes for (0 until activated).
     fence: AtomicU64,
     transactions: AtomicU64,
@@ -185,6 +192,7 @@ impl PgStore {
                 hooks: WebhookHooks::default(),
                 location: crate::redacted(url),
                 retry_delays: options.retry_delays,
+                lease: options.lease,
                 fence: AtomicU64::new(0),
                 transactions: AtomicU64::new(0),
             }),
@@ -204,6 +212,11 @@ impl PgStore {
     /// Fences every later write to `generation` (see `activate_runtime`).
     pub(crate) fn set_fence(&self, generation: u64) {
         self.inner.fence.store(generation, Ordering::Release);
+    }
+
+    /// The generation this store's writes are fenced to (0: not activated).
+    pub(crate) fn fence(&self) -> u64 {
+        self.inner.fence.load(Ordering::Acquire)
     }
 
     /// Write transactions committed so far.

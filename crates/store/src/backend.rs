@@ -172,8 +172,9 @@ pub trait Backend: Send + Sync + 'static {
     /// Withdraws the queued input of `turn_id` (an acknowledgement that was
     /// never sent, or a turn that cannot start). Returns whether it was queued.
     async fn discard_queued_input(&self, turn_id: TurnId) -> Result<bool>;
-    /// Every queued input of a session not deleted, in the order they were
-    /// acknowledged.
+    /// The queued inputs of sessions not deleted that no live process will
+    /// run, in the order they were acknowledged, now this process's to run
+    /// (on a backend one process owns: every one of them).
     async fn queued_inputs(&self) -> Result<Vec<QueuedInput>>;
 
     // Images (keel-store: images.rs)
@@ -402,6 +403,37 @@ pub trait Backend: Send + Sync + 'static {
     async fn activate_runtime(&self, holder: String, now_ms: i64) -> Result<Activation>;
     /// The stored runtime generation and its holder (`None` before any activation).
     async fn runtime_generation(&self) -> Result<Option<(u64, String)>>;
+
+    // Several processes on one database (keel-store: processes.rs). On a
+    // backend one process owns (SQLite), these answer as that one process.
+    /// Whether several processes may serve this database at once, each
+    /// with its own generation: turns then run under session leases.
+    fn shared(&self) -> bool {
+        false
+    }
+    /// Renews this process's registration (made by
+    /// [`Backend::activate_runtime`]) for another lease period; `Fenced`
+    /// once another process found it expired and recovered it.
+    async fn renew_runtime(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Recovers, in one transaction, every process whose registration
+    /// expired: its row is deleted (its writes are refused from then on),
+    /// its runs end as interrupted with their completions, and the inbox
+    /// leases, session leases and open inputs of its sessions are released.
+    /// `None` when no process had expired.
+    async fn recover_expired_runtimes(&self, _now_ms: i64) -> Result<Option<ProcessRecovery>> {
+        Ok(None)
+    }
+    /// Takes `session`'s turn lease for this process (held already: held
+    /// again), unless another live process holds it.
+    async fn lease_session(&self, _session: SessionId) -> Result<SessionLease> {
+        Ok(SessionLease::Held { moved: false })
+    }
+    /// Gives `session`'s lease back, if this process holds it.
+    async fn release_session(&self, _session: SessionId) -> Result<()> {
+        Ok(())
+    }
 
     // Recovery (keel-store: runs/recovery.rs)
     /// Run once when runtime generation `active_generation` starts, before it

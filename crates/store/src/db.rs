@@ -686,6 +686,11 @@ impl Db {
         self.fence.store(generation, Ordering::Release);
     }
 
+    /// The runtime generation this store's writes are fenced to (0: none).
+    pub(crate) fn fence(&self) -> u64 {
+        self.fence.load(Ordering::Acquire)
+    }
+
     /// Transactions and requests the writer has handled.
     pub(crate) fn commit_stats(&self) -> CommitStats {
         let c = &self.write.counters;

@@ -116,6 +116,7 @@ mod migrations;
 mod observe;
 #[cfg(feature = "testing")]
 mod outline;
+mod processes;
 mod projection;
 mod purge;
 mod queued;
@@ -165,6 +166,7 @@ pub use messages::{
 };
 pub use migrations::SCHEMA_VERSION;
 pub use observe::{InboxGauges, MAX_TRACE_RUNS};
+pub use processes::{ProcessRecovery, SessionLease};
 pub use projection::{AgentChanges, EventCursor, RunQuery};
 pub use purge::{DialogUsage, PurgeReport};
 pub use queued::QueuedInput;

@@ -3,8 +3,9 @@
 //! own turn starts ([`crate::OpenTurn::queued`], in that turn's
 //! [`Backend::open_turn`](crate::Backend::open_turn) transaction). Until then it is no part of the
 //! history, so replay, rollback and fork never see it; it takes its place
-//! after the answer of the turn it waited for. Rows a dead process left are
-//! listed by [`Backend::queued_inputs`](crate::Backend::queued_inputs) for the next one to run.
+//! after the answer of the turn it waited for. Each row carries the runtime
+//! generation that will run it; rows a dead process left are listed by
+//! [`Backend::queued_inputs`](crate::Backend::queued_inputs) for the next one to run.
 
 use keel_core::{Message, SessionId, TurnId};
 use rusqlite::{params, Connection};
@@ -48,6 +49,7 @@ impl SqliteStore {
     pub(crate) async fn queue_input(&self, input: QueuedInput) -> Result<()> {
         let message = serde_json::to_string(&input.message)
             .map_err(|e| StoreError::InvalidInput(format!("message does not serialize: {e}")))?;
+        let generation = crate::util::to_i64("generation", self.db.fence())?;
         self.db
             .write(move |c| {
                 let session = require_session(c, &input.session_id)?;
@@ -55,14 +57,15 @@ impl SqliteStore {
                     return Err(StoreError::NotFound(format!("session {}", session.id)));
                 }
                 c.prepare_cached(
-                    "INSERT INTO queued_inputs (turn_id, session_id, message, queued_at) \
-                     VALUES (?1, ?2, ?3, ?4)",
+                    "INSERT INTO queued_inputs (turn_id, session_id, message, queued_at, generation) \
+                     VALUES (?1, ?2, ?3, ?4, ?5)",
                 )?
                 .execute(params![
                     input.turn_id.to_string(),
                     input.session_id.to_string(),
                     message,
-                    input.queued_at_ms
+                    input.queued_at_ms,
+                    generation
                 ])?;
                 if let Some(url) = &input.webhook {
                     crate::webhooks::subscribe_tx(

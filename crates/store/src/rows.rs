@@ -23,7 +23,7 @@ use crate::migrations::SCHEMA_VERSION;
 /// timeline (timelines come after sessions, which they belong to) and its
 /// parent session (sessions are not ordered by it). A loader whose
 /// references are checked per row sets those two once every row is in.
-pub const TABLES: [&str; 21] = [
+pub const TABLES: [&str; 23] = [
     "state_blobs",
     "sessions",
     "timelines",
@@ -45,14 +45,22 @@ pub const TABLES: [&str; 21] = [
     "images",
     "runtime_state",
     "zstd_dictionaries",
+    "runtime_processes",
+    "session_leases",
 ];
 
 /// Whether `table` is copied. zstd dictionaries stay behind: copied values
 /// are plain, and a dictionary only ever helps the database that trained
-/// it (`keel compact` trains one for the new database). They are in
-/// [`TABLES`] so that a target holding one is not taken for empty.
+/// it (`keel compact` trains one for the new database). The processes and
+/// session leases of the source's running keels stay behind too: no process
+/// of the source runs on the target (its queued inputs are taken by the
+/// target's first process). They are in [`TABLES`] so that a target
+/// holding any is not taken for empty.
 pub fn is_copied(table: &str) -> bool {
-    table != "zstd_dictionaries"
+    !matches!(
+        table,
+        "zstd_dictionaries" | "runtime_processes" | "session_leases"
+    )
 }
 
 /// The column that carries a row's insertion order, in the tables whose

@@ -23,6 +23,7 @@ mod continuation;
 mod dialogs;
 mod exports;
 mod housekeeping;
+mod leases;
 mod lifecycle;
 mod retention;
 mod signals;

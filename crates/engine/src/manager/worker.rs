@@ -527,7 +527,9 @@ impl SessionManager {
         })
     }
 
-    /// One decision of the worker: run the next turn, wait, or leave.
+    /// One decision of the worker: run the next turn, wait, or leave. A
+    /// step that may run a turn or write the session holds its lease
+    /// (several processes on one database; see `leases`).
     async fn worker_step(
         self: &Arc<Self>,
         session: SessionId,
@@ -543,6 +545,32 @@ impl SessionManager {
                 .pop_front()
                 .or_else(|| state.user_rx.try_recv().ok());
         }
+        let work = state.next_user.is_some()
+            || state.inbox_due
+            || shared.approvals_open.load(Ordering::Acquire);
+        if !work {
+            return self.decide(session, shared, state).await;
+        }
+        let hold = match self.hold(session).await {
+            Ok(hold) => hold,
+            Err(e) => {
+                tracing::warn!(session_id = %session, error = %e, "taking the session's lease failed; retried in a second");
+                state.inbox_due = true;
+                return Step::Wait(Some(clock::now_ms().saturating_add(1000)));
+            }
+        };
+        let step = self.decide(session, shared, state).await;
+        hold.release().await;
+        step
+    }
+
+    /// [`Self::worker_step`] once the lease, if needed, is held.
+    async fn decide(
+        self: &Arc<Self>,
+        session: SessionId,
+        shared: &Arc<WorkerShared>,
+        state: &mut WorkerState,
+    ) -> Step {
         let paused = shared.paused.load(Ordering::Acquire);
         // Approvals come first: a decided turn resumes before anything
         // else runs, and results wait while a decision is pending.

@@ -92,6 +92,7 @@ purge_deleted_after_days = 30
 # A PostgreSQL database instead of the data directory's SQLite file.
 url = "postgres://keel@db.internal/keel?sslmode=require"
 max_connections = 16
+lease_secs = 10
 synchronous = "normal"
 retry_delays_ms = [100, 200, 300]
 busy_timeout_ms = 5000
@@ -499,6 +500,17 @@ pub fn reference() -> Vec<KeyDoc> {
         format!(
             "Most connections to PostgreSQL this process opens, 1..={MAX_PG_CONNECTIONS} \
              (PostgreSQL only)."
+        ),
+    );
+    code(
+        &mut rows,
+        "storage.lease_secs",
+        format!(
+            "Seconds a `keel serve` on PostgreSQL stays registered without renewing \
+             ({MIN_LEASE_SECS}..={MAX_LEASE_SECS}; it renews every third of it). When a \
+             process dies, another takes over its runs, dialogs and queued messages this long \
+             after its last renewal; a process that could not renew for this long is taken \
+             over and stops (PostgreSQL only)."
         ),
     );
     code(

@@ -316,6 +316,11 @@ pub struct Server {
     /// deliveries are attempted; what is left is sent by the next start).
     webhooks_stop: CancellationToken,
     webhook_task: Option<JoinHandle<()>>,
+    /// Renews this process's registration on a shared database and takes
+    /// over stopped processes' work (see [`App::spawn_keeper`]).
+    keeper: Option<JoinHandle<()>>,
+    /// Says why, should this process be taken over by another.
+    fenced: parking_lot::Mutex<Option<tokio::sync::oneshot::Receiver<crate::app::Fenced>>>,
 }
 
 impl Server {
@@ -380,6 +385,11 @@ impl Server {
             .app
             .deliver_recovered(|_, turn| turns.adopt(turn))
             .await?;
+        let (fenced_tx, fenced) = tokio::sync::oneshot::channel();
+        let turns = shared.turns.clone();
+        let keeper = shared
+            .app
+            .spawn_keeper(move |_, turn| turns.adopt(turn), fenced_tx);
         Ok(Server {
             addr,
             shared,
@@ -388,12 +398,28 @@ impl Server {
             task,
             webhooks_stop,
             webhook_task,
+            keeper,
+            fenced: parking_lot::Mutex::new(Some(fenced)),
         })
     }
 
     /// The address it listens on.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Resolves, with the reason, once another process has taken this one
+    /// over (a shared database, after this one could not renew in time);
+    /// never on SQLite. The server should then stop: it can write nothing.
+    pub async fn taken_over(&self) -> crate::app::Fenced {
+        let receiver = self.fenced.lock().take();
+        match receiver {
+            Some(receiver) => match receiver.await {
+                Ok(fenced) => fenced,
+                Err(_) => std::future::pending().await,
+            },
+            None => std::future::pending().await,
+        }
     }
 
     /// Reloads the agent catalog (what `POST /api/admin/reload` and SIGHUP do).
@@ -418,6 +444,9 @@ impl Server {
         self.shared.sockets.wait().await;
         if let Err(e) = self.task.await {
             tracing::warn!(error = %e, "the server task failed");
+        }
+        if let Some(keeper) = &self.keeper {
+            keeper.abort();
         }
         self.webhooks_stop.cancel();
         if let Some(task) = self.webhook_task {
@@ -466,7 +495,16 @@ pub async fn run(
         "keel serve: listening on http://{}/ ({auth}; API under /api, contract at /api/openapi.json)",
         server.addr()
     );
-    stop.serve_until_stopped(&server).await?;
+    let taken_over = tokio::select! {
+        stopped = stop.serve_until_stopped(&server) => {
+            stopped?;
+            None
+        }
+        fenced = server.taken_over() => Some(fenced),
+    };
+    if let Some(crate::app::Fenced(why)) = &taken_over {
+        eprintln!("keel serve: stopping: {why}");
+    }
     eprintln!(
         "keel serve: shutting down; running turns get {} s to finish",
         grace.as_secs()
@@ -476,7 +514,11 @@ pub async fn run(
         "keel serve: stopped ({} turn(s) finished, {} cancelled and not saved)",
         report.finished, report.cancelled
     );
-    Ok(ExitCode::SUCCESS)
+    Ok(if taken_over.is_some() {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 mod fd_limit {

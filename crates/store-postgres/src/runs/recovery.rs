@@ -14,26 +14,57 @@ use crate::store::from_pg;
 use crate::util::{parse, to_i64};
 use crate::PgStore;
 
-/// Recovery for `active_generation`; with `all_leases`, every lease is
-/// released (the process that held it is gone), else only expired ones.
+/// Whose work a recovery takes over.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Stale {
+    /// Generations older than this one that no live process holds (a
+    /// runtime's start, `recover_older_generations`); only expired inbox
+    /// leases are released.
+    OlderThan(u64),
+    /// Every generation no live process holds (a process's activation and
+    /// the recovery of expired processes, whose dead rows are deleted
+    /// first): with the inbox leases of the sessions no live process leases.
+    NotLive,
+}
+
+/// Runs not held by a live process (`runtime_processes`).
+const NOT_LIVE: &str =
+    "runtime_generation NOT IN (SELECT generation FROM runtime_processes)";
+
+/// Recovery of the `stale` generations' work.
 pub(crate) async fn recover_tx(
     tx: &Tx<'_>,
-    active_generation: u64,
+    stale: Stale,
     now_ms: i64,
-    all_leases: bool,
     webhook_urls: &[String],
 ) -> Result<RecoveryReport> {
     let mut report = RecoveryReport::default();
-    let generation = to_i64("active_generation", active_generation)?;
     let mut revisions = Revisions::default();
-    // 1–3: old-generation runs end as interrupted, converting their reservations.
-    let stale = query_runs(
-        tx,
-        &format!("WHERE runtime_generation < $1 AND status IN {EXECUTING_RUN} ORDER BY row_order"),
-        &[&generation],
-    )
-    .await?;
-    for run in stale {
+    // 1–3: runs of stale generations end as interrupted, converting their reservations.
+    let stale_runs = match stale {
+        Stale::OlderThan(active) => {
+            let generation = to_i64("active_generation", active)?;
+            query_runs(
+                tx,
+                &format!(
+                    "WHERE runtime_generation < $1 AND {NOT_LIVE} AND status IN {EXECUTING_RUN} \
+                     ORDER BY row_order"
+                ),
+                &[&generation],
+            )
+            .await?
+        }
+        Stale::NotLive => {
+            query_runs(
+                tx,
+                &format!("WHERE {NOT_LIVE} AND status IN {EXECUTING_RUN} ORDER BY row_order"),
+                &[],
+            )
+            .await?
+        }
+    };
+    let stale = matches!(stale, Stale::NotLive);
+    for run in stale_runs {
         let run = require_run(tx, &run.spec.id).await?;
         if run.status.is_terminal() {
             continue;
@@ -113,10 +144,14 @@ pub(crate) async fn recover_tx(
             }
         }
     }
-    // 4: expired leases go back to pending.
-    let cutoff = if all_leases { i64::MAX } else { now_ms };
+    // 4: expired leases go back to pending; so do those of sessions no
+    // live process leases (every claim is made under the session's lease).
     report.leases_expired =
-        crate::inbox::expire_leases_tx(tx, cutoff, now_ms, &mut revisions).await?;
+        crate::inbox::expire_leases_tx(tx, now_ms, now_ms, &mut revisions).await?;
+    if stale {
+        report.leases_expired +=
+            crate::inbox::release_orphaned_leases_tx(tx, now_ms, &mut revisions).await?;
+    }
     // 5: recompute every root session's counters, in the order SQLite's
     // UNION returns them (sorted, duplicates removed).
     let roots = tx
@@ -151,7 +186,9 @@ impl PgStore {
         let urls = self.inner.hooks.urls();
         self.write(move |tx| {
             let urls = urls.clone();
-            Box::pin(async move { recover_tx(tx, active_generation, now_ms, false, &urls).await })
+            Box::pin(async move {
+                recover_tx(tx, Stale::OlderThan(active_generation), now_ms, &urls).await
+            })
         })
         .await
     }
