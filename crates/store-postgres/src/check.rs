@@ -556,9 +556,15 @@ async fn runs(tx: &Tx<'_>, options: &CheckOptions, report: &mut InvariantReport)
         ),
     )
     .await?;
+    // Every registered process runs its own generation's runs.
+    let registered: Vec<i64> = rows(tx, "SELECT generation FROM runtime_processes")
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
     for r in open {
         let (run, status, run_generation): (String, String, i64) = (r.get(0), r.get(1), r.get(2));
-        if run_generation == generation && options.owner_alive {
+        if options.owner_alive && registered.contains(&run_generation) {
             continue;
         }
         let why = if run_generation > generation {

@@ -121,11 +121,19 @@ async fn activate_tx(
     holder: &str,
     now_ms: i64,
     lease_ms: i64,
+    replaced: i64,
     webhook_urls: &[String],
 ) -> Result<Activation> {
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&PROCESSES_LOCK])
         .await
         .map_err(from_pg)?;
+    // A store activated again starts a new runtime: its previous one is over.
+    tx.execute(
+        "DELETE FROM runtime_processes WHERE generation = $1",
+        &[&replaced],
+    )
+    .await
+    .map_err(from_pg)?;
     let previous = current(tx).await?;
     // Runs stamped by builds that used wall-clock generations stay older.
     let stamped: i64 = tx
@@ -179,10 +187,16 @@ impl crate::PgStore {
     pub(crate) async fn activate_runtime(&self, holder: String, now_ms: i64) -> Result<Activation> {
         let urls = self.inner.hooks.urls();
         let lease_ms = millis(self.inner.lease);
+        let replaced = to_i64("generation", self.fence())?;
+        // Activation writes unfenced: a store whose runtime was taken over
+        // may start a new one.
+        self.set_fence(0);
         let activation = self
             .write(move |tx| {
                 let (holder, urls) = (holder.clone(), urls.clone());
-                Box::pin(async move { activate_tx(tx, &holder, now_ms, lease_ms, &urls).await })
+                Box::pin(async move {
+                    activate_tx(tx, &holder, now_ms, lease_ms, replaced, &urls).await
+                })
             })
             .await?;
         self.set_fence(activation.generation);

@@ -50,6 +50,30 @@ pub async fn a_superseded_generation_writes_nothing(db: TestDb) {
     // lost, say): from now on the first one is fenced off.
     let newer = db.reopen().await;
     let activation = newer.activate_runtime("newer".into(), 2).await.unwrap();
+    let mut kept = 0;
+    if older.shared() {
+        // Processes share this database: the first one writes on until its
+        // registration expires and another process takes its work over.
+        older
+            .append_message(session.id, user("still served"), 3)
+            .await
+            .unwrap();
+        kept += 1;
+        let expired = db
+            .scalar(&format!(
+                "WITH e AS (UPDATE runtime_processes SET expires_at = 0 \
+                 WHERE generation = {} RETURNING 1) SELECT count(*) FROM e",
+                activation.generation - 1
+            ))
+            .await;
+        assert_eq!(expired, 1);
+        let recovered = newer.recover_expired_runtimes(3).await.unwrap().unwrap();
+        assert_eq!(
+            recovered.processes,
+            [(activation.generation - 1, "older".to_owned())]
+        );
+        assert_eq!(newer.recover_expired_runtimes(3).await.unwrap(), None);
+    }
     let err = older
         .append_message(session.id, user("late"), 3)
         .await
@@ -73,7 +97,7 @@ pub async fn a_superseded_generation_writes_nothing(db: TestDb) {
         .append_message(session.id, user("fresh"), 4)
         .await
         .unwrap();
-    assert_eq!(older.last_seq(session.id).await.unwrap(), 1);
+    assert_eq!(older.last_seq(session.id).await.unwrap(), kept + 1);
 }
 
 fn turn(session: keel_core::SessionId, head: Option<SessionHead>) -> TurnCommit {

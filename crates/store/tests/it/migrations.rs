@@ -233,7 +233,7 @@ fn a_newer_database_is_refused_and_left_untouched() {
         let conn = Connection::open(db_path(&dir)).unwrap();
         // A newer keel's database: keel's application id ("keel"), a later version.
         conn.execute_batch(
-            "CREATE TABLE future (x); PRAGMA user_version = 18; PRAGMA application_id = 1801807212;",
+            "CREATE TABLE future (x); PRAGMA user_version = 19; PRAGMA application_id = 1801807212;",
         )
         .unwrap();
     }
@@ -242,11 +242,11 @@ fn a_newer_database_is_refused_and_left_untouched() {
     assert_eq!(
         err,
         StoreError::NewerSchema {
-            found: 18,
-            supported: 17
+            found: 19,
+            supported: 18
         }
     );
-    insta::assert_snapshot!(err, @"database schema version 18 is newer than this build supports (17); refusing to open it");
+    insta::assert_snapshot!(err, @"database schema version 19 is newer than this build supports (18); refusing to open it");
     assert_eq!(std::fs::read(db_path(&dir)).unwrap(), bytes_before);
     assert!(!dir.path().join("keel.db-wal").exists());
 }
