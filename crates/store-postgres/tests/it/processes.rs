@@ -1,0 +1,252 @@
+//! Several processes on one PostgreSQL database: each activation registers
+//! a process under its own generation without fencing the others, a
+//! session's lease has one live holder at a time, and a process whose
+//! registration expired is taken over — its runs, inbox leases, open and
+//! queued inputs — by another, after which it writes nothing.
+
+use keel_core::{ExecutionMode, Message, RunStatus, TurnId};
+use keel_store::conformance::fixtures::{accept, claim, new_run, new_session, user};
+use keel_store::{
+    EventStatus, InputState, OpenTurn, QueuedInput, SessionLease, Store, StoreError,
+};
+use keel_store_postgres::testing::TestDb;
+use keel_store_postgres::{require_postgres, PgOptions, PgStore};
+
+/// A process on `db`: a store of its own, activated as `holder`.
+async fn process(db: &TestDb, holder: &str) -> (Store, u64) {
+    let (store, _) = PgStore::connect(&db.conninfo, PgOptions::default())
+        .await
+        .expect("connect to the test database");
+    let store = Store::new(store);
+    let activation = store
+        .activate_runtime(holder.into(), 1)
+        .await
+        .expect("activate");
+    (store, activation.generation)
+}
+
+/// Ends `generation`'s registration now, as if its process stopped renewing.
+async fn expire(db: &TestDb, generation: u64) {
+    let n = db
+        .connect()
+        .await
+        .execute(
+            "UPDATE runtime_processes SET expires_at = 0 WHERE generation = $1",
+            &[&i64::try_from(generation).unwrap()],
+        )
+        .await
+        .expect("expire a registration");
+    assert_eq!(n, 1, "generation {generation} is registered");
+}
+
+#[tokio::test]
+async fn processes_register_side_by_side_and_neither_fences_the_other() {
+    let db = require_postgres!();
+    let (a, ga) = process(&db, "a").await;
+    let session = a.create_session(new_session("d", 1)).await.unwrap();
+    let mut run = new_run(session.id, ExecutionMode::Background);
+    run.runtime_generation = ga;
+    a.accept_run(accept(run.clone(), 10)).await.unwrap();
+    let (b, gb) = process(&db, "b").await;
+    assert!(gb > ga);
+    // A's run is A's: B's activation recovered nothing of it.
+    let stored = b.get_run(run.id).await.unwrap().unwrap();
+    assert_eq!(stored.status, RunStatus::Queued);
+    // Both write; both renew; nothing expired.
+    a.append_message(session.id, user("from a"), 2)
+        .await
+        .unwrap();
+    b.append_message(session.id, user("from b"), 3)
+        .await
+        .unwrap();
+    a.renew_runtime().await.unwrap();
+    b.renew_runtime().await.unwrap();
+    assert_eq!(a.recover_expired_runtimes(4).await.unwrap(), None);
+    assert_eq!(a.last_seq(session.id).await.unwrap(), 2);
+}
+
+#[tokio::test]
+async fn a_session_lease_has_one_live_holder_and_says_when_another_held_it() {
+    let db = require_postgres!();
+    let (a, _) = process(&db, "keel serve (a)").await;
+    let (b, _) = process(&db, "keel serve (b)").await;
+    let s = a.create_session(new_session("d", 1)).await.unwrap().id;
+    // Never held by anyone: whatever A remembers may be stale.
+    assert_eq!(
+        a.lease_session(s).await.unwrap(),
+        SessionLease::Held { moved: true }
+    );
+    // Held again by its holder: nothing moved.
+    assert_eq!(
+        a.lease_session(s).await.unwrap(),
+        SessionLease::Held { moved: false }
+    );
+    assert_eq!(
+        b.lease_session(s).await.unwrap(),
+        SessionLease::Busy {
+            holder: "keel serve (a)".into()
+        }
+    );
+    // B's release of a lease it does not hold changes nothing.
+    b.release_session(s).await.unwrap();
+    assert!(matches!(
+        b.lease_session(s).await.unwrap(),
+        SessionLease::Busy { .. }
+    ));
+    a.release_session(s).await.unwrap();
+    assert_eq!(
+        b.lease_session(s).await.unwrap(),
+        SessionLease::Held { moved: true }
+    );
+    b.release_session(s).await.unwrap();
+    // A held it before B: A must reload.
+    assert_eq!(
+        a.lease_session(s).await.unwrap(),
+        SessionLease::Held { moved: true }
+    );
+    a.release_session(s).await.unwrap();
+    assert_eq!(
+        a.lease_session(s).await.unwrap(),
+        SessionLease::Held { moved: false }
+    );
+    // A lease of a session that does not exist is refused.
+    assert!(a.lease_session(keel_core::SessionId::new()).await.is_err());
+}
+
+#[tokio::test]
+async fn an_expired_process_is_taken_over_once_and_then_writes_nothing() {
+    let db = require_postgres!();
+    let (a, ga) = process(&db, "a").await;
+    let (b, gb) = process(&db, "b").await;
+    // A runs a turn of dialog `d` (its lease, an open input), holds a
+    // background run that completed into d's inbox and a claim of it, and
+    // has an acknowledged input of dialog `e` queued.
+    let d = a.create_session(new_session("d", 1)).await.unwrap().id;
+    let e = a.create_session(new_session("e", 1)).await.unwrap().id;
+    let mut done = new_run(d, ExecutionMode::Background);
+    done.runtime_generation = ga;
+    a.accept_run(accept(done.clone(), 10)).await.unwrap();
+    a.commit_terminal(
+        done.id,
+        done.execution_id.clone(),
+        keel_store::conformance::fixtures::completed("r"),
+        keel_store::CompletionHandling::Deliver,
+        5,
+    )
+    .await
+    .unwrap();
+    let mut running = new_run(d, ExecutionMode::Background);
+    running.runtime_generation = ga;
+    a.accept_run(accept(running.clone(), 10)).await.unwrap();
+    assert!(matches!(
+        a.lease_session(d).await.unwrap(),
+        SessionLease::Held { .. }
+    ));
+    let lease = a.claim_inbox_batch(claim(d, 6)).await.unwrap().unwrap();
+    assert_eq!(lease.events.len(), 1);
+    let opened = a
+        .open_turn(OpenTurn {
+            session_id: d,
+            messages: vec![user("q")],
+            expected_head: None,
+            queued: None,
+            now_ms: 7,
+        })
+        .await
+        .unwrap();
+    let queued = TurnId::new();
+    a.queue_input(QueuedInput {
+        session_id: e,
+        turn_id: queued,
+        message: Message::user("waiting"),
+        queued_at_ms: 8,
+        webhook: None,
+    })
+    .await
+    .unwrap();
+    // B's own queue is B's: nobody takes it while B lives.
+    let mine = TurnId::new();
+    b.queue_input(QueuedInput {
+        session_id: e,
+        turn_id: mine,
+        message: Message::user("b's"),
+        queued_at_ms: 9,
+        webhook: None,
+    })
+    .await
+    .unwrap();
+    // While A is registered, B takes nothing of it.
+    assert_eq!(b.recover_expired_runtimes(10).await.unwrap(), None);
+    assert!(b.queued_inputs().await.unwrap().is_empty());
+    assert!(matches!(
+        b.lease_session(d).await.unwrap(),
+        SessionLease::Busy { .. }
+    ));
+
+    expire(&db, ga).await;
+    let taken = b.recover_expired_runtimes(11).await.unwrap().unwrap();
+    assert_eq!(taken.processes, [(ga, "a".to_owned())]);
+    assert_eq!(taken.recovery.interrupted_runs, [running.id]);
+    assert_eq!(taken.recovery.unanswered_inputs, 1);
+    assert_eq!(taken.recovery.leases_expired, 1);
+    assert!(taken.recovery.sessions_with_inbox_work.contains(&d));
+    assert_eq!(taken.sessions_with_queued_inputs, [e]);
+    // Taken over once: a second recovery (or another process's) finds nothing.
+    assert_eq!(b.recover_expired_runtimes(12).await.unwrap(), None);
+
+    let run = b.get_run(running.id).await.unwrap().unwrap();
+    assert_eq!(run.status, RunStatus::Interrupted);
+    let events = b.list_inbox_events(d).await.unwrap();
+    assert_eq!(events.len(), 2, "{events:#?}");
+    assert!(events.iter().all(|e| e.status == EventStatus::Pending));
+    let history = b
+        .load_messages(d, keel_store::MessageFilter::default())
+        .await
+        .unwrap();
+    assert_eq!(history.len(), 1);
+    assert_eq!(history[0].seq, opened[0]);
+    assert_eq!(history[0].input_state, Some(InputState::Unanswered));
+    // A's queued input is B's to run now, once; B's own is not listed.
+    let inputs = b.queued_inputs().await.unwrap();
+    assert_eq!(
+        inputs.iter().map(|i| i.turn_id).collect::<Vec<_>>(),
+        [queued]
+    );
+    assert!(b.queued_inputs().await.unwrap().is_empty());
+    // D's lease is free again; B takes it, knowing A wrote the session.
+    assert_eq!(
+        b.lease_session(d).await.unwrap(),
+        SessionLease::Held { moved: true }
+    );
+
+    // A, taken over, writes nothing more and learns why when it renews.
+    let fenced = a.renew_runtime().await.unwrap_err();
+    assert_eq!(
+        fenced,
+        StoreError::Fenced {
+            ours: ga,
+            current: gb,
+            holder: "b".into()
+        }
+    );
+    assert!(matches!(
+        a.append_message(d, user("late"), 13).await.unwrap_err(),
+        StoreError::Fenced { .. }
+    ));
+    assert!(matches!(
+        a.commit_terminal(
+            running.id,
+            running.execution_id,
+            keel_store::conformance::fixtures::completed("late"),
+            keel_store::CompletionHandling::Deliver,
+            14,
+        )
+        .await
+        .unwrap_err(),
+        StoreError::Fenced { .. }
+    ));
+    // It may start over as a new process.
+    let again = a.activate_runtime("a again".into(), 15).await.unwrap();
+    assert!(again.generation > gb);
+    a.append_message(e, user("back"), 16).await.unwrap();
+}
