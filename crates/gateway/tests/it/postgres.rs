@@ -1,7 +1,6 @@
 //! The whole runtime on PostgreSQL (`[storage] url`), in-process: a dialog
 //! answered and found again after a restart, the checker clean on the
-//! server's database, and one process at a time — a second is refused
-//! naming the first, before it writes anything.
+//! server's database, and two processes serving one dialog together.
 
 use keel_gateway::app::App;
 use keel_store::{CheckOptions, StoreError};
@@ -71,17 +70,62 @@ async fn a_dialog_on_postgres_is_answered_and_survives_a_restart() {
     assert!(report.is_clean(), "{report:?}");
 }
 
+/// Two runtimes (two `keel serve` processes, say) on one database serve
+/// one dialog together: turns sent to either, even at once, run one at a
+/// time and each sees the other's (the second reloads what the first
+/// wrote); a command that needs the database alone is refused meanwhile,
+/// naming them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_second_process_on_the_same_database_is_refused_naming_the_first() {
+async fn two_processes_serve_one_dialog_turn_by_turn() {
     let db = require_postgres!();
-    let first_dir = data_dir(&db.conninfo);
-    let _first = open(&first_dir, "keel serve").await.unwrap();
-    // Another data directory, the same database.
-    let second_dir = data_dir(&db.conninfo);
-    let err = match open(&second_dir, "keel chat").await {
-        Ok(_) => panic!("a second process was let in"),
-        Err(e) => e,
-    };
+    let (a_dir, b_dir) = (data_dir(&db.conninfo), data_dir(&db.conninfo));
+    let a = open(&a_dir, "keel serve").await.unwrap();
+    let b = open(&b_dir, "keel serve").await.unwrap();
+    assert_ne!(a.generation, b.generation);
+    let id = a
+        .manager
+        .create_dialog("test", "shared", None, None)
+        .await
+        .unwrap();
+    a.manager.submit_turn(id, "first, to a").await.unwrap();
+    // B never saw the dialog's turn: it takes the lease and reads it.
+    b.manager.submit_turn(id, "second, to b").await.unwrap();
+    // A remembers the dialog as it was: the lease tells it to reload.
+    a.manager.submit_turn(id, "third, to a").await.unwrap();
+    // Both at once: one waits for the other's turn.
+    let (x, y) = tokio::join!(
+        a.manager.submit_turn(id, "fourth, to a"),
+        b.manager.submit_turn(id, "fourth, to b")
+    );
+    x.unwrap();
+    y.unwrap();
+    let history = b
+        .store
+        .load_messages(id, keel_store::MessageFilter::default())
+        .await
+        .unwrap();
+    let users: Vec<String> = history
+        .iter()
+        .filter(|m| m.message.role == keel_core::Role::User)
+        .map(|m| m.message.text())
+        .collect();
+    assert_eq!(users.len(), 5, "{users:?}");
+    assert_eq!(users[..3], ["first, to a", "second, to b", "third, to a"]);
+    // Every input answered, each right after its question: no two turns interleaved.
+    assert_eq!(history.len(), 10, "{history:#?}");
+    for pair in history.chunks(2) {
+        assert_eq!(pair[0].message.role, keel_core::Role::User, "{history:#?}");
+        assert_eq!(pair[1].message.role, keel_core::Role::Assistant, "{history:#?}");
+        assert_eq!(
+            pair[0].input_state,
+            Some(keel_store::InputState::Answered),
+            "{history:#?}"
+        );
+    }
+    // A command that needs the database alone is refused, naming the runtimes.
+    let err = keel_gateway::storage::open_exclusive("keel prune", &a.config.config)
+        .await
+        .unwrap_err();
     let text = err.to_string();
     assert!(
         matches!(
@@ -94,6 +138,15 @@ async fn a_second_process_on_the_same_database_is_refused_naming_the_first() {
         "{text}"
     );
     assert!(text.contains("keel serve (pid "), "{text}");
+    let report = a
+        .store
+        .check_invariants(CheckOptions {
+            owner_alive: true,
+            ..CheckOptions::default()
+        })
+        .await
+        .unwrap();
+    assert!(report.is_clean(), "{report:?}");
 }
 
 /// Every row of every copied table of the SQLite database at `path`, as
