@@ -61,13 +61,15 @@ pub(crate) async fn check_fence(tx: &Tx<'_>, ours: u64) -> Result<()> {
     })
 }
 
-/// Deletes the registrations that expired; the (generation, holder) of each.
+/// Registrations that are over: expired, or whose process's presence
+/// lock is free (its connection to the server ended: the process died).
+const GONE: &str = "expires_at < (extract(epoch from clock_timestamp()) * 1000)::bigint \
+     OR (presence IS NOT NULL AND pg_try_advisory_xact_lock(presence))";
+
+/// Deletes the registrations that are over; the (generation, holder) of each.
 async fn expire_tx(tx: &Tx<'_>) -> Result<Vec<(u64, String)>> {
     tx.query(
-        &format!(
-            "DELETE FROM runtime_processes WHERE expires_at < {DB_NOW_MS} \
-             RETURNING generation, holder"
-        ),
+        &format!("DELETE FROM runtime_processes WHERE {GONE} RETURNING generation, holder"),
         &[],
     )
     .await
@@ -122,6 +124,7 @@ async fn activate_tx(
     now_ms: i64,
     lease_ms: i64,
     replaced: i64,
+    presence: i64,
     webhook_urls: &[String],
 ) -> Result<Activation> {
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&PROCESSES_LOCK])
@@ -163,10 +166,10 @@ async fn activate_tx(
     expire_tx(tx).await?;
     tx.execute(
         &format!(
-            "INSERT INTO runtime_processes (generation, holder, started_at, expires_at) \
-             VALUES ($1, $2, $3, {DB_NOW_MS} + $4)"
+            "INSERT INTO runtime_processes (generation, holder, started_at, expires_at, presence) \
+             VALUES ($1, $2, $3, {DB_NOW_MS} + $4, $5)"
         ),
-        &[&g, &holder, &now_ms, &lease_ms],
+        &[&g, &holder, &now_ms, &lease_ms, &presence],
     )
     .await
     .map_err(from_pg)?;
@@ -191,16 +194,35 @@ impl crate::PgStore {
         // Activation writes unfenced: a store whose runtime was taken over
         // may start a new one.
         self.set_fence(0);
+        let presence = self.hold_presence().await?;
         let activation = self
             .write(move |tx| {
                 let (holder, urls) = (holder.clone(), urls.clone());
                 Box::pin(async move {
-                    activate_tx(tx, &holder, now_ms, lease_ms, replaced, &urls).await
+                    activate_tx(tx, &holder, now_ms, lease_ms, replaced, presence, &urls).await
                 })
             })
             .await?;
         self.set_fence(activation.generation);
         Ok(activation)
+    }
+
+    /// Takes a fresh presence lock on a connection of its own, kept for
+    /// the life of the store (replacing an earlier one); returns its key.
+    /// While the process lives, the lock is held; when the process dies,
+    /// the server ends the connection and frees it.
+    async fn hold_presence(&self) -> Result<i64> {
+        let pool = crate::pool(&self.inner.conninfo, 1).map_err(crate::store::from_pg_store)?;
+        let pooled = pool.get().await.map_err(crate::store::from_pool)?;
+        let client = deadpool_postgres::Object::take(pooled);
+        // A v7 UUID's random bits, a positive key apart from keel's fixed ones.
+        let key = (uuid::Uuid::now_v7().as_u128() & ((1 << 62) - 1)) as i64;
+        client
+            .execute("SELECT pg_advisory_lock($1)", &[&key])
+            .await
+            .map_err(from_pg)?;
+        *self.inner.presence.lock().await = Some(client);
+        Ok(key)
     }
 
     /// The stored runtime generation and its holder (`None` before any activation).
@@ -244,10 +266,7 @@ impl crate::PgStore {
                 Box::pin(async move {
                     Ok(tx
                         .query_opt(
-                            &format!(
-                                "SELECT 1 FROM runtime_processes WHERE expires_at < {DB_NOW_MS} \
-                                 LIMIT 1"
-                            ),
+                            &format!("SELECT 1 FROM runtime_processes WHERE {GONE} LIMIT 1"),
                             &[],
                         )
                         .await

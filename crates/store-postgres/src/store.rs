@@ -73,6 +73,10 @@ pub(crate) struct Inner {
     retry_delays: Vec<Duration>,
     /// How long a registration lasts unless renewed.
     pub(crate) lease: Duration,
+    /// The connection string (for connections outside the pool).
+    pub(crate) conninfo: String,
+    /// The connection holding this process's presence lock (see `runtime.rs`).
+    pub(crate) presence: tokio::sync::Mutex<Option<deadpool_postgres::ClientWrapper>>,
     /// The runtime generation this store writes for (0 until activated).
     fence: AtomicU64,
     transactions: AtomicU64,
@@ -193,6 +197,8 @@ impl PgStore {
                 location: crate::redacted(url),
                 retry_delays: options.retry_delays,
                 lease: options.lease,
+                conninfo: url.to_owned(),
+                presence: tokio::sync::Mutex::new(None),
                 fence: AtomicU64::new(0),
                 transactions: AtomicU64::new(0),
             }),

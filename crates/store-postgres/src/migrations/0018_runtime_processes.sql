@@ -16,7 +16,11 @@ CREATE TABLE runtime_processes (
     holder TEXT NOT NULL,
     started_at BIGINT NOT NULL,
     -- Unix ms (the database server's clock on PostgreSQL).
-    expires_at BIGINT NOT NULL
+    expires_at BIGINT NOT NULL,
+    -- An advisory lock key the process holds while its connection to the
+    -- server lives (PostgreSQL): a process killed outright is known dead
+    -- at once, not only when its registration expires.
+    presence BIGINT
 );
 
 CREATE TABLE session_leases (

@@ -32,7 +32,7 @@ async fn expire(db: &TestDb, generation: u64) {
         .await
         .execute(
             "UPDATE runtime_processes SET expires_at = 0 WHERE generation = $1",
-            &[&i64::try_from(generation).unwrap()],
+            &[&i64::try_from(generation).expect("a generation fits an i64")],
         )
         .await
         .expect("expire a registration");
@@ -249,4 +249,30 @@ async fn an_expired_process_is_taken_over_once_and_then_writes_nothing() {
     let again = a.activate_runtime("a again".into(), 15).await.unwrap();
     assert!(again.generation > gb);
     a.append_message(e, user("back"), 16).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_process_whose_connection_ended_is_taken_over_without_waiting_for_its_lease() {
+    let db = require_postgres!();
+    let (a, ga) = process(&db, "a").await;
+    let (b, _) = process(&db, "b").await;
+    assert_eq!(b.recover_expired_runtimes(2).await.unwrap(), None);
+    // The process dies: its connections end (its lease has 10 s to run).
+    drop(a);
+    // The server frees its presence lock once it has seen the connection
+    // close, which it does on its own time: ask until it has.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let taken = loop {
+        if let Some(taken) = b.recover_expired_runtimes(3).await.unwrap() {
+            break taken;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a dead process's registration was not taken over within 10 s"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    assert_eq!(taken.processes, [(ga, "a".to_owned())]);
+    // B itself is alive: its own presence keeps it registered.
+    b.renew_runtime().await.unwrap();
 }

@@ -16,7 +16,11 @@ CREATE TABLE runtime_processes (
     holder TEXT NOT NULL,
     started_at INTEGER NOT NULL,
     -- Unix ms (the database server's clock on PostgreSQL).
-    expires_at INTEGER NOT NULL
+    expires_at INTEGER NOT NULL,
+    -- An advisory lock key the process holds while its connection to the
+    -- server lives (PostgreSQL): a process killed outright is known dead
+    -- at once, not only when its registration expires.
+    presence INTEGER
 );
 
 CREATE TABLE session_leases (
