@@ -14,35 +14,31 @@
 //!   a `row_order` identity where SQLite's listings follow the rowid.
 //!   [`migrate`] applies them, one transaction per step under an advisory
 //!   lock; a newer database is refused.
-//! - [`PgRuntimeLock`]: one process per database, as on SQLite.
+//! - [`PgRuntimeLock`]: runtimes share the database, commands that need it
+//!   alone hold it exclusively.
 //! - [`pool`]: deadpool-postgres with rustls (ring, the system's roots);
 //!   [`schema_outline`] / [`schema_definitions`]; the test harness
 //!   (module `testing`, feature `testing`).
 //!
-//! # Several processes on one database (designed, not built)
+//! # Several processes on one database
 //!
-//! Today a second process is refused ([`PgRuntimeLock`]). The design for
-//! serving one database from several:
-//!
-//! - **Per-process fencing.** The one-owner lock becomes a process row
-//!   with a fencing epoch (from a sequence) renewed every `lease_secs / 3`;
-//!   runs are stamped with their process's epoch, and recovery interrupts
-//!   only the runs of processes whose lease expired (the recovery a start
-//!   runs today — interrupted, completion recorded once — per process
-//!   instead of per generation).
-//! - **Session leases.** A session's turns run under a lease row
-//!   (`session_id`, owner epoch, expiry) taken before the turn and checked
-//!   in the turn's commit, so a stale owner's commit is refused; a process
-//!   that takes a lease reloads the session if its head moved.
-//! - **Leased work.** Inbox events are already claimed `FOR UPDATE SKIP
-//!   LOCKED` (each by one process); queued inputs and continuations of a
-//!   dead process's sessions are taken by whichever process takes the
-//!   session's lease next.
-//! - **Live streams.** A commit that changes what a client follows sends
-//!   `NOTIFY` (session id and revision) in its transaction, so it is
-//!   delivered only after COMMIT; each process `LISTEN`s on one connection
-//!   and reads the committed rows by revision, so a lost notification costs
-//!   latency, not correctness.
+//! - **Registrations** (`runtime.rs`). Each activation registers its
+//!   process in `runtime_processes` under a new runtime generation (its
+//!   fencing epoch), with an expiry by the server's clock that the process
+//!   renews, and a presence lock: an advisory lock held on a connection of
+//!   its own, which the server frees when the process dies. Every write
+//!   checks first that its registration exists. A registration that
+//!   expired, or whose presence lock is free, is deleted by whichever
+//!   process notices, which takes its work over in the same transaction:
+//!   its runs interrupted with their completions, the session leases it
+//!   held freed, the inbox leases and open inputs of sessions no live
+//!   process leases released.
+//! - **Session leases** (`processes.rs`). A session's turns run under its
+//!   lease (`session_leases`), one live holder at a time; the row keeps its
+//!   last holder, so a process taking it learns whether to reload.
+//! - **Queued inputs** carry the generation that runs them; those of
+//!   generations no longer registered are taken, each once, by
+//!   `queued_inputs`.
 
 mod approvals;
 mod backend;
