@@ -22,6 +22,10 @@ use crate::store::from_pg;
 use crate::util::{parse, parse_opt};
 use crate::PgStore;
 
+/// How long a delivery handed to a process's worker is not due for
+/// another (longer than an attempt's timeout).
+const ATTEMPT_CLAIM_MS: i64 = 60_000;
+
 const COLUMNS: &str = "seq, id, url, event, session_id, turn_id, body, status, attempts, \
                        next_attempt_at, last_error, created_at, delivered_at, run_id";
 
@@ -308,14 +312,38 @@ impl PgStore {
         limit: usize,
     ) -> Result<Vec<WebhookDelivery>> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        self.read(move |tx| {
+        if self.fence() == 0 {
+            // Not a runtime: nothing delivers, nothing is claimed.
+            return self
+                .read(move |tx| {
+                    Box::pin(async move {
+                        let sql = format!(
+                            "SELECT {COLUMNS} FROM webhook_deliveries \
+                             WHERE status = 'pending' AND next_attempt_at <= $1 \
+                             ORDER BY next_attempt_at, seq LIMIT $2"
+                        );
+                        query_deliveries(tx, &sql, &[&now_ms, &limit]).await
+                    })
+                })
+                .await;
+        }
+        // Several processes deliver from one outbox: the rows handed out
+        // are claimed (not due again for a while), so no other process
+        // posts them meanwhile. The attempt's record sets their real next
+        // time; a claimer that dies leaves them due again after the claim.
+        let until = now_ms.saturating_add(ATTEMPT_CLAIM_MS);
+        self.write(move |tx| {
             Box::pin(async move {
                 let sql = format!(
-                    "SELECT {COLUMNS} FROM webhook_deliveries \
-                     WHERE status = 'pending' AND next_attempt_at <= $1 \
-                     ORDER BY next_attempt_at, seq LIMIT $2"
+                    "WITH due AS (SELECT seq FROM webhook_deliveries \
+                       WHERE status = 'pending' AND next_attempt_at <= $1 \
+                       ORDER BY next_attempt_at, seq LIMIT $2 FOR UPDATE SKIP LOCKED), \
+                     claimed AS (UPDATE webhook_deliveries w SET next_attempt_at = $3 \
+                       FROM due WHERE w.seq = due.seq RETURNING w.seq) \
+                     SELECT {COLUMNS} FROM webhook_deliveries \
+                     WHERE seq IN (SELECT seq FROM claimed) ORDER BY next_attempt_at, seq"
                 );
-                query_deliveries(tx, &sql, &[&now_ms, &limit]).await
+                query_deliveries(tx, &sql, &[&now_ms, &limit, &until]).await
             })
         })
         .await

@@ -276,3 +276,58 @@ async fn a_process_whose_connection_ended_is_taken_over_without_waiting_for_its_
     // B itself is alive: its own presence keeps it registered.
     b.renew_runtime().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_webhook_delivery_is_handed_to_one_process_at_a_time() {
+    let db = require_postgres!();
+    let (a, _) = process(&db, "a").await;
+    let (b, _) = process(&db, "b").await;
+    let s = a.create_session(new_session("w", 1)).await.unwrap().id;
+    let q = QueuedInput {
+        session_id: s,
+        turn_id: TurnId::new(),
+        message: Message::user("hello"),
+        queued_at_ms: 10,
+        webhook: Some("http://127.0.0.1:9/hook".into()),
+    };
+    a.queue_input(q.clone()).await.unwrap();
+    let seqs = a
+        .open_turn(OpenTurn {
+            session_id: s,
+            messages: vec![user("hello")],
+            expected_head: None,
+            queued: Some(q.turn_id),
+            now_ms: 20,
+        })
+        .await
+        .unwrap();
+    a.commit_turn(keel_store::TurnCommit {
+        calls: None,
+        session_id: s,
+        messages: vec![keel_store::conformance::fixtures::assistant("done")],
+        state: b"{}".to_vec(),
+        checkpoint: None,
+        visible_user_inputs: 0,
+        answers: seqs,
+        expected_head: None,
+        now_ms: 30,
+    })
+    .await
+    .unwrap();
+    // Both workers look at once: one gets it.
+    let (x, y) = tokio::join!(
+        a.due_webhook_deliveries(30, 10),
+        b.due_webhook_deliveries(30, 10)
+    );
+    let (x, y) = (x.unwrap(), y.unwrap());
+    assert_eq!(x.len() + y.len(), 1, "{x:?} {y:?}");
+    let delivery = x.into_iter().chain(y).next().unwrap();
+    assert_eq!(delivery.next_attempt_at_ms, Some(30));
+    // Claimed: nobody else gets it while its attempt may be under way…
+    assert!(b.due_webhook_deliveries(30 + 59_999, 10).await.unwrap().is_empty());
+    assert_eq!(a.next_webhook_due().await.unwrap(), Some(30 + 60_000));
+    // …and a claimer that died leaves it due again after the claim.
+    let again = b.due_webhook_deliveries(30 + 60_000, 10).await.unwrap();
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].id, delivery.id);
+}
