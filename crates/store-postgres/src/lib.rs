@@ -65,6 +65,7 @@ mod processes;
 mod projection;
 mod purge;
 mod queued;
+mod relay;
 mod runs;
 mod runtime;
 mod sessions;
@@ -87,6 +88,7 @@ pub use migrations::{
 };
 pub use outline::{schema_definitions, schema_outline};
 pub use pool::pool;
+pub use relay::CHANNEL as RELAY_CHANNEL;
 pub use store::{PgOptions, PgStore};
 
 /// `url` without its password, for messages and logs.

@@ -7,6 +7,7 @@ mod inbox;
 mod lock;
 mod messages;
 mod pool;
+mod relay;
 mod retries;
 mod runs;
 mod schema;
