@@ -349,9 +349,10 @@ impl Server {
             projections.clone(),
         ));
         // Before any turn can start, so none of its frames is missed.
-        let relaying = app.store.relay().map(|r| {
-            relay::start(r, hub.clone(), projections.clone(), turns.clone())
-        });
+        let relaying = app
+            .store
+            .relay()
+            .map(|r| relay::start(r, hub.clone(), projections.clone(), turns.clone()));
         let shared = Arc::new(Shared {
             app,
             token: options.token,

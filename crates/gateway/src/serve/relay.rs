@@ -392,6 +392,9 @@ mod tests {
         });
         let json = serde_json::to_string(&note).unwrap();
         assert_eq!(serde_json::from_str::<Note>(&json).unwrap(), note);
-        assert_eq!(serde_json::to_string(&Note::Changed).unwrap(), "\"changed\"");
+        assert_eq!(
+            serde_json::to_string(&Note::Changed).unwrap(),
+            "\"changed\""
+        );
     }
 }
