@@ -269,7 +269,7 @@ impl Hub {
         if let Some(outbox) = self.outbox.get() {
             if Outgoing::crosses(&frame) {
                 // Fails only once the relay stopped (a shutdown).
-                let _ = outbox.send(Outgoing::Frame(session, frame.clone()));
+                let _ = outbox.send(Outgoing::Frame(session, Box::new(frame.clone())));
             }
         }
         self.publish_at(session, frame, Instant::now());

@@ -49,7 +49,7 @@ const DELTA_TEXT_BYTES: usize = 2048;
 #[derive(Debug)]
 pub(crate) enum Outgoing {
     /// A frame published here.
-    Frame(SessionId, ServerFrame),
+    Frame(SessionId, Box<ServerFrame>),
     /// The session's runs or inbox changed here.
     Changed(SessionId),
 }
@@ -74,7 +74,7 @@ impl Outgoing {
 #[serde(rename_all = "snake_case")]
 enum Note {
     /// A frame to publish (its `event_id` unset).
-    Frame(ServerFrame),
+    Frame(Box<ServerFrame>),
     /// The session's runs or inbox changed: refresh its projections.
     Changed,
 }
@@ -187,7 +187,7 @@ async fn send(
 }
 
 fn is_delta(outgoing: &Outgoing) -> bool {
-    matches!(outgoing, Outgoing::Frame(_, ServerFrame::TextDelta { .. }))
+    matches!(outgoing, Outgoing::Frame(_, frame) if matches!(**frame, ServerFrame::TextDelta { .. }))
 }
 
 /// `batch` as notes, in order within each session: adjacent text deltas of
@@ -206,18 +206,20 @@ fn merged(batch: Vec<Outgoing>) -> Vec<(SessionId, Note)> {
                 &mut out.last_mut().expect("just pushed").1
             }
         };
-        if let (
-            Some(Note::Frame(ServerFrame::TextDelta {
-                turn_id: last_turn,
-                text: last_text,
-                ..
-            })),
-            Note::Frame(ServerFrame::TextDelta { turn_id, text, .. }),
-        ) = (notes.last_mut(), &note)
-        {
-            if last_turn == turn_id && last_text.len() + text.len() <= DELTA_TEXT_BYTES {
-                last_text.push_str(text);
-                continue;
+        if let (Some(Note::Frame(last)), Note::Frame(next)) = (notes.last_mut(), &note) {
+            if let (
+                ServerFrame::TextDelta {
+                    turn_id: last_turn,
+                    text: last_text,
+                    ..
+                },
+                ServerFrame::TextDelta { turn_id, text, .. },
+            ) = (last.as_mut(), next.as_ref())
+            {
+                if last_turn == turn_id && last_text.len() + text.len() <= DELTA_TEXT_BYTES {
+                    last_text.push_str(text);
+                    continue;
+                }
             }
         }
         notes.extend(cut(note));
@@ -230,14 +232,17 @@ fn merged(batch: Vec<Outgoing>) -> Vec<(SessionId, Note)> {
 /// A text delta longer than [`DELTA_TEXT_BYTES`] as several (at character
 /// boundaries); any other note as it is.
 fn cut(note: Note) -> Vec<Note> {
-    let Note::Frame(ServerFrame::TextDelta {
+    let Note::Frame(frame) = note else {
+        return vec![note];
+    };
+    let ServerFrame::TextDelta {
         session_id,
         event_id,
         turn_id,
         text,
-    }) = note
+    } = *frame
     else {
-        return vec![note];
+        return vec![Note::Frame(frame)];
     };
     let mut pieces = Vec::new();
     let mut rest = text.as_str();
@@ -247,12 +252,12 @@ fn cut(note: Note) -> Vec<Note> {
             end -= 1;
         }
         let (piece, after) = rest.split_at(end);
-        pieces.push(Note::Frame(ServerFrame::TextDelta {
+        pieces.push(Note::Frame(Box::new(ServerFrame::TextDelta {
             session_id,
             event_id,
             turn_id,
             text: piece.to_owned(),
-        }));
+        })));
         rest = after;
     }
     pieces
@@ -305,7 +310,7 @@ fn take(
 ) {
     let refresh = match note {
         Note::Frame(frame) => {
-            match &frame {
+            match frame.as_ref() {
                 ServerFrame::TurnStarted { turn_id, .. } => {
                     turns.remote_turn_started(session, *turn_id)
                 }
@@ -318,7 +323,7 @@ fn take(
             }
             let ends_turn = frame.ends_turn();
             if hub.is_watched(session) {
-                hub.publish_relayed(session, frame);
+                hub.publish_relayed(session, *frame);
             }
             ends_turn
         }
@@ -338,12 +343,12 @@ mod tests {
     fn delta(session: SessionId, turn: Uuid, text: &str) -> Outgoing {
         Outgoing::Frame(
             session,
-            ServerFrame::TextDelta {
+            Box::new(ServerFrame::TextDelta {
                 session_id: session.as_uuid(),
                 event_id: None,
                 turn_id: turn,
                 text: text.to_owned(),
-            },
+            }),
         )
     }
 
@@ -351,8 +356,10 @@ mod tests {
         notes
             .iter()
             .map(|(_, n)| match n {
-                Note::Frame(ServerFrame::TextDelta { text, .. }) => text.clone(),
-                Note::Frame(f) => f.kind().to_owned(),
+                Note::Frame(f) => match f.as_ref() {
+                    ServerFrame::TextDelta { text, .. } => text.clone(),
+                    f => f.kind().to_owned(),
+                },
                 Note::Changed => "changed".to_owned(),
             })
             .collect()
@@ -384,12 +391,12 @@ mod tests {
     #[test]
     fn a_note_round_trips_as_json() {
         let session = SessionId::new();
-        let note = Note::Frame(ServerFrame::TurnStarted {
+        let note = Note::Frame(Box::new(ServerFrame::TurnStarted {
             session_id: session.as_uuid(),
             event_id: None,
             turn_id: Uuid::nil(),
             turn_origin: super::super::api::TurnOrigin::User,
-        });
+        }));
         let json = serde_json::to_string(&note).unwrap();
         assert_eq!(serde_json::from_str::<Note>(&json).unwrap(), note);
         assert_eq!(

@@ -16,10 +16,15 @@ async fn process(db: &TestDb, name: &str) -> Store {
         max_connections: 4,
         ..PgOptions::default()
     };
-    let (store, _) = PgStore::connect(&db.conninfo, options).await.unwrap();
+    let (store, _) = PgStore::connect(&db.conninfo, options)
+        .await
+        .expect("connect");
     let store = Store::new(store);
     assert!(store.relay().is_none(), "no relay before activation");
-    store.activate_runtime(name.into(), 1).await.unwrap();
+    store
+        .activate_runtime(name.into(), 1)
+        .await
+        .expect("activate");
     store
 }
 
@@ -41,22 +46,22 @@ fn message(session: SessionId, payload: &str) -> Relayed {
 async fn a_message_reaches_the_other_process_in_order_and_not_its_sender() {
     let db = require_postgres!();
     let (a, b) = (process(&db, "a").await, process(&db, "b").await);
-    let (relay_a, relay_b) = (a.relay().unwrap(), b.relay().unwrap());
+    let (relay_a, relay_b) = (a.relay().expect("ok"), b.relay().expect("ok"));
     let (mut at_a, mut at_b) = (relay_a.subscribe(), relay_b.subscribe());
     let session = SessionId::new();
-    relay_a.publish(session, "one".into()).await.unwrap();
+    relay_a.publish(session, "one".into()).await.expect("ok");
     relay_a
         .publish(session, "x".repeat(RELAY_MAX_BYTES + 1))
         .await
-        .unwrap();
+        .expect("ok");
     let widest = "é".repeat(RELAY_MAX_BYTES / 2);
-    relay_a.publish(session, widest.clone()).await.unwrap();
+    relay_a.publish(session, widest.clone()).await.expect("ok");
     assert_eq!(next(&mut at_b).await, message(session, "one"));
     assert_eq!(next(&mut at_b).await, Relayed::Oversized { session });
     assert_eq!(next(&mut at_b).await, message(session, &widest));
     // A's listener saw its own three first: the first it delivers is B's.
     let other = SessionId::new();
-    relay_b.publish(other, "from b".into()).await.unwrap();
+    relay_b.publish(other, "from b".into()).await.expect("ok");
     assert_eq!(next(&mut at_a).await, message(other, "from b"));
     assert!(at_b.try_recv().is_err(), "B does not hear itself");
 }
@@ -65,7 +70,7 @@ async fn a_message_reaches_the_other_process_in_order_and_not_its_sender() {
 async fn a_broken_listening_connection_is_opened_again_and_says_messages_were_lost() {
     let db = require_postgres!();
     let (a, b) = (process(&db, "a").await, process(&db, "b").await);
-    let (relay_a, relay_b) = (a.relay().unwrap(), b.relay().unwrap());
+    let (relay_a, relay_b) = (a.relay().expect("ok"), b.relay().expect("ok"));
     let mut at_b = relay_b.subscribe();
     let admin = db.connect().await;
     let killed = admin
@@ -75,11 +80,11 @@ async fn a_broken_listening_connection_is_opened_again_and_says_messages_were_lo
             &[],
         )
         .await
-        .unwrap();
+        .expect("ok");
     assert_eq!(killed.len(), 2, "each process listens on one connection");
     assert_eq!(next(&mut at_b).await, Relayed::Lost);
     // Listening again: what A sends now arrives.
     let session = SessionId::new();
-    relay_a.publish(session, "after".into()).await.unwrap();
+    relay_a.publish(session, "after".into()).await.expect("ok");
     assert_eq!(next(&mut at_b).await, message(session, "after"));
 }
