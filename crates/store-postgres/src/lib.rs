@@ -38,11 +38,11 @@
 //!   LOCKED` (each by one process); queued inputs and continuations of a
 //!   dead process's sessions are taken by whichever process takes the
 //!   session's lease next.
-//! - **Live streams.** A commit that changes what a client follows sends
-//!   `NOTIFY` (session id and revision) in its transaction, so it is
-//!   delivered only after COMMIT; each process `LISTEN`s on one connection
-//!   and reads the committed rows by revision, so a lost notification costs
-//!   latency, not correctness.
+//! - **Live streams** (built: `relay.rs`). Each process `LISTEN`s on one
+//!   connection of its own; the process running a turn relays its frames
+//!   with `NOTIFY`, and a run that changes sends a bare note, on which the
+//!   others read the committed rows by revision — a lost notification
+//!   costs a re-read (`Relayed::Lost`), never a stored row.
 
 mod approvals;
 mod backend;
