@@ -449,6 +449,10 @@ impl Backend for PgStore {
         PgStore::release_session(self, session).await
     }
 
+    fn relay(&self) -> Option<std::sync::Arc<dyn keel_store::Relay>> {
+        PgStore::relay(self)
+    }
+
     async fn recover_older_generations(
         &self,
         active_generation: u64,

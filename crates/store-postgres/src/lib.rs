@@ -39,6 +39,11 @@
 //! - **Queued inputs** carry the generation that runs them; those of
 //!   generations no longer registered are taken, each once, by
 //!   `queued_inputs`.
+//! - **Live streams** (`relay.rs`). Each process `LISTEN`s on one
+//!   connection of its own; the process running a turn relays its frames
+//!   with `NOTIFY`, and a run that changes sends a bare note, on which the
+//!   others read the committed rows by revision — a lost notification
+//!   costs a re-read (`Relayed::Lost`), never a stored row.
 
 mod approvals;
 mod backend;
@@ -61,6 +66,7 @@ mod processes;
 mod projection;
 mod purge;
 mod queued;
+mod relay;
 mod runs;
 mod runtime;
 mod sessions;
@@ -83,6 +89,7 @@ pub use migrations::{
 };
 pub use outline::{schema_definitions, schema_outline};
 pub use pool::pool;
+pub use relay::CHANNEL as RELAY_CHANNEL;
 pub use store::{PgOptions, PgStore};
 
 /// `url` without its password, for messages and logs.

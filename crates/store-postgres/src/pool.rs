@@ -14,14 +14,7 @@ use crate::error::{PgStoreError, Result};
 
 /// A pool of at most `max_size` connections to `conninfo` (a URL or key=value string).
 pub fn pool(conninfo: &str, max_size: usize) -> Result<Pool> {
-    let config: tokio_postgres::Config = conninfo.parse().map_err(|e: tokio_postgres::Error| {
-        // The kind ("invalid connection string") and what was wrong.
-        let cause = std::error::Error::source(&e).map(ToString::to_string);
-        PgStoreError::Config(match cause {
-            Some(cause) => format!("{e}: {cause}"),
-            None => e.to_string(),
-        })
-    })?;
+    let config = config(conninfo)?;
     let manager = Manager::from_config(
         config,
         tls()?,
@@ -35,8 +28,20 @@ pub fn pool(conninfo: &str, max_size: usize) -> Result<Pool> {
         .map_err(|e| PgStoreError::Config(e.to_string()))
 }
 
+/// The parsed connection string `conninfo`.
+pub(crate) fn config(conninfo: &str) -> Result<tokio_postgres::Config> {
+    conninfo.parse().map_err(|e: tokio_postgres::Error| {
+        // The kind ("invalid connection string") and what was wrong.
+        let cause = std::error::Error::source(&e).map(ToString::to_string);
+        PgStoreError::Config(match cause {
+            Some(cause) => format!("{e}: {cause}"),
+            None => e.to_string(),
+        })
+    })
+}
+
 /// rustls with the ring provider (keel's only one) and the native roots.
-fn tls() -> Result<MakeRustlsConnect> {
+pub(crate) fn tls() -> Result<MakeRustlsConnect> {
     let found = rustls_native_certs::load_native_certs();
     for e in &found.errors {
         tracing::warn!(error = %e, "a system certificate could not be read");

@@ -96,7 +96,10 @@ impl PgStore {
                 .read(|tx| {
                     Box::pin(async move {
                         let rows = tx
-                            .query(&format!("{QUEUED} WHERE s.deleted_at IS NULL ORDER BY q.seq"), &[])
+                            .query(
+                                &format!("{QUEUED} WHERE s.deleted_at IS NULL ORDER BY q.seq"),
+                                &[],
+                            )
                             .await
                             .map_err(from_pg)?;
                         rows.iter().map(queued_input).collect()

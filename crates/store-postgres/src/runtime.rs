@@ -75,7 +75,12 @@ async fn expire_tx(tx: &Tx<'_>) -> Result<Vec<(u64, String)>> {
     .await
     .map_err(from_pg)?
     .iter()
-    .map(|r| Ok((non_negative("runtime_processes.generation", r.get(0))?, r.get(1))))
+    .map(|r| {
+        Ok((
+            non_negative("runtime_processes.generation", r.get(0))?,
+            r.get(1),
+        ))
+    })
     .collect()
 }
 
@@ -204,6 +209,7 @@ impl crate::PgStore {
             })
             .await?;
         self.set_fence(activation.generation);
+        self.start_relay().await?;
         Ok(activation)
     }
 
@@ -223,6 +229,29 @@ impl crate::PgStore {
             .map_err(from_pg)?;
         *self.inner.presence.lock().await = Some(client);
         Ok(key)
+    }
+
+    /// Starts listening for the other processes' messages, once (a store
+    /// activated again keeps its relay, which reads the new generation).
+    async fn start_relay(&self) -> Result<()> {
+        if self.inner.relay.get().is_some() {
+            return Ok(());
+        }
+        let relay = crate::relay::PgRelay::start(
+            self.inner.pool.clone(),
+            self.inner.config.clone(),
+            self.fence_cell(),
+        )
+        .await?;
+        // Lost a race with another activation: its relay serves.
+        let _ = self.inner.relay.set(std::sync::Arc::new(relay));
+        Ok(())
+    }
+
+    /// The relay, once this store was activated.
+    pub(crate) fn relay(&self) -> Option<std::sync::Arc<dyn keel_store::Relay>> {
+        let relay = self.inner.relay.get()?.clone();
+        Some(relay)
     }
 
     /// The stored runtime generation and its holder (`None` before any activation).

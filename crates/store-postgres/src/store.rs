@@ -78,7 +78,11 @@ pub(crate) struct Inner {
     /// The connection holding this process's presence lock (see `runtime.rs`).
     pub(crate) presence: tokio::sync::Mutex<Option<deadpool_postgres::ClientWrapper>>,
     /// The runtime generation this store writes for (0 until activated).
-    fence: AtomicU64,
+    fence: Arc<AtomicU64>,
+    /// The connection string (the relay's listener connects outside the pool).
+    pub(crate) config: tokio_postgres::Config,
+    /// Messages to and from the other processes, from activation on.
+    pub(crate) relay: std::sync::OnceLock<Arc<crate::relay::PgRelay>>,
     transactions: AtomicU64,
 }
 
@@ -162,7 +166,7 @@ impl PgStore {
         let client = pool.get().await.map_err(from_pool)?;
         let report = migrations::migrate(&client).await.map_err(from_pg_store)?;
         drop(client);
-        Ok((Self::over(pool, url, options), report))
+        Ok((Self::over(pool, url, options)?, report))
     }
 
     /// Connects to a database already at [`crate::SCHEMA_VERSION`] without
@@ -176,7 +180,7 @@ impl PgStore {
             .map_err(from_pg_store)?;
         drop(client);
         match found.cmp(&crate::SCHEMA_VERSION) {
-            std::cmp::Ordering::Equal => Ok(Self::over(pool, url, options)),
+            std::cmp::Ordering::Equal => Self::over(pool, url, options),
             std::cmp::Ordering::Greater => Err(StoreError::NewerSchema {
                 found,
                 supported: crate::SCHEMA_VERSION,
@@ -189,8 +193,9 @@ impl PgStore {
         }
     }
 
-    fn over(pool: Pool, url: &str, options: PgOptions) -> Self {
-        Self {
+    fn over(pool: Pool, url: &str, options: PgOptions) -> Result<Self> {
+        let config = crate::pool::config(url).map_err(from_pg_store)?;
+        Ok(Self {
             inner: Arc::new(Inner {
                 pool,
                 hooks: WebhookHooks::default(),
@@ -199,10 +204,12 @@ impl PgStore {
                 lease: options.lease,
                 conninfo: url.to_owned(),
                 presence: tokio::sync::Mutex::new(None),
-                fence: AtomicU64::new(0),
+                fence: Arc::new(AtomicU64::new(0)),
+                config,
+                relay: std::sync::OnceLock::new(),
                 transactions: AtomicU64::new(0),
             }),
-        }
+        })
     }
 
     /// Where the database is (the connection string without its password).
@@ -223,6 +230,12 @@ impl PgStore {
     /// The generation this store's writes are fenced to (0: not activated).
     pub(crate) fn fence(&self) -> u64 {
         self.inner.fence.load(Ordering::Acquire)
+    }
+
+    /// The fence itself, shared with the relay (which tells this process's
+    /// own messages by it).
+    pub(crate) fn fence_cell(&self) -> Arc<AtomicU64> {
+        self.inner.fence.clone()
     }
 
     /// Write transactions committed so far.

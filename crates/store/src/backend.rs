@@ -434,6 +434,11 @@ pub trait Backend: Send + Sync + 'static {
     async fn release_session(&self, _session: SessionId) -> Result<()> {
         Ok(())
     }
+    /// Messages to and from the other processes on this database (`None`
+    /// on a backend one process owns).
+    fn relay(&self) -> Option<std::sync::Arc<dyn Relay>> {
+        None
+    }
 
     // Recovery (keel-store: runs/recovery.rs)
     /// Run once when runtime generation `active_generation` starts, before it

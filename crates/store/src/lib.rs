@@ -120,6 +120,7 @@ mod processes;
 mod projection;
 mod purge;
 mod queued;
+mod relay;
 mod rows;
 mod runs;
 mod runtime;
@@ -170,6 +171,7 @@ pub use processes::{ProcessRecovery, SessionLease};
 pub use projection::{AgentChanges, EventCursor, RunQuery};
 pub use purge::{DialogUsage, PurgeReport};
 pub use queued::QueuedInput;
+pub use relay::{Relay, Relayed, RELAY_MAX_BYTES};
 pub use rows::{
     is_copied, not_empty, read_sqlite_tables, Cell, ChunkBuilder, SqliteLoader, TableChunk,
     CHUNK_BYTES, CHUNK_ROWS, ROW_ORDER, ROW_ORDERED, TABLES,

@@ -299,7 +299,12 @@ fn storage(s: &StorageConfig, out: &mut Problems) {
         1,
         MAX_PG_CONNECTIONS,
     );
-    out.range("storage.lease_secs", s.lease_secs, MIN_LEASE_SECS, MAX_LEASE_SECS);
+    out.range(
+        "storage.lease_secs",
+        s.lease_secs,
+        MIN_LEASE_SECS,
+        MAX_LEASE_SECS,
+    );
     if s.retry_delays_ms.is_empty() {
         out.push(
             "storage.retry_delays_ms",

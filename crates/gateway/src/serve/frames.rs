@@ -459,6 +459,21 @@ impl ServerFrame {
         }
     }
 
+    /// Removes a turn frame's `event_id`.
+    pub(crate) fn clear_event_id(&mut self) {
+        match self {
+            ServerFrame::TurnStarted { event_id, .. }
+            | ServerFrame::TextDelta { event_id, .. }
+            | ServerFrame::ToolStarted { event_id, .. }
+            | ServerFrame::ToolFinished { event_id, .. }
+            | ServerFrame::ModelCallFinished { event_id, .. }
+            | ServerFrame::Notice { event_id, .. }
+            | ServerFrame::TurnCommitted { event_id, .. }
+            | ServerFrame::TurnFailed { event_id, .. } => *event_id = None,
+            _ => {}
+        }
+    }
+
     /// About what a kept turn frame occupies in memory, in bytes (the frame,
     /// its shared allocation and window entry, and its texts), for the
     /// replay window's byte bound.

@@ -23,6 +23,7 @@ use std::time::Instant;
 use tokio::sync::broadcast;
 
 use super::frames::ServerFrame;
+use super::relay::Outgoing;
 
 /// A frame as every subscriber of a dialog receives it.
 pub type SharedFrame = Arc<ServerFrame>;
@@ -141,6 +142,8 @@ pub struct Hub {
     capacity: usize,
     limits: ReplayLimits,
     inner: Mutex<Inner>,
+    /// Where frames for the other processes on a shared database go.
+    outbox: std::sync::OnceLock<tokio::sync::mpsc::UnboundedSender<Outgoing>>,
 }
 
 /// Publishes between two sweeps of idle channels.
@@ -173,6 +176,23 @@ impl Hub {
                 forgotten: base,
                 since_sweep: 0,
             }),
+            outbox: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Passes the frames published here that the other processes on the
+    /// database need (see [`Outgoing::crosses`]) to `outbox` from now on.
+    pub(crate) fn relay_to(&self, outbox: tokio::sync::mpsc::UnboundedSender<Outgoing>) {
+        if self.outbox.set(outbox).is_err() {
+            tracing::warn!("the hub already relays; a second relay is ignored");
+        }
+    }
+
+    /// Tells the other processes that `session`'s runs or inbox changed here.
+    pub(crate) fn relay_changed(&self, session: SessionId) {
+        if let Some(outbox) = self.outbox.get() {
+            // Fails only once the relay stopped (a shutdown).
+            let _ = outbox.send(Outgoing::Changed(session));
         }
     }
 
@@ -246,7 +266,47 @@ impl Hub {
     /// kept for replay. A dialog that nobody watches and that keeps nothing
     /// loses its channel.
     pub fn publish(&self, session: SessionId, frame: ServerFrame) {
+        if let Some(outbox) = self.outbox.get() {
+            if Outgoing::crosses(&frame) {
+                // Fails only once the relay stopped (a shutdown).
+                let _ = outbox.send(Outgoing::Frame(session, Box::new(frame.clone())));
+            }
+        }
         self.publish_at(session, frame, Instant::now());
+    }
+
+    /// [`Self::publish`] of a frame another process published: not relayed
+    /// again. A turn frame gets this process's own event id.
+    pub(crate) fn publish_relayed(&self, session: SessionId, mut frame: ServerFrame) {
+        // The sender's id, if it sent one, means nothing here.
+        frame.clear_event_id();
+        self.publish_at(session, frame, Instant::now());
+    }
+
+    /// Tells `session`'s subscribers that frames were lost (a `replay_gap`
+    /// after the newest event id given in the dialog), if anyone watches.
+    pub(crate) fn gap(&self, session: SessionId, reason: &str) {
+        let last = {
+            let inner = self.inner.lock();
+            match inner.dialogs.get(&session) {
+                Some(channel) => channel.last_id,
+                None => return,
+            }
+        };
+        self.publish_at(
+            session,
+            ServerFrame::ReplayGap {
+                session_id: session.as_uuid(),
+                after_event_id: last,
+                reason: reason.to_owned(),
+            },
+            Instant::now(),
+        );
+    }
+
+    /// The dialogs someone watches or may come back for.
+    pub(crate) fn watched(&self) -> Vec<SessionId> {
+        self.inner.lock().dialogs.keys().copied().collect()
     }
 
     /// [`Self::publish`] at `now`; returns the frame's event id.

@@ -33,6 +33,7 @@ mod openapi;
 mod origin;
 pub mod problem;
 mod projection;
+mod relay;
 mod routes;
 mod sse;
 pub mod trace;
@@ -321,6 +322,8 @@ pub struct Server {
     keeper: Option<JoinHandle<()>>,
     /// Says why, should this process be taken over by another.
     fenced: parking_lot::Mutex<Option<tokio::sync::oneshot::Receiver<crate::app::Fenced>>>,
+    /// Frames to and from the other processes on a shared database.
+    relaying: Option<relay::Relaying>,
 }
 
 impl Server {
@@ -345,6 +348,11 @@ impl Server {
             hub.clone(),
             projections.clone(),
         ));
+        // Before any turn can start, so none of its frames is missed.
+        let relaying = app
+            .store
+            .relay()
+            .map(|r| relay::start(r, hub.clone(), projections.clone(), turns.clone()));
         let shared = Arc::new(Shared {
             app,
             token: options.token,
@@ -400,6 +408,7 @@ impl Server {
             webhook_task,
             keeper,
             fenced: parking_lot::Mutex::new(Some(fenced)),
+            relaying,
         })
     }
 
@@ -447,6 +456,10 @@ impl Server {
         }
         if let Some(keeper) = &self.keeper {
             keeper.abort();
+        }
+        // Every turn here ended: their last frames go out before the relay stops.
+        if let Some(relaying) = self.relaying {
+            relaying.stop().await;
         }
         self.webhooks_stop.cancel();
         if let Some(task) = self.webhook_task {

@@ -26,7 +26,7 @@ const CHANGES_PER_READ: usize = 500;
 /// Publishes agent changes of watched dialogs; see the module docs.
 pub struct Projections {
     store: Store,
-    hub: Arc<Hub>,
+    pub(crate) hub: Arc<Hub>,
     /// Last revision published, per watched dialog.
     published: Mutex<HashMap<SessionId, Arc<AsyncMutex<u64>>>>,
 }
@@ -215,7 +215,12 @@ impl RunObserver for RunRefresher {
         };
         runtime.spawn(async move {
             match store.get_run(run_id).await {
-                Ok(Some(run)) => projections.refresh(run.spec.root_session_id).await,
+                Ok(Some(run)) => {
+                    let session = run.spec.root_session_id;
+                    // Other processes' clients of the dialog see it too.
+                    projections.hub.relay_changed(session);
+                    projections.refresh(session).await;
+                }
                 Ok(None) => {}
                 Err(e) => {
                     tracing::warn!(%run_id, error = %e, "cannot read a run to publish its change")

@@ -48,6 +48,9 @@ pub struct TurnRunner {
     /// User turns no connection started (resumed after a restart), which
     /// the dialog's forwarder publishes like continuations until they end.
     adopted: Mutex<HashSet<TurnId>>,
+    /// The turn another process runs, per dialog, as its relayed frames
+    /// say (started and not yet ended).
+    remote: Mutex<HashMap<SessionId, uuid::Uuid>>,
 }
 
 impl std::fmt::Debug for TurnRunner {
@@ -142,7 +145,27 @@ impl TurnRunner {
             running: Mutex::new(HashMap::new()),
             followed: Mutex::new(HashSet::new()),
             adopted: Mutex::new(HashSet::new()),
+            remote: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Notes that another process started `turn` of `session`.
+    pub(crate) fn remote_turn_started(&self, session: SessionId, turn: uuid::Uuid) {
+        self.remote.lock().insert(session, turn);
+    }
+
+    /// Notes that another process's `turn` of `session` ended.
+    pub(crate) fn remote_turn_ended(&self, session: SessionId, turn: uuid::Uuid) {
+        let mut remote = self.remote.lock();
+        if remote.get(&session) == Some(&turn) {
+            remote.remove(&session);
+        }
+    }
+
+    /// Forgets every turn other processes were running (their ends may
+    /// have been lost).
+    pub(crate) fn forget_remote_turns(&self) {
+        self.remote.lock().clear();
     }
 
     /// Makes the dialog's forwarder publish `turn`, a user turn no
@@ -306,7 +329,8 @@ impl TurnRunner {
     }
 
     /// Whether a turn of `session` other than `except` was sent and has not
-    /// ended (running or queued), or runs now (a continuation).
+    /// ended (running or queued), or runs now (a continuation), here or
+    /// (as its relayed frames say) in another process.
     pub fn has_turn(&self, session: SessionId, except: Option<uuid::Uuid>) -> bool {
         let other = |t: &TurnId| Some(t.as_uuid()) != except;
         self.manager
@@ -317,6 +341,11 @@ impl TurnRunner {
                 .lock()
                 .iter()
                 .any(|(t, (s, _))| *s == session && other(t))
+            || self
+                .remote
+                .lock()
+                .get(&session)
+                .is_some_and(|t| Some(*t) != except)
     }
 
     /// Whether new turns are refused (a shutdown began).
@@ -434,6 +463,9 @@ impl TurnRunner {
                 event = feed.recv() => match event {
                     Ok(event) => match event.as_ref() {
                         SessionEvent::TurnStarted { turn_id, .. } if *turn_id == turn => {
+                            // The dialog's turns run here now: one another
+                            // process was said to run has ended, its end lost.
+                            self.remote.lock().remove(&session);
                             self.hub.publish(
                                 session,
                                 ServerFrame::TurnStarted {

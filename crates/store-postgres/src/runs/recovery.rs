@@ -28,8 +28,7 @@ pub(crate) enum Stale {
 }
 
 /// Runs not held by a live process (`runtime_processes`).
-const NOT_LIVE: &str =
-    "runtime_generation NOT IN (SELECT generation FROM runtime_processes)";
+const NOT_LIVE: &str = "runtime_generation NOT IN (SELECT generation FROM runtime_processes)";
 
 /// Recovery of the `stale` generations' work.
 pub(crate) async fn recover_tx(

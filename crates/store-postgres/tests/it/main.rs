@@ -8,6 +8,7 @@ mod lock;
 mod messages;
 mod pool;
 mod processes;
+mod relay;
 mod retries;
 mod runs;
 mod schema;

@@ -8,6 +8,7 @@ mod hostile;
 mod images;
 mod mcp;
 mod origin;
+mod relay;
 mod rest;
 mod resume;
 mod shutdown;

@@ -127,20 +127,20 @@ async fn committed_answer(s: &TestServer, dialog: &str) -> String {
 
 /// One SSE event: its name, id and JSON data.
 #[derive(Debug)]
-struct SseEvent {
-    name: String,
-    id: Option<u64>,
-    data: Value,
+pub(super) struct SseEvent {
+    pub(super) name: String,
+    pub(super) id: Option<u64>,
+    pub(super) data: Value,
 }
 
 /// Reads SSE events off a response body.
-struct SseReader {
+pub(super) struct SseReader {
     body: futures::stream::BoxStream<'static, reqwest::Result<bytes::Bytes>>,
     buffer: String,
 }
 
 impl SseReader {
-    fn new(response: reqwest::Response) -> Self {
+    pub(super) fn new(response: reqwest::Response) -> Self {
         assert_eq!(response.status(), 200);
         Self {
             body: response.bytes_stream().boxed(),
@@ -149,7 +149,7 @@ impl SseReader {
     }
 
     /// The next event, `None` at the end of the body.
-    async fn next(&mut self) -> Option<SseEvent> {
+    pub(super) async fn next(&mut self) -> Option<SseEvent> {
         // Keep-alive comments do not count: an event within 30 s.
         tokio::time::timeout(std::time::Duration::from_secs(30), self.event())
             .await

@@ -1,0 +1,122 @@
+//! Two `keel serve` processes on one PostgreSQL database (in-process
+//! servers): a turn one of them runs reaches the other's clients live, over
+//! WebSocket and over SSE, with the other server's own event ids.
+
+use std::sync::Arc;
+
+use keel_gateway::serve::frames::{ClientFrame, ServerFrame};
+use keel_store_postgres::require_postgres;
+use serde_json::{json, Value};
+use tokio::sync::Semaphore;
+
+use super::resume::SseReader;
+use super::{GatedProvider, Setup, TestServer};
+
+/// A server on the database `conninfo`, answering with `provider`.
+async fn server_on(conninfo: &str, provider: Arc<dyn keel_core::Provider>) -> TestServer {
+    TestServer::start(Setup {
+        provider,
+        config: format!(
+            "[storage]\nurl = {conninfo:?}\nmax_connections = 4\n\
+             [session]\nauto_title_after_n_messages = 0\n"
+        ),
+        ..Setup::default()
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_turn_one_server_runs_streams_live_to_the_other_servers_clients() {
+    let db = require_postgres!();
+    let gate = Arc::new(Semaphore::new(0));
+    let here = server_on(
+        &db.conninfo,
+        Arc::new(keel_core::ScriptedProvider::offline()),
+    )
+    .await;
+    let there = server_on(&db.conninfo, Arc::new(GatedProvider { gate: gate.clone() })).await;
+    let dialog = here.dialog("relayed").await;
+    let session_id: uuid::Uuid = dialog.parse().unwrap();
+
+    let mut ws = here.ws().await;
+    ws.send(&ClientFrame::Subscribe {
+        id: None,
+        session_id,
+        since_revision: None,
+        resume_from: None,
+        join: false,
+    })
+    .await;
+    assert!(matches!(ws.frame().await, ServerFrame::Subscribed { .. }));
+
+    // The turn runs on the other server; it waits for the gate mid-answer.
+    let r = there
+        .post(
+            &format!("/api/dialogs/{dialog}/messages"),
+            json!({"text": "hello from elsewhere"}),
+        )
+        .await;
+    assert_eq!(r.status(), 202);
+    let turn = r.json::<Value>().await.unwrap()["turn_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let mut frames = ws
+        .until(|f| matches!(f, ServerFrame::TextDelta { .. }))
+        .await;
+
+    // An SSE follower joining here now gets the running turn so far, then live.
+    let response = here.get(&format!("/api/dialogs/{dialog}/stream")).await;
+    let mut sse = SseReader::new(response);
+    let mut events = Vec::new();
+    for _ in 0..2 {
+        events.push(sse.next().await.expect("the turn so far"));
+    }
+    gate.add_permits(1);
+    frames.extend(ws.until(ServerFrame::ends_turn).await);
+    while let Some(event) = sse.next().await {
+        events.push(event);
+    }
+
+    // This server's ids, increasing; the same ones over SSE.
+    let ids: Vec<u64> = frames.iter().filter_map(ServerFrame::event_id).collect();
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "{ids:?}");
+    let sse_ids: Vec<u64> = events.iter().filter_map(|e| e.id).collect();
+    assert_eq!(sse_ids, ids, "{events:?}");
+    for frame in &frames {
+        assert_eq!(frame.turn_id().map(|t| t.to_string()), Some(turn.clone()));
+    }
+    // Adjacent deltas may have been merged on the way: the text is whole.
+    let text: String = frames
+        .iter()
+        .filter_map(|f| match f {
+            ServerFrame::TextDelta { text, .. } => Some(text.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(text, "partial done.");
+    insta::assert_json_snapshot!("relayed_ws_frames", frames, {
+        "[].session_id" => "[dialog]",
+        "[].event_id" => "[event]",
+        "[].turn_id" => "[turn]",
+        "[].checkpoint_id" => "[checkpoint]",
+    });
+    let sse: Vec<Value> = events
+        .iter()
+        .map(|e| json!({"event": e.name, "data": e.data}))
+        .collect();
+    insta::assert_json_snapshot!("relayed_sse_events", sse, {
+        "[].data.session_id" => "[dialog]",
+        "[].data.event_id" => "[event]",
+        "[].data.turn_id" => "[turn]",
+        "[].data.checkpoint_id" => "[checkpoint]",
+    });
+
+    // The committed answer is in the shared database, read here.
+    let page = here
+        .json(&format!(
+            "/api/dialogs/{dialog}/messages?order=desc&limit=1"
+        ))
+        .await;
+    assert_eq!(page["items"][0]["text"], "partial done.");
+}
