@@ -339,17 +339,30 @@ impl App {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fenced(pub String);
 
+/// What [`App::spawn_keeper`] tells its caller as it takes a stopped
+/// process's work over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Takeover {
+    /// A turn of the dialog is queued here (an input the stopped process
+    /// acknowledged): whoever shows the dialog's turns may follow it.
+    Turn(SessionId, TurnId),
+    /// The takeover is committed and its work queued here; the stopped
+    /// process's own turns ended without an answer.
+    Done,
+}
+
 impl App {
     /// On a database several processes share (PostgreSQL): renews this
     /// process's registration every third of `storage.lease_secs` and takes
     /// over the work of processes that stopped renewing (see
-    /// [`SessionManager::take_over_expired`]; `adopt` as there). When the
-    /// registration is gone — this process could not renew in time and
-    /// another took its work over — it writes nothing more: `fenced` gets
-    /// the reason, and the process should stop. `None` on SQLite.
+    /// [`SessionManager::take_over_expired`]), telling `taken` what it
+    /// took. When the registration is gone — this process could not renew
+    /// in time and another took its work over — it writes nothing more:
+    /// `fenced` gets the reason, and the process should stop. `None` on
+    /// SQLite.
     pub fn spawn_keeper(
         &self,
-        adopt: impl Fn(SessionId, TurnId) + Send + Sync + 'static,
+        taken: impl Fn(Takeover) + Send + Sync + 'static,
         fenced: tokio::sync::oneshot::Sender<Fenced>,
     ) -> Option<tokio::task::JoinHandle<()>> {
         if !self.store.shared() {
@@ -376,8 +389,15 @@ impl App {
                         continue;
                     }
                 }
-                if let Err(e) = manager.take_over_expired(&adopt).await {
-                    tracing::warn!(error = %e, "taking over a stopped process's work failed; retried at the next renewal");
+                match manager
+                    .take_over_expired(|session, turn| taken(Takeover::Turn(session, turn)))
+                    .await
+                {
+                    Ok(Some(_)) => taken(Takeover::Done),
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::warn!(error = %e, "taking over a stopped process's work failed; retried at the next renewal");
+                    }
                 }
             }
         }))

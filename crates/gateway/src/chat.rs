@@ -262,7 +262,7 @@ pub async fn run(
     // taken over by another (it could not renew in time), its writes fail
     // and say so.
     let (fenced, _) = tokio::sync::oneshot::channel();
-    let _keeper = app.spawn_keeper(|_, _| {}, fenced);
+    let _keeper = app.spawn_keeper(|_| {}, fenced);
     let record = chat.manager.record(chat.current).await?;
     chat.say(&format!(
         "keel chat — dialog {} \"{}\" ({} messages). /help lists commands.",

@@ -394,10 +394,14 @@ impl Server {
             .deliver_recovered(|_, turn| turns.adopt(turn))
             .await?;
         let (fenced_tx, fenced) = tokio::sync::oneshot::channel();
-        let turns = shared.turns.clone();
-        let keeper = shared
-            .app
-            .spawn_keeper(move |_, turn| turns.adopt(turn), fenced_tx);
+        let (turns, hub) = (shared.turns.clone(), shared.hub.clone());
+        let keeper = shared.app.spawn_keeper(
+            move |taken| match taken {
+                crate::app::Takeover::Turn(_, turn) => turns.adopt(turn),
+                crate::app::Takeover::Done => relay::took_over(&hub, &turns),
+            },
+            fenced_tx,
+        );
         Ok(Server {
             addr,
             shared,

@@ -282,17 +282,31 @@ async fn receive(
             Ok(Relayed::Oversized { session }) => hub.gap(session, OVERSIZED),
             Ok(Relayed::Lost) | Err(RecvError::Lagged(_)) => {
                 tracing::warn!("frames relayed from other processes were lost; the dialogs watched here re-read");
-                // A turn whose end was lost is not known to run any more.
-                turns.forget_remote_turns();
-                for session in hub.watched() {
-                    hub.gap(session, LOST);
-                }
+                reread_all(&hub, &turns, LOST);
             }
             Err(RecvError::Closed) => return,
         }
     }
 }
 
+/// Every dialog watched here re-reads, told `reason`; turns other
+/// processes ran are no longer taken to be running.
+fn reread_all(hub: &Hub, turns: &TurnRunner, reason: &str) {
+    // A turn whose end was lost is not known to run any more.
+    turns.forget_remote_turns();
+    for session in hub.watched() {
+        hub.gap(session, reason);
+    }
+}
+
+/// This process took over a stopped one: the turns it ran ended without
+/// their last frames, so the dialogs watched here re-read.
+pub(crate) fn took_over(hub: &Hub, turns: &TurnRunner) {
+    reread_all(hub, turns, TAKEN_OVER);
+}
+
+const TAKEN_OVER: &str =
+    "a server that ran turns here stopped; its turns ended unanswered — re-read the messages";
 const OVERSIZED: &str =
     "a frame of a turn another server runs was too long to pass on; re-read the messages";
 const UNREADABLE: &str =
