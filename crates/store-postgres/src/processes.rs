@@ -1,5 +1,7 @@
 //! Session leases: a session's turns run under its lease, held by one live
-//! process at a time (see `runtime.rs` for the processes). The lease row
+//! process at a time (see `runtime.rs` for the processes). Taken and given
+//! back in short `READ COMMITTED` transactions that lock the lease row and
+//! this process's registration: they join no serializable conflict. The lease row
 //! stays when freed, remembering its last holder, so a process that takes
 //! it learns whether another wrote the session since it last held it.
 
@@ -18,43 +20,67 @@ impl PgStore {
                 "a session lease needs an activated runtime".to_owned(),
             ));
         }
-        self.write(move |tx| {
+        self.write_committed(move |tx| {
             Box::pin(async move {
                 let key = session.to_string();
-                // The holder's registration, when another live process holds it.
-                let row = tx
-                    .query_opt(
-                        "SELECT l.generation, l.last_generation, p.holder \
-                         FROM session_leases l \
-                         LEFT JOIN runtime_processes p ON p.generation = l.generation \
-                         WHERE l.session_id = $1 FOR UPDATE OF l",
-                        &[&key],
+                // Each statement reads the latest commit (READ COMMITTED):
+                // a row another process inserts meanwhile is found again.
+                loop {
+                    let row = tx
+                        .query_opt(
+                            "SELECT l.generation, l.last_generation, p.holder \
+                             FROM session_leases l \
+                             LEFT JOIN runtime_processes p ON p.generation = l.generation \
+                             WHERE l.session_id = $1 FOR UPDATE OF l",
+                            &[&key],
+                        )
+                        .await
+                        .map_err(from_pg)?;
+                    let Some(r) = row else {
+                        let exists = tx
+                            .query_opt("SELECT 1 FROM sessions WHERE id = $1", &[&key])
+                            .await
+                            .map_err(from_pg)?
+                            .is_some();
+                        if !exists {
+                            // Nothing to serialize: loading it fails.
+                            return Ok(SessionLease::Held { moved: true });
+                        }
+                        let inserted = tx
+                            .execute(
+                                "INSERT INTO session_leases \
+                                 (session_id, generation, last_generation, acquired_at) \
+                                 VALUES ($1, $2, $2, (extract(epoch from clock_timestamp()) * 1000)::bigint) \
+                                 ON CONFLICT (session_id) DO NOTHING",
+                                &[&key, &me],
+                            )
+                            .await
+                            .map_err(from_pg)?;
+                        if inserted == 1 {
+                            return Ok(SessionLease::Held { moved: true });
+                        }
+                        continue;
+                    };
+                    // Held by a live process (a holder whose registration is
+                    // gone holds nothing: its recovery is under way).
+                    let holder: Option<i64> = r.get(0);
+                    let live: Option<String> = r.get(2);
+                    if let (Some(h), Some(live)) = (holder, live) {
+                        if h != me {
+                            return Ok(SessionLease::Busy { holder: live });
+                        }
+                    }
+                    let moved = r.get::<_, i64>(1) != me;
+                    tx.execute(
+                        "UPDATE session_leases SET generation = $2, last_generation = $2, \
+                         acquired_at = (extract(epoch from clock_timestamp()) * 1000)::bigint \
+                         WHERE session_id = $1",
+                        &[&key, &me],
                     )
                     .await
                     .map_err(from_pg)?;
-                let moved = match &row {
-                    None => true,
-                    Some(r) => {
-                        let holder: Option<i64> = r.get(0);
-                        let live: Option<String> = r.get(2);
-                        if let (Some(h), Some(live)) = (holder, live) {
-                            if h != me {
-                                return Ok(SessionLease::Busy { holder: live });
-                            }
-                        }
-                        r.get::<_, i64>(1) != me
-                    }
-                };
-                tx.execute(
-                    "INSERT INTO session_leases (session_id, generation, last_generation, acquired_at) \
-                     VALUES ($1, $2, $2, (extract(epoch from clock_timestamp()) * 1000)::bigint) \
-                     ON CONFLICT (session_id) DO UPDATE SET generation = EXCLUDED.generation, \
-                     last_generation = EXCLUDED.last_generation, acquired_at = EXCLUDED.acquired_at",
-                    &[&key, &me],
-                )
-                .await
-                .map_err(from_pg)?;
-                Ok(SessionLease::Held { moved })
+                    return Ok(SessionLease::Held { moved });
+                }
             })
         })
         .await
@@ -62,7 +88,7 @@ impl PgStore {
 
     pub(crate) async fn release_session(&self, session: SessionId) -> Result<()> {
         let me = to_i64("generation", self.fence())?;
-        self.write(move |tx| {
+        self.write_committed(move |tx| {
             Box::pin(async move {
                 tx.execute(
                     "UPDATE session_leases SET generation = NULL \

@@ -36,13 +36,17 @@ pub(crate) async fn current(tx: &Tx<'_>) -> Result<Option<(u64, String)>> {
 pub(crate) const DB_NOW_MS: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
 
 /// Refuses a write of generation `ours` once its registration is gone:
-/// another process found it expired and recovered its work.
-pub(crate) async fn check_fence(tx: &Tx<'_>, ours: u64) -> Result<()> {
+/// another process found it expired and recovered its work. With
+/// `locked`, the registration stays locked (`FOR SHARE`) until the
+/// transaction ends, so no recovery of it runs meanwhile.
+pub(crate) async fn check_fence(tx: &Tx<'_>, ours: u64, locked: bool) -> Result<()> {
+    let sql = if locked {
+        "SELECT 1 FROM runtime_processes WHERE generation = $1 FOR SHARE"
+    } else {
+        "SELECT 1 FROM runtime_processes WHERE generation = $1"
+    };
     let registered = tx
-        .query_opt(
-            "SELECT 1 FROM runtime_processes WHERE generation = $1",
-            &[&to_i64("generation", ours)?],
-        )
+        .query_opt(sql, &[&to_i64("generation", ours)?])
         .await
         .map_err(from_pg)?
         .is_some();
@@ -267,7 +271,7 @@ impl crate::PgStore {
             return Ok(());
         }
         let lease_ms = millis(self.inner.lease);
-        self.write(move |tx| {
+        self.write_committed(move |tx| {
             Box::pin(async move {
                 tx.execute(
                     &format!(

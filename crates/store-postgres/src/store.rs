@@ -281,6 +281,37 @@ impl PgStore {
         }
     }
 
+    /// Runs `body` in a `READ COMMITTED` transaction whose fence check
+    /// locks this process's registration (`FOR SHARE`), for the short
+    /// row-locking writes of several processes' bookkeeping (session
+    /// leases, renewals): they take part in no serializable conflict, and a
+    /// recovery of this process waits for them. Deadlocks are retried.
+    pub(crate) async fn write_committed<T, F>(&self, mut body: F) -> Result<T>
+    where
+        T: Send,
+        F: for<'a> FnMut(&'a Tx<'a>) -> TxBody<'a, T> + Send,
+    {
+        let fence = self.inner.fence.load(Ordering::Acquire);
+        let mut attempt = 0usize;
+        loop {
+            attempt += 1;
+            match self
+                .attempt(IsolationLevel::ReadCommitted, false, fence, &mut body)
+                .await
+            {
+                Err(Attempt::Retry(e)) => match self.inner.retry_delays.get(attempt - 1) {
+                    Some(delay) => tokio::time::sleep(jittered(*delay)).await,
+                    None => return Err(with_attempts(e, attempt)),
+                },
+                Err(Attempt::Failed(e)) => return Err(e),
+                Ok(v) => {
+                    self.inner.transactions.fetch_add(1, Ordering::Relaxed);
+                    return Ok(v);
+                }
+            }
+        }
+    }
+
     /// Runs `body` in a read-only transaction that sees one snapshot.
     pub(crate) async fn read<T, F>(&self, mut body: F) -> Result<T>
     where
@@ -328,7 +359,8 @@ impl PgStore {
             .await
             .map_err(|e| Attempt::before_commit(from_pg(e)))?);
         if fence != 0 {
-            crate::runtime::check_fence(&tx, fence)
+            let locked = matches!(isolation, IsolationLevel::ReadCommitted);
+            crate::runtime::check_fence(&tx, fence, locked)
                 .await
                 .map_err(Attempt::before_commit)?;
         }

@@ -426,7 +426,10 @@ pub trait Backend: Send + Sync + 'static {
         Ok(None)
     }
     /// Takes `session`'s turn lease for this process (held already: held
-    /// again), unless another live process holds it.
+    /// again), unless another live process holds it. A session that does
+    /// not exist is held without a lease (there is nothing to serialize).
+    /// The holders of one session's lease within a process must take turns:
+    /// the first release gives the lease back.
     async fn lease_session(&self, _session: SessionId) -> Result<SessionLease> {
         Ok(SessionLease::Held { moved: false })
     }

@@ -56,6 +56,15 @@ impl SessionManager {
         id: SessionId,
         checkpoint: CheckpointId,
     ) -> Result<CheckpointRecord> {
+        self.leased(id, self.rollback_leased(id, checkpoint)).await
+    }
+
+    /// [`Self::rollback`] under the session's lease.
+    async fn rollback_leased(
+        &self,
+        id: SessionId,
+        checkpoint: CheckpointId,
+    ) -> Result<CheckpointRecord> {
         self.checkpoint_of(id, checkpoint).await?;
         let session = self.session(id).await?;
         let mut guard = session.lock().await;

@@ -103,6 +103,11 @@ impl SessionManager {
 
     /// Renames a dialog (and turns off auto-titling for it).
     pub async fn rename_dialog(&self, id: SessionId, title: &str) -> Result<()> {
+        self.leased(id, self.rename_dialog_leased(id, title)).await
+    }
+
+    /// [`Self::rename_dialog`] under the session's lease.
+    async fn rename_dialog_leased(&self, id: SessionId, title: &str) -> Result<()> {
         let title = clean_title(title)?;
         let session = self.session(id).await?;
         let mut guard = session.lock().await;

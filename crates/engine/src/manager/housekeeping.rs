@@ -333,20 +333,23 @@ impl SessionManager {
         title: &str,
         cancel: &CancellationToken,
     ) -> Result<bool> {
-        let session = self.session(id).await?;
-        let mut guard = tokio::select! {
-            guard = session.lock() => guard,
-            () = cancel.cancelled() => return Err(EngineError::Cancelled),
-        };
-        let record = &guard.record;
-        if record.title != default_title(&record.dialog_id) {
-            return Ok(false); // renamed meanwhile: the user's title stays
-        }
-        self.store
-            .rename_session(id, title.to_owned(), keel_core::time::now_ms())
-            .await?;
-        guard.record.title = title.to_owned();
-        Ok(true)
+        self.leased(id, async {
+            let session = self.session(id).await?;
+            let mut guard = tokio::select! {
+                guard = session.lock() => guard,
+                () = cancel.cancelled() => return Err(EngineError::Cancelled),
+            };
+            let record = &guard.record;
+            if record.title != default_title(&record.dialog_id) {
+                return Ok(false); // renamed meanwhile: the user's title stays
+            }
+            self.store
+                .rename_session(id, title.to_owned(), keel_core::time::now_ms())
+                .await?;
+            guard.record.title = title.to_owned();
+            Ok(true)
+        })
+        .await
     }
 
     /// Summarizes `job` and commits it as the slot's summary, unless the
@@ -364,12 +367,15 @@ impl SessionManager {
         if summary.is_empty() {
             return Err(EngineError::EmptySummary);
         }
-        let session = self.session(id).await?;
-        let mut guard = tokio::select! {
-            guard = session.lock() => guard,
-            () = cancel.cancelled() => return Err(EngineError::Cancelled),
-        };
-        self.commit_summary(&mut guard, job, summary).await
+        self.leased(id, async {
+            let session = self.session(id).await?;
+            let mut guard = tokio::select! {
+                guard = session.lock() => guard,
+                () = cancel.cancelled() => return Err(EngineError::Cancelled),
+            };
+            self.commit_summary(&mut guard, job, summary).await
+        })
+        .await
     }
 
     /// Commits `summary` for `job` on the session's current state.
@@ -440,6 +446,11 @@ impl SessionManager {
     /// included. Returns whether a summary was committed (false: nothing
     /// new to summarize).
     pub async fn compact(&self, id: SessionId) -> Result<bool> {
+        self.leased(id, self.compact_leased(id)).await
+    }
+
+    /// [`Self::compact`] under the session's lease.
+    async fn compact_leased(&self, id: SessionId) -> Result<bool> {
         let session = self.session(id).await?;
         let mut guard = session.lock().await;
         let budget = input_budget(&guard.agent);

@@ -6,16 +6,23 @@
 //! worker waits (asking again with a growing pause). A lease taken after
 //! another process held it means the session may have changed under this
 //! process: what it remembers of the session is dropped and reloaded.
-//! On a database one process owns (SQLite) nothing is asked or written.
+//! Within the process, the holders of one session's lease (its worker, an
+//! API write such as a rollback) take turns at a gate first, so the lease
+//! is taken and given back by one of them at a time. On a database one
+//! process owns (SQLite) nothing is asked, written or waited for.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::sync::Mutex as AsyncMutex;
 
 use keel_core::SessionId;
 use keel_store::{SessionLease, Store};
 
 use super::SessionManager;
 use crate::error::Result;
+use crate::session::AgentSession;
 
 /// The first pause before asking again for a lease another process holds.
 const FIRST_PAUSE: Duration = Duration::from_millis(5);
@@ -28,6 +35,24 @@ pub(super) struct SessionHold {
     store: Store,
     session: SessionId,
     held: bool,
+    /// This process's turn at the session's gate (shared databases only).
+    _gate: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+/// Each session's gate: the holders of its lease in this process take
+/// turns there. Gates nobody waits at are dropped.
+#[derive(Default)]
+pub(super) struct LeaseGates(parking_lot::Mutex<HashMap<SessionId, Arc<AsyncMutex<()>>>>);
+
+impl LeaseGates {
+    async fn enter(&self, session: SessionId) -> tokio::sync::OwnedMutexGuard<()> {
+        let gate = {
+            let mut gates = self.0.lock();
+            gates.retain(|_, g| Arc::strong_count(g) > 1);
+            Arc::clone(gates.entry(session).or_default())
+        };
+        gate.lock_owned().await
+    }
 }
 
 impl SessionHold {
@@ -47,11 +72,15 @@ impl Drop for SessionHold {
             return;
         }
         let (store, session) = (self.store.clone(), self.session);
+        // The gate stays shut until the lease is back, so this process's
+        // next holder never has its lease given back under it.
+        let gate = self._gate.take();
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             handle.spawn(async move {
                 if let Err(e) = store.release_session(session).await {
                     tracing::warn!(session_id = %session, error = %e, "giving a session lease back failed; it returns when this process stops");
                 }
+                drop(gate);
             });
         }
     }
@@ -60,15 +89,17 @@ impl Drop for SessionHold {
 impl SessionManager {
     /// Takes `session`'s lease for this process, waiting while another
     /// process holds it; reloads the session when another held it since.
-    pub(super) async fn hold(self: &Arc<Self>, session: SessionId) -> Result<SessionHold> {
+    pub(super) async fn hold(&self, session: SessionId) -> Result<SessionHold> {
         let mut hold = SessionHold {
             store: self.store.clone(),
             session,
             held: false,
+            _gate: None,
         };
         if !self.store.shared() {
             return Ok(hold);
         }
+        hold._gate = Some(self.lease_gates.enter(session).await);
         let mut pause = FIRST_PAUSE;
         loop {
             match self.store.lease_session(session).await? {
@@ -90,9 +121,38 @@ impl SessionManager {
 
     /// Drops what this process remembers of `session` (its next use loads
     /// it again): another process may have changed it.
-    fn forget(&self, session: SessionId) {
+    pub(super) fn forget(&self, session: SessionId) {
         self.sessions.lock().remove(&session);
         self.dialog_ledgers.forget(session);
+    }
+
+    /// Reads `session` (held, locked) again from the store, in place.
+    pub(super) async fn reload(&self, session: &mut AgentSession) -> Result<()> {
+        let id = session.id();
+        let record = self
+            .store
+            .get_session(id)
+            .await?
+            .filter(|r| r.deleted_at_ms.is_none())
+            .ok_or(crate::error::EngineError::SessionNotFound(id))?;
+        *session = AgentSession::load(&self.store, record, Arc::clone(&session.agent)).await?;
+        self.dialog_ledgers.forget(id);
+        tracing::debug!(session_id = %id, "session reloaded: another process changed it");
+        Ok(())
+    }
+
+    /// Runs `body` under `session`'s lease (see [`Self::hold`]), for the
+    /// writes outside turns (rollback, rename, slots …), giving the lease
+    /// back after.
+    pub(super) async fn leased<T>(
+        &self,
+        session: SessionId,
+        body: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        let hold = self.hold(session).await?;
+        let out = body.await;
+        hold.release().await;
+        out
     }
 }
 

@@ -237,6 +237,16 @@ impl SessionManager {
         title: Option<&str>,
         agent: Option<&AgentId>,
     ) -> Result<()> {
+        self.leased(id, self.update_dialog_leased(id, title, agent)).await
+    }
+
+    /// [`Self::update_dialog`] under the session's lease.
+    async fn update_dialog_leased(
+        &self,
+        id: SessionId,
+        title: Option<&str>,
+        agent: Option<&AgentId>,
+    ) -> Result<()> {
         let title = title.map(super::clean_title).transpose()?;
         let profile = agent.map(|a| self.bundle.agent(Some(a))).transpose()?;
         let session = self.session(id).await?;

@@ -203,6 +203,8 @@ pub struct SessionManager {
     housekeeping: housekeeping::Housekeeping,
     /// The spend ledger of each dialog a turn or run holds.
     dialog_ledgers: crate::budget::DialogLedgers,
+    /// Where this process's holders of a session's lease take turns.
+    lease_gates: leases::LeaseGates,
 }
 
 #[async_trait::async_trait]
@@ -233,6 +235,7 @@ impl SessionManager {
                 events,
                 housekeeping: housekeeping::Housekeeping::default(),
                 dialog_ledgers: crate::budget::DialogLedgers::default(),
+                lease_gates: leases::LeaseGates::default(),
             }
         })
     }

@@ -14,15 +14,18 @@ impl SessionManager {
         id: SessionId,
         edit: impl FnOnce(&AgentSession, &mut SessionState) -> Result<(T, Vec<Message>, String)>,
     ) -> Result<T> {
-        let session = self.session(id).await?;
-        let mut guard = session.lock().await;
-        let mut state = guard.state.clone();
-        let (out, messages, slot) = edit(&guard, &mut state)?;
-        let messages = messages.into_iter().map(|m| (slot.clone(), m)).collect();
-        guard
-            .commit(&self.store, messages, state, None, &[])
-            .await?;
-        Ok(out)
+        self.leased(id, async {
+            let session = self.session(id).await?;
+            let mut guard = session.lock().await;
+            let mut state = guard.state.clone();
+            let (out, messages, slot) = edit(&guard, &mut state)?;
+            let messages = messages.into_iter().map(|m| (slot.clone(), m)).collect();
+            guard
+                .commit(&self.store, messages, state, None, &[])
+                .await?;
+            Ok(out)
+        })
+        .await
     }
 
     /// Creates an empty slot.

@@ -106,10 +106,24 @@ impl SessionManager {
                 self.supersede_approvals(&mut guard).await?;
             }
             let queued = start.queued.then_some(start.turn_id);
-            guard
+            let opened = guard
                 .open_turn(&self.store, &slot, &start.input, queued)
                 .instrument(trace::store_span("open_turn", start.input.len()))
-                .await?
+                .await;
+            match opened {
+                // Another process changed the session without its lease
+                // telling (an API write there): read it again, once.
+                Err(EngineError::Store(keel_store::StoreError::Conflict(_)))
+                    if self.store.shared() =>
+                {
+                    self.reload(&mut guard).await?;
+                    guard
+                        .open_turn(&self.store, &slot, &start.input, queued)
+                        .instrument(trace::store_span("open_turn", start.input.len()))
+                        .await?
+                }
+                opened => opened?,
+            }
         } else {
             Vec::new()
         };
@@ -389,6 +403,10 @@ impl PendingTurn {
                     });
                 }
                 tracing::error!(session_id = %id, error = %e, "turn commit failed");
+                if matches!(e, EngineError::Store(keel_store::StoreError::Conflict(_))) {
+                    // What this process remembers is stale: the next turn reloads.
+                    self.manager.forget(id);
+                }
                 self.leave_unanswered(&mut guard).await;
                 return Err(e);
             }

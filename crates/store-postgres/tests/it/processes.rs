@@ -109,8 +109,11 @@ async fn a_session_lease_has_one_live_holder_and_says_when_another_held_it() {
         a.lease_session(s).await.unwrap(),
         SessionLease::Held { moved: false }
     );
-    // A lease of a session that does not exist is refused.
-    assert!(a.lease_session(keel_core::SessionId::new()).await.is_err());
+    // A session that does not exist has nothing to serialize.
+    assert_eq!(
+        a.lease_session(keel_core::SessionId::new()).await.unwrap(),
+        SessionLease::Held { moved: true }
+    );
 }
 
 #[tokio::test]
@@ -330,4 +333,24 @@ async fn a_webhook_delivery_is_handed_to_one_process_at_a_time() {
     let again = b.due_webhook_deliveries(30 + 60_000, 10).await.unwrap();
     assert_eq!(again.len(), 1);
     assert_eq!(again[0].id, delivery.id);
+}
+
+#[tokio::test]
+async fn two_processes_asking_at_once_for_a_lease_never_both_get_it() {
+    let db = require_postgres!();
+    let (a, _) = process(&db, "a").await;
+    let (b, _) = process(&db, "b").await;
+    for n in 0..20 {
+        let s = a
+            .create_session(new_session(&format!("d{n}"), 1))
+            .await
+            .unwrap()
+            .id;
+        let (x, y) = tokio::join!(a.lease_session(s), b.lease_session(s));
+        let held = [x.unwrap(), y.unwrap()]
+            .iter()
+            .filter(|l| matches!(l, SessionLease::Held { .. }))
+            .count();
+        assert_eq!(held, 1, "dialog {n}");
+    }
 }
