@@ -29,6 +29,8 @@ mod mcp_external;
 #[cfg(unix)]
 mod metrics;
 #[cfg(unix)]
+mod multiprocess;
+#[cfg(unix)]
 mod prune;
 #[cfg(unix)]
 mod serve;
