@@ -371,34 +371,44 @@ impl App {
         let (store, manager) = (self.store.clone(), Arc::clone(&self.manager));
         let every = std::time::Duration::from_secs(self.config.config.storage.lease_secs) / 3;
         Some(tokio::spawn(async move {
-            let mut ticker = tokio::time::interval(every);
-            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                ticker.tick().await;
-                match store.renew_runtime().await {
-                    Ok(()) => {}
-                    Err(e @ keel_store::StoreError::Fenced { .. }) => {
-                        tracing::error!(error = %e, "this process was taken over by another; stopping");
-                        let _ = fenced.send(Fenced(e.to_string()));
-                        return;
-                    }
-                    Err(e) => {
+            // Renewals never wait for a takeover, which may take a while.
+            let renewals = async {
+                let mut ticker = tokio::time::interval(every);
+                ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    ticker.tick().await;
+                    match store.renew_runtime().await {
+                        Ok(()) => {}
+                        Err(e) if e.is_fenced() => return e,
                         // The next tick tries again; past the lease, another
-                        // process takes over and the fence says so here.
-                        tracing::warn!(error = %e, "renewing this process's registration failed");
-                        continue;
+                        // process takes over and the next renewal says so.
+                        Err(e) => tracing::warn!(error = %e, "renewing this process's registration failed"),
                     }
                 }
-                match manager
-                    .take_over_expired(|session, turn| taken(Takeover::Turn(session, turn)))
-                    .await
-                {
-                    Ok(Some(_)) => taken(Takeover::Done),
-                    Ok(None) => {}
-                    Err(e) => {
-                        tracing::warn!(error = %e, "taking over a stopped process's work failed; retried at the next renewal");
+            };
+            let takeovers = async {
+                let mut ticker = tokio::time::interval(every);
+                ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    ticker.tick().await;
+                    match manager
+                        .take_over_expired(|session, turn| taken(Takeover::Turn(session, turn)))
+                        .await
+                    {
+                        Ok(Some(_)) => taken(Takeover::Done),
+                        Ok(None) => {}
+                        Err(e) => {
+                            tracing::warn!(error = %e, "taking over a stopped process's work failed; retried at the next renewal");
+                        }
                     }
                 }
+            };
+            tokio::select! {
+                e = renewals => {
+                    tracing::error!(error = %e, "this process was taken over by another; stopping");
+                    let _ = fenced.send(Fenced(e.to_string()));
+                }
+                () = takeovers => {}
             }
         }))
     }

@@ -53,16 +53,7 @@ pub(crate) async fn check_fence(tx: &Tx<'_>, ours: u64, locked: bool) -> Result<
     if registered {
         return Ok(());
     }
-    let (current, holder) = current(tx).await?.unwrap_or((0, String::new()));
-    Err(StoreError::Fenced {
-        ours,
-        current,
-        holder: if current == ours {
-            "its registration expired and another process recovered it".to_owned()
-        } else {
-            holder
-        },
-    })
+    Err(StoreError::TakenOver { generation: ours })
 }
 
 /// Registrations that are over: expired, or whose process's presence
@@ -263,29 +254,35 @@ impl crate::PgStore {
         self.read(|tx| Box::pin(current(tx))).await
     }
 
-    /// Extends this process's registration by a lease from now (the
-    /// write's fence refuses it once the registration is gone).
+    /// Extends this process's registration by a lease from now, on the
+    /// presence connection (never waiting for the pool behind busy
+    /// transactions); `TakenOver` once the registration is gone.
     pub(crate) async fn renew_runtime(&self) -> Result<()> {
         let generation = to_i64("generation", self.fence())?;
         if generation == 0 {
             return Ok(());
         }
         let lease_ms = millis(self.inner.lease);
-        self.write_committed(move |tx| {
-            Box::pin(async move {
-                tx.execute(
-                    &format!(
-                        "UPDATE runtime_processes SET expires_at = {DB_NOW_MS} + $2 \
-                         WHERE generation = $1"
-                    ),
-                    &[&generation, &lease_ms],
-                )
-                .await
-                .map_err(from_pg)?;
-                Ok(())
-            })
-        })
-        .await
+        let presence = self.inner.presence.lock().await;
+        let Some(client) = presence.as_ref() else {
+            return Ok(());
+        };
+        let renewed = client
+            .execute(
+                &format!(
+                    "UPDATE runtime_processes SET expires_at = {DB_NOW_MS} + $2 \
+                     WHERE generation = $1"
+                ),
+                &[&generation, &lease_ms],
+            )
+            .await
+            .map_err(from_pg)?;
+        if renewed == 0 {
+            return Err(StoreError::TakenOver {
+                generation: self.fence(),
+            });
+        }
+        Ok(())
     }
 
     /// Recovers the processes whose registration expired, if any.

@@ -107,6 +107,14 @@ pub enum StoreError {
         /// Who activated it.
         holder: String,
     },
+    /// Several processes share the database and another took this one's
+    /// work over (its registration lapsed): it may write nothing more. Not
+    /// retryable.
+    #[error("this process (runtime generation {generation}) was taken over by another after its registration lapsed; it writes nothing more")]
+    TakenOver {
+        /// The generation this process activated.
+        generation: u64,
+    },
     /// Any other SQLite failure (a bug or misuse). Not retryable.
     #[error("sqlite: {0}")]
     Sqlite(String),
@@ -137,6 +145,12 @@ impl StoreError {
                 | StoreError::DiskFull { .. }
                 | StoreError::InboxFull { .. }
         )
+    }
+
+    /// Whether this process may write nothing more to the database: another
+    /// generation superseded it, or another process took it over.
+    pub fn is_fenced(&self) -> bool {
+        matches!(self, StoreError::Fenced { .. } | StoreError::TakenOver { .. })
     }
 
     /// Whether the store itself retries this failure (BUSY/LOCKED/IO/FULL).

@@ -553,6 +553,13 @@ impl SessionManager {
         }
         let hold = match self.hold(session).await {
             Ok(hold) => hold,
+            Err(EngineError::Store(e)) if e.is_fenced() => {
+                // This process may write nothing more: what waits here is
+                // refused, and the worker leaves (another process runs the
+                // session's queued inputs once it takes this one over).
+                tracing::error!(session_id = %session, error = %e, "this process was taken over; the session's queued turns are refused here");
+                return self.refuse_all(session, shared, state, &e);
+            }
             Err(e) => {
                 tracing::warn!(session_id = %session, error = %e, "taking the session's lease failed; retried in a second");
                 state.inbox_due = true;
@@ -562,6 +569,36 @@ impl SessionManager {
         let step = self.decide(session, shared, state).await;
         hold.release().await;
         step
+    }
+
+    /// Answers every user turn waiting on the worker with `error` and
+    /// leaves the registry (a later send starts a new worker).
+    fn refuse_all(
+        &self,
+        session: SessionId,
+        shared: &Arc<WorkerShared>,
+        state: &mut WorkerState,
+        error: &keel_store::StoreError,
+    ) -> Step {
+        let mut workers = self.workers.lock();
+        let refused = state
+            .next_user
+            .take()
+            .into_iter()
+            .chain(std::mem::take(&mut state.carried))
+            .chain(std::iter::from_fn(|| state.user_rx.try_recv().ok()));
+        for task in refused {
+            if let Some(reply) = task.reply {
+                let _ = reply.send(Err(EngineError::Store(error.clone())));
+            }
+        }
+        if workers
+            .get(&session)
+            .is_some_and(|h| Arc::ptr_eq(&h.shared, shared))
+        {
+            workers.remove(&session);
+        }
+        Step::Exit
     }
 
     /// [`Self::worker_step`] once the lease, if needed, is held.

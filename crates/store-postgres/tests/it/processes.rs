@@ -224,17 +224,11 @@ async fn an_expired_process_is_taken_over_once_and_then_writes_nothing() {
 
     // A, taken over, writes nothing more and learns why when it renews.
     let fenced = a.renew_runtime().await.unwrap_err();
-    assert_eq!(
-        fenced,
-        StoreError::Fenced {
-            ours: ga,
-            current: gb,
-            holder: "b".into()
-        }
-    );
+    assert_eq!(fenced, StoreError::TakenOver { generation: ga });
+    insta::assert_snapshot!(fenced, @"");
     assert!(matches!(
         a.append_message(d, user("late"), 13).await.unwrap_err(),
-        StoreError::Fenced { .. }
+        StoreError::TakenOver { .. }
     ));
     assert!(matches!(
         a.commit_terminal(
@@ -246,7 +240,7 @@ async fn an_expired_process_is_taken_over_once_and_then_writes_nothing() {
         )
         .await
         .unwrap_err(),
-        StoreError::Fenced { .. }
+        StoreError::TakenOver { .. }
     ));
     // It may start over as a new process.
     let again = a.activate_runtime("a again".into(), 15).await.unwrap();
