@@ -9,7 +9,7 @@
 use crate::store::Tx;
 use keel_store::{Activation, ProcessRecovery, RecoveryReport, Result, StoreError};
 
-use crate::runs::{recover_tx, Stale};
+use crate::runs::{recover_generations_tx, recover_tx, Stale};
 use crate::store::from_pg;
 use crate::util::{non_negative, parse, to_i64};
 
@@ -79,25 +79,75 @@ async fn expire_tx(tx: &Tx<'_>) -> Result<Vec<(u64, String)>> {
     .collect()
 }
 
-/// Takes over what no live process holds: dead processes' session leases
-/// are freed, their runs interrupted (with their completions), their inbox
-/// leases released, and the inputs they left open marked unanswered (with
-/// their webhook deliveries). Expired registrations must be deleted first.
-async fn take_over_tx(tx: &Tx<'_>, now_ms: i64, webhook_urls: &[String]) -> Result<RecoveryReport> {
-    tx.execute(
-        "UPDATE session_leases SET generation = NULL WHERE generation IS NOT NULL \
-         AND generation NOT IN (SELECT generation FROM runtime_processes)",
-        &[],
-    )
-    .await
-    .map_err(from_pg)?;
-    let mut recovery = recover_tx(tx, Stale::NotLive, now_ms, webhook_urls).await?;
-    // Turn inputs a dead process committed but never answered: those of
-    // sessions no live process leases (a live one's turn may be running).
-    let closed = tx
-        .query(crate::messages::CLOSE_INTERRUPTED_SQL, &[])
+/// Takes over what the `dead` generations left (their registrations
+/// deleted already). With no other live process than `me`, the whole
+/// database's recovery runs (as a single process's start does: every
+/// unregistered generation's runs, every counter, every open input of a
+/// session no live process leases); with others live, only the dead
+/// generations' rows are read and written, so the live processes' work
+/// goes on undisturbed: their session leases are freed, their runs
+/// interrupted (with their completions), the inbox leases and open inputs
+/// of those sessions released (with their webhook deliveries).
+async fn take_over_tx(
+    tx: &Tx<'_>,
+    dead: &[i64],
+    me: i64,
+    now_ms: i64,
+    webhook_urls: &[String],
+) -> Result<RecoveryReport> {
+    let alone = tx
+        .query_opt(
+            "SELECT 1 FROM runtime_processes WHERE generation <> $1 LIMIT 1",
+            &[&me],
+        )
+        .await
+        .map_err(from_pg)?
+        .is_none();
+    let (mut recovery, closed) = if alone {
+        tx.execute(
+            "UPDATE session_leases SET generation = NULL WHERE generation IS NOT NULL \
+             AND generation NOT IN (SELECT generation FROM runtime_processes)",
+            &[],
+        )
         .await
         .map_err(from_pg)?;
+        let recovery = recover_tx(tx, Stale::NotLive, now_ms, webhook_urls).await?;
+        // Turn inputs a dead process committed but never answered: those
+        // of sessions no live process leases.
+        let closed = tx
+            .query(crate::messages::CLOSE_INTERRUPTED_SQL, &[])
+            .await
+            .map_err(from_pg)?;
+        (recovery, closed)
+    } else {
+        let sessions = tx
+            .query(
+                "UPDATE session_leases SET generation = NULL WHERE generation = ANY($1) \
+                 RETURNING session_id",
+                &[&dead],
+            )
+            .await
+            .map_err(from_pg)?
+            .iter()
+            .map(|r| parse("session_leases.session_id", r.get::<_, &str>(0)))
+            .collect::<Result<Vec<keel_core::SessionId>>>()?;
+        let recovery =
+            recover_generations_tx(tx, dead, &sessions, now_ms, webhook_urls).await?;
+        let keys: Vec<String> = sessions.iter().map(ToString::to_string).collect();
+        let closed = tx
+            .query(
+                "WITH closed AS ( \
+                   UPDATE messages SET input_state = 'unanswered' \
+                   WHERE session_id = ANY($1) AND input_state = 'open' \
+                   RETURNING session_id, timeline_id, seq) \
+                 SELECT session_id, timeline_id, seq FROM closed \
+                 ORDER BY session_id COLLATE \"C\", timeline_id COLLATE \"C\", seq",
+                &[&keys],
+            )
+            .await
+            .map_err(from_pg)?;
+        (recovery, closed)
+    };
     for row in &closed {
         let session = parse("messages.session_id", row.get::<_, &str>(0))?;
         let timeline: &str = row.get(1);
@@ -163,7 +213,11 @@ async fn activate_tx(
     )
     .await
     .map_err(from_pg)?;
-    expire_tx(tx).await?;
+    let dead: Vec<i64> = expire_tx(tx)
+        .await?
+        .iter()
+        .map(|(g, _)| to_i64("generation", *g))
+        .collect::<Result<_>>()?;
     tx.execute(
         &format!(
             "INSERT INTO runtime_processes (generation, holder, started_at, expires_at, presence) \
@@ -174,7 +228,7 @@ async fn activate_tx(
     .await
     .map_err(from_pg)?;
     // Other live processes keep their work; what dead ones left is ours.
-    let recovery = take_over_tx(tx, now_ms, webhook_urls).await?;
+    let recovery = take_over_tx(tx, &dead, g, now_ms, webhook_urls).await?;
     Ok(Activation {
         generation,
         previous_holder: previous.map(|(_, h)| h),
@@ -309,6 +363,7 @@ impl crate::PgStore {
             return Ok(None);
         }
         let urls = self.inner.hooks.urls();
+        let me = to_i64("generation", self.fence())?;
         self.write(move |tx| {
             let urls = urls.clone();
             Box::pin(async move {
@@ -319,7 +374,11 @@ impl crate::PgStore {
                 if processes.is_empty() {
                     return Ok(None);
                 }
-                let recovery = take_over_tx(tx, now_ms, &urls).await?;
+                let dead: Vec<i64> = processes
+                    .iter()
+                    .map(|(g, _)| to_i64("generation", *g))
+                    .collect::<Result<_>>()?;
+                let recovery = take_over_tx(tx, &dead, me, now_ms, &urls).await?;
                 let sessions_with_queued_inputs = tx
                     .query(
                         "SELECT DISTINCT session_id FROM queued_inputs WHERE generation NOT IN \

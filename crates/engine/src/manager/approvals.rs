@@ -198,6 +198,7 @@ impl SessionManager {
         {
             let entry = self.session(session).await?;
             let mut guard = entry.lock().await;
+            self.fresh(&mut guard).await?;
             let agent = self.bundle.session_agent(guard.record.agent_id.as_ref())?;
             let mut results = Vec::with_capacity(records.len());
             let ctx = ToolExecutionContext {

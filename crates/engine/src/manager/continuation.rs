@@ -250,6 +250,7 @@ impl SessionManager {
         let told = async {
             let entry = self.session(session).await?;
             let mut guard = entry.lock().await;
+            self.fresh(&mut guard).await?;
             guard.commit_notice(&self.store, notice, ids).await
         }
         .await;

@@ -111,6 +111,7 @@ impl SessionManager {
         let title = clean_title(title)?;
         let session = self.session(id).await?;
         let mut guard = session.lock().await;
+        self.fresh(&mut guard).await?;
         self.store
             .rename_session(id, title.clone(), keel_core::time::now_ms())
             .await?;

@@ -186,6 +186,7 @@ impl SessionManager {
         }
         let session = self.session(id).await?;
         let mut guard = session.lock().await;
+        self.fresh(&mut guard).await?;
         let slot = guard.writable_slot()?;
         let state = guard.state.clone();
         let messages = messages.into_iter().map(|m| (slot.clone(), m)).collect();

@@ -339,6 +339,7 @@ impl SessionManager {
                 guard = session.lock() => guard,
                 () = cancel.cancelled() => return Err(EngineError::Cancelled),
             };
+            self.fresh(&mut guard).await?;
             let record = &guard.record;
             if record.title != default_title(&record.dialog_id) {
                 return Ok(false); // renamed meanwhile: the user's title stays
@@ -373,6 +374,7 @@ impl SessionManager {
                 guard = session.lock() => guard,
                 () = cancel.cancelled() => return Err(EngineError::Cancelled),
             };
+            self.fresh(&mut guard).await?;
             self.commit_summary(&mut guard, job, summary).await
         })
         .await
@@ -453,6 +455,7 @@ impl SessionManager {
     async fn compact_leased(&self, id: SessionId) -> Result<bool> {
         let session = self.session(id).await?;
         let mut guard = session.lock().await;
+        self.fresh(&mut guard).await?;
         let budget = input_budget(&guard.agent);
         let Some(job) = summary_job(&guard, 0, budget, None) else {
             return Ok(false);

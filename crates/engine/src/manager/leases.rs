@@ -106,6 +106,10 @@ impl SessionManager {
                 SessionLease::Held { moved } => {
                     hold.held = true;
                     if moved {
+                        // Whoever writes the session next under this lease
+                        // reads it again first (`fresh`); meanwhile nobody
+                        // uses the copy in memory.
+                        self.stale.lock().insert(session);
                         self.forget(session);
                     }
                     return Ok(hold);
@@ -124,6 +128,21 @@ impl SessionManager {
     pub(super) fn forget(&self, session: SessionId) {
         self.sessions.lock().remove(&session);
         self.dialog_ledgers.forget(session);
+    }
+
+    /// Reloads `session` (held, locked) when another process held its lease
+    /// since this one last wrote it: a copy loaded before the lease was
+    /// taken may be in memory. Every write under the lease calls it first.
+    pub(super) async fn fresh(&self, session: &mut AgentSession) -> Result<()> {
+        let id = session.id();
+        if !self.stale.lock().remove(&id) {
+            return Ok(());
+        }
+        if let Err(e) = self.reload(session).await {
+            self.stale.lock().insert(id);
+            return Err(e);
+        }
+        Ok(())
     }
 
     /// Reads `session` (held, locked) again from the store, in place.

@@ -258,6 +258,7 @@ impl SessionManager {
         // A turn holds this lock while it runs: a switch never changes the
         // agent of a turn in progress, only of the next one.
         let mut guard = session.lock().await;
+        self.fresh(&mut guard).await?;
         let r = guard.record.clone();
         let updated = self
             .store

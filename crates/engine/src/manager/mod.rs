@@ -205,6 +205,8 @@ pub struct SessionManager {
     dialog_ledgers: crate::budget::DialogLedgers,
     /// Where this process's holders of a session's lease take turns.
     lease_gates: leases::LeaseGates,
+    /// Sessions another process wrote since this one last held their lease.
+    stale: Mutex<std::collections::HashSet<SessionId>>,
 }
 
 #[async_trait::async_trait]
@@ -236,6 +238,7 @@ impl SessionManager {
                 housekeeping: housekeeping::Housekeeping::default(),
                 dialog_ledgers: crate::budget::DialogLedgers::default(),
                 lease_gates: leases::LeaseGates::default(),
+                stale: Mutex::new(std::collections::HashSet::new()),
             }
         })
     }

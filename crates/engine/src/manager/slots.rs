@@ -17,6 +17,7 @@ impl SessionManager {
         self.leased(id, async {
             let session = self.session(id).await?;
             let mut guard = session.lock().await;
+            self.fresh(&mut guard).await?;
             let mut state = guard.state.clone();
             let (out, messages, slot) = edit(&guard, &mut state)?;
             let messages = messages.into_iter().map(|m| (slot.clone(), m)).collect();

@@ -79,6 +79,7 @@ impl SessionManager {
     ) -> Result<PendingTurn> {
         let session = self.session(id).await?;
         let mut guard = session.lock_owned().await;
+        self.fresh(&mut guard).await?;
         // Each turn runs the definition in force when it starts (a reload
         // may have changed or removed it); the turn keeps it to its end.
         guard.agent = self.bundle.session_agent(guard.record.agent_id.as_ref())?;

@@ -856,7 +856,16 @@ impl SessionManager {
             .await
         };
         if let Err(e) = &started {
-            if queued && !e.is_cancelled() {
+            // The storage failing, or another process holding the session,
+            // refuses nothing: the acknowledged input stays queued for the
+            // next process that runs it (a restart, or a takeover).
+            let storage = matches!(
+                e,
+                EngineError::Store(s) if s.is_retryable()
+                    || s.is_fenced()
+                    || matches!(s, keel_store::StoreError::Conflict(_))
+            );
+            if queued && !e.is_cancelled() && !storage {
                 self.withdraw_queued(session, turn_id).await;
             }
         }

@@ -225,7 +225,8 @@ async fn an_expired_process_is_taken_over_once_and_then_writes_nothing() {
     // A, taken over, writes nothing more and learns why when it renews.
     let fenced = a.renew_runtime().await.unwrap_err();
     assert_eq!(fenced, StoreError::TakenOver { generation: ga });
-    insta::assert_snapshot!(fenced, @"");
+    assert_eq!(ga, 1);
+    insta::assert_snapshot!(fenced, @"this process (runtime generation 1) was taken over by another after its registration lapsed; it writes nothing more");
     assert!(matches!(
         a.append_message(d, user("late"), 13).await.unwrap_err(),
         StoreError::TakenOver { .. }
