@@ -26,12 +26,13 @@ impl PgStore {
                 // Each statement reads the latest commit (READ COMMITTED):
                 // a row another process inserts meanwhile is found again.
                 loop {
+                    // The lease row alone: a row lock waited for re-reads
+                    // only this row, so a join here could pair its new holder
+                    // with no registration and take a held lease.
                     let row = tx
                         .query_opt(
-                            "SELECT l.generation, l.last_generation, p.holder \
-                             FROM session_leases l \
-                             LEFT JOIN runtime_processes p ON p.generation = l.generation \
-                             WHERE l.session_id = $1 FOR UPDATE OF l",
+                            "SELECT generation, last_generation FROM session_leases \
+                             WHERE session_id = $1 FOR UPDATE",
                             &[&key],
                         )
                         .await
@@ -64,10 +65,17 @@ impl PgStore {
                     // Held by a live process (a holder whose registration is
                     // gone holds nothing: its recovery is under way).
                     let holder: Option<i64> = r.get(0);
-                    let live: Option<String> = r.get(2);
-                    if let (Some(h), Some(live)) = (holder, live) {
-                        if h != me {
-                            return Ok(SessionLease::Busy { holder: live });
+                    if let Some(h) = holder.filter(|h| *h != me) {
+                        // Read after the row lock: the latest registration.
+                        let live = tx
+                            .query_opt(
+                                "SELECT holder FROM runtime_processes WHERE generation = $1",
+                                &[&h],
+                            )
+                            .await
+                            .map_err(from_pg)?;
+                        if let Some(live) = live {
+                            return Ok(SessionLease::Busy { holder: live.get(0) });
                         }
                     }
                     let moved = r.get::<_, i64>(1) != me;

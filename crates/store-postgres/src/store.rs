@@ -47,9 +47,11 @@ impl Default for PgOptions {
             max_connections: 16,
             // Conflicts clear as the other transaction commits: short waits
             // first, then backing off so a hot page's writers spread out
-            // (about 5 s in all before a request is refused as busy).
+            // (about 15 s in all before a request is refused as busy:
+            // several processes on one database conflict more).
             retry_delays: [
-                1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 800, 1000, 1000, 1000,
+                1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 800, 1000, 1000, 1000, 1500, 2000, 2000,
+                2000, 2000, 2000,
             ]
             .into_iter()
             .map(Duration::from_millis)

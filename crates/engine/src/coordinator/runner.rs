@@ -65,6 +65,13 @@ pub(crate) struct ActiveGuard {
     done: watch::Sender<bool>,
 }
 
+/// Extra attempts at a run's terminal commit the store refused as busy.
+const TERMINAL_RETRIES: u32 = 8;
+/// The first pause before one (doubling up to [`TERMINAL_RETRY_MAX`]).
+const TERMINAL_RETRY_FIRST: std::time::Duration = std::time::Duration::from_millis(200);
+/// The longest pause between two.
+const TERMINAL_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl ActiveGuard {
     pub(crate) fn register(
         coordinator: &AgentCoordinator,
@@ -209,18 +216,34 @@ impl AgentCoordinator {
             CompletionHandling::Deliver
         };
         let status = outcome.status();
-        let committed = self
-            .store
-            .commit_run_end(
-                context.run_id,
-                context.execution_id.clone(),
-                outcome,
-                handling,
-                now_ms(),
-                calls,
-            )
-            .instrument(trace::store_span("commit_terminal", 1))
-            .await;
+        // The result is in memory and nothing else will commit it: a busy
+        // database is asked again for a while (several processes on one
+        // PostgreSQL conflict more than the store's own retries absorb).
+        let mut pause = TERMINAL_RETRY_FIRST;
+        let mut attempts = 0;
+        let committed = loop {
+            let committed = self
+                .store
+                .commit_run_end(
+                    context.run_id,
+                    context.execution_id.clone(),
+                    outcome.clone(),
+                    handling,
+                    now_ms(),
+                    calls.clone(),
+                )
+                .instrument(trace::store_span("commit_terminal", 1))
+                .await;
+            match committed {
+                Err(e) if e.is_retryable() && attempts < TERMINAL_RETRIES => {
+                    attempts += 1;
+                    tracing::warn!(run_id = %context.run_id, error = %e, attempts, "terminal commit failed; asking again");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(TERMINAL_RETRY_MAX);
+                }
+                committed => break committed,
+            }
+        };
         let (record, won) = match committed {
             Ok(commit) => {
                 self.terminal_committed(context.root_session_id, &commit, handling)

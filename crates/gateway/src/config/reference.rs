@@ -528,7 +528,7 @@ pub fn reference() -> Vec<KeyDoc> {
             "Delays between retries of a transient write failure (its length is the retry \
              count): 1..={MAX_RETRY_ATTEMPTS} entries, each 0..={MAX_RETRY_DELAY_MS} (SQLite \
              only: PostgreSQL retries a serialization failure or a connection lost before COMMIT \
-             up to 14 times, backing off from 1 ms to 1 s)."
+             up to 20 times, backing off from 1 ms to 2 s)."
         ),
     );
     code(
