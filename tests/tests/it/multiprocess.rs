@@ -5,7 +5,7 @@
 //! 30 dialogs, each with a client that sends its messages, one at a time,
 //! to a random live process over the HTTP API (waiting for the answer,
 //! read back by polling, after every other message); the root agent's
-//! scripted model starts two background runs every other call, so the
+//! scripted model starts four background runs every other call, so the
 //! dialogs run a few hundred background runs whose completions come back
 //! as hidden continuation turns. Once a quarter of the messages are
 //! acknowledged and the victim (process 0) is running a turn and a
@@ -44,7 +44,7 @@ const DIALOGS: usize = 30;
 const MESSAGES_PER_DIALOG: usize = 10;
 /// `storage.lease_secs`: the smallest allowed, so a takeover comes soon.
 const LEASE_SECS: u64 = 3;
-/// Delegations in each process's root script (two background runs each).
+/// Delegations in each process's root script (four background runs each).
 const DELEGATIONS_PER_LIFE: usize = 45;
 /// The process that is killed.
 const VICTIM: usize = 0;
@@ -57,7 +57,7 @@ const STOP_DEADLINE: Duration = Duration::from_secs(20);
 /// Between two polls of an HTTP API or the database for a condition.
 const POLL: Duration = Duration::from_millis(25);
 
-/// The root agent's model, per process life: two background runs (each
+/// The root agent's model, per process life: four background runs (each
 /// result its own completion), then a streamed answer (so a turn lasts
 /// long enough to be caught running), over and over; then echoes.
 fn root_script() -> String {
@@ -65,7 +65,8 @@ fn root_script() -> String {
     for i in 0..DELEGATIONS_PER_LIFE {
         out.push_str(&format!(
             "- tool_calls: [{{name: delegate, arguments: {{mode: background, completion_policy: each, \
-             tasks: [{{agent: bg, task: \"job {i} a\"}}, {{agent: bg, task: \"job {i} b\"}}]}}}}]\n\
+             tasks: [{{agent: bg, task: \"job {i} a\"}}, {{agent: bg, task: \"job {i} b\"}}, \
+             {{agent: bg, task: \"job {i} c\"}}, {{agent: bg, task: \"job {i} d\"}}]}}}}]\n\
              - {{text: \"answer {i} arrives a few words at a time\", chunk_delay_ms: 15}}\n"
         ));
     }
@@ -76,7 +77,7 @@ fn root_script() -> String {
 /// when the victim dies.
 fn bg_script() -> String {
     let mut out = String::from("when_exhausted: echo\nresponses:\n");
-    for i in 0..400 {
+    for i in 0..800 {
         out.push_str(&format!("- {{text: \"bg result {i}\", delay_ms: 300}}\n"));
     }
     out
@@ -1178,7 +1179,7 @@ async fn three_processes_on_one_database_survive_a_kill_without_losing_or_doubli
     }
     // A run that tested nothing is no pass.
     assert!(
-        snap.runs.len() >= 150,
+        snap.runs.len() >= 300,
         "only {} background runs",
         snap.runs.len()
     );

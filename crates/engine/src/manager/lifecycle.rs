@@ -133,16 +133,23 @@ impl SessionManager {
         entry.session.clone()
     }
 
+    /// The agent `id` runs (its record's), loading the session if needed.
+    async fn agent_of(&self, id: SessionId) -> Result<Option<AgentId>> {
+        // A session another process changed is dropped from memory when its
+        // lease says so: a load racing that is loaded again.
+        for _ in 0..3 {
+            self.session(id).await?;
+            if let Some(entry) = self.sessions.lock().get(&id) {
+                return Ok(entry.agent_id.clone());
+            }
+        }
+        Err(EngineError::SessionNotFound(id))
+    }
+
     /// Refuses a turn of `id` when its agent is no longer defined
-    /// ([`EngineError::AgentRemoved`]); the session must be in memory.
-    pub(super) fn check_agent(&self, id: SessionId) -> Result<()> {
-        let agent_id = self
-            .sessions
-            .lock()
-            .get(&id)
-            .ok_or(EngineError::SessionNotFound(id))?
-            .agent_id
-            .clone();
+    /// ([`EngineError::AgentRemoved`]).
+    pub(super) async fn check_agent(&self, id: SessionId) -> Result<()> {
+        let agent_id = self.agent_of(id).await?;
         self.bundle.session_agent(agent_id.as_ref()).map(drop)
     }
 
@@ -150,14 +157,7 @@ impl SessionManager {
     /// not marked `images = false`).
     pub async fn accepts_images(&self, id: SessionId) -> Result<bool> {
         // Loaded first: a dialog an earlier process served is only stored.
-        self.session(id).await?;
-        let agent_id = self
-            .sessions
-            .lock()
-            .get(&id)
-            .ok_or(EngineError::SessionNotFound(id))?
-            .agent_id
-            .clone();
+        let agent_id = self.agent_of(id).await?;
         self.agent_accepts_images(agent_id.as_ref())
     }
 

@@ -252,7 +252,7 @@ impl SessionManager {
         // Fail now, not in the ticket, for a session that does not exist
         // or whose agent a reload removed.
         self.session(session).await?;
-        self.check_agent(session)?;
+        self.check_agent(session).await?;
         let has_image = input
             .content
             .iter()
