@@ -41,7 +41,7 @@ use tokio_postgres::{Client, IsolationLevel};
 
 const PROCESSES: usize = 3;
 const DIALOGS: usize = 30;
-const MESSAGES_PER_DIALOG: usize = 10;
+const MESSAGES_PER_DIALOG: usize = 12;
 /// `storage.lease_secs`: the smallest allowed, so a takeover comes soon.
 const LEASE_SECS: u64 = 3;
 /// Delegations in each process's root script (four background runs each).
