@@ -12,7 +12,11 @@
 //! with a PostgreSQL server at hand, the same load on a server whose
 //! database is PostgreSQL against one on SQLite (`serve_postgres_ratio`;
 //! `-- postgres` runs only that part), with keel's CPU per turn and the
-//! whole machine's (clients, keel and PostgreSQL's backends).
+//! whole machine's (clients, keel and PostgreSQL's backends); and three
+//! `keel serve` processes on one PostgreSQL database against one, then the
+//! time from killing a process mid-turn to its dialog answering through
+//! another (`serve_processes_ratio`, `serve_kill_to_answer`; `-- processes`
+//! runs only that part).
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
@@ -45,6 +49,10 @@ fn main() {
         .unwrap();
     if std::env::args().skip(1).any(|a| a == "postgres") {
         runtime.block_on(on_postgres());
+        return;
+    }
+    if std::env::args().skip(1).any(|a| a == "processes") {
+        runtime.block_on(on_processes());
         return;
     }
     runtime.block_on(async {
@@ -91,6 +99,7 @@ fn main() {
         );
         catch_up().await;
         on_postgres().await;
+        on_processes().await;
     });
 }
 
@@ -133,6 +142,141 @@ async fn on_postgres() {
         ratios[ratios.len() / 2],
         ratios[0],
         ratios[ratios.len() - 1]
+    );
+}
+
+/// The same load on three `keel serve` processes sharing one PostgreSQL
+/// database against one process on it, round by round: turns/s, and CPU
+/// per turn of the servers and of the whole machine (PostgreSQL's
+/// backends included). Then the time from killing a process that runs a
+/// dialog's turn to that dialog answering through another.
+async fn on_processes() {
+    use keel_store_postgres::testing::{available, Availability, TestDb};
+    if available() == Availability::None {
+        println!("BENCH serve_processes skipped (no PostgreSQL server)");
+        return;
+    }
+    let mut ratios = Vec::new();
+    for round in 1..=ROUNDS {
+        let mut runs = Vec::new();
+        for processes in [1, 3] {
+            let db = TestDb::start().await.unwrap();
+            let machine = machine_cpu_secs();
+            let served =
+                over_processes(&format!("[storage]\nurl = {:?}\n", db.conninfo), processes).await;
+            let machine = machine_cpu_secs() - machine;
+            let turns = served.run.latencies.len().max(1) as f64;
+            report(
+                &format!("serve_processes_{processes} round={round}"),
+                &served.run,
+            );
+            println!(
+                "BENCH serve_processes_{processes}_cpu round={round} keel_cpu_ms_per_turn={:.3} machine_cpu_ms_per_turn={:.3}",
+                served.server_cpu_per_turn * 1000.0,
+                machine * 1000.0 / turns,
+            );
+            runs.push(served.run.turns_per_s());
+            drop(db);
+        }
+        ratios.push(runs[1] / runs[0]);
+    }
+    ratios.sort_by(f64::total_cmp);
+    println!(
+        "BENCH serve_processes_ratio three_over_one_turns_per_s_median={:.2} min={:.2} max={:.2} (goal >= 1.0)",
+        ratios[ratios.len() / 2],
+        ratios[0],
+        ratios[ratios.len() - 1]
+    );
+    kill_to_answer().await;
+}
+
+/// Kills (SIGKILL) a process while it runs a dialog's turn, then sends the
+/// dialog a message through another: the time from the kill to that
+/// answer, with the default `storage.lease_secs` (10 s).
+async fn kill_to_answer() {
+    use keel_store_postgres::testing::TestDb;
+    const REPEATS: usize = 5;
+    let mut took = Vec::new();
+    for _ in 0..REPEATS {
+        let db = TestDb::start().await.unwrap();
+        let dirs: Vec<tempfile::TempDir> = [
+            // The victim's model takes a minute: its turn is running when it dies.
+            "responses:\n- {text: \"slow\", delay_ms: 60000}\nwhen_exhausted: echo\n",
+            "responses: []\nwhen_exhausted: echo\n",
+        ]
+        .iter()
+        .map(|script| {
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::write(dir.path().join("model.yaml"), script).unwrap();
+            std::fs::write(
+                dir.path().join("keel.toml"),
+                format!(
+                    "default_profile = \"model\"\n[providers.model]\nkind = \"scripted\"\nscript = \"model.yaml\"\n\
+                     [session]\nauto_title_after_n_messages = 0\n[storage]\nurl = {:?}\n",
+                    db.conninfo
+                ),
+            )
+            .unwrap();
+            dir
+        })
+        .collect();
+        let (mut victim, victim_addr) = start_server(dirs[0].path());
+        let (other, other_addr) = start_server(dirs[1].path());
+        let http = reqwest::Client::new();
+        let dialog: serde_json::Value = http
+            .post(format!("http://{other_addr}/api/dialogs"))
+            .json(&serde_json::json!({}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let id = dialog["id"].as_str().unwrap().to_owned();
+        let send = |addr: String| {
+            let (http, id) = (http.clone(), id.clone());
+            async move {
+                http.post(format!("http://{addr}/api/dialogs/{id}/messages"))
+                    .header("accept", "text/event-stream")
+                    .json(&serde_json::json!({"text": "hello"}))
+                    .send()
+                    .await?
+                    .text()
+                    .await
+            }
+        };
+        let slow = tokio::spawn(send(victim_addr));
+        // The victim holds the dialog's lease once its turn runs.
+        let client = db.connect().await;
+        loop {
+            let held = client
+                .query_opt(
+                    "SELECT 1 FROM session_leases WHERE session_id = $1 AND generation IS NOT NULL",
+                    &[&id],
+                )
+                .await
+                .unwrap()
+                .is_some();
+            if held {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let killed = Instant::now();
+        victim.kill().unwrap();
+        victim.wait().unwrap();
+        let answer = send(other_addr).await.unwrap();
+        assert!(answer.contains("turn_committed"), "{answer}");
+        took.push(killed.elapsed());
+        let _ = slow.await;
+        stop_server(other, dirs[1].path());
+        drop(db);
+    }
+    took.sort();
+    println!(
+        "BENCH serve_kill_to_answer lease_secs=10 p50_ms={:.0} max_ms={:.0} repeats={REPEATS} (goal <= 20000)",
+        took[took.len() / 2].as_secs_f64() * 1000.0,
+        took[took.len() - 1].as_secs_f64() * 1000.0,
     );
 }
 
@@ -375,12 +519,27 @@ const NO_REPLAY: &str = "[server]\nstream_replay_secs = 0\n";
 
 /// The turns over WebSocket to a server configured by `config` (keel.toml).
 async fn over_websocket(config: &str) -> Served {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("keel.toml"), config).unwrap();
-    let (child, addr) = start_server(dir.path());
+    over_processes(config, 1).await
+}
+
+/// The load on `processes` `keel serve` processes with one `config` (one
+/// database): client `i` creates its dialog through process `i + 1` and
+/// sends its turns through process `i` (modulo their number), so with
+/// several, every dialog is served by a process that did not create it.
+async fn over_processes(config: &str, processes: usize) -> Served {
+    let dirs: Vec<tempfile::TempDir> = (0..processes)
+        .map(|_| {
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::write(dir.path().join("keel.toml"), config).unwrap();
+            dir
+        })
+        .collect();
+    let servers: Vec<(std::process::Child, String)> =
+        dirs.iter().map(|d| start_server(d.path())).collect();
     let http = reqwest::Client::new();
     let mut sessions = Vec::new();
     for i in 0..CLIENTS {
+        let addr = &servers[(i + 1) % processes].1;
         let dialog: serde_json::Value = http
             .post(format!("http://{addr}/api/dialogs"))
             .json(&serde_json::json!({"channel": "bench", "chat_id": "bench", "title": format!("d{i}")}))
@@ -399,14 +558,16 @@ async fn over_websocket(config: &str) -> Served {
         );
     }
     let mut sockets = Vec::new();
-    for _ in 0..CLIENTS {
+    for i in 0..CLIENTS {
+        let addr = &servers[i % processes].1;
         let (ws, _) = tokio_tungstenite::connect_async(format!("ws://{addr}/api/ws"))
             .await
             .unwrap();
         sockets.push(ws);
     }
-    let server_pid = child.id().to_string();
-    let cpu_before = cpu_secs("self") + cpu_secs(&server_pid);
+    let pids: Vec<String> = servers.iter().map(|(c, _)| c.id().to_string()).collect();
+    let servers_cpu = || pids.iter().map(|p| cpu_secs(p)).sum::<f64>();
+    let cpu_before = cpu_secs("self") + servers_cpu();
     let started = Instant::now();
     let tasks: Vec<_> = sessions
         .into_iter()
@@ -460,25 +621,29 @@ async fn over_websocket(config: &str) -> Served {
             })
         })
         .collect();
-    let server_before = cpu_secs(&server_pid);
+    let server_before = servers_cpu();
     let mut run = collect(started, tasks).await;
-    let server_cpu = cpu_secs(&server_pid) - server_before;
-    run.cpu = cpu_secs("self") + cpu_secs(&server_pid) - cpu_before;
+    let server_cpu = servers_cpu() - server_before;
+    run.cpu = cpu_secs("self") + servers_cpu() - cpu_before;
     println!(
         "# server cpu_ms_per_turn={:.3} frames_per_turn={:.1}",
         server_cpu * 1000.0 / run.latencies.len().max(1) as f64,
         FRAMES.swap(0, std::sync::atomic::Ordering::Relaxed) as f64
             / run.latencies.len().max(1) as f64
     );
-    let (rss_kib, hwm_kib) = memory_kib(child.id());
-    let log = stop_server(child, dir.path());
+    let (rss_kib, hwm_kib) = memory_kib(servers[0].0.id());
+    let mut locked_lines = 0;
+    for ((child, _), dir) in servers.into_iter().zip(&dirs) {
+        let log = stop_server(child, dir.path());
+        locked_lines += log
+            .lines()
+            .filter(|l| l.contains("database is locked"))
+            .count();
+    }
     Served {
         server_cpu_per_turn: server_cpu / run.latencies.len().max(1) as f64,
         run,
-        locked_lines: log
-            .lines()
-            .filter(|l| l.contains("database is locked"))
-            .count(),
+        locked_lines,
         rss_kib,
         hwm_kib,
     }

@@ -382,7 +382,9 @@ impl App {
                         Err(e) if e.is_fenced() => return e,
                         // The next tick tries again; past the lease, another
                         // process takes over and the next renewal says so.
-                        Err(e) => tracing::warn!(error = %e, "renewing this process's registration failed"),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "renewing this process's registration failed")
+                        }
                     }
                 }
             };

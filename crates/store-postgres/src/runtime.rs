@@ -131,8 +131,7 @@ async fn take_over_tx(
             .iter()
             .map(|r| parse("session_leases.session_id", r.get::<_, &str>(0)))
             .collect::<Result<Vec<keel_core::SessionId>>>()?;
-        let recovery =
-            recover_generations_tx(tx, dead, &sessions, now_ms, webhook_urls).await?;
+        let recovery = recover_generations_tx(tx, dead, &sessions, now_ms, webhook_urls).await?;
         let keys: Vec<String> = sessions.iter().map(ToString::to_string).collect();
         let closed = tx
             .query(

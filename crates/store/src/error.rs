@@ -150,7 +150,10 @@ impl StoreError {
     /// Whether this process may write nothing more to the database: another
     /// generation superseded it, or another process took it over.
     pub fn is_fenced(&self) -> bool {
-        matches!(self, StoreError::Fenced { .. } | StoreError::TakenOver { .. })
+        matches!(
+            self,
+            StoreError::Fenced { .. } | StoreError::TakenOver { .. }
+        )
     }
 
     /// Whether the store itself retries this failure (BUSY/LOCKED/IO/FULL).

@@ -158,7 +158,8 @@ impl SessionManager {
     /// assistant text is accepted: tool calls and results belong to turns
     /// keel ran. On error nothing is written.
     pub async fn import_messages(&self, id: SessionId, messages: Vec<Message>) -> Result<()> {
-        self.leased(id, self.import_messages_leased(id, messages)).await
+        self.leased(id, self.import_messages_leased(id, messages))
+            .await
     }
 
     /// [`Self::import_messages`] under the session's lease.

@@ -237,7 +237,8 @@ impl SessionManager {
         title: Option<&str>,
         agent: Option<&AgentId>,
     ) -> Result<()> {
-        self.leased(id, self.update_dialog_leased(id, title, agent)).await
+        self.leased(id, self.update_dialog_leased(id, title, agent))
+            .await
     }
 
     /// [`Self::update_dialog`] under the session's lease.

@@ -115,7 +115,11 @@ async fn two_processes_serve_one_dialog_turn_by_turn() {
     assert_eq!(history.len(), 10, "{history:#?}");
     for pair in history.chunks(2) {
         assert_eq!(pair[0].message.role, keel_core::Role::User, "{history:#?}");
-        assert_eq!(pair[1].message.role, keel_core::Role::Assistant, "{history:#?}");
+        assert_eq!(
+            pair[1].message.role,
+            keel_core::Role::Assistant,
+            "{history:#?}"
+        );
         assert_eq!(
             pair[0].input_state,
             Some(keel_store::InputState::Answered),

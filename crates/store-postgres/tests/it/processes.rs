@@ -6,9 +6,7 @@
 
 use keel_core::{ExecutionMode, Message, RunStatus, TurnId};
 use keel_store::conformance::fixtures::{accept, claim, new_run, new_session, user};
-use keel_store::{
-    EventStatus, InputState, OpenTurn, QueuedInput, SessionLease, Store, StoreError,
-};
+use keel_store::{EventStatus, InputState, OpenTurn, QueuedInput, SessionLease, Store, StoreError};
 use keel_store_postgres::testing::TestDb;
 use keel_store_postgres::{require_postgres, PgOptions, PgStore};
 
@@ -322,7 +320,11 @@ async fn a_webhook_delivery_is_handed_to_one_process_at_a_time() {
     let delivery = x.into_iter().chain(y).next().unwrap();
     assert_eq!(delivery.next_attempt_at_ms, Some(30));
     // Claimed: nobody else gets it while its attempt may be under way…
-    assert!(b.due_webhook_deliveries(30 + 59_999, 10).await.unwrap().is_empty());
+    assert!(b
+        .due_webhook_deliveries(30 + 59_999, 10)
+        .await
+        .unwrap()
+        .is_empty());
     assert_eq!(a.next_webhook_due().await.unwrap(), Some(30 + 60_000));
     // …and a claimer that died leaves it due again after the claim.
     let again = b.due_webhook_deliveries(30 + 60_000, 10).await.unwrap();
