@@ -9,7 +9,7 @@
 use crate::store::Tx;
 use keel_store::{Activation, ProcessRecovery, RecoveryReport, Result, StoreError};
 
-use crate::runs::{recover_generations_tx, recover_tx, Stale};
+use crate::runs::{interrupt_orphan_tx, recover_tx, Stale};
 use crate::store::from_pg;
 use crate::util::{non_negative, parse, to_i64};
 
@@ -85,16 +85,17 @@ async fn expire_tx(tx: &Tx<'_>) -> Result<Vec<(u64, String)>> {
 /// unregistered generation's runs, every counter, every open input of a
 /// session no live process leases); with others live, only the dead
 /// generations' rows are read and written, so the live processes' work
-/// goes on undisturbed: their session leases are freed, their runs
-/// interrupted (with their completions), the inbox leases and open inputs
-/// of those sessions released (with their webhook deliveries).
+/// goes on undisturbed: their session leases are freed and the inbox
+/// leases and open inputs of those sessions released (with their webhook
+/// deliveries); their runs are interrupted after the commit, one small
+/// transaction each (`PgStore::interrupt_orphans`).
 async fn take_over_tx(
     tx: &Tx<'_>,
     dead: &[i64],
     me: i64,
     now_ms: i64,
     webhook_urls: &[String],
-) -> Result<RecoveryReport> {
+) -> Result<(RecoveryReport, bool)> {
     let alone = tx
         .query_opt(
             "SELECT 1 FROM runtime_processes WHERE generation <> $1 LIMIT 1",
@@ -131,7 +132,25 @@ async fn take_over_tx(
             .iter()
             .map(|r| parse("session_leases.session_id", r.get::<_, &str>(0)))
             .collect::<Result<Vec<keel_core::SessionId>>>()?;
-        let recovery = recover_generations_tx(tx, dead, &sessions, now_ms, webhook_urls).await?;
+        // Their runs end after this commit, one transaction each
+        // (`PgStore::interrupt_orphans`); here, what blocks their dialogs.
+        let mut recovery = RecoveryReport::default();
+        let mut revisions = crate::counters::Revisions::default();
+        for session in &sessions {
+            let revision = revisions.of(tx, session, now_ms).await?;
+            recovery.leases_expired += tx
+                .execute(
+                    "UPDATE agent_inbox_events SET status = 'pending', lease_token = NULL, \
+                     lease_until = NULL, admitted_turn_id = NULL, \
+                     attempt_count = attempt_count + 1, next_attempt_at = $1, \
+                     last_error = 'lease holder stopped', revision = $2 \
+                     WHERE root_session_id = $3 AND status IN ('leased', 'admitted')",
+                    &[&now_ms, &revision, &session.to_string()],
+                )
+                .await
+                .map_err(from_pg)?;
+        }
+        recovery.sessions_with_inbox_work = sessions.clone();
         let keys: Vec<String> = sessions.iter().map(ToString::to_string).collect();
         let closed = tx
             .query(
@@ -161,7 +180,16 @@ async fn take_over_tx(
         .await?;
     }
     recovery.unanswered_inputs = closed.len() as u64;
-    Ok(recovery)
+    Ok((recovery, alone))
+}
+
+/// What [`activate_tx`] committed, with the generations whose runs are
+/// left to interrupt (none when the whole database was recovered).
+struct Activated {
+    generation: u64,
+    previous_holder: Option<String>,
+    recovery: RecoveryReport,
+    dead: Vec<i64>,
 }
 
 /// Serializes activations and recoveries of expired processes ("keelproc").
@@ -175,7 +203,7 @@ async fn activate_tx(
     replaced: i64,
     presence: i64,
     webhook_urls: &[String],
-) -> Result<Activation> {
+) -> Result<Activated> {
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&PROCESSES_LOCK])
         .await
         .map_err(from_pg)?;
@@ -227,11 +255,12 @@ async fn activate_tx(
     .await
     .map_err(from_pg)?;
     // Other live processes keep their work; what dead ones left is ours.
-    let recovery = take_over_tx(tx, &dead, g, now_ms, webhook_urls).await?;
-    Ok(Activation {
+    let (recovery, alone) = take_over_tx(tx, &dead, g, now_ms, webhook_urls).await?;
+    Ok(Activated {
         generation,
         previous_holder: previous.map(|(_, h)| h),
         recovery,
+        dead: if alone { Vec::new() } else { dead },
     })
 }
 
@@ -248,7 +277,7 @@ impl crate::PgStore {
         // may start a new one.
         self.set_fence(0);
         let presence = self.hold_presence().await?;
-        let activation = self
+        let mut activated = self
             .write(move |tx| {
                 let (holder, urls) = (holder.clone(), urls.clone());
                 Box::pin(async move {
@@ -256,9 +285,15 @@ impl crate::PgStore {
                 })
             })
             .await?;
-        self.set_fence(activation.generation);
+        self.set_fence(activated.generation);
+        self.interrupt_orphans(&activated.dead, now_ms, &mut activated.recovery)
+            .await?;
         self.start_relay().await?;
-        Ok(activation)
+        Ok(Activation {
+            generation: activated.generation,
+            previous_holder: activated.previous_holder,
+            recovery: activated.recovery,
+        })
     }
 
     /// Takes a fresh presence lock on a connection of its own, kept for
@@ -363,22 +398,24 @@ impl crate::PgStore {
         }
         let urls = self.inner.hooks.urls();
         let me = to_i64("generation", self.fence())?;
-        self.write(move |tx| {
-            let urls = urls.clone();
-            Box::pin(async move {
-                tx.execute("SELECT pg_advisory_xact_lock($1)", &[&PROCESSES_LOCK])
-                    .await
-                    .map_err(from_pg)?;
-                let processes = expire_tx(tx).await?;
-                if processes.is_empty() {
-                    return Ok(None);
-                }
-                let dead: Vec<i64> = processes
-                    .iter()
-                    .map(|(g, _)| to_i64("generation", *g))
-                    .collect::<Result<_>>()?;
-                let recovery = take_over_tx(tx, &dead, me, now_ms, &urls).await?;
-                let sessions_with_queued_inputs = tx
+        let taken = self
+            .write(move |tx| {
+                let urls = urls.clone();
+                Box::pin(async move {
+                    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&PROCESSES_LOCK])
+                        .await
+                        .map_err(from_pg)?;
+                    let processes = expire_tx(tx).await?;
+                    if processes.is_empty() {
+                        return Ok(None);
+                    }
+                    let dead: Vec<i64> = processes
+                        .iter()
+                        .map(|(g, _)| to_i64("generation", *g))
+                        .collect::<Result<_>>()?;
+                    let (recovery, alone) = take_over_tx(tx, &dead, me, now_ms, &urls).await?;
+                    let dead = if alone { Vec::new() } else { dead };
+                    let sessions_with_queued_inputs = tx
                     .query(
                         "SELECT DISTINCT session_id FROM queued_inputs WHERE generation NOT IN \
                          (SELECT generation FROM runtime_processes) ORDER BY 1",
@@ -389,14 +426,82 @@ impl crate::PgStore {
                     .iter()
                     .map(|r| parse("queued_inputs.session_id", r.get::<_, &str>(0)))
                     .collect::<Result<Vec<_>>>()?;
-                Ok(Some(ProcessRecovery {
-                    processes,
-                    recovery,
-                    sessions_with_queued_inputs,
-                }))
+                    Ok(Some((
+                        ProcessRecovery {
+                            processes,
+                            recovery,
+                            sessions_with_queued_inputs,
+                        },
+                        dead,
+                    )))
+                })
             })
-        })
-        .await
+            .await?;
+        let Some((mut taken, dead)) = taken else {
+            return Ok(None);
+        };
+        self.interrupt_orphans(&dead, now_ms, &mut taken.recovery)
+            .await?;
+        Ok(Some(taken))
+    }
+
+    /// Ends the runs of the `dead` generations as interrupted, one
+    /// transaction each, adding them to `report` (and their roots to the
+    /// sessions whose inbox has work).
+    async fn interrupt_orphans(
+        &self,
+        dead: &[i64],
+        now_ms: i64,
+        report: &mut RecoveryReport,
+    ) -> Result<()> {
+        if dead.is_empty() {
+            return Ok(());
+        }
+        let dead = dead.to_vec();
+        let runs = self
+            .read(move |tx| {
+                let dead = dead.clone();
+                Box::pin(async move {
+                    tx.query(
+                        &format!(
+                            "SELECT id FROM agent_runs WHERE runtime_generation = ANY($1) \
+                             AND status IN {} ORDER BY row_order",
+                            crate::runs::EXECUTING_RUN
+                        ),
+                        &[&dead],
+                    )
+                    .await
+                    .map_err(from_pg)?
+                    .iter()
+                    .map(|r| parse::<keel_core::RunId>("agent_runs.id", r.get::<_, &str>(0)))
+                    .collect::<Result<Vec<_>>>()
+                })
+            })
+            .await?;
+        let urls = self.inner.hooks.urls();
+        for run in runs {
+            let urls = urls.clone();
+            let commit = self
+                .write(move |tx| {
+                    let urls = urls.clone();
+                    Box::pin(async move { interrupt_orphan_tx(tx, &run, now_ms, &urls).await })
+                })
+                .await?;
+            let Some(commit) = commit else { continue };
+            if commit.event_id.is_some() {
+                report.completion_events += 1;
+            }
+            if commit.finished_group.is_some() {
+                report.groups_finished += 1;
+            }
+            report.interrupted_runs.push(run);
+            report
+                .sessions_with_inbox_work
+                .push(commit.run.spec.root_session_id);
+        }
+        report.sessions_with_inbox_work.sort_unstable();
+        report.sessions_with_inbox_work.dedup();
+        Ok(())
     }
 }
 

@@ -45,7 +45,7 @@ const MESSAGES_PER_DIALOG: usize = 12;
 /// `storage.lease_secs`: the smallest allowed, so a takeover comes soon.
 const LEASE_SECS: u64 = 3;
 /// Delegations in each process's root script (four background runs each).
-const DELEGATIONS_PER_LIFE: usize = 45;
+const DELEGATIONS_PER_LIFE: usize = 90;
 /// The process that is killed.
 const VICTIM: usize = 0;
 /// The longest a client waits for one answer, and the test for the
@@ -77,8 +77,8 @@ fn root_script() -> String {
 /// when the victim dies.
 fn bg_script() -> String {
     let mut out = String::from("when_exhausted: echo\nresponses:\n");
-    for i in 0..800 {
-        out.push_str(&format!("- {{text: \"bg result {i}\", delay_ms: 300}}\n"));
+    for i in 0..1500 {
+        out.push_str(&format!("- {{text: \"bg result {i}\", delay_ms: 200}}\n"));
     }
     out
 }

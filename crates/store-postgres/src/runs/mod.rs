@@ -24,7 +24,7 @@ use crate::PgStore;
 
 pub(crate) use import::import_runs_tx;
 pub(crate) use pauses::end_run_approvals_tx;
-pub(crate) use recovery::{recover_generations_tx, recover_tx, Stale};
+pub(crate) use recovery::{interrupt_orphan_tx, recover_tx, Stale};
 pub(crate) use rows::{get_run_tx, query_runs};
 
 use rows::get_group_tx;

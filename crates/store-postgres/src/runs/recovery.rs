@@ -176,96 +176,50 @@ pub(crate) async fn recover_tx(
     Ok(report)
 }
 
-/// Recovery of the `dead` generations' work alone, while other processes
-/// run (`sessions`: those whose lease a dead process held): the dead
-/// generations' runs end as interrupted, the inbox leases of `sessions`
-/// return to pending, and the counters of the roots involved are made
-/// consistent. Reads only those rows (by index), so the live processes'
-/// transactions rarely conflict with it.
-pub(crate) async fn recover_generations_tx(
+/// Ends run `id` as interrupted if it still runs under a generation no
+/// process holds (its process was taken over), with its completion; one
+/// small transaction per run, so the live processes' work rarely conflicts
+/// with a takeover. `None` when there was nothing to do.
+pub(crate) async fn interrupt_orphan_tx(
     tx: &Tx<'_>,
-    dead: &[i64],
-    sessions: &[SessionId],
+    id: &keel_core::RunId,
     now_ms: i64,
     webhook_urls: &[String],
-) -> Result<RecoveryReport> {
-    let mut report = RecoveryReport::default();
-    let mut revisions = Revisions::default();
-    let mut roots: Vec<SessionId> = sessions.to_vec();
-    let stale = query_runs(
-        tx,
-        &format!(
-            "WHERE runtime_generation = ANY($1) AND status IN {EXECUTING_RUN} ORDER BY row_order"
-        ),
-        &[&dead],
-    )
-    .await?;
-    for run in stale {
-        let run = require_run(tx, &run.spec.id).await?;
-        if run.status.is_terminal() {
-            continue;
-        }
-        let outcome = TerminalOutcome::Interrupted {
-            reason: format!(
-                "runtime generation {} stopped before the run finished",
-                run.spec.runtime_generation
-            ),
-        };
-        let commit = terminal_tx(
-            tx,
-            &run,
-            &outcome,
-            CompletionHandling::Deliver,
-            now_ms,
-            &mut revisions,
-            webhook_urls,
-        )
-        .await?;
-        if commit.event_id.is_some() {
-            report.completion_events += 1;
-        }
-        if commit.finished_group.is_some() {
-            report.groups_finished += 1;
-        }
-        roots.push(run.spec.root_session_id);
-        report.interrupted_runs.push(run.spec.id);
+) -> Result<Option<keel_store::TerminalCommit>> {
+    let run = require_run(tx, id).await?;
+    if run.status.is_terminal() {
+        return Ok(None);
     }
-    roots.sort_unstable();
-    roots.dedup();
-    for root in sessions {
-        let revision = revisions.of(tx, root, now_ms).await?;
-        report.leases_expired += tx
-            .execute(
-                "UPDATE agent_inbox_events SET status = 'pending', lease_token = NULL, \
-                 lease_until = NULL, admitted_turn_id = NULL, \
-                 attempt_count = attempt_count + 1, next_attempt_at = $1, \
-                 last_error = 'lease holder stopped', revision = $2 \
-                 WHERE root_session_id = $3 AND status IN ('leased', 'admitted')",
-                &[&now_ms, &revision, &root.to_string()],
-            )
-            .await
-            .map_err(from_pg)?;
-    }
-    for root in &roots {
-        if let Some(repair) = reconcile_tx(tx, root, now_ms, &mut revisions).await? {
-            report.counters_repaired.push(repair);
-        }
-    }
-    let keys: Vec<String> = roots.iter().map(ToString::to_string).collect();
-    report.sessions_with_inbox_work = tx
-        .query(
-            "SELECT DISTINCT root_session_id FROM agent_inbox_events \
-             WHERE root_session_id = ANY($1) AND (status = 'pending' OR (status = 'dead_letter' \
-               AND fallback_notified_at IS NULL AND fallback_suppressed_reason IS NULL)) \
-             ORDER BY root_session_id",
-            &[&keys],
+    let generation = to_i64("runtime_generation", run.spec.runtime_generation)?;
+    let registered = tx
+        .query_opt(
+            "SELECT 1 FROM runtime_processes WHERE generation = $1",
+            &[&generation],
         )
         .await
         .map_err(from_pg)?
-        .iter()
-        .map(|r| parse::<SessionId>("root_session_id", r.get::<_, &str>(0)))
-        .collect::<Result<Vec<_>>>()?;
-    Ok(report)
+        .is_some();
+    if registered {
+        return Ok(None);
+    }
+    let outcome = TerminalOutcome::Interrupted {
+        reason: format!(
+            "runtime generation {} stopped before the run finished",
+            run.spec.runtime_generation
+        ),
+    };
+    let mut revisions = Revisions::default();
+    let commit = terminal_tx(
+        tx,
+        &run,
+        &outcome,
+        CompletionHandling::Deliver,
+        now_ms,
+        &mut revisions,
+        webhook_urls,
+    )
+    .await?;
+    Ok(Some(commit))
 }
 
 impl PgStore {
