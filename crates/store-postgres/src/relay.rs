@@ -42,6 +42,8 @@ pub(crate) struct PgRelay {
     pool: deadpool_postgres::Pool,
     /// This process's generation (the store's fence).
     generation: Arc<AtomicU64>,
+    /// Messages sent so far (each carries its number).
+    sent: AtomicU64,
     received: broadcast::Sender<Relayed>,
     listener: JoinHandle<()>,
 }
@@ -53,11 +55,13 @@ impl Drop for PgRelay {
 }
 
 /// A message's notification text (the header, and the payload when it fits).
-fn encode(generation: u64, session: SessionId, payload: &str) -> String {
+fn encode(generation: u64, n: u64, session: SessionId, payload: &str) -> String {
+    // `n` numbers the process's messages: PostgreSQL delivers identical
+    // notifications of one transaction once, and a batch may repeat one.
     if payload.len() > RELAY_MAX_BYTES {
-        format!("o{generation} {session}")
+        format!("o{generation}.{n} {session}")
     } else {
-        format!("m{generation} {session} {payload}")
+        format!("m{generation}.{n} {session} {payload}")
     }
 }
 
@@ -67,7 +71,7 @@ fn decode(text: &str, own: u64) -> Option<Relayed> {
     let parsed = (|| {
         let (kind, rest) = text.split_at_checked(1)?;
         let (generation, rest) = rest.split_once(' ')?;
-        let generation: u64 = generation.parse().ok()?;
+        let generation: u64 = generation.split('.').next()?.parse().ok()?;
         let (session, payload) = match rest.split_once(' ') {
             Some((session, payload)) => (session, Some(payload)),
             None => (rest, None),
@@ -121,6 +125,7 @@ impl PgRelay {
         Ok(Self {
             pool,
             generation,
+            sent: AtomicU64::new(0),
             received,
             listener,
         })
@@ -129,15 +134,26 @@ impl PgRelay {
 
 #[async_trait::async_trait]
 impl Relay for PgRelay {
-    async fn publish(&self, session: SessionId, payload: String) -> Result<()> {
-        let text = encode(self.generation.load(Ordering::Acquire), session, &payload);
+    async fn publish(&self, notes: Vec<(SessionId, String)>) -> Result<()> {
+        if notes.is_empty() {
+            return Ok(());
+        }
+        let generation = self.generation.load(Ordering::Acquire);
+        let texts: Vec<String> = notes
+            .iter()
+            .map(|(session, payload)| {
+                let n = self.sent.fetch_add(1, Ordering::Relaxed);
+                encode(generation, n, *session, payload)
+            })
+            .collect();
         let client = self.pool.get().await.map_err(from_pool)?;
+        // One statement, one transaction: the notes go out together, in order.
         let statement = client
-            .prepare_cached("SELECT pg_notify($1, $2)")
+            .prepare_cached("SELECT pg_notify($1, t) FROM unnest($2::text[]) AS t")
             .await
             .map_err(from_pg)?;
         client
-            .execute(&statement, &[&CHANNEL, &text])
+            .execute(&statement, &[&CHANNEL, &texts])
             .await
             .map_err(from_pg)?;
         Ok(())
@@ -261,7 +277,7 @@ mod tests {
     #[test]
     fn a_message_round_trips_and_its_sender_skips_it() {
         let session = SessionId::new();
-        let text = encode(7, session, "{\"a\": \"b c\"}");
+        let text = encode(7, 3, session, "{\"a\": \"b c\"}");
         assert_eq!(
             decode(&text, 8),
             Some(Relayed::Message {
@@ -271,7 +287,7 @@ mod tests {
         );
         assert_eq!(decode(&text, 7), None);
         let long = "x".repeat(RELAY_MAX_BYTES + 1);
-        let text = encode(7, session, &long);
+        let text = encode(7, 4, session, &long);
         assert!(text.len() < 100, "{text}");
         assert_eq!(decode(&text, 8), Some(Relayed::Oversized { session }));
         assert_eq!(decode("hello", 8), None);

@@ -36,9 +36,10 @@ pub enum Relayed {
 /// Messages between the processes that share a database (not durable).
 #[async_trait::async_trait]
 pub trait Relay: Send + Sync {
-    /// Sends `payload` about `session` to the other processes (longer than
-    /// [`RELAY_MAX_BYTES`]: they learn only that it was too long).
-    async fn publish(&self, session: SessionId, payload: String) -> Result<()>;
+    /// Sends each `(session, payload)` to the other processes, in order, in
+    /// one round trip (a payload longer than [`RELAY_MAX_BYTES`]: they learn
+    /// only that it was too long).
+    async fn publish(&self, notes: Vec<(SessionId, String)>) -> Result<()>;
     /// What other processes publish from now on (not this process's own).
     fn subscribe(&self) -> broadcast::Receiver<Relayed>;
 }

@@ -171,17 +171,18 @@ async fn send(
         while let Ok(next) = outgoing.try_recv() {
             batch.push(next);
         }
+        let mut notes = Vec::new();
         for (session, note) in merged(batch) {
-            let payload = match serde_json::to_string(&note) {
-                Ok(payload) => payload,
+            match serde_json::to_string(&note) {
+                Ok(payload) => notes.push((session, payload)),
                 Err(e) => {
                     tracing::error!(session_id = %session, error = %e, "a frame cannot be written as JSON; not relayed");
-                    continue;
                 }
-            };
-            if let Err(e) = relay.publish(session, payload).await {
-                tracing::warn!(session_id = %session, error = %e, "a frame could not be relayed; other servers' clients of the dialog miss it");
             }
+        }
+        let count = notes.len();
+        if let Err(e) = relay.publish(notes).await {
+            tracing::warn!(frames = count, error = %e, "frames could not be relayed; other servers' clients of their dialogs miss them");
         }
     }
 }

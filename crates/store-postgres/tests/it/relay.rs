@@ -49,19 +49,40 @@ async fn a_message_reaches_the_other_process_in_order_and_not_its_sender() {
     let (relay_a, relay_b) = (a.relay().expect("ok"), b.relay().expect("ok"));
     let (mut at_a, mut at_b) = (relay_a.subscribe(), relay_b.subscribe());
     let session = SessionId::new();
-    relay_a.publish(session, "one".into()).await.expect("ok");
     relay_a
-        .publish(session, "x".repeat(RELAY_MAX_BYTES + 1))
+        .publish(vec![(session, "one".into())])
+        .await
+        .expect("ok");
+    relay_a
+        .publish(vec![(session, "x".repeat(RELAY_MAX_BYTES + 1))])
         .await
         .expect("ok");
     let widest = "é".repeat(RELAY_MAX_BYTES / 2);
-    relay_a.publish(session, widest.clone()).await.expect("ok");
+    relay_a
+        .publish(vec![(session, widest.clone())])
+        .await
+        .expect("ok");
     assert_eq!(next(&mut at_b).await, message(session, "one"));
     assert_eq!(next(&mut at_b).await, Relayed::Oversized { session });
     assert_eq!(next(&mut at_b).await, message(session, &widest));
-    // A's listener saw its own three first: the first it delivers is B's.
+    // A batch goes out in order, each note once, repeated ones too.
+    relay_a
+        .publish(vec![
+            (session, "same".into()),
+            (session, "same".into()),
+            (SessionId::new(), "last".into()),
+        ])
+        .await
+        .expect("ok");
+    assert_eq!(next(&mut at_b).await, message(session, "same"));
+    assert_eq!(next(&mut at_b).await, message(session, "same"));
+    assert!(matches!(next(&mut at_b).await, Relayed::Message { payload, .. } if payload == "last"));
+    // A's listener saw its own first: the first it delivers is B's.
     let other = SessionId::new();
-    relay_b.publish(other, "from b".into()).await.expect("ok");
+    relay_b
+        .publish(vec![(other, "from b".into())])
+        .await
+        .expect("ok");
     assert_eq!(next(&mut at_a).await, message(other, "from b"));
     assert!(at_b.try_recv().is_err(), "B does not hear itself");
 }
@@ -85,6 +106,9 @@ async fn a_broken_listening_connection_is_opened_again_and_says_messages_were_lo
     assert_eq!(next(&mut at_b).await, Relayed::Lost);
     // Listening again: what A sends now arrives.
     let session = SessionId::new();
-    relay_a.publish(session, "after".into()).await.expect("ok");
+    relay_a
+        .publish(vec![(session, "after".into())])
+        .await
+        .expect("ok");
     assert_eq!(next(&mut at_b).await, message(session, "after"));
 }
