@@ -162,8 +162,13 @@ async fn on_processes() {
         for processes in [1, 3] {
             let db = TestDb::start().await.unwrap();
             let machine = machine_cpu_secs();
-            let served =
-                over_processes(&format!("[storage]\nurl = {:?}\n", db.conninfo), processes).await;
+            // The same 16 connections on the server in all, shared out.
+            let config = format!(
+                "[storage]\nurl = {:?}\nmax_connections = {}\n",
+                db.conninfo,
+                16 / processes
+            );
+            let served = over_processes(&config, processes).await;
             let machine = machine_cpu_secs() - machine;
             let turns = served.run.latencies.len().max(1) as f64;
             report(
