@@ -29,10 +29,11 @@
 //!   its own, which the server frees when the process dies. Every write
 //!   checks first that its registration exists. A registration that
 //!   expired, or whose presence lock is free, is deleted by whichever
-//!   process notices, which takes its work over in the same transaction:
-//!   its runs interrupted with their completions, the session leases it
-//!   held freed, the inbox leases and open inputs of sessions no live
-//!   process leases released.
+//!   process notices, which takes its work over: in the same transaction
+//!   the session leases it held are freed and those sessions' inbox leases
+//!   and open inputs released; then its runs end interrupted with their
+//!   completions, one transaction each (alone on the database, a start
+//!   recovers everything in one transaction).
 //! - **Session leases** (`processes.rs`). A session's turns run under its
 //!   lease (`session_leases`), one live holder at a time; the row keeps its
 //!   last holder, so a process taking it learns whether to reload.
