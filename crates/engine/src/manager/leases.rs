@@ -36,7 +36,7 @@ pub(super) struct SessionHold {
     session: SessionId,
     held: bool,
     /// This process's turn at the session's gate (shared databases only).
-    _gate: Option<tokio::sync::OwnedMutexGuard<()>>,
+    gate: Option<tokio::sync::OwnedMutexGuard<()>>,
 }
 
 /// Each session's gate: the holders of its lease in this process take
@@ -74,7 +74,7 @@ impl Drop for SessionHold {
         let (store, session) = (self.store.clone(), self.session);
         // The gate stays shut until the lease is back, so this process's
         // next holder never has its lease given back under it.
-        let gate = self._gate.take();
+        let gate = self.gate.take();
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             handle.spawn(async move {
                 if let Err(e) = store.release_session(session).await {
@@ -94,12 +94,12 @@ impl SessionManager {
             store: self.store.clone(),
             session,
             held: false,
-            _gate: None,
+            gate: None,
         };
         if !self.store.shared() {
             return Ok(hold);
         }
-        hold._gate = Some(self.lease_gates.enter(session).await);
+        hold.gate = Some(self.lease_gates.enter(session).await);
         let mut pause = FIRST_PAUSE;
         loop {
             match self.store.lease_session(session).await? {
