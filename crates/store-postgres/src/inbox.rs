@@ -548,22 +548,30 @@ pub(crate) async fn release_orphaned_leases_tx(
         .collect::<Result<Vec<_>>>()?;
     let mut n = 0;
     for root in &roots {
-        let revision = revisions.of(tx, root, now_ms).await?;
-        n += tx
-            .execute(
-                &format!(
-                    "UPDATE agent_inbox_events SET status = 'pending', lease_token = NULL, \
-                     lease_until = NULL, admitted_turn_id = NULL, \
-                     attempt_count = attempt_count + 1, next_attempt_at = $1, \
-                     last_error = 'lease holder stopped', revision = $2 \
-                     WHERE root_session_id = $3 AND {ORPHANED}"
-                ),
-                &[&now_ms, &revision, &root.to_string()],
-            )
-            .await
-            .map_err(from_pg)?;
+        n += release_leases_of_tx(tx, root, now_ms, revisions).await?;
     }
     Ok(n)
+}
+
+/// Every leased or admitted event of `root` back to pending with one more
+/// attempt, due at `now_ms`: their holder stopped.
+pub(crate) async fn release_leases_of_tx(
+    tx: &Tx<'_>,
+    root: &SessionId,
+    now_ms: i64,
+    revisions: &mut Revisions,
+) -> Result<u64> {
+    let revision = revisions.of(tx, root, now_ms).await?;
+    tx.execute(
+        "UPDATE agent_inbox_events SET status = 'pending', lease_token = NULL, \
+         lease_until = NULL, admitted_turn_id = NULL, \
+         attempt_count = attempt_count + 1, next_attempt_at = $1, \
+         last_error = 'lease holder stopped', revision = $2 \
+         WHERE root_session_id = $3 AND status IN ('leased', 'admitted')",
+        &[&now_ms, &revision, &root.to_string()],
+    )
+    .await
+    .map_err(from_pg)
 }
 
 /// Root sessions whose inbox has work: pending events (due, or backing off

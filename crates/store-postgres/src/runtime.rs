@@ -137,18 +137,8 @@ async fn take_over_tx(
         let mut recovery = RecoveryReport::default();
         let mut revisions = crate::counters::Revisions::default();
         for session in &sessions {
-            let revision = revisions.of(tx, session, now_ms).await?;
-            recovery.leases_expired += tx
-                .execute(
-                    "UPDATE agent_inbox_events SET status = 'pending', lease_token = NULL, \
-                     lease_until = NULL, admitted_turn_id = NULL, \
-                     attempt_count = attempt_count + 1, next_attempt_at = $1, \
-                     last_error = 'lease holder stopped', revision = $2 \
-                     WHERE root_session_id = $3 AND status IN ('leased', 'admitted')",
-                    &[&now_ms, &revision, &session.to_string()],
-                )
-                .await
-                .map_err(from_pg)?;
+            recovery.leases_expired +=
+                crate::inbox::release_leases_of_tx(tx, session, now_ms, &mut revisions).await?;
         }
         recovery.sessions_with_inbox_work = sessions.clone();
         let keys: Vec<String> = sessions.iter().map(ToString::to_string).collect();
@@ -301,9 +291,15 @@ impl crate::PgStore {
     /// While the process lives, the lock is held; when the process dies,
     /// the server ends the connection and frees it.
     async fn hold_presence(&self) -> Result<i64> {
-        let pool = crate::pool(&self.inner.conninfo, 1).map_err(crate::store::from_pg_store)?;
-        let pooled = pool.get().await.map_err(crate::store::from_pool)?;
-        let client = deadpool_postgres::Object::take(pooled);
+        let tls = crate::pool::tls().map_err(crate::store::from_pg_store)?;
+        let (client, connection) = self.inner.config.connect(tls).await.map_err(from_pg)?;
+        // Driven until the client is dropped (with the store) or the server
+        // ends it; then the lock is free and other processes take over.
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::warn!(error = %e, "this process's presence connection ended");
+            }
+        });
         // A v7 UUID's random bits, a positive key apart from keel's fixed ones.
         let key = (uuid::Uuid::now_v7().as_u128() & ((1 << 62) - 1)) as i64;
         client

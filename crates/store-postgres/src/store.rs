@@ -75,10 +75,8 @@ pub(crate) struct Inner {
     retry_delays: Vec<Duration>,
     /// How long a registration lasts unless renewed.
     pub(crate) lease: Duration,
-    /// The connection string (for connections outside the pool).
-    pub(crate) conninfo: String,
     /// The connection holding this process's presence lock (see `runtime.rs`).
-    pub(crate) presence: tokio::sync::Mutex<Option<deadpool_postgres::ClientWrapper>>,
+    pub(crate) presence: tokio::sync::Mutex<Option<tokio_postgres::Client>>,
     /// The runtime generation this store writes for (0 until activated).
     fence: Arc<AtomicU64>,
     /// The connection string (the relay's listener connects outside the pool).
@@ -204,7 +202,6 @@ impl PgStore {
                 location: crate::redacted(url),
                 retry_delays: options.retry_delays,
                 lease: options.lease,
-                conninfo: url.to_owned(),
                 presence: tokio::sync::Mutex::new(None),
                 fence: Arc::new(AtomicU64::new(0)),
                 config,
@@ -254,41 +251,29 @@ impl PgStore {
     /// Runs `body` in a `SERIALIZABLE` transaction, fenced to this store's
     /// runtime generation, and answers after `COMMIT`. Serialization
     /// failures and deadlocks are retried from the start.
-    pub(crate) async fn write<T, F>(&self, mut body: F) -> Result<T>
+    pub(crate) async fn write<T, F>(&self, body: F) -> Result<T>
     where
         T: Send,
         F: for<'a> FnMut(&'a Tx<'a>) -> TxBody<'a, T> + Send,
     {
-        let fence = self.inner.fence.load(Ordering::Acquire);
-        let mut attempt = 0usize;
-        loop {
-            attempt += 1;
-            match self
-                .attempt(IsolationLevel::Serializable, false, fence, &mut body)
-                .await
-            {
-                Err(Attempt::Retry(e)) => match self.inner.retry_delays.get(attempt - 1) {
-                    Some(delay) => {
-                        tracing::debug!(attempt, error = %e, "transaction retried");
-                        tokio::time::sleep(jittered(*delay)).await;
-                    }
-                    None => return Err(with_attempts(e, attempt)),
-                },
-                Err(Attempt::Failed(e)) => return Err(e),
-                Ok(v) => {
-                    self.inner.transactions.fetch_add(1, Ordering::Relaxed);
-                    return Ok(v);
-                }
-            }
-        }
+        self.write_at(IsolationLevel::Serializable, body).await
     }
 
     /// Runs `body` in a `READ COMMITTED` transaction whose fence check
     /// locks this process's registration (`FOR SHARE`), for the short
     /// row-locking writes of several processes' bookkeeping (session
-    /// leases, renewals): they take part in no serializable conflict, and a
-    /// recovery of this process waits for them. Deadlocks are retried.
-    pub(crate) async fn write_committed<T, F>(&self, mut body: F) -> Result<T>
+    /// leases): they take part in no serializable conflict, and a recovery
+    /// of this process waits for them. Deadlocks are retried.
+    pub(crate) async fn write_committed<T, F>(&self, body: F) -> Result<T>
+    where
+        T: Send,
+        F: for<'a> FnMut(&'a Tx<'a>) -> TxBody<'a, T> + Send,
+    {
+        self.write_at(IsolationLevel::ReadCommitted, body).await
+    }
+
+    /// A fenced write at `isolation`, retried while it may succeed.
+    async fn write_at<T, F>(&self, isolation: IsolationLevel, mut body: F) -> Result<T>
     where
         T: Send,
         F: for<'a> FnMut(&'a Tx<'a>) -> TxBody<'a, T> + Send,
@@ -297,12 +282,12 @@ impl PgStore {
         let mut attempt = 0usize;
         loop {
             attempt += 1;
-            match self
-                .attempt(IsolationLevel::ReadCommitted, false, fence, &mut body)
-                .await
-            {
+            match self.attempt(isolation, false, fence, &mut body).await {
                 Err(Attempt::Retry(e)) => match self.inner.retry_delays.get(attempt - 1) {
-                    Some(delay) => tokio::time::sleep(jittered(*delay)).await,
+                    Some(delay) => {
+                        tracing::debug!(attempt, error = %e, "transaction retried");
+                        tokio::time::sleep(jittered(*delay)).await;
+                    }
                     None => return Err(with_attempts(e, attempt)),
                 },
                 Err(Attempt::Failed(e)) => return Err(e),
