@@ -362,10 +362,15 @@ export class Chat {
     return c.scrollHeight - c.scrollTop - c.clientHeight < 80;
   }
 
+  /** Shows the end of the conversation at the next frame (after the text
+   *  that just arrived is rendered), unless the reader scrolled away since. */
   scroll() {
     this.jump.hidden = true;
+    const from = this.container.scrollTop;
     requestAnimationFrame(() => {
-      this.container.scrollTop = this.container.scrollHeight;
+      const c = this.container;
+      if (c.scrollTop === from) c.scrollTop = c.scrollHeight;
+      else this.jump.hidden = this.atBottom();
     });
   }
 }
