@@ -16,7 +16,7 @@ use tokio_postgres::Row;
 use crate::store::Tx;
 
 use crate::messages::{last_seq, visible_inputs};
-use crate::sessions::{insert_session_tx, require_session};
+use crate::sessions::{insert_session_tx, lock_session};
 use crate::store::from_pg;
 use crate::util::{fresh_id, non_negative, page_fetch, parse, parse_opt, sha256_hex, to_i64};
 use crate::PgStore;
@@ -112,13 +112,7 @@ pub(crate) async fn put_state_tx(
     if session.state_hash.as_deref() == Some(hash.as_str()) {
         return Ok(hash);
     }
-    tx.execute(
-        "INSERT INTO state_blobs (hash, bytes, codec) VALUES ($1, $2, 0) \
-         ON CONFLICT (hash) DO NOTHING",
-        &[&hash, &bytes],
-    )
-    .await
-    .map_err(from_pg)?;
+    keep_blob_tx(tx, &hash, bytes).await?;
     tx.execute(
         "UPDATE sessions SET state_hash = $1 WHERE id = $2",
         &[&hash, &session.id.to_string()],
@@ -126,6 +120,41 @@ pub(crate) async fn put_state_tx(
     .await
     .map_err(from_pg)?;
     Ok(hash)
+}
+
+/// Makes sure the state blob `hash` exists and stays until the transaction
+/// ends: a present row is share-locked (a sweep deleting it waits, then
+/// sees the reference), a missing one inserted. At `READ COMMITTED` a
+/// sweep may delete the row between the two statements, or another
+/// writer insert it: then the other one is tried again.
+async fn keep_blob_tx(tx: &Tx<'_>, hash: &str, bytes: &[u8]) -> Result<()> {
+    for _ in 0..3 {
+        let kept = tx
+            .query_opt(
+                "SELECT 1 FROM state_blobs WHERE hash = $1 FOR KEY SHARE",
+                &[&hash],
+            )
+            .await
+            .map_err(from_pg)?;
+        if kept.is_some() {
+            return Ok(());
+        }
+        let inserted = tx
+            .query_opt(
+                "INSERT INTO state_blobs (hash, bytes, codec) VALUES ($1, $2, 0) \
+                 ON CONFLICT (hash) DO NOTHING RETURNING 1",
+                &[&hash, &bytes],
+            )
+            .await
+            .map_err(from_pg)?;
+        if inserted.is_some() {
+            return Ok(());
+        }
+    }
+    Err(StoreError::Busy {
+        message: format!("state blob {hash} was deleted while it was being kept"),
+        attempts: 3,
+    })
 }
 
 /// The bytes of the state blob `hash`, if it exists. A row another keel
@@ -225,7 +254,7 @@ async fn rollback_tx(
     new_id: &CheckpointId,
     now_ms: i64,
 ) -> Result<CheckpointRecord> {
-    require_session(tx, session_id).await?;
+    lock_session(tx, session_id).await?;
     let target = require_checkpoint(tx, target_id).await?;
     if target.session_id != *session_id {
         return Err(StoreError::InvalidInput(format!(
@@ -432,10 +461,10 @@ impl PgStore {
         state: Vec<u8>,
         now_ms: i64,
     ) -> Result<CheckpointRecord> {
-        self.write(move |tx| {
+        self.write_committed(move |tx| {
             let state = state.clone();
             Box::pin(async move {
-                let session = require_session(tx, &session_id).await?;
+                let session = lock_session(tx, &session_id).await?;
                 let hash = put_state_tx(tx, &session, &state).await?;
                 let seq = last_seq(tx, session.head_timeline_id.as_str()).await?;
                 insert_checkpoint_tx(
@@ -625,7 +654,7 @@ impl PgStore {
             let deleted = self
                 .write(move |tx| {
                     Box::pin(async move {
-                        require_session(tx, &session_id).await?;
+                        lock_session(tx, &session_id).await?;
                         let ids = select_prunable(tx, &session_id, policy).await?;
                         delete_checkpoint_batch(tx, &ids).await
                     })

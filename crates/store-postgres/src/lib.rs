@@ -4,10 +4,17 @@
 //! - **Transactions.** Each `Backend` method is an inherent method in the
 //!   module named as its SQLite twin (`sessions.rs`, `messages.rs`,
 //!   `runs/`, `inbox.rs` …; `backend.rs` lists them). Writes run in one
-//!   `SERIALIZABLE` transaction, retried on serialization failures and
-//!   deadlocks, answered after `COMMIT`; reads in one read-only snapshot
-//!   (`store.rs`). The same conformance suite as SQLite's runs against a
-//!   real server (`tests/it`).
+//!   transaction, retried on serialization failures and deadlocks,
+//!   answered after `COMMIT`; reads in one read-only snapshot
+//!   (`store.rs`). Most writes are `SERIALIZABLE`. A dialog's hot path
+//!   (queue an input, open and commit a turn, append, checkpoint, spend)
+//!   is `READ COMMITTED` behind a lock on its sessions row
+//!   (`lock_session`), which every write of a dialog's history, inputs and
+//!   checkpoints takes first: one dialog's writes run one at a time,
+//!   different dialogs' never conflict (serializable checks conflicted
+//!   them on shared index pages and halved the throughput). The same
+//!   conformance suite as SQLite's runs against a real server
+//!   (`tests/it`).
 //! - **The schema**: migrations 1..=[`SCHEMA_VERSION`], the same versions,
 //!   tables, columns, CHECKs, unique and partial indexes as keel-store's
 //!   SQLite schema (a parity test compares the two table by table), plus

@@ -17,7 +17,7 @@ use tokio_postgres::Row;
 use crate::store::Tx;
 
 use crate::checkpoints::{insert_checkpoint_tx, put_state_tx};
-use crate::sessions::{bump_activity, check_limit, list_dialogs_tx, require_session};
+use crate::sessions::{bump_activity, check_limit, list_dialogs_tx, lock_session, require_session};
 use crate::store::from_pg;
 use crate::PgStore;
 
@@ -45,11 +45,12 @@ pub(crate) async fn last_seq(tx: &Tx<'_>, timeline: &str) -> Result<i64> {
         .ok_or_else(|| StoreError::corrupt("timelines.id", format!("no timeline {timeline}")))
 }
 
-/// The head timeline of a session (a light lookup for the append path).
+/// The head timeline of a session, its row locked as `lock_session` does
+/// (a light lookup for the append path).
 pub(crate) async fn head_timeline(tx: &Tx<'_>, session: &SessionId) -> Result<String> {
     let row = tx
         .query_opt(
-            "SELECT head_timeline_id FROM sessions WHERE id = $1",
+            "SELECT head_timeline_id FROM sessions WHERE id = $1 FOR NO KEY UPDATE",
             &[&session.to_string()],
         )
         .await
@@ -328,7 +329,19 @@ pub(crate) async fn commit_turn_tx(
     messages: &[EncodedMessage],
     webhook_urls: &[String],
 ) -> Result<TurnCommitted> {
-    let session = require_session(tx, &turn.session_id).await?;
+    Ok(commit_turn_counted_tx(tx, turn, messages, webhook_urls)
+        .await?
+        .0)
+}
+
+/// `commit_turn_tx`, and how many webhook deliveries it queued.
+async fn commit_turn_counted_tx(
+    tx: &Tx<'_>,
+    turn: &TurnCommit,
+    messages: &[EncodedMessage],
+    webhook_urls: &[String],
+) -> Result<(TurnCommitted, usize)> {
+    let session = lock_session(tx, &turn.session_id).await?;
     let head = session.head_timeline_id.as_str();
     let last = last_seq(tx, head).await?;
     if let Some(expected) = &turn.expected_head {
@@ -337,8 +350,9 @@ pub(crate) async fn commit_turn_tx(
     let seqs = append_tx(tx, &session.id, head, last, messages, turn.now_ms).await?;
     let last = seqs.last().copied().unwrap_or(last);
     answer_inputs_tx(tx, head, &turn.answers).await?;
+    let mut deliveries = 0;
     if !turn.answers.is_empty() {
-        crate::webhooks::deliveries_tx(
+        deliveries = crate::webhooks::deliveries_tx(
             tx,
             &crate::webhooks::CommittedTurn {
                 status: "committed",
@@ -381,11 +395,12 @@ pub(crate) async fn commit_turn_tx(
         None => None,
     };
     bump_activity(tx, &session.id, turn.now_ms, turn.visible_user_inputs).await?;
-    Ok(TurnCommitted {
+    let committed = TurnCommitted {
         seqs,
         state_hash,
         checkpoint,
-    })
+    };
+    Ok((committed, deliveries))
 }
 
 /// Marks the inputs `seqs` of `timeline` answered. Each must be open: an
@@ -474,7 +489,7 @@ impl PgStore {
             .count();
         let visible = u32::try_from(visible).unwrap_or(u32::MAX);
         let turn = Arc::new(turn);
-        self.write(move |tx| {
+        self.write_committed(move |tx| {
             let (turn, encoded) = (turn.clone(), encoded.clone());
             Box::pin(async move { open_turn_tx(tx, &turn, &encoded, visible).await })
         })
@@ -489,7 +504,7 @@ impl PgStore {
         let urls = Arc::new(self.inner.hooks.urls());
         let seqs = Arc::new(seqs);
         let (changed, deliveries) = self
-            .write(move |tx| {
+            .write_committed(move |tx| {
                 let (urls, seqs) = (urls.clone(), seqs.clone());
                 Box::pin(async move {
                     let timeline = head_timeline(tx, &session_id).await?;
@@ -547,7 +562,7 @@ impl PgStore {
         now_ms: i64,
     ) -> Result<Vec<i64>> {
         let encoded = Arc::new(encode(&messages)?);
-        self.write(move |tx| {
+        self.write_committed(move |tx| {
             let encoded = encoded.clone();
             Box::pin(async move {
                 let (timeline, last) = head_state(tx, &session_id).await?;
@@ -560,15 +575,14 @@ impl PgStore {
     pub(crate) async fn commit_turn(&self, turn: TurnCommit) -> Result<TurnCommitted> {
         let encoded = Arc::new(encode(&turn.messages)?);
         let global = Arc::new(self.inner.hooks.urls());
-        let answers = !turn.answers.is_empty();
         let turn = Arc::new(turn);
-        let committed = self
-            .write(move |tx| {
+        let (committed, deliveries) = self
+            .write_committed(move |tx| {
                 let (turn, encoded, global) = (turn.clone(), encoded.clone(), global.clone());
-                Box::pin(async move { commit_turn_tx(tx, &turn, &encoded, &global).await })
+                Box::pin(async move { commit_turn_counted_tx(tx, &turn, &encoded, &global).await })
             })
             .await?;
-        if answers {
+        if deliveries > 0 {
             self.inner.hooks.wake();
         }
         Ok(committed)

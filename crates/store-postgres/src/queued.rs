@@ -7,7 +7,7 @@ use crate::store::Tx;
 use keel_core::TurnId;
 use keel_store::{QueuedInput, Result, StoreError};
 
-use crate::sessions::require_session;
+use crate::sessions::lock_session;
 use crate::store::from_pg;
 use crate::util::{parse, to_i64};
 use crate::PgStore;
@@ -35,10 +35,10 @@ impl PgStore {
         let message = serde_json::to_string(&input.message)
             .map_err(|e| StoreError::InvalidInput(format!("message does not serialize: {e}")))?;
         let generation = to_i64("generation", self.fence())?;
-        self.write(move |tx| {
+        self.write_committed(move |tx| {
             let (input, message) = (input.clone(), message.clone());
             Box::pin(async move {
-                let session = require_session(tx, &input.session_id).await?;
+                let session = lock_session(tx, &input.session_id).await?;
                 if session.deleted_at_ms.is_some() {
                     return Err(StoreError::NotFound(format!("session {}", session.id)));
                 }

@@ -41,7 +41,7 @@ pub(crate) const DB_NOW_MS: &str = "(extract(epoch from clock_timestamp()) * 100
 /// transaction ends, so no recovery of it runs meanwhile.
 pub(crate) async fn check_fence(tx: &Tx<'_>, ours: u64, locked: bool) -> Result<()> {
     let sql = if locked {
-        "SELECT 1 FROM runtime_processes WHERE generation = $1 FOR SHARE"
+        "SELECT 1 FROM runtime_processes WHERE generation = $1 FOR KEY SHARE"
     } else {
         "SELECT 1 FROM runtime_processes WHERE generation = $1"
     };

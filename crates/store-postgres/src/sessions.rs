@@ -58,6 +58,20 @@ pub(crate) async fn get_session_tx(tx: &Tx<'_>, id: &SessionId) -> Result<Option
         .transpose()
 }
 
+/// The session `id`, its row locked (`FOR NO KEY UPDATE`) until the
+/// transaction ends: the writes of one dialog's history, inputs and
+/// checkpoints take it first, so they run one at a time whatever their
+/// isolation level, and writes to other dialogs never wait for them.
+pub(crate) async fn lock_session(tx: &Tx<'_>, id: &SessionId) -> Result<SessionRecord> {
+    let sql = format!("SELECT {SESSION_COLUMNS} FROM sessions WHERE id = $1 FOR NO KEY UPDATE");
+    tx.query_opt(&sql, &[&id.to_string()])
+        .await
+        .map_err(from_pg)?
+        .map(|r| session_from_row(&r))
+        .transpose()?
+        .ok_or_else(|| StoreError::NotFound(format!("session {id}")))
+}
+
 pub(crate) async fn require_session(tx: &Tx<'_>, id: &SessionId) -> Result<SessionRecord> {
     get_session_tx(tx, id)
         .await?

@@ -18,9 +18,10 @@ impl PgStore {
         cost: Usd,
         now_ms: i64,
     ) -> Result<DialogSpend> {
-        self.write(move |tx| {
+        // One row per dialog, added to in one statement: no lock to take first.
+        self.write_committed(move |tx| {
             Box::pin(async move {
-                tx.execute(
+                let row = tx.query_one(
                     "INSERT INTO dialog_spend AS d \
                      (session_id, prompt_tokens, completion_tokens, cost_usd, model_calls, updated_at) \
                      VALUES ($1, $2, $3, $4, 1, $5) \
@@ -28,7 +29,8 @@ impl PgStore {
                      prompt_tokens = d.prompt_tokens + EXCLUDED.prompt_tokens, \
                      completion_tokens = d.completion_tokens + EXCLUDED.completion_tokens, \
                      cost_usd = d.cost_usd + EXCLUDED.cost_usd, \
-                     model_calls = d.model_calls + 1, updated_at = EXCLUDED.updated_at",
+                     model_calls = d.model_calls + 1, updated_at = EXCLUDED.updated_at \
+                     RETURNING prompt_tokens, completion_tokens, cost_usd, model_calls",
                     &[
                         &session.to_string(),
                         &saturating_i64(usage.prompt_tokens),
@@ -39,7 +41,7 @@ impl PgStore {
                 )
                 .await
                 .map_err(from_pg)?;
-                Ok(read_tx(tx, &session).await?.unwrap_or_default())
+                spend_from_row(&row)
             })
         })
         .await
@@ -65,12 +67,18 @@ async fn read_tx(tx: &Tx<'_>, session: &SessionId) -> Result<Option<DialogSpend>
     else {
         return Ok(None);
     };
-    Ok(Some(DialogSpend {
+    spend_from_row(&r).map(Some)
+}
+
+/// A `dialog_spend` row read as (prompt_tokens, completion_tokens,
+/// cost_usd, model_calls).
+fn spend_from_row(r: &tokio_postgres::Row) -> Result<DialogSpend> {
+    Ok(DialogSpend {
         usage: Usage::new(
             non_negative("dialog_spend.prompt_tokens", r.get(0))?,
             non_negative("dialog_spend.completion_tokens", r.get(1))?,
         ),
         cost: Usd::new(r.get(2)).map_err(|e| StoreError::corrupt("dialog_spend.cost_usd", e))?,
         model_calls: non_negative("dialog_spend.model_calls", r.get(3))?,
-    }))
+    })
 }

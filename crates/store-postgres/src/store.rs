@@ -260,10 +260,12 @@ impl PgStore {
     }
 
     /// Runs `body` in a `READ COMMITTED` transaction whose fence check
-    /// locks this process's registration (`FOR SHARE`), for the short
-    /// row-locking writes of several processes' bookkeeping (session
-    /// leases): they take part in no serializable conflict, and a recovery
-    /// of this process waits for them. Deadlocks are retried.
+    /// locks this process's registration (`FOR KEY SHARE`), for writes
+    /// that serialize on the row locks they take first: a dialog's writes
+    /// (its sessions row, `lock_session`) and session leases. They take
+    /// part in no serializable conflict, so dialogs never conflict with
+    /// each other; a takeover of this process waits for them. Deadlocks are
+    /// retried.
     pub(crate) async fn write_committed<T, F>(&self, body: F) -> Result<T>
     where
         T: Send,

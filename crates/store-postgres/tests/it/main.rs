@@ -3,6 +3,7 @@
 mod check;
 mod checks;
 mod copy;
+mod dialogs;
 mod inbox;
 mod lock;
 mod messages;

@@ -1,0 +1,116 @@
+//! A dialog's writes on PostgreSQL run at `READ COMMITTED` behind a lock on
+//! the dialog's sessions row: one dialog's writes wait for each other,
+//! other dialogs' never wait for them.
+
+use std::time::{Duration, Instant};
+
+use keel_store::conformance::fixtures::{new_session, user};
+use keel_store::Store;
+use keel_store_postgres::testing::TestDb;
+use keel_store_postgres::{require_postgres, PgOptions, PgStore};
+
+/// A runtime on `db` with `connections` pooled connections.
+async fn runtime(db: &TestDb, connections: usize) -> Store {
+    let options = PgOptions {
+        max_connections: connections,
+        ..PgOptions::default()
+    };
+    let (store, _) = PgStore::connect(&db.conninfo, options)
+        .await
+        .expect("connect to the test database");
+    let store = Store::new(store);
+    store
+        .activate_runtime("keel serve".into(), 1)
+        .await
+        .expect("activate");
+    store
+}
+
+/// Waits until `n` backends of the server wait for a lock.
+async fn until_waiting_for_locks(db: &TestDb, n: i64) {
+    // Row locks are waited for on the holder's transaction id, which
+    // pg_locks files under no database: the waiting session says it waits.
+    let client = db.connect().await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let waiting: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE wait_event_type = 'Lock' AND datname = current_database()",
+                &[],
+            )
+            .await
+            .expect("read pg_locks")
+            .get(0);
+        if waiting >= n {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no write waited for the dialog's lock"
+        );
+        tokio::task::yield_now().await;
+    }
+}
+
+#[tokio::test]
+async fn a_dialogs_write_waits_for_its_lock_while_other_dialogs_go_on() {
+    let db = require_postgres!();
+    let store = runtime(&db, 4).await;
+    let held = store.create_session(new_session("held", 1)).await.unwrap();
+    let other = store.create_session(new_session("other", 1)).await.unwrap();
+    // Another transaction holds the first dialog's lock.
+    let holder = db.connect().await;
+    holder
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM sessions WHERE id = '{}' FOR NO KEY UPDATE",
+            held.id
+        ))
+        .await
+        .unwrap();
+    let waiting = tokio::spawn({
+        let store = store.clone();
+        async move { store.append_message(held.id, user("waits"), 2).await }
+    });
+    until_waiting_for_locks(&db, 1).await;
+    // The other dialog's writes do not wait.
+    assert_eq!(
+        store
+            .append_message(other.id, user("goes on"), 2)
+            .await
+            .unwrap(),
+        1
+    );
+    assert!(
+        !waiting.is_finished(),
+        "the held dialog's write did not wait"
+    );
+    holder.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(waiting.await.unwrap().unwrap(), 1);
+}
+
+#[tokio::test]
+async fn concurrent_appends_to_one_dialog_each_get_the_next_seq() {
+    let db = require_postgres!();
+    let store = runtime(&db, 8).await;
+    let session = store.create_session(new_session("d", 1)).await.unwrap();
+    let writes: Vec<_> = (0..24)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                store
+                    .append_message(session.id, user(&format!("m{i}")), 2 + i)
+                    .await
+            })
+        })
+        .collect();
+    let mut seqs = Vec::new();
+    for write in writes {
+        // At READ COMMITTED without the dialog's lock, two of these would
+        // read the same last seq and one would fail on the primary key.
+        seqs.push(write.await.unwrap().expect("an append is never refused"));
+    }
+    seqs.sort_unstable();
+    assert_eq!(seqs, (1..=24).collect::<Vec<i64>>());
+    assert_eq!(store.last_seq(session.id).await.unwrap(), 24);
+}
