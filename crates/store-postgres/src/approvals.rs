@@ -308,51 +308,42 @@ impl PgStore {
         session_id: SessionId,
         now_ms: i64,
     ) -> Result<ApprovalSchedule> {
+        // Read after every turn: one statement, one round trip.
         self.read(move |tx| {
             Box::pin(async move {
-                // A deleted dialog's approvals wait for nothing any more.
-                if require_session(tx, &session_id)
-                    .await?
-                    .deleted_at_ms
-                    .is_some()
-                {
-                    return Ok(ApprovalSchedule::default());
-                }
-                let s = session_id.to_string();
-                let counts = tx
-                    .query_one(
-                        "SELECT count(*) FILTER (WHERE run_id IS NULL), \
-                         count(*) FILTER (WHERE expires_at <= $2), min(expires_at) \
-                         FROM tool_approvals WHERE session_id = $1 AND status = 'pending'",
-                        &[&s, &now_ms],
-                    )
-                    .await
-                    .map_err(from_pg)?;
-                let (pending, expired, next): (i64, i64, Option<i64>) =
-                    (counts.get(0), counts.get(1), counts.get(2));
-                let resumable: Option<String> = tx
+                let row = tx
                     .query_opt(
-                        "SELECT turn_id FROM tool_approvals a WHERE session_id = $1 \
-                         AND run_id IS NULL AND settled_at IS NULL AND status <> 'pending' \
-                         AND NOT EXISTS (SELECT 1 FROM tool_approvals b \
-                             WHERE b.session_id = a.session_id AND b.turn_id = a.turn_id \
-                             AND b.run_id IS NULL AND b.status = 'pending') \
-                         ORDER BY created_at, id LIMIT 1",
-                        &[&s],
+                        "SELECT s.deleted_at IS NOT NULL, c.pending, c.expired, c.next, r.turn_id, \
+                           ARRAY(SELECT w.id FROM agent_runs w WHERE w.root_session_id = s.id \
+                             AND w.status = 'waiting_approval' AND NOT EXISTS (SELECT 1 \
+                                 FROM tool_approvals a WHERE a.run_id = w.id AND a.status = 'pending') \
+                             ORDER BY w.updated_at, w.id) \
+                         FROM sessions s \
+                         CROSS JOIN LATERAL (SELECT count(*) FILTER (WHERE run_id IS NULL) AS pending, \
+                             count(*) FILTER (WHERE expires_at <= $2) AS expired, \
+                             min(expires_at) AS next \
+                           FROM tool_approvals WHERE session_id = s.id AND status = 'pending') c \
+                         LEFT JOIN LATERAL (SELECT a.turn_id FROM tool_approvals a \
+                           WHERE a.session_id = s.id AND a.run_id IS NULL AND a.settled_at IS NULL \
+                             AND a.status <> 'pending' \
+                             AND NOT EXISTS (SELECT 1 FROM tool_approvals b \
+                                 WHERE b.session_id = a.session_id AND b.turn_id = a.turn_id \
+                                 AND b.run_id IS NULL AND b.status = 'pending') \
+                           ORDER BY a.created_at, a.id LIMIT 1) r ON true \
+                         WHERE s.id = $1",
+                        &[&session_id.to_string(), &now_ms],
                     )
                     .await
                     .map_err(from_pg)?
-                    .map(|r| r.get(0));
-                let runs = tx
-                    .query(
-                        "SELECT r.id FROM agent_runs r WHERE r.root_session_id = $1 \
-                         AND r.status = 'waiting_approval' AND NOT EXISTS (SELECT 1 \
-                             FROM tool_approvals a WHERE a.run_id = r.id AND a.status = 'pending') \
-                         ORDER BY r.updated_at, r.id",
-                        &[&s],
-                    )
-                    .await
-                    .map_err(from_pg)?;
+                    .ok_or_else(|| StoreError::NotFound(format!("session {session_id}")))?;
+                // A deleted dialog's approvals wait for nothing any more.
+                if row.get::<_, bool>(0) {
+                    return Ok(ApprovalSchedule::default());
+                }
+                let (pending, expired, next): (i64, i64, Option<i64>) =
+                    (row.get(1), row.get(2), row.get(3));
+                let resumable: Option<String> = row.get(4);
+                let runs: Vec<String> = row.get(5);
                 Ok(ApprovalSchedule {
                     pending: non_negative("pending approvals", pending)?,
                     expired: non_negative("expired approvals", expired)?,
@@ -360,7 +351,7 @@ impl PgStore {
                     resumable: parse_opt("tool_approvals.turn_id", resumable)?,
                     resumable_runs: runs
                         .iter()
-                        .map(|r| parse("agent_runs.id", r.get::<_, &str>(0)))
+                        .map(|r| parse("agent_runs.id", r))
                         .collect::<Result<_>>()?,
                 })
             })
