@@ -228,16 +228,7 @@ async fn kill_to_answer() {
         let (mut victim, victim_addr) = start_server(dirs[0].path());
         let (other, other_addr) = start_server(dirs[1].path());
         let http = reqwest::Client::new();
-        let dialog: serde_json::Value = http
-            .post(format!("http://{other_addr}/api/dialogs"))
-            .json(&serde_json::json!({}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        let id = dialog["id"].as_str().unwrap().to_owned();
+        let id = create_dialog(&http, &other_addr, serde_json::json!({})).await;
         let send = |addr: String| {
             let (http, id) = (http.clone(), id.clone());
             async move {
@@ -332,16 +323,7 @@ async fn catch_up() {
     .unwrap();
     let (child, addr) = start_server(dir.path());
     let http = reqwest::Client::new();
-    let dialog: serde_json::Value = http
-        .post(format!("http://{addr}/api/dialogs"))
-        .json(&serde_json::json!({}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let id = dialog["id"].as_str().unwrap().to_owned();
+    let id = create_dialog(&http, &addr, serde_json::json!({})).await;
     let body = http
         .post(format!("http://{addr}/api/dialogs/{id}/messages"))
         .header("accept", "text/event-stream")
@@ -527,6 +509,20 @@ async fn over_websocket(config: &str) -> Served {
     over_processes(config, 1).await
 }
 
+/// Creates a dialog through the server at `addr`; its id.
+async fn create_dialog(http: &reqwest::Client, addr: &str, body: serde_json::Value) -> String {
+    let dialog: serde_json::Value = http
+        .post(format!("http://{addr}/api/dialogs"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    dialog["id"].as_str().unwrap().to_owned()
+}
+
 /// The load on `processes` `keel serve` processes with one `config` (one
 /// database): client `i` creates its dialog through process `i + 1` and
 /// sends its turns through process `i` (modulo their number), so with
@@ -545,22 +541,10 @@ async fn over_processes(config: &str, processes: usize) -> Served {
     let mut sessions = Vec::new();
     for i in 0..CLIENTS {
         let addr = &servers[(i + 1) % processes].1;
-        let dialog: serde_json::Value = http
-            .post(format!("http://{addr}/api/dialogs"))
-            .json(&serde_json::json!({"channel": "bench", "chat_id": "bench", "title": format!("d{i}")}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        sessions.push(
-            dialog["id"]
-                .as_str()
-                .unwrap()
-                .parse::<uuid::Uuid>()
-                .unwrap(),
-        );
+        let body =
+            serde_json::json!({"channel": "bench", "chat_id": "bench", "title": format!("d{i}")});
+        let id = create_dialog(&http, addr, body).await;
+        sessions.push(id.parse::<uuid::Uuid>().unwrap());
     }
     let mut sockets = Vec::new();
     for i in 0..CLIENTS {

@@ -495,17 +495,12 @@ pub(crate) async fn expire_leases_tx(
     now_ms: i64,
     revisions: &mut Revisions,
 ) -> Result<u64> {
-    let roots = tx
-        .query(
-            "SELECT DISTINCT root_session_id FROM agent_inbox_events \
-             WHERE status IN ('leased', 'admitted') AND lease_until <= $1",
-            &[&cutoff_ms],
-        )
-        .await
-        .map_err(from_pg)?
-        .iter()
-        .map(|r| parse::<SessionId>("agent_inbox_events.root_session_id", &r.get::<_, String>(0)))
-        .collect::<Result<Vec<_>>>()?;
+    let roots = roots_where(
+        tx,
+        "status IN ('leased', 'admitted') AND lease_until <= $1",
+        &[&cutoff_ms],
+    )
+    .await?;
     let mut n = 0;
     for root in &roots {
         let revision = revisions.of(tx, root, now_ms).await?;
@@ -536,21 +531,28 @@ pub(crate) async fn release_orphaned_leases_tx(
 ) -> Result<u64> {
     const ORPHANED: &str = "status IN ('leased', 'admitted') AND root_session_id NOT IN \
          (SELECT session_id FROM session_leases WHERE generation IS NOT NULL)";
-    let roots = tx
-        .query(
-            &format!("SELECT DISTINCT root_session_id FROM agent_inbox_events WHERE {ORPHANED}"),
-            &[],
-        )
-        .await
-        .map_err(from_pg)?
-        .iter()
-        .map(|r| parse::<SessionId>("agent_inbox_events.root_session_id", &r.get::<_, String>(0)))
-        .collect::<Result<Vec<_>>>()?;
     let mut n = 0;
-    for root in &roots {
+    for root in &roots_where(tx, ORPHANED, &[]).await? {
         n += release_leases_of_tx(tx, root, now_ms, revisions).await?;
     }
     Ok(n)
+}
+
+/// The root sessions of the inbox events matching `condition`.
+async fn roots_where(
+    tx: &Tx<'_>,
+    condition: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Result<Vec<SessionId>> {
+    tx.query(
+        &format!("SELECT DISTINCT root_session_id FROM agent_inbox_events WHERE {condition}"),
+        params,
+    )
+    .await
+    .map_err(from_pg)?
+    .iter()
+    .map(|r| parse::<SessionId>("agent_inbox_events.root_session_id", &r.get::<_, String>(0)))
+    .collect()
 }
 
 /// Every leased or admitted event of `root` back to pending with one more

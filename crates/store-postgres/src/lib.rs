@@ -12,7 +12,8 @@
 //!   (`lock_session`), which every write of a dialog's history, inputs and
 //!   checkpoints takes first: one dialog's writes run one at a time,
 //!   different dialogs' never conflict (serializable checks conflicted
-//!   them on shared index pages and halved the throughput). The same
+//!   them on shared index pages and cost about 40 % of the turns a
+//!   second, docs/BENCHMARKS.md). The same
 //!   conformance suite as SQLite's runs against a real server
 //!   (`tests/it`).
 //! - **The schema**: migrations 1..=[`SCHEMA_VERSION`], the same versions,

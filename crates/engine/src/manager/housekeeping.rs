@@ -334,12 +334,7 @@ impl SessionManager {
         cancel: &CancellationToken,
     ) -> Result<bool> {
         self.leased(id, async {
-            let session = self.session(id).await?;
-            let mut guard = tokio::select! {
-                guard = session.lock() => guard,
-                () = cancel.cancelled() => return Err(EngineError::Cancelled),
-            };
-            self.fresh(&mut guard).await?;
+            let mut guard = self.locked_fresh(id, cancel).await?;
             let record = &guard.record;
             if record.title != default_title(&record.dialog_id) {
                 return Ok(false); // renamed meanwhile: the user's title stays
@@ -351,6 +346,22 @@ impl SessionManager {
             Ok(true)
         })
         .await
+    }
+
+    /// Session `id` locked (unless `cancel` fires first) and reloaded if
+    /// another process wrote it since this one last held its lease.
+    async fn locked_fresh(
+        &self,
+        id: SessionId,
+        cancel: &CancellationToken,
+    ) -> Result<tokio::sync::OwnedMutexGuard<AgentSession>> {
+        let session = self.session(id).await?;
+        let mut guard = tokio::select! {
+            guard = session.lock_owned() => guard,
+            () = cancel.cancelled() => return Err(EngineError::Cancelled),
+        };
+        self.fresh(&mut guard).await?;
+        Ok(guard)
     }
 
     /// Summarizes `job` and commits it as the slot's summary, unless the
@@ -369,12 +380,7 @@ impl SessionManager {
             return Err(EngineError::EmptySummary);
         }
         self.leased(id, async {
-            let session = self.session(id).await?;
-            let mut guard = tokio::select! {
-                guard = session.lock() => guard,
-                () = cancel.cancelled() => return Err(EngineError::Cancelled),
-            };
-            self.fresh(&mut guard).await?;
+            let mut guard = self.locked_fresh(id, cancel).await?;
             self.commit_summary(&mut guard, job, summary).await
         })
         .await

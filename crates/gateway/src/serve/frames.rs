@@ -441,8 +441,8 @@ impl ServerFrame {
         }
     }
 
-    /// Sets a turn frame's `event_id` (other frames have none); whether it had a place for one.
-    pub(crate) fn set_event_id(&mut self, id: u64) -> bool {
+    /// A turn frame's `event_id` field (other frames have none).
+    fn event_id_mut(&mut self) -> Option<&mut Option<u64>> {
         match self {
             ServerFrame::TurnStarted { event_id, .. }
             | ServerFrame::TextDelta { event_id, .. }
@@ -451,26 +451,20 @@ impl ServerFrame {
             | ServerFrame::ModelCallFinished { event_id, .. }
             | ServerFrame::Notice { event_id, .. }
             | ServerFrame::TurnCommitted { event_id, .. }
-            | ServerFrame::TurnFailed { event_id, .. } => {
-                *event_id = Some(id);
-                true
-            }
-            _ => false,
+            | ServerFrame::TurnFailed { event_id, .. } => Some(event_id),
+            _ => None,
         }
+    }
+
+    /// Sets a turn frame's `event_id` (other frames have none); whether it had a place for one.
+    pub(crate) fn set_event_id(&mut self, id: u64) -> bool {
+        self.event_id_mut().map(|slot| *slot = Some(id)).is_some()
     }
 
     /// Removes a turn frame's `event_id`.
     pub(crate) fn clear_event_id(&mut self) {
-        match self {
-            ServerFrame::TurnStarted { event_id, .. }
-            | ServerFrame::TextDelta { event_id, .. }
-            | ServerFrame::ToolStarted { event_id, .. }
-            | ServerFrame::ToolFinished { event_id, .. }
-            | ServerFrame::ModelCallFinished { event_id, .. }
-            | ServerFrame::Notice { event_id, .. }
-            | ServerFrame::TurnCommitted { event_id, .. }
-            | ServerFrame::TurnFailed { event_id, .. } => *event_id = None,
-            _ => {}
+        if let Some(slot) = self.event_id_mut() {
+            *slot = None;
         }
     }
 

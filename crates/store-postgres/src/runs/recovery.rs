@@ -68,22 +68,7 @@ pub(crate) async fn recover_tx(
         if run.status.is_terminal() {
             continue;
         }
-        let outcome = TerminalOutcome::Interrupted {
-            reason: format!(
-                "runtime generation {} stopped before the run finished",
-                run.spec.runtime_generation
-            ),
-        };
-        let commit = terminal_tx(
-            tx,
-            &run,
-            &outcome,
-            CompletionHandling::Deliver,
-            now_ms,
-            &mut revisions,
-            webhook_urls,
-        )
-        .await?;
+        let commit = interrupt_tx(tx, &run, now_ms, &mut revisions, webhook_urls).await?;
         if commit.event_id.is_some() {
             report.completion_events += 1;
         }
@@ -202,24 +187,35 @@ pub(crate) async fn interrupt_orphan_tx(
     if registered {
         return Ok(None);
     }
+    let commit = interrupt_tx(tx, &run, now_ms, &mut Revisions::default(), webhook_urls).await?;
+    Ok(Some(commit))
+}
+
+/// Ends `run`, whose generation stopped, as interrupted, its completion
+/// delivered.
+async fn interrupt_tx(
+    tx: &Tx<'_>,
+    run: &keel_store::RunRecord,
+    now_ms: i64,
+    revisions: &mut Revisions,
+    webhook_urls: &[String],
+) -> Result<keel_store::TerminalCommit> {
     let outcome = TerminalOutcome::Interrupted {
         reason: format!(
             "runtime generation {} stopped before the run finished",
             run.spec.runtime_generation
         ),
     };
-    let mut revisions = Revisions::default();
-    let commit = terminal_tx(
+    terminal_tx(
         tx,
-        &run,
+        run,
         &outcome,
         CompletionHandling::Deliver,
         now_ms,
-        &mut revisions,
+        revisions,
         webhook_urls,
     )
-    .await?;
-    Ok(Some(commit))
+    .await
 }
 
 impl PgStore {
