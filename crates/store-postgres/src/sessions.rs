@@ -348,7 +348,7 @@ impl PgStore {
     }
 
     pub(crate) async fn get_session(&self, id: SessionId) -> Result<Option<SessionRecord>> {
-        self.read(move |tx| Box::pin(async move { get_session_tx(tx, &id).await }))
+        self.read_one(move |tx| Box::pin(async move { get_session_tx(tx, &id).await }))
             .await
     }
 

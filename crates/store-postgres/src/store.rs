@@ -98,14 +98,31 @@ impl std::fmt::Debug for PgStore {
 /// fresh transaction), so it must not have effects outside `tx`.
 pub(crate) type TxBody<'a, T> = BoxFuture<'a, Result<T>>;
 
-/// A transaction whose statements are prepared once per connection (the
-/// pool keeps them): one round trip a statement instead of two (parse,
-/// then execute), which also keeps transactions short.
-pub(crate) struct Tx<'a>(deadpool_postgres::Transaction<'a>);
+/// Where a body's statements run: a transaction whose statements are
+/// prepared once per connection (the pool keeps them), one round trip a
+/// statement instead of two (parse, then execute), which also keeps
+/// transactions short; or, for a read of one statement (`read_one`), the
+/// connection itself, that statement its own snapshot.
+pub(crate) enum Tx<'a> {
+    /// Inside `BEGIN` … `COMMIT`.
+    Transaction(&'a deadpool_postgres::Transaction<'a>),
+    /// One statement, no transaction around it.
+    Statement(&'a deadpool_postgres::Client),
+}
+
+/// `$call` on the transaction or the connection behind `$tx`.
+macro_rules! on_conn {
+    ($tx:expr, $c:ident => $call:expr) => {
+        match $tx {
+            Tx::Transaction($c) => $call,
+            Tx::Statement($c) => $call,
+        }
+    };
+}
 
 impl Tx<'_> {
     async fn statement(&self, sql: &str) -> std::result::Result<Statement, tokio_postgres::Error> {
-        self.0.prepare_cached(sql).await
+        on_conn!(self, c => c.prepare_cached(sql).await)
     }
 
     /// The rows `sql` returns.
@@ -115,7 +132,7 @@ impl Tx<'_> {
         params: &[&(dyn ToSql + Sync)],
     ) -> std::result::Result<Vec<Row>, tokio_postgres::Error> {
         let stmt = self.statement(sql).await?;
-        self.0.query(&stmt, params).await
+        on_conn!(self, c => c.query(&stmt, params).await)
     }
 
     /// The one row `sql` returns.
@@ -125,7 +142,7 @@ impl Tx<'_> {
         params: &[&(dyn ToSql + Sync)],
     ) -> std::result::Result<Row, tokio_postgres::Error> {
         let stmt = self.statement(sql).await?;
-        self.0.query_one(&stmt, params).await
+        on_conn!(self, c => c.query_one(&stmt, params).await)
     }
 
     /// The row `sql` returns, if any.
@@ -135,7 +152,7 @@ impl Tx<'_> {
         params: &[&(dyn ToSql + Sync)],
     ) -> std::result::Result<Option<Row>, tokio_postgres::Error> {
         let stmt = self.statement(sql).await?;
-        self.0.query_opt(&stmt, params).await
+        on_conn!(self, c => c.query_opt(&stmt, params).await)
     }
 
     /// Runs `sql`; the rows it changed.
@@ -145,7 +162,7 @@ impl Tx<'_> {
         params: &[&(dyn ToSql + Sync)],
     ) -> std::result::Result<u64, tokio_postgres::Error> {
         let stmt = self.statement(sql).await?;
-        self.0.execute(&stmt, params).await
+        on_conn!(self, c => c.execute(&stmt, params).await)
     }
 
     /// Runs statements without parameters (savepoints).
@@ -153,7 +170,7 @@ impl Tx<'_> {
         &self,
         sql: &str,
     ) -> std::result::Result<(), tokio_postgres::Error> {
-        self.0.batch_execute(sql).await
+        on_conn!(self, c => c.batch_execute(sql).await)
     }
 }
 
@@ -324,6 +341,34 @@ impl PgStore {
         }
     }
 
+    /// Runs `body`, a read of one statement, on a pooled connection
+    /// without a transaction around it (the statement is its own
+    /// snapshot): two round trips fewer than `read`, for the reads every
+    /// turn makes. Lost connections are retried as `read` retries them.
+    pub(crate) async fn read_one<T, F>(&self, mut body: F) -> Result<T>
+    where
+        T: Send,
+        F: for<'a> FnMut(&'a Tx<'a>) -> TxBody<'a, T> + Send,
+    {
+        let mut attempt = 0usize;
+        loop {
+            attempt += 1;
+            let result = match self.inner.pool.get().await {
+                Ok(client) => body(&Tx::Statement(&client)).await,
+                Err(e) => Err(from_pool(e)),
+            };
+            match result {
+                Err(e @ (StoreError::Busy { .. } | StoreError::Io { .. })) => {
+                    match self.inner.retry_delays.get(attempt - 1) {
+                        Some(delay) => tokio::time::sleep(jittered(*delay)).await,
+                        None => return Err(with_attempts(e, attempt)),
+                    }
+                }
+                result => return result,
+            }
+        }
+    }
+
     async fn attempt<T, F>(
         &self,
         isolation: IsolationLevel,
@@ -340,13 +385,14 @@ impl PgStore {
             .get()
             .await
             .map_err(|e| Attempt::before_commit(from_pool(e)))?;
-        let tx = Tx(client
+        let transaction = client
             .build_transaction()
             .isolation_level(isolation)
             .read_only(read_only)
             .start()
             .await
-            .map_err(|e| Attempt::before_commit(from_pg(e)))?);
+            .map_err(|e| Attempt::before_commit(from_pg(e)))?;
+        let tx = Tx::Transaction(&transaction);
         if fence != 0 {
             let locked = matches!(isolation, IsolationLevel::ReadCommitted);
             crate::runtime::check_fence(&tx, fence, locked)
@@ -354,7 +400,7 @@ impl PgStore {
                 .map_err(Attempt::before_commit)?;
         }
         let value = body(&tx).await.map_err(Attempt::before_commit)?;
-        match tx.0.commit().await {
+        match transaction.commit().await {
             Ok(()) => Ok(value),
             Err(e) => match e.code() {
                 // Rolled back by the server: nothing happened, try again.

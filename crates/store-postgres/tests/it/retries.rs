@@ -1,13 +1,13 @@
 //! A transaction whose connection the server closed before `COMMIT` was
-//! sent is run again on another connection; nothing of it was kept.
+//! sent is run again on another connection; nothing of it was kept. A
+//! one-statement read (no transaction around it) is retried the same way.
 
 use keel_store::conformance::fixtures::new_session;
 use keel_store::Store;
 use keel_store_postgres::{require_postgres, PgOptions, PgStore};
 
-#[tokio::test]
-async fn a_write_on_a_connection_the_server_dropped_is_retried_on_a_new_one() {
-    let db = require_postgres!();
+/// A store with one pooled connection.
+async fn one_connection(db: &keel_store_postgres::testing::TestDb) -> Store {
     let options = PgOptions {
         max_connections: 1,
         ..PgOptions::default()
@@ -15,13 +15,12 @@ async fn a_write_on_a_connection_the_server_dropped_is_retried_on_a_new_one() {
     let (store, _) = PgStore::connect(&db.conninfo, options)
         .await
         .expect("connect");
-    let store = Store::new(store);
-    store
-        .create_session(new_session("before", 1))
-        .await
-        .expect("a first write opens the pooled connection");
-    // The server ends every other backend of this database: the pool's
-    // one idle connection is dead, and the pool does not know it yet.
+    Store::new(store)
+}
+
+/// The server ends every other backend of `db`: the pool's one idle
+/// connection is dead, and the pool does not know it yet.
+async fn drop_connections(db: &keel_store_postgres::testing::TestDb) {
     let admin = db.connect().await;
     let killed: i64 = admin
         .query_one(
@@ -33,6 +32,36 @@ async fn a_write_on_a_connection_the_server_dropped_is_retried_on_a_new_one() {
         .expect("terminate")
         .get(0);
     assert_eq!(killed, 1, "the pool held one connection");
+}
+
+#[tokio::test]
+async fn a_one_statement_read_on_a_connection_the_server_dropped_is_retried() {
+    let db = require_postgres!();
+    let store = one_connection(&db).await;
+    let session = store
+        .create_session(new_session("d", 1))
+        .await
+        .expect("a first write opens the pooled connection");
+    drop_connections(&db).await;
+    assert_eq!(
+        store
+            .get_session(session.id)
+            .await
+            .expect("the read is retried on a fresh connection")
+            .map(|s| s.id),
+        Some(session.id)
+    );
+}
+
+#[tokio::test]
+async fn a_write_on_a_connection_the_server_dropped_is_retried_on_a_new_one() {
+    let db = require_postgres!();
+    let store = one_connection(&db).await;
+    store
+        .create_session(new_session("before", 1))
+        .await
+        .expect("a first write opens the pooled connection");
+    drop_connections(&db).await;
     let after = store
         .create_session(new_session("after", 2))
         .await
