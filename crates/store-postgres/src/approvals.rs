@@ -309,7 +309,7 @@ impl PgStore {
         now_ms: i64,
     ) -> Result<ApprovalSchedule> {
         // Read after every turn: one statement, one round trip.
-        self.read_one(move |tx| {
+        self.one_statement(move |tx| {
             Box::pin(async move {
                 let row = tx
                     .query_opt(

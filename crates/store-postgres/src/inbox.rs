@@ -828,7 +828,8 @@ impl PgStore {
         now_ms: i64,
         ttl_ms: i64,
     ) -> Result<InboxSchedule> {
-        self.read(move |tx| {
+        // Read after every turn: one statement, one round trip.
+        self.one_statement(move |tx| {
             Box::pin(async move {
                 // Expiry (`created_at + ttl`) is computed in numeric: a ttl
                 // saturated to i64::MAX would overflow BIGINT (an error

@@ -348,7 +348,7 @@ impl PgStore {
     }
 
     pub(crate) async fn get_session(&self, id: SessionId) -> Result<Option<SessionRecord>> {
-        self.read_one(move |tx| Box::pin(async move { get_session_tx(tx, &id).await }))
+        self.one_statement(move |tx| Box::pin(async move { get_session_tx(tx, &id).await }))
             .await
     }
 

@@ -101,7 +101,7 @@ pub(crate) type TxBody<'a, T> = BoxFuture<'a, Result<T>>;
 /// Where a body's statements run: a transaction whose statements are
 /// prepared once per connection (the pool keeps them), one round trip a
 /// statement instead of two (parse, then execute), which also keeps
-/// transactions short; or, for a read of one statement (`read_one`), the
+/// transactions short; or, for one statement (`one_statement`), the
 /// connection itself, that statement its own snapshot.
 pub(crate) enum Tx<'a> {
     /// Inside `BEGIN` … `COMMIT`.
@@ -341,11 +341,12 @@ impl PgStore {
         }
     }
 
-    /// Runs `body`, a read of one statement, on a pooled connection
-    /// without a transaction around it (the statement is its own
-    /// snapshot): two round trips fewer than `read`, for the reads every
-    /// turn makes. Lost connections are retried as `read` retries them.
-    pub(crate) async fn read_one<T, F>(&self, mut body: F) -> Result<T>
+    /// Runs `body`, one statement — a read, or a write that may run twice
+    /// and needs no fence — on a pooled connection without a transaction
+    /// around it (the statement is its own snapshot and commit): two round
+    /// trips fewer than `read` or `write`, for what every turn does. Lost
+    /// connections are retried as transactions are.
+    pub(crate) async fn one_statement<T, F>(&self, mut body: F) -> Result<T>
     where
         T: Send,
         F: for<'a> FnMut(&'a Tx<'a>) -> TxBody<'a, T> + Send,
