@@ -229,6 +229,13 @@ async fn an_expired_process_is_taken_over_once_and_then_writes_nothing() {
         a.append_message(d, user("late"), 13).await.unwrap_err(),
         StoreError::TakenOver { .. }
     ));
+    // Its release of the lease it held (unfenced) leaves B's lease alone.
+    a.release_session(d).await.unwrap();
+    let (c, _) = process(&db, "c").await;
+    assert_eq!(
+        c.lease_session(d).await.unwrap(),
+        SessionLease::Busy { holder: "b".into() }
+    );
     assert!(matches!(
         a.commit_terminal(
             running.id,
