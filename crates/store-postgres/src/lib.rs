@@ -13,7 +13,9 @@
 //!   checkpoints takes first: one dialog's writes run one at a time,
 //!   different dialogs' never conflict (serializable checks conflicted
 //!   them on shared index pages and cost about 40 % of the turns a
-//!   second, docs/BENCHMARKS.md). The same
+//!   second, docs/BENCHMARKS.md). What every turn does in one statement
+//!   (reading the session and the approval and inbox schedules, giving
+//!   the session lease back) runs without a transaction around it. The same
 //!   conformance suite as SQLite's runs against a real server
 //!   (`tests/it`).
 //! - **The schema**: migrations 1..=[`SCHEMA_VERSION`], the same versions,
