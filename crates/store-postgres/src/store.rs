@@ -302,13 +302,7 @@ impl PgStore {
         loop {
             attempt += 1;
             match self.attempt(isolation, false, fence, &mut body).await {
-                Err(Attempt::Retry(e)) => match self.inner.retry_delays.get(attempt - 1) {
-                    Some(delay) => {
-                        tracing::debug!(attempt, error = %e, "transaction retried");
-                        tokio::time::sleep(jittered(*delay)).await;
-                    }
-                    None => return Err(with_attempts(e, attempt)),
-                },
+                Err(Attempt::Retry(e)) => self.back_off(attempt, e).await?,
                 Err(Attempt::Failed(e)) => return Err(e),
                 Ok(v) => {
                     self.inner.transactions.fetch_add(1, Ordering::Relaxed);
@@ -331,10 +325,7 @@ impl PgStore {
                 .attempt(IsolationLevel::RepeatableRead, true, 0, &mut body)
                 .await
             {
-                Err(Attempt::Retry(e)) => match self.inner.retry_delays.get(attempt - 1) {
-                    Some(delay) => tokio::time::sleep(jittered(*delay)).await,
-                    None => return Err(with_attempts(e, attempt)),
-                },
+                Err(Attempt::Retry(e)) => self.back_off(attempt, e).await?,
                 Err(Attempt::Failed(e)) => return Err(e),
                 Ok(v) => return Ok(v),
             }
@@ -360,13 +351,23 @@ impl PgStore {
             };
             match result {
                 Err(e @ (StoreError::Busy { .. } | StoreError::Io { .. })) => {
-                    match self.inner.retry_delays.get(attempt - 1) {
-                        Some(delay) => tokio::time::sleep(jittered(*delay)).await,
-                        None => return Err(with_attempts(e, attempt)),
-                    }
+                    self.back_off(attempt, e).await?;
                 }
                 result => return result,
             }
+        }
+    }
+
+    /// Waits before attempt `attempt + 1` after `e`, or gives `e` back
+    /// when the retries are used up.
+    async fn back_off(&self, attempt: usize, e: StoreError) -> Result<()> {
+        match self.inner.retry_delays.get(attempt - 1) {
+            Some(delay) => {
+                tracing::debug!(attempt, error = %e, "retried");
+                tokio::time::sleep(jittered(*delay)).await;
+                Ok(())
+            }
+            None => Err(with_attempts(e, attempt)),
         }
     }
 
