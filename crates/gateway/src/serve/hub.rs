@@ -190,10 +190,16 @@ impl Hub {
 
     /// Tells the other processes that `session`'s runs or inbox changed here.
     pub(crate) fn relay_changed(&self, session: SessionId) {
-        if let Some(outbox) = self.outbox.get() {
-            // Fails only once the relay stopped (a shutdown).
-            let _ = outbox.send(Outgoing::Changed(session));
-        }
+        self.relay(Outgoing::Changed(session));
+    }
+
+    /// Passes `outgoing` to the other processes; false when there are none
+    /// to tell (a database this process owns) or the relay stopped.
+    pub(crate) fn relay(&self, outgoing: Outgoing) -> bool {
+        // Fails only once the relay stopped (a shutdown).
+        self.outbox
+            .get()
+            .is_some_and(|outbox| outbox.send(outgoing).is_ok())
     }
 
     /// Starts receiving `session`'s frames published from now on.
@@ -266,11 +272,9 @@ impl Hub {
     /// kept for replay. A dialog that nobody watches and that keeps nothing
     /// loses its channel.
     pub fn publish(&self, session: SessionId, frame: ServerFrame) {
-        if let Some(outbox) = self.outbox.get() {
-            if Outgoing::crosses(&frame) {
-                // Fails only once the relay stopped (a shutdown).
-                let _ = outbox.send(Outgoing::Frame(session, Box::new(frame.clone())));
-            }
+        // Cloned only for a relay (most frames never leave the process).
+        if self.outbox.get().is_some() && Outgoing::crosses(&frame) {
+            self.relay(Outgoing::Frame(session, Box::new(frame.clone())));
         }
         self.publish_at(session, frame, Instant::now());
     }

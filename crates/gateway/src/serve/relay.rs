@@ -16,6 +16,12 @@
 //!   or messages lost to a broken connection, become a `replay_gap` for the
 //!   dialogs concerned: their clients re-read the messages.
 //!
+//! - **Control.** A client may ask any process to stop or steer a dialog:
+//!   `/stop` is relayed to every process, which stops what it runs of the
+//!   dialog; a steer is relayed when another process runs the dialog's
+//!   turn, and that process answers (see `TurnRunner::stop` and
+//!   `TurnRunner::steer`).
+//!
 //! Agent frames (`agent_run_updated` …) never cross: each process derives
 //! its own from the database.
 
@@ -52,6 +58,43 @@ pub(crate) enum Outgoing {
     Frame(SessionId, Box<ServerFrame>),
     /// The session's runs or inbox changed here.
     Changed(SessionId),
+    /// A client here stopped the session: the others stop what they run of it.
+    Stop(SessionId),
+    /// A client here steers the session's turn, which another process runs.
+    Steer {
+        /// The session.
+        session: SessionId,
+        /// Matches the answer ([`Outgoing::Steered`]) to the ask.
+        request: uuid::Uuid,
+        /// The text for the turn.
+        text: String,
+    },
+    /// How a steer another process relayed went here (sent only by the
+    /// process running the session's turn).
+    Steered {
+        /// The session.
+        session: SessionId,
+        /// The ask's [`Outgoing::Steer::request`].
+        request: uuid::Uuid,
+        /// What became of the text.
+        answer: SteerAnswer,
+    },
+}
+
+/// What the process running a turn did with a relayed steer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum SteerAnswer {
+    /// The turn took the text.
+    Steered {
+        /// The turn.
+        turn_id: uuid::Uuid,
+    },
+    /// The turn's steer mailbox is full.
+    Full {
+        /// How many steers it holds.
+        capacity: usize,
+    },
 }
 
 impl Outgoing {
@@ -77,6 +120,22 @@ enum Note {
     Frame(Box<ServerFrame>),
     /// The session's runs or inbox changed: refresh its projections.
     Changed,
+    /// Stop what runs of the session here, as `/stop` does.
+    Stop,
+    /// Give `text` to the session's turn if it runs here, and answer.
+    Steer {
+        /// The ask, repeated in the answer.
+        request: uuid::Uuid,
+        /// The text.
+        text: String,
+    },
+    /// The answer to a relayed steer.
+    Steered {
+        /// The ask's id.
+        request: uuid::Uuid,
+        /// What became of it.
+        answer: SteerAnswer,
+    },
 }
 
 /// The relay's two tasks; stopped when dropped.
@@ -199,6 +258,17 @@ fn merged(batch: Vec<Outgoing>) -> Vec<(SessionId, Note)> {
         let (session, note) = match outgoing {
             Outgoing::Frame(session, frame) => (session, Note::Frame(frame)),
             Outgoing::Changed(session) => (session, Note::Changed),
+            Outgoing::Stop(session) => (session, Note::Stop),
+            Outgoing::Steer {
+                session,
+                request,
+                text,
+            } => (session, Note::Steer { request, text }),
+            Outgoing::Steered {
+                session,
+                request,
+                answer,
+            } => (session, Note::Steered { request, answer }),
         };
         let notes = match out.iter().position(|(s, _)| *s == session) {
             Some(i) => &mut out[i].1,
@@ -315,15 +385,28 @@ const UNREADABLE: &str =
 const LOST: &str =
     "frames of turns other servers run were lost on the way here; re-read the messages";
 
-/// Publishes one relayed note of `session`.
+/// Publishes one relayed note of `session`, or acts on it.
 fn take(
     session: SessionId,
     note: Note,
     hub: &Hub,
     projections: &Arc<Projections>,
-    turns: &TurnRunner,
+    turns: &Arc<TurnRunner>,
 ) {
     let refresh = match note {
+        Note::Stop => {
+            let turns = Arc::clone(turns);
+            tokio::spawn(async move { turns.stop_relayed(session).await });
+            false
+        }
+        Note::Steer { request, text } => {
+            turns.steer_relayed(session, request, &text);
+            false
+        }
+        Note::Steered { request, answer } => {
+            turns.steer_answered(request, answer);
+            false
+        }
         Note::Frame(frame) => {
             match frame.as_ref() {
                 ServerFrame::TurnStarted { turn_id, .. } => {
@@ -376,6 +459,7 @@ mod tests {
                     f => f.kind().to_owned(),
                 },
                 Note::Changed => "changed".to_owned(),
+                other => format!("{other:?}"),
             })
             .collect()
     }
@@ -418,5 +502,27 @@ mod tests {
             serde_json::to_string(&Note::Changed).unwrap(),
             "\"changed\""
         );
+        let control = [
+            Note::Stop,
+            Note::Steer {
+                request: Uuid::nil(),
+                text: "shorter, please".to_owned(),
+            },
+            Note::Steered {
+                request: Uuid::nil(),
+                answer: SteerAnswer::Steered {
+                    turn_id: Uuid::nil(),
+                },
+            },
+            Note::Steered {
+                request: Uuid::nil(),
+                answer: SteerAnswer::Full { capacity: 8 },
+            },
+        ];
+        for note in &control {
+            let json = serde_json::to_string(note).unwrap();
+            assert_eq!(&serde_json::from_str::<Note>(&json).unwrap(), note);
+        }
+        insta::assert_json_snapshot!("relay_control_notes", control);
     }
 }

@@ -17,11 +17,18 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::api::{Dialog, IfBusy, TurnOrigin, PREVIEW_BYTES};
+use super::api::{Dialog, IfBusy, SteerReport, TurnOrigin, PREVIEW_BYTES};
 use super::frames::ServerFrame;
 use super::hub::Hub;
 use super::problem::{ApiError, ApiResult};
 use super::projection::Projections;
+use super::relay::{Outgoing, SteerAnswer};
+
+/// How long a stop waits for the end of the turn another process runs.
+const REMOTE_STOP_WAIT: Duration = Duration::from_secs(5);
+
+/// How long a steer waits for the answer of the process running the turn.
+const REMOTE_STEER_WAIT: Duration = Duration::from_secs(2);
 
 /// How turns ended during a shutdown.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -51,6 +58,10 @@ pub struct TurnRunner {
     /// The turn another process runs, per dialog, as its relayed frames
     /// say (started and not yet ended).
     remote: Mutex<HashMap<SessionId, uuid::Uuid>>,
+    /// Told each time `remote` loses a turn.
+    remote_ended: tokio::sync::watch::Sender<()>,
+    /// Steers relayed to the process running the turn, awaiting its answer.
+    steers: Mutex<HashMap<uuid::Uuid, oneshot::Sender<SteerAnswer>>>,
 }
 
 impl std::fmt::Debug for TurnRunner {
@@ -146,6 +157,8 @@ impl TurnRunner {
             followed: Mutex::new(HashSet::new()),
             adopted: Mutex::new(HashSet::new()),
             remote: Mutex::new(HashMap::new()),
+            remote_ended: tokio::sync::watch::Sender::new(()),
+            steers: Mutex::new(HashMap::new()),
         }
     }
 
@@ -159,6 +172,7 @@ impl TurnRunner {
         let mut remote = self.remote.lock();
         if remote.get(&session) == Some(&turn) {
             remote.remove(&session);
+            self.remote_ended.send_replace(());
         }
     }
 
@@ -166,6 +180,128 @@ impl TurnRunner {
     /// have been lost).
     pub(crate) fn forget_remote_turns(&self) {
         self.remote.lock().clear();
+        self.remote_ended.send_replace(());
+    }
+
+    /// Waits until `turn` of `session`, run by another process, is no
+    /// longer known to run.
+    async fn remote_turn_gone(&self, session: SessionId, turn: uuid::Uuid) {
+        let mut ended = self.remote_ended.subscribe();
+        while self.remote.lock().get(&session) == Some(&turn) {
+            if ended.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// `/stop` of `session` from a client of this process: stops what runs
+    /// of it here ([`SessionManager::stop`]) and tells the other processes
+    /// on the database to stop theirs. A turn another process runs is
+    /// waited for (at most [`REMOTE_STOP_WAIT`]). Whether a turn was
+    /// running, here or there.
+    pub async fn stop(&self, session: SessionId) -> ApiResult<bool> {
+        let remote = self.remote.lock().get(&session).copied();
+        let relayed = self.hub.relay(Outgoing::Stop(session));
+        let here = self.manager.stop(session).await?.turn.is_some();
+        let Some(turn) = remote.filter(|_| relayed) else {
+            return Ok(here);
+        };
+        if tokio::time::timeout(REMOTE_STOP_WAIT, self.remote_turn_gone(session, turn))
+            .await
+            .is_err()
+        {
+            tracing::warn!(session_id = %session, %turn, "another server was asked to stop this dialog's turn and has not ended it yet");
+        }
+        Ok(true)
+    }
+
+    /// A `/stop` another process relayed: stops what runs of `session` here.
+    pub(crate) async fn stop_relayed(&self, session: SessionId) {
+        match self.manager.stop(session).await {
+            Ok(report) if report.turn.is_some() || !report.runs_cancelled.is_empty() => {
+                tracing::info!(session_id = %session, "stopped at another server's request");
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(session_id = %session, error = %e, "a stop another server relayed failed here");
+            }
+        }
+    }
+
+    /// Gives `text` (checked) to `session`'s running turn, here or, through
+    /// the relay, in the process that runs it (waiting at most
+    /// [`REMOTE_STEER_WAIT`] for its answer). With no running turn nothing
+    /// is done.
+    pub async fn steer(&self, session: SessionId, text: String) -> ApiResult<SteerReport> {
+        let not_steered = SteerReport {
+            steered: false,
+            turn_id: None,
+        };
+        if let SteerOutcome::Steered { turn_id } = self.manager.steer(session, &text)? {
+            return Ok(SteerReport {
+                steered: true,
+                turn_id: Some(turn_id.as_uuid()),
+            });
+        }
+        let Some(turn) = self.remote.lock().get(&session).copied() else {
+            return Ok(not_steered);
+        };
+        let request = uuid::Uuid::new_v4();
+        let (answer_tx, answer) = oneshot::channel();
+        self.steers.lock().insert(request, answer_tx);
+        let asked = self.hub.relay(Outgoing::Steer {
+            session,
+            request,
+            text,
+        });
+        let answer = if asked {
+            tokio::select! {
+                answer = answer => answer.ok(),
+                () = self.remote_turn_gone(session, turn) => None,
+                () = tokio::time::sleep(REMOTE_STEER_WAIT) => None,
+            }
+        } else {
+            None
+        };
+        self.steers.lock().remove(&request);
+        match answer {
+            Some(SteerAnswer::Steered { turn_id }) => Ok(SteerReport {
+                steered: true,
+                turn_id: Some(turn_id),
+            }),
+            Some(SteerAnswer::Full { capacity }) => {
+                Err(EngineError::SteerFull { capacity }.into())
+            }
+            None => Ok(not_steered),
+        }
+    }
+
+    /// A steer another process relayed: given to `session`'s turn if it
+    /// runs here, and answered; otherwise left to the process that runs it.
+    pub(crate) fn steer_relayed(&self, session: SessionId, request: uuid::Uuid, text: &str) {
+        let answer = match self.manager.steer(session, text) {
+            Ok(SteerOutcome::Steered { turn_id }) => SteerAnswer::Steered {
+                turn_id: turn_id.as_uuid(),
+            },
+            Ok(SteerOutcome::NoRunningTurn) => return,
+            Err(EngineError::SteerFull { capacity }) => SteerAnswer::Full { capacity },
+            Err(e) => {
+                tracing::warn!(session_id = %session, error = %e, "a steer another server relayed failed here");
+                return;
+            }
+        };
+        self.hub.relay(Outgoing::Steered {
+            session,
+            request,
+            answer,
+        });
+    }
+
+    /// The answer to a steer this process relayed.
+    pub(crate) fn steer_answered(&self, request: uuid::Uuid, answer: SteerAnswer) {
+        if let Some(waiting) = self.steers.lock().remove(&request) {
+            let _ = waiting.send(answer);
+        }
     }
 
     /// Makes the dialog's forwarder publish `turn`, a user turn no
@@ -379,7 +515,7 @@ impl TurnRunner {
                 }
             }
             IfBusy::Interrupt => {
-                self.manager.stop(session).await?;
+                self.stop(session).await?;
             }
             IfBusy::Steer => {
                 let text_only = input
@@ -387,10 +523,9 @@ impl TurnRunner {
                     .iter()
                     .all(|p| matches!(p, keel_core::ContentPart::Text { .. }));
                 if text_only {
-                    if let SteerOutcome::Steered { turn_id } =
-                        self.manager.steer(session, &input.text())?
-                    {
-                        return Ok((turn_id, true));
+                    let report = self.steer(session, input.text()).await?;
+                    if let Some(turn) = report.turn_id.filter(|_| report.steered) {
+                        return Ok((turn.into(), true));
                     }
                 }
             }

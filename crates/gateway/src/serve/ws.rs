@@ -304,7 +304,7 @@ impl Connection {
                 Ok(vec![ServerFrame::Stopped {
                     id,
                     session_id,
-                    stopped: shared.app.manager.stop(session).await?.turn.is_some(),
+                    stopped: shared.turns.stop(session).await?,
                 }])
             }
             ClientFrame::Steer {
@@ -313,7 +313,7 @@ impl Connection {
                 text,
             } => {
                 let session = shared.dialog_by_id(session_id.into()).await?.id;
-                let report = shared.steer(session, checked_text(text)?)?;
+                let report = shared.turns.steer(session, checked_text(text)?).await?;
                 Ok(vec![ServerFrame::Steered {
                     id,
                     session_id,

@@ -8,8 +8,8 @@ use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use keel_core::{AgentId, CheckpointId, SessionId};
-use keel_engine::{DialogAddress, SteerOutcome};
+use keel_core::{AgentId, CheckpointId};
+use keel_engine::DialogAddress;
 use keel_store::{CheckpointCursor, DialogCursor, MessagePage as StorePage};
 
 use super::{checked_text, decode_cursor, encode_cursor, page_limit, parse_id};
@@ -238,7 +238,7 @@ pub(crate) async fn stop(
 ) -> ApiResult<Json<StopReport>> {
     let record = shared.dialog(&id).await?;
     Ok(Json(StopReport {
-        stopped: shared.app.manager.stop(record.id).await?.turn.is_some(),
+        stopped: shared.turns.stop(record.id).await?,
     }))
 }
 
@@ -254,23 +254,12 @@ pub(crate) async fn steer(
     ApiJson(body): ApiJson<SteerText>,
 ) -> ApiResult<Json<SteerReport>> {
     let record = shared.dialog(&id).await?;
-    Ok(Json(shared.steer(record.id, checked_text(body.text)?)?))
-}
-
-impl Shared {
-    /// Steers `session`'s running turn with `text` (already checked).
-    pub(crate) fn steer(&self, session: SessionId, text: String) -> ApiResult<SteerReport> {
-        Ok(match self.app.manager.steer(session, &text)? {
-            SteerOutcome::Steered { turn_id } => SteerReport {
-                steered: true,
-                turn_id: Some(turn_id.as_uuid()),
-            },
-            SteerOutcome::NoRunningTurn => SteerReport {
-                steered: false,
-                turn_id: None,
-            },
-        })
-    }
+    Ok(Json(
+        shared
+            .turns
+            .steer(record.id, checked_text(body.text)?)
+            .await?,
+    ))
 }
 
 /// Tokens and model calls of the dialog's committed turns (a running turn

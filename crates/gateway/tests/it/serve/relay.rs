@@ -120,3 +120,92 @@ async fn a_turn_one_server_runs_streams_live_to_the_other_servers_clients() {
         .await;
     assert_eq!(page["items"][0]["text"], "partial done.");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_steer_or_a_stop_sent_to_one_server_reaches_the_turn_another_runs() {
+    let db = require_postgres!();
+    let gate = Arc::new(Semaphore::new(0));
+    let here = server_on(
+        &db.conninfo,
+        Arc::new(keel_core::ScriptedProvider::offline()),
+    )
+    .await;
+    let there = server_on(&db.conninfo, Arc::new(GatedProvider { gate })).await;
+    let dialog = here.dialog("controlled").await;
+    let session_id: uuid::Uuid = dialog.parse().unwrap();
+    let mut ws = here.ws().await;
+    ws.send(&ClientFrame::Subscribe {
+        id: None,
+        session_id,
+        since_revision: None,
+        resume_from: None,
+        join: false,
+    })
+    .await;
+    assert!(matches!(ws.frame().await, ServerFrame::Subscribed { .. }));
+
+    // The turn runs on the other server, waiting mid-answer for a gate
+    // nobody opens; this server learns of it from its relayed frames.
+    let r = there
+        .post(
+            &format!("/api/dialogs/{dialog}/messages"),
+            json!({"text": "a long task"}),
+        )
+        .await;
+    assert_eq!(r.status(), 202);
+    let turn = r.json::<Value>().await.unwrap()["turn_id"].clone();
+    ws.until(|f| matches!(f, ServerFrame::TextDelta { .. }))
+        .await;
+
+    // Asked here, the other server's turn takes the text and answers.
+    let steered = here
+        .post(
+            &format!("/api/dialogs/{dialog}/steer"),
+            json!({"text": "keep it short"}),
+        )
+        .await;
+    assert_eq!(steered.status(), 200);
+    assert_eq!(
+        steered.json::<Value>().await.unwrap(),
+        json!({"steered": true, "turn_id": turn})
+    );
+
+    // Stopped here, it ends there; the answer returns once it has.
+    let stopped = here
+        .post(&format!("/api/dialogs/{dialog}/stop"), json!({}))
+        .await;
+    assert_eq!(stopped.status(), 200);
+    assert_eq!(
+        stopped.json::<Value>().await.unwrap(),
+        json!({"stopped": true})
+    );
+    let end = ws.until(ServerFrame::ends_turn).await;
+    let Some(ServerFrame::TurnFailed {
+        turn_id, message, ..
+    }) = end.last()
+    else {
+        panic!("the turn should end unsaved: {end:?}");
+    };
+    assert_eq!(json!(turn_id), turn);
+    assert_eq!(message, "the turn was stopped; its answer was not saved");
+
+    // Nothing runs anywhere now: a steer is not taken, on either server.
+    for server in [&here, &there] {
+        let r = server
+            .post(
+                &format!("/api/dialogs/{dialog}/steer"),
+                json!({"text": "anyone?"}),
+            )
+            .await;
+        assert_eq!(
+            r.json::<Value>().await.unwrap(),
+            json!({"steered": false, "turn_id": null})
+        );
+    }
+    let page = here
+        .json(&format!(
+            "/api/dialogs/{dialog}/messages?order=desc&limit=1"
+        ))
+        .await;
+    assert_eq!(page["items"][0]["text"], "a long task", "{page}");
+}
