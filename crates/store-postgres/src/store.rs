@@ -98,31 +98,18 @@ impl std::fmt::Debug for PgStore {
 /// fresh transaction), so it must not have effects outside `tx`.
 pub(crate) type TxBody<'a, T> = BoxFuture<'a, Result<T>>;
 
-/// Where a body's statements run: a transaction whose statements are
-/// prepared once per connection (the pool keeps them), one round trip a
+/// Where a body's statements run: a pooled connection, inside the
+/// transaction `write` or `read` opened on it, or (`one_statement`) with no
+/// transaction around it, the statement its own snapshot. Statements are
+/// prepared once per connection (the pool keeps them): one round trip a
 /// statement instead of two (parse, then execute), which also keeps
-/// transactions short; or, for one statement (`one_statement`), the
-/// connection itself, that statement its own snapshot.
-pub(crate) enum Tx<'a> {
-    /// Inside `BEGIN` … `COMMIT`.
-    Transaction(&'a deadpool_postgres::Transaction<'a>),
-    /// One statement, no transaction around it.
-    Statement(&'a deadpool_postgres::Client),
-}
-
-/// `$call` on the transaction or the connection behind `$tx`.
-macro_rules! on_conn {
-    ($tx:expr, $c:ident => $call:expr) => {
-        match $tx {
-            Tx::Transaction($c) => $call,
-            Tx::Statement($c) => $call,
-        }
-    };
-}
+/// transactions short. Statements whose futures are polled together are
+/// pipelined: sent at once, answered in order.
+pub(crate) struct Tx<'a>(&'a deadpool_postgres::Client);
 
 impl Tx<'_> {
     async fn statement(&self, sql: &str) -> std::result::Result<Statement, tokio_postgres::Error> {
-        on_conn!(self, c => c.prepare_cached(sql).await)
+        self.0.prepare_cached(sql).await
     }
 
     /// The rows `sql` returns.
@@ -132,7 +119,7 @@ impl Tx<'_> {
         params: &[&(dyn ToSql + Sync)],
     ) -> std::result::Result<Vec<Row>, tokio_postgres::Error> {
         let stmt = self.statement(sql).await?;
-        on_conn!(self, c => c.query(&stmt, params).await)
+        self.0.query(&stmt, params).await
     }
 
     /// The one row `sql` returns.
@@ -142,7 +129,7 @@ impl Tx<'_> {
         params: &[&(dyn ToSql + Sync)],
     ) -> std::result::Result<Row, tokio_postgres::Error> {
         let stmt = self.statement(sql).await?;
-        on_conn!(self, c => c.query_one(&stmt, params).await)
+        self.0.query_one(&stmt, params).await
     }
 
     /// The row `sql` returns, if any.
@@ -152,7 +139,7 @@ impl Tx<'_> {
         params: &[&(dyn ToSql + Sync)],
     ) -> std::result::Result<Option<Row>, tokio_postgres::Error> {
         let stmt = self.statement(sql).await?;
-        on_conn!(self, c => c.query_opt(&stmt, params).await)
+        self.0.query_opt(&stmt, params).await
     }
 
     /// Runs `sql`; the rows it changed.
@@ -162,7 +149,7 @@ impl Tx<'_> {
         params: &[&(dyn ToSql + Sync)],
     ) -> std::result::Result<u64, tokio_postgres::Error> {
         let stmt = self.statement(sql).await?;
-        on_conn!(self, c => c.execute(&stmt, params).await)
+        self.0.execute(&stmt, params).await
     }
 
     /// Runs statements without parameters (savepoints).
@@ -170,7 +157,7 @@ impl Tx<'_> {
         &self,
         sql: &str,
     ) -> std::result::Result<(), tokio_postgres::Error> {
-        on_conn!(self, c => c.batch_execute(sql).await)
+        self.0.batch_execute(sql).await
     }
 }
 
@@ -346,7 +333,7 @@ impl PgStore {
         loop {
             attempt += 1;
             let result = match self.inner.pool.get().await {
-                Ok(client) => body(&Tx::Statement(&client)).await,
+                Ok(client) => body(&Tx(&client)).await,
                 Err(e) => Err(from_pool(e)),
             };
             match result {
@@ -371,6 +358,12 @@ impl PgStore {
         }
     }
 
+    /// One attempt at `body` in a transaction at `isolation`. `BEGIN`, the
+    /// fence check and the body's first statements travel together (one
+    /// round trip, not three): the fence is decided before `COMMIT`, which
+    /// is all it needs — at `READ COMMITTED` its lock holds a takeover
+    /// back from then to the commit, and a takeover committed earlier fails
+    /// it; a serializable transaction sees one snapshot whatever the order.
     async fn attempt<T, F>(
         &self,
         isolation: IsolationLevel,
@@ -381,35 +374,94 @@ impl PgStore {
     where
         F: for<'a> FnMut(&'a Tx<'a>) -> TxBody<'a, T> + Send,
     {
-        let mut client = self
+        let client = self
             .inner
             .pool
             .get()
             .await
             .map_err(|e| Attempt::before_commit(from_pool(e)))?;
-        let transaction = client
-            .build_transaction()
-            .isolation_level(isolation)
-            .read_only(read_only)
-            .start()
-            .await
-            .map_err(|e| Attempt::before_commit(from_pg(e)))?;
-        let tx = Tx::Transaction(&transaction);
-        if fence != 0 {
+        let mut open = OpenTransaction(Some(client));
+        let client = open.client();
+        let tx = Tx(client);
+        let fenced = async {
+            if fence == 0 {
+                return Ok(());
+            }
             let locked = matches!(isolation, IsolationLevel::ReadCommitted);
-            crate::runtime::check_fence(&tx, fence, locked)
-                .await
-                .map_err(Attempt::before_commit)?;
-        }
-        let value = body(&tx).await.map_err(Attempt::before_commit)?;
-        match transaction.commit().await {
-            Ok(()) => Ok(value),
+            crate::runtime::check_fence(&tx, fence, locked).await
+        };
+        // Polled in this order, so `BEGIN` is sent first.
+        let (begun, fenced, value) =
+            futures::join!(client.batch_execute(begin(isolation, read_only)), fenced, body(&tx));
+        let value = match begun.map_err(from_pg).and(fenced).and(value) {
+            Ok(value) => value,
+            Err(e) => {
+                open.roll_back().await;
+                return Err(Attempt::before_commit(e));
+            }
+        };
+        let committed = client.batch_execute("COMMIT").await;
+        match committed {
+            Ok(()) => {
+                open.done();
+                Ok(value)
+            }
             Err(e) => match e.code() {
                 // Rolled back by the server: nothing happened, try again.
-                Some(code) if is_retryable(code) => Err(Attempt::Retry(from_pg(e))),
+                Some(code) if is_retryable(code) => {
+                    open.done();
+                    Err(Attempt::Retry(from_pg(e)))
+                }
                 // Lost during COMMIT: it may have committed; never redo it.
                 _ => Err(Attempt::Failed(from_pg(e))),
             },
+        }
+    }
+}
+
+/// The statement that opens a transaction at `isolation`. It fails only
+/// with its connection (no `READ WRITE`, which a standby refuses), so the
+/// statements sent behind it never run outside the transaction.
+fn begin(isolation: IsolationLevel, read_only: bool) -> &'static str {
+    match (isolation, read_only) {
+        (IsolationLevel::Serializable, _) => "START TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+        (IsolationLevel::ReadCommitted, _) => "START TRANSACTION ISOLATION LEVEL READ COMMITTED",
+        (_, true) => "START TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY",
+        (_, false) => "START TRANSACTION ISOLATION LEVEL REPEATABLE READ",
+    }
+}
+
+/// A pooled connection inside a transaction `attempt` opened. Unless the
+/// transaction ended (committed or rolled back) the connection never goes
+/// back to the pool: dropped mid-way (the caller gave up on the answer),
+/// it is closed, and the server rolls the transaction back.
+struct OpenTransaction(Option<deadpool_postgres::Client>);
+
+impl OpenTransaction {
+    fn client(&self) -> &deadpool_postgres::Client {
+        self.0.as_ref().expect("the connection is held until the end")
+    }
+
+    /// The transaction ended: the connection may serve others again.
+    fn done(&mut self) {
+        if let Some(client) = self.0.take() {
+            drop(client);
+        }
+    }
+
+    /// Rolls the transaction back; a connection that cannot is closed.
+    async fn roll_back(&mut self) {
+        if self.client().batch_execute("ROLLBACK").await.is_ok() {
+            self.done();
+        }
+    }
+}
+
+impl Drop for OpenTransaction {
+    fn drop(&mut self) {
+        if let Some(client) = self.0.take() {
+            // Out of the pool: closing the connection rolls back.
+            drop(deadpool_postgres::Object::take(client));
         }
     }
 }

@@ -114,3 +114,58 @@ async fn concurrent_appends_to_one_dialog_each_get_the_next_seq() {
     assert_eq!(seqs, (1..=24).collect::<Vec<i64>>());
     assert_eq!(store.last_seq(session.id).await.unwrap(), 24);
 }
+
+#[tokio::test]
+async fn a_write_given_up_mid_transaction_leaves_nothing_and_its_connection_is_not_reused() {
+    let db = require_postgres!();
+    // One pooled connection: a write after the abandoned one would get it
+    // back, still inside the abandoned transaction, if the pool took it.
+    let store = runtime(&db, 1).await;
+    let session = store.create_session(new_session("d", 1)).await.unwrap();
+    // Every message insert waits, once its row is written, for a lock
+    // another connection holds.
+    let holder = db.connect().await;
+    holder
+        .batch_execute(
+            "CREATE FUNCTION wait_for_test() RETURNS trigger LANGUAGE plpgsql AS \
+               'BEGIN PERFORM pg_advisory_xact_lock(4242); RETURN NULL; END'; \
+             CREATE TRIGGER wait_for_test AFTER INSERT ON messages \
+               FOR EACH ROW EXECUTE FUNCTION wait_for_test(); \
+             BEGIN; SELECT pg_advisory_xact_lock(4242)",
+        )
+        .await
+        .unwrap();
+    let abandoned = tokio::spawn({
+        let store = store.clone();
+        async move { store.append_message(session.id, user("abandoned"), 2).await }
+    });
+    until_waiting_for_locks(&db, 1).await;
+    abandoned.abort();
+    assert!(abandoned.await.unwrap_err().is_cancelled());
+    // The abandoned transaction's backend ends once its insert is through;
+    // a transaction still open on a pooled connection would keep the
+    // trigger from being dropped.
+    holder
+        .batch_execute(
+            "COMMIT; SET lock_timeout = '20s'; DROP TRIGGER wait_for_test ON messages",
+        )
+        .await
+        .expect("no transaction is left open on the abandoned connection");
+
+    assert_eq!(
+        store
+            .append_message(session.id, user("kept"), 3)
+            .await
+            .expect("the next write gets a connection of its own"),
+        1,
+        "the abandoned message was never committed"
+    );
+    let texts: Vec<String> = store
+        .load_messages(session.id, Default::default())
+        .await
+        .unwrap()
+        .iter()
+        .map(|m| m.message.text())
+        .collect();
+    assert_eq!(texts, ["kept"]);
+}
