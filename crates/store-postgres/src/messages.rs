@@ -12,12 +12,16 @@ use keel_store::{
     OpenTurn, Result, SessionHead, SessionRecord, StoreError, StoredMessage, TimelineId,
     TurnCommit, TurnCommitted,
 };
+use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
 use crate::store::Tx;
 
 use crate::checkpoints::{insert_checkpoint_tx, put_state_tx};
-use crate::sessions::{bump_activity, check_limit, list_dialogs_tx, lock_session, require_session};
+use crate::sessions::{
+    bump_activity, check_limit, list_dialogs_tx, lock_session, locked_session, require_session,
+    LOCK_SESSION,
+};
 use crate::store::from_pg;
 use crate::PgStore;
 
@@ -31,18 +35,56 @@ const CHAIN_CTE: &str = "WITH RECURSIVE chain(depth, tid, upto, parent, fseq) AS
        FROM timelines t JOIN chain c ON t.id = c.parent \
      )";
 
+/// The last seq visible from timeline `$1`.
+const LAST_SEQ: &str = "SELECT coalesce((SELECT max(seq) FROM messages WHERE timeline_id = $1), \
+     (SELECT coalesce(fork_seq, 0) FROM timelines WHERE id = $1))";
+
 /// Last seq visible from `timeline` (its own, or the fork point when it has none).
 pub(crate) async fn last_seq(tx: &Tx<'_>, timeline: &str) -> Result<i64> {
     let row = tx
-        .query_one(
-            "SELECT coalesce((SELECT max(seq) FROM messages WHERE timeline_id = $1), \
-                    (SELECT coalesce(fork_seq, 0) FROM timelines WHERE id = $1))",
-            &[&timeline],
-        )
+        .query_one(LAST_SEQ, &[&timeline])
         .await
         .map_err(from_pg)?;
+    last_seq_from(&row, timeline)
+}
+
+fn last_seq_from(row: &Row, timeline: &str) -> Result<i64> {
     row.get::<_, Option<i64>>(0)
         .ok_or_else(|| StoreError::corrupt("timelines.id", format!("no timeline {timeline}")))
+}
+
+/// Locks `session` (as `lock_session` does) and reads where its history
+/// ends: its head timeline and the last seq on it. When the writer expects
+/// a head (`expected`) both go in one round trip, the read sent behind the
+/// lock: it runs once the lock is held, so it sees every write committed
+/// before (were the head another timeline, the writer's head check fails).
+async fn lock_head(
+    tx: &Tx<'_>,
+    session: &SessionId,
+    expected: Option<&SessionHead>,
+) -> Result<(SessionRecord, i64)> {
+    let Some(expected) = expected else {
+        let record = lock_session(tx, session).await?;
+        let last = last_seq(tx, record.head_timeline_id.as_str()).await?;
+        return Ok((record, last));
+    };
+    let timeline = expected.timeline.as_str();
+    let (lock, last) =
+        futures::try_join!(tx.prepare(LOCK_SESSION), tx.prepare(LAST_SEQ)).map_err(from_pg)?;
+    let id = session.to_string();
+    let (lock_params, last_params): ([&(dyn ToSql + Sync); 1], [&(dyn ToSql + Sync); 1]) =
+        ([&id], [&timeline]);
+    let (record, last) = futures::try_join!(
+        tx.query_opt_prepared(&lock, &lock_params),
+        tx.query_one_prepared(&last, &last_params),
+    )
+    .map_err(from_pg)?;
+    let record = locked_session(record, session)?;
+    if record.head_timeline_id.as_str() != timeline {
+        let last = last_seq(tx, record.head_timeline_id.as_str()).await?;
+        return Ok((record, last));
+    }
+    Ok((record, last_seq_from(&last, timeline)?))
 }
 
 /// The head timeline of a session, its row locked as `lock_session` does
@@ -152,7 +194,12 @@ pub(crate) async fn append_tx(
     )
     .await
     .map_err(from_pg)?;
-    Ok((1..).take(messages.len()).map(|i| last + i).collect())
+    Ok(new_seqs(last, messages.len()))
+}
+
+/// The seqs of `n` messages appended after seq `last`.
+fn new_seqs(last: i64, n: usize) -> Vec<i64> {
+    (1..).take(n).map(|i| last + i).collect()
 }
 
 /// The ancestor chain of `timeline` as (timeline, last visible seq), root first.
@@ -341,18 +388,21 @@ async fn commit_turn_counted_tx(
     messages: &[EncodedMessage],
     webhook_urls: &[String],
 ) -> Result<(TurnCommitted, usize)> {
-    let session = lock_session(tx, &turn.session_id).await?;
+    let (session, last) = lock_head(tx, &turn.session_id, turn.expected_head.as_ref()).await?;
     let head = session.head_timeline_id.as_str();
-    let last = last_seq(tx, head).await?;
     if let Some(expected) = &turn.expected_head {
         check_head(&session.id, expected, head, last)?;
     }
-    let seqs = append_tx(tx, &session.id, head, last, messages, turn.now_ms).await?;
-    let last = seqs.last().copied().unwrap_or(last);
-    answer_inputs_tx(tx, head, &turn.answers).await?;
-    let mut deliveries = 0;
-    if !turn.answers.is_empty() {
-        deliveries = crate::webhooks::deliveries_tx(
+    let seqs = new_seqs(last, messages.len());
+    let end = seqs.last().copied().unwrap_or(last);
+    // What follows touches disjoint rows (the turn's new messages, the
+    // inputs it answers, its webhook rows and call spans, the session's
+    // counters and state), so it is sent at once, in whatever order.
+    let deliveries = async {
+        if turn.answers.is_empty() {
+            return Ok(0);
+        }
+        crate::webhooks::deliveries_tx(
             tx,
             &crate::webhooks::CommittedTurn {
                 status: "committed",
@@ -366,35 +416,51 @@ async fn commit_turn_counted_tx(
             },
             webhook_urls,
         )
-        .await?;
-    }
-    if let Some(calls) = &turn.calls {
-        crate::calls::insert_calls_tx(
-            tx,
-            &session.id,
-            crate::calls::CallOwner::Turn(calls.turn_id),
-            &calls.spans,
-        )
-        .await?;
-    }
-    let state_hash = put_state_tx(tx, &session, &turn.state).await?;
-    let checkpoint = match &turn.checkpoint {
-        Some(cp) => Some(
-            insert_checkpoint_tx(
-                tx,
-                &session.id,
-                &session.head_timeline_id,
-                last,
-                None,
-                cp,
-                &state_hash,
-                turn.now_ms,
-            )
-            .await?,
-        ),
-        None => None,
+        .await
     };
-    bump_activity(tx, &session.id, turn.now_ms, turn.visible_user_inputs).await?;
+    let calls = async {
+        match &turn.calls {
+            Some(calls) => {
+                crate::calls::insert_calls_tx(
+                    tx,
+                    &session.id,
+                    crate::calls::CallOwner::Turn(calls.turn_id),
+                    &calls.spans,
+                )
+                .await
+            }
+            None => Ok(()),
+        }
+    };
+    // The checkpoint names the state, which must be stored first.
+    let state = async {
+        let state_hash = put_state_tx(tx, &session, &turn.state).await?;
+        let checkpoint = match &turn.checkpoint {
+            Some(cp) => Some(
+                insert_checkpoint_tx(
+                    tx,
+                    &session.id,
+                    &session.head_timeline_id,
+                    end,
+                    None,
+                    cp,
+                    &state_hash,
+                    turn.now_ms,
+                )
+                .await?,
+            ),
+            None => None,
+        };
+        Ok((state_hash, checkpoint))
+    };
+    let (_, (), deliveries, (), (state_hash, checkpoint), ()) = futures::try_join!(
+        append_tx(tx, &session.id, head, last, messages, turn.now_ms),
+        answer_inputs_tx(tx, head, &turn.answers),
+        deliveries,
+        calls,
+        state,
+        bump_activity(tx, &session.id, turn.now_ms, turn.visible_user_inputs),
+    )?;
     let committed = TurnCommitted {
         seqs,
         state_hash,
@@ -424,12 +490,20 @@ async fn answer_inputs_tx(tx: &Tx<'_>, timeline: &str, seqs: &[i64]) -> Result<(
     Ok(())
 }
 
-/// Marks every input of `session` still open unanswered; returns how many.
-async fn close_open_inputs_tx(tx: &Tx<'_>, session: &SessionId) -> Result<u64> {
+/// Marks every input of `session` still open unanswered (none appended
+/// after seq `last` of `timeline`, which may be on their way in the same
+/// round trip); returns how many.
+async fn close_open_inputs_tx(
+    tx: &Tx<'_>,
+    session: &SessionId,
+    timeline: &str,
+    last: i64,
+) -> Result<u64> {
     tx.execute(
         "UPDATE messages SET input_state = 'unanswered' \
-         WHERE session_id = $1 AND input_state = 'open'",
-        &[&session.to_string()],
+         WHERE session_id = $1 AND input_state = 'open' \
+           AND NOT (timeline_id = $2 AND seq > $3)",
+        &[&session.to_string(), &timeline, &last],
     )
     .await
     .map_err(from_pg)
@@ -451,28 +525,40 @@ async fn open_turn_tx(
     visible_user_inputs: u32,
 ) -> Result<Vec<i64>> {
     let session = &turn.session_id;
-    let (timeline, last) = head_state(tx, session).await?;
+    let (record, last) = lock_head(tx, session, turn.expected_head.as_ref()).await?;
+    let timeline = record.head_timeline_id.as_str();
     if let Some(expected) = &turn.expected_head {
-        check_head(session, expected, &timeline, last)?;
+        check_head(session, expected, timeline, last)?;
     }
-    if let Some(turn) = &turn.queued {
-        crate::queued::take_queued_tx(tx, turn).await?;
-    }
-    // Inputs a dropped or crashed turn left open were never answered.
-    close_open_inputs_tx(tx, session).await?;
-    let seqs = append_tx(tx, session, &timeline, last, messages, turn.now_ms).await?;
-    if let Some(queued) = &turn.queued {
-        // The subscription follows the turn's user message (the input it answers).
-        let input = turn
+    let seqs = new_seqs(last, messages.len());
+    // The subscription follows the turn's user message (the input it answers).
+    let bound = turn.queued.as_ref().and_then(|queued| {
+        let i = turn
             .messages
             .iter()
-            .position(|m| m.message.role == keel_core::Role::User)
-            .and_then(|i| seqs.get(i));
-        if let Some(seq) = input {
-            crate::webhooks::bind_tx(tx, queued, &timeline, *seq).await?;
-        }
-    }
-    bump_activity(tx, session, turn.now_ms, visible_user_inputs).await?;
+            .position(|m| m.message.role == keel_core::Role::User)?;
+        Some((queued, *seqs.get(i)?))
+    });
+    // Disjoint rows again (the queue's, older inputs, the new messages, a
+    // subscription, the session's counters): sent at once.
+    futures::try_join!(
+        async {
+            match &turn.queued {
+                Some(turn) => crate::queued::take_queued_tx(tx, turn).await,
+                None => Ok(()),
+            }
+        },
+        // Inputs a dropped or crashed turn left open were never answered.
+        close_open_inputs_tx(tx, session, timeline, last),
+        append_tx(tx, session, timeline, last, messages, turn.now_ms),
+        async {
+            match bound {
+                Some((queued, seq)) => crate::webhooks::bind_tx(tx, queued, timeline, seq).await,
+                None => Ok(()),
+            }
+        },
+        bump_activity(tx, session, turn.now_ms, visible_user_inputs),
+    )?;
     Ok(seqs)
 }
 

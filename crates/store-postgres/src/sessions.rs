@@ -22,9 +22,14 @@ use crate::PgStore;
 // Text keys are compared and ordered `COLLATE "C"` (byte order, as SQLite's
 // BINARY), whatever the database's collation, so listings and cursors
 // follow SQLite's order exactly.
-const SESSION_COLUMNS: &str = "id, channel, chat_id, dialog_id, title, agent_id, parent_id, \
-     created_at, last_active_at, message_count, deleted_at, delivery_context, \
-     head_timeline_id, state_hash";
+macro_rules! session_columns {
+    () => {
+        "id, channel, chat_id, dialog_id, title, agent_id, parent_id, created_at, \
+         last_active_at, message_count, deleted_at, delivery_context, head_timeline_id, \
+         state_hash"
+    };
+}
+const SESSION_COLUMNS: &str = session_columns!();
 
 fn session_from_row(r: &Row) -> Result<SessionRecord> {
     let id: String = r.get(0);
@@ -63,11 +68,23 @@ pub(crate) async fn get_session_tx(tx: &Tx<'_>, id: &SessionId) -> Result<Option
 /// checkpoints take it first, so they run one at a time whatever their
 /// isolation level, and writes to other dialogs never wait for them.
 pub(crate) async fn lock_session(tx: &Tx<'_>, id: &SessionId) -> Result<SessionRecord> {
-    let sql = format!("SELECT {SESSION_COLUMNS} FROM sessions WHERE id = $1 FOR NO KEY UPDATE");
-    tx.query_opt(&sql, &[&id.to_string()])
+    let row = tx
+        .query_opt(LOCK_SESSION, &[&id.to_string()])
         .await
-        .map_err(from_pg)?
-        .map(|r| session_from_row(&r))
+        .map_err(from_pg)?;
+    locked_session(row, id)
+}
+
+/// The statement of [`lock_session`]: session `$1`, its row locked.
+pub(crate) const LOCK_SESSION: &str = concat!(
+    "SELECT ",
+    session_columns!(),
+    " FROM sessions WHERE id = $1 FOR NO KEY UPDATE"
+);
+
+/// The session [`LOCK_SESSION`] returned, if it found `id`.
+pub(crate) fn locked_session(row: Option<Row>, id: &SessionId) -> Result<SessionRecord> {
+    row.map(|r| session_from_row(&r))
         .transpose()?
         .ok_or_else(|| StoreError::NotFound(format!("session {id}")))
 }

@@ -112,6 +112,35 @@ impl Tx<'_> {
         self.0.prepare_cached(sql).await
     }
 
+    /// `sql` prepared on this connection (kept after the first time).
+    pub(crate) async fn prepare(
+        &self,
+        sql: &str,
+    ) -> std::result::Result<Statement, tokio_postgres::Error> {
+        self.statement(sql).await
+    }
+
+    /// The row the prepared `stmt` returns, if any. Sent when first polled:
+    /// statements whose futures are polled together in order (`try_join!`)
+    /// run in that order, each after the one before ended (its locks held).
+    pub(crate) async fn query_opt_prepared(
+        &self,
+        stmt: &Statement,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> std::result::Result<Option<Row>, tokio_postgres::Error> {
+        self.0.query_opt(stmt, params).await
+    }
+
+    /// The one row the prepared `stmt` returns; sent as
+    /// [`Self::query_opt_prepared`] is.
+    pub(crate) async fn query_one_prepared(
+        &self,
+        stmt: &Statement,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> std::result::Result<Row, tokio_postgres::Error> {
+        self.0.query_one(stmt, params).await
+    }
+
     /// The rows `sql` returns.
     pub(crate) async fn query(
         &self,
@@ -391,8 +420,11 @@ impl PgStore {
             crate::runtime::check_fence(&tx, fence, locked).await
         };
         // Polled in this order, so `BEGIN` is sent first.
-        let (begun, fenced, value) =
-            futures::join!(client.batch_execute(begin(isolation, read_only)), fenced, body(&tx));
+        let (begun, fenced, value) = futures::join!(
+            client.batch_execute(begin(isolation, read_only)),
+            fenced,
+            body(&tx)
+        );
         let value = match begun.map_err(from_pg).and(fenced).and(value) {
             Ok(value) => value,
             Err(e) => {
@@ -439,7 +471,9 @@ struct OpenTransaction(Option<deadpool_postgres::Client>);
 
 impl OpenTransaction {
     fn client(&self) -> &deadpool_postgres::Client {
-        self.0.as_ref().expect("the connection is held until the end")
+        self.0
+            .as_ref()
+            .expect("the connection is held until the end")
     }
 
     /// The transaction ended: the connection may serve others again.

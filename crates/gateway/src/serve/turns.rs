@@ -269,9 +269,7 @@ impl TurnRunner {
                 steered: true,
                 turn_id: Some(turn_id),
             }),
-            Some(SteerAnswer::Full { capacity }) => {
-                Err(EngineError::SteerFull { capacity }.into())
-            }
+            Some(SteerAnswer::Full { capacity }) => Err(EngineError::SteerFull { capacity }.into()),
             None => Ok(not_steered),
         }
     }

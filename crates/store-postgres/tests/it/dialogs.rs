@@ -4,8 +4,8 @@
 
 use std::time::{Duration, Instant};
 
-use keel_store::conformance::fixtures::{new_session, user};
-use keel_store::Store;
+use keel_store::conformance::fixtures::{new_session, turn, user};
+use keel_store::{SessionHead, Store, StoreError};
 use keel_store_postgres::testing::TestDb;
 use keel_store_postgres::{require_postgres, PgOptions, PgStore};
 
@@ -146,9 +146,7 @@ async fn a_write_given_up_mid_transaction_leaves_nothing_and_its_connection_is_n
     // a transaction still open on a pooled connection would keep the
     // trigger from being dropped.
     holder
-        .batch_execute(
-            "COMMIT; SET lock_timeout = '20s'; DROP TRIGGER wait_for_test ON messages",
-        )
+        .batch_execute("COMMIT; SET lock_timeout = '20s'; DROP TRIGGER wait_for_test ON messages")
         .await
         .expect("no transaction is left open on the abandoned connection");
 
@@ -168,4 +166,38 @@ async fn a_write_given_up_mid_transaction_leaves_nothing_and_its_connection_is_n
         .map(|m| m.message.text())
         .collect();
     assert_eq!(texts, ["kept"]);
+}
+
+#[tokio::test]
+async fn turns_committing_at_once_from_one_head_save_one_and_refuse_the_rest() {
+    let db = require_postgres!();
+    let store = runtime(&db, 8).await;
+    let session = store.create_session(new_session("d", 1)).await.unwrap();
+    let head = SessionHead {
+        timeline: session.head_timeline_id.clone(),
+        last_seq: 0,
+    };
+    let commits: Vec<_> = (0..12)
+        .map(|i| {
+            let mut commit = turn(session.id, i, &format!("state {i}"), true);
+            commit.expected_head = Some(head.clone());
+            let store = store.clone();
+            tokio::spawn(async move { store.commit_turn(commit).await })
+        })
+        .collect();
+    let mut saved = 0;
+    for commit in commits {
+        match commit.await.unwrap() {
+            Ok(committed) => {
+                saved += 1;
+                assert_eq!(committed.seqs, [1, 2]);
+            }
+            // The history's end is read once the dialog's lock is held: a
+            // turn that waited sees the saved one and is refused, never
+            // writing over its seqs.
+            Err(e) => assert!(matches!(e, StoreError::Conflict(_)), "{e}"),
+        }
+    }
+    assert_eq!(saved, 1);
+    assert_eq!(store.last_seq(session.id).await.unwrap(), 2);
 }
