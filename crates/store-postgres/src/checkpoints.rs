@@ -76,18 +76,6 @@ pub(crate) async fn require_checkpoint(tx: &Tx<'_>, id: &CheckpointId) -> Result
         .ok_or_else(|| StoreError::NotFound(format!("checkpoint {id}")))
 }
 
-/// Newest checkpoint of a session (insertion order), the parent of the next one.
-async fn newest_checkpoint(tx: &Tx<'_>, session: &SessionId) -> Result<Option<String>> {
-    Ok(tx
-        .query_opt(
-            "SELECT id FROM checkpoints WHERE session_id = $1 ORDER BY row_order DESC LIMIT 1",
-            &[&session.to_string()],
-        )
-        .await
-        .map_err(from_pg)?
-        .map(|r| r.get(0)))
-}
-
 /// Deletes every state blob no session and no checkpoint references (run
 /// by prune/delete only, so the turn path needs no index on state hashes).
 pub(crate) async fn sweep_blobs(tx: &Tx<'_>) -> Result<u64> {
@@ -127,7 +115,7 @@ pub(crate) async fn put_state_tx(
 /// sees the reference), a missing one inserted. At `READ COMMITTED` a
 /// sweep may delete the row between the two statements, or another
 /// writer insert it: then the other one is tried again.
-async fn keep_blob_tx(tx: &Tx<'_>, hash: &str, bytes: &[u8]) -> Result<()> {
+pub(crate) async fn keep_blob_tx(tx: &Tx<'_>, hash: &str, bytes: &[u8]) -> Result<()> {
     for _ in 0..3 {
         let kept = tx
             .query_opt(
@@ -189,27 +177,30 @@ pub(crate) async fn insert_checkpoint_tx(
     state_hash: &str,
     now_ms: i64,
 ) -> Result<CheckpointRecord> {
-    let parent = match parent {
-        Some(p) => Some(p.to_string()),
-        None => newest_checkpoint(tx, session).await?,
-    };
-    tx.execute(
-        "INSERT INTO checkpoints (id, session_id, timeline_id, seq, parent_checkpoint_id, \
-         turn_index, state_hash, source, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-        &[
-            &cp.id.to_string(),
-            &session.to_string(),
-            &timeline.as_str(),
-            &seq,
-            &parent,
-            &to_i64("turn_index", cp.turn_index)?,
-            &state_hash,
-            &cp.source.as_str(),
-            &now_ms,
-        ],
-    )
-    .await
-    .map_err(from_pg)?;
+    // Without a parent given, the session's newest checkpoint (read in the
+    // same statement).
+    let row = tx
+        .query_one(
+            "INSERT INTO checkpoints (id, session_id, timeline_id, seq, parent_checkpoint_id, \
+             turn_index, state_hash, source, created_at) VALUES ($1, $2, $3, $4, \
+             coalesce($5, (SELECT id FROM checkpoints WHERE session_id = $2 \
+                           ORDER BY row_order DESC LIMIT 1)), \
+             $6, $7, $8, $9) RETURNING parent_checkpoint_id",
+            &[
+                &cp.id.to_string(),
+                &session.to_string(),
+                &timeline.as_str(),
+                &seq,
+                &parent.map(ToString::to_string),
+                &to_i64("turn_index", cp.turn_index)?,
+                &state_hash,
+                &cp.source.as_str(),
+                &now_ms,
+            ],
+        )
+        .await
+        .map_err(from_pg)?;
+    let parent: Option<String> = row.get(0);
     Ok(CheckpointRecord {
         id: cp.id,
         session_id: *session,

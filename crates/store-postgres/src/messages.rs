@@ -17,12 +17,13 @@ use tokio_postgres::Row;
 
 use crate::store::Tx;
 
-use crate::checkpoints::{insert_checkpoint_tx, put_state_tx};
+use crate::checkpoints::{insert_checkpoint_tx, keep_blob_tx};
 use crate::sessions::{
-    bump_activity, check_limit, list_dialogs_tx, lock_session, locked_session, require_session,
-    LOCK_SESSION,
+    bump_activity, bump_activity_to_state, check_limit, list_dialogs_tx, lock_session,
+    locked_session, require_session, LOCK_SESSION,
 };
 use crate::store::from_pg;
+use crate::util::sha256_hex;
 use crate::PgStore;
 
 /// The ancestor chain of timeline `$1` as (depth, tid, upto): each
@@ -432,34 +433,48 @@ async fn commit_turn_counted_tx(
             None => Ok(()),
         }
     };
-    // The checkpoint names the state, which must be stored first.
+    // The session and the checkpoint name the state, stored first.
     let state = async {
-        let state_hash = put_state_tx(tx, &session, &turn.state).await?;
-        let checkpoint = match &turn.checkpoint {
-            Some(cp) => Some(
-                insert_checkpoint_tx(
-                    tx,
-                    &session.id,
-                    &session.head_timeline_id,
-                    end,
-                    None,
-                    cp,
-                    &state_hash,
-                    turn.now_ms,
-                )
-                .await?,
-            ),
-            None => None,
+        let state_hash = sha256_hex(&turn.state);
+        let changed = session.state_hash.as_deref() != Some(state_hash.as_str());
+        if changed {
+            keep_blob_tx(tx, &state_hash, &turn.state).await?;
+        }
+        let checkpoint = async {
+            let Some(cp) = &turn.checkpoint else {
+                return Ok(None);
+            };
+            insert_checkpoint_tx(
+                tx,
+                &session.id,
+                &session.head_timeline_id,
+                end,
+                None,
+                cp,
+                &state_hash,
+                turn.now_ms,
+            )
+            .await
+            .map(Some)
         };
+        let ((), checkpoint) = futures::try_join!(
+            bump_activity_to_state(
+                tx,
+                &session.id,
+                turn.now_ms,
+                turn.visible_user_inputs,
+                changed.then_some(state_hash.as_str()),
+            ),
+            checkpoint,
+        )?;
         Ok((state_hash, checkpoint))
     };
-    let (_, (), deliveries, (), (state_hash, checkpoint), ()) = futures::try_join!(
+    let (_, (), deliveries, (), (state_hash, checkpoint)) = futures::try_join!(
         append_tx(tx, &session.id, head, last, messages, turn.now_ms),
         answer_inputs_tx(tx, head, &turn.answers),
         deliveries,
         calls,
         state,
-        bump_activity(tx, &session.id, turn.now_ms, turn.visible_user_inputs),
     )?;
     let committed = TurnCommitted {
         seqs,

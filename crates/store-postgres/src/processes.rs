@@ -23,6 +23,26 @@ impl PgStore {
         self.write_committed(move |tx| {
             Box::pin(async move {
                 let key = session.to_string();
+                // The common case, a lease free or already this process's,
+                // in one statement (sent with BEGIN and the fence check).
+                // The row is locked first and checked again once locked.
+                let taken = tx
+                    .query_opt(
+                        "WITH old AS (SELECT last_generation FROM session_leases \
+                           WHERE session_id = $1 AND (generation IS NULL OR generation = $2) \
+                           FOR UPDATE) \
+                         UPDATE session_leases l SET generation = $2, last_generation = $2, \
+                           acquired_at = (extract(epoch from clock_timestamp()) * 1000)::bigint \
+                         FROM old WHERE l.session_id = $1 RETURNING old.last_generation",
+                        &[&key, &me],
+                    )
+                    .await
+                    .map_err(from_pg)?;
+                if let Some(old) = taken {
+                    return Ok(SessionLease::Held {
+                        moved: old.get::<_, i64>(0) != me,
+                    });
+                }
                 // Each statement reads the latest commit (READ COMMITTED):
                 // a row another process inserts meanwhile is found again.
                 loop {

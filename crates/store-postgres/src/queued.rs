@@ -7,7 +7,6 @@ use crate::store::Tx;
 use keel_core::TurnId;
 use keel_store::{QueuedInput, Result, StoreError};
 
-use crate::sessions::lock_session;
 use crate::store::from_pg;
 use crate::util::{parse, to_i64};
 use crate::PgStore;
@@ -38,23 +37,26 @@ impl PgStore {
         self.write_committed(move |tx| {
             let (input, message) = (input.clone(), message.clone());
             Box::pin(async move {
-                let session = lock_session(tx, &input.session_id).await?;
-                if session.deleted_at_ms.is_some() {
-                    return Err(StoreError::NotFound(format!("session {}", session.id)));
+                // One statement: the dialog's row locked (as `lock_session`
+                // does) and checked live, then the input queued.
+                let queued = tx
+                    .execute(
+                        "INSERT INTO queued_inputs (turn_id, session_id, message, queued_at, generation) \
+                         SELECT $1, id, $3, $4, $5 FROM sessions \
+                         WHERE id = $2 AND deleted_at IS NULL FOR NO KEY UPDATE",
+                        &[
+                            &input.turn_id.to_string(),
+                            &input.session_id.to_string(),
+                            &message,
+                            &input.queued_at_ms,
+                            &generation,
+                        ],
+                    )
+                    .await
+                    .map_err(from_pg)?;
+                if queued == 0 {
+                    return Err(StoreError::NotFound(format!("session {}", input.session_id)));
                 }
-                tx.execute(
-                    "INSERT INTO queued_inputs (turn_id, session_id, message, queued_at, generation) \
-                     VALUES ($1, $2, $3, $4, $5)",
-                    &[
-                        &input.turn_id.to_string(),
-                        &input.session_id.to_string(),
-                        &message,
-                        &input.queued_at_ms,
-                        &generation,
-                    ],
-                )
-                .await
-                .map_err(from_pg)?;
                 if let Some(url) = &input.webhook {
                     crate::webhooks::subscribe_tx(
                         tx,

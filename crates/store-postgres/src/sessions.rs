@@ -275,11 +275,24 @@ pub(crate) async fn bump_activity(
     now_ms: i64,
     inputs: u32,
 ) -> Result<()> {
+    bump_activity_to_state(tx, id, now_ms, inputs, None).await
+}
+
+/// [`bump_activity`], and the session's state set to `state_hash` (a
+/// stored blob) when one is given: one statement for a turn's commit.
+pub(crate) async fn bump_activity_to_state(
+    tx: &Tx<'_>,
+    id: &SessionId,
+    now_ms: i64,
+    inputs: u32,
+    state_hash: Option<&str>,
+) -> Result<()> {
     let n = tx
         .execute(
             "UPDATE sessions SET last_active_at = GREATEST(last_active_at, $1), \
-             message_count = message_count + $2 WHERE id = $3",
-            &[&now_ms, &i64::from(inputs), &id.to_string()],
+             message_count = message_count + $2, state_hash = coalesce($4, state_hash) \
+             WHERE id = $3",
+            &[&now_ms, &i64::from(inputs), &id.to_string(), &state_hash],
         )
         .await
         .map_err(from_pg)?;

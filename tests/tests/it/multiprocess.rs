@@ -45,7 +45,7 @@ const MESSAGES_PER_DIALOG: usize = 12;
 /// `storage.lease_secs`: the smallest allowed, so a takeover comes soon.
 const LEASE_SECS: u64 = 3;
 /// Delegations in each process's root script (four background runs each).
-const DELEGATIONS_PER_LIFE: usize = 90;
+const DELEGATIONS_PER_LIFE: usize = 130;
 /// The process that is killed.
 const VICTIM: usize = 0;
 /// The longest a client waits for one answer, and the test for the
