@@ -15,7 +15,11 @@
 //!   them on shared index pages and cost about 40 % of the turns a
 //!   second, docs/BENCHMARKS.md). What every turn does in one statement
 //!   (reading the session and the approval and inbox schedules, giving
-//!   the session lease back) runs without a transaction around it. The same
+//!   the session lease back) runs without a transaction around it.
+//!   Round trips are what a turn costs on a server that shares the
+//!   machine, so they are pipelined: `BEGIN`, the fence check and a
+//!   body's first statement travel together, and a turn's open and commit
+//!   send the writes on disjoint rows at once (`messages.rs`). The same
 //!   conformance suite as SQLite's runs against a real server
 //!   (`tests/it`).
 //! - **The schema**: migrations 1..=[`SCHEMA_VERSION`], the same versions,

@@ -1,9 +1,13 @@
 //! [`PgStore`]: the pool, transactions with their retries, the fence.
 //!
-//! Every write runs in one `SERIALIZABLE` transaction ([`PgStore::write`]):
+//! A write runs in one `SERIALIZABLE` transaction ([`PgStore::write`]):
 //! PostgreSQL then guarantees what SQLite's single writer does (the result
 //! is that of some serial order of the transactions), so each domain
-//! transaction keeps the shape of keel-store's SQLite one. A transaction
+//! transaction keeps the shape of keel-store's SQLite one; a dialog's turn
+//! path runs at `READ COMMITTED` behind the dialog's lock instead
+//! ([`PgStore::write_committed`]). Transactions are opened by hand on a
+//! pooled connection, so `BEGIN` travels with the first statements; one
+//! that does not end is never handed to another caller. A transaction
 //! PostgreSQL aborts to keep that promise (serialization failure, deadlock)
 //! is retried from the start with backoff, and so is one whose connection
 //! broke before `COMMIT` was sent; a constraint violation never is.
