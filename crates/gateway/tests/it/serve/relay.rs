@@ -25,45 +25,78 @@ async fn server_on(conninfo: &str, provider: Arc<dyn keel_core::Provider>) -> Te
     .await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_turn_one_server_runs_streams_live_to_the_other_servers_clients() {
-    let db = require_postgres!();
-    let gate = Arc::new(Semaphore::new(0));
+/// Two servers on one database, a dialog a WebSocket on the first follows,
+/// and a turn of it the second runs, streaming.
+struct Watched {
+    here: TestServer,
+    there: TestServer,
+    dialog: String,
+    ws: super::Ws,
+    /// The running turn's id.
+    turn: Value,
+    /// The frames the first server's client got so far (up to a delta).
+    frames: Vec<ServerFrame>,
+}
+
+/// Sends `text` to the second server, whose model stops mid-answer until
+/// `gate` opens, while a client of the first follows the dialog.
+async fn watched_elsewhere(
+    db: &keel_store_postgres::testing::TestDb,
+    gate: Arc<Semaphore>,
+    text: &str,
+) -> Watched {
     let here = server_on(
         &db.conninfo,
         Arc::new(keel_core::ScriptedProvider::offline()),
     )
     .await;
-    let there = server_on(&db.conninfo, Arc::new(GatedProvider { gate: gate.clone() })).await;
+    let there = server_on(&db.conninfo, Arc::new(GatedProvider { gate })).await;
     let dialog = here.dialog("relayed").await;
-    let session_id: uuid::Uuid = dialog.parse().unwrap();
-
     let mut ws = here.ws().await;
     ws.send(&ClientFrame::Subscribe {
         id: None,
-        session_id,
+        session_id: dialog.parse().unwrap(),
         since_revision: None,
         resume_from: None,
         join: false,
     })
     .await;
     assert!(matches!(ws.frame().await, ServerFrame::Subscribed { .. }));
-
-    // The turn runs on the other server; it waits for the gate mid-answer.
     let r = there
         .post(
             &format!("/api/dialogs/{dialog}/messages"),
-            json!({"text": "hello from elsewhere"}),
+            json!({ "text": text }),
         )
         .await;
     assert_eq!(r.status(), 202);
-    let turn = r.json::<Value>().await.unwrap()["turn_id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let mut frames = ws
+    let turn = r.json::<Value>().await.unwrap()["turn_id"].clone();
+    let frames = ws
         .until(|f| matches!(f, ServerFrame::TextDelta { .. }))
         .await;
+    Watched {
+        here,
+        there,
+        dialog,
+        ws,
+        turn,
+        frames,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_turn_one_server_runs_streams_live_to_the_other_servers_clients() {
+    let db = require_postgres!();
+    let gate = Arc::new(Semaphore::new(0));
+    // The turn runs on the other server; it waits for the gate mid-answer.
+    let Watched {
+        here,
+        there: _running,
+        dialog,
+        mut ws,
+        turn,
+        mut frames,
+    } = watched_elsewhere(&db, gate.clone(), "hello from elsewhere").await;
+    let turn = turn.as_str().unwrap().to_owned();
 
     // An SSE follower joining here now gets the running turn so far, then live.
     let response = here.get(&format!("/api/dialogs/{dialog}/stream")).await;
@@ -124,38 +157,17 @@ async fn a_turn_one_server_runs_streams_live_to_the_other_servers_clients() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_steer_or_a_stop_sent_to_one_server_reaches_the_turn_another_runs() {
     let db = require_postgres!();
-    let gate = Arc::new(Semaphore::new(0));
-    let here = server_on(
-        &db.conninfo,
-        Arc::new(keel_core::ScriptedProvider::offline()),
-    )
-    .await;
-    let there = server_on(&db.conninfo, Arc::new(GatedProvider { gate })).await;
-    let dialog = here.dialog("controlled").await;
-    let session_id: uuid::Uuid = dialog.parse().unwrap();
-    let mut ws = here.ws().await;
-    ws.send(&ClientFrame::Subscribe {
-        id: None,
-        session_id,
-        since_revision: None,
-        resume_from: None,
-        join: false,
-    })
-    .await;
-    assert!(matches!(ws.frame().await, ServerFrame::Subscribed { .. }));
-
     // The turn runs on the other server, waiting mid-answer for a gate
     // nobody opens; this server learns of it from its relayed frames.
-    let r = there
-        .post(
-            &format!("/api/dialogs/{dialog}/messages"),
-            json!({"text": "a long task"}),
-        )
-        .await;
-    assert_eq!(r.status(), 202);
-    let turn = r.json::<Value>().await.unwrap()["turn_id"].clone();
-    ws.until(|f| matches!(f, ServerFrame::TextDelta { .. }))
-        .await;
+    let gate = Arc::new(Semaphore::new(0));
+    let Watched {
+        here,
+        there,
+        dialog,
+        mut ws,
+        turn,
+        ..
+    } = watched_elsewhere(&db, gate, "a long task").await;
 
     // Asked here, the other server's turn takes the text and answers.
     let steered = here
