@@ -337,8 +337,10 @@ pub struct StorageConfig {
     /// directory's SQLite file; `KEEL_DATABASE_URL` wins over it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
-    /// Most connections to PostgreSQL this process opens.
-    pub max_connections: usize,
+    /// Most connections to PostgreSQL this process opens (unset: twice
+    /// the CPUs and two, at most 16).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_connections: Option<usize>,
     /// Seconds a process on PostgreSQL stays registered without renewing:
     /// how long after it dies another process takes over its work.
     pub lease_secs: u64,
@@ -355,7 +357,7 @@ impl Default for StorageConfig {
         let store = StoreOptions::default();
         Self {
             url: None,
-            max_connections: keel_store_postgres::PgOptions::default().max_connections,
+            max_connections: None,
             lease_secs: keel_store_postgres::PgOptions::default().lease.as_secs(),
             synchronous: match store.synchronous {
                 Synchronous::Full => SyncMode::Full,

@@ -156,7 +156,10 @@ pub fn check_url(url: &str) -> std::result::Result<(), String> {
 /// The PostgreSQL settings of `config`.
 pub(crate) fn pg_options(config: &Config) -> PgOptions {
     PgOptions {
-        max_connections: config.storage.max_connections,
+        max_connections: config
+            .storage
+            .max_connections
+            .unwrap_or_else(keel_store_postgres::default_max_connections),
         lease: std::time::Duration::from_secs(config.storage.lease_secs),
         ..PgOptions::default()
     }

@@ -105,7 +105,7 @@ pub use migrations::{
 pub use outline::{schema_definitions, schema_outline};
 pub use pool::pool;
 pub use relay::CHANNEL as RELAY_CHANNEL;
-pub use store::{PgOptions, PgStore};
+pub use store::{default_max_connections, PgOptions, PgStore};
 
 /// `url` without its password, for messages and logs.
 pub fn redacted(url: &str) -> String {

@@ -45,10 +45,19 @@ pub struct PgOptions {
     pub lease: Duration,
 }
 
+/// The pool's size unless configured: twice the machine's CPUs and two,
+/// at most 16. More connections than a server's cores can run only make
+/// its backends take turns: on 2 cores that also ran the server, 6
+/// served about 15 % more turns than 16 (docs/BENCHMARKS.md).
+pub fn default_max_connections() -> usize {
+    let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    (2 * cpus + 2).min(16)
+}
+
 impl Default for PgOptions {
     fn default() -> Self {
         Self {
-            max_connections: 16,
+            max_connections: default_max_connections(),
             // Conflicts clear as the other transaction commits: short waits
             // first, then backing off so a hot page's writers spread out
             // (about 15 s in all before a request is refused as busy:

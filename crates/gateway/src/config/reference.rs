@@ -494,12 +494,15 @@ pub fn reference() -> Vec<KeyDoc> {
          database on start (`keel migrate` does it alone); see docs/DEPLOY.md."
             .into(),
     );
-    code(
+    text(
         &mut rows,
         "storage.max_connections",
+        "unset: twice the CPUs and two, at most 16",
         format!(
             "Most connections to PostgreSQL this process opens, 1..={MAX_PG_CONNECTIONS} \
-             (PostgreSQL only)."
+             (PostgreSQL only). More than the server's cores can run only make its \
+             backends take turns; with several processes, keep their sum near what one \
+             would use (docs/DEPLOY.md)."
         ),
     );
     code(

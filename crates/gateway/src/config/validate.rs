@@ -293,12 +293,9 @@ fn storage(s: &StorageConfig, out: &mut Problems) {
             out.push("storage.url", why);
         }
     }
-    out.range(
-        "storage.max_connections",
-        s.max_connections,
-        1,
-        MAX_PG_CONNECTIONS,
-    );
+    if let Some(max) = s.max_connections {
+        out.range("storage.max_connections", max, 1, MAX_PG_CONNECTIONS);
+    }
     out.range(
         "storage.lease_secs",
         s.lease_secs,

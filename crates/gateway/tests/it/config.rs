@@ -190,7 +190,8 @@ fn a_full_example_file_parses() {
     assert_eq!(c.providers["offline"].kind, ProviderKind::Scripted);
     // Every section of the example shows the defaults, but for the
     // connection bound, derived from the open-file limit when unset, the
-    // PostgreSQL database (SQLite by default), and
+    // PostgreSQL database (SQLite by default) and its pool's size (derived
+    // from the CPUs when unset), and
     // `[tools.approval]`, which spells out what the default gates, and
     // the cost budgets, unset by default.
     let d = Config::default();
@@ -223,8 +224,10 @@ fn a_full_example_file_parses() {
         c.storage.url.as_deref(),
         Some("postgres://keel@db.internal/keel?sslmode=require")
     );
+    assert_eq!(c.storage.max_connections, Some(16));
     let storage = keel_gateway::config::StorageConfig {
         url: None,
+        max_connections: None,
         ..c.storage.clone()
     };
     assert_eq!(
