@@ -19,8 +19,8 @@ use crate::store::Tx;
 
 use crate::checkpoints::{insert_checkpoint_tx, keep_blob_tx};
 use crate::sessions::{
-    bump_activity, bump_activity_to_state, check_limit, list_dialogs_tx, lock_session,
-    locked_session, require_session, LOCK_SESSION,
+    bump_activity, check_limit, list_dialogs_tx, lock_session, locked_session, require_session,
+    LOCK_SESSION,
 };
 use crate::store::from_pg;
 use crate::util::sha256_hex;
@@ -165,37 +165,62 @@ pub(crate) async fn append_tx(
     if messages.is_empty() {
         return Ok(Vec::new());
     }
-    let column = |f: fn(&EncodedMessage) -> Option<&str>| -> Vec<Option<&str>> {
-        messages.iter().map(f).collect()
-    };
+    let columns = append_columns(messages);
+    let session = session.to_string();
     tx.execute(
-        "INSERT INTO messages (timeline_id, seq, session_id, slot, role, content, tool_call_id, \
-         tool_name, created_at, client_visibility, turn_origin, input_state) \
+        APPEND,
+        &append_params(&timeline, &last, &session, &now_ms, &columns),
+    )
+    .await
+    .map_err(from_pg)?;
+    Ok(new_seqs(last, messages.len()))
+}
+
+/// Appends messages: timeline `$1` after seq `$2`, session `$3`, at `$4`,
+/// their columns in the arrays `$5`..`$12` ([`append_columns`]).
+macro_rules! append_sql {
+    () => {
+        "INSERT INTO messages (timeline_id, seq, session_id, slot, role, content, \
+         tool_call_id, tool_name, created_at, client_visibility, turn_origin, input_state) \
          SELECT $1, $2::bigint + m.n, $3, m.slot, m.role, m.content, m.tool_call_id, \
                 m.tool_name, $4, m.visibility, m.origin, m.input_state \
          FROM unnest($5::text[], $6::text[], $7::text[], $8::text[], $9::text[], $10::text[], \
                      $11::text[], $12::text[]) WITH ORDINALITY \
               AS m(slot, role, content, tool_call_id, tool_name, visibility, origin, \
                    input_state, n) \
-         ORDER BY m.n",
-        &[
-            &timeline,
-            &last,
-            &session.to_string(),
-            &now_ms,
-            &column(|m| Some(m.slot.as_str())),
-            &column(|m| Some(m.role)),
-            &column(|m| Some(m.content.as_str())),
-            &column(|m| m.tool_call_id.as_deref()),
-            &column(|m| m.tool_name.as_deref()),
-            &column(|m| Some(m.visibility)),
-            &column(|m| Some(m.origin)),
-            &column(|m| m.input_state),
-        ],
-    )
-    .await
-    .map_err(from_pg)?;
-    Ok(new_seqs(last, messages.len()))
+         ORDER BY m.n"
+    };
+}
+const APPEND: &str = append_sql!();
+
+/// The columns of `messages`, one array each, as [`APPEND`] reads them.
+fn append_columns(messages: &[EncodedMessage]) -> [Vec<Option<&str>>; 8] {
+    let column = |f: fn(&EncodedMessage) -> Option<&str>| -> Vec<Option<&str>> {
+        messages.iter().map(f).collect()
+    };
+    [
+        column(|m| Some(m.slot.as_str())),
+        column(|m| Some(m.role)),
+        column(|m| Some(m.content.as_str())),
+        column(|m| m.tool_call_id.as_deref()),
+        column(|m| m.tool_name.as_deref()),
+        column(|m| Some(m.visibility)),
+        column(|m| Some(m.origin)),
+        column(|m| m.input_state),
+    ]
+}
+
+/// [`APPEND`]'s parameters `$1`..`$12`.
+fn append_params<'a>(
+    timeline: &'a (dyn ToSql + Sync),
+    last: &'a (dyn ToSql + Sync),
+    session: &'a (dyn ToSql + Sync),
+    now_ms: &'a (dyn ToSql + Sync),
+    columns: &'a [Vec<Option<&str>>; 8],
+) -> Vec<&'a (dyn ToSql + Sync)> {
+    let mut params: Vec<&(dyn ToSql + Sync)> = vec![timeline, last, session, now_ms];
+    params.extend(columns.iter().map(|c| c as &(dyn ToSql + Sync)));
+    params
 }
 
 /// The seqs of `n` messages appended after seq `last`.
@@ -458,7 +483,7 @@ async fn commit_turn_counted_tx(
             .map(Some)
         };
         let ((), checkpoint) = futures::try_join!(
-            bump_activity_to_state(
+            bump_activity(
                 tx,
                 &session.id,
                 turn.now_ms,
@@ -505,25 +530,6 @@ async fn answer_inputs_tx(tx: &Tx<'_>, timeline: &str, seqs: &[i64]) -> Result<(
     Ok(())
 }
 
-/// Marks every input of `session` still open unanswered (none appended
-/// after seq `last` of `timeline`, which may be on their way in the same
-/// round trip); returns how many.
-async fn close_open_inputs_tx(
-    tx: &Tx<'_>,
-    session: &SessionId,
-    timeline: &str,
-    last: i64,
-) -> Result<u64> {
-    tx.execute(
-        "UPDATE messages SET input_state = 'unanswered' \
-         WHERE session_id = $1 AND input_state = 'open' \
-           AND NOT (timeline_id = $2 AND seq > $3)",
-        &[&session.to_string(), &timeline, &last],
-    )
-    .await
-    .map_err(from_pg)
-}
-
 /// Marks every open input of the sessions no live process leases
 /// unanswered (no turn of theirs runs); answers (session_id, timeline_id, seq) of each in the order SQLite's
 /// index walk returns them (by session, then as appended).
@@ -547,35 +553,54 @@ async fn open_turn_tx(
     }
     let seqs = new_seqs(last, messages.len());
     // The subscription follows the turn's user message (the input it answers).
-    let bound = turn.queued.as_ref().and_then(|queued| {
+    let bound = turn.queued.as_ref().and_then(|_| {
         let i = turn
             .messages
             .iter()
             .position(|m| m.message.role == keel_core::Role::User)?;
-        Some((queued, *seqs.get(i)?))
+        seqs.get(i).copied()
     });
-    // Disjoint rows again (the queue's, older inputs, the new messages, a
-    // subscription, the session's counters): sent at once.
-    futures::try_join!(
-        async {
-            match &turn.queued {
-                Some(turn) => crate::queued::take_queued_tx(tx, turn).await,
-                None => Ok(()),
-            }
-        },
-        // Inputs a dropped or crashed turn left open were never answered.
-        close_open_inputs_tx(tx, session, timeline, last),
-        append_tx(tx, session, timeline, last, messages, turn.now_ms),
-        async {
-            match bound {
-                Some((queued, seq)) => crate::webhooks::bind_tx(tx, queued, timeline, seq).await,
-                None => Ok(()),
-            }
-        },
-        bump_activity(tx, session, turn.now_ms, visible_user_inputs),
-    )?;
+    let queued = turn.queued.map(|t| t.to_string());
+    let columns = append_columns(messages);
+    let id = session.to_string();
+    let mut params = append_params(&timeline, &last, &id, &turn.now_ms, &columns);
+    let inputs = i64::from(visible_user_inputs);
+    params.extend([&queued as &(dyn ToSql + Sync), &bound, &inputs]);
+    let row = tx.query_one(OPEN, &params).await.map_err(from_pg)?;
+    if let Some(queued) = &turn.queued {
+        if row.get::<_, i64>(0) == 0 {
+            return Err(StoreError::Stale(format!(
+                "the input of turn {queued} is not queued"
+            )));
+        }
+    }
+    if row.get::<_, i64>(1) == 0 {
+        return Err(StoreError::NotFound(format!("session {session}")));
+    }
     Ok(seqs)
 }
+
+/// A turn's opening after its dialog's lock, in one statement: the input
+/// taken off the queue (turn `$13`, if queued), inputs a dropped or
+/// crashed turn left open marked unanswered (never those appended here),
+/// the input appended ([`APPEND`]'s `$1`..`$12`), a webhook subscription
+/// bound to its seq (`$14`), the session's counters bumped by `$15`. The
+/// parts touch disjoint rows, which is what running them on one snapshot
+/// needs. Answers (inputs taken, sessions bumped).
+const OPEN: &str = concat!(
+    "WITH taken AS (DELETE FROM queued_inputs WHERE turn_id = $13 RETURNING 1), ",
+    "closed AS (UPDATE messages SET input_state = 'unanswered' ",
+    "WHERE session_id = $3 AND input_state = 'open' AND NOT (timeline_id = $1 AND seq > $2) ",
+    "RETURNING 1), ",
+    "appended AS (",
+    append_sql!(),
+    " RETURNING 1), ",
+    "bound AS (UPDATE webhook_subscriptions SET timeline_id = $1, input_seq = $14 ",
+    "WHERE turn_id = $13 AND timeline_id IS NULL AND $14::bigint IS NOT NULL RETURNING 1), ",
+    "bumped AS (UPDATE sessions SET last_active_at = GREATEST(last_active_at, $4), ",
+    "message_count = message_count + $15 WHERE id = $3 RETURNING 1) ",
+    "SELECT (SELECT count(*) FROM taken), (SELECT count(*) FROM bumped)"
+);
 
 impl PgStore {
     pub(crate) async fn open_turn(&self, turn: OpenTurn) -> Result<Vec<i64>> {

@@ -3,31 +3,12 @@
 //! the history when its own turn starts (in that turn's `open_turn`
 //! transaction); keel-store's `queued.rs` says why.
 
-use crate::store::Tx;
 use keel_core::TurnId;
 use keel_store::{QueuedInput, Result, StoreError};
 
 use crate::store::from_pg;
 use crate::util::{parse, to_i64};
 use crate::PgStore;
-
-/// Removes the queued input of `turn_id` as its turn opens; an input that is
-/// not queued (any more) is refused, so no input enters the history twice.
-pub(crate) async fn take_queued_tx(tx: &Tx<'_>, turn_id: &TurnId) -> Result<()> {
-    let n = tx
-        .execute(
-            "DELETE FROM queued_inputs WHERE turn_id = $1",
-            &[&turn_id.to_string()],
-        )
-        .await
-        .map_err(from_pg)?;
-    if n == 0 {
-        return Err(StoreError::Stale(format!(
-            "the input of turn {turn_id} is not queued"
-        )));
-    }
-    Ok(())
-}
 
 impl PgStore {
     pub(crate) async fn queue_input(&self, input: QueuedInput) -> Result<()> {

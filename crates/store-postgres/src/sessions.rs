@@ -269,18 +269,10 @@ async fn touch_tx(tx: &Tx<'_>, id: &SessionId, now_ms: i64) -> Result<()> {
     Ok(())
 }
 
+/// Moves the session's last activity to `now_ms` and adds `inputs` to its
+/// visible-input count; sets its state to `state_hash` (a stored blob)
+/// when one is given.
 pub(crate) async fn bump_activity(
-    tx: &Tx<'_>,
-    id: &SessionId,
-    now_ms: i64,
-    inputs: u32,
-) -> Result<()> {
-    bump_activity_to_state(tx, id, now_ms, inputs, None).await
-}
-
-/// [`bump_activity`], and the session's state set to `state_hash` (a
-/// stored blob) when one is given: one statement for a turn's commit.
-pub(crate) async fn bump_activity_to_state(
     tx: &Tx<'_>,
     id: &SessionId,
     now_ms: i64,

@@ -103,18 +103,6 @@ pub(crate) async fn unsubscribe_tx(tx: &Tx<'_>, turn: &TurnId) -> Result<()> {
     Ok(())
 }
 
-/// Binds a turn's subscription (if any) to its input's seq as the turn opens.
-pub(crate) async fn bind_tx(tx: &Tx<'_>, turn: &TurnId, timeline: &str, seq: i64) -> Result<()> {
-    tx.execute(
-        "UPDATE webhook_subscriptions SET timeline_id = $2, input_seq = $3 \
-         WHERE turn_id = $1 AND timeline_id IS NULL",
-        &[&turn.to_string(), &timeline, &seq],
-    )
-    .await
-    .map_err(from_pg)?;
-    Ok(())
-}
-
 /// What the end of a turn tells [`deliveries_tx`].
 pub(crate) struct CommittedTurn<'a> {
     /// `committed`, or `unanswered` ([`unanswered_deliveries_tx`]).
