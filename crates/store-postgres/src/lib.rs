@@ -18,8 +18,9 @@
 //!   the session lease back) runs without a transaction around it.
 //!   Round trips are what a turn costs on a server that shares the
 //!   machine, so they are pipelined: `BEGIN`, the fence check and a
-//!   body's first statement travel together, and a turn's open and commit
-//!   send the writes on disjoint rows at once (`messages.rs`). The same
+//!   body's first statement travel together, a turn's open writes in one
+//!   statement, and its commit sends its writes on disjoint rows at once
+//!   (`messages.rs`). The same
 //!   conformance suite as SQLite's runs against a real server
 //!   (`tests/it`).
 //! - **The schema**: migrations 1..=[`SCHEMA_VERSION`], the same versions,
