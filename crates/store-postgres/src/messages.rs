@@ -582,16 +582,15 @@ async fn open_turn_tx(
 
 /// A turn's opening after its dialog's lock, in one statement: the input
 /// taken off the queue (turn `$13`, if queued), inputs a dropped or
-/// crashed turn left open marked unanswered (never those appended here),
-/// the input appended ([`APPEND`]'s `$1`..`$12`), a webhook subscription
-/// bound to its seq (`$14`), the session's counters bumped by `$15`. The
-/// parts touch disjoint rows, which is what running them on one snapshot
-/// needs. Answers (inputs taken, sessions bumped).
+/// crashed turn left open marked unanswered, the input appended
+/// ([`APPEND`]'s `$1`..`$12`), a webhook subscription bound to its seq
+/// (`$14`), the session's counters bumped by `$15`. The parts run on one
+/// snapshot and touch disjoint rows (the unanswered update cannot see the
+/// rows appended beside it). Answers (inputs taken, sessions bumped).
 const OPEN: &str = concat!(
     "WITH taken AS (DELETE FROM queued_inputs WHERE turn_id = $13 RETURNING 1), ",
     "closed AS (UPDATE messages SET input_state = 'unanswered' ",
-    "WHERE session_id = $3 AND input_state = 'open' AND NOT (timeline_id = $1 AND seq > $2) ",
-    "RETURNING 1), ",
+    "WHERE session_id = $3 AND input_state = 'open' RETURNING 1), ",
     "appended AS (",
     append_sql!(),
     " RETURNING 1), ",

@@ -121,16 +121,12 @@ pub(crate) type TxBody<'a, T> = BoxFuture<'a, Result<T>>;
 pub(crate) struct Tx<'a>(&'a deadpool_postgres::Client);
 
 impl Tx<'_> {
-    async fn statement(&self, sql: &str) -> std::result::Result<Statement, tokio_postgres::Error> {
-        self.0.prepare_cached(sql).await
-    }
-
     /// `sql` prepared on this connection (kept after the first time).
     pub(crate) async fn prepare(
         &self,
         sql: &str,
     ) -> std::result::Result<Statement, tokio_postgres::Error> {
-        self.statement(sql).await
+        self.0.prepare_cached(sql).await
     }
 
     /// The row the prepared `stmt` returns, if any. Sent when first polled:
@@ -160,7 +156,7 @@ impl Tx<'_> {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> std::result::Result<Vec<Row>, tokio_postgres::Error> {
-        let stmt = self.statement(sql).await?;
+        let stmt = self.prepare(sql).await?;
         self.0.query(&stmt, params).await
     }
 
@@ -170,7 +166,7 @@ impl Tx<'_> {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> std::result::Result<Row, tokio_postgres::Error> {
-        let stmt = self.statement(sql).await?;
+        let stmt = self.prepare(sql).await?;
         self.0.query_one(&stmt, params).await
     }
 
@@ -180,7 +176,7 @@ impl Tx<'_> {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> std::result::Result<Option<Row>, tokio_postgres::Error> {
-        let stmt = self.statement(sql).await?;
+        let stmt = self.prepare(sql).await?;
         self.0.query_opt(&stmt, params).await
     }
 
@@ -190,7 +186,7 @@ impl Tx<'_> {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> std::result::Result<u64, tokio_postgres::Error> {
-        let stmt = self.statement(sql).await?;
+        let stmt = self.prepare(sql).await?;
         self.0.execute(&stmt, params).await
     }
 
@@ -491,9 +487,7 @@ impl OpenTransaction {
 
     /// The transaction ended: the connection may serve others again.
     fn done(&mut self) {
-        if let Some(client) = self.0.take() {
-            drop(client);
-        }
+        self.0 = None;
     }
 
     /// Rolls the transaction back; a connection that cannot is closed.
