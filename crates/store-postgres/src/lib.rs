@@ -61,6 +61,27 @@
 //!   others read the committed rows by revision — a lost notification
 //!   costs a re-read (`Relayed::Lost`), never a stored row.
 
+/// A CTE named `fence` for a statement that checks its own fence
+/// ([`PgStore::write_statement`]): the registration of generation `$g`,
+/// locked until the statement's transaction ends, as `check_fence` locks it.
+macro_rules! fence_cte {
+    ($g:literal) => {
+        concat!(
+            "fence AS MATERIALIZED (SELECT 1 FROM runtime_processes WHERE generation = ",
+            $g,
+            "::bigint FOR KEY SHARE)"
+        )
+    };
+}
+
+/// The condition a statement with [`fence_cte`] gates its writes on: no
+/// fence (generation `$g` is 0), or the registration found.
+macro_rules! fence_holds {
+    ($g:literal) => {
+        concat!("(", $g, "::bigint = 0 OR EXISTS (SELECT 1 FROM fence))")
+    };
+}
+
 mod approvals;
 mod backend;
 mod calls;

@@ -1,7 +1,9 @@
 //! Session leases: a session's turns run under its lease, held by one live
-//! process at a time (see `runtime.rs` for the processes). Taken and given
-//! back in short `READ COMMITTED` transactions that lock the lease row and
-//! this process's registration: they join no serializable conflict. The lease row
+//! process at a time (see `runtime.rs` for the processes). A free lease is
+//! taken in one statement that locks the lease row and this process's
+//! registration; a lease held elsewhere, or not yet stored, is looked at
+//! in a short `READ COMMITTED` transaction that does the same; either joins
+//! no serializable conflict. It is given back in one unfenced statement. The lease row
 //! stays when freed, remembering its last holder, so a process that takes
 //! it learns whether another wrote the session since it last held it.
 
@@ -12,6 +14,21 @@ use crate::store::from_pg;
 use crate::util::to_i64;
 use crate::PgStore;
 
+/// Takes the lease of session `$1` for generation `$2` when it is free or
+/// already this generation's, fenced; answers the lease's last holder
+/// before, or no row.
+const TAKE_FREE: &str = concat!(
+    "WITH ",
+    fence_cte!("$2"),
+    ", old AS (SELECT last_generation FROM session_leases ",
+    "WHERE session_id = $1 AND (generation IS NULL OR generation = $2) AND ",
+    fence_holds!("$2"),
+    " FOR UPDATE) ",
+    "UPDATE session_leases l SET generation = $2, last_generation = $2, ",
+    "acquired_at = (extract(epoch from clock_timestamp()) * 1000)::bigint ",
+    "FROM old WHERE l.session_id = $1 RETURNING old.last_generation"
+);
+
 impl PgStore {
     pub(crate) async fn lease_session(&self, session: SessionId) -> Result<SessionLease> {
         let me = to_i64("generation", self.fence())?;
@@ -20,29 +37,31 @@ impl PgStore {
                 "a session lease needs an activated runtime".to_owned(),
             ));
         }
+        // The common case, a lease free or already this process's, in one
+        // fenced statement; the row is locked first and checked again once
+        // locked.
+        let taken = self
+            .write_statement(move |tx, statement| {
+                Box::pin(async move {
+                    let row = tx
+                        .query_opt(TAKE_FREE, &[&session.to_string(), &statement.generation])
+                        .await
+                        .map_err(from_pg)?;
+                    // After an attempt that may have taken it, the holder
+                    // before is unknown: say moved, so the session is read
+                    // again.
+                    Ok(row.map(|old| SessionLease::Held {
+                        moved: statement.again || old.get::<_, i64>(0) != statement.generation,
+                    }))
+                })
+            })
+            .await?;
+        if let Some(held) = taken {
+            return Ok(held);
+        }
         self.write_committed(move |tx| {
             Box::pin(async move {
                 let key = session.to_string();
-                // The common case, a lease free or already this process's,
-                // in one statement (sent with BEGIN and the fence check).
-                // The row is locked first and checked again once locked.
-                let taken = tx
-                    .query_opt(
-                        "WITH old AS (SELECT last_generation FROM session_leases \
-                           WHERE session_id = $1 AND (generation IS NULL OR generation = $2) \
-                           FOR UPDATE) \
-                         UPDATE session_leases l SET generation = $2, last_generation = $2, \
-                           acquired_at = (extract(epoch from clock_timestamp()) * 1000)::bigint \
-                         FROM old WHERE l.session_id = $1 RETURNING old.last_generation",
-                        &[&key, &me],
-                    )
-                    .await
-                    .map_err(from_pg)?;
-                if let Some(old) = taken {
-                    return Ok(SessionLease::Held {
-                        moved: old.get::<_, i64>(0) != me,
-                    });
-                }
                 // Each statement reads the latest commit (READ COMMITTED):
                 // a row another process inserts meanwhile is found again.
                 loop {

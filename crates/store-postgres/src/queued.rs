@@ -10,48 +10,61 @@ use crate::store::from_pg;
 use crate::util::{parse, to_i64};
 use crate::PgStore;
 
+/// Queues input `$1` of dialog `$2` (`$3` the message, at `$4`, for
+/// generation `$5`) in one fenced statement: the dialog's row locked (as
+/// `lock_session` does) and checked live, the input queued unless it is
+/// already, and the turn's webhook subscription to `$6`, if any, stored
+/// with it. Answers whether the dialog is live (and the fence holds), and
+/// whether the input was queued now.
+const QUEUE: &str = concat!(
+    "WITH ",
+    fence_cte!("$5"),
+    ", live AS MATERIALIZED (SELECT id FROM sessions WHERE id = $2 AND deleted_at IS NULL AND ",
+    fence_holds!("$5"),
+    " FOR NO KEY UPDATE), ",
+    "queued AS (INSERT INTO queued_inputs (turn_id, session_id, message, queued_at, generation) ",
+    "SELECT $1, id, $3, $4, $5 FROM live ON CONFLICT (turn_id) DO NOTHING RETURNING session_id), ",
+    "subscribed AS (INSERT INTO webhook_subscriptions (turn_id, session_id, url, created_at) ",
+    "SELECT $1, session_id, $6, $4 FROM queued WHERE $6::text IS NOT NULL RETURNING 1) ",
+    "SELECT EXISTS (SELECT 1 FROM live), EXISTS (SELECT 1 FROM queued)"
+);
+
 impl PgStore {
     pub(crate) async fn queue_input(&self, input: QueuedInput) -> Result<()> {
         let message = serde_json::to_string(&input.message)
             .map_err(|e| StoreError::InvalidInput(format!("message does not serialize: {e}")))?;
-        let generation = to_i64("generation", self.fence())?;
-        self.write_committed(move |tx| {
-            let (input, message) = (input.clone(), message.clone());
-            Box::pin(async move {
-                // One statement: the dialog's row locked (as `lock_session`
-                // does) and checked live, then the input queued.
-                let queued = tx
-                    .execute(
-                        "INSERT INTO queued_inputs (turn_id, session_id, message, queued_at, generation) \
-                         SELECT $1, id, $3, $4, $5 FROM sessions \
-                         WHERE id = $2 AND deleted_at IS NULL FOR NO KEY UPDATE",
-                        &[
-                            &input.turn_id.to_string(),
-                            &input.session_id.to_string(),
-                            &message,
-                            &input.queued_at_ms,
-                            &generation,
-                        ],
-                    )
-                    .await
-                    .map_err(from_pg)?;
-                if queued == 0 {
-                    return Err(StoreError::NotFound(format!("session {}", input.session_id)));
-                }
-                if let Some(url) = &input.webhook {
-                    crate::webhooks::subscribe_tx(
-                        tx,
-                        &input.turn_id,
-                        &input.session_id,
-                        url,
-                        input.queued_at_ms,
-                    )
-                    .await?;
-                }
-                Ok(())
+        let (session, turn) = (input.session_id, input.turn_id);
+        let queued = self
+            .write_statement(move |tx, statement| {
+                let (input, message) = (input.clone(), message.clone());
+                Box::pin(async move {
+                    let row = tx
+                        .query_one(
+                            QUEUE,
+                            &[
+                                &input.turn_id.to_string(),
+                                &input.session_id.to_string(),
+                                &message,
+                                &input.queued_at_ms,
+                                &statement.generation,
+                                &input.webhook,
+                            ],
+                        )
+                        .await
+                        .map_err(from_pg)?;
+                    let (live, queued): (bool, bool) = (row.get(0), row.get(1));
+                    if live && !queued && !statement.again {
+                        return Err(StoreError::Constraint(format!(
+                            "the input of turn {turn} is queued already"
+                        )));
+                    }
+                    // Not queued now after an attempt that may have
+                    // committed: that attempt queued it.
+                    Ok(live.then_some(()))
+                })
             })
-        })
-        .await
+            .await?;
+        queued.ok_or_else(|| StoreError::NotFound(format!("session {session}")))
     }
 
     pub(crate) async fn discard_queued_input(&self, turn_id: TurnId) -> Result<bool> {

@@ -107,6 +107,15 @@ impl std::fmt::Debug for PgStore {
     }
 }
 
+/// What [`PgStore::write_statement`] tells its body.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StatementAttempt {
+    /// The generation the write is fenced to (0: none).
+    pub(crate) generation: i64,
+    /// Whether an attempt before may have committed.
+    pub(crate) again: bool,
+}
+
 /// The body of a transaction: may run more than once (each attempt in a
 /// fresh transaction), so it must not have effects outside `tx`.
 pub(crate) type TxBody<'a, T> = BoxFuture<'a, Result<T>>;
@@ -379,6 +388,58 @@ impl PgStore {
                     self.back_off(attempt, e).await?;
                 }
                 result => return result,
+            }
+        }
+    }
+
+    /// Runs `body`, one write statement that checks this store's fence
+    /// itself, on a pooled connection without a transaction around it: the
+    /// statement is its own transaction, one round trip instead of two
+    /// and one statement instead of four (`BEGIN`, the fence check, the
+    /// write, `COMMIT`). `body` is given the generation to fence to (0:
+    /// none), which it gates its writes on (`fence_holds!`), and whether
+    /// an attempt before may have committed: a connection lost while the
+    /// statement ran leaves that unknown, so the body is run again and
+    /// must answer as if that attempt had committed (an idempotent write).
+    /// It answers `None` when it wrote nothing, which is then told apart
+    /// from a takeover by reading the registration. Deadlocks and
+    /// serialization failures are retried too (the server rolled the
+    /// statement back).
+    pub(crate) async fn write_statement<T, F>(&self, mut body: F) -> Result<Option<T>>
+    where
+        T: Send,
+        F: for<'a> FnMut(&'a Tx<'a>, StatementAttempt) -> TxBody<'a, Option<T>> + Send,
+    {
+        let fence = self.inner.fence.load(Ordering::Acquire);
+        let generation = crate::util::to_i64("generation", fence)?;
+        let (mut attempt, mut again) = (0usize, false);
+        loop {
+            attempt += 1;
+            let client = match self.inner.pool.get().await {
+                Ok(client) => client,
+                Err(e) => {
+                    self.back_off(attempt, from_pool(e)).await?;
+                    continue;
+                }
+            };
+            let tx = Tx(&client);
+            match body(&tx, StatementAttempt { generation, again }).await {
+                Err(e @ StoreError::Busy { .. }) => self.back_off(attempt, e).await?,
+                Err(e @ StoreError::Io { .. }) => {
+                    again = true;
+                    self.back_off(attempt, e).await?;
+                }
+                Err(e) => return Err(e),
+                Ok(Some(value)) => {
+                    self.inner.transactions.fetch_add(1, Ordering::Relaxed);
+                    return Ok(Some(value));
+                }
+                Ok(None) => {
+                    if fence != 0 {
+                        crate::runtime::check_fence(&tx, fence, false).await?;
+                    }
+                    return Ok(None);
+                }
             }
         }
     }

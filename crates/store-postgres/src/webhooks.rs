@@ -74,24 +74,6 @@ fn render<T: serde::Serialize>(body: &T) -> Result<String> {
     serde_json::to_string(body).map_err(|e| StoreError::InvalidInput(format!("webhook body: {e}")))
 }
 
-/// Commits the subscription of a queued input's turn.
-pub(crate) async fn subscribe_tx(
-    tx: &Tx<'_>,
-    turn: &TurnId,
-    session: &SessionId,
-    url: &str,
-    now_ms: i64,
-) -> Result<()> {
-    tx.execute(
-        "INSERT INTO webhook_subscriptions (turn_id, session_id, url, created_at) \
-         VALUES ($1, $2, $3, $4)",
-        &[&turn.to_string(), &session.to_string(), &url, &now_ms],
-    )
-    .await
-    .map_err(from_pg)?;
-    Ok(())
-}
-
 /// Drops the subscription of a turn whose queued input was withdrawn.
 pub(crate) async fn unsubscribe_tx(tx: &Tx<'_>, turn: &TurnId) -> Result<()> {
     tx.execute(

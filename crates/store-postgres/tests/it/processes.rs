@@ -229,6 +229,23 @@ async fn an_expired_process_is_taken_over_once_and_then_writes_nothing() {
         a.append_message(d, user("late"), 13).await.unwrap_err(),
         StoreError::TakenOver { .. }
     ));
+    // The writes that are one statement each check the fence themselves.
+    let late = QueuedInput {
+        session_id: e,
+        turn_id: TurnId::new(),
+        message: Message::user("late"),
+        queued_at_ms: 13,
+        webhook: Some("https://example.test/hook".into()),
+    };
+    assert_eq!(
+        a.queue_input(late).await.unwrap_err(),
+        StoreError::TakenOver { generation: ga }
+    );
+    assert_eq!(
+        a.lease_session(e).await.unwrap_err(),
+        StoreError::TakenOver { generation: ga }
+    );
+    assert!(b.queued_inputs().await.unwrap().is_empty());
     // Its release of the lease it held (unfenced) leaves B's lease alone.
     a.release_session(d).await.unwrap();
     let (c, _) = process(&db, "c").await;

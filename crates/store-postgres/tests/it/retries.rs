@@ -91,3 +91,33 @@ async fn a_write_on_a_connection_the_server_dropped_is_retried_on_a_new_one() {
         "each dialog once"
     );
 }
+
+#[tokio::test]
+async fn a_one_statement_write_on_a_connection_the_server_dropped_is_retried() {
+    let db = require_postgres!();
+    let store = one_connection(&db).await;
+    let session = store
+        .create_session(new_session("d", 1))
+        .await
+        .expect("a first write opens the pooled connection");
+    drop_connections(&db).await;
+    let input = keel_store::QueuedInput {
+        session_id: session.id,
+        turn_id: keel_core::TurnId::new(),
+        message: keel_core::Message::user("after"),
+        queued_at_ms: 2,
+        webhook: None,
+    };
+    store
+        .queue_input(input)
+        .await
+        .expect("the write is retried on a fresh connection");
+    let queued: i64 = db
+        .connect()
+        .await
+        .query_one("SELECT count(*) FROM queued_inputs", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(queued, 1);
+}
