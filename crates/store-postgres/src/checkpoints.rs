@@ -111,31 +111,25 @@ pub(crate) async fn put_state_tx(
 }
 
 /// Makes sure the state blob `hash` exists and stays until the transaction
-/// ends: a present row is share-locked (a sweep deleting it waits, then
-/// sees the reference), a missing one inserted. At `READ COMMITTED` a
-/// sweep may delete the row between the two statements, or another
-/// writer insert it: then the other one is tried again.
+/// ends, in one statement: a present row is share-locked (a sweep deleting
+/// it waits, then sees the reference), a missing one inserted. At `READ
+/// COMMITTED` a sweep may delete the row the statement looked for, or
+/// another writer insert the one it meant to: then it is tried again.
 pub(crate) async fn keep_blob_tx(tx: &Tx<'_>, hash: &str, bytes: &[u8]) -> Result<()> {
     for _ in 0..3 {
-        let kept = tx
-            .query_opt(
-                "SELECT 1 FROM state_blobs WHERE hash = $1 FOR KEY SHARE",
-                &[&hash],
-            )
-            .await
-            .map_err(from_pg)?;
-        if kept.is_some() {
-            return Ok(());
-        }
-        let inserted = tx
-            .query_opt(
-                "INSERT INTO state_blobs (hash, bytes, codec) VALUES ($1, $2, 0) \
-                 ON CONFLICT (hash) DO NOTHING RETURNING 1",
+        let kept: bool = tx
+            .query_one(
+                "WITH kept AS (SELECT 1 FROM state_blobs WHERE hash = $1 FOR KEY SHARE), \
+                 put AS (INSERT INTO state_blobs (hash, bytes, codec) \
+                   SELECT $1, $2, 0 WHERE NOT EXISTS (SELECT 1 FROM kept) \
+                   ON CONFLICT (hash) DO NOTHING RETURNING 1) \
+                 SELECT EXISTS (SELECT 1 FROM kept) OR EXISTS (SELECT 1 FROM put)",
                 &[&hash, &bytes],
             )
             .await
-            .map_err(from_pg)?;
-        if inserted.is_some() {
+            .map_err(from_pg)?
+            .get(0);
+        if kept {
             return Ok(());
         }
     }

@@ -19,8 +19,7 @@ use crate::store::Tx;
 
 use crate::checkpoints::{insert_checkpoint_tx, keep_blob_tx};
 use crate::sessions::{
-    bump_activity, check_limit, list_dialogs_tx, lock_session, locked_session, require_session,
-    LOCK_SESSION,
+    bump_activity, check_limit, list_dialogs_tx, locked_session, require_session, LOCK_SESSION,
 };
 use crate::store::from_pg;
 use crate::util::sha256_hex;
@@ -54,38 +53,64 @@ fn last_seq_from(row: &Row, timeline: &str) -> Result<i64> {
         .ok_or_else(|| StoreError::corrupt("timelines.id", format!("no timeline {timeline}")))
 }
 
+/// The last seq visible from session `$1`'s head timeline.
+const HEAD_LAST_SEQ: &str =
+    "SELECT coalesce((SELECT max(seq) FROM messages WHERE timeline_id = h.id), \
+     (SELECT coalesce(fork_seq, 0) FROM timelines WHERE id = h.id)) \
+     FROM (SELECT head_timeline_id AS id FROM sessions WHERE id = $1) h";
+
 /// Locks `session` (as `lock_session` does) and reads where its history
-/// ends: its head timeline and the last seq on it. When the writer expects
-/// a head (`expected`) both go in one round trip, the read sent behind the
-/// lock: it runs once the lock is held, so it sees every write committed
-/// before (were the head another timeline, the writer's head check fails).
-async fn lock_head(
-    tx: &Tx<'_>,
-    session: &SessionId,
-    expected: Option<&SessionHead>,
-) -> Result<(SessionRecord, i64)> {
-    let Some(expected) = expected else {
-        let record = lock_session(tx, session).await?;
-        let last = last_seq(tx, record.head_timeline_id.as_str()).await?;
-        return Ok((record, last));
-    };
-    let timeline = expected.timeline.as_str();
+/// ends: its head timeline and the last seq on it. Both go in one round
+/// trip, the read sent behind the lock: it runs once the lock is held, so
+/// it sees every write committed before.
+async fn lock_head(tx: &Tx<'_>, session: &SessionId) -> Result<(SessionRecord, i64)> {
     let (lock, last) =
-        futures::try_join!(tx.prepare(LOCK_SESSION), tx.prepare(LAST_SEQ)).map_err(from_pg)?;
+        futures::try_join!(tx.prepare(LOCK_SESSION), tx.prepare(HEAD_LAST_SEQ)).map_err(from_pg)?;
     let id = session.to_string();
-    let (lock_params, last_params): ([&(dyn ToSql + Sync); 1], [&(dyn ToSql + Sync); 1]) =
-        ([&id], [&timeline]);
+    let params: [&(dyn ToSql + Sync); 1] = [&id];
     let (record, last) = futures::try_join!(
-        tx.query_opt_prepared(&lock, &lock_params),
-        tx.query_one_prepared(&last, &last_params),
+        tx.query_opt_prepared(&lock, &params),
+        tx.query_opt_prepared(&last, &params),
     )
     .map_err(from_pg)?;
     let record = locked_session(record, session)?;
-    if record.head_timeline_id.as_str() != timeline {
-        let last = last_seq(tx, record.head_timeline_id.as_str()).await?;
-        return Ok((record, last));
-    }
-    Ok((record, last_seq_from(&last, timeline)?))
+    let last = last.and_then(|row| row.get::<_, Option<i64>>(0));
+    let last = last.ok_or_else(|| {
+        StoreError::corrupt(
+            "timelines.id",
+            format!("no timeline {}", record.head_timeline_id),
+        )
+    })?;
+    Ok((record, last))
+}
+
+/// Runs a turn's writes (`writes`, given the head timeline and the last
+/// seq on it) under its dialog's lock. With an expected head they are sent
+/// with the lock, in the same round trip, written against that head: they
+/// count only when the lock's answer shows the head is as expected (else
+/// the transaction is rolled back, whatever they did); without one they
+/// follow the lock's answer.
+async fn under_head<'a, T, F, Fut>(
+    tx: &'a Tx<'a>,
+    session: &'a SessionId,
+    expected: Option<&'a SessionHead>,
+    writes: F,
+) -> Result<T>
+where
+    F: FnOnce(TimelineId, i64) -> Fut,
+    Fut: std::future::Future<Output = Result<T>> + 'a,
+{
+    let Some(expected) = expected else {
+        let (record, last) = lock_head(tx, session).await?;
+        return writes(record.head_timeline_id, last).await;
+    };
+    let (head, written) = futures::join!(
+        lock_head(tx, session),
+        writes(expected.timeline.clone(), expected.last_seq)
+    );
+    let (record, last) = head?;
+    check_head(session, expected, record.head_timeline_id.as_str(), last)?;
+    written
 }
 
 /// The head timeline of a session, its row locked as `lock_session` does
@@ -414,16 +439,29 @@ async fn commit_turn_counted_tx(
     messages: &[EncodedMessage],
     webhook_urls: &[String],
 ) -> Result<(TurnCommitted, usize)> {
-    let (session, last) = lock_head(tx, &turn.session_id, turn.expected_head.as_ref()).await?;
-    let head = session.head_timeline_id.as_str();
-    if let Some(expected) = &turn.expected_head {
-        check_head(&session.id, expected, head, last)?;
-    }
+    let session = &turn.session_id;
+    under_head(tx, session, turn.expected_head.as_ref(), |head, last| {
+        commit_writes(tx, turn, messages, webhook_urls, head, last)
+    })
+    .await
+}
+
+/// A turn commit's writes, on `head` after seq `last`. They touch disjoint
+/// rows (the turn's new messages, the inputs it answers, its webhook rows
+/// and call spans, the session's counters and state), so they are sent at
+/// once, the state blob first: the session and the checkpoint name it.
+async fn commit_writes(
+    tx: &Tx<'_>,
+    turn: &TurnCommit,
+    messages: &[EncodedMessage],
+    webhook_urls: &[String],
+    head: TimelineId,
+    last: i64,
+) -> Result<(TurnCommitted, usize)> {
+    let session = &turn.session_id;
     let seqs = new_seqs(last, messages.len());
     let end = seqs.last().copied().unwrap_or(last);
-    // What follows touches disjoint rows (the turn's new messages, the
-    // inputs it answers, its webhook rows and call spans, the session's
-    // counters and state), so it is sent at once, in whatever order.
+    let state_hash = sha256_hex(&turn.state);
     let deliveries = async {
         if turn.answers.is_empty() {
             return Ok(0);
@@ -432,8 +470,8 @@ async fn commit_turn_counted_tx(
             tx,
             &crate::webhooks::CommittedTurn {
                 status: "committed",
-                session: &session.id,
-                timeline: head,
+                session,
+                timeline: head.as_str(),
                 answers: &turn.answers,
                 turn_id: turn.calls.as_ref().map(|calls| calls.turn_id),
                 messages: &turn.messages,
@@ -449,7 +487,7 @@ async fn commit_turn_counted_tx(
             Some(calls) => {
                 crate::calls::insert_calls_tx(
                     tx,
-                    &session.id,
+                    session,
                     crate::calls::CallOwner::Turn(calls.turn_id),
                     &calls.spans,
                 )
@@ -458,48 +496,28 @@ async fn commit_turn_counted_tx(
             None => Ok(()),
         }
     };
-    // The session and the checkpoint name the state, stored first.
-    let state = async {
-        let state_hash = sha256_hex(&turn.state);
-        let changed = session.state_hash.as_deref() != Some(state_hash.as_str());
-        if changed {
-            keep_blob_tx(tx, &state_hash, &turn.state).await?;
-        }
-        let checkpoint = async {
-            let Some(cp) = &turn.checkpoint else {
-                return Ok(None);
-            };
-            insert_checkpoint_tx(
-                tx,
-                &session.id,
-                &session.head_timeline_id,
-                end,
-                None,
-                cp,
-                &state_hash,
-                turn.now_ms,
-            )
+    let checkpoint = async {
+        let Some(cp) = &turn.checkpoint else {
+            return Ok(None);
+        };
+        insert_checkpoint_tx(tx, session, &head, end, None, cp, &state_hash, turn.now_ms)
             .await
             .map(Some)
-        };
-        let ((), checkpoint) = futures::try_join!(
-            bump_activity(
-                tx,
-                &session.id,
-                turn.now_ms,
-                turn.visible_user_inputs,
-                changed.then_some(state_hash.as_str()),
-            ),
-            checkpoint,
-        )?;
-        Ok((state_hash, checkpoint))
     };
-    let (_, (), deliveries, (), (state_hash, checkpoint)) = futures::try_join!(
-        append_tx(tx, &session.id, head, last, messages, turn.now_ms),
-        answer_inputs_tx(tx, head, &turn.answers),
+    let ((), _, (), deliveries, (), (), checkpoint) = futures::try_join!(
+        keep_blob_tx(tx, &state_hash, &turn.state),
+        append_tx(tx, session, head.as_str(), last, messages, turn.now_ms),
+        answer_inputs_tx(tx, head.as_str(), &turn.answers),
         deliveries,
         calls,
-        state,
+        bump_activity(
+            tx,
+            session,
+            turn.now_ms,
+            turn.visible_user_inputs,
+            Some(state_hash.as_str()),
+        ),
+        checkpoint,
     )?;
     let committed = TurnCommitted {
         seqs,
@@ -546,11 +564,23 @@ async fn open_turn_tx(
     visible_user_inputs: u32,
 ) -> Result<Vec<i64>> {
     let session = &turn.session_id;
-    let (record, last) = lock_head(tx, session, turn.expected_head.as_ref()).await?;
-    let timeline = record.head_timeline_id.as_str();
-    if let Some(expected) = &turn.expected_head {
-        check_head(session, expected, timeline, last)?;
-    }
+    under_head(tx, session, turn.expected_head.as_ref(), |head, last| {
+        open_writes(tx, turn, messages, visible_user_inputs, head, last)
+    })
+    .await
+}
+
+/// A turn opening's writes ([`OPEN`]), on `head` after seq `last`.
+async fn open_writes(
+    tx: &Tx<'_>,
+    turn: &OpenTurn,
+    messages: &[EncodedMessage],
+    visible_user_inputs: u32,
+    head: TimelineId,
+    last: i64,
+) -> Result<Vec<i64>> {
+    let session = &turn.session_id;
+    let timeline = head.as_str();
     let seqs = new_seqs(last, messages.len());
     // The subscription follows the turn's user message (the input it answers).
     let bound = turn.queued.as_ref().and_then(|_| {

@@ -149,16 +149,6 @@ impl Tx<'_> {
         self.0.query_opt(stmt, params).await
     }
 
-    /// The one row the prepared `stmt` returns; sent as
-    /// [`Self::query_opt_prepared`] is.
-    pub(crate) async fn query_one_prepared(
-        &self,
-        stmt: &Statement,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> std::result::Result<Row, tokio_postgres::Error> {
-        self.0.query_one(stmt, params).await
-    }
-
     /// The rows `sql` returns.
     pub(crate) async fn query(
         &self,
