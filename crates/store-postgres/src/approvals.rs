@@ -309,54 +309,8 @@ impl PgStore {
         now_ms: i64,
     ) -> Result<ApprovalSchedule> {
         // Read after every turn: one statement, one round trip.
-        self.one_statement(move |tx| {
-            Box::pin(async move {
-                let row = tx
-                    .query_opt(
-                        "SELECT s.deleted_at IS NOT NULL, c.pending, c.expired, c.next, r.turn_id, \
-                           ARRAY(SELECT w.id FROM agent_runs w WHERE w.root_session_id = s.id \
-                             AND w.status = 'waiting_approval' AND NOT EXISTS (SELECT 1 \
-                                 FROM tool_approvals a WHERE a.run_id = w.id AND a.status = 'pending') \
-                             ORDER BY w.updated_at, w.id) \
-                         FROM sessions s \
-                         CROSS JOIN LATERAL (SELECT count(*) FILTER (WHERE run_id IS NULL) AS pending, \
-                             count(*) FILTER (WHERE expires_at <= $2) AS expired, \
-                             min(expires_at) AS next \
-                           FROM tool_approvals WHERE session_id = s.id AND status = 'pending') c \
-                         LEFT JOIN LATERAL (SELECT a.turn_id FROM tool_approvals a \
-                           WHERE a.session_id = s.id AND a.run_id IS NULL AND a.settled_at IS NULL \
-                             AND a.status <> 'pending' \
-                             AND NOT EXISTS (SELECT 1 FROM tool_approvals b \
-                                 WHERE b.session_id = a.session_id AND b.turn_id = a.turn_id \
-                                 AND b.run_id IS NULL AND b.status = 'pending') \
-                           ORDER BY a.created_at, a.id LIMIT 1) r ON true \
-                         WHERE s.id = $1",
-                        &[&session_id.to_string(), &now_ms],
-                    )
-                    .await
-                    .map_err(from_pg)?
-                    .ok_or_else(|| StoreError::NotFound(format!("session {session_id}")))?;
-                // A deleted dialog's approvals wait for nothing any more.
-                if row.get::<_, bool>(0) {
-                    return Ok(ApprovalSchedule::default());
-                }
-                let (pending, expired, next): (i64, i64, Option<i64>) =
-                    (row.get(1), row.get(2), row.get(3));
-                let resumable: Option<String> = row.get(4);
-                let runs: Vec<String> = row.get(5);
-                Ok(ApprovalSchedule {
-                    pending: non_negative("pending approvals", pending)?,
-                    expired: non_negative("expired approvals", expired)?,
-                    next_expiry_at_ms: next,
-                    resumable: parse_opt("tool_approvals.turn_id", resumable)?,
-                    resumable_runs: runs
-                        .iter()
-                        .map(|r| parse("agent_runs.id", r))
-                        .collect::<Result<_>>()?,
-                })
-            })
-        })
-        .await
+        self.one_statement(move |tx| Box::pin(approval_schedule_on(tx, session_id, now_ms)))
+            .await
     }
 
     pub(crate) async fn sessions_with_open_approvals(&self) -> Result<Vec<SessionId>> {
@@ -484,4 +438,55 @@ impl PgStore {
         }
         Ok(committed)
     }
+}
+
+/// What the worker of `session_id` must do about approvals at `now_ms`,
+/// in one statement.
+pub(crate) async fn approval_schedule_on(
+    tx: &Tx<'_>,
+    session_id: SessionId,
+    now_ms: i64,
+) -> Result<ApprovalSchedule> {
+    let row = tx
+        .query_opt(
+            "SELECT s.deleted_at IS NOT NULL, c.pending, c.expired, c.next, r.turn_id, \
+               ARRAY(SELECT w.id FROM agent_runs w WHERE w.root_session_id = s.id \
+                 AND w.status = 'waiting_approval' AND NOT EXISTS (SELECT 1 \
+                     FROM tool_approvals a WHERE a.run_id = w.id AND a.status = 'pending') \
+                 ORDER BY w.updated_at, w.id) \
+             FROM sessions s \
+             CROSS JOIN LATERAL (SELECT count(*) FILTER (WHERE run_id IS NULL) AS pending, \
+                 count(*) FILTER (WHERE expires_at <= $2) AS expired, \
+                 min(expires_at) AS next \
+               FROM tool_approvals WHERE session_id = s.id AND status = 'pending') c \
+             LEFT JOIN LATERAL (SELECT a.turn_id FROM tool_approvals a \
+               WHERE a.session_id = s.id AND a.run_id IS NULL AND a.settled_at IS NULL \
+                 AND a.status <> 'pending' \
+                 AND NOT EXISTS (SELECT 1 FROM tool_approvals b \
+                     WHERE b.session_id = a.session_id AND b.turn_id = a.turn_id \
+                     AND b.run_id IS NULL AND b.status = 'pending') \
+               ORDER BY a.created_at, a.id LIMIT 1) r ON true \
+             WHERE s.id = $1",
+            &[&session_id.to_string(), &now_ms],
+        )
+        .await
+        .map_err(from_pg)?
+        .ok_or_else(|| StoreError::NotFound(format!("session {session_id}")))?;
+    // A deleted dialog's approvals wait for nothing any more.
+    if row.get::<_, bool>(0) {
+        return Ok(ApprovalSchedule::default());
+    }
+    let (pending, expired, next): (i64, i64, Option<i64>) = (row.get(1), row.get(2), row.get(3));
+    let resumable: Option<String> = row.get(4);
+    let runs: Vec<String> = row.get(5);
+    Ok(ApprovalSchedule {
+        pending: non_negative("pending approvals", pending)?,
+        expired: non_negative("expired approvals", expired)?,
+        next_expiry_at_ms: next,
+        resumable: parse_opt("tool_approvals.turn_id", resumable)?,
+        resumable_runs: runs
+            .iter()
+            .map(|r| parse("agent_runs.id", r))
+            .collect::<Result<_>>()?,
+    })
 }

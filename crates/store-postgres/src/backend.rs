@@ -653,6 +653,15 @@ impl Backend for PgStore {
         PgStore::inbox_schedule(self, root_session_id, now_ms, ttl_ms).await
     }
 
+    async fn schedules(
+        &self,
+        session_id: SessionId,
+        now_ms: i64,
+        ttl_ms: i64,
+    ) -> Result<(ApprovalSchedule, InboxSchedule)> {
+        PgStore::schedules(self, session_id, now_ms, ttl_ms).await
+    }
+
     async fn dead_letter_expired_events(
         &self,
         root_session_id: SessionId,

@@ -830,35 +830,25 @@ impl PgStore {
     ) -> Result<InboxSchedule> {
         // Read after every turn: one statement, one round trip.
         self.one_statement(move |tx| {
+            Box::pin(inbox_schedule_on(tx, root_session_id, now_ms, ttl_ms))
+        })
+        .await
+    }
+
+    /// The approval and inbox schedules of `session_id`, the two statements
+    /// sent at once on one connection: one round trip.
+    pub(crate) async fn schedules(
+        &self,
+        session_id: SessionId,
+        now_ms: i64,
+        ttl_ms: i64,
+    ) -> Result<(keel_store::ApprovalSchedule, InboxSchedule)> {
+        self.one_statement(move |tx| {
             Box::pin(async move {
-                // Expiry (`created_at + ttl`) is computed in numeric: a ttl
-                // saturated to i64::MAX would overflow BIGINT (an error
-                // here; SQLite goes on in floating point). The least of it
-                // and a BIGINT retry time fits BIGINT again.
-                let r = tx
-                    .query_one(
-                        &format!(
-                            "SELECT min(created_at) FILTER (WHERE status = 'pending' AND \
-                                      (next_attempt_at IS NULL OR next_attempt_at <= $2)), \
-                                    (min(LEAST(next_attempt_at, {EXPIRY})) FILTER (WHERE \
-                                      status = 'pending' AND next_attempt_at > $2 \
-                                      AND {EXPIRY} > $2))::bigint, \
-                                    count(*) FILTER (WHERE status = 'pending' \
-                                      AND next_attempt_at > $2 AND {EXPIRY} <= $2), \
-                                    count(*) FILTER (WHERE {UNNOTIFIED}) \
-                             FROM agent_inbox_events WHERE root_session_id = $1 \
-                               AND status IN ('pending', 'dead_letter')"
-                        ),
-                        &[&root_session_id.to_string(), &now_ms, &ttl_ms],
-                    )
-                    .await
-                    .map_err(from_pg)?;
-                Ok(InboxSchedule {
-                    oldest_due_at_ms: r.get(0),
-                    next_due_at_ms: r.get(1),
-                    expired: non_negative("expired events", r.get(2))?,
-                    untold_dead_letters: non_negative("dead letters", r.get(3))?,
-                })
+                futures::try_join!(
+                    crate::approvals::approval_schedule_on(tx, session_id, now_ms),
+                    inbox_schedule_on(tx, session_id, now_ms, ttl_ms),
+                )
             })
         })
         .await
@@ -904,4 +894,41 @@ impl PgStore {
         })
         .await
     }
+}
+
+/// When `root_session_id`'s inbox has work at `now_ms`, in one statement.
+async fn inbox_schedule_on(
+    tx: &Tx<'_>,
+    root_session_id: SessionId,
+    now_ms: i64,
+    ttl_ms: i64,
+) -> Result<InboxSchedule> {
+    // Expiry (`created_at + ttl`) is computed in numeric: a ttl saturated
+    // to i64::MAX would overflow BIGINT (an error here; SQLite goes on in
+    // floating point). The least of it and a BIGINT retry time fits BIGINT
+    // again.
+    let r = tx
+        .query_one(
+            &format!(
+                "SELECT min(created_at) FILTER (WHERE status = 'pending' AND \
+                          (next_attempt_at IS NULL OR next_attempt_at <= $2)), \
+                        (min(LEAST(next_attempt_at, {EXPIRY})) FILTER (WHERE \
+                          status = 'pending' AND next_attempt_at > $2 \
+                          AND {EXPIRY} > $2))::bigint, \
+                        count(*) FILTER (WHERE status = 'pending' \
+                          AND next_attempt_at > $2 AND {EXPIRY} <= $2), \
+                        count(*) FILTER (WHERE {UNNOTIFIED}) \
+                 FROM agent_inbox_events WHERE root_session_id = $1 \
+                   AND status IN ('pending', 'dead_letter')"
+            ),
+            &[&root_session_id.to_string(), &now_ms, &ttl_ms],
+        )
+        .await
+        .map_err(from_pg)?;
+    Ok(InboxSchedule {
+        oldest_due_at_ms: r.get(0),
+        next_due_at_ms: r.get(1),
+        expired: non_negative("expired events", r.get(2))?,
+        untold_dead_letters: non_negative("dead letters", r.get(3))?,
+    })
 }

@@ -616,6 +616,19 @@ pub trait Backend: Send + Sync + 'static {
         now_ms: i64,
         ttl_ms: i64,
     ) -> Result<InboxSchedule>;
+    /// A dialog's approval and inbox schedules at `now_ms`, read together
+    /// (a worker's step reads both): in one round trip where that costs one.
+    async fn schedules(
+        &self,
+        session_id: SessionId,
+        now_ms: i64,
+        ttl_ms: i64,
+    ) -> Result<(ApprovalSchedule, InboxSchedule)> {
+        Ok((
+            self.approval_schedule(session_id, now_ms).await?,
+            self.inbox_schedule(session_id, now_ms, ttl_ms).await?,
+        ))
+    }
     /// Dead-letters the pending events of a root session created at or
     /// before `created_by_ms` (past their time to live, due or backing off)
     /// with `reason`; their user is told like of any dead letter. Returns

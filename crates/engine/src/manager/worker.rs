@@ -609,21 +609,42 @@ impl SessionManager {
         state: &mut WorkerState,
     ) -> Step {
         let paused = shared.paused.load(Ordering::Acquire);
+        let policy = &self.config.inbox;
+        let now = clock::now_ms();
+        let ttl = super::continuation::millis(policy.event_ttl);
+        let inbox_read = state.inbox_due && !paused;
         // Approvals come first: a decided turn resumes before anything
-        // else runs, and results wait while a decision is pending.
+        // else runs, and results wait while a decision is pending. When the
+        // inbox is to be read too, both schedules are read at once.
         let mut approvals_pending = false;
+        let mut inbox = None;
         if state.inbox_due || shared.approvals_open.load(Ordering::Acquire) {
-            match self.approval_step(session, shared, state).await {
+            let approvals = if inbox_read {
+                let read = self.store.schedules(session, now, ttl).await;
+                let (approvals, read) = match read {
+                    Ok((approvals, schedule)) => (Ok(approvals), Ok(schedule)),
+                    Err(e) => (Err(e.clone()), Err(e)),
+                };
+                inbox = Some(read);
+                approvals
+            } else {
+                self.store.approval_schedule(session, now).await
+            };
+            match self
+                .approval_step(session, shared, state, now, approvals)
+                .await
+            {
                 ApprovalStep::Ran => return Step::Again,
                 ApprovalStep::Pending => approvals_pending = true,
                 ApprovalStep::Clear => {}
             }
         }
-        if state.inbox_due && !paused && !approvals_pending {
-            let policy = &self.config.inbox;
-            let now = clock::now_ms();
-            let ttl = super::continuation::millis(policy.event_ttl);
-            match self.store.inbox_schedule(session, now, ttl).await {
+        if inbox_read && !approvals_pending {
+            let read = match inbox {
+                Some(read) => read,
+                None => self.store.inbox_schedule(session, now, ttl).await,
+            };
+            match read {
                 Ok(schedule) => {
                     if schedule.expired > 0 {
                         self.dead_letter_expired(session, now).await;
@@ -688,15 +709,17 @@ impl SessionManager {
         Step::Wait(None)
     }
 
-    /// Expires, resumes or reports the session's approvals.
+    /// Expires, resumes or reports the session's approvals, given their
+    /// schedule read at `now`.
     async fn approval_step(
         self: &Arc<Self>,
         session: SessionId,
         shared: &Arc<WorkerShared>,
         state: &mut WorkerState,
+        now: i64,
+        schedule: keel_store::Result<keel_store::ApprovalSchedule>,
     ) -> ApprovalStep {
-        let now = clock::now_ms();
-        let schedule = match self.store.approval_schedule(session, now).await {
+        let schedule = match schedule {
             Ok(schedule) => schedule,
             Err(e) => {
                 tracing::warn!(session_id = %session, error = %e, "reading the approval schedule failed; retried in a second");

@@ -187,6 +187,18 @@ pub async fn a_paused_turn_commits_its_history_with_one_pending_row_per_gated_ca
             resumable_runs: Vec::new(),
         }
     );
+    // Read together with the inbox's, the same answers.
+    assert_eq!(
+        store.schedules(s.id, 20, 1_000).await.unwrap(),
+        (
+            store.approval_schedule(s.id, 20).await.unwrap(),
+            store.inbox_schedule(s.id, 20, 1_000).await.unwrap()
+        )
+    );
+    assert!(matches!(
+        store.schedules(SessionId::new(), 20, 1_000).await,
+        Err(StoreError::NotFound(_))
+    ));
     assert_eq!(store.sessions_with_open_approvals().await.unwrap(), [s.id]);
     assert!(matches!(
         store.list_approvals(SessionId::new(), false).await,
