@@ -8,8 +8,8 @@ use tokio_postgres::Client;
 
 use crate::error::{PgStoreError, Result};
 
-/// The schema version this build reads and writes (keel-store's v18).
-pub const SCHEMA_VERSION: u32 = 18;
+/// The schema version this build reads and writes (keel-store's v19).
+pub const SCHEMA_VERSION: u32 = 19;
 
 /// The steps, in order: `MIGRATIONS[k - 1]` takes a database from version `k - 1` to `k`.
 pub const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
@@ -31,6 +31,7 @@ pub const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
     include_str!("migrations/0016_webhooks.sql"),
     include_str!("migrations/0017_images.sql"),
     include_str!("migrations/0018_runtime_processes.sql"),
+    include_str!("migrations/0019_checkpoints_by_session.sql"),
 ];
 
 /// The advisory lock key every migration transaction takes ("keelmigr").

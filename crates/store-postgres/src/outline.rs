@@ -125,8 +125,12 @@ async fn indexes(client: &Client, table: &str, lines: &mut Vec<String>) -> Resul
         )
         .await?;
     for r in rows {
-        let (name, unique, partial, cols): (String, bool, bool, Vec<String>) =
+        let (name, unique, partial, mut cols): (String, bool, bool, Vec<String>) =
             (r.get(0), r.get(1), r.get(2), r.get(3));
+        // SQLite's indexes end with the rowid without listing it.
+        if cols.last().is_some_and(|c| c == ROW_ORDER) {
+            cols.pop();
+        }
         let unique = if unique { " unique" } else { "" };
         let partial = if partial { " partial" } else { "" };
         lines.push(format!(

@@ -7,7 +7,7 @@ use rusqlite::{Connection, TransactionBehavior};
 use crate::error::{Result, StoreError};
 
 /// The schema version this build reads and writes.
-pub const SCHEMA_VERSION: u32 = 18;
+pub const SCHEMA_VERSION: u32 = 19;
 
 /// The steps, in order: `MIGRATIONS[k - 1]` takes a database from version `k - 1` to `k`.
 pub const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
@@ -29,6 +29,7 @@ pub const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [
     include_str!("migrations/0016_webhooks.sql"),
     include_str!("migrations/0017_images.sql"),
     include_str!("migrations/0018_runtime_processes.sql"),
+    include_str!("migrations/0019_checkpoints_by_session.sql"),
 ];
 
 /// A step whose SQL contains this line runs with foreign keys off: it

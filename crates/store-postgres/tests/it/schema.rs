@@ -73,7 +73,7 @@ async fn a_newer_database_is_refused_untouched() {
     let client = db.connect().await;
     migrate(&client).await.expect("migrate");
     client
-        .batch_execute("UPDATE schema_version SET version = 19")
+        .batch_execute("UPDATE schema_version SET version = 20")
         .await
         .expect("pretend a newer keel migrated");
     let err = migrate(&client).await.expect_err("a newer schema");
@@ -81,14 +81,14 @@ async fn a_newer_database_is_refused_untouched() {
         matches!(
             err,
             PgStoreError::NewerSchema {
-                found: 19,
-                supported: 18
+                found: 20,
+                supported: 19
             }
         ),
         "{err:?}"
     );
-    insta::assert_snapshot!(err.to_string(), @"the database is at schema version 19, newer than this keel's 18; upgrade keel");
-    assert_eq!(schema_version(&client).await.expect("version"), 19);
+    insta::assert_snapshot!(err.to_string(), @"the database is at schema version 20, newer than this keel's 19; upgrade keel");
+    assert_eq!(schema_version(&client).await.expect("version"), 20);
 }
 
 #[tokio::test]

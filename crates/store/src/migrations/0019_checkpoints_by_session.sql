@@ -1,0 +1,6 @@
+-- 19: a session's checkpoints in the order they were written. PostgreSQL's
+-- index on `session_id` gains its `row_order` column in this step, so a
+-- turn finds the session's newest checkpoint in one index step. SQLite's
+-- index on `session_id` ends with the rowid already: nothing changes here,
+-- and the step keeps the version the same on both backends.
+-- keel: no change on SQLite
