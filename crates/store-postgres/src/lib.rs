@@ -82,6 +82,14 @@ macro_rules! fence_holds {
     };
 }
 
+/// The columns of a `sessions` row, in the order `sessions.rs` reads them.
+macro_rules! session_columns {
+    () => {
+        "id, channel, chat_id, dialog_id, title, agent_id, parent_id, created_at, \
+         last_active_at, message_count, deleted_at, delivery_context, head_timeline_id, \
+         state_hash"
+    };
+}
 mod approvals;
 mod backend;
 mod calls;

@@ -19,7 +19,7 @@ use crate::store::Tx;
 
 use crate::checkpoints::{insert_checkpoint_tx, keep_blob_tx};
 use crate::sessions::{
-    bump_activity, check_limit, list_dialogs_tx, locked_session, require_session, LOCK_SESSION,
+    bump_activity, check_limit, list_dialogs_tx, locked_session, require_session,
 };
 use crate::store::from_pg;
 use crate::util::sha256_hex;
@@ -53,28 +53,48 @@ fn last_seq_from(row: &Row, timeline: &str) -> Result<i64> {
         .ok_or_else(|| StoreError::corrupt("timelines.id", format!("no timeline {timeline}")))
 }
 
-/// The last seq visible from session `$1`'s head timeline.
-const HEAD_LAST_SEQ: &str =
-    "SELECT coalesce((SELECT max(seq) FROM messages WHERE timeline_id = h.id), \
-     (SELECT coalesce(fork_seq, 0) FROM timelines WHERE id = h.id)) \
-     FROM (SELECT head_timeline_id AS id FROM sessions WHERE id = $1) h";
+/// Locks session `$1` (as `lock_session` does) and this process's
+/// registration (generation `$2`, as `check_fence` does), and reads where
+/// the session's history ends. Answers the session's columns, whether the
+/// fence holds, and the last seq on its head timeline. That read shares
+/// the statement's snapshot, taken before the lock: were the lock waited
+/// for, a writer that held it may have appended since. A turn's writes
+/// then collide with those rows (their seqs are taken), which
+/// [`under_head`] reports as the conflict it is; without an expected head
+/// the last seq is read again after the lock.
+const LOCK_HEAD: &str = concat!(
+    "WITH ",
+    fence_cte!("$2"),
+    " SELECT ",
+    session_columns!(),
+    ", ",
+    fence_holds!("$2"),
+    ", coalesce((SELECT max(seq) FROM messages WHERE timeline_id = s.head_timeline_id), \
+       (SELECT coalesce(fork_seq, 0) FROM timelines WHERE id = s.head_timeline_id)) \
+     FROM sessions s WHERE s.id = $1 FOR NO KEY UPDATE OF s"
+);
 
-/// Locks `session` (as `lock_session` does) and reads where its history
-/// ends: its head timeline and the last seq on it. Both go in one round
-/// trip, the read sent behind the lock: it runs once the lock is held, so
-/// it sees every write committed before.
-async fn lock_head(tx: &Tx<'_>, session: &SessionId) -> Result<(SessionRecord, i64)> {
-    let (lock, last) =
-        futures::try_join!(tx.prepare(LOCK_SESSION), tx.prepare(HEAD_LAST_SEQ)).map_err(from_pg)?;
-    let id = session.to_string();
-    let params: [&(dyn ToSql + Sync); 1] = [&id];
-    let (record, last) = futures::try_join!(
-        tx.query_opt_prepared(&lock, &params),
-        tx.query_opt_prepared(&last, &params),
-    )
-    .map_err(from_pg)?;
-    let record = locked_session(record, session)?;
-    let last = last.and_then(|row| row.get::<_, Option<i64>>(0));
+/// Locks `session` and this process's registration (generation
+/// `generation`) and reads where the session's history ends, in one
+/// statement ([`LOCK_HEAD`]): the session, and the last seq on its head
+/// timeline as of the statement's snapshot.
+async fn lock_head(
+    tx: &Tx<'_>,
+    session: &SessionId,
+    generation: i64,
+) -> Result<(SessionRecord, i64)> {
+    let row = tx
+        .query_opt(LOCK_HEAD, &[&session.to_string(), &generation])
+        .await
+        .map_err(from_pg)?;
+    let fenced = row.as_ref().is_some_and(|r| !r.get::<_, bool>(14));
+    let last = row.as_ref().and_then(|r| r.get::<_, Option<i64>>(15));
+    let record = locked_session(row, session)?;
+    if fenced {
+        return Err(StoreError::TakenOver {
+            generation: crate::util::non_negative("generation", generation)?,
+        });
+    }
     let last = last.ok_or_else(|| {
         StoreError::corrupt(
             "timelines.id",
@@ -93,6 +113,7 @@ async fn lock_head(tx: &Tx<'_>, session: &SessionId) -> Result<(SessionRecord, i
 async fn under_head<'a, T, F, Fut>(
     tx: &'a Tx<'a>,
     session: &'a SessionId,
+    generation: i64,
     expected: Option<&'a SessionHead>,
     writes: F,
 ) -> Result<T>
@@ -101,17 +122,33 @@ where
     Fut: std::future::Future<Output = Result<T>> + 'a,
 {
     let Some(expected) = expected else {
-        let (record, last) = lock_head(tx, session).await?;
+        let (record, _) = lock_head(tx, session, generation).await?;
+        let last = last_seq(tx, record.head_timeline_id.as_str()).await?;
         return writes(record.head_timeline_id, last).await;
     };
     let (head, written) = futures::join!(
-        lock_head(tx, session),
+        lock_head(tx, session, generation),
         writes(expected.timeline.clone(), expected.last_seq)
     );
     let (record, last) = head?;
     check_head(session, expected, record.head_timeline_id.as_str(), last)?;
-    written
+    match written {
+        // The seqs after the expected head are taken: a writer appended
+        // there while this transaction waited for the lock.
+        Err(StoreError::Constraint(message)) if message.contains(MESSAGES_KEY) => {
+            Err(StoreError::Conflict(format!(
+                "session {session} changed since the turn started (its history ended at seq {}); \
+                 the turn was not saved",
+                expected.last_seq
+            )))
+        }
+        written => written,
+    }
 }
+
+/// The primary key of `messages`, named in the error of an append whose
+/// seqs are taken.
+const MESSAGES_KEY: &str = "messages_pkey";
 
 /// The head timeline of a session, its row locked as `lock_session` does
 /// (a light lookup for the append path).
@@ -427,7 +464,8 @@ pub(crate) async fn commit_turn_tx(
     messages: &[EncodedMessage],
     webhook_urls: &[String],
 ) -> Result<TurnCommitted> {
-    Ok(commit_turn_counted_tx(tx, turn, messages, webhook_urls)
+    // The caller's transaction checked the fence already.
+    Ok(commit_turn_counted_tx(tx, turn, messages, webhook_urls, 0)
         .await?
         .0)
 }
@@ -438,11 +476,16 @@ async fn commit_turn_counted_tx(
     turn: &TurnCommit,
     messages: &[EncodedMessage],
     webhook_urls: &[String],
+    generation: i64,
 ) -> Result<(TurnCommitted, usize)> {
     let session = &turn.session_id;
-    under_head(tx, session, turn.expected_head.as_ref(), |head, last| {
-        commit_writes(tx, turn, messages, webhook_urls, head, last)
-    })
+    under_head(
+        tx,
+        session,
+        generation,
+        turn.expected_head.as_ref(),
+        |head, last| commit_writes(tx, turn, messages, webhook_urls, head, last),
+    )
     .await
 }
 
@@ -562,11 +605,16 @@ async fn open_turn_tx(
     turn: &OpenTurn,
     messages: &[EncodedMessage],
     visible_user_inputs: u32,
+    generation: i64,
 ) -> Result<Vec<i64>> {
     let session = &turn.session_id;
-    under_head(tx, session, turn.expected_head.as_ref(), |head, last| {
-        open_writes(tx, turn, messages, visible_user_inputs, head, last)
-    })
+    under_head(
+        tx,
+        session,
+        generation,
+        turn.expected_head.as_ref(),
+        |head, last| open_writes(tx, turn, messages, visible_user_inputs, head, last),
+    )
     .await
 }
 
@@ -644,9 +692,9 @@ impl PgStore {
             .count();
         let visible = u32::try_from(visible).unwrap_or(u32::MAX);
         let turn = Arc::new(turn);
-        self.write_committed(move |tx| {
+        self.write_committed_fenced(move |tx, generation| {
             let (turn, encoded) = (turn.clone(), encoded.clone());
-            Box::pin(async move { open_turn_tx(tx, &turn, &encoded, visible).await })
+            Box::pin(async move { open_turn_tx(tx, &turn, &encoded, visible, generation).await })
         })
         .await
     }
@@ -732,9 +780,11 @@ impl PgStore {
         let global = Arc::new(self.inner.hooks.urls());
         let turn = Arc::new(turn);
         let (committed, deliveries) = self
-            .write_committed(move |tx| {
+            .write_committed_fenced(move |tx, generation| {
                 let (turn, encoded, global) = (turn.clone(), encoded.clone(), global.clone());
-                Box::pin(async move { commit_turn_counted_tx(tx, &turn, &encoded, &global).await })
+                Box::pin(async move {
+                    commit_turn_counted_tx(tx, &turn, &encoded, &global, generation).await
+                })
             })
             .await?;
         if deliveries > 0 {

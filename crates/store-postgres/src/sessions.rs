@@ -22,13 +22,6 @@ use crate::PgStore;
 // Text keys are compared and ordered `COLLATE "C"` (byte order, as SQLite's
 // BINARY), whatever the database's collation, so listings and cursors
 // follow SQLite's order exactly.
-macro_rules! session_columns {
-    () => {
-        "id, channel, chat_id, dialog_id, title, agent_id, parent_id, created_at, \
-         last_active_at, message_count, deleted_at, delivery_context, head_timeline_id, \
-         state_hash"
-    };
-}
 const SESSION_COLUMNS: &str = session_columns!();
 
 fn session_from_row(r: &Row) -> Result<SessionRecord> {

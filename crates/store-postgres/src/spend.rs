@@ -10,6 +10,24 @@ use crate::store::from_pg;
 use crate::util::{non_negative, saturating_i64};
 use crate::PgStore;
 
+/// Adds a model call's spend to dialog `$1`'s row (`$2` prompt and `$3`
+/// completion tokens, `$4` USD, at `$5`) unless the fence of generation
+/// `$6` is gone; answers the dialog's totals (no row: fenced out).
+const ADD: &str = concat!(
+    "WITH ",
+    fence_cte!("$6"),
+    " INSERT INTO dialog_spend AS d ",
+    "(session_id, prompt_tokens, completion_tokens, cost_usd, model_calls, updated_at) ",
+    "SELECT $1, $2, $3, $4, 1, $5 WHERE ",
+    fence_holds!("$6"),
+    " ON CONFLICT (session_id) DO UPDATE SET ",
+    "prompt_tokens = d.prompt_tokens + EXCLUDED.prompt_tokens, ",
+    "completion_tokens = d.completion_tokens + EXCLUDED.completion_tokens, ",
+    "cost_usd = d.cost_usd + EXCLUDED.cost_usd, ",
+    "model_calls = d.model_calls + 1, updated_at = EXCLUDED.updated_at ",
+    "RETURNING prompt_tokens, completion_tokens, cost_usd, model_calls"
+);
+
 impl PgStore {
     pub(crate) async fn add_dialog_spend(
         &self,
@@ -18,30 +36,30 @@ impl PgStore {
         cost: Usd,
         now_ms: i64,
     ) -> Result<DialogSpend> {
-        // One row per dialog, added to in one statement: no lock to take first.
-        self.write_committed(move |tx| {
+        // One row per dialog, added to in one statement that checks the
+        // fence too: no lock to take first.
+        self.write_committed_fenced(move |tx, generation| {
             Box::pin(async move {
-                let row = tx.query_one(
-                    "INSERT INTO dialog_spend AS d \
-                     (session_id, prompt_tokens, completion_tokens, cost_usd, model_calls, updated_at) \
-                     VALUES ($1, $2, $3, $4, 1, $5) \
-                     ON CONFLICT (session_id) DO UPDATE SET \
-                     prompt_tokens = d.prompt_tokens + EXCLUDED.prompt_tokens, \
-                     completion_tokens = d.completion_tokens + EXCLUDED.completion_tokens, \
-                     cost_usd = d.cost_usd + EXCLUDED.cost_usd, \
-                     model_calls = d.model_calls + 1, updated_at = EXCLUDED.updated_at \
-                     RETURNING prompt_tokens, completion_tokens, cost_usd, model_calls",
-                    &[
-                        &session.to_string(),
-                        &saturating_i64(usage.prompt_tokens),
-                        &saturating_i64(usage.completion_tokens),
-                        &cost.get(),
-                        &now_ms,
-                    ],
-                )
-                .await
-                .map_err(from_pg)?;
-                spend_from_row(&row)
+                let row = tx
+                    .query_opt(
+                        ADD,
+                        &[
+                            &session.to_string(),
+                            &saturating_i64(usage.prompt_tokens),
+                            &saturating_i64(usage.completion_tokens),
+                            &cost.get(),
+                            &now_ms,
+                            &generation,
+                        ],
+                    )
+                    .await
+                    .map_err(from_pg)?;
+                match row {
+                    Some(row) => spend_from_row(&row),
+                    None => Err(StoreError::TakenOver {
+                        generation: non_negative("generation", generation)?,
+                    }),
+                }
             })
         })
         .await

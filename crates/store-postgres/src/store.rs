@@ -138,17 +138,6 @@ impl Tx<'_> {
         self.0.prepare_cached(sql).await
     }
 
-    /// The row the prepared `stmt` returns, if any. Sent when first polled:
-    /// statements whose futures are polled together in order (`try_join!`)
-    /// run in that order, each after the one before ended (its locks held).
-    pub(crate) async fn query_opt_prepared(
-        &self,
-        stmt: &Statement,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> std::result::Result<Option<Row>, tokio_postgres::Error> {
-        self.0.query_opt(stmt, params).await
-    }
-
     /// The rows `sql` returns.
     pub(crate) async fn query(
         &self,
@@ -315,13 +304,46 @@ impl PgStore {
         self.write_at(IsolationLevel::ReadCommitted, body).await
     }
 
+    /// Runs `body` as [`Self::write_committed`] does, except that the body
+    /// checks the fence itself, in the statement that locks what it writes:
+    /// it is given the generation to fence to (0: none) and must lock that
+    /// registration (`fence_cte!`) and fail with
+    /// [`StoreError::TakenOver`] when it is gone. One statement fewer.
+    pub(crate) async fn write_committed_fenced<T, F>(&self, mut body: F) -> Result<T>
+    where
+        T: Send,
+        F: for<'a> FnMut(&'a Tx<'a>, i64) -> TxBody<'a, T> + Send,
+    {
+        let fence = self.inner.fence.load(Ordering::Acquire);
+        let generation = crate::util::to_i64("generation", fence)?;
+        self.write_attempts(IsolationLevel::ReadCommitted, 0, move |tx| {
+            body(tx, generation)
+        })
+        .await
+    }
+
     /// A fenced write at `isolation`, retried while it may succeed.
-    async fn write_at<T, F>(&self, isolation: IsolationLevel, mut body: F) -> Result<T>
+    async fn write_at<T, F>(&self, isolation: IsolationLevel, body: F) -> Result<T>
     where
         T: Send,
         F: for<'a> FnMut(&'a Tx<'a>) -> TxBody<'a, T> + Send,
     {
         let fence = self.inner.fence.load(Ordering::Acquire);
+        self.write_attempts(isolation, fence, body).await
+    }
+
+    /// Attempts at a write at `isolation`, fenced to `fence` (0: by nothing
+    /// here), until one commits or fails for good.
+    async fn write_attempts<T, F>(
+        &self,
+        isolation: IsolationLevel,
+        fence: u64,
+        mut body: F,
+    ) -> Result<T>
+    where
+        T: Send,
+        F: for<'a> FnMut(&'a Tx<'a>) -> TxBody<'a, T> + Send,
+    {
         let mut attempt = 0usize;
         loop {
             attempt += 1;

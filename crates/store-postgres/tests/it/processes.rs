@@ -246,6 +246,34 @@ async fn an_expired_process_is_taken_over_once_and_then_writes_nothing() {
         StoreError::TakenOver { generation: ga }
     );
     assert!(b.queued_inputs().await.unwrap().is_empty());
+    // So do the transactions that check it in the statement taking their lock.
+    assert_eq!(
+        a.add_dialog_spend(e, keel_core::Usage::new(1, 1), keel_core::Usd::ZERO, 13)
+            .await
+            .unwrap_err(),
+        StoreError::TakenOver { generation: ga }
+    );
+    assert_eq!(b.dialog_spend(e).await.unwrap(), Default::default());
+    let head = keel_store::SessionHead {
+        timeline: b.get_session(d).await.unwrap().unwrap().head_timeline_id,
+        last_seq: b.last_seq(d).await.unwrap(),
+    };
+    assert_eq!(
+        a.open_turn(OpenTurn {
+            session_id: d,
+            messages: vec![user("late")],
+            expected_head: Some(head),
+            queued: None,
+            now_ms: 13,
+        })
+        .await
+        .unwrap_err(),
+        StoreError::TakenOver { generation: ga }
+    );
+    assert_eq!(
+        b.load_messages(d, Default::default()).await.unwrap().len(),
+        1
+    );
     // Its release of the lease it held (unfenced) leaves B's lease alone.
     a.release_session(d).await.unwrap();
     let (c, _) = process(&db, "c").await;
