@@ -6,6 +6,7 @@ use std::collections::HashMap;
 
 use keel_core::{RunId, SessionId, TurnId};
 use keel_store::{CallKind, CallSpan, Result, StoreError, MAX_CALL_SPANS};
+use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
 use crate::store::Tx;
@@ -15,12 +16,6 @@ use crate::util::non_negative;
 use crate::PgStore;
 
 /// Whose calls a row holds.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum CallOwner {
-    Turn(TurnId),
-    Run(RunId),
-}
-
 fn kind_str(kind: CallKind) -> &'static str {
     match kind {
         CallKind::Model => "model",
@@ -38,59 +33,130 @@ fn tokens(what: &str, n: Option<u64>) -> Result<Option<i64>> {
 
 /// Inserts the first [`MAX_CALL_SPANS`] of `spans` of `owner` in dialog
 /// `session`, as one statement, inside the caller's transaction.
-pub(crate) async fn insert_calls_tx(
+/// Call spans as the columns [`insert_run_calls_tx`] and a turn's commit
+/// insert them from (one array each; at most [`MAX_CALL_SPANS`]).
+pub(crate) struct SpanColumns<'a> {
+    seq: Vec<i64>,
+    kind: Vec<&'static str>,
+    name: Vec<&'a str>,
+    call_id: Vec<Option<&'a str>>,
+    started: Vec<i64>,
+    ended: Vec<i64>,
+    input: Vec<Option<i64>>,
+    output: Vec<Option<i64>>,
+    status: Vec<&'a str>,
+}
+
+impl<'a> SpanColumns<'a> {
+    /// The columns of `spans` (those past [`MAX_CALL_SPANS`] dropped); a
+    /// span that ends before it starts is refused.
+    pub(crate) fn new(spans: &'a [CallSpan]) -> Result<Self> {
+        let spans = &spans[..spans.len().min(MAX_CALL_SPANS)];
+        let mut seq = Vec::with_capacity(spans.len());
+        let (mut input, mut output) = (Vec::new(), Vec::new());
+        for (i, s) in spans.iter().enumerate() {
+            if s.ended_at_ms < s.started_at_ms {
+                return Err(StoreError::InvalidInput(format!(
+                    "call span {:?} ends before it starts",
+                    s.name
+                )));
+            }
+            seq.push(i64::try_from(i).unwrap_or(i64::MAX));
+            input.push(tokens("input tokens", s.input_tokens)?);
+            output.push(tokens("output tokens", s.output_tokens)?);
+        }
+        Ok(SpanColumns {
+            seq,
+            kind: spans.iter().map(|s| kind_str(s.kind)).collect(),
+            name: spans.iter().map(|s| s.name.as_str()).collect(),
+            call_id: spans.iter().map(|s| s.call_id.as_deref()).collect(),
+            started: spans.iter().map(|s| s.started_at_ms).collect(),
+            ended: spans.iter().map(|s| s.ended_at_ms).collect(),
+            input,
+            output,
+            status: spans.iter().map(|s| s.status.as_str()).collect(),
+        })
+    }
+
+    /// Whether there is no span to insert.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.seq.is_empty()
+    }
+
+    /// The nine arrays, in the order [`insert_spans_sql!`] reads them.
+    pub(crate) fn params(&self) -> [&(dyn ToSql + Sync); 9] {
+        [
+            &self.seq,
+            &self.kind,
+            &self.name,
+            &self.call_id,
+            &self.started,
+            &self.ended,
+            &self.input,
+            &self.output,
+            &self.status,
+        ]
+    }
+}
+
+/// Inserts call spans: session `$a`, turn `$b`, run `$c`, their columns
+/// the nine arrays from `$d` on ([`SpanColumns::params`]).
+macro_rules! insert_spans_sql {
+    ($a:literal, $b:literal, $c:literal, $d:literal, $e:literal, $f:literal, $g:literal,
+     $h:literal, $i:literal, $j:literal, $k:literal, $l:literal) => {
+        concat!(
+            "INSERT INTO call_spans (session_id, turn_id, run_id, seq, kind, name, call_id, ",
+            "started_at, ended_at, input_tokens, output_tokens, status) ",
+            "SELECT ",
+            $a,
+            ", ",
+            $b,
+            "::text, ",
+            $c,
+            "::text, s.* FROM unnest(",
+            $d,
+            "::bigint[], ",
+            $e,
+            "::text[], ",
+            $f,
+            "::text[], ",
+            $g,
+            "::text[], ",
+            $h,
+            "::bigint[], ",
+            $i,
+            "::bigint[], ",
+            $j,
+            "::bigint[], ",
+            $k,
+            "::bigint[], ",
+            $l,
+            "::text[]) AS s"
+        )
+    };
+}
+pub(crate) use insert_spans_sql;
+
+/// Inserts the call spans of sub-agent run `run` (a turn's go with its
+/// commit).
+pub(crate) async fn insert_run_calls_tx(
     tx: &Tx<'_>,
     session: &SessionId,
-    owner: CallOwner,
+    run: RunId,
     spans: &[CallSpan],
 ) -> Result<()> {
-    let spans = &spans[..spans.len().min(MAX_CALL_SPANS)];
-    if spans.is_empty() {
+    let columns = SpanColumns::new(spans)?;
+    if columns.is_empty() {
         return Ok(());
     }
-    let (turn, run) = match owner {
-        CallOwner::Turn(t) => (Some(t.to_string()), None),
-        CallOwner::Run(r) => (None, Some(r.to_string())),
-    };
-    let mut seq = Vec::with_capacity(spans.len());
-    let (mut input, mut output) = (Vec::new(), Vec::new());
-    for (i, s) in spans.iter().enumerate() {
-        if s.ended_at_ms < s.started_at_ms {
-            return Err(StoreError::InvalidInput(format!(
-                "call span {:?} ends before it starts",
-                s.name
-            )));
-        }
-        seq.push(i64::try_from(i).unwrap_or(i64::MAX));
-        input.push(tokens("input tokens", s.input_tokens)?);
-        output.push(tokens("output tokens", s.output_tokens)?);
-    }
-    let kind: Vec<&str> = spans.iter().map(|s| kind_str(s.kind)).collect();
-    let name: Vec<&str> = spans.iter().map(|s| s.name.as_str()).collect();
-    let call_id: Vec<Option<&str>> = spans.iter().map(|s| s.call_id.as_deref()).collect();
-    let started: Vec<i64> = spans.iter().map(|s| s.started_at_ms).collect();
-    let ended: Vec<i64> = spans.iter().map(|s| s.ended_at_ms).collect();
-    let status: Vec<&str> = spans.iter().map(|s| s.status.as_str()).collect();
+    let (session, run) = (session.to_string(), run.to_string());
+    let mut params: Vec<&(dyn ToSql + Sync)> = vec![&session, &run];
+    params.extend(columns.params());
     tx.execute(
-        "INSERT INTO call_spans (session_id, turn_id, run_id, seq, kind, name, call_id, \
-         started_at, ended_at, input_tokens, output_tokens, status) \
-         SELECT $1, $2::text, $3::text, s.* FROM unnest($4::bigint[], $5::text[], $6::text[], \
-           $7::text[], $8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::text[]) \
-           AS s",
-        &[
-            &session.to_string(),
-            &turn,
-            &run,
-            &seq,
-            &kind,
-            &name,
-            &call_id,
-            &started,
-            &ended,
-            &input,
-            &output,
-            &status,
-        ],
+        insert_spans_sql!(
+            "$1", "NULL", "$2", "$3", "$4", "$5", "$6", "$7", "$8", "$9", "$10", "$11"
+        ),
+        &params,
     )
     .await
     .map_err(from_pg)?;

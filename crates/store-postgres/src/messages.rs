@@ -17,10 +17,7 @@ use tokio_postgres::Row;
 
 use crate::store::Tx;
 
-use crate::checkpoints::{insert_checkpoint_tx, keep_blob_tx};
-use crate::sessions::{
-    bump_activity, check_limit, list_dialogs_tx, locked_session, require_session,
-};
+use crate::sessions::{check_limit, list_dialogs_tx, locked_session, require_session};
 use crate::store::from_pg;
 use crate::util::sha256_hex;
 use crate::PgStore;
@@ -489,10 +486,44 @@ async fn commit_turn_counted_tx(
     .await
 }
 
-/// A turn commit's writes, on `head` after seq `last`. They touch disjoint
-/// rows (the turn's new messages, the inputs it answers, its webhook rows
-/// and call spans, the session's counters and state), so they are sent at
-/// once, the state blob first: the session and the checkpoint name it.
+/// A turn's commit after its dialog's lock, in one statement: the state
+/// blob kept (`$15`, its bytes `$16`: share-locked when present, else
+/// inserted), the messages appended ([`APPEND`]'s `$1`..`$12`), the inputs
+/// at seqs `$13` answered (each must be open), the call spans of turn
+/// `$21` inserted (the nine arrays `$22`..`$30`), the session's counters
+/// bumped by `$14` and its state set, and checkpoint `$17` (turn index
+/// `$18`, source `$19`, at seq `$20`; none when NULL) inserted with the
+/// session's newest checkpoint as its parent. The parts touch disjoint
+/// rows; the foreign keys to the blob are checked at the statement's end,
+/// after it was inserted. Answers whether the blob is kept, the seqs
+/// answered, whether the session was bumped, and the checkpoint's parent.
+const COMMIT: &str = concat!(
+    "WITH kept AS (SELECT 1 FROM state_blobs WHERE hash = $15 FOR KEY SHARE), ",
+    "put AS (INSERT INTO state_blobs (hash, bytes, codec) SELECT $15, $16, 0 ",
+    "WHERE NOT EXISTS (SELECT 1 FROM kept) ON CONFLICT (hash) DO NOTHING RETURNING 1), ",
+    "appended AS (",
+    append_sql!(),
+    " RETURNING 1), ",
+    "answered AS (UPDATE messages SET input_state = 'answered' ",
+    "WHERE timeline_id = $1 AND seq = ANY($13::bigint[]) AND input_state = 'open' RETURNING seq), ",
+    "spans AS (",
+    crate::calls::insert_spans_sql!(
+        "$3", "$21", "NULL", "$22", "$23", "$24", "$25", "$26", "$27", "$28", "$29", "$30"
+    ),
+    " RETURNING 1), ",
+    "bumped AS (UPDATE sessions SET last_active_at = GREATEST(last_active_at, $4), ",
+    "message_count = message_count + $14, state_hash = $15 WHERE id = $3 RETURNING 1), ",
+    "cp AS (INSERT INTO checkpoints (id, session_id, timeline_id, seq, parent_checkpoint_id, ",
+    "turn_index, state_hash, source, created_at) SELECT $17, $3, $1, $20, ",
+    "(SELECT id FROM checkpoints WHERE session_id = $3 ORDER BY row_order DESC LIMIT 1), ",
+    "$18, $15, $19, $4 WHERE $17::text IS NOT NULL RETURNING parent_checkpoint_id) ",
+    "SELECT EXISTS (SELECT 1 FROM kept) OR EXISTS (SELECT 1 FROM put), ",
+    "ARRAY(SELECT seq FROM answered), EXISTS (SELECT 1 FROM bumped), ",
+    "(SELECT parent_checkpoint_id FROM cp)"
+);
+
+/// A turn commit's writes, on `head` after seq `last`: [`COMMIT`], and the
+/// webhook deliveries of the inputs it answers sent with it.
 async fn commit_writes(
     tx: &Tx<'_>,
     turn: &TurnCommit,
@@ -505,6 +536,54 @@ async fn commit_writes(
     let seqs = new_seqs(last, messages.len());
     let end = seqs.last().copied().unwrap_or(last);
     let state_hash = sha256_hex(&turn.state);
+    let no_spans = Vec::new();
+    let spans = crate::calls::SpanColumns::new(
+        turn.calls.as_ref().map_or(&no_spans, |calls| &calls.spans),
+    )?;
+    let span_turn = turn.calls.as_ref().map(|calls| calls.turn_id.to_string());
+    let checkpoint = turn.checkpoint.as_ref();
+    let checkpoint_id = checkpoint.map(|cp| cp.id.to_string());
+    let turn_index = checkpoint
+        .map(|cp| crate::util::to_i64("turn_index", cp.turn_index))
+        .transpose()?;
+    let source = checkpoint.map(|cp| cp.source.as_str());
+    let columns = append_columns(messages);
+    let id = session.to_string();
+    let inputs = i64::from(turn.visible_user_inputs);
+    let timeline = head.as_str();
+    let mut params = append_params(&timeline, &last, &id, &turn.now_ms, &columns);
+    params.extend([
+        &turn.answers as &(dyn ToSql + Sync),
+        &inputs,
+        &state_hash,
+        &turn.state,
+        &checkpoint_id,
+        &turn_index,
+        &source,
+        &end,
+        &span_turn,
+    ]);
+    params.extend(spans.params());
+    let written = async {
+        let row = tx.query_one(COMMIT, &params).await.map_err(from_pg)?;
+        if !row.get::<_, bool>(0) {
+            return Err(StoreError::Busy {
+                message: format!("state blob {state_hash} was deleted while it was being kept"),
+                attempts: 1,
+            });
+        }
+        let answered: Vec<i64> = row.get(1);
+        if let Some(seq) = turn.answers.iter().find(|seq| !answered.contains(seq)) {
+            return Err(StoreError::Stale(format!(
+                "the turn input at seq {seq} is not open any more"
+            )));
+        }
+        if !row.get::<_, bool>(2) {
+            return Err(StoreError::NotFound(format!("session {session}")));
+        }
+        let parent: Option<String> = row.get(3);
+        Ok(parent)
+    };
     let deliveries = async {
         if turn.answers.is_empty() {
             return Ok(0);
@@ -525,70 +604,27 @@ async fn commit_writes(
         )
         .await
     };
-    let calls = async {
-        match &turn.calls {
-            Some(calls) => {
-                crate::calls::insert_calls_tx(
-                    tx,
-                    session,
-                    crate::calls::CallOwner::Turn(calls.turn_id),
-                    &calls.spans,
-                )
-                .await
-            }
-            None => Ok(()),
-        }
+    let (parent, deliveries) = futures::try_join!(written, deliveries)?;
+    let checkpoint = match checkpoint {
+        Some(cp) => Some(keel_store::CheckpointRecord {
+            id: cp.id,
+            session_id: *session,
+            timeline_id: head.clone(),
+            seq: end,
+            parent_id: crate::util::parse_opt("checkpoints.parent_checkpoint_id", parent)?,
+            turn_index: cp.turn_index,
+            state_hash: state_hash.clone(),
+            source: cp.source,
+            created_at_ms: turn.now_ms,
+        }),
+        None => None,
     };
-    let checkpoint = async {
-        let Some(cp) = &turn.checkpoint else {
-            return Ok(None);
-        };
-        insert_checkpoint_tx(tx, session, &head, end, None, cp, &state_hash, turn.now_ms)
-            .await
-            .map(Some)
-    };
-    let ((), _, (), deliveries, (), (), checkpoint) = futures::try_join!(
-        keep_blob_tx(tx, &state_hash, &turn.state),
-        append_tx(tx, session, head.as_str(), last, messages, turn.now_ms),
-        answer_inputs_tx(tx, head.as_str(), &turn.answers),
-        deliveries,
-        calls,
-        bump_activity(
-            tx,
-            session,
-            turn.now_ms,
-            turn.visible_user_inputs,
-            Some(state_hash.as_str()),
-        ),
-        checkpoint,
-    )?;
     let committed = TurnCommitted {
         seqs,
         state_hash,
         checkpoint,
     };
     Ok((committed, deliveries))
-}
-
-/// Marks the inputs `seqs` of `timeline` answered. Each must be open: an
-/// input already declared unanswered is never answered after the fact.
-async fn answer_inputs_tx(tx: &Tx<'_>, timeline: &str, seqs: &[i64]) -> Result<()> {
-    for seq in seqs {
-        let n = tx
-            .execute(
-                "UPDATE messages SET input_state = 'answered' \
-                 WHERE timeline_id = $1 AND seq = $2 AND input_state = 'open'",
-                &[&timeline, seq],
-            )
-            .await
-            .map_err(from_pg)?;
-        if n != 1 {
-            return Err(StoreError::Stale(format!(
-                "the turn input at seq {seq} is not open any more"
-            )));
-        }
-    }
-    Ok(())
 }
 
 /// Marks every open input of the sessions no live process leases

@@ -262,31 +262,6 @@ async fn touch_tx(tx: &Tx<'_>, id: &SessionId, now_ms: i64) -> Result<()> {
     Ok(())
 }
 
-/// Moves the session's last activity to `now_ms` and adds `inputs` to its
-/// visible-input count; sets its state to `state_hash` (a stored blob)
-/// when one is given.
-pub(crate) async fn bump_activity(
-    tx: &Tx<'_>,
-    id: &SessionId,
-    now_ms: i64,
-    inputs: u32,
-    state_hash: Option<&str>,
-) -> Result<()> {
-    let n = tx
-        .execute(
-            "UPDATE sessions SET last_active_at = GREATEST(last_active_at, $1), \
-             message_count = message_count + $2, state_hash = coalesce($4, state_hash) \
-             WHERE id = $3",
-            &[&now_ms, &i64::from(inputs), &id.to_string(), &state_hash],
-        )
-        .await
-        .map_err(from_pg)?;
-    if n == 0 {
-        return Err(StoreError::NotFound(format!("session {id}")));
-    }
-    Ok(())
-}
-
 impl PgStore {
     pub(crate) async fn create_session(&self, session: NewSession) -> Result<SessionRecord> {
         self.write(move |tx| {

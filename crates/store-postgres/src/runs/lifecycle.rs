@@ -694,10 +694,10 @@ impl PgStore {
                     )
                     .await?;
                     if commit.won {
-                        crate::calls::insert_calls_tx(
+                        crate::calls::insert_run_calls_tx(
                             tx,
                             &commit.run.spec.root_session_id,
-                            crate::calls::CallOwner::Run(run_id),
+                            run_id,
                             &calls,
                         )
                         .await?;

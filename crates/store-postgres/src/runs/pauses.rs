@@ -78,13 +78,7 @@ async fn commit_paused_tx(tx: &Tx<'_>, p: &PausedRunCommit, messages: &str) -> R
         .await
         .map_err(from_pg)?;
     }
-    crate::calls::insert_calls_tx(
-        tx,
-        &session,
-        crate::calls::CallOwner::Run(p.run_id),
-        &p.calls,
-    )
-    .await?;
+    crate::calls::insert_run_calls_tx(tx, &session, p.run_id, &p.calls).await?;
     Ok(true)
 }
 
