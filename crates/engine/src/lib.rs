@@ -74,7 +74,7 @@ pub use mailbox::{MailboxLimits, WakeSource, WakeupState};
 pub use manager::{
     apply_retention, AgentSet, AgentSetBuilder, InboxPolicy, NewSessionSpec, RetentionPolicy,
     RetentionReport, RuntimeBundle, SessionManager, SessionManagerConfig, SteerOutcome, StopReport,
-    SummaryConfig, TurnReport, TurnTicket,
+    SummaryConfig, TurnReport, TurnTicket, DEFAULT_LEASE_LINGER,
 };
 pub use session::{AgentProfile, AgentSession};
 pub use state::{

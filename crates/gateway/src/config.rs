@@ -82,6 +82,8 @@ pub const MAX_RETRY_DELAY_MS: u64 = 10_000;
 pub const MAX_PG_CONNECTIONS: usize = 1000;
 /// Smallest `storage.lease_secs`: renewals come every third of it.
 pub const MIN_LEASE_SECS: u64 = 3;
+/// Largest `storage.lease_linger_ms`.
+pub const MAX_LEASE_LINGER_MS: u64 = 10_000;
 /// Largest `storage.lease_secs` (10 min).
 pub const MAX_LEASE_SECS: u64 = 600;
 /// Largest `storage.busy_timeout_ms` (1 min).
@@ -344,6 +346,9 @@ pub struct StorageConfig {
     /// Seconds a process on PostgreSQL stays registered without renewing:
     /// how long after it dies another process takes over its work.
     pub lease_secs: u64,
+    /// Milliseconds a dialog's lease stays this process's after a step
+    /// (PostgreSQL only; 0: given back at once).
+    pub lease_linger_ms: u64,
     /// `normal` or `full` (SQLite `synchronous`).
     pub synchronous: SyncMode,
     /// Delays between retries of a transient write failure; its length is the retry count.
@@ -359,6 +364,7 @@ impl Default for StorageConfig {
             url: None,
             max_connections: None,
             lease_secs: keel_store_postgres::PgOptions::default().lease.as_secs(),
+            lease_linger_ms: duration_ms(&keel_engine::DEFAULT_LEASE_LINGER),
             synchronous: match store.synchronous {
                 Synchronous::Full => SyncMode::Full,
                 Synchronous::Normal => SyncMode::Normal,
@@ -1057,6 +1063,7 @@ impl Config {
             supersede_reason: self.tools.approval_supersede_reason.clone(),
             max_cost_usd_per_root_turn: self.orchestration.max_cost_usd_per_root_turn,
             max_cost_usd_per_dialog: s.max_cost_usd_per_dialog,
+            lease_linger: Duration::from_millis(self.storage.lease_linger_ms),
             ..SessionManagerConfig::default()
         }
     }

@@ -8,8 +8,14 @@
 //! process: what it remembers of the session is dropped and reloaded.
 //! Within the process, the holders of one session's lease (its worker, an
 //! API write such as a rollback) take turns at a gate first, so the lease
-//! is taken and given back by one of them at a time. On a database one
-//! process owns (SQLite) nothing is asked, written or waited for.
+//! is taken and given back by one of them at a time. A lease given back
+//! stays this process's a moment ([`SessionManagerConfig::lease_linger`])
+//! before it returns to the store: a
+//! dialog's next step (the user's next message, a continuation) usually
+//! comes sooner and takes it again without a round trip; another process
+//! that wants it waits that much longer. Shutting down returns them all
+//! ([`SessionManager::give_back_leases`]). On a database one process owns
+//! (SQLite) nothing is asked, written or waited for.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -21,6 +27,8 @@ use keel_core::SessionId;
 use keel_store::{SessionLease, Store};
 
 use super::SessionManager;
+#[cfg(doc)]
+use super::SessionManagerConfig;
 use crate::error::Result;
 use crate::session::AgentSession;
 
@@ -37,32 +45,93 @@ pub(super) struct SessionHold {
     held: bool,
     /// This process's turn at the session's gate (shared databases only).
     gate: Option<tokio::sync::OwnedMutexGuard<()>>,
+    gates: Arc<LeaseGates>,
 }
 
 /// Each session's gate: the holders of its lease in this process take
-/// turns there. Gates nobody waits at are dropped.
-#[derive(Default)]
-pub(super) struct LeaseGates(parking_lot::Mutex<HashMap<SessionId, Arc<AsyncMutex<()>>>>);
+/// turns there. Gates nobody waits at are dropped. And the leases given
+/// back but lingering, each with the number of its pending return.
+pub(super) struct LeaseGates {
+    /// How long a lease given back lingers.
+    linger: Duration,
+    gates: parking_lot::Mutex<HashMap<SessionId, Arc<AsyncMutex<()>>>>,
+    lingering: parking_lot::Mutex<HashMap<SessionId, u64>>,
+    returns: std::sync::atomic::AtomicU64,
+    /// Set when the process shuts down: a lease given back returns at once.
+    closing: std::sync::atomic::AtomicBool,
+}
 
 impl LeaseGates {
+    /// Gates whose leases linger `linger` once given back.
+    pub(super) fn new(linger: Duration) -> Self {
+        Self {
+            linger,
+            gates: Default::default(),
+            lingering: Default::default(),
+            returns: Default::default(),
+            closing: Default::default(),
+        }
+    }
+
     async fn enter(&self, session: SessionId) -> tokio::sync::OwnedMutexGuard<()> {
         let gate = {
-            let mut gates = self.0.lock();
+            let mut gates = self.gates.lock();
             gates.retain(|_, g| Arc::strong_count(g) > 1);
             Arc::clone(gates.entry(session).or_default())
         };
         gate.lock_owned().await
     }
+
+    /// Takes `session`'s lingering lease, if it has one (at its gate).
+    fn take_lingering(&self, session: SessionId) -> bool {
+        self.lingering.lock().remove(&session).is_some()
+    }
 }
 
 impl SessionHold {
-    /// Gives the lease back and waits until the store has it.
+    /// Gives the lease back: it lingers a moment, then returns to the
+    /// store unless this process took it again meanwhile.
     pub(super) async fn release(mut self) {
-        if std::mem::take(&mut self.held) {
-            if let Err(e) = self.store.release_session(self.session).await {
-                tracing::warn!(session_id = %self.session, error = %e, "giving a session lease back failed; it returns when this process stops");
-            }
+        if !std::mem::take(&mut self.held) {
+            return;
         }
+        let gates = Arc::clone(&self.gates);
+        // The gate stays shut until the lease is back (or lingering), so
+        // this process's next holder never has it given back under it.
+        let Some(gate) = self.gate.take() else {
+            return give_back(&self.store, self.session).await;
+        };
+        if gates.linger.is_zero() || gates.closing.load(std::sync::atomic::Ordering::Acquire) {
+            give_back(&self.store, self.session).await;
+            return drop(gate);
+        }
+        let number = gates
+            .returns
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        gates.lingering.lock().insert(self.session, number);
+        let door = Arc::clone(tokio::sync::OwnedMutexGuard::mutex(&gate));
+        drop(gate);
+        let (store, session) = (self.store.clone(), self.session);
+        tokio::spawn(async move {
+            tokio::time::sleep(gates.linger).await;
+            // At the gate: nobody takes the lease while it returns.
+            let _gate = door.lock_owned().await;
+            let pending = {
+                let mut lingering = gates.lingering.lock();
+                let ours = lingering.get(&session) == Some(&number);
+                ours && lingering.remove(&session).is_some()
+            };
+            if pending {
+                give_back(&store, session).await;
+            }
+        });
+    }
+}
+
+/// Returns `session`'s lease to the store.
+async fn give_back(store: &Store, session: SessionId) {
+    if let Err(e) = store.release_session(session).await {
+        tracing::warn!(session_id = %session, error = %e, "giving a session lease back failed; it returns when this process stops");
     }
 }
 
@@ -77,9 +146,7 @@ impl Drop for SessionHold {
         let gate = self.gate.take();
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             handle.spawn(async move {
-                if let Err(e) = store.release_session(session).await {
-                    tracing::warn!(session_id = %session, error = %e, "giving a session lease back failed; it returns when this process stops");
-                }
+                give_back(&store, session).await;
                 drop(gate);
             });
         }
@@ -95,11 +162,17 @@ impl SessionManager {
             session,
             held: false,
             gate: None,
+            gates: Arc::clone(&self.lease_gates),
         };
         if !self.store.shared() {
             return Ok(hold);
         }
         hold.gate = Some(self.lease_gates.enter(session).await);
+        if self.lease_gates.take_lingering(session) {
+            // Held all along: nobody else wrote the session meanwhile.
+            hold.held = true;
+            return Ok(hold);
+        }
         let mut pause = FIRST_PAUSE;
         loop {
             match self.store.lease_session(session).await? {
@@ -119,6 +192,22 @@ impl SessionManager {
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(MAX_PAUSE);
                 }
+            }
+        }
+    }
+
+    /// Returns every lingering lease to the store now, and every lease
+    /// given back from now on at once (the process is shutting down).
+    pub async fn give_back_leases(&self) {
+        let gates = &self.lease_gates;
+        gates
+            .closing
+            .store(true, std::sync::atomic::Ordering::Release);
+        let sessions: Vec<SessionId> = gates.lingering.lock().keys().copied().collect();
+        for session in sessions {
+            let _gate = gates.enter(session).await;
+            if gates.take_lingering(session) {
+                give_back(&self.store, session).await;
             }
         }
     }

@@ -117,7 +117,15 @@ pub struct SessionManagerConfig {
     /// USD everything one dialog runs may spend, across restarts
     /// (`session.max_cost_usd_per_dialog`); `None`: no limit.
     pub max_cost_usd_per_dialog: Option<keel_core::Usd>,
+    /// How long a dialog's lease stays this process's after a step, on a
+    /// database several processes share (`storage.lease_linger_ms`,
+    /// [`DEFAULT_LEASE_LINGER`] by default); zero gives it back at once.
+    pub lease_linger: Duration,
 }
+
+/// How long a dialog's lease lingers by default (see
+/// [`SessionManagerConfig::lease_linger`]).
+pub const DEFAULT_LEASE_LINGER: Duration = Duration::from_millis(100);
 
 impl Default for SessionManagerConfig {
     fn default() -> Self {
@@ -135,6 +143,7 @@ impl Default for SessionManagerConfig {
             supersede_reason: crate::approval::SUPERSEDED_REASON.to_owned(),
             max_cost_usd_per_root_turn: None,
             max_cost_usd_per_dialog: None,
+            lease_linger: DEFAULT_LEASE_LINGER,
         }
     }
 }
@@ -204,7 +213,7 @@ pub struct SessionManager {
     /// The spend ledger of each dialog a turn or run holds.
     dialog_ledgers: crate::budget::DialogLedgers,
     /// Where this process's holders of a session's lease take turns.
-    lease_gates: leases::LeaseGates,
+    lease_gates: Arc<leases::LeaseGates>,
     /// Sessions another process wrote since this one last held their lease.
     stale: Mutex<std::collections::HashSet<SessionId>>,
 }
@@ -224,6 +233,7 @@ impl SessionManager {
     /// A manager over `store` running agents from `bundle`.
     pub fn new(store: Store, bundle: RuntimeBundle, config: SessionManagerConfig) -> Arc<Self> {
         let events = SessionEvents::new(store.clone(), config.event_capacity);
+        let linger = config.lease_linger;
         Arc::new_cyclic(|me: &Weak<Self>| {
             if let Some(coordinator) = &bundle.coordinator {
                 coordinator.attach(Arc::clone(&events), me.clone());
@@ -237,7 +247,7 @@ impl SessionManager {
                 events,
                 housekeeping: housekeeping::Housekeeping::default(),
                 dialog_ledgers: crate::budget::DialogLedgers::default(),
-                lease_gates: leases::LeaseGates::default(),
+                lease_gates: Arc::new(leases::LeaseGates::new(linger)),
                 stale: Mutex::new(std::collections::HashSet::new()),
             }
         })

@@ -93,6 +93,7 @@ purge_deleted_after_days = 30
 url = "postgres://keel@db.internal/keel?sslmode=require"
 max_connections = 16
 lease_secs = 10
+lease_linger_ms = 100
 synchronous = "normal"
 retry_delays_ms = [100, 200, 300]
 busy_timeout_ms = 5000
@@ -514,6 +515,17 @@ pub fn reference() -> Vec<KeyDoc> {
              process dies, another takes over its runs, dialogs and queued messages this long \
              after its last renewal; a process that could not renew for this long is taken \
              over and stops (PostgreSQL only)."
+        ),
+    );
+    code(
+        &mut rows,
+        "storage.lease_linger_ms",
+        format!(
+            "Milliseconds a dialog's lease stays with the process that ran its last turn, \
+             0..={MAX_LEASE_LINGER_MS} (PostgreSQL only). Its next turn there (the user's next \
+             message, a continuation) starts without asking the database; a request for it \
+             that another process receives waits up to this much longer. 0 gives the lease \
+             back as each turn ends."
         ),
     );
     code(

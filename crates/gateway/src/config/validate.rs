@@ -302,6 +302,12 @@ fn storage(s: &StorageConfig, out: &mut Problems) {
         MIN_LEASE_SECS,
         MAX_LEASE_SECS,
     );
+    out.range(
+        "storage.lease_linger_ms",
+        s.lease_linger_ms,
+        0,
+        MAX_LEASE_LINGER_MS,
+    );
     if s.retry_delays_ms.is_empty() {
         out.push(
             "storage.retry_delays_ms",

@@ -471,6 +471,9 @@ impl Server {
                 tracing::warn!(error = %e, "the webhook worker failed");
             }
         }
+        // Leases kept a moment after their turns go back to the database
+        // now, so another process need not wait for them.
+        self.shared.app.manager.give_back_leases().await;
         self.shared.app.manager.shutdown();
         if let Some(coordinator) = &self.shared.app.coordinator {
             coordinator.shutdown();

@@ -221,3 +221,62 @@ async fn a_steer_or_a_stop_sent_to_one_server_reaches_the_turn_another_runs() {
         .await;
     assert_eq!(page["items"][0]["text"], "a long task", "{page}");
 }
+
+/// `dialog`'s lease as the database has it: the generation holding it (if
+/// any) and when it was taken.
+async fn lease_row(db: &keel_store_postgres::testing::TestDb, dialog: &str) -> (Option<i64>, i64) {
+    let row = db
+        .connect()
+        .await
+        .query_one(
+            "SELECT generation, acquired_at FROM session_leases WHERE session_id = $1",
+            &[&dialog],
+        )
+        .await
+        .expect("the dialog has a lease row");
+    (row.get(0), row.get(1))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dialogs_lease_lingers_where_its_turn_ran_and_goes_back_at_shutdown() {
+    let db = require_postgres!();
+    let offline = || Arc::new(keel_core::ScriptedProvider::offline());
+    // It lingers far longer than this test: only the shutdown gives it back.
+    let mut here = TestServer::start(Setup {
+        provider: offline(),
+        config: format!(
+            "[storage]\nurl = {:?}\nmax_connections = 4\nlease_linger_ms = 10000\n\
+             [session]\nauto_title_after_n_messages = 0\n",
+            db.conninfo
+        ),
+        ..Setup::default()
+    })
+    .await;
+    let there = server_on(&db.conninfo, offline()).await;
+    let dialog = here.dialog("lingering").await;
+    let committed = |events: String| events.split(' ').any(|e| e == "turn_committed");
+    assert!(committed(here.send_streamed(&dialog, "one").await));
+    let kept = lease_row(&db, &dialog).await;
+    assert!(kept.0.is_some(), "the lease stays after the turn: {kept:?}");
+    // The next turn here takes it back without asking the database.
+    assert!(committed(here.send_streamed(&dialog, "two").await));
+    assert_eq!(lease_row(&db, &dialog).await, kept);
+
+    here.shutdown().await;
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while lease_row(&db, &dialog).await.0.is_some() {
+        assert!(
+            std::time::Instant::now() < until,
+            "the lease is still held 5 s after the shutdown"
+        );
+        tokio::task::yield_now().await;
+    }
+    // The other server runs the dialog's next turn at once.
+    assert!(committed(there.send_streamed(&dialog, "three").await));
+    let page = there
+        .json(&format!(
+            "/api/dialogs/{dialog}/messages?order=desc&limit=1"
+        ))
+        .await;
+    assert_eq!(page["items"][0]["role"], "assistant");
+}
