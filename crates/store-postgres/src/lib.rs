@@ -15,12 +15,14 @@
 //!   them on shared index pages and cost about 40 % of the turns a
 //!   second, docs/BENCHMARKS.md). What every turn does in one statement
 //!   (reading the session and the approval and inbox schedules, giving
-//!   the session lease back) runs without a transaction around it.
-//!   Round trips are what a turn costs on a server that shares the
+//!   the session lease back; queueing an input and taking a free lease,
+//!   which check the fence themselves) runs without a transaction around
+//!   it. Round trips are what a turn costs on a server that shares the
 //!   machine, so they are pipelined: `BEGIN`, the fence check and a
-//!   body's first statement travel together, a turn's open writes in one
-//!   statement, and its commit sends its writes on disjoint rows at once
-//!   (`messages.rs`). The same
+//!   body's first statement travel together; a turn's open, commit and
+//!   spend check the fence in the statement that takes their lock, and
+//!   the open and commit send their writes (one statement each) with it,
+//!   against the head the turn expects (`messages.rs`). The same
 //!   conformance suite as SQLite's runs against a real server
 //!   (`tests/it`).
 //! - **The schema**: migrations 1..=[`SCHEMA_VERSION`], the same versions,

@@ -191,6 +191,8 @@ pub struct TurnReport {
     /// The turn paused: these approvals (one per gated call, in call
     /// order) wait for a person's decision, and the turn resumes after.
     pub approvals: Vec<keel_core::ApprovalId>,
+    /// The dialog's record as the commit left it (counters, last activity).
+    pub dialog: keel_store::SessionRecord,
 }
 
 struct Entry {

@@ -418,6 +418,7 @@ impl PendingTurn {
             output,
             checkpoint,
             approvals: approval_ids,
+            dialog: guard.record.clone(),
         })
     }
 }

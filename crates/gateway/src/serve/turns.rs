@@ -654,11 +654,19 @@ impl TurnRunner {
                 message: failure_message(e),
             },
         };
-        // A kept message changed the dialog's count even without an answer.
-        let changed = result.is_ok() || input_kept;
         self.hub.publish(session, end);
-        if changed {
-            self.publish_dialog(session).await;
+        match &result {
+            // The record the commit left, without reading it again.
+            Ok(report) => self.hub.publish(
+                session,
+                ServerFrame::DialogUpdated {
+                    session_id: session.as_uuid(),
+                    dialog: Dialog::from(&report.dialog),
+                },
+            ),
+            // A kept message changed the dialog's count even without an answer.
+            Err(_) if input_kept => self.publish_dialog(session).await,
+            Err(_) => {}
         }
         // Only a turn that called tools can have started or cancelled runs.
         if result.as_ref().map_or(true, |r| r.output.tool_calls > 0) {

@@ -414,6 +414,10 @@ async fn a_dialog_change_is_published_and_its_usage_counts_committed_turns() {
         unreachable!()
     };
     assert_eq!((dialog.title.as_str(), dialog.message_count), ("Before", 1));
+    // What the turn's commit left, as stored.
+    let mut stored = t.json(&format!("/api/dialogs/{id}")).await;
+    stored.as_object_mut().unwrap().remove("storage");
+    assert_eq!(serde_json::to_value(dialog).unwrap(), stored);
     let usage = t.json(&format!("/api/dialogs/{id}/usage")).await;
     assert_eq!(
         usage,
