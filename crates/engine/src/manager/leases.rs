@@ -212,6 +212,12 @@ impl SessionManager {
         }
     }
 
+    /// Whether this process has `session` in memory: it exists, and was
+    /// not deleted here since it was loaded.
+    pub fn holds(&self, session: SessionId) -> bool {
+        self.sessions.lock().contains_key(&session)
+    }
+
     /// Drops what this process remembers of `session` (its next use loads
     /// it again): another process may have changed it.
     pub(super) fn forget(&self, session: SessionId) {

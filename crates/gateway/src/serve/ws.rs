@@ -284,7 +284,7 @@ impl Connection {
                 if_busy,
                 webhook,
             } => {
-                let session = shared.dialog_by_id(session_id.into()).await?.id;
+                let session = shared.live_dialog(session_id.into()).await?;
                 let if_busy = if_busy.unwrap_or_default();
                 let webhook = shared.checked_webhook(webhook, if_busy)?;
                 let input = shared.user_input(session, text, parts).await?;

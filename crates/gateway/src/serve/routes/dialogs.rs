@@ -202,24 +202,24 @@ pub(crate) async fn send(
     headers: HeaderMap,
     ApiJson(body): ApiJson<SendMessage>,
 ) -> ApiResult<Response> {
-    let record = shared.dialog(&id).await?;
+    let session = shared.live_dialog(super::parse_id("dialog", &id)?).await?;
     let webhook = shared.checked_webhook(body.webhook, body.if_busy)?;
-    let input = shared.user_input(record.id, body.text, body.parts).await?;
+    let input = shared.user_input(session, body.text, body.parts).await?;
     let wants_stream = headers
         .get_all(header::ACCEPT)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .any(|v| v.contains("text/event-stream"));
     if wants_stream {
-        return crate::serve::sse::send_streamed(shared, record.id, input, body.if_busy, webhook)
+        return crate::serve::sse::send_streamed(shared, session, input, body.if_busy, webhook)
             .await;
     }
     let (turn, steered) = shared
         .turns
-        .send(record.id, input, body.if_busy, webhook)
+        .send(session, input, body.if_busy, webhook)
         .await?;
     let accepted = TurnAccepted {
-        session_id: record.id.as_uuid(),
+        session_id: session.as_uuid(),
         turn_id: turn.as_uuid(),
         steered,
     };

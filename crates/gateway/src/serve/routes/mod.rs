@@ -188,6 +188,17 @@ impl Shared {
         self.dialog_by_id(session).await
     }
 
+    /// `session`, a dialog to send to: one the engine holds in memory is
+    /// taken as live without reading the database (a dialog deleted
+    /// meanwhile elsewhere refuses the message when it is queued, not
+    /// found all the same); any other is read ([`Self::dialog_by_id`]).
+    pub(crate) async fn live_dialog(&self, session: SessionId) -> ApiResult<SessionId> {
+        if self.app.manager.holds(session) {
+            return Ok(session);
+        }
+        Ok(self.dialog_by_id(session).await?.id)
+    }
+
     /// The dialog with session id `session`; a deleted one is not found.
     pub(crate) async fn dialog_by_id(&self, session: SessionId) -> ApiResult<SessionRecord> {
         self.app

@@ -125,6 +125,32 @@ async fn a_dialog_lives_through_messages_checkpoints_rollback_and_fork() {
         .unwrap();
     assert_eq!(r.status(), 204);
     assert_eq!(t.get(&format!("/api/dialogs/{id}")).await.status(), 404);
+    // A message to it is refused, though this server ran its turns.
+    let r = t
+        .post(
+            &format!("/api/dialogs/{id}/messages"),
+            json!({"text": "late"}),
+        )
+        .await;
+    assert_eq!(r.status(), 404);
+    let mut ws = t.ws().await;
+    ws.send(&keel_gateway::serve::frames::ClientFrame::Send {
+        id: Some("late".into()),
+        session_id: id.parse().unwrap(),
+        text: Some("late".into()),
+        parts: Vec::new(),
+        if_busy: None,
+        webhook: None,
+    })
+    .await;
+    let refused = ws.frame().await;
+    assert!(
+        matches!(
+            &refused,
+            keel_gateway::serve::frames::ServerFrame::Error { .. }
+        ),
+        "{refused:?}"
+    );
     assert_eq!(
         t.get(&format!("/api/dialogs/{id}/inbox")).await.status(),
         404
