@@ -10,10 +10,10 @@
 //! API write such as a rollback) take turns at a gate first, so the lease
 //! is taken and given back by one of them at a time. A lease given back
 //! stays this process's a moment ([`SessionManagerConfig::lease_linger`])
-//! before it returns to the store: a
-//! dialog's next step (the user's next message, a continuation) usually
-//! comes sooner and takes it again without a round trip; another process
-//! that wants it waits that much longer. Shutting down returns them all
+//! before it returns to the store: a dialog's next step (the user's next
+//! message, a continuation) usually comes sooner and takes it again
+//! without a round trip; another process that wants it waits that much
+//! longer. Shutting down returns them all
 //! ([`SessionManager::give_back_leases`]). On a database one process owns
 //! (SQLite) nothing is asked, written or waited for.
 
