@@ -117,9 +117,10 @@ pub struct SessionManagerConfig {
     /// USD everything one dialog runs may spend, across restarts
     /// (`session.max_cost_usd_per_dialog`); `None`: no limit.
     pub max_cost_usd_per_dialog: Option<keel_core::Usd>,
-    /// How long a dialog's lease stays this process's after a step, on a
-    /// database several processes share (`storage.lease_linger_ms`,
-    /// [`DEFAULT_LEASE_LINGER`] by default); zero gives it back at once.
+    /// How long a dialog's lease stays this process's after a step, and
+    /// its idle worker with it, on a database several processes share
+    /// (`storage.lease_linger_ms`, [`DEFAULT_LEASE_LINGER`] by default);
+    /// zero gives the lease back at once.
     pub lease_linger: Duration,
 }
 

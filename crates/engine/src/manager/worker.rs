@@ -193,6 +193,9 @@ enum Step {
     /// Nothing to do now: wait for a user turn, a wake, or this time (Unix
     /// ms) when an event backing off becomes due.
     Wait(Option<i64>),
+    /// Nothing to do now: wait for a user turn or a wake until this time
+    /// (Unix ms), then look again (and leave if there is still nothing).
+    Linger(i64),
     /// The worker left the registry.
     Exit,
 }
@@ -222,6 +225,9 @@ struct WorkerState {
     next_approval_at: Option<i64>,
     /// User turns run in a row while results waited.
     user_burst: usize,
+    /// The worker has nothing to do and stays a moment before it leaves
+    /// (see [`Step::Linger`]).
+    lingered: bool,
 }
 
 impl SessionManager {
@@ -516,6 +522,7 @@ impl SessionManager {
                 next_inbox_at: None,
                 next_approval_at: None,
                 user_burst: 0,
+                lingered: false,
             };
             tokio::spawn(worker_loop(
                 Arc::downgrade(self),
@@ -681,6 +688,7 @@ impl SessionManager {
             if state.inbox_due {
                 state.user_burst += 1;
             }
+            state.lingered = false;
             let _busy = Busy::start(&shared.busy);
             self.run_user_turn(session, shared, state, task).await;
             return Step::Again;
@@ -694,6 +702,15 @@ impl SessionManager {
         .min();
         if let Some(at) = due {
             return Step::Wait(Some(at));
+        }
+        // On a database other processes share, an idle worker stays as
+        // long as its dialog's lease lingers: the dialog's next message
+        // finds it with its schedules read, and runs at once.
+        let linger = self.config.lease_linger;
+        if !state.lingered && !linger.is_zero() && self.store.shared() {
+            state.lingered = true;
+            let millis = i64::try_from(linger.as_millis()).unwrap_or(i64::MAX);
+            return Step::Linger(clock::now_ms().saturating_add(millis));
         }
         let mut workers = self.workers.lock();
         if !state.user_rx.is_empty() || shared.wake_pending.load(Ordering::Acquire) {
@@ -1074,6 +1091,17 @@ async fn worker_loop(
         match step {
             Step::Again => {}
             Step::Exit => return,
+            Step::Linger(until) => {
+                tokio::select! {
+                    biased;
+                    task = state.user_rx.recv() => match task {
+                        Some(task) => state.next_user = Some(task),
+                        None => return,
+                    },
+                    () = shared.wake.notified() => state.lingered = false,
+                    () = tokio::time::sleep_until(clock::instant_at(until)) => {}
+                }
+            }
             Step::Wait(due) => {
                 let retry = async {
                     match due {

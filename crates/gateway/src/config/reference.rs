@@ -521,11 +521,11 @@ pub fn reference() -> Vec<KeyDoc> {
         &mut rows,
         "storage.lease_linger_ms",
         format!(
-            "Milliseconds a dialog's lease stays with the process that ran its last turn, \
-             0..={MAX_LEASE_LINGER_MS} (PostgreSQL only). Its next turn there (the user's next \
-             message, a continuation) starts without asking the database; a request for it \
-             that another process receives waits up to this much longer. 0 gives the lease \
-             back as each turn ends."
+            "Milliseconds a dialog's lease, and its worker, stay with the process that ran its \
+             last turn, 0..={MAX_LEASE_LINGER_MS} (PostgreSQL only). Its next turn there (the \
+             user's next message, a continuation) starts without asking the database; a request \
+             for it that another process receives waits up to this much longer. 0 gives the \
+             lease back as each turn ends."
         ),
     );
     code(
