@@ -110,20 +110,60 @@ pub(crate) async fn put_state_tx(
     Ok(hash)
 }
 
+/// The CTEs `kept` and `put` that keep state blob `$hash` (its bytes
+/// `$bytes`): a present row share-locked, a missing one inserted; it is
+/// kept when [`BLOB_KEPT`] holds.
+macro_rules! keep_blob_ctes {
+    ($hash:literal, $bytes:literal) => {
+        concat!(
+            "kept AS (SELECT 1 FROM state_blobs WHERE hash = ",
+            $hash,
+            " FOR KEY SHARE), put AS (INSERT INTO state_blobs (hash, bytes, codec) SELECT ",
+            $hash,
+            ", ",
+            $bytes,
+            ", 0 WHERE NOT EXISTS (SELECT 1 FROM kept) ON CONFLICT (hash) DO NOTHING RETURNING 1)"
+        )
+    };
+}
+pub(crate) use keep_blob_ctes;
+
+/// Whether the blob [`keep_blob_ctes`] looked for is kept.
+macro_rules! blob_kept {
+    () => {
+        "(EXISTS (SELECT 1 FROM kept) OR EXISTS (SELECT 1 FROM put))"
+    };
+}
+pub(crate) use blob_kept;
+
+/// The session `$session`'s newest checkpoint (a new one's parent).
+macro_rules! newest_checkpoint {
+    ($session:literal) => {
+        concat!(
+            "(SELECT id FROM checkpoints WHERE session_id = ",
+            $session,
+            " ORDER BY row_order DESC LIMIT 1)"
+        )
+    };
+}
+pub(crate) use newest_checkpoint;
+
 /// Makes sure the state blob `hash` exists and stays until the transaction
-/// ends, in one statement: a present row is share-locked (a sweep deleting
-/// it waits, then sees the reference), a missing one inserted. At `READ
-/// COMMITTED` a sweep may delete the row the statement looked for, or
-/// another writer insert the one it meant to: then it is tried again.
+/// ends, in one statement ([`keep_blob_ctes`]): a present row is
+/// share-locked (a sweep deleting it waits, then sees the reference), a
+/// missing one inserted. At `READ COMMITTED` a sweep may delete the row the
+/// statement looked for, or another writer insert the one it meant to:
+/// then it is tried again.
 pub(crate) async fn keep_blob_tx(tx: &Tx<'_>, hash: &str, bytes: &[u8]) -> Result<()> {
     for _ in 0..3 {
         let kept: bool = tx
             .query_one(
-                "WITH kept AS (SELECT 1 FROM state_blobs WHERE hash = $1 FOR KEY SHARE), \
-                 put AS (INSERT INTO state_blobs (hash, bytes, codec) \
-                   SELECT $1, $2, 0 WHERE NOT EXISTS (SELECT 1 FROM kept) \
-                   ON CONFLICT (hash) DO NOTHING RETURNING 1) \
-                 SELECT EXISTS (SELECT 1 FROM kept) OR EXISTS (SELECT 1 FROM put)",
+                concat!(
+                    "WITH ",
+                    keep_blob_ctes!("$1", "$2"),
+                    " SELECT ",
+                    blob_kept!()
+                ),
                 &[&hash, &bytes],
             )
             .await
@@ -175,11 +215,12 @@ pub(crate) async fn insert_checkpoint_tx(
     // same statement).
     let row = tx
         .query_one(
-            "INSERT INTO checkpoints (id, session_id, timeline_id, seq, parent_checkpoint_id, \
-             turn_index, state_hash, source, created_at) VALUES ($1, $2, $3, $4, \
-             coalesce($5, (SELECT id FROM checkpoints WHERE session_id = $2 \
-                           ORDER BY row_order DESC LIMIT 1)), \
-             $6, $7, $8, $9) RETURNING parent_checkpoint_id",
+            concat!(
+                "INSERT INTO checkpoints (id, session_id, timeline_id, seq, parent_checkpoint_id, ",
+                "turn_index, state_hash, source, created_at) VALUES ($1, $2, $3, $4, coalesce($5, ",
+                newest_checkpoint!("$2"),
+                "), $6, $7, $8, $9) RETURNING parent_checkpoint_id"
+            ),
             &[
                 &cp.id.to_string(),
                 &session.to_string(),
@@ -194,7 +235,20 @@ pub(crate) async fn insert_checkpoint_tx(
         )
         .await
         .map_err(from_pg)?;
-    let parent: Option<String> = row.get(0);
+    checkpoint_record(cp, session, timeline, seq, row.get(0), state_hash, now_ms)
+}
+
+/// The record of checkpoint `cp` as inserted: of `session` at `seq` of
+/// `timeline`, its parent the id the insert answered.
+pub(crate) fn checkpoint_record(
+    cp: &NewCheckpoint,
+    session: &SessionId,
+    timeline: &TimelineId,
+    seq: i64,
+    parent: Option<String>,
+    state_hash: &str,
+    now_ms: i64,
+) -> Result<CheckpointRecord> {
     Ok(CheckpointRecord {
         id: cp.id,
         session_id: *session,

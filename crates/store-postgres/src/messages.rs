@@ -17,6 +17,7 @@ use tokio_postgres::Row;
 
 use crate::store::Tx;
 
+use crate::checkpoints::checkpoint_record;
 use crate::sessions::{check_limit, list_dialogs_tx, locked_session, require_session};
 use crate::store::from_pg;
 use crate::util::sha256_hex;
@@ -498,10 +499,9 @@ async fn commit_turn_counted_tx(
 /// after it was inserted. Answers whether the blob is kept, the seqs
 /// answered, whether the session was bumped, and the checkpoint's parent.
 const COMMIT: &str = concat!(
-    "WITH kept AS (SELECT 1 FROM state_blobs WHERE hash = $15 FOR KEY SHARE), ",
-    "put AS (INSERT INTO state_blobs (hash, bytes, codec) SELECT $15, $16, 0 ",
-    "WHERE NOT EXISTS (SELECT 1 FROM kept) ON CONFLICT (hash) DO NOTHING RETURNING 1), ",
-    "appended AS (",
+    "WITH ",
+    crate::checkpoints::keep_blob_ctes!("$15", "$16"),
+    ", appended AS (",
     append_sql!(),
     " RETURNING 1), ",
     "answered AS (UPDATE messages SET input_state = 'answered' ",
@@ -515,9 +515,11 @@ const COMMIT: &str = concat!(
     "message_count = message_count + $14, state_hash = $15 WHERE id = $3 RETURNING 1), ",
     "cp AS (INSERT INTO checkpoints (id, session_id, timeline_id, seq, parent_checkpoint_id, ",
     "turn_index, state_hash, source, created_at) SELECT $17, $3, $1, $20, ",
-    "(SELECT id FROM checkpoints WHERE session_id = $3 ORDER BY row_order DESC LIMIT 1), ",
-    "$18, $15, $19, $4 WHERE $17::text IS NOT NULL RETURNING parent_checkpoint_id) ",
-    "SELECT EXISTS (SELECT 1 FROM kept) OR EXISTS (SELECT 1 FROM put), ",
+    crate::checkpoints::newest_checkpoint!("$3"),
+    ", $18, $15, $19, $4 WHERE $17::text IS NOT NULL RETURNING parent_checkpoint_id) ",
+    "SELECT ",
+    crate::checkpoints::blob_kept!(),
+    ", ",
     "ARRAY(SELECT seq FROM answered), EXISTS (SELECT 1 FROM bumped), ",
     "(SELECT parent_checkpoint_id FROM cp)"
 );
@@ -605,20 +607,9 @@ async fn commit_writes(
         .await
     };
     let (parent, deliveries) = futures::try_join!(written, deliveries)?;
-    let checkpoint = match checkpoint {
-        Some(cp) => Some(keel_store::CheckpointRecord {
-            id: cp.id,
-            session_id: *session,
-            timeline_id: head.clone(),
-            seq: end,
-            parent_id: crate::util::parse_opt("checkpoints.parent_checkpoint_id", parent)?,
-            turn_index: cp.turn_index,
-            state_hash: state_hash.clone(),
-            source: cp.source,
-            created_at_ms: turn.now_ms,
-        }),
-        None => None,
-    };
+    let checkpoint = checkpoint
+        .map(|cp| checkpoint_record(cp, session, &head, end, parent, &state_hash, turn.now_ms))
+        .transpose()?;
     let committed = TurnCommitted {
         seqs,
         state_hash,
